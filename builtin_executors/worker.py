@@ -1,0 +1,141 @@
+"""The generic Worker: one rank that owns a device and a model runner.
+
+The same class serves every executor (uni, mp, ray, external_launcher): executors only
+differ in where the worker lives and how calls reach it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from enginecore.config import EngineConfig
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.errors import EngineCoreError
+from enginecore.interfaces import ModelRunner, WorkerSpec
+from enginecore.interfaces import Worker as WorkerABC
+from enginecore.registry import import_ref
+from enginecore.runner_output import ModelRunnerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownWorkerMethodError(EngineCoreError, AttributeError):
+    """collective_rpc named a method no worker has and no plugin registered."""
+
+
+def resolve_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
+    wanted = config.model.device
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineCoreError("device 'cuda' was requested but torch sees no CUDA device")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Worker(WorkerABC):
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker_spec: WorkerSpec,
+        *,
+        rank: int = 0,
+        local_rank: int = 0,
+        parallel: ParallelContext = SINGLE_RANK,
+        plugin_host: Any = None,
+    ) -> None:
+        self.config = config
+        self.worker_spec = worker_spec
+        self.rank = rank
+        self.local_rank = local_rank
+        self.parallel = parallel
+        self.plugin_host = plugin_host
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
+        self._rpcs: dict[str, Callable[..., Any]] = {}
+
+    # --- start-up -----------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        self.device = resolve_device(self.config, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> None:
+        runner_cls = import_ref(self.worker_spec.model_runner_ref)
+        self.model_runner = runner_cls(self.config, self.worker_spec, self.device, self.parallel)
+        self.model_runner.load_model()
+        if self.plugin_host is None:
+            from enginecore.plugins import make_plugin_manager
+
+            self.plugin_host = make_plugin_manager(
+                self.worker_spec.enabled_plugins, self.worker_spec.disabled_plugins
+            )
+        self.plugin_host.worker_started(self)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    # --- memory and cache ---------------------------------------------------------------
+
+    def determine_available_memory(self) -> int:
+        return self.model_runner.determine_available_memory()
+
+    def get_kv_cache_block_bytes(self) -> int:
+        return self.model_runner.get_kv_cache_block_bytes()
+
+    def get_max_model_len(self) -> int:
+        return self.model_runner.get_max_model_len()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def sleep(self, level: int = 1) -> None:
+        sleep = getattr(self.model_runner, "sleep", None)
+        if sleep is None:
+            raise EngineCoreError(f"model runner {type(self.model_runner).__name__} cannot sleep")
+        sleep(level)
+
+    def wake_up(self) -> None:
+        wake_up = getattr(self.model_runner, "wake_up", None)
+        if wake_up is None:
+            raise EngineCoreError(f"model runner {type(self.model_runner).__name__} cannot wake")
+        wake_up()
+
+    def check_health(self) -> None:
+        return None
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    # --- RPC dispatch -------------------------------------------------------------------
+
+    def resolve_method(self, method: str | Callable[..., Any]) -> Callable[..., Any]:
+        """A bound callable for a method name, a registered worker RPC, or a function."""
+        if callable(method):
+            return lambda *a, **kw: method(self, *a, **kw)
+        if not method.startswith("_") and callable(getattr(self, method, None)):
+            return getattr(self, method)
+        fn = self._rpcs.get(method)
+        if fn is None and method in self.worker_spec.worker_rpc_refs:
+            fn = self._rpcs[method] = import_ref(self.worker_spec.worker_rpc_refs[method])
+        if fn is None:
+            registered = ", ".join(sorted(self.worker_spec.worker_rpc_refs)) or "none"
+            raise UnknownWorkerMethodError(
+                f"collective_rpc: no worker method or registered worker RPC named {method!r} "
+                f"(registered worker RPCs: {registered})"
+            )
+        return lambda *a, **kw: fn(self, *a, **kw)

@@ -1,0 +1,223 @@
+"""The ``enginecore`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from enginecore.config import add_config_flags, config_from_args
+from enginecore.errors import EngineCoreError
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:
+    if model_positional:
+        parser.add_argument(
+            "model_path", nargs="?", metavar="MODEL", help="checkpoint dir or .gguf"
+        )
+    parser.add_argument("--config", metavar="FILE", help="TOML, YAML or JSON config file")
+    add_config_flags(parser)
+
+
+def _resolve_config(args: argparse.Namespace):
+    if getattr(args, "model_path", None):
+        args.model = args.model_path
+    return config_from_args(args)
+
+
+# --- plugins ------------------------------------------------------------------------
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from enginecore.plugins import make_plugin_manager
+
+    host = make_plugin_manager()
+    host.all_registries()  # runs every registration hook, so "registered" is filled in
+    records = sorted(host.records.values(), key=lambda r: (not r.builtin, r.name))
+    if args.json:
+        print(json.dumps([r.to_json() for r in records], indent=2))
+        return 1 if (args.check and host.failed) else 0
+    for r in records:
+        origin = "builtin" if r.builtin else f"{r.distribution} {r.version}"
+        status = "" if r.loaded else "  [FAILED]"
+        print(f"{r.name}  ({origin}){status}")
+        print(f"    module: {r.module}")
+        if r.hooks:
+            print(f"    hooks: {', '.join(r.hooks)}")
+        for kind, names in sorted(r.registered.items()):
+            print(f"    {kind}: {', '.join(names)}")
+        if r.error:
+            print(f"    error: {r.error}")
+            if args.verbose and r.traceback:
+                print("    " + r.traceback.replace("\n", "\n    "))
+    if host.failed:
+        print(
+            f"\n{len(host.failed)} plugin(s) failed to load; run with -v for tracebacks.",
+            file=sys.stderr,
+        )
+    return 1 if (args.check and host.failed) else 0
+
+
+# --- config -------------------------------------------------------------------------
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    config = _resolve_config(args)
+    data = config.to_dict()
+    if args.format == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        for section, fields in data.items():
+            print(f"[{section}]")
+            for key, value in fields.items():
+                print(f"{key} = {json.dumps(value)}")
+            print()
+    return 0
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from enginecore import checkpoints
+
+    if args.random:
+        if not args.dir:
+            raise EngineCoreError("--random needs a target DIR")
+        path = checkpoints.make_random_checkpoint(
+            args.dir, arch=args.arch, size=args.size, seed=args.seed
+        )
+    else:
+        path = checkpoints.make_demo_checkpoint(args.dir)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from enginecore import LLM, SamplingParams
+
+    config = _resolve_config(args)
+    if not config.model.path:
+        from enginecore import checkpoints
+
+        config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed_sampling
+    )
+    llm = LLM(config=config)
+    try:
+        prompts = args.prompt or ["The capital of France is"]
+        if args.chat:
+            outputs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts]
+        else:
+            outputs = llm.generate(prompts, params)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            print(f"{prompt!r} -> {out.outputs[0].text!r}")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _resolve_config(args)
+    if not config.model.path:
+        from enginecore import checkpoints
+
+        config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
+    try:
+        from enginecore.server.app import run_server
+    except ImportError:
+        # The HTTP server lands with the serving work; until then answer one prompt.
+        print(
+            "enginecore serve: the HTTP server is not built yet; running "
+            "'enginecore generate' on the model instead.",
+            file=sys.stderr,
+        )
+        args.prompt = None
+        args.chat = True
+        args.max_tokens = 32
+        args.temperature = 0.0
+        args.seed_sampling = None
+        args.prompt = ["What is the capital of France?"]
+        args.model = config.model.path
+        return cmd_generate(args)
+    run_server(config)
+    return 0
+
+
+# --- entry point ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="enginecore", description="LLM inference engine core with plugins"
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _add_engine_args(p, model_positional=True)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate text for prompts, offline")
+    _add_engine_args(p, model_positional=True)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list loaded plugins and what they registered")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--check", action="store_true", help="exit 1 if any plugin failed")
+    p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("config", help="configuration tools")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved configuration")
+    _add_engine_args(show, model_positional=False)
+    show.add_argument("--format", choices=["toml", "json"], default="toml")
+    show.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("demo-model", help="make the offline demo model (or a random one)")
+    p.add_argument("dir", nargs="?", help="target directory (default: the cache)")
+    p.add_argument("--random", action="store_true", help="seeded random weights instead")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.version:
+        from enginecore.version import PLUGIN_API_VERSION, __version__
+
+        print(f"enginecore {__version__} (plugin API {PLUGIN_API_VERSION})")
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except EngineCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

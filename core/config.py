@@ -1,0 +1,394 @@
+"""The one typed engine configuration: file (TOML/YAML/JSON) < CLI flags/keywords < validation.
+
+Every field has one *flat name*, unique across sections, used as the CLI flag
+(``--max-num-seqs``) and as the ``LLM(...)`` keyword (``max_num_seqs=64``). Most flat
+names equal the field name; :data:`FLAT_NAME_OVERRIDES` lists the exceptions (fields
+whose short name would be ambiguous, such as ``scheduler.name``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import pathlib
+import re
+import types
+import typing
+from typing import Any, Literal, Union
+
+import msgspec
+import tomllib
+
+from enginecore.errors import ConfigError
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: unknown keys are errors, not silently ignored."""
+
+
+class ModelConfig(_Section):
+    path: str = ""
+    """Checkpoint directory (HF layout) or a ``.gguf`` file."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the checkpoint."""
+    served_model_name: str | None = None
+    """The model name clients use in API requests; defaults to the checkpoint path."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and activation dtype; ``auto`` is float32 on CPU and the checkpoint's dtype on CUDA."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the checkpoint's max_position_embeddings."""
+    runner: str = "torch"
+    """Model runner plugin name."""
+    seed: int = 0
+    """Seed of the random state used by requests that do not give their own seed."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; ``auto`` picks CUDA when available."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+
+
+class CacheConfig(_Section):
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    prefix_caching_hash_algo: Literal["sha256", "builtin"] = "sha256"
+    """Block hash function: sha256 is stable across processes (needed by KV connectors)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use for weights, activations and KV cache."""
+    cpu_kv_cache_fraction: float = 0.25
+    """On CPU: fraction of available RAM given to the KV cache when kv_cache_bytes is unset."""
+    kv_cache_bytes: int | None = None
+    """Exact KV cache size in bytes (overrides the fractions)."""
+    num_blocks_override: int | None = None
+    """Exact number of KV blocks (tests and benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
+            raise ValueError("cpu_kv_cache_fraction must be in (0, 1]")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError("num_blocks_override must be >= 2")
+
+
+class SchedulerConfig(_Section):
+    name: str = "default"
+    """Scheduler plugin name."""
+    policy: str = "fcfs"
+    """Scheduling policy plugin name (fcfs, priority, or one a plugin registers)."""
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; defaults to 2048 with chunked prefill, else max_model_len."""
+    chunked_prefill: bool = True
+    """Split long prompts across steps so decodes are never starved."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one prefill chunk while other requests compete (0: no cap)."""
+    async_scheduling: bool = True
+    """Schedule step N+1 while step N computes (placeholders for unsampled tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+class ParallelConfig(_Section):
+    executor: str = "auto"
+    """Executor plugin name (uni, mp, ray, external_launcher); auto picks by world size."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto is NCCL on CUDA, gloo on CPU."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster; a local one is started when unset."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class EngineProcessConfig(_Section):
+    multiprocessing: bool = True
+    """Run the engine core in its own process (ZeroMQ); False runs it in-process."""
+    shutdown_timeout: float = 0.0
+    """Seconds to drain in-flight requests on shutdown (0: abort them)."""
+    ready_timeout: float = 600.0
+    """Seconds to wait for the engine process to load the model and answer the handshake."""
+
+
+class KVTransferConfig(_Section):
+    connector: str | None = None
+    """KV connector plugin name."""
+    role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    extra_config: dict[str, Any] = {}
+    """Connector-specific settings (for example a storage path)."""
+
+
+class ObservabilityConfig(_Section):
+    stat_loggers: list[str] = msgspec.field(default_factory=lambda: ["logging"])
+    """Stat logger plugin names."""
+    log_stats_interval: float = 10.0
+    """Seconds between periodic stat log lines."""
+    log_requests: bool = False
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 16
+    max_tokens_limit: int | None = None
+    max_logprobs: int = 20
+    enable_collective_rpc_endpoint: bool = False
+    """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
+
+
+class PluginsConfig(_Section):
+    enabled: list[str] | None = None
+    """Allow-list of third-party plugins (None: all installed; []: none)."""
+    disabled: list[str] = []
+    """Plugins never to load."""
+
+
+class SpeculativeConfig(_Section):
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+
+
+class StructuredOutputConfig(_Section):
+    backend: str = "xgrammar"
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The whole configuration. Build it with :func:`load_config` or :func:`make_config`."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    engine: EngineProcessConfig = msgspec.field(default_factory=EngineProcessConfig)
+    kv_transfer: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
+    observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    plugins: PluginsConfig = msgspec.field(default_factory=PluginsConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    structured_output: StructuredOutputConfig = msgspec.field(
+        default_factory=StructuredOutputConfig
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """A copy with some flat-named fields changed (validated like any other input)."""
+        return make_config(base=self, **flat)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: typing.get_type_hints(EngineConfig)[name] for name in EngineConfig.__struct_fields__
+}
+
+# (section, field) -> flat name, where the field name alone would be ambiguous.
+FLAT_NAME_OVERRIDES: dict[tuple[str, str], str] = {
+    ("model", "path"): "model",
+    ("scheduler", "name"): "scheduler_name",
+    ("scheduler", "policy"): "scheduling_policy",
+    ("kv_transfer", "connector"): "kv_connector",
+    ("kv_transfer", "role"): "kv_role",
+    ("kv_transfer", "extra_config"): "kv_connector_extra_config",
+    ("structured_output", "backend"): "structured_output_backend",
+    ("plugins", "enabled"): "enabled_plugins",
+    ("plugins", "disabled"): "disabled_plugins",
+}
+
+
+def _build_flat_names() -> dict[str, tuple[str, str]]:
+    flat: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for field_name in cls.__struct_fields__:
+            name = FLAT_NAME_OVERRIDES.get((section, field_name), field_name)
+            if name in flat:
+                raise AssertionError(f"flat config name {name!r} is not unique")
+            flat[name] = (section, field_name)
+    return flat
+
+
+FLAT_NAMES: dict[str, tuple[str, str]] = _build_flat_names()
+
+
+def field_docs() -> dict[str, str]:
+    """Flat name -> the field's docstring (read from this module's source)."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        src = inspect.getsource(cls)
+        for match in re.finditer(r"^\s+(\w+): [^\n]+\n\s+\"\"\"(.+?)\"\"\"", src, re.M | re.S):
+            field_name, doc = match.groups()
+            flat = FLAT_NAME_OVERRIDES.get((section, field_name), field_name)
+            docs[flat] = " ".join(doc.split())
+    return docs
+
+
+# --- loading and validation ----------------------------------------------------------
+
+
+def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
+    """Parse a TOML, YAML or JSON config file into plain data (not yet validated)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(
+                f"config file {str(p)!r}: unknown format {suffix!r}; use .toml, .yaml, .yml or .json"
+            )
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid {suffix[1:]}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+    return data
+
+
+def _unknown_key_message(key: str, where: str) -> str:
+    candidates = list(FLAT_NAMES) + list(SECTIONS)
+    close = difflib.get_close_matches(key, candidates, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"unknown config key {key!r} {where}.{hint} Run 'enginecore config show' to list every key."
+    )
+
+
+def _merge_into(tree: dict[str, dict[str, Any]], data: dict[str, Any], where: str) -> None:
+    """Merge sections and flat names from ``data`` into ``tree`` (section -> field -> value)."""
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            section = tree.setdefault(key, {})
+            for field_name, field_value in value.items():
+                section[field_name] = field_value  # unknown fields: msgspec names them
+        elif key in FLAT_NAMES:
+            section_name, field_name = FLAT_NAMES[key]
+            tree.setdefault(section_name, {})[field_name] = value
+        elif key in SECTIONS and isinstance(value, msgspec.Struct):
+            tree[key] = msgspec.to_builtins(value)
+        else:
+            raise ConfigError(_unknown_key_message(key, where))
+
+
+_PATH_RE = re.compile(r"at `\$\.(\w+)(?:\.(\w+))?")
+
+
+def _validate(tree: dict[str, Any]) -> EngineConfig:
+    try:
+        return msgspec.convert(tree, EngineConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH_RE.search(text)
+        hint = ""
+        if match and match.group(2):
+            section, field_name = match.groups()
+            flat = FLAT_NAME_OVERRIDES.get((section, field_name), field_name)
+            hint = f" (flag --{flat.replace('_', '-')})."
+        if "unknown field" in text:
+            bad = re.search(r"unknown field `(\w+)`", text)
+            if bad:
+                close = difflib.get_close_matches(bad.group(1), list(FLAT_NAMES), n=3)
+                if close:
+                    hint += f". Did you mean {', '.join(repr(c) for c in close)}?"
+        raise ConfigError(f"invalid config: {text}{hint}") from None
+
+
+def make_config(
+    config_file: str | pathlib.Path | None = None,
+    *,
+    base: EngineConfig | None = None,
+    **overrides: Any,
+) -> EngineConfig:
+    """Resolve a config: defaults (or ``base``) < file < overrides, then validate.
+
+    ``overrides`` are flat names (``max_num_seqs=64``) or whole sections as dicts
+    (``kv_transfer={"connector": "shared_storage"}``). ``None`` values are ignored so
+    that unset CLI flags do not override the file.
+    """
+    tree: dict[str, dict[str, Any]] = base.to_dict() if base is not None else {}
+    if config_file is not None:
+        _merge_into(tree, read_config_file(config_file), f"in config file {str(config_file)!r}")
+    _merge_into(tree, {k: v for k, v in overrides.items() if v is not None}, "(not a config field)")
+    return _validate(tree)
+
+
+def load_config(config_file: str | pathlib.Path) -> EngineConfig:
+    return make_config(config_file)
+
+
+# --- CLI flags ----------------------------------------------------------------------
+
+
+def _strip_optional(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Add ``--flat-name`` for every config field; unset flags stay None (file wins)."""
+    docs = field_docs()
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} options")
+        hints = typing.get_type_hints(cls)
+        for field_name in cls.__struct_fields__:
+            flat = FLAT_NAME_OVERRIDES.get((section, field_name), field_name)
+            if flat in skip:
+                continue
+            tp = _strip_optional(hints[field_name])
+            flag = "--" + flat.replace("_", "-")
+            kwargs: dict[str, Any] = {"dest": flat, "default": None, "help": docs.get(flat, "")}
+            if tp is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is list:
+                kwargs.update(type=lambda s: [x for x in s.split(",") if x], metavar="A,B")
+            elif typing.get_origin(tp) is dict:
+                kwargs.update(type=json.loads, metavar="JSON")
+            elif typing.get_origin(tp) is Literal:
+                kwargs["choices"] = list(typing.get_args(tp))
+            elif tp in (int, float, str):
+                kwargs["type"] = tp
+            group.add_argument(flag, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the config from a parsed namespace with ``--config`` and the flat flags."""
+    overrides = {flat: getattr(args, flat, None) for flat in FLAT_NAMES}
+    return make_config(getattr(args, "config", None), **overrides)

@@ -1,0 +1,77 @@
+"""Clients the frontend uses to talk to an engine core: in-process or over ZeroMQ."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from enginecore.config import EngineConfig
+from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+
+
+class EngineCoreClient(ABC):
+    """The interface ``LLM`` and ``AsyncLLM`` program against."""
+
+    ready: EngineCoreReadyResponse
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs:
+        """The next step's outputs (blocks until there are some)."""
+
+    @abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """Runs the engine core in this process: each ``get_output`` runs engine steps.
+
+    For debugging (``multiprocessing = false``) and for ``external_launcher``.
+    """
+
+    def __init__(self, config: EngineConfig, plugin_host: Any = None) -> None:
+        from enginecore.engine.core import UTILITY_METHODS, EngineCore
+
+        self._utility_methods = UTILITY_METHODS
+        self.engine = EngineCore(config, plugin_host)
+        self.ready = self.engine.ready_response()
+        self._step = self.engine.step_fn()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        while self.engine.has_work():
+            outputs, _ = self._step()
+            if outputs:
+                merged = EngineCoreOutputs()
+                for client_outputs in outputs.values():
+                    merged.outputs.extend(client_outputs.outputs)
+                    merged.scheduler_stats = client_outputs.scheduler_stats
+                return merged.stamp()
+        return EngineCoreOutputs().stamp()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        if method not in self._utility_methods:
+            raise ValueError(f"{method!r} is not a utility method of the engine core")
+        return getattr(self.engine, method)(*args)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def make_client(config: EngineConfig, *, asyncio_mode: bool = False) -> EngineCoreClient:
+    """The client for this config: ``engine.multiprocessing`` (and ENGINECORE_MULTIPROCESSING)."""
+    return InprocClient(config)

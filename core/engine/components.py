@@ -1,0 +1,82 @@
+"""Resolve the config's component names against the plugin registries, once, at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from enginecore.config import EngineConfig
+from enginecore.interfaces import WorkerSpec
+from enginecore.plugins import PluginHost
+
+WORKER_REF = "enginecore.builtin_executors.worker:Worker"
+
+
+@dataclass
+class Components:
+    """The selected implementation of each component kind and the plugin that provides it."""
+
+    executor_name: str
+    executor_cls: type
+    scheduler_cls: type
+    policy_cls: type
+    worker_spec: WorkerSpec
+    providers: dict[str, str]  # "kind" -> "name (from plugin)"
+
+
+def pick_executor_name(config: EngineConfig) -> str:
+    name = config.parallel.executor
+    if name != "auto":
+        return name
+    return "uni" if config.parallel.world_size == 1 else "mp"
+
+
+def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
+    """Look up every selected name; an unknown one fails here, before anything loads."""
+    providers: dict[str, str] = {}
+
+    def pick(kind: str, name: str) -> Any:
+        registry = host.registry(kind)
+        entry = registry.entry(name)
+        providers[kind] = f"{name} (from {entry.plugin})"
+        return registry.get(name)
+
+    executor_name = pick_executor_name(config)
+    executor_cls = pick("executor", executor_name)
+    scheduler_cls = pick("scheduler", config.scheduler.name)
+    policy_cls = pick("scheduling_policy", config.scheduler.policy)
+    runner_entry = host.registry("model_runner").entry(config.model.runner)
+    providers["model_runner"] = f"{config.model.runner} (from {runner_entry.plugin})"
+    models = host.registry("model")
+    kv_ref = None
+    if config.kv_transfer.connector:
+        kv_entry = host.registry("kv_connector").entry(config.kv_transfer.connector)
+        providers["kv_connector"] = f"{kv_entry.name} (from {kv_entry.plugin})"
+        kv_ref = kv_entry.ref
+    stat_loggers = host.registry("stat_logger")
+    for name in config.observability.stat_loggers:
+        stat_loggers.entry(name)
+    if config.observability.stat_loggers:
+        providers["stat_loggers"] = ", ".join(
+            f"{n} (from {stat_loggers.entry(n).plugin})" for n in config.observability.stat_loggers
+        )
+    worker_spec = WorkerSpec(
+        worker_ref=WORKER_REF,
+        model_runner_ref=runner_entry.ref,
+        model_refs={name: models.entry(name).ref for name in models},
+        worker_rpc_refs={
+            name: host.registry("worker_rpc").entry(name).ref
+            for name in host.registry("worker_rpc")
+        },
+        kv_connector_ref=kv_ref,
+        enabled_plugins=config.plugins.enabled,
+        disabled_plugins=list(config.plugins.disabled),
+    )
+    return Components(
+        executor_name=executor_name,
+        executor_cls=executor_cls,
+        scheduler_cls=scheduler_cls,
+        policy_cls=policy_cls,
+        worker_spec=worker_spec,
+        providers=providers,
+    )

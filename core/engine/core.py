@@ -1,0 +1,297 @@
+"""EngineCore: the scheduler + executor loop, independent of how requests arrive.
+
+``EngineCoreProc`` (engine/core_proc.py) wraps it in a process with ZeroMQ I/O threads;
+``InprocClient`` uses it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from enginecore.config import EngineConfig
+from enginecore.engine.components import Components, resolve_components
+from enginecore.errors import EngineCoreError, InvalidRequestError
+from enginecore.interfaces import Executor, Scheduler
+from enginecore.plugins import PluginHost, make_plugin_manager
+from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from enginecore.request import Request, RequestStatus
+from enginecore.runner_output import ModelRunnerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+StepResult = tuple[dict[int, EngineCoreOutputs], bool]
+
+# Utility calls a client may make by name (the engine never getattr()s arbitrary names).
+UTILITY_METHODS = frozenset(
+    {
+        "get_supported_tasks",
+        "reset_prefix_cache",
+        "collective_rpc",
+        "pause_scheduler",
+        "resume_scheduler",
+        "is_paused",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "profile",
+        "get_num_unfinished_requests",
+        "ping",
+    }
+)
+
+
+def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
+    """An empty batch still matters when it carries ids the workers must drop."""
+    return bool(
+        scheduler_output.total_num_scheduled_tokens
+        or scheduler_output.finished_req_ids
+        or scheduler_output.preempted_req_ids
+    )
+
+
+class EngineCore:
+    """Builds executor, KV cache and scheduler in dependency order, then steps them."""
+
+    def __init__(self, config: EngineConfig, plugin_host: PluginHost | None = None) -> None:
+        started = time.monotonic()
+        self.config = config
+        self.plugins = plugin_host or make_plugin_manager(
+            config.plugins.enabled, config.plugins.disabled
+        )
+        self.components: Components = resolve_components(config, self.plugins)
+        # 1. executor: workers start and load weights.
+        self.executor: Executor = self.components.executor_cls(config, self.components.worker_spec)
+        try:
+            # 2. profile memory and size the KV cache; 3. the scheduler knows its blocks.
+            self.max_model_len, self.num_blocks = self._initialize_kv_cache()
+            policy = self.components.policy_cls(config)
+            self.scheduler: Scheduler = self.components.scheduler_cls(
+                config,
+                num_blocks=self.num_blocks,
+                max_model_len=self.max_model_len,
+                policy=policy,
+                kv_connector=None,
+                log_stats=True,
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        async_ok = config.scheduler.async_scheduling and getattr(
+            self.scheduler, "supports_async_scheduling", False
+        )
+        self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
+        self.batch_queue: deque[tuple[Future, Future, SchedulerOutput]] = deque()
+        self._seq_no = 0
+        self._paused: str | None = None  # None, or the pause mode
+        self.is_sleeping = False
+        self.startup_seconds = time.monotonic() - started
+        logger.info(
+            "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
+            self.startup_seconds,
+            self.num_blocks,
+            config.cache.block_size,
+            self.max_model_len,
+            ", ".join(f"{k}={v}" for k, v in self.components.providers.items()),
+        )
+        self.plugins.engine_started(config, self.ready_info())
+
+    # --- start-up -------------------------------------------------------------------------
+
+    def _initialize_kv_cache(self) -> tuple[int, int]:
+        cache = self.config.cache
+        max_model_len = self.executor.get_max_model_len()
+        if cache.num_blocks_override is not None:
+            num_blocks = cache.num_blocks_override
+        else:
+            available = min(self.executor.determine_available_memory())
+            block_bytes = self.executor.get_kv_cache_block_bytes()
+            num_blocks = available // block_bytes
+            if num_blocks < 2:
+                raise EngineCoreError(
+                    f"not enough memory for the KV cache: {available} bytes available, one "
+                    f"block takes {block_bytes}. Give it more with --kv-cache-bytes, "
+                    f"--cpu-kv-cache-fraction or --gpu-memory-utilization."
+                )
+        capacity = (num_blocks - 1) * cache.block_size  # block 0 is the null block
+        if capacity < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len %d: "
+                "max_model_len is lowered to %d",
+                capacity,
+                max_model_len,
+                capacity,
+            )
+            max_model_len = capacity
+        self.executor.initialize_cache(num_blocks)
+        return max_model_len, num_blocks
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "num_blocks": self.num_blocks,
+            "block_size": self.config.cache.block_size,
+            "components": dict(self.components.providers),
+            "startup_seconds": self.startup_seconds,
+        }
+
+    def ready_response(self) -> EngineCoreReadyResponse:
+        import os
+
+        return EngineCoreReadyResponse(
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.config.cache.block_size,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            components=dict(self.components.providers),
+            pid=os.getpid(),
+        )
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError(f"request {request.request_id!r}: the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: prompt of {num_prompt} tokens leaves no room "
+                f"to generate within max_model_len {self.max_model_len}"
+            )
+        max_tokens = request.max_tokens or request.sampling_params.max_tokens
+        room = self.max_model_len - num_prompt
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        self._seq_no += 1
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+                seq_no=self._seq_no,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                client_index=request.client_index,
+                max_tokens=max_tokens,
+            )
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return bool(self.batch_queue) or (self._paused != "keep" and self.scheduler.has_requests())
+
+    # --- the step -------------------------------------------------------------------------
+
+    def _apply_pending_aborts(self) -> None:
+        """Aborts that arrived during the forward pass (the process loop overrides this)."""
+
+    def _grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The batch's grammar bitmask, built while the forward pass runs."""
+        return None
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future, Future]:
+        execute = self.executor.execute_model(scheduler_output, non_block=True)
+        grammar = self._grammar_output(scheduler_output)
+        sample = self.executor.sample_tokens(grammar, non_block=True)
+        return execute, sample
+
+    @staticmethod
+    def _result(execute: Future, sample: Future) -> ModelRunnerOutput:
+        executed = execute.result()
+        sampled = sample.result()
+        return executed if executed is not None else sampled
+
+    def step(self) -> StepResult:
+        """Schedule, execute, sample and update, one batch at a time (the simplest loop)."""
+        if self._paused == "keep" or not self.scheduler.has_requests():
+            return {}, False
+        scheduler_output = self.scheduler.schedule()
+        if not _has_work_for_workers(scheduler_output):
+            return {}, False
+        execute, sample = self._launch(scheduler_output)
+        runner_output = self._result(execute, sample)
+        self._apply_pending_aborts()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> StepResult:
+        """Schedule batch N+1 while batch N computes (async scheduling).
+
+        The scheduler plans with placeholders for tokens not yet sampled; the worker fills
+        them in from its own sampled tokens. Results are consumed oldest first.
+        """
+        queue = self.batch_queue
+        scheduled = False
+        if (
+            self._paused != "keep"
+            and len(queue) < self.batch_queue_size
+            and self.scheduler.has_requests()
+        ):
+            scheduler_output = self.scheduler.schedule()
+            if _has_work_for_workers(scheduler_output):
+                execute, sample = self._launch(scheduler_output)
+                queue.appendleft((execute, sample, scheduler_output))
+                scheduled = scheduler_output.total_num_scheduled_tokens > 0
+                if len(queue) < self.batch_queue_size and not queue[-1][1].done():
+                    return {}, scheduled  # room for one more batch: plan it first
+        if not queue:
+            return {}, False
+        execute, sample, scheduler_output = queue.pop()
+        runner_output = self._result(execute, sample)
+        self._apply_pending_aborts()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return outputs, scheduled
+
+    def step_fn(self) -> Callable[[], StepResult]:
+        return self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
+
+    # --- utility calls (between steps) -----------------------------------------------------
+
+    def ping(self) -> str:
+        return "pong"
+
+    def get_supported_tasks(self) -> list[str]:
+        return ["generate"]
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+
+    def drain_batch_queue(self) -> list[dict[int, EngineCoreOutputs]]:
+        """Finish every in-flight batch (before sleeping, pausing or shutting down)."""
+        results = []
+        while self.batch_queue:
+            execute, sample, scheduler_output = self.batch_queue.pop()
+            runner_output = self._result(execute, sample)
+            results.append(self.scheduler.update_from_output(scheduler_output, runner_output))
+        return results
+
+    def shutdown(self) -> None:
+        try:
+            self.drain_batch_queue()
+        except Exception:
+            logger.exception("error while draining in-flight batches at shutdown")
+        self.scheduler.shutdown()
+        self.executor.shutdown()
+        self.plugins.engine_stopped("shutdown")

@@ -1,0 +1,71 @@
+"""Incremental detokenization and stop-string detection, per request, in the frontend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enginecore.params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text as they arrive, without re-decoding the whole output.
+
+    Fast tokenizers use the tokenizers library's ``DecodeStream`` (it buffers partial
+    UTF-8 sequences); other tokenizers fall back to decoding the whole output each step.
+    Stop strings are searched only in the tail that the new text could complete.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self._stream = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._ids: list[int] = []  # only for the slow path
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self, token_ids: list[int]) -> str:
+        if self._stream is not None:
+            pieces = []
+            for token_id in token_ids:
+                piece = self._stream.step(self._backend, token_id)
+                if piece:
+                    pieces.append(piece)
+            return "".join(pieces)
+        self._ids.extend(token_ids)
+        full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
+            return ""
+        new, self._slow_text = full[len(getattr(self, "_slow_text", "")) :], full
+        return new
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears (text is then cut)."""
+        new_text = self._decode_new(token_ids)
+        if not new_text:
+            return None
+        start = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += new_text
+        if not self.stop:
+            return None
+        window = self.text[start:]
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            idx = window.find(stop)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        cut = start + idx + (len(stop) if self.include_stop else 0)
+        self.text = self.text[:cut]
+        return stop
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

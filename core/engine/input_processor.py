@@ -1,0 +1,105 @@
+"""Frontend input processing: prompts -> validated EngineCoreRequests."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+from enginecore.config import EngineConfig
+from enginecore.errors import InvalidRequestError
+from enginecore.params import SamplingParams
+from enginecore.protocol import EngineCoreRequest
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+def generation_eos_ids(config: EngineConfig, tokenizer: Any) -> list[int]:
+    """EOS ids: the tokenizer's, plus any the checkpoint's generation_config.json lists."""
+    ids: list[int] = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    path = pathlib.Path(config.model.path)
+    gen_config = (path if path.is_dir() else path.parent) / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        for token_id in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids
+
+
+class InputProcessor:
+    """Tokenizes and validates; every error is raised before anything is scheduled."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, max_model_len: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_ids = generation_eos_ids(config, tokenizer)
+        self.vocab_size = len(tokenizer) if tokenizer is not None else None
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequestError(
+                "a dict prompt needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)"
+            )
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"a prompt is a str, a list of token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids'; got {type(prompt).__name__}"
+        )
+
+    def validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}: it must be shorter to leave room for output"
+            )
+        if self.vocab_size is not None:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        text, token_ids = self.tokenize(prompt)
+        self.validate_tokens(token_ids, params)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.eos_ids[1:] if t not in stop_ids]
+        all_stop = [*self.eos_ids[:1], *stop_ids] if not params.ignore_eos else stop_ids
+        params = params.clone(stop_token_ids=stop_ids or None, all_stop_token_ids=all_stop or None)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_id=self.eos_ids[0] if self.eos_ids else None,
+            priority=priority,
+            cache_salt=cache_salt,
+            max_tokens=max_tokens,
+        )
+        return request, text

@@ -1,0 +1,259 @@
+"""``LLM``: the offline, synchronous API (shaped like vLLM's so user code carries over)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from enginecore.config import EngineConfig, make_config
+from enginecore.engine.client import EngineCoreClient, make_client
+from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.output import (
+    OutputKind,
+    OutputProcessor,
+    ParentRequest,
+    RequestOutput,
+    RequestState,
+)
+from enginecore.engine.tokenizer import load_tokenizer
+from enginecore.errors import InvalidRequestError
+from enginecore.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate text offline: ``LLM(model="path").generate(prompts, SamplingParams(...))``.
+
+    Every config field is a keyword (``max_num_seqs=64``, ``dtype="float32"``, ...); a whole
+    section may be passed as a dict, or a complete ``config=EngineConfig(...)``.
+    """
+
+    def __init__(
+        self,
+        model: str | pathlib.Path | None = None,
+        *,
+        config: EngineConfig | None = None,
+        config_file: str | pathlib.Path | None = None,
+        **overrides: Any,
+    ) -> None:
+        if model is not None:
+            overrides["model"] = str(model)
+        self.config = make_config(config_file, base=config, **overrides)
+        self.tokenizer = load_tokenizer(self.config)
+        self.engine_client: EngineCoreClient = make_client(self.config)
+        self.max_model_len = self.engine_client.ready.max_model_len
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+        self._closed = False
+
+    # --- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in input order.
+
+        A prompt is a ``str``, a list of token ids, or ``{"prompt_token_ids": [...]}``.
+        Every prompt is validated before any is scheduled.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidRequestError("priority needs one value per prompt")
+        states = self._validate_all(prompt_list, params_list, priority)
+        request_ids = [self._add(*state) for state in states]
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass chat_template=... or use "
+                "generate() with plain prompts"
+            )
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            token_ids = self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
+            if not isinstance(token_ids, list):  # transformers 5 returns a BatchEncoding
+                token_ids = list(token_ids["input_ids"])
+            prompts.append({"prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _as_prompt_list(self, prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        prompt_list = list(prompts)
+        if not prompt_list:
+            raise InvalidRequestError("no prompts given")
+        return prompt_list
+
+    @staticmethod
+    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise InvalidRequestError(
+                f"got {len(params)} SamplingParams for {n} prompts: give one or one per prompt"
+            )
+        return params
+
+    def _validate_all(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priority: Sequence[int] | None,
+    ) -> list[tuple[Any, ...]]:
+        prepared = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            request_id = str(next(self._request_counter))
+            try:
+                request, text = self.input_processor.process(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt {i}: {exc}") from None
+            prepared.append((request, text, params))
+        return prepared
+
+    def _add(self, request: Any, text: str | None, params: SamplingParams) -> str:
+        request_id = request.request_id
+        if params.n == 1:
+            self.output_processor.add_request(
+                RequestState(
+                    request_id,
+                    text,
+                    request.prompt_token_ids,
+                    params,
+                    self.tokenizer,
+                    output_kind=OutputKind.FINAL_ONLY,
+                )
+            )
+            self.engine_client.add_request(request)
+            return request_id
+        parent = ParentRequest(request_id, params.n)
+        for index in range(params.n):
+            child_params = ParentRequest.child_params(request.sampling_params, index)
+            child = request.__class__(**{f: getattr(request, f) for f in request.__struct_fields__})
+            child.request_id = ParentRequest.child_id(request_id, index)
+            child.sampling_params = child_params
+            self.output_processor.add_request(
+                RequestState(
+                    child.request_id,
+                    text,
+                    request.prompt_token_ids,
+                    child_params,
+                    self.tokenizer,
+                    output_kind=OutputKind.FINAL_ONLY,
+                    parent=parent,
+                    index=index,
+                )
+            )
+            self.engine_client.add_request(child)
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = _progress(len(request_ids)) if use_tqdm else None
+        try:
+            while len(finished) < len(wanted):
+                engine_outputs = self.engine_client.get_output()
+                ready, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+                self.engine_client.abort_requests(to_abort)
+                for _, output in ready:
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        if progress:
+                            progress(len(finished))
+                if (
+                    not engine_outputs.outputs
+                    and not self.output_processor.has_unfinished_requests()
+                ):
+                    break
+        except BaseException:
+            leftover = [rid for rid in request_ids if rid not in finished]
+            self.engine_client.abort_requests(self.output_processor.abort_requests(leftover))
+            raise
+        return [finished[rid] for rid in request_ids if rid in finished]
+
+    # --- control -----------------------------------------------------------------------
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_client.abort_requests(self.output_processor.abort_requests(ids))
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker; one result per rank."""
+        return self.engine_client.call_utility("collective_rpc", method, timeout, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_client.call_utility("reset_prefix_cache")
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine_client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+
+def _progress(total: int) -> Callable[[int], None]:
+    import sys
+
+    def report(done: int) -> None:
+        sys.stderr.write(f"\rprocessed {done}/{total} prompts")
+        if done == total:
+            sys.stderr.write("\n")
+
+    return report

@@ -1,0 +1,280 @@
+"""Frontend output processing: engine-core outputs -> RequestOutput objects users see."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginecore.engine.detokenizer import IncrementalDetokenizer
+from enginecore.params import SamplingParams
+from enginecore.protocol import EngineCoreOutput
+from enginecore.request import FinishReason
+
+
+class OutputKind(enum.Enum):
+    FINAL_ONLY = 0  # one RequestOutput when the request finishes (LLM.generate)
+    CUMULATIVE = 1  # every step: everything so far
+    DELTA = 2  # every step: only what is new
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class RequestState:
+    """What the frontend tracks for one engine request (one child when n > 1)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        *,
+        output_kind: OutputKind,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_kind = output_kind
+        self.parent = parent
+        self.index = index
+        self.queue = queue
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params) if tokenizer else None
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.times = RequestTimes(arrival=time.monotonic())
+        self._sent_text = 0
+        self._sent_tokens = 0
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text if self.detokenizer else ""
+
+    def apply(self, out: EngineCoreOutput, now: float) -> str | None:
+        """Fold one step's output in. Returns a stop string if one was found."""
+        new_ids = out.new_token_ids
+        if new_ids:
+            if self.times.first_token is None:
+                self.times.first_token = now
+                self.num_cached_tokens = out.num_cached_tokens
+            self.times.last_token = now
+            self.token_ids.extend(new_ids)
+            if self.logprobs is not None and out.new_logprobs is not None:
+                self._add_logprobs(out)
+        stop_string = None
+        if self.detokenizer is not None and new_ids:
+            stop_string = self.detokenizer.update(new_ids)
+        if stop_string is not None:
+            self.finish_reason = FinishReason.STOP
+            self.stop_reason = stop_string
+        elif out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+        if self.finish_reason is not None:
+            self.times.finished = now
+        return stop_string
+
+    def _add_logprobs(self, out: EngineCoreOutput) -> None:
+        decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
+        for ids, lps, rank in zip(
+            out.new_logprob_token_ids or [],
+            out.new_logprobs or [],
+            out.new_sampled_ranks or [],
+            strict=False,
+        ):
+            entry: dict[int, Logprob] = {}
+            for pos, (token_id, lp) in enumerate(zip(ids, lps, strict=False)):
+                if token_id in entry:
+                    continue
+                entry[token_id] = Logprob(lp, rank if pos == 0 else pos, decode(token_id))
+            self.logprobs.append(entry)  # type: ignore[union-attr]
+            self.cumulative_logprob += lps[0] if lps else 0.0  # type: ignore[operator]
+
+    def completion(self) -> CompletionOutput:
+        finished = self.finish_reason is not None
+        text, token_ids, logprobs = self.text, self.token_ids, self.logprobs
+        if self.output_kind is OutputKind.DELTA:
+            text = text[self._sent_text :]
+            token_ids = token_ids[self._sent_tokens :]
+            if logprobs is not None:
+                logprobs = logprobs[self._sent_tokens :]
+            self._sent_text += len(text)
+            self._sent_tokens += len(token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=list(token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=str(self.finish_reason) if finished else None,
+            stop_reason=self.stop_reason,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        t = self.times
+        metrics = {"arrival_time": t.arrival}
+        if t.first_token is not None:
+            metrics["time_to_first_token"] = t.first_token - t.arrival
+        if t.finished is not None:
+            metrics["e2e_latency"] = t.finished - t.arrival
+        return metrics
+
+
+class ParentRequest:
+    """Fans one user request with ``n > 1`` out into n engine requests and merges them."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.children: list[RequestState | None] = [None] * n
+        self.num_finished = 0
+
+    @staticmethod
+    def child_params(params: SamplingParams, index: int) -> SamplingParams:
+        # Distinct seeds keep seeded parallel samples different yet reproducible.
+        seed = None if params.seed is None else params.seed + index
+        return params.clone(n=1, seed=seed)
+
+    @staticmethod
+    def child_id(request_id: str, index: int) -> str:
+        return f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    """Folds each step's EngineCoreOutputs into per-request state and builds RequestOutputs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, state: RequestState) -> None:
+        if state.request_id in self.states:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        self.states[state.request_id] = state
+        if state.parent is not None:
+            self.parents[state.parent.request_id] = state.parent
+            state.parent.children[state.index] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Drop frontend state first; return the engine request ids to abort."""
+        engine_ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is not None:
+                for child in parent.children:
+                    if child is not None and self.states.pop(child.request_id, None):
+                        engine_ids.append(child.request_id)
+            elif self.states.pop(rid, None) is not None:
+                engine_ids.append(rid)
+        return engine_ids
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput], now: float | None = None
+    ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """Returns ``(ready outputs with their state, engine ids to abort for stop strings)``."""
+        now = time.monotonic() if now is None else now
+        ready: list[tuple[RequestState, RequestOutput]] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue  # aborted in the frontend meanwhile
+            if state.apply(out, now) is not None and out.finish_reason is None:
+                to_abort.append(out.request_id)  # the engine does not know yet
+            finished = state.finish_reason is not None
+            if finished:
+                del self.states[out.request_id]
+            request_output = self._make_output(state, finished)
+            if request_output is not None:
+                ready.append((state, request_output))
+        return ready, to_abort
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
+        parent = state.parent
+        if parent is None:
+            if state.output_kind is OutputKind.FINAL_ONLY and not finished:
+                return None
+            return RequestOutput(
+                request_id=state.request_id,
+                prompt=state.prompt,
+                prompt_token_ids=state.prompt_token_ids,
+                outputs=[state.completion()],
+                finished=finished,
+                num_cached_tokens=state.num_cached_tokens,
+                metrics=state.metrics(),
+            )
+        if finished:
+            parent.num_finished += 1
+        all_done = parent.num_finished == len(parent.children)
+        if all_done:
+            self.parents.pop(parent.request_id, None)
+        if state.output_kind is OutputKind.FINAL_ONLY:
+            if not all_done:
+                return None
+            completions = [c.completion() for c in parent.children if c is not None]
+        else:
+            completions = [state.completion()]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=all_done,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics(),
+        )

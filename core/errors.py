@@ -1,0 +1,43 @@
+"""Exceptions users and plugin authors see. Each message says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class EngineCoreError(Exception):
+    """Base class of every enginecore error."""
+
+
+class ConfigError(EngineCoreError, ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+class PluginError(EngineCoreError):
+    """Base class of plugin loading and registration errors."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin failed to import, validate or register."""
+
+
+class DuplicateRegistrationError(PluginError):
+    """Two plugins registered the same component name without ``override=True``."""
+
+
+class UnknownComponentError(PluginError, ConfigError):
+    """The config selects a component name that no loaded plugin registered."""
+
+
+class IncompatiblePluginError(PluginLoadError):
+    """A plugin declared a plugin-API range that excludes this enginecore."""
+
+
+class InvalidRequestError(EngineCoreError, ValueError):
+    """A request cannot be served as given (too long, bad sampling parameters, ...)."""
+
+
+class EngineDeadError(EngineCoreError):
+    """The engine (or one of its workers) died; every in-flight request fails with this."""
+
+
+class EngineShutdownError(EngineCoreError):
+    """The engine was shut down before the request finished."""

@@ -1,0 +1,207 @@
+"""Every hook enginecore calls, in lifecycle order. This file is the plugin contract.
+
+A plugin is a module (or object) holding functions decorated with ``@enginecore.hookimpl``
+whose names and argument names match the specs below. A plugin may implement any subset
+of the hooks, and may accept any subset of a hook's arguments.
+
+Third-party plugins are found through the ``enginecore`` entry-point group::
+
+    [project.entry-points.enginecore]
+    myplugin = "mypkg.plugin"
+
+Built-in components register through exactly the same hooks (their implementations are
+marked ``trylast`` so that they register first and a plugin may replace one explicitly
+with ``override=True``).
+
+Registration hooks are called once per process, when the process first needs that kind
+of component. Lifecycle hooks are observers: they are never in the per-token path, their
+return values are ignored, and an exception in one is logged with the plugin's name and
+does not stop the engine.
+
+Stability: every hook here is part of the versioned public API
+(``enginecore.PLUGIN_API_VERSION``). A change to a hook's name or arguments bumps the
+major version; a new hook bumps the minor version.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from enginecore.config import EngineConfig
+    from enginecore.registry import Registry
+
+PROJECT_NAME = "enginecore"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --- 0. Compatibility ---------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def plugin_api_versions() -> str | None:
+    """Declare which versions of the plugin API this plugin supports.
+
+    Return a version specifier string in PEP 440 form, for example ``">=1.0,<2"``.
+    A plugin whose range excludes ``enginecore.PLUGIN_API_VERSION`` is refused at load
+    time with a message naming the version it needs. Plugins that do not implement this
+    hook are assumed to be compatible.
+
+    Called once per plugin, right after the plugin is registered (the plugin manager
+    calls each plugin's implementation on its own, so ``firstresult`` only matters to
+    callers that ask the whole hook).
+    """
+
+
+# --- 1. Component registration (once per process) ------------------------------------
+
+
+@hookspec
+def register_schedulers(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.Scheduler` implementations.
+
+    Call ``registry.add(name, factory, summary="...")`` where ``factory`` is the class or a
+    lazy ``"module:Class"`` string (imported only when selected). Selected by the config
+    key ``scheduler.name`` (flat name ``scheduler_name``; default ``"default"``).
+
+    Most plugins should not need this hook: a new *scheduling policy*
+    (``register_scheduling_policies``) changes ordering, admission and preemption and
+    keeps async scheduling, chunked prefill and prefix caching for free.
+    """
+
+
+@hookspec
+def register_scheduling_policies(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.SchedulingPolicy` implementations.
+
+    A policy decides the order of the waiting queue (``sort_key``), whether a request may
+    be admitted now (``admit``) and which running request to preempt when the KV cache
+    is full (``pick_preemption_victim``). Selected by ``scheduler.policy`` (flat name
+    ``scheduling_policy``; built in: ``"fcfs"``, ``"priority"``).
+    """
+
+
+@hookspec
+def register_executors(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.Executor` implementations.
+
+    Selected by ``parallel.executor`` (flat name ``executor``). Built in: ``"uni"``,
+    ``"mp"``, ``"ray"``, ``"external_launcher"``; ``"auto"`` picks ``uni`` for a world
+    size of one and ``mp`` otherwise.
+    """
+
+
+@hookspec
+def register_model_runners(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.ModelRunner` implementations.
+
+    Selected by ``model.runner`` (flat name ``runner``; default ``"torch"``). The runner is
+    built inside each worker process.
+    """
+
+
+@hookspec
+def register_models(registry: Registry) -> None:
+    """Register model classes by Hugging Face architecture name.
+
+    The name is the string in the checkpoint's ``config.json`` ``architectures`` list, for
+    example ``"LlamaForCausalLM"``. The factory is called by the model runner as
+    ``factory(hf_config, parallel_context)`` and returns a ``torch.nn.Module`` with the
+    interface described in ``docs/plugins.md`` (forward over paged attention metadata
+    and ``load_weights``).
+    """
+
+
+@hookspec
+def register_kv_connectors(registry: Registry) -> None:
+    """Register KV connectors by name.
+
+    The factory returns an object with two methods, ``scheduler_side(config)`` and
+    ``worker_side(config, rank)``, building the two halves
+    (:class:`enginecore.interfaces.KVConnectorScheduler` and
+    :class:`enginecore.interfaces.KVConnectorWorker`). Selected by
+    ``kv_transfer.connector`` (flat name ``kv_connector``).
+    """
+
+
+@hookspec
+def register_stat_loggers(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.StatLogger` implementations.
+
+    Selected by the list ``observability.stat_loggers`` (built in: ``"logging"``,
+    ``"prometheus"``). Stat loggers run in the frontend process and receive scheduler
+    stats, iteration stats and per-finished-request stats.
+    """
+
+
+@hookspec
+def register_worker_rpcs(registry: Registry) -> None:
+    """Register named functions callable on every worker through ``collective_rpc(name)``.
+
+    The factory is a function ``fn(worker, *args, **kwargs)``; it runs inside each worker
+    process with the :class:`enginecore.interfaces.Worker` as first argument, and its
+    return value (which must be msgpack- or pickle-serialisable) is sent back per rank.
+    """
+
+
+@hookspec
+def register_structured_output_backends(registry: Registry) -> None:
+    """Register grammar backends for constrained decoding.
+
+    Selected by ``structured_output.backend`` (flat name ``structured_output_backend``;
+    default ``"xgrammar"``).
+    """
+
+
+@hookspec
+def register_spec_decode_proposers(registry: Registry) -> None:
+    """Register draft-token proposers for speculative decoding.
+
+    Selected by ``speculative.speculative_method`` (built in: ``"ngram"``).
+    """
+
+
+# --- 2. Lifecycle observers -----------------------------------------------------------
+
+
+@hookspec
+def engine_started(config: EngineConfig, info: dict[str, Any]) -> None:
+    """Called in the engine-core process once the engine is ready to serve.
+
+    ``config`` is the resolved :class:`enginecore.config.EngineConfig`; ``info`` holds the
+    facts only known after start-up: ``max_model_len``, ``num_blocks``, ``block_size`` and
+    ``components`` (the selected name and providing plugin of each component kind).
+    """
+
+
+@hookspec
+def worker_started(worker: Any) -> None:
+    """Called inside each worker process after its model is loaded.
+
+    ``worker`` is the :class:`enginecore.interfaces.Worker` (``worker.rank``,
+    ``worker.model_runner``, ...). This is where a debugging plugin installs its own
+    hooks in every rank.
+    """
+
+
+@hookspec
+def request_finished(request_stats: Any) -> None:
+    """Called in the frontend process once per finished request.
+
+    ``request_stats`` is a :class:`enginecore.metrics.stats.FinishedRequestStats` with the
+    request id, finish reason, token counts, timings and the user-supplied ``extra``
+    metadata of the request.
+    """
+
+
+@hookspec
+def engine_stopped(reason: str) -> None:
+    """Called in the engine-core process when the engine shuts down.
+
+    ``reason`` is ``"shutdown"`` for an orderly stop, or the text of the error that killed
+    the engine.
+    """

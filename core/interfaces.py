@@ -1,0 +1,391 @@
+"""The abstract classes a plugin implements. Part of the versioned public API.
+
+Each ABC lists what the engine relies on. ``enginecore.testing`` ships a contract test
+suite per ABC that a plugin author runs against their class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from enginecore.config import EngineConfig
+    from enginecore.protocol import EngineCoreOutputs, SchedulerStats
+    from enginecore.request import Request, RequestStatus
+    from enginecore.runner_output import ModelRunnerOutput
+    from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+
+
+# --- scheduling ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """A read-only view of the scheduler that a policy may consult in ``admit``."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    token_budget_left: int
+    step: int
+
+
+class SchedulingPolicy(ABC):
+    """Order, admission and preemption choices, without subclassing the scheduler.
+
+    Policies are small and pure: the scheduler owns all state and calls these methods.
+    Async scheduling, chunked prefill and prefix caching work whatever policy is chosen.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def sort_key(self, request: Request) -> Any:
+        """Key of the waiting queue: the request with the smallest key is admitted first.
+
+        Must be deterministic (use ``request.seq_no``, never wall-clock time) so that
+        identical engines make identical decisions.
+        """
+
+    def admit(self, request: Request, state: SchedulerState) -> bool:
+        """Whether ``request`` (the next in order) may be admitted this step."""
+        return True
+
+    def pick_preemption_victim(self, running: Sequence[Request]) -> Request:
+        """Which running request to preempt when the KV cache is full.
+
+        The default preempts the request that sorts last (the newest under FCFS).
+        """
+        return max(running, key=self.sort_key)
+
+
+class Scheduler(ABC):
+    """Decides, each step, how many tokens of which requests run.
+
+    Constructed by the engine as ``cls(config, num_blocks=..., max_model_len=...,
+    policy=..., kv_connector=...)`` once the KV cache size is known.
+    """
+
+    #: Whether this scheduler supports async scheduling (placeholders for tokens not yet
+    #: sampled, so ``schedule`` may run again before ``update_from_output``).
+    supports_async_scheduling: ClassVar[bool] = False
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+
+    @abstractmethod
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from outside (abort, stop string); ``None`` means all.
+
+        Unknown or already-finished ids are ignored. Returns the requests finished now.
+        Their blocks are freed and their ids reach the workers in the next
+        ``SchedulerOutput.finished_req_ids``.
+        """
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step within the token budget and ``max_num_seqs``."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply sampled tokens, check stop conditions, free finished requests.
+
+        Returns the outputs of this step per client index.
+        """
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    @abstractmethod
+    def has_finished_requests(self) -> bool:
+        """Finished requests whose ids the workers have not been told yet."""
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    @abstractmethod
+    def get_request_counts(self) -> tuple[int, int]:
+        """``(num_running, num_waiting)``."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; False (and nothing done) while blocks are in use."""
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats | None:
+        """Stats of the last step, or None when stats are off."""
+
+    def shutdown(self) -> None:
+        return None
+
+
+# --- execution -----------------------------------------------------------------------
+
+
+class WorkerSpec(msgspec.Struct, kw_only=True):
+    """What a worker process needs to build itself: resolved ``module:attr`` references.
+
+    Registries are built once, in the process that reads the config; workers import only
+    the components that were selected.
+    """
+
+    worker_ref: str
+    model_runner_ref: str
+    model_refs: dict[str, str]  # architecture name -> ref
+    worker_rpc_refs: dict[str, str] = {}
+    kv_connector_ref: str | None = None
+    enabled_plugins: list[str] | None = None
+    disabled_plugins: list[str] = []
+
+
+FailureCallback = Callable[[str], None]
+
+
+class Executor(ABC):
+    """The boundary between the one scheduler and the N ranks that run the model.
+
+    ``collective_rpc`` is the one primitive; the other methods have defaults built on it.
+    """
+
+    #: How many batches may be in flight at once (2 enables async scheduling).
+    max_concurrent_batches: int = 1
+
+    def __init__(self, config: EngineConfig, worker_spec: WorkerSpec) -> None:
+        self.config = config
+        self.worker_spec = worker_spec
+        self._failure_callbacks: list[FailureCallback] = []
+        self.is_sleeping = False
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        timeout: float | None = None,
+    ) -> list[Any] | Any | Future:
+        """Call ``method`` on every rank; one result per rank (or only ``unique_reply_rank``'s).
+
+        ``method`` is a Worker method name, a name registered by ``register_worker_rpcs``,
+        or a callable run as ``fn(worker, *args, **kwargs)``. A rank that raises makes the
+        call raise an error that names the rank. ``non_block`` returns a Future.
+        """
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future | None:
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=0
+        )
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        return self.collective_rpc(
+            "sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=0
+        )
+
+    def determine_available_memory(self) -> list[int]:
+        """Bytes each rank can give the KV cache (after a profiling forward pass)."""
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes on the rank that needs the most."""
+        return max(self.collective_rpc("get_kv_cache_block_bytes"))
+
+    def get_max_model_len(self) -> int:
+        return self.collective_rpc("get_max_model_len", unique_reply_rank=0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", args=(num_blocks,))
+
+    def sleep(self, level: int = 1) -> None:
+        self.collective_rpc("sleep", args=(level,))
+        self.is_sleeping = True
+
+    def wake_up(self) -> None:
+        self.collective_rpc("wake_up")
+        self.is_sleeping = False
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """``callback(message)`` is called once if a rank dies; the message names the rank."""
+        self._failure_callbacks.append(callback)
+
+    def _report_failure(self, message: str) -> None:
+        callbacks, self._failure_callbacks = self._failure_callbacks, []
+        for callback in callbacks:
+            callback(message)
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class Worker(ABC):
+    """One rank: owns the device, the distributed group and the model runner."""
+
+    rank: int
+    local_rank: int
+    model_runner: ModelRunner
+
+    @abstractmethod
+    def init_device(self) -> None: ...
+
+    @abstractmethod
+    def load_model(self) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput: ...
+
+
+class ModelRunner(ABC):
+    """Turns a SchedulerOutput into tensors, runs the model over the paged KV cache, samples.
+
+    Constructed in the worker as ``cls(config, worker_spec, device, parallel)``.
+    """
+
+    @abstractmethod
+    def load_model(self) -> None:
+        """Load weights (the checkpoint named by ``config.model.path``)."""
+
+    @abstractmethod
+    def determine_available_memory(self) -> int:
+        """Run a profiling forward at the largest batch; return bytes free for KV cache."""
+
+    @abstractmethod
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes on this rank (all layers, K and V)."""
+
+    @abstractmethod
+    def get_max_model_len(self) -> int:
+        """The effective max_model_len (config value, else the checkpoint's)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the forward pass. Returns None: the engine then calls ``sample_tokens``."""
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample from the logits of the last ``execute_model`` (with a grammar bitmask)."""
+
+
+# --- KV connectors -------------------------------------------------------------------
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler-side half of a KV connector (runs in the engine core)."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Extra prompt tokens the connector can provide beyond the local prefix hit.
+
+        Returns ``(num_tokens, load_is_async)``; ``None`` tokens means "ask again later".
+        Must have no side effects.
+        """
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """The opaque per-step metadata the worker half receives."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Return ``(delay_free, kv_transfer_params)``; delay_free keeps blocks until saved."""
+
+
+class KVConnectorWorker(ABC):
+    """The worker-side half of a KV connector (runs inside the forward pass)."""
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        return None
+
+    @abstractmethod
+    def start_load_kv(self, metadata: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_save(self) -> None: ...
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(done_sending, done_recving)`` request ids."""
+
+
+# --- observability -------------------------------------------------------------------
+
+
+@dataclass
+class IterationStats:
+    """Built in the frontend from one step's outputs."""
+
+    timestamp: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[Any] = field(default_factory=list)  # FinishedRequestStats
+
+
+class StatLogger(ABC):
+    """Receives engine statistics in the frontend. Constructed as ``cls(config, engine_index)``."""
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+
+    @abstractmethod
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        """Called once per engine step with that step's stats."""
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+    def log(self) -> None:
+        """Called periodically (``observability.log_stats_interval``)."""
+        return None

@@ -1,0 +1,118 @@
+"""Wire structs between the frontend and the engine core.
+
+All structs are ``msgspec.Struct(array_like=True, omit_defaults=True, gc=False)``: they
+encode as positional msgpack arrays, so **field order is the wire ABI**. Add new fields
+only at the end, with a default; never reorder or remove one. The frontend and the
+engine core always run the same enginecore version, but plugins may read these structs.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from enginecore.params import SamplingParams
+from enginecore.request import FinishReason
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """One-byte tag of every message sent to the engine core."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    EXECUTOR_FAILED = b"\x04"
+    WAKEUP = b"\x05"
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    client_index: int = 0
+    data_parallel_rank: int | None = None
+    max_tokens: int | None = None  # resolved by the frontend against max_model_len
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's new tokens in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [sampled, top-1..top-N] ids and logprobs, and the sampled token's rank.
+    new_logprob_token_ids: list[list[int]] | None = None
+    new_logprobs: list[list[float]] | None = None
+    new_sampled_ranks: list[int] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[tuple[int, float]] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    failure_message: str | None = None  # set: the call failed
+    result: Any = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Made by the scheduler each step, in the engine core; shipped with the outputs."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_preemptions: int = 0
+    step_counter: int = 0
+    num_scheduled_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's batch for one client: the boundary is crossed once per step."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    engine_dead: str | None = None  # set on the ENGINE_CORE_DEAD sentinel: what died and why
+
+    def stamp(self) -> EngineCoreOutputs:
+        self.timestamp = time.monotonic()
+        return self
+
+
+class EngineCoreReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The start-up handshake: facts the frontend only learns once the engine is built."""
+
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    components: dict[str, str] = {}
+    pid: int = 0

@@ -1,0 +1,37 @@
+"""What a model runner returns each step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class LogprobsLists(msgspec.Struct, kw_only=True):
+    """Per request row: ``[sampled, top-1, ..., top-N]`` token ids and their logprobs."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+class KVConnectorOutput(msgspec.Struct, kw_only=True):
+    finished_sending: set[str] = set()
+    finished_recving: set[str] = set()
+    failed_recving: set[str] = set()
+    invalid_block_ids: set[int] = set()
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    req_ids: list[str] = []
+    req_id_to_index: dict[str, int] = {}
+    # Per request: [] while a prefill chunk is partial, one token for a decode step,
+    # 1 + accepted drafts with speculative decoding.
+    sampled_token_ids: list[list[int]] = []
+    logprobs: LogprobsLists | None = None
+    kv_connector_output: KVConnectorOutput | None = None
+    num_nans_in_logits: dict[str, int] | None = None
+    extra: dict[str, Any] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

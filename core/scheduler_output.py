@@ -1,0 +1,69 @@
+"""What the scheduler hands the workers each step: a delta, not the whole state.
+
+New requests carry everything a worker needs; requests the workers already hold carry
+only new block ids and counters. Workers keep each request's tokens themselves (they
+sampled them), which is what lets the next step be scheduled before tokens are known.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from enginecore.params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the workers have not seen, or must rebuild (resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens generated before a preemption (empty for a fresh request): the worker
+    # recomputes their KV and needs them for penalties and seeded sampling.
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """Requests the workers already hold, column by column."""
+
+    req_ids: list[str] = []
+    new_block_ids: list[list[int] | None] = []  # appended to the request's block table
+    num_computed_tokens: list[int] = []
+    # Filled only when workers do not sample themselves (pipeline parallelism).
+    new_token_ids: list[list[int]] = []
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    # Draft tokens to verify this step (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # Finished or aborted since the last step: workers drop their state.
+    finished_req_ids: set[str] = set()
+    # Preempted since the last step: workers drop their state; they come back as new.
+    preempted_req_ids: set[str] = set()
+    # Requests under a grammar this step (the engine builds their bitmask).
+    structured_output_request_ids: list[str] = []
+    kv_connector_metadata: Any = None
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class GrammarOutput(msgspec.Struct, kw_only=True):
+    """The grammar bitmask for one step, built while the forward pass runs."""
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: Any  # numpy int32 array [num_requests, ceil(vocab / 32)]
