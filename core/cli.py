@@ -72,7 +72,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         for section, fields in data.items():
             print(f"[{section}]")
             for key, value in fields.items():
-                print(f"{key} = {json.dumps(value)}")
+                # TOML has no null: unset keys are shown commented out.
+                print(f"# {key} = (unset)" if value is None else f"{key} = {json.dumps(value)}")
             print()
     return 0
 

@@ -248,6 +248,12 @@ class PluginHost:
             ) from exc
         logger.warning("%s. It is skipped; 'enginecore plugins' shows the traceback.", text)
 
+    def _trace(self, message: str) -> None:
+        # The host calls each hookimpl itself (to bind provenance and isolate failures),
+        # bypassing pluggy's hook-call monitoring, so it traces those calls here.
+        if self.selection.trace:
+            sys.stderr.write(f"[enginecore] {message}\n")
+
     # --- registries ---------------------------------------------------------------------
 
     @property
@@ -273,14 +279,17 @@ class PluginHost:
                 continue
             registry._current_plugin = impl.plugin_name
             before = set(registry.entries)
+            self._trace(f"{hook_name}(registry) -> plugin {impl.plugin_name!r}")
             try:
                 impl.function(**{arg: registry for arg in impl.argnames})
             except Exception as exc:
+                self._trace(f"{hook_name}: plugin {impl.plugin_name!r} raised {exc!r}")
                 self._fail(record, f"raised in {hook_name}: {type(exc).__name__}: {exc}", exc)
                 for name in set(registry.entries) - before:
                     del registry.entries[name]
                 continue
             added = [n for n, e in registry.entries.items() if e.plugin == impl.plugin_name]
+            self._trace(f"{hook_name}: plugin {impl.plugin_name!r} added {sorted(added)}")
             if added:
                 record.registered[kind] = sorted(added)
         registry._current_plugin = "<direct>"
@@ -310,6 +319,7 @@ class PluginHost:
     def _notify(self, hook_name: str, **kwargs: Any) -> None:
         """Call each observer on its own, so one failing plugin never silences the others."""
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            self._trace(f"{hook_name}({', '.join(impl.argnames)}) -> plugin {impl.plugin_name!r}")
             try:
                 impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
             except Exception:

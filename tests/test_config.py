@@ -65,9 +65,7 @@ def test_file_formats_then_overrides(tmp_path, suffix: str) -> None:
     data = {"model": "/ckpt", "scheduler": {"max_num_seqs": 3, "policy": "priority"}}
     path = tmp_path / f"engine.{suffix}"
     if suffix == "toml":
-        path.write_text(
-            'model = "/ckpt"\n[scheduler]\nmax_num_seqs = 3\npolicy = "priority"\n'
-        )
+        path.write_text('model = "/ckpt"\n[scheduler]\nmax_num_seqs = 3\npolicy = "priority"\n')
     elif suffix == "yaml":
         path.write_text("model: /ckpt\nscheduler:\n  max_num_seqs: 3\n  policy: priority\n")
     else:
@@ -92,7 +90,7 @@ def test_wrong_type_names_key_path_and_flag() -> None:
 
 
 def test_unknown_flat_key_suggests_close_names() -> None:
-    with pytest.raises(ConfigError, match="unknown config key 'max_num_seq'.*max_num_seqs"):
+    with pytest.raises(ConfigError, match=r"unknown config key .max_num_seq.*max_num_seqs"):
         make_config(max_num_seq=3)
 
 
@@ -106,7 +104,7 @@ def test_unknown_key_in_file_section(tmp_path) -> None:
 def test_unknown_section_in_file(tmp_path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[schedulr]\nmax_num_seqs = 3\n")
-    with pytest.raises(ConfigError, match="unknown config key 'schedulr'.*scheduler"):
+    with pytest.raises(ConfigError, match=r"unknown config key .schedulr.*scheduler"):
         make_config(path)
 
 

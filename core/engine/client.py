@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -72,6 +73,19 @@ class InprocClient(EngineCoreClient):
         self.engine.shutdown()
 
 
+def use_multiprocessing(config: EngineConfig) -> bool:
+    env = os.environ.get("ENGINECORE_MULTIPROCESSING")
+    if env is not None:
+        return env.strip().lower() not in ("0", "false", "no", "off")
+    return config.engine.multiprocessing
+
+
 def make_client(config: EngineConfig, *, asyncio_mode: bool = False) -> EngineCoreClient:
-    """The client for this config: ``engine.multiprocessing`` (and ENGINECORE_MULTIPROCESSING)."""
+    """The client for this config: ``engine.multiprocessing`` (ENGINECORE_MULTIPROCESSING wins)."""
+    from enginecore.engine.mp_client import AsyncMPClient, SyncMPClient
+
+    if asyncio_mode:
+        return AsyncMPClient(config)
+    if use_multiprocessing(config):
+        return SyncMPClient(config)
     return InprocClient(config)

@@ -89,7 +89,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future, Future, SchedulerOutput]] = deque()
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
-        self.is_sleeping = False
+        self._sleeping = False
         self.startup_seconds = time.monotonic() - started
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
@@ -211,6 +211,16 @@ class EngineCore:
         sampled = sample.result()
         return executed if executed is not None else sampled
 
+    def _update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        stats = self.scheduler.make_stats()
+        if stats is not None:
+            # One stats record per step, on client 0's outputs (created if it had none).
+            outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
+        return outputs
+
     def step(self) -> StepResult:
         """Schedule, execute, sample and update, one batch at a time (the simplest loop)."""
         if self._paused == "keep" or not self.scheduler.has_requests():
@@ -221,7 +231,7 @@ class EngineCore:
         execute, sample = self._launch(scheduler_output)
         runner_output = self._result(execute, sample)
         self._apply_pending_aborts()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> StepResult:
@@ -249,7 +259,7 @@ class EngineCore:
         execute, sample, scheduler_output = queue.pop()
         runner_output = self._result(execute, sample)
         self._apply_pending_aborts()
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
         return outputs, scheduled
 
     def step_fn(self) -> Callable[[], StepResult]:
@@ -262,6 +272,9 @@ class EngineCore:
 
     def get_supported_tasks(self) -> list[str]:
         return ["generate"]
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -284,7 +297,7 @@ class EngineCore:
         while self.batch_queue:
             execute, sample, scheduler_output = self.batch_queue.pop()
             runner_output = self._result(execute, sample)
-            results.append(self.scheduler.update_from_output(scheduler_output, runner_output))
+            results.append(self._update(scheduler_output, runner_output))
         return results
 
     def shutdown(self) -> None:

@@ -67,5 +67,11 @@ class IncrementalDetokenizer:
         self.text = self.text[:cut]
         return stop
 
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream must hold back: the longest stop string could still be
+        completing in them (and would then be cut from ``text``)."""
+        return max(self._max_stop_len - 1, 0)
+
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

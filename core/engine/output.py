@@ -9,7 +9,7 @@ from typing import Any
 
 from enginecore.engine.detokenizer import IncrementalDetokenizer
 from enginecore.params import SamplingParams
-from enginecore.protocol import EngineCoreOutput
+from enginecore.protocol import EngineCoreEventType, EngineCoreOutput
 from enginecore.request import FinishReason
 
 
@@ -55,6 +55,8 @@ class RequestOutput:
 @dataclass
 class RequestTimes:
     arrival: float
+    queued: float | None = None  # engine-core clock from here on
+    scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
@@ -91,6 +93,7 @@ class RequestState:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.num_preemptions = 0
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
         self._sent_tokens = 0
@@ -102,6 +105,13 @@ class RequestState:
     def apply(self, out: EngineCoreOutput, now: float) -> str | None:
         """Fold one step's output in. Returns a stop string if one was found."""
         new_ids = out.new_token_ids
+        for event_type, timestamp in out.events or ():
+            if event_type == EngineCoreEventType.QUEUED:
+                self.times.queued = timestamp
+            elif event_type == EngineCoreEventType.SCHEDULED and self.times.scheduled is None:
+                self.times.scheduled = timestamp
+            elif event_type == EngineCoreEventType.PREEMPTED:
+                self.num_preemptions += 1
         if new_ids:
             if self.times.first_token is None:
                 self.times.first_token = now
@@ -142,6 +152,10 @@ class RequestState:
     def completion(self) -> CompletionOutput:
         finished = self.finish_reason is not None
         text, token_ids, logprobs = self.text, self.token_ids, self.logprobs
+        if not finished and self.detokenizer is not None and self.detokenizer.stop_holdback:
+            # Streaming: text that may be the start of a stop string is sent only once it
+            # is known not to be (a stop string found later cuts it from the output).
+            text = text[: max(len(text) - self.detokenizer.stop_holdback, self._sent_text)]
         if self.output_kind is OutputKind.DELTA:
             text = text[self._sent_text :]
             token_ids = token_ids[self._sent_tokens :]
@@ -161,7 +175,9 @@ class RequestState:
 
     def metrics(self) -> dict[str, float]:
         t = self.times
-        metrics = {"arrival_time": t.arrival}
+        metrics = {"arrival_time": t.arrival, "num_preemptions": self.num_preemptions}
+        if t.queued is not None and t.scheduled is not None:
+            metrics["queued_time"] = t.scheduled - t.queued
         if t.first_token is not None:
             metrics["time_to_first_token"] = t.first_token - t.arrival
         if t.finished is not None:

@@ -1,0 +1,424 @@
+"""The torch model runner: scheduler deltas in, sampled tokens out.
+
+The runner keeps each request's state (tokens, block table, sampling params, seeded
+generator) across steps; the scheduler sends only what changed. The runner is the
+authority on sampled tokens: a request's next input token is the last token this runner
+sampled for it, which is what lets the scheduler plan step N+1 before it has seen step
+N's tokens (async scheduling).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
+from enginecore.builtin_models.sampler import (
+    Sampler,
+    apply_grammar_bitmask,
+    build_sampling_metadata,
+)
+from enginecore.builtin_models.weight_loader import (
+    checkpoint_dtype,
+    iter_weights,
+    load_hf_config,
+    resolve_model_class,
+)
+from enginecore.config import EngineConfig
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.interfaces import ModelRunner, WorkerSpec
+from enginecore.params import SamplingParams
+from enginecore.runner_output import LogprobsLists, ModelRunnerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _StepState:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    req_ids: list[str]  # every scheduled request, in batch order
+    sample_req_ids: list[str]  # those whose next token is due (prefill complete)
+    logits: torch.Tensor | None  # [len(sample_req_ids), vocab]
+
+
+class TorchModelRunner(ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker_spec: WorkerSpec,
+        device: torch.device | str | None = None,
+        parallel: ParallelContext = SINGLE_RANK,
+    ) -> None:
+        self.config = config
+        self.worker_spec = worker_spec
+        self.device = torch.device(device if device is not None else "cpu")
+        self.parallel = parallel
+        self.block_size = config.cache.block_size
+        self.model: Any = None
+        self.hf_config: Any = None
+        self.dtype = torch.float32
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.num_blocks = 0
+        self.requests: dict[str, RequestState] = {}
+        self._step: _StepState | None = None
+        self.sampler = Sampler(self._make_generator(config.model.seed))
+        self.eos_token_ids: list[int] = []
+
+    # --- loading --------------------------------------------------------------------
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _resolve_dtype(self) -> torch.dtype:
+        wanted = self.config.model.dtype
+        if wanted != "auto":
+            return _DTYPES[wanted]
+        if self.device.type == "cpu":
+            return torch.float32  # CPU matmuls in half precision are slow and lossy
+        return checkpoint_dtype(self.hf_config) or torch.float32
+
+    def load_model(self) -> None:
+        path = self.config.model.path
+        if not path:
+            raise ConfigError(
+                "model path is empty: set 'model' to a checkpoint directory or .gguf file"
+            )
+        self.hf_config = load_hf_config(path)
+        model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+        self.dtype = self._resolve_dtype()
+        configured = self.config.model.max_model_len
+        native = self._checkpoint_max_len()
+        if configured is not None and native is not None and configured > native:
+            raise ConfigError(
+                f"max_model_len={configured} exceeds the checkpoint's limit of {native} "
+                "positions (max_position_embeddings / n_positions)"
+            )
+        with torch.device(self.device):
+            model = model_cls(self.hf_config, self.parallel, self.dtype)
+        model.load_weights(iter_weights(path, self.hf_config))
+        self.model = model.eval()
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        logger.info(
+            "loaded %s (%s) on %s as %s",
+            type(model).__name__,
+            path,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
+
+    def _checkpoint_max_len(self) -> int | None:
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(self.hf_config, name, None)
+            if value:
+                return int(value)
+        return None
+
+    def get_max_model_len(self) -> int:
+        return self.config.model.max_model_len or self._checkpoint_max_len() or 2048
+
+    def _max_num_batched_tokens(self) -> int:
+        sched = self.config.scheduler
+        if sched.max_num_batched_tokens is not None:
+            return sched.max_num_batched_tokens
+        return 2048 if sched.chunked_prefill else self.get_max_model_len()
+
+    # --- memory and KV cache ----------------------------------------------------------
+
+    def get_kv_cache_block_bytes(self) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        cache_cfg = self.config.cache
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        if cache_cfg.kv_cache_bytes is not None:
+            return cache_cfg.kv_cache_bytes
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_reserved(self.device)
+            # Memory used outside this process's torch allocator (other processes, NCCL).
+            non_torch = total - free - torch.cuda.memory_reserved(self.device)
+            return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
+        import psutil
+
+        return int(psutil.virtual_memory().available * cache_cfg.cpu_kv_cache_fraction)
+
+    def _profile_run(self) -> None:
+        """A forward at the largest batch (no KV cache) to measure peak activation memory."""
+        total = self._max_num_batched_tokens()
+        per_req = max(1, min(total, self.get_max_model_len()))
+        lens = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
+        ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        qsl = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(lens), 0, out=qsl[1:])
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=self.device),
+            query_start_loc=qsl,
+            seq_lens=torch.tensor(lens),
+            context_lens=torch.zeros(len(lens), dtype=torch.int64),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            block_size=self.block_size,
+            decode=None,
+            prefill=None,
+        )
+        hidden = self.model(ids, positions, None, meta)
+        rows = min(self.config.scheduler.max_num_seqs, total)
+        self.model.compute_logits(hidden[:rows])
+        del hidden
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    # --- request state --------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None and not params.greedy:
+                gen = self._make_generator(params.seed)
+                # A request resumed after preemption continues its random stream.
+                vocab = self.hf_config.vocab_size
+                for _ in new.output_token_ids:
+                    torch.empty(vocab, device=self.device).exponential_(generator=gen)
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                generator=gen,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise EngineCoreError(
+                    f"scheduler sent cached request {req_id!r} that this model runner does "
+                    "not hold (it was never added, or was finished/preempted)"
+                )
+            if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
+                state.block_ids.extend(cached.new_block_ids[i])
+            if i < len(cached.num_computed_tokens):
+                state.num_computed_tokens = cached.num_computed_tokens[i]
+            if i < len(cached.new_token_ids) and cached.new_token_ids[i]:
+                # Only when this rank does not sample (pipeline parallelism).
+                state.output_token_ids.extend(cached.new_token_ids[i])
+                state.token_ids.extend(cached.new_token_ids[i])
+
+    # --- the step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        so = scheduler_output
+        self._update_states(so)
+        if any(so.scheduled_spec_decode_tokens.values()):
+            raise EngineCoreError("the torch model runner does not verify speculative drafts yet")
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            self._step = _StepState([], [], None)
+            return None
+        if self.kv_caches is None:
+            raise EngineCoreError("KV cache is not initialized (initialize_kv_cache, or wake_up)")
+
+        # Single-token queries first: attention batches them as one decode group.
+        scheduled = so.num_scheduled_tokens
+        decodes = [r for r, n in scheduled.items() if n == 1]
+        prefills = [r for r, n in scheduled.items() if n != 1]
+        order = decodes + prefills
+        num_reqs = len(order)
+
+        states = [self.requests[r] for r in order]
+        q_lens = np.fromiter((scheduled[r] for r in order), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_reqs)
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        cu = 0
+        for i, state in enumerate(states):
+            start, n = int(starts[i]), int(q_lens[i])
+            end = start + n
+            if end > len(state.token_ids):
+                raise EngineCoreError(
+                    f"request {state.req_id!r}: scheduled tokens {start}..{end} but only "
+                    f"{len(state.token_ids)} are known to the model runner"
+                )
+            if n == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:end])
+            block_table[i, : len(state.block_ids)] = state.block_ids
+            state.num_computed_tokens = end
+            cu += n
+            if end == len(state.token_ids):  # prefill complete: a new token is due
+                sample_rows.append(cu - 1)
+                sample_req_ids.append(state.req_id)
+
+        total = int(q_lens.sum())
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        offsets = np.cumsum(q_lens) - q_lens
+        positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
+        bs = self.block_size
+        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        meta = build_attention_metadata(
+            q_lens.tolist(),
+            starts.tolist(),
+            torch.from_numpy(block_table),
+            torch.from_numpy(slots),
+            len(decodes),
+            bs,
+            dev,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        logits = None
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        self._step = _StepState(order, sample_req_ids, logits)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample one token for each request whose prefill is complete.
+
+        Output rows follow ``req_ids`` (every scheduled request); a partial prefill chunk
+        gets ``[]``. ``logprobs`` (when any request asked) has a row per request too,
+        empty with rank -1 for requests that did not ask or sampled nothing.
+        """
+        step, self._step = self._step, None
+        if step is None or not step.req_ids:
+            return ModelRunnerOutput()
+        index = {r: i for i, r in enumerate(step.req_ids)}
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        if step.logits is None:
+            return ModelRunnerOutput(
+                req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
+            )
+        logits = step.logits
+        if grammar_output is not None and grammar_output.structured_output_request_ids:
+            self._apply_grammar(logits, step.sample_req_ids, grammar_output)
+        states = [self.requests[r] for r in step.sample_req_ids]
+        meta = build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.eos_token_ids,
+            logits.shape[-1],
+            self.device,
+        )
+        out = self.sampler(logits, meta)
+        tokens = out.token_ids.tolist()
+        for state, token in zip(states, tokens, strict=True):
+            state.output_token_ids.append(token)
+            state.token_ids.append(token)
+            sampled[index[state.req_id]] = [token]
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=sampled,
+            logprobs=self._full_logprobs(out.logprobs, step, index),
+        )
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, sample_req_ids: list[str], grammar: GrammarOutput
+    ) -> None:
+        row_of = {r: i for i, r in enumerate(sample_req_ids)}
+        mask_rows, logit_rows = [], []
+        for j, req_id in enumerate(grammar.structured_output_request_ids):
+            if req_id in row_of:  # a partial prefill chunk samples nothing
+                mask_rows.append(j)
+                logit_rows.append(row_of[req_id])
+        if not logit_rows:
+            return
+        bitmask = torch.as_tensor(np.asarray(grammar.grammar_bitmask, dtype=np.int32))
+        bitmask = bitmask[mask_rows].to(self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        apply_grammar_bitmask(logits, rows, bitmask)
+
+    @staticmethod
+    def _full_logprobs(
+        lp: LogprobsLists | None, step: _StepState, index: dict[str, int]
+    ) -> LogprobsLists | None:
+        """Sampler rows cover sampling requests only; give every scheduled request a row."""
+        if lp is None:
+            return None
+        n = len(step.req_ids)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        vals: list[list[float]] = [[] for _ in range(n)]
+        ranks = [-1] * n
+        for k, req_id in enumerate(step.sample_req_ids):
+            i = index[req_id]
+            ids[i], vals[i], ranks[i] = (
+                lp.logprob_token_ids[k],
+                lp.logprobs[k],
+                lp.sampled_token_ranks[k],
+            )
+        return LogprobsLists(logprob_token_ids=ids, logprobs=vals, sampled_token_ranks=ranks)
+
+    # --- sleep mode -----------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
+        self.kv_caches = None
+        if level >= 2:
+            self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed. KV contents are lost: the prefix cache must be reset."""
+        if self.model is None:
+            self.load_model()
+        if self.kv_caches is None and self.num_blocks:
+            self.initialize_kv_cache(self.num_blocks)

@@ -1,0 +1,212 @@
+"""The Llama family: Llama, Mistral and Qwen2 (same block; Qwen2 adds a QKV bias)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from enginecore.builtin_models.attention import AttentionMetadata, paged_attention
+from enginecore.builtin_models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    rope_parameters,
+)
+from enginecore.builtin_models.weight_loader import load_params
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=is_qwen2 or bool(getattr(cfg, "attention_bias", False)),
+            parallel=parallel,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim,
+            cfg.hidden_size,
+            bias=bool(getattr(cfg, "attention_bias", False)) and not is_qwen2,
+            parallel=parallel,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size,
+            [inter, inter],
+            bias=bool(getattr(cfg, "mlp_bias", False)),
+            parallel=parallel,
+            dtype=dtype,
+        )
+        self.down_proj = RowParallelLinear(
+            inter,
+            cfg.hidden_size,
+            bias=bool(getattr(cfg, "mlp_bias", False)),
+            parallel=parallel,
+            dtype=dtype,
+        )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
+    ) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(cfg, parallel, dtype, is_qwen2)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(cfg, parallel, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            positions, self.input_layernorm(hidden), rotary, kv_cache, meta
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(
+                positions, hidden, self.rotary, kv_caches[i] if kv_caches else None, meta
+            )
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    # checkpoint projection name -> (fused parameter name, shard)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self,
+        hf_config: Any,
+        parallel: ParallelContext = SINGLE_RANK,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        # Qwen2: biased q/k/v, unbiased o_proj; Llama/Mistral: attention_bias for all four.
+        is_qwen2 = getattr(hf_config, "model_type", "") == "qwen2"
+        self.model = LlamaModel(hf_config, parallel, dtype, is_qwen2)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, parallel=parallel, dtype=dtype
+            )
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = len(self.model.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def rename(name: str) -> tuple[str, Any] | None:
+            if "rotary_emb" in name:
+                return None
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                return None  # the embedding is loaded under its own name
+            for ckpt, (fused, shard) in self.stacked_params.items():
+                if f".{ckpt}." in name:
+                    return name.replace(f".{ckpt}.", f".{fused}."), shard
+            return name, None
+
+        load_params(self, weights, rename)

@@ -1,0 +1,31 @@
+"""Registers the torch model runner and the built-in model architectures.
+
+Lazy ``module:Class`` strings keep ``import enginecore`` free of torch: the classes are
+imported only in the worker that runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import enginecore
+
+_MODELS = "enginecore.builtin_models.models"
+
+
+@enginecore.hookimpl(trylast=True)
+def register_model_runners(registry: Any) -> None:
+    registry.add(
+        "torch",
+        "enginecore.builtin_models.model_runner:TorchModelRunner",
+        summary="PyTorch runner with paged attention (CPU and CUDA)",
+    )
+
+
+@enginecore.hookimpl(trylast=True)
+def register_models(registry: Any) -> None:
+    llama = f"{_MODELS}.llama:LlamaForCausalLM"
+    registry.add("LlamaForCausalLM", llama, summary="Llama 2/3 family")
+    registry.add("MistralForCausalLM", llama, summary="Mistral (full attention)")
+    registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias)")
+    registry.add("GPT2LMHeadModel", f"{_MODELS}.gpt2:GPT2LMHeadModel", summary="GPT-2")

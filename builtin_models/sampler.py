@@ -1,0 +1,348 @@
+"""Batched token sampling over a ``[num_reqs, vocab]`` logits tensor.
+
+Per step the runner builds one :class:`SamplingMetadata` (parameter tensors for the
+whole batch); each stage runs only when some request in the batch needs it, so an
+all-greedy batch is a single ``argmax``.
+
+Order: logprobs are taken from the raw model logits; then logit_bias, the min_tokens
+EOS/stop mask, penalties; greedy rows take the argmax of those; random rows are divided
+by their temperature, filtered by min_p, top_k and top_p, and sampled.
+
+Random rows sample by the "exponential race" (``argmax(p / E)`` with ``E ~ Exp(1)``),
+which equals sampling from ``p``. Rows with a seed draw ``E`` from their own
+``torch.Generator``, so their tokens do not depend on which other requests share the
+batch; the other rows draw from one shared generator in a single call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from enginecore.params import SamplingParams
+from enginecore.runner_output import LogprobsLists
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-batch sampling parameters as tensors (None: no request in the batch needs it)."""
+
+    all_greedy: bool
+    greedy_rows: torch.Tensor | None  # [B] bool, None when all_greedy or none greedy
+    temperature: torch.Tensor | None  # [B, 1]; greedy rows hold 1.0
+    top_k: torch.Tensor | None  # [B] long, vocab size where off
+    top_p: torch.Tensor | None  # [B, 1]
+    min_p: torch.Tensor | None  # [B, 1]
+    generators: dict[int, torch.Generator]  # row -> its own generator (seeded requests)
+    # Penalties: from output-token counts and prompt-token presence, [B, V].
+    presence_penalty: torch.Tensor | None  # [B, 1]
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [B, V] float
+    prompt_mask: torch.Tensor | None  # [B, V] bool (only with repetition penalty)
+    # logit_bias as scatter coordinates.
+    bias_rows: torch.Tensor | None
+    bias_cols: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    # Tokens masked to -inf (EOS/stop ids of rows still below min_tokens).
+    ban_rows: torch.Tensor | None
+    ban_cols: torch.Tensor | None
+    max_num_logprobs: int | None  # None: nobody asked
+    num_logprobs: list[int | None]  # per row
+
+
+def _pad(rows: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Collect one step's per-request parameters into batch tensors."""
+    n = len(params)
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    greedy = [p.greedy for p in params]
+    all_greedy = all(greedy)
+    random_params = [p for p in params if not p.greedy]
+    temperature = greedy_rows = top_k = top_p = min_p = None
+    if not all_greedy:
+        temperature = col(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        )
+        if any(greedy):
+            greedy_rows = torch.tensor(greedy, device=device)
+        if any(0 < p.top_k < vocab_size for p in random_params):
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                dtype=torch.int64,
+                device=device,
+            )
+        if any(p.top_p < 1.0 for p in random_params):
+            top_p = col([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in random_params):
+            min_p = col([p.min_p for p in params])
+
+    presence = frequency = repetition = counts = prompt_mask = None
+    if any(p.needs_penalties for p in params):
+        presence = col([p.presence_penalty for p in params])
+        frequency = col([p.frequency_penalty for p in params])
+        repetition = col([p.repetition_penalty for p in params])
+        out_ids = _pad(output_token_ids, vocab_size).to(device)
+        counts = torch.zeros(n, vocab_size + 1, device=device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+        counts = counts[:, :vocab_size]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompt_ids = _pad(prompt_token_ids, vocab_size).to(device)
+            prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
+            prompt_mask.scatter_(1, prompt_ids, True)
+            prompt_mask = prompt_mask[:, :vocab_size]
+
+    bias_rows = bias_cols = bias_values = None
+    if any(p.logit_bias for p in params):
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for tok, val in (p.logit_bias or {}).items():
+                if 0 <= int(tok) < vocab_size:
+                    rows.append(i)
+                    cols.append(int(tok))
+                    vals.append(float(val))
+        bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        bias_values = torch.tensor(vals, dtype=torch.float32, device=device)
+
+    ban_rows = ban_cols = None
+    ban_r: list[int] = []
+    ban_c: list[int] = []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned.update(eos_token_ids)
+            for tok in banned:
+                if 0 <= tok < vocab_size:
+                    ban_r.append(i)
+                    ban_c.append(tok)
+    if ban_r:
+        ban_rows = torch.tensor(ban_r, dtype=torch.int64, device=device)
+        ban_cols = torch.tensor(ban_c, dtype=torch.int64, device=device)
+
+    num_logprobs = [p.logprobs for p in params]
+    wanted = [k for k in num_logprobs if k is not None]
+    return SamplingMetadata(
+        all_greedy=all_greedy,
+        greedy_rows=greedy_rows,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        output_counts=counts,
+        prompt_mask=prompt_mask,
+        bias_rows=bias_rows,
+        bias_cols=bias_cols,
+        bias_values=bias_values,
+        ban_rows=ban_rows,
+        ban_cols=ban_cols,
+        max_num_logprobs=max(wanted) if wanted else None,
+        num_logprobs=num_logprobs,
+    )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] long
+    logprobs: LogprobsLists | None
+
+
+class Sampler:
+    """Stateless apart from the generator used by unseeded random rows."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw = logits
+        if (
+            meta.bias_rows is not None
+            or meta.ban_rows is not None
+            or meta.output_counts is not None
+        ):
+            logits = logits.clone()
+        if meta.bias_rows is not None:
+            logits.index_put_((meta.bias_rows, meta.bias_cols), meta.bias_values, accumulate=True)
+        if meta.ban_rows is not None:
+            logits[meta.ban_rows, meta.ban_cols] = _NEG_INF
+        if meta.output_counts is not None:
+            logits = apply_penalties(logits, meta)
+
+        if meta.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, meta)
+            if meta.greedy_rows is not None:
+                tokens = torch.where(meta.greedy_rows, logits.argmax(dim=-1), tokens)
+
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw, tokens, meta)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits / meta.temperature
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)
+        if meta.min_p is not None:
+            top = probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < meta.min_p * top, 0.0)
+        # Exp(1) noise as -log(U): several times faster on CPU than exponential_().
+        noise = torch.rand(probs.shape, generator=self.generator, device=probs.device)
+        for row, gen in meta.generators.items():
+            noise[row] = torch.rand(probs.shape[-1], generator=gen, device=probs.device)
+        noise = noise.log_().neg_().clamp_min_(1e-20)  # clamp: U == 1 would give 0/0
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    counts = meta.output_counts
+    assert counts is not None
+    if meta.repetition_penalty is not None and meta.prompt_mask is not None:
+        seen = meta.prompt_mask | (counts > 0)
+        penalty = torch.where(seen, meta.repetition_penalty, 1.0)
+        # Shrinks both signs toward "less likely": divide positives, multiply negatives.
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - meta.frequency_penalty * counts
+    logits = logits - meta.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus to -inf."""
+    if top_p is None:
+        # Cheaper than a full sort: threshold at each row's k-th largest value.
+        assert top_k is not None
+        k_max = int(top_k.max())
+        values = logits.topk(k_max, dim=-1).values
+        kth = values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    vocab = logits.shape[-1]
+    k0 = min(vocab, max(_TOP_P_CANDIDATES, int(top_k.max()) if top_k is not None else 0))
+    if k0 < vocab:
+        narrowed = _top_p_among_candidates(logits, top_k, top_p, k0)
+        if narrowed is not None:
+            return narrowed
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token if the mass strictly before it is below top_p (the first always stays).
+    before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(before >= top_p, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
+
+
+_TOP_P_CANDIDATES = 128
+
+
+def _top_p_among_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor, k0: int
+) -> torch.Tensor | None:
+    """Top-k/top-p using only each row's ``k0`` best tokens (a full sort of the vocabulary
+    is the slowest step of sampling on CPU). Exact when every row's nucleus ends within
+    its candidates; returns None otherwise (a flat distribution), and the caller sorts.
+    """
+    vals, idx = logits.topk(k0, dim=-1)  # sorted, descending
+    full_lse = logits.logsumexp(dim=-1, keepdim=True)
+    if top_k is not None:
+        ranks = torch.arange(k0, device=logits.device).unsqueeze(0)
+        vals = vals.masked_fill(ranks >= top_k.unsqueeze(1), _NEG_INF)
+        # Rows whose top-k lies inside the candidates normalise over the top-k only.
+        lse = torch.where((top_k <= k0).unsqueeze(1), vals.logsumexp(-1, keepdim=True), full_lse)
+    else:
+        lse = full_lse
+    probs = (vals - lse).exp()
+    before = probs.cumsum(dim=-1) - probs
+    drop = before >= top_p
+    complete = drop[:, -1] | torch.isinf(vals[:, -1])
+    if not bool(complete.all()):
+        return None
+    vals = vals.masked_fill(drop, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, idx, vals)
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata
+) -> LogprobsLists:
+    """Rows ``[sampled, top-1..top-N]`` from the raw model logits, plus the sampled rank.
+
+    Rows of requests that asked for no logprobs are empty lists with rank -1.
+    """
+    assert meta.max_num_logprobs is not None
+    logprobs = raw_logits.log_softmax(dim=-1)
+    sampled = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
+    k = meta.max_num_logprobs
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+        vals = torch.cat([sampled, top_vals], dim=1)
+    else:
+        ids, vals = tokens.unsqueeze(1), sampled
+    ids_l, vals_l, ranks_l = ids.tolist(), vals.tolist(), ranks.tolist()
+    out_ids, out_vals, out_ranks = [], [], []
+    for i, n in enumerate(meta.num_logprobs):
+        if n is None:
+            out_ids.append([])
+            out_vals.append([])
+            out_ranks.append(-1)
+        else:
+            out_ids.append(ids_l[i][: n + 1])
+            out_vals.append(vals_l[i][: n + 1])
+            out_ranks.append(ranks_l[i])
+    return LogprobsLists(
+        logprob_token_ids=out_ids, logprobs=out_vals, sampled_token_ranks=out_ranks
+    )
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask (in place) tokens a grammar forbids.
+
+    ``bitmask`` is int32 ``[len(rows), ceil(vocab / 32)]``: bit ``j`` of word ``w`` allows
+    token ``32 * w + j``. Tokens past the bitmask's width (padding of the model's
+    vocabulary) are forbidden.
+    """
+    n, words = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(n, words * 32)
+    vocab = logits.shape[-1]
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        pad = torch.zeros(n, vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)

@@ -1,0 +1,543 @@
+"""The default scheduler: continuous batching over a paged KV cache.
+
+Each step closes, per request, the gap between ``num_computed_tokens`` and the tokens it
+has (prompt + sampled + not-yet-sampled placeholders), within a token budget and a cap
+on running requests. Running requests are served first so decodes never starve; waiting
+requests are admitted in policy order. When the KV cache is full a running request is
+preempted (freed and recomputed later).
+
+Async scheduling needs no separate class: a step that will sample a token adds an
+output *placeholder*, and the next ``schedule()`` already feeds that (unknown to us,
+known to the worker) token back in. When the output arrives the placeholder is replaced
+by the real token. In synchronous use outputs always arrive before the next step, so the
+placeholders are back at zero and the behaviour is the plain one.
+
+Decisions depend only on ``seq_no``/``priority`` and token counts, never on wall-clock
+time or hash iteration order, so identical engines produce identical outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
+from enginecore.builtin_schedulers.waiting_queue import WaitingQueue
+from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
+from enginecore.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
+from enginecore.request import Request, RequestStatus
+from enginecore.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from enginecore.config import EngineConfig
+    from enginecore.interfaces import KVConnectorScheduler
+    from enginecore.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in RequestStatus}
+
+
+class DefaultScheduler(Scheduler):
+    """Continuous batching, chunked prefill, preemption by recompute, prefix caching."""
+
+    supports_async_scheduling = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        policy: SchedulingPolicy,
+        kv_connector: KVConnectorScheduler | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        sched = config.scheduler
+        cache = config.cache
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = cache.block_size
+        self.max_num_seqs = sched.max_num_seqs
+        self.chunked_prefill = sched.chunked_prefill
+        budget = sched.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if sched.chunked_prefill else max_model_len
+        # Every running request must be able to decode one token per step.
+        self.max_num_batched_tokens = max(budget, self.max_num_seqs)
+        # A cap on a prefill chunk only makes sense when prompts may be chunked.
+        self.long_prefill_token_threshold = (
+            sched.long_prefill_token_threshold if sched.chunked_prefill else 0
+        )
+        self.policy = policy
+        self.connector = kv_connector
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            max_model_len,
+            enable_caching=cache.prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+        )
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = WaitingQueue(policy.sort_key)
+        # Finished since the last schedule(): the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+        # Preempted outside schedule() (reset_prefix_cache): reported by the next step.
+        self._pending_preempted: set[str] = set()
+        # Finished requests whose blocks a KV connector is still saving.
+        self._delayed_free: dict[str, Request] = {}
+        self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
+        self._step_id = 0
+        self._num_preemptions_since_stats = 0
+        self._last_num_scheduled_tokens = 0
+
+    # --- requests in and out ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens > self.max_model_len:
+            # The frontend rejects these; a scheduler must never allocate past the end.
+            raise ValueError(
+                f"request {request.request_id!r} has a {request.num_prompt_tokens}-token "
+                f"prompt, longer than max_model_len={self.max_model_len}"
+            )
+        # Resolve max_tokens against max_model_len once, so the per-step cap on
+        # scheduled tokens is a single addition.
+        room = max(self.max_model_len - request.num_prompt_tokens, 1)
+        if request.max_tokens is None or request.max_tokens > room:
+            request.max_tokens = room
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+        if self.log_stats:
+            request.events.append((EngineCoreEventType.QUEUED, time.monotonic()))
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if request_ids is None:
+            ids: Iterable[str] = list(self.requests)
+        elif isinstance(request_ids, str):
+            ids = (request_ids,)
+        else:
+            ids = request_ids
+        finished: list[Request] = []
+        from_running = from_waiting = False
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # unknown or already finished: idempotent
+            if request.status == _RUNNING:
+                from_running = True
+            else:
+                from_waiting = True
+            request.status = finished_status
+            self._release(request)
+            finished.append(request)
+        if finished:
+            self._drop_finished(finished, from_running, from_waiting)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its blocks unless a connector still saves them."""
+        request_id = request.request_id
+        del self.requests[request_id]
+        self.finished_req_ids.add(request_id)
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request_id)
+            delay_free, params = self.connector.request_finished(request, block_ids)
+            if params is not None:
+                request.kv_transfer_params = params
+        if delay_free:
+            self._delayed_free[request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+
+    def _drop_finished(
+        self, finished: list[Request], from_running: bool, from_waiting: bool
+    ) -> None:
+        """Remove finished requests from the running list and the waiting queue at once."""
+        # Identity, not ids: a finished id may already be reused by a new request.
+        gone = {id(r) for r in finished}
+        if from_running:
+            self.running = [r for r in self.running if id(r) not in gone]
+        if from_waiting:
+            self.waiting.remove_many(gone)
+
+    # --- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        kv = self.kv_cache_manager
+        allocate = kv.allocate_slots
+        policy = self.policy
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        running = self.running
+        if threshold and len(running) + len(self.waiting) <= 1:
+            threshold = 0  # a lone prefill is never capped: nothing competes with it
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        running_new_blocks: list[list[int] | None] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests first, in running order.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) + request.num_output_placeholders - computed
+            # Never compute the last output token: prompt + max_tokens - 1 in total.
+            limit = request.num_prompt_tokens + request.max_tokens - 1 - computed
+            if num_new > limit:
+                num_new = limit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                continue  # waiting for outputs of batches in flight
+            new_blocks = allocate(request, num_new)
+            while new_blocks is None:
+                # Out of blocks: preempt the policy's victim and retry.
+                victim = policy.pick_preemption_victim(running)
+                index = running.index(victim)
+                del running[index]
+                if index < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:
+                    # Already scheduled this step: take its tokens back.
+                    budget += num_scheduled.pop(victim.request_id)
+                    j = scheduled_running.index(victim)
+                    del scheduled_running[j]
+                    del running_new_blocks[j]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = allocate(request, num_new)
+            if new_blocks is None:
+                continue  # the request itself was the victim
+            scheduled_running.append(request)
+            running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 2. Waiting requests in policy order; none in a step that had to preempt.
+        scheduled_new: list[Request] = []
+        if not preempted and self.waiting:
+            scheduled_new = self._admit_waiting(budget, threshold, num_scheduled)
+            for request in scheduled_new:
+                budget -= num_scheduled[request.request_id]
+
+        # 3. Build the output and advance the counters.
+        cached = CachedRequestData()
+        cached_ids = cached.req_ids
+        cached_computed = cached.num_computed_tokens
+        structured: list[str] = []
+        for request in scheduled_running:
+            request_id = request.request_id
+            computed = request.num_computed_tokens
+            cached_ids.append(request_id)
+            cached_computed.append(computed)
+            computed += num_scheduled[request_id]
+            request.num_computed_tokens = computed
+            if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token
+            if request.sampling_params.structured_output is not None:
+                structured.append(request_id)
+        cached.new_block_ids = running_new_blocks
+
+        new_reqs: list[NewRequestData] = []
+        now = time.monotonic() if self.log_stats else 0.0
+        for request in scheduled_new:
+            request_id = request.request_id
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                )
+            )
+            computed = request.num_computed_tokens + num_scheduled[request_id]
+            request.num_computed_tokens = computed
+            if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+            if request.sampling_params.structured_output is not None:
+                structured.append(request_id)
+            if self.log_stats:
+                request.events.append((EngineCoreEventType.SCHEDULED, now))
+
+        preempted_ids = {r.request_id for r in preempted}
+        if self._pending_preempted:
+            preempted_ids |= self._pending_preempted
+            self._pending_preempted = set()
+        finished_ids, self.finished_req_ids = self.finished_req_ids, set()
+        total = self.max_num_batched_tokens - budget
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished_ids,
+            preempted_req_ids=preempted_ids,
+            structured_output_request_ids=structured,
+            step_id=self._step_id,
+        )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._last_num_scheduled_tokens = total
+        self._num_preemptions_since_stats += len(preempted)
+        return out
+
+    def _admit_waiting(
+        self, budget: int, threshold: int, num_scheduled: dict[str, int]
+    ) -> list[Request]:
+        """Admit waiting requests while budget, ``max_num_seqs`` and blocks allow."""
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        admitted: list[Request] = []
+        skipped: list[Request] = []
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting.peek()
+            if request.num_output_placeholders:
+                # Preempted while a batch holding it was in flight: resume only once that
+                # output has arrived, or the same position would be sampled twice.
+                break
+            if self._policy_admits and not self.policy.admit(request, self._state(budget)):
+                skipped.append(waiting.pop())
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_external = 0
+            if self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit
+                )
+                if num_external is None:
+                    break  # the connector asks us to retry later; keep the order strict
+                if load_async:
+                    raise NotImplementedError(
+                        "asynchronous KV loads (WAITING_FOR_REMOTE_KVS) are not supported "
+                        "by the default scheduler yet"
+                    )
+            if num_hit + num_external >= request.num_tokens:
+                # Like a local hit: the last token is always computed, for its logits.
+                num_external = max(request.num_tokens - 1 - num_hit, 0)
+            num_new = request.num_tokens - num_hit - num_external
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break  # it does not fit whole: it blocks the queue (strict order)
+                num_new = budget
+            new_blocks = kv.allocate_slots(request, num_new + num_external, num_hit, hit_blocks)
+            if new_blocks is None:
+                break  # no preemption for admission: wait for blocks to free up
+            waiting.pop()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external
+                )
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit + num_external
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit + num_external
+            running.append(request)
+            admitted.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        for request in skipped:
+            waiting.push(request)
+        return admitted
+
+    def _state(self, budget: int) -> SchedulerState:
+        kv = self.kv_cache_manager
+        return SchedulerState(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.block_pool.num_usable_blocks,
+            token_budget_left=budget,
+            step=self._step_id,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it for recomputation."""
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.push(request)
+        if self.log_stats:
+            request.events.append((EngineCoreEventType.PREEMPTED, time.monotonic()))
+
+    # --- outputs ---------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        requests = self.requests
+        sampled_rows = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        max_model_len = self.max_model_len
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        finished: list[Request] = []
+        from_running = from_waiting = False
+        for index, request_id in enumerate(runner_output.req_ids):
+            sampled = sampled_rows[index]
+            if not sampled:
+                continue  # a partial prefill chunk samples nothing
+            request = requests.get(request_id)
+            if request is None or request.num_output_placeholders <= 0:
+                continue  # finished or aborted while its batch was in flight
+            placeholders = request.num_output_placeholders - len(sampled)
+            request.num_output_placeholders = placeholders if placeholders > 0 else 0
+            params = request.sampling_params
+            output_ids = request.output_token_ids
+            all_ids = request.all_token_ids
+            eos = None if params.ignore_eos else request.eos_token_id
+            stop_ids = params.stop_token_ids
+            max_tokens = request.max_tokens
+            status = 0
+            num_taken = 0
+            # Stop checks in order: EOS, stop token, length. EOS and stop tokens win even
+            # below min_tokens: a logits mask upstream keeps them from being sampled.
+            for token in sampled:
+                output_ids.append(token)
+                all_ids.append(token)
+                num_taken += 1
+                if token == eos:
+                    status = _STOPPED
+                    break
+                if stop_ids and token in stop_ids:
+                    status = _STOPPED
+                    request.stop_reason = token
+                    break
+                if len(all_ids) >= max_model_len or len(output_ids) >= max_tokens:
+                    status = _LENGTH_CAPPED
+                    break
+            output = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=sampled if num_taken == len(sampled) else sampled[:num_taken],
+                num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            )
+            if logprobs is not None and params.logprobs is not None:
+                output.new_logprob_token_ids = [logprobs.logprob_token_ids[index]]
+                output.new_logprobs = [logprobs.logprobs[index]]
+                output.new_sampled_ranks = [logprobs.sampled_token_ranks[index]]
+            if request.events:
+                output.events = request.events
+                request.events = []
+            if status:
+                if request.status == _RUNNING:
+                    from_running = True
+                else:
+                    from_waiting = True  # preempted: an in-flight output stopped it
+                request.status = status  # type: ignore[assignment]
+                output.finish_reason = _FINISH_REASON[status]
+                output.stop_reason = request.stop_reason
+                self._release(request)
+                if request.kv_transfer_params is not None:
+                    output.kv_transfer_params = request.kv_transfer_params
+                finished.append(request)
+            client_outputs = per_client.get(request.client_index)
+            if client_outputs is None:
+                per_client[request.client_index] = [output]
+            else:
+                client_outputs.append(output)
+        if finished:
+            self._drop_finished(finished, from_running, from_waiting)
+        connector_output = runner_output.kv_connector_output
+        if connector_output is not None and self._delayed_free:
+            for request_id in sorted(connector_output.finished_sending):
+                request = self._delayed_free.pop(request_id, None)
+                if request is not None:
+                    self.kv_cache_manager.free(request)
+        return {
+            client: EngineCoreOutputs(outputs=outputs) for client, outputs in per_client.items()
+        }
+
+    # --- queries and maintenance -----------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached hash. Fails while requests hold blocks, unless asked to
+        preempt every running request first (they are recomputed later)."""
+        if reset_running_requests and self.running:
+            for request in reversed(self.running):
+                self._preempt(request)
+                self._pending_preempted.add(request.request_id)
+            self._num_preemptions_since_stats += len(self.running)
+            self.running = []
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        kv = self.kv_cache_manager
+        prefix = kv.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_since_stats,
+            step_counter=self._step_id,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+        )
+        self._num_preemptions_since_stats = 0
+        return stats
+
+    def leak_report(self) -> list[str]:
+        """Empty when no request state is left and every KV block is free or cached."""
+        problems: list[str] = []
+        for name, value in (
+            ("requests", self.requests),
+            ("running", self.running),
+            ("waiting", list(self.waiting)),
+            ("unreported finished ids", self.finished_req_ids),
+            ("delayed frees", self._delayed_free),
+        ):
+            if value:
+                problems.append(f"{name} not empty: {sorted(_ids(value))[:20]}")
+        return problems + self.kv_cache_manager.leak_report()
+
+
+def _ids(items: Any) -> list[str]:
+    if isinstance(items, dict):
+        return list(items)
+    return [getattr(x, "request_id", x) for x in items]

@@ -1,0 +1,51 @@
+"""The waiting queue, kept in policy order (a heap on ``policy.sort_key``)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from enginecore.request import Request
+
+
+class WaitingQueue:
+    """Requests waiting for admission; the smallest sort key comes out first.
+
+    A preempted request is pushed back with its original key, so under FCFS it lands
+    at the front again. Equal keys keep insertion order (a counter breaks ties, so
+    requests themselves are never compared).
+    """
+
+    def __init__(self, sort_key: Callable[[Request], Any]) -> None:
+        self._sort_key = sort_key
+        self._heap: list[tuple[Any, int, Request]] = []
+        self._counter = itertools.count()
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (self._sort_key(request), next(self._counter), request))
+
+    def peek(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove_many(self, object_ids: set[int]) -> None:
+        """Drop the requests whose ``id()`` is given (aborts: rare, so O(n) is fine)."""
+        heap = [e for e in self._heap if id(e[2]) not in object_ids]
+        if len(heap) != len(self._heap):
+            heapq.heapify(heap)
+            self._heap = heap
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order."""
+        return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))

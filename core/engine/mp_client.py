@@ -1,0 +1,303 @@
+"""Clients that run the engine core in its own process and talk to it over ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from enginecore.config import EngineConfig
+from enginecore.engine.client import EngineCoreClient
+from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
+from enginecore.errors import EngineCoreError, EngineDeadError
+from enginecore.protocol import (
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
+from enginecore.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_MS = 200  # how often a silent output socket triggers a process check
+
+
+class UtilityError(EngineCoreError):
+    """A utility call raised inside the engine core (the engine keeps running)."""
+
+
+ENGINE_ENTRY = "from enginecore.engine.core_proc import main; main()"
+
+
+def _dead_message(proc: subprocess.Popen) -> str:
+    return (
+        f"the engine core process (pid {proc.pid}) died unexpectedly with exit code {proc.poll()}"
+    )
+
+
+def _cleanup(proc, ctx, sockets, tmpdir: str) -> None:
+    """Runs at shutdown, garbage collection or interpreter exit: no zombie is left."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    for sock in sockets:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class _EngineProcess:
+    """Starts the engine process on private IPC sockets and performs the handshake.
+
+    The process is a fresh interpreter (not a multiprocessing spawn), so user scripts
+    need no ``if __name__ == "__main__"`` guard and nothing of the caller is re-imported.
+    """
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700
+        input_address = f"ipc://{self.tmpdir}/input"
+        output_address = f"ipc://{self.tmpdir}/output"
+        self.input_socket = ctx.socket(zmq.PUSH)
+        self.input_socket.bind(input_address)
+        self.output_socket = ctx.socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address],
+            stdin=subprocess.PIPE,
+        )
+        self.proc.stdin.write(msgspec.msgpack.encode(config))
+        self.proc.stdin.close()
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def handshake(self, timeout: float) -> EngineCoreReadyResponse:
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        waited = 0.0
+        while True:
+            if poller.poll(LIVENESS_POLL_MS):
+                break
+            waited += LIVENESS_POLL_MS / 1000
+            if not self.is_alive():
+                raise EngineDeadError(
+                    f"the engine core process exited with code {self.proc.returncode} "
+                    f"before it was ready (see its log above for the cause)"
+                )
+            if waited > timeout:
+                raise EngineCoreError(f"the engine core was not ready within {timeout:.0f} s")
+        frames = self.output_socket.recv_multipart(flags=zmq.NOBLOCK)
+        if isinstance(frames, asyncio.Future | Future):  # zmq.asyncio socket
+            frames = frames.result()
+        if bytes(frames[0]) == HANDSHAKE_FAILED:
+            self.proc.wait(10)
+            raise EngineCoreError(f"the engine core failed to start: {bytes(frames[1]).decode()}")
+        if bytes(frames[0]) != HANDSHAKE_READY:
+            raise EngineCoreError("unexpected first message from the engine core")
+        return MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+
+
+class _MPClientBase(EngineCoreClient):
+    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.engine = _EngineProcess(config, ctx)
+        self.proc = self.engine.proc
+        self._finalizer = weakref.finalize(
+            self,
+            _cleanup,
+            self.proc,
+            ctx,
+            [self.engine.input_socket, self.engine.output_socket],
+            self.engine.tmpdir,
+        )
+        try:
+            self.ready = self.engine.handshake(config.engine.ready_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.input_socket = self.engine.input_socket
+        self.output_socket = self.engine.output_socket
+        self._call_ids = itertools.count(1)
+        self.dead_error: EngineDeadError | None = None
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.input_socket.send_multipart([kind.value, *self.encoder.encode(payload)], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_error is None:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def _dead(self, message: str) -> EngineDeadError:
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError(message)
+        return self.dead_error
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(_MPClientBase):
+    """Used by ``LLM``: a reader thread routes outputs and utility results, and watches
+    the engine process so a death is noticed within a bounded time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, zmq.Context())
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._utility_futures: dict[int, Future] = {}
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True)
+        self._reader.start()
+
+    def _read_outputs(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = poller.poll(LIVENESS_POLL_MS)
+            except zmq.ZMQError:
+                return
+            if not ready:
+                if self.proc.poll() is not None and not self._stop.is_set():
+                    self._fail(self._dead(_dead_message(self.proc)))
+                    return
+                continue
+            try:
+                frames = self.output_socket.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return
+            outputs = self.decoder.decode(frames)
+            if outputs.utility_output is not None:
+                future = self._utility_futures.pop(outputs.utility_output.call_id, None)
+                if future is not None:
+                    _resolve(future, outputs.utility_output)
+                continue
+            if outputs.engine_dead is not None:
+                self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
+                return
+            self.outputs.put(outputs)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self.outputs.put(error)
+        for future in self._utility_futures.values():
+            future.set_exception(error)
+        self._utility_futures.clear()
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self.outputs.get()
+        if isinstance(item, EngineDeadError):
+            self.outputs.put(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._utility_futures[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        return future.result()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        super().shutdown()
+
+
+class AsyncMPClient(_MPClientBase):
+    """Used by ``AsyncLLM``: an asyncio task routes outputs and utility results."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, zmq.asyncio.Context())
+        self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._utility_futures: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self.outputs = asyncio.Queue()
+            self._reader = asyncio.get_running_loop().create_task(self._read_outputs())
+
+    async def _read_outputs(self) -> None:
+        while True:
+            ready = await self.output_socket.poll(LIVENESS_POLL_MS)
+            if not ready:
+                if self.proc.poll() is not None:
+                    self._fail(self._dead(_dead_message(self.proc)))
+                    return
+                continue
+            frames = await self.output_socket.recv_multipart(copy=False)
+            outputs = self.decoder.decode(frames)
+            if outputs.utility_output is not None:
+                future = self._utility_futures.pop(outputs.utility_output.call_id, None)
+                if future is not None and not future.done():
+                    _resolve(future, outputs.utility_output)
+                continue
+            if outputs.engine_dead is not None:
+                self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
+                return
+            self.outputs.put_nowait(outputs)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self.outputs.put_nowait(error)
+        for future in self._utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_futures.clear()
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise TypeError("AsyncMPClient: use 'await get_output_async()'")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_reader()
+        item = await self.outputs.get()
+        if isinstance(item, EngineDeadError):
+            self.outputs.put_nowait(item)
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise TypeError("AsyncMPClient: use 'await call_utility_async(...)'")
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_reader()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_futures[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        return await future
+
+    def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        super().shutdown()
+
+
+def _resolve(future: Any, utility_output: Any) -> None:
+    if utility_output.failure_message is not None:
+        future.set_exception(UtilityError(utility_output.failure_message))
+    else:
+        future.set_result(utility_output.result)

@@ -1,0 +1,114 @@
+"""msgpack (msgspec) encoding for the frontend <-> engine-core sockets.
+
+Tensors and ndarrays at or above a size threshold travel as separate ZeroMQ frames
+(zero-copy: the frame is the array's own buffer); smaller ones are inlined. Objects
+msgpack cannot express (a callable for ``collective_rpc``, an arbitrary utility result)
+are cloudpickled into an extension type. These sockets are private to one deployment
+(IPC in a 0700 directory, or loopback TCP), never exposed to API clients.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+import msgspec
+import numpy as np
+
+# Extension type codes (wire ABI).
+EXT_NDARRAY_INLINE = 1
+EXT_NDARRAY_FRAME = 2
+EXT_TENSOR_INLINE = 3
+EXT_TENSOR_FRAME = 4
+EXT_PICKLE = 5
+
+DEFAULT_FRAME_THRESHOLD = 256  # bytes
+
+Frames = list[Any]  # bytes / memoryview / zmq.Frame
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class MsgpackEncoder:
+    """Encodes one message into ``[main_frame, *array_frames]``; reuses its main buffer."""
+
+    def __init__(self, frame_threshold: int = DEFAULT_FRAME_THRESHOLD) -> None:
+        self.frame_threshold = frame_threshold
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._buffer = bytearray()
+        self._aux: list[Any] | None = None
+
+    def encode(self, obj: Any) -> Frames:
+        self._aux = []
+        try:
+            self._encoder.encode_into(obj, self._buffer)
+            # The main frame is copied once by zmq; the buffer is reused next time.
+            return [bytes(self._buffer), *self._aux]
+        finally:
+            self._aux = None
+
+    def _array_ext(self, arr: np.ndarray, inline_code: int, frame_code: int) -> msgspec.msgpack.Ext:
+        arr = np.ascontiguousarray(arr)
+        meta = (arr.dtype.str, arr.shape)
+        if arr.nbytes >= self.frame_threshold and self._aux is not None:
+            self._aux.append(memoryview(arr).cast("B"))
+            index = len(self._aux)  # frame index in the multipart message
+            return msgspec.msgpack.Ext(frame_code, msgspec.msgpack.encode((*meta, index)))
+        return msgspec.msgpack.Ext(inline_code, msgspec.msgpack.encode((*meta, arr.tobytes())))
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray) and obj.dtype != object:
+            return self._array_ext(obj, EXT_NDARRAY_INLINE, EXT_NDARRAY_FRAME)
+        torch = _torch()
+        if isinstance(obj, torch.Tensor):
+            tensor = obj.detach().cpu()
+            if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+                arr = tensor.view(torch.int16).numpy()
+                ext = self._array_ext(arr, EXT_TENSOR_INLINE, EXT_TENSOR_FRAME)
+                return msgspec.msgpack.Ext(ext.code, msgspec.msgpack.encode(("bf16", ext.data)))
+            ext = self._array_ext(tensor.numpy(), EXT_TENSOR_INLINE, EXT_TENSOR_FRAME)
+            return msgspec.msgpack.Ext(ext.code, msgspec.msgpack.encode(("", ext.data)))
+        return msgspec.msgpack.Ext(EXT_PICKLE, cloudpickle.dumps(obj, protocol=5))
+
+
+class MsgpackDecoder:
+    """Decodes ``[main_frame, *array_frames]`` into ``type_`` (or plain data)."""
+
+    def __init__(self, type_: Any = Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook)
+        self._frames: Sequence[Any] = ()
+
+    def decode(self, frames: Sequence[Any]) -> Any:
+        self._frames = frames
+        try:
+            return self._decoder.decode(_buffer(frames[0]))
+        finally:
+            self._frames = ()
+
+    def _array(self, data: bytes, framed: bool) -> np.ndarray:
+        dtype, shape, payload = msgspec.msgpack.decode(data)
+        buf = _buffer(self._frames[payload]) if framed else payload
+        return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code in (EXT_NDARRAY_INLINE, EXT_NDARRAY_FRAME):
+            return self._array(data, code == EXT_NDARRAY_FRAME)
+        if code in (EXT_TENSOR_INLINE, EXT_TENSOR_FRAME):
+            torch = _torch()
+            kind, inner = msgspec.msgpack.decode(data)
+            arr = self._array(inner, code == EXT_TENSOR_FRAME)
+            tensor = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
+            return tensor.view(torch.bfloat16) if kind == "bf16" else tensor
+        if code == EXT_PICKLE:
+            return pickle.loads(data)
+        raise ValueError(f"unknown msgpack extension type {code}")
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame

@@ -1,0 +1,58 @@
+"""Shared fixtures: random-weight checkpoints made once per test session, offline."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import pytest
+
+CheckpointFactory = Callable[..., pathlib.Path]
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
+    """``factory(arch="llama", size="tiny", seed=0)`` -> checkpoint dir, made once per key."""
+    from enginecore.checkpoints import make_random_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    made: dict[tuple[str, str, int], pathlib.Path] = {}
+
+    def factory(arch: str = "llama", size: str = "tiny", seed: int = 0) -> pathlib.Path:
+        key = (arch, size, seed)
+        if key not in made:
+            made[key] = make_random_checkpoint(
+                root / f"{arch}-{size}-{seed}", arch=arch, size=size, seed=seed
+            )
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint_factory: CheckpointFactory) -> pathlib.Path:
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(checkpoint_factory: CheckpointFactory) -> pathlib.Path:
+    return checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(checkpoint_factory: CheckpointFactory) -> pathlib.Path:
+    return checkpoint_factory("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(checkpoint_factory: CheckpointFactory) -> pathlib.Path:
+    return checkpoint_factory("gpt2")
+
+
+@pytest.fixture(scope="session")
+def model_refs() -> dict[str, str]:
+    """Architecture -> ``module:Class``, from the real plugin manager's built-ins."""
+    from enginecore.plugins import make_plugin_manager
+
+    registry = make_plugin_manager(load_entrypoints=False).registry("model")
+    return {name: registry.entry(name).ref for name in registry.names()}
