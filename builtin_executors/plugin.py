@@ -12,3 +12,18 @@ def register_executors(registry) -> None:
         "enginecore.builtin_executors.uniproc:UniProcExecutor",
         summary="one worker inside the engine-core process",
     )
+    registry.add(
+        "mp",
+        "enginecore.builtin_executors.multiproc:MultiprocExecutor",
+        summary="one spawned worker process per rank (ZeroMQ broadcast)",
+    )
+    registry.add(
+        "ray",
+        "enginecore.builtin_executors.ray_executor:RayExecutor",
+        summary="workers as Ray actors in a placement group (multi-node); needs enginecore[ray]",
+    )
+    registry.add(
+        "external_launcher",
+        "enginecore.builtin_executors.external_launcher:ExternalLauncherExecutor",
+        summary="one in-process worker per torchrun rank; every rank runs a whole engine",
+    )

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from enginecore.builtin_executors.rpc import RankError, method_name
 from enginecore.config import EngineConfig
-from enginecore.errors import EngineCoreError
+from enginecore.errors import ConfigError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.registry import import_ref
 
-
-class RankError(EngineCoreError):
-    """A collective_rpc call raised on one rank; the message names the rank."""
-
-    def __init__(self, rank: int, method: str, exc: BaseException) -> None:
-        super().__init__(f"rank {rank} raised in {method}: {type(exc).__name__}: {exc}")
-        self.rank = rank
-        self.original = exc
-
-
-def method_name(method: str | Callable[..., Any]) -> str:
-    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+__all__ = ["RankError", "UniProcExecutor", "method_name"]
 
 
 class UniProcExecutor(Executor):
@@ -34,10 +25,19 @@ class UniProcExecutor(Executor):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
-        worker_cls = import_ref(worker_spec.worker_ref)
-        self.worker = worker_cls(config, worker_spec, plugin_host=plugin_host)
+        self.worker = self._build_worker(plugin_host)
         self.worker.init_device()
         self.worker.load_model()
+
+    def _build_worker(self, plugin_host: Any) -> Any:
+        if self.config.parallel.world_size != 1:
+            raise ConfigError(
+                f"executor 'uni' runs one worker, but tensor_parallel_size * "
+                f"pipeline_parallel_size = {self.config.parallel.world_size}; use executor "
+                "'mp' (or 'ray', or 'external_launcher' under torchrun)"
+            )
+        worker_cls = import_ref(self.worker_spec.worker_ref)
+        return worker_cls(self.config, self.worker_spec, plugin_host=plugin_host)
 
     def collective_rpc(
         self,
@@ -55,14 +55,24 @@ class UniProcExecutor(Executor):
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
-                raise RankError(0, method_name(method), exc) from exc
+                raise RankError(self.worker.rank, method_name(method), exc) from exc
             return result if unique_reply_rank is not None else [result]
 
         if non_block:
             return self._thread.submit(call)
         # Blocking calls still go through the thread, so they queue behind in-flight work
         # in order instead of racing it.
-        return self._thread.submit(call).result(timeout)
+        future = self._thread.submit(call)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"collective_rpc {method_name(method)!r} timed out after {timeout} s "
+                f"on rank {self.worker.rank}"
+            ) from None
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        shutdown = getattr(self.worker, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from enginecore.config import EngineConfig
-from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.distributed import (
+    SINGLE_RANK,
+    ParallelContext,
+    destroy_distributed,
+    init_distributed,
+    resolve_backend,
+)
 from enginecore.errors import EngineCoreError
 from enginecore.interfaces import ModelRunner, WorkerSpec
 from enginecore.interfaces import Worker as WorkerABC
@@ -50,6 +56,7 @@ class Worker(WorkerABC):
         local_rank: int = 0,
         parallel: ParallelContext = SINGLE_RANK,
         plugin_host: Any = None,
+        distributed_init_method: str | None = None,
     ) -> None:
         self.config = config
         self.worker_spec = worker_spec
@@ -57,6 +64,7 @@ class Worker(WorkerABC):
         self.local_rank = local_rank
         self.parallel = parallel
         self.plugin_host = plugin_host
+        self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
@@ -68,6 +76,25 @@ class Worker(WorkerABC):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.model.seed)
+        par = self.config.parallel
+        if self.device.type == "cpu" and par.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one host share its cores; oversubscribed threads slow every rank.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.world_size))
+        if par.world_size > 1 and self.parallel.world_size == 1:
+            # Join the TP/PP process group (gloo on CPU, NCCL on CUDA); every rank of this
+            # executor calls this at the same time with the same init_method.
+            if self.distributed_init_method is None:
+                raise EngineCoreError(
+                    f"rank {self.rank}: world size {par.world_size} needs a "
+                    "distributed_init_method from the executor"
+                )
+            self.parallel = init_distributed(
+                rank=self.rank,
+                tp_size=par.tensor_parallel_size,
+                pp_size=par.pipeline_parallel_size,
+                init_method=self.distributed_init_method,
+                backend=resolve_backend(par.distributed_backend, self.device.type),
+            )
 
     def load_model(self) -> None:
         runner_cls = import_ref(self.worker_spec.model_runner_ref)
@@ -120,6 +147,14 @@ class Worker(WorkerABC):
 
     def get_pid(self) -> int:
         return os.getpid()
+
+    def get_rank(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        """Leave the process group (a no-op at world size 1)."""
+        if self.parallel.world_size > 1:
+            destroy_distributed()
 
     # --- RPC dispatch -------------------------------------------------------------------
 

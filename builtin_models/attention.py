@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,8 @@ class AttentionMetadata:
     block_size: int
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
+    # Set by the runner when the decode group is served from a DecodeMirror this step.
+    mirror: Any = None
 
 
 def _group_mask(context_lens: torch.Tensor, max_q: int, max_kv: int) -> torch.Tensor:
@@ -172,6 +175,17 @@ def paged_attention(
     if kv_cache is None:
         return _attend_without_cache(query, key, value, meta, scale)
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    if meta.mirror is not None and meta.decode is not None:
+        n = meta.decode.num_tokens
+        decoded = meta.mirror.attend(query[:n], key[:n], value[:n], kv_cache, scale)
+        if meta.prefill is None:
+            return decoded
+        out = torch.empty_like(query)
+        out[:n] = decoded
+        grp = meta.prefill
+        sl = slice(grp.token_start, grp.token_start + grp.num_tokens)
+        out[sl] = _attend_group(query[sl], kv_cache, grp, scale)
+        return out
     groups = [grp for grp in (meta.decode, meta.prefill) if grp is not None]
     if len(groups) == 1:
         return _attend_group(query, kv_cache, groups[0], scale)

@@ -1,9 +1,18 @@
-"""Building blocks shared by the model architectures.
+"""Building blocks shared by the model architectures, sharded for tensor parallelism.
 
-Linear layers are shaped for tensor parallelism (column-parallel splits the output
-dimension, row-parallel the input dimension) and each parameter carries a
-``weight_loader`` that copies a full checkpoint tensor into this rank's shard. Only
-``tp_size == 1`` is supported today; the shapes and loaders are where TP slots in.
+Column-parallel layers split the output dimension across the TP ranks (no
+communication); row-parallel layers split the input dimension and all-reduce their
+partial outputs; the vocabulary-parallel embedding splits the vocabulary (each rank looks
+up the ids it owns, zeros the rest, all-reduce) and the LM head computes this rank's
+slice of the logits, then all-gathers them. Every parameter carries a ``weight_loader``
+that copies this rank's shard out of the full checkpoint tensor, so checkpoints stay in
+the ordinary unsharded HF layout. Collectives go through ``torch.distributed`` on the
+group in the ``ParallelContext`` (gloo on CPU, NCCL on CUDA); at ``tp_size == 1`` every
+layer is the plain dense one and nothing communicates.
+
+KV heads are split across ranks when there are at least ``tp_size`` of them; with fewer
+(``num_kv_heads < tp_size``), each KV head is replicated on ``tp_size / num_kv_heads``
+ranks.
 
 Parameters are created with ``torch.empty`` (no random init): every one is overwritten
 by ``load_weights``, and skipping init makes building a model nearly free.
@@ -22,12 +31,35 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 
 
-def _check_tp(parallel: ParallelContext) -> None:
-    if parallel.tp_size != 1:
-        raise NotImplementedError(
-            f"tensor_parallel_size={parallel.tp_size}: the torch runner's models are "
-            "TP-shaped but do not shard yet; use tensor_parallel_size=1"
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(
+            f"{what} ({total}) is not divisible by tensor_parallel_size ({parts}); "
+            "choose a tensor_parallel_size that divides it"
         )
+    return total // parts
+
+
+def tp_all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """Sum ``x`` over the TP group, in place (identity at tp_size 1)."""
+    if parallel.tp_size == 1:
+        return x
+    import torch.distributed as dist
+
+    dist.all_reduce(x, group=parallel.tp_group)
+    return x
+
+
+def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """Concatenate every TP rank's ``x`` along the last dimension, in rank order."""
+    if parallel.tp_size == 1:
+        return x
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
+    dist.all_gather(parts, x, group=parallel.tp_group)
+    return torch.cat(parts, dim=-1)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
@@ -43,7 +75,10 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W split along the output dim across TP ranks."""
+    """``y = x W^T + b`` with W (and b) split along the output dim across TP ranks.
+
+    The output is this rank's slice (the next layer is row-parallel and consumes it).
+    """
 
     def __init__(
         self,
@@ -55,31 +90,64 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        _check_tp(parallel)
+        self.parallel = parallel
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _param((out_features, in_features), dtype)
+        self.out_local = divide(out_features, parallel.tp_size, "output features")
+        self.weight = _param((self.out_local, in_features), dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = None
         if bias:
-            self.bias = _param((out_features,), dtype)
+            self.bias = _param((self.out_local,), dtype)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
-        default_weight_loader(param, loaded)
+        rank = self.parallel.tp_rank
+        default_weight_loader(param, loaded.narrow(0, rank * self.out_local, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(ColumnParallelLinear):
-    """W split along the input dim; partial outputs are all-reduced (no-op at tp=1)."""
+class RowParallelLinear(nn.Module):
+    """W split along the input dim; the partial outputs are all-reduced, then the (whole,
+    unsplit) bias is added once."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.in_features, self.out_features = in_features, out_features
+        self.in_local = divide(in_features, parallel.tp_size, "input features")
+        self.weight = _param((out_features, self.in_local), dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = _param((out_features,), dtype)
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        rank = self.parallel.tp_rank
+        default_weight_loader(param, loaded.narrow(1, rank * self.in_local, self.in_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+        return out if self.bias is None else out + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several projections of the same input fused into one matmul (e.g. gate and up).
 
-    Checkpoints store them separately; ``weight_loader(param, tensor, shard_index)``
-    writes each into its rows.
+    Each projection is split across ranks on its own, so a rank holds
+    ``[gate_slice; up_slice]``. Checkpoints store them separately;
+    ``weight_loader(param, tensor, shard_index)`` writes each into its rows, and
+    ``shard=None`` takes one tensor holding all of them back to back (GPT-2's c_attn).
     """
 
     def __init__(
@@ -90,20 +158,40 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool,
         parallel: ParallelContext,
         dtype: torch.dtype,
+        local_sizes: Sequence[int] | None = None,
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias, parallel=parallel, dtype=dtype)
-        self.output_offsets = [0, *list(_cumsum(output_sizes))]
+        self.output_sizes = list(output_sizes)
+        if local_sizes is None:
+            local_sizes = [divide(n, parallel.tp_size, "output features") for n in output_sizes]
+        self.local_sizes = list(local_sizes)
+        nn.Module.__init__(self)
+        self.parallel = parallel
+        self.in_features, self.out_features = in_features, sum(output_sizes)
+        self.out_local = sum(self.local_sizes)
+        self.weight = _param((self.out_local, in_features), dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = None
+        if bias:
+            self.bias = _param((self.out_local,), dtype)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.output_offsets = [0, *list(_cumsum(self.local_sizes))]
         # load_params checks that every shard of a fused parameter was loaded.
         for p in (self.weight, self.bias):
             if p is not None:
                 p.num_shards = len(output_sizes)  # type: ignore[attr-defined]
 
+    def shard_start(self, shard: int) -> int:
+        """Where this rank's rows of projection ``shard`` start in the full tensor."""
+        return self.parallel.tp_rank * self.local_sizes[shard]
+
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         if shard is None:
-            default_weight_loader(param, loaded)
+            for index, part in enumerate(torch.split(loaded, self.output_sizes, dim=0)):
+                self.weight_loader(param, part, index)
             return
         start, end = self.output_offsets[shard], self.output_offsets[shard + 1]
-        default_weight_loader(param.data[start:end], loaded)
+        piece = loaded.narrow(0, self.shard_start(shard), end - start)
+        default_weight_loader(param.data[start:end], piece)
 
 
 def _cumsum(values: Sequence[int]) -> list[int]:
@@ -115,7 +203,11 @@ def _cumsum(values: Sequence[int]) -> list[int]:
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Q, K and V projections fused; shards are addressed as "q", "k", "v"."""
+    """Q, K and V projections fused; shards are addressed as "q", "k", "v".
+
+    Query heads are split across ranks; KV heads too when there are at least
+    ``tp_size`` of them, otherwise each rank holds the one KV head its query heads use.
+    """
 
     def __init__(
         self,
@@ -128,9 +220,27 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         parallel: ParallelContext,
         dtype: torch.dtype,
     ) -> None:
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias=bias, parallel=parallel, dtype=dtype)
-        self.q_size, self.kv_size = sizes[0], sizes[1]
+        tp = parallel.tp_size
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_head_start = parallel.tp_rank * self.num_kv_heads
+        else:
+            divide(tp, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
+            self.num_kv_heads = 1  # replicated: tp / num_kv_heads ranks share one head
+            self.kv_head_start = parallel.tp_rank * num_kv_heads // tp
+        self.head_dim = head_dim
+        full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        local = [self.num_heads * head_dim, *[self.num_kv_heads * head_dim] * 2]
+        super().__init__(
+            hidden_size, full, bias=bias, parallel=parallel, dtype=dtype, local_sizes=local
+        )
+        self.q_size, self.kv_size = local[0], local[1]
+
+    def shard_start(self, shard: int) -> int:
+        if shard == 0:
+            return self.parallel.tp_rank * self.q_size
+        return self.kv_head_start * self.head_dim
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
@@ -138,25 +248,75 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding (would be split along the vocabulary across TP ranks)."""
+    """Token embedding split along the vocabulary (padded to a multiple of tp_size).
+
+    Each rank looks up the ids in its range, zeros the others, and the TP all-reduce
+    assembles the full embedding.
+    """
 
     def __init__(
         self, num_embeddings: int, dim: int, *, parallel: ParallelContext, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        _check_tp(parallel)
-        self.weight = _param((num_embeddings, dim), dtype)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.parallel = parallel
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = _param((self.per_rank, dim), dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        if self.parallel.tp_size == 1:
+            default_weight_loader(param, loaded)
+            return
+        if loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"shape mismatch: vocabulary {self.num_embeddings}, checkpoint "
+                f"{tuple(loaded.shape)}"
+            )
+        n = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        default_weight_loader(param.data[:n], loaded[self.vocab_start : self.vocab_end])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.parallel.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(out, self.parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection (vocab-parallel); may share its weight with the embedding."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return F.linear(hidden, self.weight)
+        return vocab_parallel_logits(hidden, self)
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+    """Full-vocabulary logits from a vocab-parallel weight: local slice, then all-gather."""
+    logits = F.linear(hidden, head.weight)
+    if head.parallel.tp_size == 1:
+        return logits
+    return tp_all_gather_last_dim(logits, head.parallel)[..., : head.num_embeddings]
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands in for a layer that lives on another pipeline stage (no parameters)."""
+
+
+def pp_layer_range(num_layers: int, parallel: ParallelContext) -> tuple[int, int]:
+    """``[start, end)`` of the layers this pipeline stage runs (earlier stages take the
+    remainder)."""
+    if num_layers < parallel.pp_size:
+        raise ValueError(
+            f"pipeline_parallel_size {parallel.pp_size} exceeds the model's {num_layers} layers"
+        )
+    base, extra = divmod(num_layers, parallel.pp_size)
+    start = parallel.pp_rank * base + min(parallel.pp_rank, extra)
+    return start, start + base + (1 if parallel.pp_rank < extra else 0)
 
 
 class RMSNorm(nn.Module):

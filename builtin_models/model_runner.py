@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
+from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.sampler import (
     Sampler,
     apply_grammar_bitmask,
@@ -80,6 +83,7 @@ class TorchModelRunner(ModelRunner):
         self.hf_config: Any = None
         self.dtype = torch.float32
         self.kv_caches: list[torch.Tensor] | None = None
+        self.decode_mirror: DecodeMirror | None = None
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
         self._step: _StepState | None = None
@@ -172,7 +176,9 @@ class TorchModelRunner(ModelRunner):
             return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
         import psutil
 
-        return int(psutil.virtual_memory().available * cache_cfg.cpu_kv_cache_fraction)
+        # On CPU the ranks share the host's RAM: each takes its share of the fraction.
+        share = cache_cfg.cpu_kv_cache_fraction / self.parallel.world_size
+        return int(psutil.virtual_memory().available * share)
 
     def _profile_run(self) -> None:
         """A forward at the largest batch (no KV cache) to measure peak activation memory."""
@@ -194,18 +200,50 @@ class TorchModelRunner(ModelRunner):
             decode=None,
             prefill=None,
         )
-        hidden = self.model(ids, positions, None, meta)
-        rows = min(self.config.scheduler.max_num_seqs, total)
-        self.model.compute_logits(hidden[:rows])
+        hidden = self._forward(ids, positions, None, meta)
+        if self.parallel.is_last_pp_rank:
+            rows = min(self.config.scheduler.max_num_seqs, total)
+            self.model.compute_logits(hidden[:rows])
         del hidden
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(m.num_layers)
-        ]
+        self.kv_caches = [self._zeroed(shape) for _ in range(m.num_layers)]
         self.num_blocks = num_blocks
+        self.decode_mirror = None
+        if self.device.type == "cpu":
+            # On CPU, gathering paged K/V every decode step is memory-bound: mirror the
+            # decode batch densely, in at most as much memory as the paged cache itself.
+            self.decode_mirror = DecodeMirror(
+                m.num_layers,
+                m.num_kv_heads,
+                m.head_dim,
+                self.dtype,
+                self.device,
+                max_bytes=sum(c.numel() * c.element_size() for c in self.kv_caches),
+                max_len=self.get_max_model_len(),
+            )
+
+    def _plan_decode_mirror(self, decodes: list[str]) -> list[str] | None:
+        if self.decode_mirror is None or not decodes:
+            return None
+        states = self.requests
+        return self.decode_mirror.plan(
+            decodes,
+            {r: states[r].num_computed_tokens for r in decodes},
+            {r: states[r].block_ids for r in decodes},
+            self.kv_caches,
+        )
+
+    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero KV tensor. On CPU it is an anonymous mapping: the OS hands out zero
+        pages on first touch, so RSS grows with the blocks actually used instead of the
+        whole cache being written up front."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)
 
     # --- request state --------------------------------------------------------------
 
@@ -268,6 +306,9 @@ class TorchModelRunner(ModelRunner):
         scheduled = so.num_scheduled_tokens
         decodes = [r for r, n in scheduled.items() if n == 1]
         prefills = [r for r, n in scheduled.items() if n != 1]
+        mirror = self._plan_decode_mirror(decodes)
+        if mirror is not None:
+            decodes = mirror  # row order of the dense decode mirror
         order = decodes + prefills
         num_reqs = len(order)
 
@@ -316,15 +357,56 @@ class TorchModelRunner(ModelRunner):
             bs,
             dev,
         )
+        if mirror is not None:
+            meta.mirror = self.decode_mirror
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        hidden = self._forward(ids_t, pos_t, self.kv_caches, meta)
         logits = None
-        if sample_rows:
+        if sample_rows and self.parallel.is_last_pp_rank:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         self._step = _StepState(order, sample_req_ids, logits)
         return None
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The model's forward on this rank; pipeline stages receive the previous stage's
+        hidden states and send theirs on (torch.distributed point-to-point)."""
+        par = self.parallel
+        if par.pp_size == 1:
+            return self.model(ids, positions, kv_caches, meta)
+        import torch.distributed as dist
+
+        received = None
+        if not par.is_first_pp_rank:
+            received = torch.empty(
+                ids.shape[0], self.model.hidden_size, dtype=self.dtype, device=self.device
+            )
+            dist.recv(received, src=par.prev_pp_rank)
+        hidden = self.model(ids, positions, kv_caches, meta, received)
+        if not par.is_last_pp_rank:
+            dist.send(hidden.contiguous(), dst=par.next_pp_rank)
+        return hidden
+
+    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> list[int]:
+        """Every rank learns the output rank's sampled tokens (broadcast over the world).
+
+        Ranks that sampled the same logits would agree anyway; the broadcast makes it a
+        guarantee, and gives earlier pipeline stages the tokens they embed next step.
+        """
+        import torch.distributed as dist
+
+        buf = torch.empty(count, dtype=torch.int64, device=self.device)
+        if tokens is not None:
+            buf.copy_(tokens)
+        dist.broadcast(buf, src=self.parallel.output_rank)
+        return buf.tolist()
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -339,7 +421,17 @@ class TorchModelRunner(ModelRunner):
             return ModelRunnerOutput()
         index = {r: i for i, r in enumerate(step.req_ids)}
         sampled: list[list[int]] = [[] for _ in step.req_ids]
-        if step.logits is None:
+        if not step.sample_req_ids:
+            return ModelRunnerOutput(
+                req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
+            )
+        if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
+            tokens = self._share_sampled(None, len(step.sample_req_ids))
+            for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
+                state = self.requests[req_id]
+                state.output_token_ids.append(token)
+                state.token_ids.append(token)
+                sampled[index[req_id]] = [token]
             return ModelRunnerOutput(
                 req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
             )
@@ -357,7 +449,10 @@ class TorchModelRunner(ModelRunner):
             self.device,
         )
         out = self.sampler(logits, meta)
-        tokens = out.token_ids.tolist()
+        if self.parallel.world_size > 1:
+            tokens = self._share_sampled(out.token_ids, len(states))
+        else:
+            tokens = out.token_ids.tolist()
         for state, token in zip(states, tokens, strict=True):
             state.output_token_ids.append(token)
             state.token_ids.append(token)
@@ -410,6 +505,7 @@ class TorchModelRunner(ModelRunner):
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
+        self.decode_mirror = None
         if level >= 2:
             self.model = None
         gc.collect()

@@ -230,8 +230,12 @@ def load_params(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     rename: Callable[[str], tuple[str, Any] | None],
+    stacked: dict[str, tuple[str, Any]] | None = None,
 ) -> None:
     """Copy checkpoint tensors into ``model``'s parameters.
+
+    ``stacked`` (checkpoint projection -> (fused parameter, shard)) lets a missing shard
+    be reported under the checkpoint's own tensor name.
 
     ``rename(ckpt_name)`` returns ``(param_name, shard)`` (shard: None, or the part of a
     fused parameter), or None to skip the tensor. Raises :class:`MissingWeightsError`
@@ -270,7 +274,18 @@ def load_params(
         if shards is None:
             missing.append(name)
         elif len(shards - {None}) < getattr(param, "num_shards", 0) and None not in shards:
-            missing.append(f"{name} (only shards {sorted(map(str, shards))})")
+            expected = {
+                shard: ckpt
+                for ckpt, (fused, shard) in (stacked or {}).items()
+                if f".{fused}." in f".{name}"
+            }
+            absent = [ckpt for shard, ckpt in expected.items() if shard not in shards]
+            if absent:
+                for ckpt in absent:
+                    fused = stacked[ckpt][0]
+                    missing.append(name.replace(f".{fused}.", f".{ckpt}."))
+            else:
+                missing.append(f"{name} (only shards {sorted(map(str, shards))})")
     if missing:
         raise MissingWeightsError(
             f"checkpoint is missing {len(missing)} weight tensor(s) for "

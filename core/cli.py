@@ -148,6 +148,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- benchmarks ----------------------------------------------------------------------
+
+
+BENCHMARKS = {
+    "throughput": ("enginecore.bench.throughput", "offline throughput against transformers"),
+    "latency": ("enginecore.bench.latency", "end-to-end latency of one batch"),
+    "serve": ("enginecore.bench.serving", "load-test a running OpenAI-compatible server"),
+}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[args.bench_command][0]).run(args)
+
+
 # --- entry point ----------------------------------------------------------------------
 
 
@@ -184,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(show, model_positional=False)
     show.add_argument("--format", choices=["toml", "json"], default="toml")
     show.set_defaults(func=cmd_config_show)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        import importlib
+
+        bench = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(bench)
+        bench.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo-model", help="make the offline demo model (or a random one)")
     p.add_argument("dir", nargs="?", help="target directory (default: the cache)")

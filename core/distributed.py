@@ -1,15 +1,24 @@
-"""Where a rank sits in the tensor/pipeline-parallel layout (passed to models and runners)."""
+"""Where a rank sits in the tensor/pipeline-parallel layout, and setting that layout up.
+
+Ranks are laid out pipeline-major: ``rank = pp_rank * tp_size + tp_rank``. Each pipeline
+stage is one tensor-parallel group of consecutive ranks; a pipeline group joins the ranks
+with the same ``tp_rank`` across stages. The last stage's TP rank 0 is the *output rank*:
+it samples and its ModelRunnerOutput is the one the scheduler sees.
+
+torch is imported lazily: the frontend and the scheduler never need it.
+"""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """This rank's place in the parallel layout. ``tp_group`` is a torch.distributed group
-    (None when tp_size == 1)."""
+    """This rank's place in the parallel layout. ``tp_group``/``pp_group`` are
+    torch.distributed groups (None when that size is 1)."""
 
     rank: int = 0
     world_size: int = 1
@@ -28,5 +37,110 @@ class ParallelContext:
     def is_last_pp_rank(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    @property
+    def output_rank(self) -> int:
+        return output_rank(self.tp_size, self.pp_size)
+
+    @property
+    def prev_pp_rank(self) -> int:
+        """Global rank of the same TP rank in the previous stage."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_pp_rank(self) -> int:
+        return self.rank + self.tp_size
+
 
 SINGLE_RANK = ParallelContext()
+
+
+def output_rank(tp_size: int, pp_size: int) -> int:
+    """The rank whose ModelRunnerOutput the engine uses: TP rank 0 of the last stage."""
+    return (pp_size - 1) * tp_size
+
+
+def layout(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
+    """``(tp_rank, pp_rank)`` of a global rank."""
+    if not 0 <= rank < tp_size * pp_size:
+        raise ValueError(f"rank {rank} is outside world size {tp_size * pp_size}")
+    return rank % tp_size, rank // tp_size
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the rendezvous of one executor's ranks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_init_method() -> str:
+    return f"tcp://127.0.0.1:{free_loopback_port()}"
+
+
+def resolve_backend(wanted: str, device_type: str) -> str:
+    if wanted != "auto":
+        return wanted
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_distributed(
+    *,
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    init_method: str,
+    backend: str,
+    timeout_s: float = 600.0,
+) -> ParallelContext:
+    """Join the process group and build the TP and PP groups; returns this rank's context.
+
+    Every rank must call this with the same sizes: ``new_group`` is itself collective and
+    every rank creates every group, in the same order.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    world_size = tp_size * pp_size
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"torch.distributed is already initialized with world size "
+            f"{dist.get_world_size()}, but the config asks for tp*pp = {world_size}"
+        )
+    tp_rank, pp_rank = layout(rank, tp_size, pp_size)
+    tp_group = pp_group = None
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if stage == pp_rank:
+            tp_group = group
+    for t in range(tp_size):
+        ranks = [t + s * tp_size for s in range(pp_size)]
+        group = dist.new_group(ranks) if pp_size > 1 else None
+        if t == tp_rank:
+            pp_group = group
+    return ParallelContext(
+        rank=rank,
+        world_size=world_size,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        tp_group=tp_group,
+        pp_group=pp_group,
+    )
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

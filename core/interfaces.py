@@ -174,6 +174,12 @@ class Executor(ABC):
         self._failure_callbacks: list[FailureCallback] = []
         self.is_sleeping = False
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose ModelRunnerOutput the engine uses (TP rank 0 of the last PP stage)."""
+        par = self.config.parallel
+        return (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+
     @abstractmethod
     def collective_rpc(
         self,
@@ -195,14 +201,20 @@ class Executor(ABC):
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future | None:
         return self.collective_rpc(
-            "execute_model", args=(scheduler_output,), non_block=non_block, unique_reply_rank=0
+            "execute_model",
+            args=(scheduler_output,),
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
         )
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
         return self.collective_rpc(
-            "sample_tokens", args=(grammar_output,), non_block=non_block, unique_reply_rank=0
+            "sample_tokens",
+            args=(grammar_output,),
+            non_block=non_block,
+            unique_reply_rank=self.output_rank,
         )
 
     def determine_available_memory(self) -> list[int]:

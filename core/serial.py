@@ -35,6 +35,27 @@ def _torch():
     return torch
 
 
+class Unpicklable:
+    """Stands in for an object that could not be unpickled on this side (for example a
+    function whose module the receiving process cannot import)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Unpicklable({self.error!r})"
+
+
+def find_unpicklable(value: Any, depth: int = 3) -> Unpicklable | None:
+    if isinstance(value, Unpicklable):
+        return value
+    if depth and isinstance(value, list | tuple):
+        return next(filter(None, (find_unpicklable(v, depth - 1) for v in value)), None)
+    if depth and isinstance(value, dict):
+        return next(filter(None, (find_unpicklable(v, depth - 1) for v in value.values())), None)
+    return None
+
+
 class MsgpackEncoder:
     """Encodes one message into ``[main_frame, *array_frames]``; reuses its main buffer."""
 
@@ -106,7 +127,10 @@ class MsgpackDecoder:
             tensor = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
             return tensor.view(torch.bfloat16) if kind == "bf16" else tensor
         if code == EXT_PICKLE:
-            return pickle.loads(data)
+            try:
+                return pickle.loads(data)
+            except Exception as exc:  # keep the rest of the message usable
+                return Unpicklable(f"{type(exc).__name__}: {exc}")
         raise ValueError(f"unknown msgpack extension type {code}")
 
 

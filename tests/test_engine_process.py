@@ -104,6 +104,18 @@ def test_pause_modes_and_resume(llm) -> None:
         client.call_utility("pause_scheduler", "sideways")
 
 
+def touch_kv_cache(worker) -> None:
+    """Module-level on purpose: the engine cannot import this test module."""
+    for cache in worker.model_runner.kv_caches:
+        cache.fill_(0)
+
+
+def test_a_callable_the_engine_cannot_unpickle_is_a_clear_error(llm) -> None:
+    with pytest.raises(UtilityError, match=r"could not be unpickled.*test_engine_process"):
+        llm.collective_rpc(touch_kv_cache)
+    assert llm.engine_client.call_utility("ping") == "pong"
+
+
 def test_sleep_frees_kv_cache_memory_and_wake_up_restores(tiny_llama) -> None:
     with LLM(
         tiny_llama, dtype="float32", kv_cache_bytes=256 * 1024 * 1024, max_model_len=1024
@@ -112,6 +124,13 @@ def test_sleep_frees_kv_cache_memory_and_wake_up_restores(tiny_llama) -> None:
         before = llm.generate(
             "a b c", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         )
+
+        # KV pages are committed on first touch: touch them all, as a long run would.
+        def touch(worker) -> None:  # nested, so it is pickled by value
+            for cache in worker.model_runner.kv_caches:
+                cache.fill_(0)
+
+        llm.collective_rpc(touch)
         rss_awake = proc.memory_info().rss
         llm.engine_client.call_utility("sleep", 1)
         assert llm.engine_client.call_utility("is_sleeping") is True

@@ -13,8 +13,10 @@ from enginecore.builtin_models.attention import AttentionMetadata, paged_attenti
 from enginecore.builtin_models.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 from enginecore.builtin_models.weight_loader import load_params
 from enginecore.distributed import SINGLE_RANK, ParallelContext
@@ -35,13 +37,14 @@ class GPT2Attention(nn.Module):
     def __init__(self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         hidden = cfg.n_embd
-        self.num_heads = cfg.n_head
-        self.head_dim = hidden // self.num_heads
+        self.head_dim = hidden // cfg.n_head
         self.scale = self.head_dim**-0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
-        # GPT-2's fused c_attn is already [q; k; v] in one tensor, so a plain column linear.
-        self.c_attn = ColumnParallelLinear(
-            hidden, 3 * hidden, bias=True, parallel=parallel, dtype=dtype
+        # GPT-2's fused c_attn is [q; k; v] in one checkpoint tensor: the QKV layer splits
+        # it per projection, then per rank (shard=None in its loader).
+        self.c_attn = QKVParallelLinear(
+            hidden, self.head_dim, cfg.n_head, cfg.n_head, bias=True, parallel=parallel, dtype=dtype
         )
+        self.num_heads = self.c_attn.num_heads  # this rank's heads
         self.c_proj = RowParallelLinear(hidden, hidden, bias=True, parallel=parallel, dtype=dtype)
 
     def forward(
@@ -121,9 +124,16 @@ class GPT2LMHeadModel(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        if parallel.pp_size > 1:
+            raise NotImplementedError(
+                "GPT-2 supports tensor parallelism but not pipeline parallelism yet; "
+                "use pipeline_parallel_size=1"
+            )
         self.config = hf_config
+        self.parallel = parallel
+        self.hidden_size = hf_config.n_embd
         self.transformer = GPT2Model(hf_config, parallel, dtype)
-        self.num_kv_heads = hf_config.n_head
+        self.num_kv_heads = self.transformer.h[0].attn.num_heads  # this rank's heads
         self.head_dim = hf_config.n_embd // hf_config.n_head
         self.num_layers = hf_config.n_layer
 
@@ -137,7 +147,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.transformer.wte.weight)  # tied LM head
+        return vocab_parallel_logits(hidden_states, self.transformer.wte)  # tied LM head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def transposed(

@@ -13,12 +13,15 @@ from enginecore.builtin_models.attention import AttentionMetadata, paged_attenti
 from enginecore.builtin_models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
+    PPMissingLayer,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    pp_layer_range,
     rope_parameters,
+    vocab_parallel_logits,
 )
 from enginecore.builtin_models.weight_loader import load_params
 from enginecore.distributed import SINGLE_RANK, ParallelContext
@@ -29,21 +32,24 @@ class LlamaAttention(nn.Module):
         self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            total_heads,
+            total_kv_heads,
             bias=is_qwen2 or bool(getattr(cfg, "attention_bias", False)),
             parallel=parallel,
             dtype=dtype,
         )
+        # This rank's share of the heads (all of them at tp_size 1).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim,
+            total_heads * self.head_dim,
             cfg.hidden_size,
             bias=bool(getattr(cfg, "attention_bias", False)) and not is_qwen2,
             parallel=parallel,
@@ -122,19 +128,34 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack. Under pipeline parallelism a stage holds only its layers (the
+    others are parameter-free placeholders, so parameter names stay global), the first
+    stage the embedding and the last stage the final norm."""
+
     def __init__(
         self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
-        )
+        self.parallel = parallel
+        self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, parallel)
+        self.embed_tokens = None
+        if parallel.is_first_pp_rank:
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.norm = None
+        if parallel.is_last_pp_rank:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        attn = self.layers[self.start_layer].self_attn
+        self.rotary = RotaryEmbedding(
+            attn.head_dim, cfg.max_position_embeddings, rope_parameters(cfg)
+        )
 
     def forward(
         self,
@@ -142,13 +163,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
         meta: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(
-                positions, hidden, self.rotary, kv_caches[i] if kv_caches else None, meta
-            )
-        return self.norm(hidden)
+        """``hidden_states`` is the previous stage's output (pipeline stages after the
+        first); returns the final normed hidden states, or this stage's output."""
+        hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        for i in range(self.start_layer, self.end_layer):
+            cache = kv_caches[i - self.start_layer] if kv_caches else None
+            hidden = self.layers[i](positions, hidden, self.rotary, cache, meta)
+        return hidden if self.norm is None else self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,19 +194,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = hf_config
+        self.parallel = parallel
+        self.hidden_size = hf_config.hidden_size
         # Qwen2: biased q/k/v, unbiased o_proj; Llama/Mistral: attention_bias for all four.
         is_qwen2 = getattr(hf_config, "model_type", "") == "qwen2"
         self.model = LlamaModel(hf_config, parallel, dtype, is_qwen2)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
+        # A tied head reuses the embedding, unless that lives on another pipeline stage.
+        self.lm_head = None
+        if parallel.is_last_pp_rank and not (
+            self.tie_word_embeddings and parallel.is_first_pp_rank
+        ):
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, parallel=parallel, dtype=dtype
             )
-        attn = self.model.layers[0].self_attn
+        attn = self.model.layers[self.model.start_layer].self_attn
+        # Per rank: this rank's KV heads, and this stage's layers (what the KV cache holds).
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.num_layers = len(self.model.layers)
+        self.num_layers = self.model.end_layer - self.model.start_layer
 
     def forward(
         self,
@@ -191,22 +219,38 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
         attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return vocab_parallel_logits(hidden_states, head)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = set(dict(self.named_parameters()))
+        pp = self.parallel.pp_size > 1
+
         def rename(name: str) -> tuple[str, Any] | None:
             if "rotary_emb" in name:
                 return None
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None  # the embedding is loaded under its own name
+            if (
+                name == "model.embed_tokens.weight"
+                and self.tie_word_embeddings
+                and self.model.embed_tokens is None
+                and self.lm_head is not None
+            ):
+                return "lm_head.weight", None  # tied head on the last pipeline stage
             for ckpt, (fused, shard) in self.stacked_params.items():
                 if f".{ckpt}." in name:
-                    return name.replace(f".{ckpt}.", f".{fused}."), shard
-            return name, None
+                    name, target = name.replace(f".{ckpt}.", f".{fused}."), shard
+                    break
+            else:
+                target = None
+            if pp and name not in params:
+                return None  # lives on another pipeline stage
+            return name, target
 
-        load_params(self, weights, rename)
+        load_params(self, weights, rename, self.stacked_params)

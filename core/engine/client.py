@@ -74,6 +74,8 @@ class InprocClient(EngineCoreClient):
 
 
 def use_multiprocessing(config: EngineConfig) -> bool:
+    if config.parallel.executor == "external_launcher":
+        return False  # every torchrun rank is a whole engine, in its own process already
     env = os.environ.get("ENGINECORE_MULTIPROCESSING")
     if env is not None:
         return env.strip().lower() not in ("0", "false", "no", "off")

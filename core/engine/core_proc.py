@@ -31,7 +31,7 @@ from enginecore.protocol import (
     UtilityOutput,
 )
 from enginecore.request import FinishReason, RequestStatus
-from enginecore.serial import MsgpackDecoder, MsgpackEncoder
+from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,13 @@ class EngineCoreProc(EngineCore):
         try:
             if method not in UTILITY_METHODS:
                 raise ValueError(f"{method!r} is not a utility method of the engine core")
+            broken = find_unpicklable(args)
+            if broken is not None:
+                raise ValueError(
+                    f"an argument could not be unpickled in the engine process ({broken.error}). "
+                    f"Functions are sent by reference to their module: define the function "
+                    f"inside another function, or make its module importable by the engine."
+                )
             output.result = getattr(self, method)(*args)
         except Exception as exc:
             output.failure_message = f"{type(exc).__name__}: {exc}"

@@ -12,13 +12,7 @@ from typing import Any
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import EngineCoreClient, make_client
 from enginecore.engine.input_processor import InputProcessor, PromptType
-from enginecore.engine.output import (
-    OutputKind,
-    OutputProcessor,
-    ParentRequest,
-    RequestOutput,
-    RequestState,
-)
+from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import InvalidRequestError
 from enginecore.params import SamplingParams
@@ -150,40 +144,11 @@ class LLM:
         return prepared
 
     def _add(self, request: Any, text: str | None, params: SamplingParams) -> str:
-        request_id = request.request_id
-        if params.n == 1:
-            self.output_processor.add_request(
-                RequestState(
-                    request_id,
-                    text,
-                    request.prompt_token_ids,
-                    params,
-                    self.tokenizer,
-                    output_kind=OutputKind.FINAL_ONLY,
-                )
-            )
-            self.engine_client.add_request(request)
-            return request_id
-        parent = ParentRequest(request_id, params.n)
-        for index in range(params.n):
-            child_params = ParentRequest.child_params(request.sampling_params, index)
-            child = request.__class__(**{f: getattr(request, f) for f in request.__struct_fields__})
-            child.request_id = ParentRequest.child_id(request_id, index)
-            child.sampling_params = child_params
-            self.output_processor.add_request(
-                RequestState(
-                    child.request_id,
-                    text,
-                    request.prompt_token_ids,
-                    child_params,
-                    self.tokenizer,
-                    output_kind=OutputKind.FINAL_ONLY,
-                    parent=parent,
-                    index=index,
-                )
-            )
-            self.engine_client.add_request(child)
-        return request_id
+        for engine_request in self.output_processor.add_engine_request(
+            request, text, output_kind=OutputKind.FINAL_ONLY
+        ):
+            self.engine_client.add_request(engine_request)
+        return request.request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -7,9 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from enginecore.engine.detokenizer import IncrementalDetokenizer
 from enginecore.params import SamplingParams
-from enginecore.protocol import EngineCoreEventType, EngineCoreOutput
+from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from enginecore.request import FinishReason
 
 
@@ -219,6 +221,53 @@ class OutputProcessor:
         if state.parent is not None:
             self.parents[state.parent.request_id] = state.parent
             state.parent.children[state.index] = state
+
+    def add_engine_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        *,
+        output_kind: OutputKind,
+        queue: Any = None,
+    ) -> list[EngineCoreRequest]:
+        """Track one user request; returns the engine requests to send (n of them if n > 1)."""
+        params = request.sampling_params
+        if params.n == 1:
+            self.add_request(
+                RequestState(
+                    request.request_id,
+                    prompt,
+                    request.prompt_token_ids,
+                    params,
+                    self.tokenizer,
+                    output_kind=output_kind,
+                    queue=queue,
+                )
+            )
+            return [request]
+        parent = ParentRequest(request.request_id, params.n)
+        children = []
+        for index in range(params.n):
+            child = msgspec.structs.replace(
+                request,
+                request_id=ParentRequest.child_id(request.request_id, index),
+                sampling_params=ParentRequest.child_params(params, index),
+            )
+            self.add_request(
+                RequestState(
+                    child.request_id,
+                    prompt,
+                    request.prompt_token_ids,
+                    child.sampling_params,
+                    self.tokenizer,
+                    output_kind=output_kind,
+                    parent=parent,
+                    index=index,
+                    queue=queue,
+                )
+            )
+            children.append(child)
+        return children
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)

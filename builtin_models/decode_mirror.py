@@ -1,0 +1,217 @@
+"""A dense mirror of the decode batch's K/V, so steady-state decode attention copies nothing.
+
+Paged attention in plain torch has to gather every decode request's blocks into a padded
+tensor each step and layer: on CPU that memcpy of the whole context is most of a decode
+step. The mirror keeps, per layer, ``[2, rows, kv_heads, capacity, head_dim]`` with one
+row per decoding request. A request that keeps decoding only appends one position per
+step; its context is copied from the paged cache once, when it starts decoding. The
+paged cache stays the source of truth (prefix caching, preemption, connectors); the
+mirror is a per-runner acceleration, dropped whenever anything about a row is in doubt.
+
+Rows are kept compact (``0..n-1`` in batch order): a request that leaves the decode
+batch is swap-removed, new ones are appended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_T_ALIGN = 64  # capacity grows in steps of this many positions
+
+
+@dataclass
+class MirrorStep:
+    """What one step's decode attention needs from the mirror."""
+
+    num_rows: int
+    write_pos: torch.Tensor  # [n] position of this step's token in each row
+    kv_len: int  # positions to attend over (max context + 1)
+    mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
+
+
+class DecodeMirror:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_bytes: int,
+        max_len: int,
+    ) -> None:
+        self.num_layers = num_layers
+        self.shape_hd = (num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.max_bytes = max_bytes
+        self.max_len = max_len
+        self.layers: list[torch.Tensor] = []
+        self.layer_of: dict[int, int] = {}  # kv cache data_ptr -> layer index
+        self.rows: list[str] = []  # request id of each row
+        self.row_of: dict[str, int] = {}
+        self.row_len: list[int] = []  # positions valid in each row
+        self.step: MirrorStep | None = None
+
+    # --- capacity -----------------------------------------------------------------------
+
+    def _capacity(self) -> tuple[int, int]:
+        if not self.layers:
+            return 0, 0
+        return self.layers[0].shape[1], self.layers[0].shape[3]
+
+    def _bytes(self, rows: int, length: int) -> int:
+        h, d = self.shape_hd
+        return self.num_layers * 2 * rows * h * length * d * self.dtype.itemsize
+
+    def _ensure(self, rows: int, length: int) -> bool:
+        cap_r, cap_t = self._capacity()
+        if rows <= cap_r and length <= cap_t:
+            return True
+        new_r = max(rows, cap_r, 8)
+        if rows > cap_r:
+            new_r = max(rows, 2 * cap_r)
+        new_t = max(cap_t, -(-length // _T_ALIGN) * _T_ALIGN)
+        if length > cap_t:
+            new_t = min(max(new_t, 2 * cap_t), -(-self.max_len // _T_ALIGN) * _T_ALIGN)
+            new_t = max(new_t, length)
+        if self._bytes(new_r, new_t) > self.max_bytes:
+            new_r, new_t = max(rows, cap_r), max(length, cap_t)
+            if self._bytes(new_r, new_t) > self.max_bytes:
+                return False
+        h, d = self.shape_hd
+        keep = len(self.rows)
+        grown = []
+        for old in self.layers or [None] * self.num_layers:
+            new = torch.zeros((2, new_r, h, new_t, d), dtype=self.dtype, device=self.device)
+            if old is not None and keep:
+                new[:, :keep, :, : old.shape[3]] = old[:, :keep]
+            grown.append(new)
+        self.layers = grown
+        return True
+
+    def reset(self) -> None:
+        self.layers = []
+        self.rows, self.row_of, self.row_len = [], {}, []
+        self.step = None
+
+    # --- per step -----------------------------------------------------------------------
+
+    def plan(
+        self,
+        decodes: list[str],
+        context_lens: dict[str, int],
+        block_ids: dict[str, list[int]],
+        kv_caches: list[torch.Tensor],
+    ) -> list[str] | None:
+        """Order this step's decode requests by row, filling rows for newcomers.
+
+        Returns the decode order, or None when the mirror cannot hold the batch (the
+        caller then uses plain paged attention for this step).
+        """
+        self.step = None
+        wanted = set(decodes)
+        # A row is reusable only if it holds exactly the request's context so far.
+        stale = [
+            r
+            for r, rid in enumerate(self.rows)
+            if rid not in wanted or self.row_len[r] != context_lens[rid]
+        ]
+        self._remove_rows(stale)
+        newcomers = [rid for rid in decodes if rid not in self.row_of]
+        n = len(self.rows) + len(newcomers)
+        kv_len = max(context_lens[rid] for rid in decodes) + 1
+        if not self._ensure(n, kv_len):
+            self.reset()
+            return None
+        self.layer_of = {cache.data_ptr(): i for i, cache in enumerate(kv_caches)}
+        if newcomers:
+            self._fill(newcomers, context_lens, block_ids, kv_caches)
+        order = list(self.rows)
+        ctx = torch.tensor([context_lens[rid] for rid in order], dtype=torch.int64)
+        self.row_len = [c + 1 for c in ctx.tolist()]  # after this step's token is written
+        ctx = ctx.to(self.device)
+        mask = torch.arange(kv_len, device=self.device)[None, :] <= ctx[:, None]
+        self.step = MirrorStep(
+            num_rows=n, write_pos=ctx, kv_len=kv_len, mask=mask[:, None, None, :]
+        )
+        return order
+
+    def _remove_rows(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        holes, moves_from = [], []
+        for r in sorted(rows, reverse=True):
+            last = len(self.rows) - 1
+            del self.row_of[self.rows[r]]
+            if r != last:  # move the last row into the hole
+                self.rows[r] = self.rows[last]
+                self.row_len[r] = self.row_len[last]
+                self.row_of[self.rows[r]] = r
+                holes.append(r)
+                moves_from.append(last)
+            self.rows.pop()
+            self.row_len.pop()
+        if holes:
+            # Sequential moves may chain (a moved row moved again); apply them in order.
+            for layer in self.layers:
+                for dst, src in zip(holes, moves_from, strict=True):
+                    layer[:, dst] = layer[:, src]
+
+    def _fill(
+        self,
+        newcomers: list[str],
+        context_lens: dict[str, int],
+        block_ids: dict[str, list[int]],
+        kv_caches: list[torch.Tensor],
+    ) -> None:
+        start = len(self.rows)
+        for rid in newcomers:
+            self.row_of[rid] = len(self.rows)
+            self.rows.append(rid)
+            self.row_len.append(context_lens[rid])
+        longest = max(context_lens[rid] for rid in newcomers)
+        if longest == 0:
+            return
+        block_size = kv_caches[0].shape[2]
+        nb = -(-longest // block_size)
+        table = torch.zeros((len(newcomers), nb), dtype=torch.int64)
+        for i, rid in enumerate(newcomers):
+            ids = block_ids[rid][:nb]
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        flat = table.reshape(-1).to(self.device)
+        rows = slice(start, start + len(newcomers))
+        for cache, layer in zip(kv_caches, self.layers, strict=True):
+            _, num_blocks, bs, h, d = cache.shape
+            kv = cache.view(2, num_blocks, bs * h * d).index_select(1, flat)
+            kv = kv.view(2, len(newcomers), nb * bs, h, d)[:, :, :longest].transpose(2, 3)
+            layer[:, rows, :, :longest] = kv
+
+    # --- attention --------------------------------------------------------------------
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Decode attention for the first ``num_rows`` tokens (one per row, in row order)."""
+        step = self.step
+        layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
+        n = step.num_rows
+        rows = torch.arange(n, device=self.device)
+        layer[0, rows, :, step.write_pos] = key
+        layer[1, rows, :, step.write_pos] = value
+        k = layer[0, :n, :, : step.kv_len]
+        v = layer[1, :n, :, : step.kv_len]
+        hq, d = query.shape[1], query.shape[2]
+        hkv = k.shape[1]
+        g = hq // hkv
+        q = query.view(n, hkv, g, d)  # the G query heads of a KV head share its keys
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scale)
+        return out.reshape(n, hq, d)

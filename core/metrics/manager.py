@@ -1,0 +1,63 @@
+"""Fans each step's stats out to the selected stat loggers, in the frontend process.
+
+A logger that raises is reported once and then skipped for that call: a broken plugin
+never breaks serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from enginecore.interfaces import IterationStats, StatLogger
+from enginecore.protocol import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatLoggerManager:
+    """Builds ``observability.stat_loggers`` from the plugin host's ``stat_logger`` registry."""
+
+    def __init__(self, config: Any, plugin_host: Any, engine_index: int = 0) -> None:
+        registry = plugin_host.registry("stat_logger")
+        self.loggers: list[StatLogger] = []
+        self.names: list[str] = []
+        for name in config.observability.stat_loggers:
+            cls = registry.get(name)  # an unknown name raises, listing the known ones
+            self.loggers.append(cls(config, engine_index))
+            self.names.append(name)
+        self._warned: set[str] = set()
+
+    def _call_all(self, method: str, *args: Any) -> None:
+        for name, stat_logger in zip(self.names, self.loggers, strict=True):
+            try:
+                getattr(stat_logger, method)(*args)
+            except Exception:
+                if f"{name}.{method}" not in self._warned:
+                    self._warned.add(f"{name}.{method}")
+                    logger.exception(
+                        "stat logger %r raised in %s (further errors hidden)", name, method
+                    )
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_index: int = 0,
+    ) -> None:
+        self._call_all("record", scheduler_stats, iteration_stats, engine_index)
+
+    def log(self) -> None:
+        self._call_all("log")
+
+    def log_engine_initialized(self) -> None:
+        self._call_all("log_engine_initialized")
+
+    def close(self) -> None:
+        for stat_logger in self.loggers:
+            close = getattr(stat_logger, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    logger.exception("stat logger %r raised in close", stat_logger)

@@ -1,0 +1,154 @@
+"""The OpenAI-compatible HTTP server: ``build_app(config)`` and ``run_server(config)``.
+
+``run_server`` starts the engine first (so a bad model or config fails before anything
+listens), logs what was resolved, then serves with uvicorn on one event loop shared with
+the :class:`~enginecore.AsyncLLM`. The ``prometheus`` stat logger is always added: it
+feeds ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from enginecore.config import EngineConfig
+from enginecore.server import chat, completions, control, info
+from enginecore.server.context import ServerContext
+from enginecore.server.errors import install_error_handlers
+from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
+from enginecore.version import __version__
+
+logger = logging.getLogger("enginecore.server")
+
+API_KEY_ENV = "ENGINECORE_API_KEY"
+
+
+def server_config(config: EngineConfig) -> EngineConfig:
+    """The config the server runs: ``prometheus`` among the stat loggers, the API key from
+    ``ENGINECORE_API_KEY`` when the config has none."""
+    changes: dict[str, Any] = {}
+    loggers = list(config.observability.stat_loggers)
+    if "prometheus" not in loggers:
+        changes["stat_loggers"] = [*loggers, "prometheus"]
+    if config.server.api_key is None and os.environ.get(API_KEY_ENV):
+        changes["api_key"] = os.environ[API_KEY_ENV]
+    return config.replace(**changes) if changes else config
+
+
+def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
+    """The ASGI app. Without ``engine``, its lifespan starts (and stops) an AsyncLLM."""
+    config = server_config(config)
+    ctx = ServerContext(config=config, engine=engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        owned = None
+        if ctx.engine is None:
+            from enginecore.engine.async_llm import AsyncLLM
+
+            owned = ctx.engine = AsyncLLM(config=config)
+            log_startup(ctx)
+        try:
+            yield
+        finally:
+            if owned is not None:
+                owned.shutdown()
+
+    app = FastAPI(
+        title="enginecore",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(info.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(control.router)
+    if config.server.enable_collective_rpc_endpoint:
+        logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
+        app.include_router(control.rpc_router)
+    # Outermost first: the size limit, then the key check, then the routes.
+    if config.server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.server.max_request_body_bytes)
+    return app
+
+
+def log_startup(ctx: ServerContext) -> None:
+    engine = ctx.engine
+    ready = engine.ready
+    components = ", ".join(f"{kind}={value}" for kind, value in engine.components.items())
+    logger.info(
+        "enginecore %s: model %r served as %r; max_model_len %d; %d KV blocks of %d tokens; "
+        "components: %s",
+        __version__,
+        ctx.model_path,
+        ctx.model_name,
+        ready.max_model_len,
+        ready.num_blocks,
+        ready.block_size,
+        components,
+    )
+    server = ctx.config.server
+    logger.info(
+        "API key %s; request body limit %d bytes; n <= %d; logprobs <= %d; max_tokens <= %s",
+        "required on /v1 and control routes" if server.api_key else "not set (open server)",
+        server.max_request_body_bytes,
+        server.max_n,
+        server.max_logprobs,
+        server.max_tokens_limit if server.max_tokens_limit is not None else "max_model_len",
+    )
+
+
+def _show_info_logs() -> None:
+    # The CLI's root logger defaults to WARNING; the server's own lines (start-up, the
+    # periodic stats line) are INFO and meant to be seen.
+    for name in ("enginecore.server", "enginecore.metrics"):
+        named = logging.getLogger(name)
+        if named.level == logging.NOTSET:
+            named.setLevel(logging.INFO)
+
+
+async def serve(config: EngineConfig) -> None:
+    """Start the engine, then serve HTTP until interrupted; the engine stops with it."""
+    import uvicorn
+
+    from enginecore.engine.async_llm import AsyncLLM
+
+    config = server_config(config)
+    _show_info_logs()
+    engine = AsyncLLM(config=config)
+    try:
+        app = build_app(config, engine)
+        log_startup(app.state.ctx)
+        host, port = config.server.host, config.server.port
+        if host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
+            logger.warning(
+                "listening on %s without an API key: anyone who can reach it may use it", host
+            )
+        uv_config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            access_log=config.observability.log_requests,
+            timeout_graceful_shutdown=5,
+        )
+        logger.info("listening on http://%s:%d", host, port)
+        await uvicorn.Server(uv_config).serve()
+    finally:
+        engine.shutdown()
+
+
+def run_server(config: EngineConfig) -> None:
+    """``enginecore serve``: blocks until the server stops."""
+    asyncio.run(serve(config))

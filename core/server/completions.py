@@ -1,0 +1,198 @@
+"""``POST /v1/completions``: text completion, streamed (SSE) or whole."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from enginecore.engine.output import OutputKind, RequestOutput
+from enginecore.errors import EngineCoreError
+from enginecore.server.context import ServerContext, context
+from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.logprobs import completion_logprobs
+from enginecore.server.protocol import CompletionRequest
+from enginecore.server.sampling import check_model, to_sampling_params
+from enginecore.server.streaming import (
+    DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    merge_streams,
+    sse,
+    unless_disconnected,
+)
+
+router = APIRouter()
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    assert last is not None
+    return last
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    ctx = context(request)
+    engine = ctx.engine
+    check_model(body.model, ctx.model_name, ctx.model_path)
+    params = to_sampling_params(
+        body,
+        ctx.limits,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        vocab_size=ctx.vocab_size,
+    )
+    prompts = _prompts(body.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
+    collectors = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            collectors.append(
+                engine.add_request(rid, prompt, params, priority=body.priority, output_kind=kind)
+            )
+    except BaseException:
+        engine.abort([c.request_id for c in collectors])
+        raise
+    created = int(time.time())
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, body, request_id, created, collectors),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    finals = [_final(engine.stream(c)) for c in collectors]
+    try:
+        outputs = await unless_disconnected(request, asyncio.gather(*finals))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, body, request_id, created, outputs))
+
+
+def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
+    if output.prompt is not None:
+        return output.prompt
+    return ctx.engine.tokenizer.decode(output.prompt_token_ids)
+
+
+def _response(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    request_id: str,
+    created: int,
+    outputs: list[RequestOutput],
+) -> dict[str, Any]:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for p_index, output in enumerate(outputs):
+        prompt_tokens += len(output.prompt_token_ids)
+        prefix = _prompt_text(ctx, output) if body.echo else ""
+        for completion in output.outputs:
+            completion_tokens += len(completion.token_ids)
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                logprobs = completion_logprobs(
+                    completion.logprobs, body.logprobs, ctx.engine.tokenizer, len(prefix)
+                )
+            choices.append(
+                {
+                    "index": p_index * body.n + completion.index,
+                    "text": prefix + completion.text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+    choices.sort(key=lambda c: c["index"])
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _stream(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    request_id: str,
+    created: int,
+    collectors: list,
+) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    engine = ctx.engine
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    offsets: dict[int, int] = {}
+    base = {"id": request_id, "object": "text_completion", "created": created}
+    base["model"] = ctx.model_name
+    try:
+        streams = [engine.stream(c) for c in collectors]
+        async for p_index, output in merge_streams(streams):
+            prompt_tokens[p_index] = len(output.prompt_token_ids)
+            choices = []
+            for completion in output.outputs:
+                index = p_index * body.n + completion.index
+                text = completion.text
+                if body.echo and index not in offsets:
+                    text = _prompt_text(ctx, output) + text
+                offset = offsets.get(index, 0)
+                offsets[index] = offset + len(text)
+                completion_tokens += len(completion.token_ids)
+                if not text and not completion.token_ids and not completion.finish_reason:
+                    continue
+                logprobs = None
+                if body.logprobs is not None and completion.logprobs is not None:
+                    logprobs = completion_logprobs(
+                        completion.logprobs, body.logprobs, engine.tokenizer, offset
+                    )
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                    }
+                )
+            if choices:
+                chunk = {**base, "choices": choices}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            total_prompt = sum(prompt_tokens.values())
+            usage = {
+                "prompt_tokens": total_prompt,
+                "completion_tokens": completion_tokens,
+                "total_tokens": total_prompt + completion_tokens,
+            }
+            yield sse({**base, "choices": [], "usage": usage})
+    except EngineCoreError as exc:
+        yield sse(error_body(status_of(exc), str(exc)))
+    yield DONE

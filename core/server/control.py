@@ -1,0 +1,83 @@
+"""Engine control endpoints: sleep / wake up, pause / resume, and (opt-in) collective RPC.
+
+``/collective_rpc`` runs a named method on every worker, so it exists only when
+``server.enable_collective_rpc_endpoint`` is on. It takes a method *name* and JSON
+arguments; nothing a client sends is ever unpickled or executed as code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+
+from enginecore.engine.mp_client import UtilityError
+from enginecore.server.context import context
+from enginecore.server.errors import APIError
+from enginecore.server.protocol import CollectiveRPCRequest, PauseMode
+
+router = APIRouter()
+rpc_router = APIRouter()
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = Query(1, ge=0, le=2)) -> dict:
+    await context(request).engine.sleep(level)
+    return {"status": "sleeping", "level": level}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict:
+    engine = context(request).engine
+    await engine.wake_up()
+    return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict:
+    return {"is_sleeping": await context(request).engine.is_sleeping()}
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: PauseMode = "abort") -> dict:
+    await context(request).engine.pause(mode)
+    return {"status": "paused", "mode": mode}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict:
+    await context(request).engine.resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict:
+    return {"is_paused": await context(request).engine.is_paused()}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    return {"reset": bool(await context(request).engine.reset_prefix_cache())}
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+@rpc_router.post("/collective_rpc")
+async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict:
+    if not body.method.isidentifier():
+        raise APIError(400, f"method must be a plain name, got {body.method!r}", param="method")
+    try:
+        results = await context(request).engine.collective_rpc(
+            body.method, body.timeout, tuple(body.args), body.kwargs
+        )
+    except UtilityError as exc:
+        raise APIError(400, f"collective_rpc {body.method!r} failed: {exc}") from None
+    return {"results": _jsonable(results)}

@@ -1,0 +1,98 @@
+"""Read-only endpoints: ``/health``, ``/metrics``, ``/version``, ``/v1/models``,
+``/tokenize`` and ``/detokenize``."""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from enginecore.errors import EngineCoreError
+from enginecore.server.chat import message_dicts
+from enginecore.server.context import context
+from enginecore.server.errors import error_response
+from enginecore.server.protocol import DetokenizeRequest, TokenizeRequest
+from enginecore.server.sampling import check_model
+from enginecore.version import PLUGIN_API_VERSION, __version__
+
+router = APIRouter()
+
+_STARTED = int(time.time())
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine core answers; 503 once it is dead (or does not answer)."""
+    try:
+        await context(request).engine.check_health()
+    except EngineCoreError as exc:
+        return error_response(503, f"the engine is not healthy: {exc}")
+    return Response(status_code=200)
+
+
+@router.get("/ping")
+async def ping(request: Request) -> Response:
+    return await health(request)
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus text exposition of the ``enginecore:*`` metrics (and process metrics)."""
+    return Response(
+        prometheus_client.generate_latest(prometheus_client.REGISTRY),
+        media_type=prometheus_client.CONTENT_TYPE_LATEST,
+    )
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__, "plugin_api_version": PLUGIN_API_VERSION}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    ctx = context(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": ctx.model_name,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "enginecore",
+                "root": ctx.model_path,
+                "max_model_len": ctx.engine.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    ctx = context(request)
+    check_model(body.model, ctx.model_name, ctx.model_path)
+    engine = ctx.engine
+    if (body.prompt is None) == (body.messages is None):
+        return error_response(400, "give exactly one of 'prompt' and 'messages'")
+    if body.messages is not None:
+        tokens = engine.chat_prompt(
+            message_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
+        )
+    else:
+        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return JSONResponse(
+        {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    ctx = context(request)
+    check_model(body.model, ctx.model_name, ctx.model_path)
+    vocab = ctx.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        return error_response(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})

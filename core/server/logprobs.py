@@ -1,0 +1,66 @@
+"""Engine logprobs (one ``{token_id: Logprob}`` per sampled token) in OpenAI's two shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enginecore.engine.output import Logprob
+
+
+def _token(token_id: int, lp: Logprob, tokenizer: Any) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple, list]:
+    # The engine lists the sampled token first, then the top-N by rank.
+    items = list(entry.items())
+    sampled = items[0]
+    top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return sampled, top[:num_top]
+
+
+def completion_logprobs(
+    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any, text_offset: int = 0
+) -> dict[str, Any]:
+    """The ``/v1/completions`` shape: parallel lists, ``top_logprobs`` as dicts."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        if not entry:
+            continue
+        (token_id, lp), top = _sampled_and_top(entry, num_top)
+        text = _token(token_id, lp, tokenizer)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        shown = top or [(token_id, lp)]
+        top_logprobs.append({_token(t, p, tokenizer): p.logprob for t, p in shown})
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _chat_item(token_id: int, lp: Logprob, tokenizer: Any) -> dict[str, Any]:
+    text = _token(token_id, lp, tokenizer)
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(
+    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any
+) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for entry in entries:
+        if not entry:
+            continue
+        (token_id, lp), top = _sampled_and_top(entry, num_top)
+        item = _chat_item(token_id, lp, tokenizer)
+        item["top_logprobs"] = [_chat_item(t, p, tokenizer) for t, p in top]
+        content.append(item)
+    return {"content": content}

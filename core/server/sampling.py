@@ -1,0 +1,105 @@
+"""OpenAI request fields -> :class:`SamplingParams`, with the server's configured bounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from enginecore.config import ServerConfig
+from enginecore.params import SamplingParams
+from enginecore.server.errors import APIError
+from enginecore.server.protocol import SamplingFields
+
+
+def check_model(requested: str | None, served: str, path: str) -> None:
+    """A request may name the served model (or its path), or leave ``model`` out."""
+    if requested is not None and requested not in (served, path):
+        raise APIError(
+            400,
+            f"the model {requested!r} does not exist; this server serves {served!r}",
+            param="model",
+        )
+
+
+def _check_token_ids(ids: Any, vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+            param=param,
+        )
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        _check_token_ids([token_id], vocab_size, "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(
+                400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
+            )
+        bias[token_id] = value
+    return bias
+
+
+def to_sampling_params(
+    req: SamplingFields,
+    limits: ServerConfig,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+) -> SamplingParams:
+    """Validate bounds (400 on violation) and build the engine's sampling parameters."""
+    if req.n > limits.max_n:
+        raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    limit = limits.max_tokens_limit
+    if limit is not None:
+        if max_tokens is not None and max_tokens > limit:
+            raise APIError(
+                400, f"max_tokens must be at most {limit}, got {max_tokens}", param="max_tokens"
+            )
+        max_tokens = limit if max_tokens is None else max_tokens
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        raise APIError(
+            400,
+            f"logprobs must be at most {limits.max_logprobs}, got {logprobs}",
+            param="logprobs",
+        )
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise APIError(400, f"seed must be in [0, 2**63), got {req.seed}", param="seed")
+    if req.stop_token_ids:
+        _check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+    extra: dict[str, Any] = dict(req.metadata or {})
+    if req.user is not None:
+        extra["user"] = req.user
+    optional: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            optional[name] = value
+    return SamplingParams(
+        n=req.n,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=[req.stop] if isinstance(req.stop, str) else req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        extra=extra or None,
+        **optional,
+    )
