@@ -130,7 +130,7 @@ class LLM:
         prompts: list[PromptType],
         params_list: list[SamplingParams],
         priority: Sequence[int] | None,
-    ) -> list[tuple[Any, ...]]:
+    ) -> list[tuple[Any, str | None]]:
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             request_id = str(next(self._request_counter))
@@ -140,10 +140,10 @@ class LLM:
                 )
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt {i}: {exc}") from None
-            prepared.append((request, text, params))
+            prepared.append((request, text))
         return prepared
 
-    def _add(self, request: Any, text: str | None, params: SamplingParams) -> str:
+    def _add(self, request: Any, text: str | None) -> str:
         for engine_request in self.output_processor.add_engine_request(
             request, text, output_kind=OutputKind.FINAL_ONLY
         ):
