@@ -15,7 +15,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.logprobs import chat_logprobs
-from enginecore.server.protocol import ChatCompletionRequest, ChatMessage
+from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
 from enginecore.server.sampling import check_model, to_sampling_params
 from enginecore.server.streaming import (
     DONE,
@@ -129,11 +129,7 @@ def _response(
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
@@ -195,12 +191,7 @@ async def _stream(
             if choices:
                 yield chunk(choices)
         if include_usage:
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-            yield sse({**base, "choices": [], "usage": usage})
+            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except EngineCoreError as exc:
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

@@ -16,7 +16,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.logprobs import completion_logprobs
-from enginecore.server.protocol import CompletionRequest
+from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import check_model, to_sampling_params
 from enginecore.server.streaming import (
     DONE,
@@ -129,11 +129,7 @@ def _response(
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 
@@ -187,12 +183,7 @@ async def _stream(
                 yield sse(chunk)
         if include_usage:
             total_prompt = sum(prompt_tokens.values())
-            usage = {
-                "prompt_tokens": total_prompt,
-                "completion_tokens": completion_tokens,
-                "total_tokens": total_prompt + completion_tokens,
-            }
-            yield sse({**base, "choices": [], "usage": usage})
+            yield sse({**base, "choices": [], "usage": usage(total_prompt, completion_tokens)})
     except EngineCoreError as exc:
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

@@ -97,3 +97,12 @@ class CollectiveRPCRequest(_Body):
 
 
 PauseMode = Literal["abort", "wait", "keep"]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The OpenAI ``usage`` object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
