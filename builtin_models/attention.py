@@ -15,11 +15,13 @@ KV head are folded into the query-length axis, so GQA never copies K/V per query
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from enginecore.builtin_models.sliding_window import restrict_to_window
 
 
 @dataclass
@@ -35,6 +37,17 @@ class AttentionGroup:
     # Flat index (r * max_query_len + i) of each of the group's tokens in the padded
     # [R, max_query_len] query layout; None when every query has length 1.
     pad_index: torch.Tensor | None
+    q_pos: torch.Tensor | None = None  # [R, max_query_len] absolute query positions
+    # Sliding-window masks, made on first use by a windowed layer and shared by the others.
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            mask = self.window_masks[window] = restrict_to_window(self.mask, self.q_pos, window)
+        return mask
 
     @property
     def flat_blocks(self) -> torch.Tensor:
@@ -62,15 +75,17 @@ class AttentionMetadata:
     mirror: Any = None
 
 
-def _group_mask(context_lens: torch.Tensor, max_q: int, max_kv: int) -> torch.Tensor:
-    """Causal-with-context mask: query i of a request (absolute position ctx + i) sees
-    keys 0..ctx + i. Padded query rows still see key 0, so no row is fully masked (a
-    fully masked row would give NaN in SDPA)."""
+def _group_mask(
+    context_lens: torch.Tensor, max_q: int, max_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal-with-context mask and the query positions: query i of a request (absolute
+    position ctx + i) sees keys 0..ctx + i. Padded query rows still see key 0, so no row
+    is fully masked (a fully masked row would give NaN in SDPA)."""
     device = context_lens.device
     q_pos = context_lens[:, None] + torch.arange(max_q, device=device)[None, :]  # [R, Q]
     k_idx = torch.arange(max_kv, device=device)
     mask = k_idx[None, None, :] <= q_pos[:, :, None]  # [R, Q, K]
-    return mask.unsqueeze(1)
+    return mask.unsqueeze(1), q_pos
 
 
 def build_group(
@@ -86,7 +101,7 @@ def build_group(
     num_blocks_needed = (max_seq_len + block_size - 1) // block_size
     block_tables = block_tables[:, :num_blocks_needed]
     max_kv = max_seq_len
-    mask = _group_mask(context_lens, max_query_len, max_kv)
+    mask, q_pos = _group_mask(context_lens, max_query_len, max_kv)
     pad_index = None
     if max_query_len > 1:
         device = query_lens.device
@@ -104,6 +119,7 @@ def build_group(
         max_kv_len=max_kv,
         mask=mask,
         pad_index=pad_index,
+        q_pos=q_pos,
     )
 
 
@@ -130,7 +146,11 @@ def _gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Ten
 
 
 def _attend_group(
-    query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention for the group's tokens; ``query`` is [T_g, H_q, D], returns the same."""
     r = group.num_reqs
@@ -147,7 +167,7 @@ def _attend_group(
         q = q.view(r, q_len, hq, d)
     # Fold the G query heads of each KV head into the query axis: [R, H_kv, G*Q, D].
     q = q.view(r, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * q_len, d)
-    mask = group.mask  # [R, 1, Q, K]
+    mask = group.mask_for(window)  # [R, 1, Q, K]
     if g > 1:
         mask = mask.unsqueeze(2).expand(r, 1, g, q_len, mask.shape[-1])
         mask = mask.reshape(r, 1, g * q_len, mask.shape[-1])
@@ -165,34 +185,36 @@ def paged_attention(
     kv_cache: torch.Tensor | None,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Shapes: q [T, H_q, D],
-    k/v [T, H_kv, D]; returns [T, H_q, D].
+    k/v [T, H_kv, D]; returns [T, H_q, D]. With ``sliding_window`` W each query sees
+    only the last W positions up to its own (see ``sliding_window.py``).
 
     With ``kv_cache=None`` (the memory-profiling pass) every request is treated as a
-    fresh prefill over its own tokens.
+    fresh prefill over its own tokens (the window does not change memory use).
     """
     if kv_cache is None:
         return _attend_without_cache(query, key, value, meta, scale)
     write_kv(kv_cache, key, value, meta.slot_mapping)
     if meta.mirror is not None and meta.decode is not None:
         n = meta.decode.num_tokens
-        decoded = meta.mirror.attend(query[:n], key[:n], value[:n], kv_cache, scale)
+        decoded = meta.mirror.attend(query[:n], key[:n], value[:n], kv_cache, scale, sliding_window)
         if meta.prefill is None:
             return decoded
         out = torch.empty_like(query)
         out[:n] = decoded
         grp = meta.prefill
         sl = slice(grp.token_start, grp.token_start + grp.num_tokens)
-        out[sl] = _attend_group(query[sl], kv_cache, grp, scale)
+        out[sl] = _attend_group(query[sl], kv_cache, grp, scale, sliding_window)
         return out
     groups = [grp for grp in (meta.decode, meta.prefill) if grp is not None]
     if len(groups) == 1:
-        return _attend_group(query, kv_cache, groups[0], scale)
+        return _attend_group(query, kv_cache, groups[0], scale, sliding_window)
     out = torch.empty_like(query)
     for grp in groups:
         sl = slice(grp.token_start, grp.token_start + grp.num_tokens)
-        out[sl] = _attend_group(query[sl], kv_cache, grp, scale)
+        out[sl] = _attend_group(query[sl], kv_cache, grp, scale, sliding_window)
     return out
 
 

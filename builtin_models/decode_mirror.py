@@ -14,10 +14,12 @@ batch is swap-removed, new ones are appended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from enginecore.builtin_models.sliding_window import restrict_to_window
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 
@@ -30,6 +32,18 @@ class MirrorStep:
     write_pos: torch.Tensor  # [n] position of this step's token in each row
     kv_len: int  # positions to attend over (max context + 1)
     mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The step's mask, narrowed to the last ``window`` positions when given."""
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            q_pos = self.write_pos[:, None]  # each row's query sits at its write position
+            mask = restrict_to_window(self.mask, q_pos, window)
+            self.window_masks[window] = mask
+        return mask
 
 
 class DecodeMirror:
@@ -199,6 +213,7 @@ class DecodeMirror:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Decode attention for the first ``num_rows`` tokens (one per row, in row order)."""
         step = self.step
@@ -213,5 +228,5 @@ class DecodeMirror:
         hkv = k.shape[1]
         g = hq // hkv
         q = query.view(n, hkv, g, d)  # the G query heads of a KV head share its keys
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask_for(window), scale=scale)
         return out.reshape(n, hq, d)

@@ -103,7 +103,9 @@ def make_tokenizer(vocab_size: int = 8192) -> Any:
 # --- random checkpoints ---------------------------------------------------------------
 
 
-def _make_hf_config(arch: Arch, size: Size, tokenizer: Any) -> Any:
+def _make_hf_config(
+    arch: Arch, size: Size, tokenizer: Any, sliding_window: int | None = None
+) -> Any:
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     if size not in SIZES:
@@ -122,9 +124,17 @@ def _make_hf_config(arch: Arch, size: Size, tokenizer: Any) -> Any:
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of llama, qwen2, mistral, gpt2")
+    if sliding_window is not None and arch not in ("mistral", "qwen2"):
+        raise ValueError(f"sliding_window is supported for mistral and qwen2, not {arch!r}")
     extra: dict[str, Any] = {}
     if arch == "mistral":
-        extra["sliding_window"] = None  # full attention: our paged attention has no window
+        extra["sliding_window"] = sliding_window  # None: full attention
+    elif arch == "qwen2" and sliding_window is not None:
+        # transformers' Qwen2: the window applies to layers >= max_window_layers; the
+        # first half keeps full attention so both kinds of layer are exercised.
+        extra.update(
+            use_sliding_window=True, sliding_window=sliding_window, max_window_layers=layers // 2
+        )
     return classes[arch](
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -144,14 +154,18 @@ def make_random_checkpoint(
     size: Size = "tiny",
     seed: int = 0,
     vocab_size: int = 8192,
+    sliding_window: int | None = None,
 ) -> pathlib.Path:
-    """Write a seeded random-weight HF checkpoint (safetensors + tokenizer) to ``out_dir``."""
+    """Write a seeded random-weight HF checkpoint (safetensors + tokenizer) to ``out_dir``.
+
+    ``sliding_window`` (mistral, qwen2) makes a sliding-window-attention checkpoint; the
+    weights are the same as without it for the same seed."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = pathlib.Path(out_dir)
     tokenizer = make_tokenizer(vocab_size)
-    config = _make_hf_config(arch, size, tokenizer)
+    config = _make_hf_config(arch, size, tokenizer, sliding_window)
     # Seed a private generator state so the caller's global RNG is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

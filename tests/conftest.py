@@ -12,17 +12,25 @@ CheckpointFactory = Callable[..., pathlib.Path]
 
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
-    """``factory(arch="llama", size="tiny", seed=0)`` -> checkpoint dir, made once per key."""
+    """``factory(arch="llama", size="tiny", seed=0, sliding_window=None)`` -> checkpoint
+    dir, made once per key."""
     from enginecore.checkpoints import make_random_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
-    made: dict[tuple[str, str, int], pathlib.Path] = {}
+    made: dict[tuple[str, str, int, int | None], pathlib.Path] = {}
 
-    def factory(arch: str = "llama", size: str = "tiny", seed: int = 0) -> pathlib.Path:
-        key = (arch, size, seed)
+    def factory(
+        arch: str = "llama", size: str = "tiny", seed: int = 0, sliding_window: int | None = None
+    ) -> pathlib.Path:
+        key = (arch, size, seed, sliding_window)
         if key not in made:
+            suffix = f"-sw{sliding_window}" if sliding_window is not None else ""
             made[key] = make_random_checkpoint(
-                root / f"{arch}-{size}-{seed}", arch=arch, size=size, seed=seed
+                root / f"{arch}-{size}-{seed}{suffix}",
+                arch=arch,
+                size=size,
+                seed=seed,
+                sliding_window=sliding_window,
             )
         return made[key]
 

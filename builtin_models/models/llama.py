@@ -23,15 +23,22 @@ from enginecore.builtin_models.layers import (
     rope_parameters,
     vocab_parallel_logits,
 )
+from enginecore.builtin_models.sliding_window import layer_sliding_windows
 from enginecore.builtin_models.weight_loader import load_params
 from enginecore.distributed import SINGLE_RANK, ParallelContext
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
+        self,
+        cfg: Any,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        is_qwen2: bool,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
@@ -71,7 +78,7 @@ class LlamaAttention(nn.Module):
         k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -104,12 +111,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
+        self,
+        cfg: Any,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        is_qwen2: bool,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(cfg, parallel, dtype, is_qwen2)
+        self.self_attn = LlamaAttention(cfg, parallel, dtype, is_qwen2, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(cfg, parallel, dtype)
 
@@ -143,8 +155,9 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
             )
+        windows = layer_sliding_windows(cfg)  # Mistral / Qwen2 sliding-window attention
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2)
+            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2, windows[i])
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)

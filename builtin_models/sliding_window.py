@@ -1,0 +1,60 @@
+"""Sliding-window attention: which layers have a window, and the mask that applies it.
+
+Convention (transformers' ``sliding_window_overlay``): a query at absolute position ``q``
+sees key ``k`` iff ``q - window < k <= q``, i.e. the last ``window`` positions including
+its own. Mistral applies ``config.sliding_window`` to every layer; Qwen2 (and any config
+with ``layer_types``) only to the layers marked ``"sliding_attention"`` (for Qwen2,
+``use_sliding_window`` and layers ``>= max_window_layers``).
+
+The paged cache still holds every position (prefix caching and preemption stay as they
+are); the window is a mask over the gathered keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from enginecore.errors import ConfigError
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """The attention window of each layer (None: full attention)."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(
+        hf_config, "use_sliding_window", False
+    ):
+        window = None  # transformers ignores Qwen2's sliding_window unless enabled
+    if window is None:
+        return [None] * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return [window] * num_layers
+    if len(layer_types) != num_layers:
+        raise ConfigError(
+            f"config.json: layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(
+            f"config.json: layer_types {unknown} are not supported "
+            "(only 'sliding_attention' and 'full_attention')"
+        )
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def restrict_to_window(mask: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [R, 1, Q, K] (True = attend) narrowed to keys ``k > q_pos - window``.
+
+    ``q_pos`` is [R, Q], the absolute position of each query row. A padded query row
+    whose keys all fall outside keeps key 0 (SDPA gives NaN for a fully masked row; the
+    padded rows' outputs are dropped anyway)."""
+    k_idx = torch.arange(mask.shape[-1], device=mask.device)
+    inside = k_idx[None, None, :] > (q_pos[:, :, None] - window)  # [R, Q, K]
+    windowed = mask & inside.unsqueeze(1)
+    empty = ~windowed.any(dim=-1, keepdim=True)
+    return windowed | (empty & (k_idx == 0))
