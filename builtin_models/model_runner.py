@@ -21,6 +21,7 @@ import torch
 
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
+from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.sampler import (
     Sampler,
     apply_grammar_bitmask,
@@ -55,6 +56,8 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     generator: torch.Generator | None = None
+    # Set while prompt logprobs are being gathered (requests that asked for them).
+    prompt_logprobs: PromptLogprobsAccumulator | None = None
 
 
 @dataclass
@@ -271,6 +274,11 @@ class TorchModelRunner(ModelRunner):
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 generator=gen,
             )
+            if params.prompt_logprobs is not None and not new.output_token_ids:
+                # Not on resumption after preemption: they were sent with the first token.
+                self.requests[new.req_id].prompt_logprobs = PromptLogprobsAccumulator(
+                    params.prompt_logprobs, len(new.prompt_token_ids)
+                )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
@@ -318,6 +326,7 @@ class TorchModelRunner(ModelRunner):
         input_ids: list[int] = []
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
+        prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
         cu = 0
@@ -334,6 +343,10 @@ class TorchModelRunner(ModelRunner):
             else:
                 input_ids.extend(state.token_ids[start:end])
             block_table[i, : len(state.block_ids)] = state.block_ids
+            if state.prompt_logprobs is not None:
+                rows = state.prompt_logprobs.wants(start, end)
+                if rows is not None:
+                    prompt_lp_rows.append((state, cu + rows[0], rows[1] - rows[0], start + rows[0]))
             state.num_computed_tokens = end
             cu += n
             if end == len(state.token_ids):  # prefill complete: a new token is due
@@ -366,8 +379,31 @@ class TorchModelRunner(ModelRunner):
         if sample_rows and self.parallel.is_last_pp_rank:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if prompt_lp_rows and self.parallel.is_last_pp_rank:
+            self._gather_prompt_logprobs(hidden, prompt_lp_rows)
         self._step = _StepState(order, sample_req_ids, logits)
         return None
+
+    def _gather_prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
+    ) -> None:
+        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``)."""
+        for state, row, count, pos in rows:
+            logits = self.model.compute_logits(hidden[row : row + count])
+            targets = torch.tensor(
+                state.prompt_token_ids[pos + 1 : pos + 1 + count], device=self.device
+            )
+            state.prompt_logprobs.add(logits, targets)
+
+    def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
+        """Finished prompt logprobs of requests whose first token is sampled this step."""
+        taken = {}
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            if state.prompt_logprobs is not None and state.prompt_logprobs.complete:
+                taken[req_id] = state.prompt_logprobs.result()
+                state.prompt_logprobs = None
+        return taken or None
 
     def _forward(
         self,
@@ -462,6 +498,7 @@ class TorchModelRunner(ModelRunner):
             req_id_to_index=index,
             sampled_token_ids=sampled,
             logprobs=self._full_logprobs(out.logprobs, step, index),
+            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
         )
 
     def _apply_grammar(

@@ -30,6 +30,7 @@ from enginecore.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
+    PromptLogprobs,
     SchedulerStats,
 )
 from enginecore.request import Request, RequestStatus
@@ -447,6 +448,11 @@ class DefaultScheduler(Scheduler):
                 output.new_logprob_token_ids = [logprobs.logprob_token_ids[index]]
                 output.new_logprobs = [logprobs.logprobs[index]]
                 output.new_sampled_ranks = [logprobs.sampled_token_ranks[index]]
+            if runner_output.prompt_logprobs and request_id in runner_output.prompt_logprobs:
+                lp = runner_output.prompt_logprobs[request_id]
+                output.prompt_logprobs = PromptLogprobs(
+                    lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
+                )
             if request.events:
                 output.events = request.events
                 request.events = []

@@ -156,6 +156,12 @@ class ServerConfig(_Section):
     max_logprobs: int = 20
     enable_collective_rpc_endpoint: bool = False
     """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice "auto" in chat requests: the reply is parsed for tool calls by
+    tool_call_parser (vLLM's --enable-auto-tool-choice)."""
+    tool_call_parser: str | None = None
+    """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
+    built in: "hermes")."""
 
 
 class PluginsConfig(_Section):

@@ -165,6 +165,17 @@ def register_spec_decode_proposers(registry: Registry) -> None:
     """
 
 
+@hookspec
+def register_tool_parsers(registry: Registry) -> None:
+    """Register tool-call parsers for ``/v1/chat/completions`` by name.
+
+    The factory is called as ``factory(tokenizer)`` once per request and returns an
+    :class:`enginecore.tool_parsers.ToolParser` (implement its ``parse(text,
+    final)``; whole and streamed tool calls are derived from it). Selected by
+    ``server.tool_call_parser`` (flag ``--tool-call-parser``; built in: ``"hermes"``).
+    """
+
+
 # --- 2. Lifecycle observers -----------------------------------------------------------
 
 

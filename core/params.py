@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
     # Set by the frontend: EOS and every stop token id, so the sampler can hold them
     # back below min_tokens. Users set stop_token_ids instead.
     all_stop_token_ids: list[int] | None = None
+    # Top-N logprobs of each prompt token after the first (0: the prompt token only).
+    # Requests that ask for them bypass prefix-cache hits (cached tokens have no logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +86,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
             )
         if self.logprobs is not None and self.logprobs < 0:
             problems.append(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            problems.append(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             problems.append(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

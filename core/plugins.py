@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_executors.plugin",
     "enginecore.builtin_models.plugin",
     "enginecore.metrics.plugin",
+    "enginecore.tool_parsers.plugin",
 )
 
 # Component kind -> the hook that fills its registry.
@@ -49,6 +50,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "worker_rpc": "register_worker_rpcs",
     "structured_output_backend": "register_structured_output_backends",
     "spec_decode_proposer": "register_spec_decode_proposers",
+    "tool_parser": "register_tool_parsers",
 }
 
 LIFECYCLE_HOOKS = ("engine_started", "worker_started", "request_finished", "engine_stopped")

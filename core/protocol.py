@@ -48,6 +48,15 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     max_tokens: int | None = None  # resolved by the frontend against max_model_len
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Per prompt token after the first: ``[prompt token, top-1..top-N]`` ids and
+    logprobs, and the prompt token's rank in the vocabulary."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's new tokens in one step."""
 
@@ -63,6 +72,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # With the first token of a request that asked for prompt logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

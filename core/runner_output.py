@@ -32,6 +32,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     kv_connector_output: KVConnectorOutput | None = None
     num_nans_in_logits: dict[str, int] | None = None
     extra: dict[str, Any] | None = None
+    # Requests that asked for prompt logprobs, when their prefill completes: one row per
+    # prompt token after the first, ``[prompt token, top-1..top-N]`` and its rank.
+    prompt_logprobs: dict[str, LogprobsLists] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

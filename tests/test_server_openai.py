@@ -466,3 +466,78 @@ def test_bench_serve_against_the_server(server, tmp_path):
     except ImportError:
         return
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- prompt logprobs and echo ---------------------------------------------------------------
+
+
+def _reference_prompt_logprobs(path, ids):
+    import torch
+    from hf_reference import load_reference
+
+    with torch.inference_mode():
+        logits = load_reference(str(path))(torch.tensor([ids])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(server, client, model, tiny_llama):
+    prompt = "Prompt logprobs through the server"
+    ids = tokenize(server, prompt=prompt, add_special_tokens=False)
+    kw = dict(model=model, prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    out = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 3
+    assert "".join(lp.tokens[: len(ids)]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes it
+    want = _reference_prompt_logprobs(tiny_llama, ids)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-4)
+        top = want[i - 1].topk(2).values.tolist()
+        assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
+    assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    assert lp.text_offset[len(ids)] == len(prompt)
+    # Streaming: the first chunk carries the prompt and its logprobs.
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [
+        value
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for value in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text
+
+
+def test_prompt_logprobs_extension_and_bounds(server, client, model):
+    out = server.post(
+        "/v1/completions",
+        json={"model": model, "prompt": "abc def", "max_tokens": 1, "prompt_logprobs": 20},
+    )
+    assert out.status_code == 200, out.text
+    too_many = server.post(
+        "/v1/completions",
+        json={"model": model, "prompt": "abc", "max_tokens": 1, "prompt_logprobs": 21},
+    )
+    assert too_many.status_code == 400 and "prompt_logprobs" in too_many.text
+
+
+def test_chat_echo_continues_an_assistant_turn(client, model):
+    messages = [
+        {"role": "user", "content": "Say something"},
+        {"role": "assistant", "content": "Partial answer:"},
+    ]
+    kw = dict(model=model, messages=messages, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body={"add_generation_prompt": False})
+    echoed = client.chat.completions.create(
+        **kw, extra_body={"add_generation_prompt": False, "echo": True}
+    )
+    assert echoed.choices[0].message.content == "Partial answer:" + plain.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            **kw, stream=True, extra_body={"add_generation_prompt": False, "echo": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == echoed.choices[0].message.content

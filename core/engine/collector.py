@@ -71,6 +71,8 @@ def _merge(pending: RequestOutput, new: RequestOutput, kind: OutputKind) -> None
     pending.finished = new.finished
     pending.metrics = new.metrics
     pending.num_cached_tokens = new.num_cached_tokens
+    if pending.prompt_logprobs is None:  # streaming sends them once: keep them
+        pending.prompt_logprobs = new.prompt_logprobs
 
 
 def _append(old: CompletionOutput, new: CompletionOutput) -> None:

@@ -52,6 +52,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    # Streaming (DELTA) sends them once, in the first output that has them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -95,6 +98,8 @@ class RequestState:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._sent_prompt_logprobs = False
         self.num_preemptions = 0
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
@@ -122,6 +127,8 @@ class RequestState:
             self.token_ids.extend(new_ids)
             if self.logprobs is not None and out.new_logprobs is not None:
                 self._add_logprobs(out)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self._set_prompt_logprobs(out)
         stop_string = None
         if self.detokenizer is not None and new_ids:
             stop_string = self.detokenizer.update(new_ids)
@@ -150,6 +157,26 @@ class RequestState:
                 entry[token_id] = Logprob(lp, rank if pos == 0 else pos, decode(token_id))
             self.logprobs.append(entry)  # type: ignore[union-attr]
             self.cumulative_logprob += lps[0] if lps else 0.0  # type: ignore[operator]
+
+    def _set_prompt_logprobs(self, out: EngineCoreOutput) -> None:
+        decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
+        entries: list[dict[int, Logprob] | None] = [None]
+        scored = out.prompt_logprobs
+        for ids, lps, rank in zip(scored.token_ids, scored.logprobs, scored.ranks, strict=True):
+            entry: dict[int, Logprob] = {}
+            for pos, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
+                if token_id not in entry:
+                    entry[token_id] = Logprob(lp, rank if pos == 0 else pos, decode(token_id))
+            entries.append(entry)
+        self.prompt_logprobs = entries
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs for the next RequestOutput (once only when streaming deltas)."""
+        if self.output_kind is OutputKind.DELTA:
+            if self._sent_prompt_logprobs or self.prompt_logprobs is None:
+                return None
+            self._sent_prompt_logprobs = True
+        return self.prompt_logprobs
 
     def completion(self) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -322,6 +349,7 @@ class OutputProcessor:
                 finished=finished,
                 num_cached_tokens=state.num_cached_tokens,
                 metrics=state.metrics(),
+                prompt_logprobs=state.take_prompt_logprobs(),
             )
         if finished:
             parent.num_finished += 1
@@ -332,8 +360,13 @@ class OutputProcessor:
             if not all_done:
                 return None
             completions = [c.completion() for c in parent.children if c is not None]
+            # Every child scored the same prompt: report the first child's.
+            prompt_logprobs = next(
+                (c.prompt_logprobs for c in parent.children if c and c.prompt_logprobs), None
+            )
         else:
             completions = [state.completion()]
+            prompt_logprobs = state.take_prompt_logprobs()
         return RequestOutput(
             request_id=parent.request_id,
             prompt=state.prompt,
@@ -342,4 +375,5 @@ class OutputProcessor:
             finished=all_done,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics(),
+            prompt_logprobs=prompt_logprobs,
         )

@@ -18,10 +18,12 @@ from typing import Any
 from fastapi import FastAPI
 
 from enginecore.config import EngineConfig
+from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
+from enginecore.server.tools import check_tool_config
 from enginecore.version import __version__
 
 logger = logging.getLogger("enginecore.server")
@@ -53,8 +55,10 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
             from enginecore.engine.async_llm import AsyncLLM
 
             owned = ctx.engine = AsyncLLM(config=config)
-            log_startup(ctx)
         try:
+            check_tool_config(config, getattr(ctx.engine, "plugins", None))
+            if owned is not None:
+                log_startup(ctx)
             yield
         finally:
             if owned is not None:
@@ -126,7 +130,9 @@ async def serve(config: EngineConfig) -> None:
 
     config = server_config(config)
     _show_info_logs()
-    engine = AsyncLLM(config=config)
+    plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+    check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
+    engine = AsyncLLM(config=config, plugin_host=plugins)
     try:
         app = build_app(config, engine)
         log_startup(app.state.ctx)

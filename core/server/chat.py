@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,40 +26,78 @@ from enginecore.server.streaming import (
     sse,
     unless_disconnected,
 )
+from enginecore.server.tools import ToolPlan, message, plan_tools
 
 router = APIRouter()
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: text parts joined into one string."""
+    """Messages as the chat template expects them: text parts joined into one string, and
+    tool-call arguments (JSON text on the wire) as objects, as templates index them."""
     result = []
-    for i, message in enumerate(messages):
-        data = message.model_dump(exclude_none=True)
-        content = message.content
+    for i, msg in enumerate(messages):
+        data = msg.model_dump(exclude_none=True)
+        content = msg.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text" or not isinstance(part.get("text"), str):
                     raise APIError(
                         400,
-                        f"messages[{i}].content: only text parts are supported",
+                        f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
+                        "supported (this server serves text models: only 'text' parts with a "
+                        "string 'text')",
                         param="messages",
                     )
                 texts.append(part["text"])
             data["content"] = "".join(texts)
         elif content is None:
             data["content"] = ""
+        for call in data.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                # Not JSON: the template gets the text as sent.
+                with contextlib.suppress(ValueError):
+                    function["arguments"] = json.loads(function["arguments"])
         result.append(data)
     return result
 
 
-def chat_prompt_ids(ctx: ServerContext, body: Any) -> list[int]:
+def chat_prompt_ids(
+    ctx: ServerContext, body: Any, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     return ctx.engine.chat_prompt(
         message_dicts(body.messages),
         chat_template=body.chat_template,
         add_generation_prompt=body.add_generation_prompt,
-        chat_template_kwargs=body.chat_template_kwargs,
+        chat_template_kwargs=kwargs or None,
     )
+
+
+def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest) -> ToolPlan:
+    server = ctx.limits
+    plugins = ctx.engine.plugins
+    return plan_tools(
+        body,
+        enable_auto_tool_choice=server.enable_auto_tool_choice,
+        parser_registry=plugins.registry("tool_parser") if server.tool_call_parser else None,
+        parser_name=server.tool_call_parser,
+        backend_registry=plugins.registry("structured_output_backend"),
+        backend_name=ctx.config.structured_output.backend,
+        tokenizer=ctx.engine.tokenizer,
+    )
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text, when it is the reply's own role."""
+    if not body.echo:
+        return ""
+    last = message_dicts(body.messages[-1:])[0]
+    return last["content"] if last.get("role") == "assistant" else ""
 
 
 @router.post("/v1/chat/completions")
@@ -72,7 +112,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = to_sampling_params(
         body, ctx.limits, max_tokens=max_tokens, logprobs=num_top, vocab_size=ctx.vocab_size
     )
-    prompt_ids = chat_prompt_ids(ctx, body)
+    plan = _tool_plan(ctx, body)
+    if plan.structured_output is not None:
+        params = params.clone(structured_output=plan.structured_output)
+    prompt_ids = chat_prompt_ids(ctx, body, plan.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(
@@ -85,7 +128,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     created = int(time.time())
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, body, request_id, created, collector, num_top),
+            _stream(ctx, body, request_id, created, collector, num_top, plan),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -100,12 +143,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         output = await unless_disconnected(request, final())
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, request_id, created, output, num_top))
+    return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan))
 
 
 def _response(
-    ctx: ServerContext, request_id: str, created: int, output: RequestOutput, num_top: int | None
+    ctx: ServerContext,
+    body: ChatCompletionRequest,
+    request_id: str,
+    created: int,
+    output: RequestOutput,
+    num_top: int | None,
+    plan: ToolPlan,
 ) -> dict[str, Any]:
+    echo = _echo_text(body)
     choices = []
     completion_tokens = 0
     for completion in output.outputs:
@@ -113,12 +163,18 @@ def _response(
         logprobs = None
         if num_top is not None and completion.logprobs is not None:
             logprobs = chat_logprobs(completion.logprobs, num_top, ctx.engine.tokenizer)
+        reply, called = message(plan, completion.text)
+        if echo and reply["content"] is not None:
+            reply["content"] = echo + reply["content"]
+        finish_reason = completion.finish_reason
+        if called and plan.mode in ("auto", "required"):
+            finish_reason = "tool_calls"
         choices.append(
             {
                 "index": completion.index,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": reply,
                 "logprobs": logprobs,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": completion.stop_reason,
             }
         )
@@ -140,6 +196,7 @@ async def _stream(
     created: int,
     collector: Any,
     num_top: int | None,
+    plan: ToolPlan,
 ) -> AsyncIterator[str]:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     base = {
@@ -169,6 +226,20 @@ async def _stream(
                 for i in range(body.n)
             ]
         )
+        echo = _echo_text(body)
+        if echo:
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"content": echo},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(body.n)
+                ]
+            )
+        tool_streams = {i: plan.stream() for i in range(body.n)}
         async for output in ctx.engine.stream(collector):
             prompt_tokens = len(output.prompt_token_ids)
             choices = []
@@ -179,13 +250,20 @@ async def _stream(
                 logprobs = None
                 if num_top is not None and completion.logprobs:
                     logprobs = chat_logprobs(completion.logprobs, num_top, ctx.engine.tokenizer)
-                delta = {"content": completion.text} if completion.text else {}
+                tools = tool_streams[completion.index]
+                finished = completion.finish_reason is not None
+                delta = tools.delta(completion.text, finished)
+                finish_reason = completion.finish_reason
+                if finished and tools.called and plan.mode in ("auto", "required"):
+                    finish_reason = "tool_calls"
+                if not (delta or logprobs or finish_reason):
+                    continue  # text held back (it may begin a tool call)
                 choices.append(
                     {
                         "index": completion.index,
                         "delta": delta,
                         "logprobs": logprobs,
-                        "finish_reason": completion.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                 )
             if choices:

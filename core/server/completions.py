@@ -15,7 +15,11 @@ from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
-from enginecore.server.logprobs import completion_logprobs
+from enginecore.server.logprobs import (
+    completion_logprobs,
+    concat_logprobs,
+    echoed_prompt_logprobs,
+)
 from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import check_model, to_sampling_params
 from enginecore.server.streaming import (
@@ -60,6 +64,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs=body.logprobs,
         vocab_size=ctx.vocab_size,
     )
+    prompt_logprobs = _prompt_logprobs(body, ctx.limits.max_logprobs)
+    if prompt_logprobs is not None:
+        params = params.clone(prompt_logprobs=prompt_logprobs)
     prompts = _prompts(body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
@@ -88,6 +95,31 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(_response(ctx, body, request_id, created, outputs))
 
 
+def _prompt_logprobs(body: CompletionRequest, max_logprobs: int) -> int | None:
+    """vLLM's rule: ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too."""
+    wanted = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        wanted = body.logprobs if wanted is None else max(wanted, body.logprobs)
+    if wanted is not None and not 0 <= wanted <= max_logprobs:
+        raise APIError(
+            400,
+            f"prompt_logprobs must be in [0, {max_logprobs}], got {wanted}",
+            param="prompt_logprobs",
+        )
+    return wanted
+
+
+def _echo_logprobs(
+    ctx: ServerContext, body: CompletionRequest, output: RequestOutput
+) -> dict[str, Any] | None:
+    """The prompt's logprobs that lead an echoed choice's logprobs."""
+    if not body.echo or body.logprobs is None or output.prompt_logprobs is None:
+        return None
+    return echoed_prompt_logprobs(
+        output.prompt_token_ids, output.prompt_logprobs, body.logprobs, ctx.engine.tokenizer
+    )
+
+
 def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
@@ -106,6 +138,7 @@ def _response(
     for p_index, output in enumerate(outputs):
         prompt_tokens += len(output.prompt_token_ids)
         prefix = _prompt_text(ctx, output) if body.echo else ""
+        echoed = _echo_logprobs(ctx, body, output)
         for completion in output.outputs:
             completion_tokens += len(completion.token_ids)
             logprobs = None
@@ -113,6 +146,8 @@ def _response(
                 logprobs = completion_logprobs(
                     completion.logprobs, body.logprobs, ctx.engine.tokenizer, len(prefix)
                 )
+            if echoed is not None:
+                logprobs = concat_logprobs(echoed, logprobs)
             choices.append(
                 {
                     "index": p_index * body.n + completion.index,
@@ -155,8 +190,10 @@ async def _stream(
             for completion in output.outputs:
                 index = p_index * body.n + completion.index
                 text = completion.text
+                echoed = None
                 if body.echo and index not in offsets:
                     text = _prompt_text(ctx, output) + text
+                    echoed = _echo_logprobs(ctx, body, output)
                 offset = offsets.get(index, 0)
                 offsets[index] = offset + len(text)
                 completion_tokens += len(completion.token_ids)
@@ -164,9 +201,12 @@ async def _stream(
                     continue
                 logprobs = None
                 if body.logprobs is not None and completion.logprobs is not None:
+                    start = offset + (len(text) - len(completion.text))
                     logprobs = completion_logprobs(
-                        completion.logprobs, body.logprobs, engine.tokenizer, offset
+                        completion.logprobs, body.logprobs, engine.tokenizer, start
                     )
+                if echoed is not None:
+                    logprobs = concat_logprobs(echoed, logprobs)
                 choices.append(
                     {
                         "index": index,

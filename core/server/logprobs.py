@@ -46,6 +46,44 @@ def completion_logprobs(
     }
 
 
+def echoed_prompt_logprobs(
+    prompt_token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    num_top: int,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """The prompt part of ``/v1/completions`` logprobs with ``echo``: the first token has
+    ``null`` logprob and ``null`` top_logprobs (nothing precedes it), like OpenAI/vLLM."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(prompt_token_ids, entries, strict=True):
+        if entry is None:
+            text, value, top = tokenizer.decode([token_id]), None, None
+        else:
+            lp = entry[token_id]
+            text, value = _token(token_id, lp, tokenizer), lp.logprob
+            _, ranked = _sampled_and_top(entry, num_top)
+            top = {_token(t, p, tokenizer): p.logprob for t, p in (ranked or [(token_id, lp)])}
+        tokens.append(text)
+        token_logprobs.append(value)
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def concat_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
+    """Two ``/v1/completions`` logprobs objects one after the other."""
+    if second is None:
+        return first
+    return {key: first[key] + second[key] for key in first}
+
+
 def _chat_item(token_id: int, lp: Logprob, tokenizer: Any) -> dict[str, Any]:
     text = _token(token_id, lp, tokenizer)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}

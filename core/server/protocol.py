@@ -53,6 +53,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # --- enginecore extensions ---
+    prompt_logprobs: int | None = None
+    """Top-N logprobs of each prompt token (vLLM's extension); ``echo`` with ``logprobs``
+    implies ``prompt_logprobs = logprobs``."""
 
 
 class ChatMessage(_Body):
@@ -63,13 +67,40 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # --- enginecore extensions ---
+    echo: bool = False
+    """Like vLLM: prefix the reply with the last message's content when that message has
+    the reply's role (``assistant``): a continued partial assistant turn."""
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
