@@ -26,6 +26,6 @@ def register_model_runners(registry: Any) -> None:
 def register_models(registry: Any) -> None:
     llama = f"{_MODELS}.llama:LlamaForCausalLM"
     registry.add("LlamaForCausalLM", llama, summary="Llama 2/3 family")
-    registry.add("MistralForCausalLM", llama, summary="Mistral (full attention)")
-    registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias)")
+    registry.add("MistralForCausalLM", llama, summary="Mistral (sliding-window attention)")
+    registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias, sliding window)")
     registry.add("GPT2LMHeadModel", f"{_MODELS}.gpt2:GPT2LMHeadModel", summary="GPT-2")

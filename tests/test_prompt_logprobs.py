@@ -95,3 +95,27 @@ def test_single_token_prompt_and_streamed_once(tiny_llama) -> None:
 def test_negative_prompt_logprobs_is_rejected() -> None:
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be >= 0"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_survive_preemption(tiny_llama, async_scheduling: bool) -> None:
+    """Preempted mid-prefill or after its first token, a request reports its prompt
+    logprobs exactly once and complete."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(10, 8000) for _ in range(n)] for n in (50, 45, 40, 35)]
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        multiprocessing=False,
+        async_scheduling=async_scheduling,
+        max_num_batched_tokens=24,
+        block_size=8,
+        num_blocks_override=14,  # 13 usable blocks (104 tokens) for ~200 tokens of demand
+    ) as llm:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=1),
+        )
+    assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption forced"
+    for out, prompt in zip(outputs, prompts, strict=True):
+        check(tiny_llama, prompt, out.prompt_logprobs, 1)
