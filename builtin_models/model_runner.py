@@ -276,9 +276,17 @@ class TorchModelRunner(ModelRunner):
             )
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 # Not on resumption after preemption: they were sent with the first token.
-                self.requests[new.req_id].prompt_logprobs = PromptLogprobsAccumulator(
-                    params.prompt_logprobs, len(new.prompt_token_ids)
-                )
+                if new.num_computed_tokens == 0:
+                    self.requests[new.req_id].prompt_logprobs = PromptLogprobsAccumulator(
+                        params.prompt_logprobs, len(new.prompt_token_ids)
+                    )
+                else:  # KV loaded from elsewhere (a connector): those positions have no logits
+                    logger.warning(
+                        "request %s: no prompt logprobs, its first %d prompt tokens were "
+                        "not computed here",
+                        new.req_id,
+                        new.num_computed_tokens,
+                    )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)

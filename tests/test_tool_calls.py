@@ -26,6 +26,7 @@ import openai
 import pytest
 from test_hooks import bare_host, registering
 
+from enginecore import LLM, SamplingParams
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import ChatCompletionRequest
 from enginecore.server.tools import plan_tools
@@ -215,6 +216,22 @@ def test_plan_rejects_what_cannot_work(body, kw, message):
     with pytest.raises(APIError, match=message) as info:
         _plan(body, **kw)
     assert info.value.status == 400
+
+
+def test_llm_chat_passes_tools_to_the_template(tiny_llama) -> None:
+    template = (
+        "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}; {% endif %}"
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=1)
+    with LLM(tiny_llama, dtype="float32", multiprocessing=False) as llm:
+        with_tools = llm.chat(messages, params, chat_template=template, tools=tools)[0]
+        without = llm.chat(messages, params, chat_template=template)[0]
+        tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(with_tools.prompt_token_ids) == "tools: get_weather; hi\n"
+    assert tokenizer.decode(without.prompt_token_ids) == "hi\n"
 
 
 # --- end to end: the real server on the echo model ------------------------------------------

@@ -80,8 +80,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+
+        ``tools`` (OpenAI function definitions) are passed to the template, like vLLM's
+        ``LLM.chat(tools=...)``; the reply is returned as text (parse tool calls with an
+        :mod:`enginecore.tool_parsers` parser)."""
+        if tools:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError(
