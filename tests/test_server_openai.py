@@ -516,6 +516,14 @@ def test_prompt_logprobs_extension_and_bounds(server, client, model):
         json={"model": model, "prompt": "abc def", "max_tokens": 1, "prompt_logprobs": 20},
     )
     assert out.status_code == 200, out.text
+    ids = tokenize(server, prompt="abc def", add_special_tokens=False)
+    (choice,) = out.json()["choices"]
+    assert choice["logprobs"] is None  # no echo: the OpenAI field stays as asked
+    raw = choice["prompt_logprobs"]  # vLLM's field: {token id: {logprob, rank, decoded_token}}
+    assert len(raw) == len(ids) and raw[0] is None
+    for token, entry in zip(ids[1:], raw[1:], strict=True):
+        assert str(token) in entry and len(entry) in (20, 21)
+        assert all(v["logprob"] <= 0 for v in entry.values())
     too_many = server.post(
         "/v1/completions",
         json={"model": model, "prompt": "abc", "max_tokens": 1, "prompt_logprobs": 21},

@@ -19,6 +19,7 @@ from enginecore.server.logprobs import (
     completion_logprobs,
     concat_logprobs,
     echoed_prompt_logprobs,
+    raw_prompt_logprobs,
 )
 from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import check_model, to_sampling_params
@@ -148,15 +149,16 @@ def _response(
                 )
             if echoed is not None:
                 logprobs = concat_logprobs(echoed, logprobs)
-            choices.append(
-                {
-                    "index": p_index * body.n + completion.index,
-                    "text": prefix + completion.text,
-                    "logprobs": logprobs,
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                }
-            )
+            choice = {
+                "index": p_index * body.n + completion.index,
+                "text": prefix + completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = raw_prompt_logprobs(output.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {
         "id": request_id,

@@ -77,6 +77,20 @@ def echoed_prompt_logprobs(
     }
 
 
+def raw_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` choice field: per prompt token ``None`` (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
 def concat_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
     """Two ``/v1/completions`` logprobs objects one after the other."""
     if second is None:

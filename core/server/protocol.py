@@ -55,7 +55,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     # --- enginecore extensions ---
     prompt_logprobs: int | None = None
-    """Top-N logprobs of each prompt token (vLLM's extension); ``echo`` with ``logprobs``
+    """Top-N logprobs of each prompt token (vLLM extension; returned as each choice's
+    ``prompt_logprobs``); ``echo`` with ``logprobs``
     implies ``prompt_logprobs = logprobs``."""
 
 
