@@ -336,7 +336,7 @@ def test_echo_model_replies_with_the_marked_text(client):
     assert out.choices[0].finish_reason == "stop"
 
 
-def test_auto_tool_call_non_streaming(client, echo_checkpoint):
+def test_auto_tool_call_non_streaming(server, client, echo_checkpoint):
     out = _chat(client, f"Let me check.{CALL}", tools=[WEATHER, TIME])
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -358,6 +358,11 @@ def test_auto_tool_call_non_streaming(client, echo_checkpoint):
     )
     without = without if isinstance(without, list) else without["input_ids"]
     assert out.usage.prompt_tokens == len(rendered) > len(without)
+    counted = httpx.post(
+        f"{server}/tokenize",
+        json={"messages": _says(f"Let me check.{CALL}"), "tools": [WEATHER, TIME]},
+    )
+    assert counted.json()["tokens"] == rendered  # /tokenize renders tools the same way
 
 
 def test_auto_tool_calls_streaming(client):

@@ -114,6 +114,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     plan = _tool_plan(ctx, body)
     if plan.structured_output is not None:
+        if params.structured_output is not None:
+            raise APIError(
+                400,
+                f"tool_choice {plan.mode!r} constrains the output itself: it cannot be "
+                "combined with another output constraint (response_format)",
+                param="tool_choice",
+            )
         params = params.clone(structured_output=plan.structured_output)
     prompt_ids = chat_prompt_ids(ctx, body, plan.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

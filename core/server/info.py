@@ -77,8 +77,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
+        tools = [t.model_dump(exclude_unset=True) for t in body.tools or []]
         tokens = engine.chat_prompt(
-            message_dicts(body.messages), add_generation_prompt=body.add_generation_prompt
+            message_dicts(body.messages),
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs={"tools": tools} if tools else None,
         )
     else:
         tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

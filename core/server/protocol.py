@@ -111,6 +111,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    """Passed to the chat template with ``messages``, as in a chat request."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
