@@ -84,7 +84,7 @@ def test_prompt_logprobs_chunked_mixed_prefix_cached(tiny_llama) -> None:
     assert outputs[3].outputs[0].logprobs is not None
 
 
-def test_single_token_prompt_and_streamed_once(tiny_llama) -> None:
+def test_single_token_prompt_has_only_the_leading_none(tiny_llama) -> None:
     with LLM(tiny_llama, dtype="float32", multiprocessing=False) as llm:
         out = llm.generate(
             {"prompt_token_ids": [42]}, SamplingParams(max_tokens=2, prompt_logprobs=2)
