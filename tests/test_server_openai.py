@@ -524,11 +524,24 @@ def test_prompt_logprobs_extension_and_bounds(server, client, model):
     for token, entry in zip(ids[1:], raw[1:], strict=True):
         assert str(token) in entry and len(entry) in (20, 21)
         assert all(v["logprob"] <= 0 for v in entry.values())
-    too_many = server.post(
-        "/v1/completions",
-        json={"model": model, "prompt": "abc", "max_tokens": 1, "prompt_logprobs": 21},
+    for path, body in [
+        ("/v1/completions", {"prompt": "abc"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abc"}]}),
+    ]:
+        too_many = server.post(
+            path, json={"model": model, "max_tokens": 1, "prompt_logprobs": 21, **body}
+        )
+        assert too_many.status_code == 400 and "prompt_logprobs" in too_many.text
+    messages = [{"role": "user", "content": "abc def"}]
+    chat = server.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0},
     )
-    assert too_many.status_code == 400 and "prompt_logprobs" in too_many.text
+    assert chat.status_code == 200, chat.text
+    chat_ids = tokenize(server, messages=messages)
+    raw = chat.json()["prompt_logprobs"]
+    assert len(raw) == len(chat_ids) and raw[0] is None
+    assert all(list(entry) == [str(t)] for t, entry in zip(chat_ids[1:], raw[1:], strict=True))
 
 
 def test_chat_echo_continues_an_assistant_turn(client, model):

@@ -16,9 +16,9 @@ from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
-from enginecore.server.logprobs import chat_logprobs
+from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
-from enginecore.server.sampling import check_model, to_sampling_params
+from enginecore.server.sampling import check_model, check_prompt_logprobs, to_sampling_params
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -112,6 +112,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = to_sampling_params(
         body, ctx.limits, max_tokens=max_tokens, logprobs=num_top, vocab_size=ctx.vocab_size
     )
+    if check_prompt_logprobs(body.prompt_logprobs, ctx.limits) is not None:
+        params = params.clone(prompt_logprobs=body.prompt_logprobs)
     plan = _tool_plan(ctx, body)
     if plan.structured_output is not None:
         if params.structured_output is not None:
@@ -186,7 +188,7 @@ def _response(
             }
         )
     prompt_tokens = len(output.prompt_token_ids)
-    return {
+    response = {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
@@ -194,6 +196,9 @@ def _response(
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
     }
+    if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
+        response["prompt_logprobs"] = raw_prompt_logprobs(output.prompt_logprobs)
+    return response
 
 
 async def _stream(

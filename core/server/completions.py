@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from enginecore.config import ServerConfig
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
@@ -22,7 +23,7 @@ from enginecore.server.logprobs import (
     raw_prompt_logprobs,
 )
 from enginecore.server.protocol import CompletionRequest, usage
-from enginecore.server.sampling import check_model, to_sampling_params
+from enginecore.server.sampling import check_model, check_prompt_logprobs, to_sampling_params
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -65,7 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs=body.logprobs,
         vocab_size=ctx.vocab_size,
     )
-    prompt_logprobs = _prompt_logprobs(body, ctx.limits.max_logprobs)
+    prompt_logprobs = _prompt_logprobs(body, ctx.limits)
     if prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=prompt_logprobs)
     prompts = _prompts(body.prompt)
@@ -96,18 +97,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return JSONResponse(_response(ctx, body, request_id, created, outputs))
 
 
-def _prompt_logprobs(body: CompletionRequest, max_logprobs: int) -> int | None:
+def _prompt_logprobs(body: CompletionRequest, limits: ServerConfig) -> int | None:
     """vLLM's rule: ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too."""
     wanted = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         wanted = body.logprobs if wanted is None else max(wanted, body.logprobs)
-    if wanted is not None and not 0 <= wanted <= max_logprobs:
-        raise APIError(
-            400,
-            f"prompt_logprobs must be in [0, {max_logprobs}], got {wanted}",
-            param="prompt_logprobs",
-        )
-    return wanted
+    return check_prompt_logprobs(wanted, limits)
 
 
 def _echo_logprobs(

@@ -99,6 +99,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # --- enginecore extensions ---
+    prompt_logprobs: int | None = None
+    """Top-N logprobs of each prompt token (vLLM extension), in the response's top-level
+    ``prompt_logprobs``."""
     echo: bool = False
     """Like vLLM: prefix the reply with the last message's content when that message has
     the reply's role (``assistant``): a continued partial assistant turn."""

@@ -103,3 +103,14 @@ def to_sampling_params(
         extra=extra or None,
         **optional,
     )
+
+
+def check_prompt_logprobs(wanted: int | None, limits: ServerConfig) -> int | None:
+    """The ``prompt_logprobs`` extension field, bounded like ``logprobs``."""
+    if wanted is not None and not 0 <= wanted <= limits.max_logprobs:
+        raise APIError(
+            400,
+            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {wanted}",
+            param="prompt_logprobs",
+        )
+    return wanted
