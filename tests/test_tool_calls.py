@@ -409,6 +409,19 @@ def test_tool_choice_none_and_malformed_calls_are_content(client):
     assert out.choices[0].message.content == bad and out.choices[0].finish_reason == "stop"
 
 
+def test_a_call_cut_by_max_tokens_is_content_with_finish_reason_length(client):
+    out = _chat(client, CALL, tools=[WEATHER], max_tokens=8)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert CALL.startswith(choice.message.content) and choice.message.content
+    finishes = [
+        c.choices[0].finish_reason
+        for c in _chat(client, CALL, tools=[WEATHER], max_tokens=8, stream=True)
+        if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["length"]
+
+
 def test_a_tool_round_trip_conversation(client, echo_checkpoint):
     """The assistant's tool call and the tool's result go back in; arguments sent as JSON
     text reach the template as objects (as chat templates expect)."""

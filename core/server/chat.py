@@ -176,7 +176,7 @@ def _response(
         if echo and reply["content"] is not None:
             reply["content"] = echo + reply["content"]
         finish_reason = completion.finish_reason
-        if called and plan.mode in ("auto", "required"):
+        if called and plan.mode in ("auto", "required") and finish_reason == "stop":
             finish_reason = "tool_calls"
         choices.append(
             {
@@ -266,7 +266,7 @@ async def _stream(
                 finished = completion.finish_reason is not None
                 delta = tools.delta(completion.text, finished)
                 finish_reason = completion.finish_reason
-                if finished and tools.called and plan.mode in ("auto", "required"):
+                if tools.called and plan.mode in ("auto", "required") and finish_reason == "stop":
                     finish_reason = "tool_calls"
                 if not (delta or logprobs or finish_reason):
                     continue  # text held back (it may begin a tool call)
