@@ -68,6 +68,8 @@ class Worker(WorkerABC):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
+        # Set by the trace_next_steps worker RPC (a StepTracer) for the next N steps.
+        self.step_tracer: Any = None
 
     # --- start-up -----------------------------------------------------------------------
 
@@ -111,9 +113,13 @@ class Worker(WorkerABC):
     # --- the step -----------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.step_tracer is not None:
+            return self.step_tracer.execute_model(scheduler_output)
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        if self.step_tracer is not None:
+            return self.step_tracer.sample_tokens(grammar_output)
         return self.model_runner.sample_tokens(grammar_output)
 
     # --- memory and cache ---------------------------------------------------------------

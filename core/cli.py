@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_plugins)
 
+    from enginecore.cli_rpc import add_rpc_parser
+    from enginecore.starter.cli import add_plugin_new_parser
+
+    add_rpc_parser(sub)
+    add_plugin_new_parser(sub)
+
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved configuration")
