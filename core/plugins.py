@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterable
@@ -197,6 +198,9 @@ class PluginHost:
         try:
             plugin = load()
             self.pm.register(plugin, name=record.name)
+        except pluggy.PluginValidationError as exc:
+            self._fail(record, self._describe_bad_hookimpl(exc), exc)
+            return
         except Exception as exc:
             self._fail(record, f"failed to load: {type(exc).__name__}: {exc}", exc)
             return
@@ -207,6 +211,20 @@ class PluginHost:
             self._fail(record, str(exc), exc)
             return
         record.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
+
+    def _describe_bad_hookimpl(self, exc: pluggy.PluginValidationError) -> str:
+        """pluggy's multi-line text as one line that shows the spec's signature."""
+        text = " ".join(str(exc).split())
+        match = re.search(r"for hook '(\w+)'", text)
+        spec = getattr(getattr(self.pm.hook, match.group(1), None), "spec", None) if match else None
+        if spec is None:
+            return f"failed to load: PluginValidationError: {text}"
+        signature = f"{spec.name}({', '.join(spec.argnames)})"
+        detail = text.split("hookimpl definition: ", 1)[-1]
+        return (
+            f"failed to load: invalid hook implementation {detail}. The spec is {signature}; "
+            "an implementation may take any subset of its arguments, and no others"
+        )
 
     def _validate(self, record: PluginRecord, plugin: Any) -> None:
         for caller in self.pm.get_hookcallers(plugin) or []:
@@ -219,7 +237,8 @@ class PluginHost:
         impl = getattr(plugin, "plugin_api_versions", None)
         if impl is None:
             return
-        declared = impl()
+        # The hook (a function), or a plain string attribute of the plugin module/object.
+        declared = impl() if callable(impl) else impl
         record.api_versions = declared
         if declared is None:
             return
