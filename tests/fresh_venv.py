@@ -9,7 +9,7 @@ with ``--no-deps --no-build-isolation`` (through ``PIP_NO_DEPS`` / ``PIP_NO_BUIL
 since the dependencies are already there and the machine is offline; that is the one
 deviation from a user's plain ``pip install``.
 
-``bin/pip`` and ``bin/enginecore`` are small wrappers around this interpreter, so a
+``bin/pip``, ``bin/pytest`` and ``bin/enginecore`` are small wrappers around this interpreter, so a
 README's commands run literally with the fresh venv first on ``PATH``.
 """
 
@@ -46,7 +46,8 @@ class FreshVenv:
         ).stdout.strip()
         parent = sysconfig.get_paths()["purelib"]
         Path(purelib, "_parent_venv.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
-        for tool, module in (("pip", "pip"), ("enginecore", "enginecore.cli")):
+        tools = (("pip", "pip"), ("pytest", "pytest"), ("enginecore", "enginecore.cli"))
+        for tool, module in tools:
             script = root / "bin" / tool
             script.write_text(f'#!/bin/sh\nexec "{self.python}" -m {module} "$@"\n')
             script.chmod(0o755)

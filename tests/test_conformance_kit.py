@@ -40,7 +40,7 @@ class TestLeakyScheduler(SchedulerContract):
 
 
 def test_a_scheduler_that_leaks_blocks_fails_the_contract():
-    with pytest.raises(AssertionError, match="KV cache usage|whole cache"):
+    with pytest.raises(AssertionError, match=r"KV cache usage|whole cache"):
         TestLeakyScheduler().test_aborted_requests_free_their_blocks()
 
 
