@@ -99,9 +99,23 @@ class Worker(WorkerABC):
             )
 
     def load_model(self) -> None:
-        runner_cls = import_ref(self.worker_spec.model_runner_ref)
-        self.model_runner = runner_cls(self.config, self.worker_spec, self.device, self.parallel)
-        self.model_runner.load_model()
+        ref = self.worker_spec.model_runner_ref
+        try:
+            runner_cls = import_ref(ref)
+            self.model_runner = runner_cls(
+                self.config, self.worker_spec, self.device, self.parallel
+            )
+            self.model_runner.load_model()
+        except EngineCoreError:
+            raise  # enginecore's own errors already say what is wrong
+        except Exception as exc:
+            # Name the component: the worker only knows the runner's reference, whose module
+            # path names the plugin package that provides it.
+            raise EngineCoreError(
+                f"model runner {self.config.model.runner!r} ({ref}) failed to start on rank "
+                f"{self.rank}: {type(exc).__name__}: {exc}. Fix the plugin that provides it, "
+                "or select another runner (config key model.runner)."
+            ) from exc
         if self.plugin_host is None:
             from enginecore.plugins import make_plugin_manager
 

@@ -237,3 +237,32 @@ def test_a_component_that_raises_at_start_up_is_named(tiny_llama):
     assert "config key scheduler.policy" in message
     assert "see" not in message.lower().split("failed to start")[1]
     assert isinstance(info.value.__cause__, KeyError)
+
+
+class BoomRunner(enginecore.interfaces.ModelRunner):
+    """A runner plugin with a bug in its constructor (abstract methods unused)."""
+
+    def __init__(self, config, worker_spec, device=None, parallel=None):
+        raise RuntimeError("cuda graph capture is not supported on cpu")
+
+    load_model = determine_available_memory = get_kv_cache_block_bytes = None
+    get_max_model_len = initialize_kv_cache = execute_model = sample_tokens = None
+
+
+def test_a_runner_that_raises_in_a_worker_is_named(tiny_llama):
+    class Plugin:
+        @enginecore.hookimpl
+        def register_model_runners(self, registry):
+            registry.add("boom", BoomRunner)
+
+    host = make_plugin_manager(load_entrypoints=False)
+    host.register_object(Plugin(), "boom_runner")
+    config = enginecore.make_config(model=str(tiny_llama), runner="boom", num_blocks_override=8)
+    with pytest.raises(enginecore.errors.EngineCoreError) as info:
+        EngineCore(config, host)
+    message = str(info.value)
+    assert (
+        f"model runner 'boom' ({__name__}:BoomRunner) failed to start on rank 0: RuntimeError: "
+        "cuda graph capture is not supported on cpu. Fix the plugin that provides it, or "
+        "select another runner (config key model.runner)."
+    ) in message

@@ -42,7 +42,15 @@ def __getattr__(name: str) -> Any:
     module = _CONTRACTS.get(name)
     if module is None:
         raise AttributeError(f"module 'enginecore.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise ImportError(
+            f"{name} is not part of this enginecore installation ({module} is missing); "
+            "upgrade enginecore"
+        ) from exc
 
 
 __all__ = [
