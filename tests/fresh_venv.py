@@ -46,10 +46,19 @@ class FreshVenv:
         ).stdout.strip()
         parent = sysconfig.get_paths()["purelib"]
         Path(purelib, "_parent_venv.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
-        tools = (("pip", "pip"), ("pytest", "pytest"), ("enginecore", "enginecore.cli"))
-        for tool, module in tools:
+        # Console scripts as pip would write them (the working directory is not put on
+        # sys.path, unlike ``python -m``).
+        tools = (
+            ("pip", "pip._internal.cli.main", "main"),
+            ("pytest", "pytest", "console_main"),
+            ("enginecore", "enginecore.cli", "main"),
+        )
+        for tool, module, function in tools:
             script = root / "bin" / tool
-            script.write_text(f'#!/bin/sh\nexec "{self.python}" -m {module} "$@"\n')
+            script.write_text(
+                f"#!{self.python}\nimport sys\nfrom {module} import {function}\n"
+                f"sys.exit({function}())\n"
+            )
             script.chmod(0o755)
 
     def env(self) -> dict[str, str]:

@@ -33,6 +33,8 @@ SERVER_START_TIMEOUT_S = 180.0
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("enginecore", "enginecore plugin conformance kit")
+    if any("--enginecore-model" in option.names() for option in group.options):
+        return  # loaded twice (the entry point and ``-p enginecore.testing``): add once
     group.addoption(
         "--enginecore-model",
         default=None,
