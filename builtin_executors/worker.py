@@ -105,17 +105,18 @@ class Worker(WorkerABC):
             self.model_runner = runner_cls(
                 self.config, self.worker_spec, self.device, self.parallel
             )
-            self.model_runner.load_model()
         except EngineCoreError:
             raise  # enginecore's own errors already say what is wrong
         except Exception as exc:
-            # Name the component: the worker only knows the runner's reference, whose module
-            # path names the plugin package that provides it.
+            # A bug in the runner's plugin: name it. The worker only knows the runner's
+            # reference, whose module path names the package that provides it. (Errors of
+            # load_model below are usually about the checkpoint and pass through as they are.)
             raise EngineCoreError(
                 f"model runner {self.config.model.runner!r} ({ref}) failed to start on rank "
                 f"{self.rank}: {type(exc).__name__}: {exc}. Fix the plugin that provides it, "
                 "or select another runner (config key model.runner)."
             ) from exc
+        self.model_runner.load_model()
         if self.plugin_host is None:
             from enginecore.plugins import make_plugin_manager
 

@@ -87,7 +87,11 @@ class PluginRecord:
         return self.error is None
 
     def describe(self) -> str:
-        origin = "builtin" if self.builtin else f"distribution {self.distribution} {self.version}"
+        origin = (
+            "builtin"
+            if self.builtin
+            else f"distribution {self.distribution} {self.version}".strip()
+        )
         return f"{self.name!r} ({origin})"
 
     def to_json(self) -> dict[str, Any]:

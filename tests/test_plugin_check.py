@@ -231,7 +231,7 @@ def test_a_component_that_raises_at_start_up_is_named(tiny_llama):
         EngineCore(config, host)
     message = str(info.value)
     assert message.startswith(
-        "scheduling policy 'boom' from plugin 'boomer' (distribution <object> ) failed to "
+        "scheduling policy 'boom' from plugin 'boomer' (distribution <object>) failed to "
         "start: KeyError: 'tenant_weights'."
     )
     assert "config key scheduler.policy" in message
@@ -266,3 +266,31 @@ def test_a_runner_that_raises_in_a_worker_is_named(tiny_llama):
         "cuda graph capture is not supported on cpu. Fix the plugin that provides it, or "
         "select another runner (config key model.runner)."
     ) in message
+
+
+def test_a_stat_logger_that_raises_when_built_is_named():
+    from enginecore.interfaces import StatLogger
+    from enginecore.metrics.manager import StatLoggerManager
+
+    class NeedsAPath(StatLogger):
+        def __init__(self, config, engine_index=0):
+            raise FileNotFoundError("/var/log/engine/stats.jsonl")
+
+        def record(self, scheduler_stats, iteration_stats, engine_index=0):
+            pass
+
+    class Plugin:
+        @enginecore.hookimpl
+        def register_stat_loggers(self, registry):
+            registry.add("needs-path", NeedsAPath)
+
+    host = make_plugin_manager(load_entrypoints=False)
+    host.register_object(Plugin(), "pathy")
+    config = enginecore.make_config(stat_loggers=["logging", "needs-path"])
+    with pytest.raises(ComponentStartupError) as info:
+        StatLoggerManager(config, host)
+    assert str(info.value) == (
+        "stat logger 'needs-path' from plugin 'pathy' (distribution <object>) failed to "
+        "start: FileNotFoundError: /var/log/engine/stats.jsonl. Fix the plugin, or select "
+        "another stat logger (config key observability.stat_loggers)."
+    )
