@@ -203,7 +203,7 @@ class PluginHost:
             plugin = load()
             self.pm.register(plugin, name=record.name)
         except pluggy.PluginValidationError as exc:
-            self._fail(record, self._describe_bad_hookimpl(exc), exc)
+            self._fail(record, self._describe_bad_hookimpl(record, exc), exc)
             return
         except Exception as exc:
             self._fail(record, f"failed to load: {type(exc).__name__}: {exc}", exc)
@@ -216,7 +216,9 @@ class PluginHost:
             return
         record.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
 
-    def _describe_bad_hookimpl(self, exc: pluggy.PluginValidationError) -> str:
+    def _describe_bad_hookimpl(
+        self, record: PluginRecord, exc: pluggy.PluginValidationError
+    ) -> str:
         """pluggy's multi-line text as one line that shows the spec's signature."""
         text = " ".join(str(exc).split())
         match = re.search(r"for hook '(\w+)'", text)
@@ -226,7 +228,8 @@ class PluginHost:
         signature = f"{spec.name}({', '.join(spec.argnames)})"
         detail = text.split("hookimpl definition: ", 1)[-1]
         return (
-            f"failed to load: invalid hook implementation {detail}. The spec is {signature}; "
+            f"failed to load: plugin {record.name!r} has an invalid hook implementation "
+            f"{detail}. The spec is {signature}; "
             "an implementation may take any subset of its arguments, and no others"
         )
 
