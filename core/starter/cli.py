@@ -79,6 +79,18 @@ def render(kind_name: str, names: PluginNames) -> dict[str, str]:
         config_value = f'["logging", "{names.component}"]'
     else:
         config_value = f'"{names.component}"'
+    if registry_kind == "model":
+        use_section = (
+            f"A checkpoint selects it: its `config.json` names the architecture, "
+            f'`"architectures": ["{names.component}"]`, and the torch model runner builds '
+            f"`{names.cls}` for it:\n\n```bash\nenginecore serve CHECKPOINT_DIR\n```"
+        )
+    else:
+        use_section = (
+            "Select it in a config file:\n\n```toml\n# engine.toml\n"
+            f"{select.rstrip()}\n```\n\n```bash\nenginecore serve MODEL --config engine.toml\n"
+            f"```\n\nor `LLM(model=..., {kind.config_key}={config_value})`."
+        )
     values = {
         "dist": names.dist,
         "package": names.package,
@@ -96,6 +108,7 @@ def render(kind_name: str, names: PluginNames) -> dict[str, str]:
         "config_key": kind.config_key,
         "config_value": config_value,
         "test_name": re.sub(r"\W", "_", names.component.lower()),
+        "use_section": use_section,
     }
 
     def fill(text: str) -> str:

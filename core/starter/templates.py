@@ -90,23 +90,12 @@ $summary. An [enginecore](https://pypi.org/project/enginecore/) plugin made with
 
 ```bash
 pip install -e .
-enginecore plugins --check      # lists "$entry_point ($dist 0.1.0)" and validates it
+enginecore plugins --check      # lists "$entry_point  ($dist 0.1.0)" and validates it
 ```
 
 ## Use
 
-Select it in a config file:
-
-```toml
-# engine.toml
-$select_toml
-```
-
-```bash
-enginecore serve MODEL --config engine.toml
-```
-
-or `LLM(model=..., $config_key=$config_value)`.
+$use_section
 
 ## Test
 
