@@ -27,3 +27,11 @@ def register_executors(registry) -> None:
         "enginecore.builtin_executors.external_launcher:ExternalLauncherExecutor",
         summary="one in-process worker per torchrun rank; every rank runs a whole engine",
     )
+
+
+@enginecore.hookimpl(trylast=True)
+def register_worker_rpcs(registry) -> None:
+    from enginecore.builtin_executors.debug_rpcs import DEBUG_RPCS
+
+    for name, (attr, summary) in DEBUG_RPCS.items():
+        registry.add(name, f"enginecore.builtin_executors.debug_rpcs:{attr}", summary=summary)

@@ -68,6 +68,8 @@ class Worker(WorkerABC):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
+        # Set by the trace_next_steps worker RPC (a StepTracer) for the next N steps.
+        self.step_tracer: Any = None
 
     # --- start-up -----------------------------------------------------------------------
 
@@ -97,8 +99,23 @@ class Worker(WorkerABC):
             )
 
     def load_model(self) -> None:
-        runner_cls = import_ref(self.worker_spec.model_runner_ref)
-        self.model_runner = runner_cls(self.config, self.worker_spec, self.device, self.parallel)
+        ref = self.worker_spec.model_runner_ref
+        try:
+            runner_cls = import_ref(ref)
+            self.model_runner = runner_cls(
+                self.config, self.worker_spec, self.device, self.parallel
+            )
+        except EngineCoreError:
+            raise  # enginecore's own errors already say what is wrong
+        except Exception as exc:
+            # A bug in the runner's plugin: name it. The worker only knows the runner's
+            # reference, whose module path names the package that provides it. (Errors of
+            # load_model below are usually about the checkpoint and pass through as they are.)
+            raise EngineCoreError(
+                f"model runner {self.config.model.runner!r} ({ref}) failed to start on rank "
+                f"{self.rank}: {type(exc).__name__}: {exc}. Fix the plugin that provides it, "
+                "or select another runner (config key model.runner)."
+            ) from exc
         self.model_runner.load_model()
         if self.plugin_host is None:
             from enginecore.plugins import make_plugin_manager
@@ -111,9 +128,13 @@ class Worker(WorkerABC):
     # --- the step -----------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.step_tracer is not None:
+            return self.step_tracer.execute_model(scheduler_output)
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        if self.step_tracer is not None:
+            return self.step_tracer.sample_tokens(grammar_output)
         return self.model_runner.sample_tokens(grammar_output)
 
     # --- memory and cache ---------------------------------------------------------------

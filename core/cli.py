@@ -35,10 +35,20 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     host = make_plugin_manager()
     host.all_registries()  # runs every registration hook, so "registered" is filled in
+    findings = []
+    if args.check:
+        from enginecore.plugin_check import check_plugins
+
+        findings = check_plugins(host)
+    failed_check = any(f.severity == "error" for f in findings) or bool(host.failed)
     records = sorted(host.records.values(), key=lambda r: (not r.builtin, r.name))
     if args.json:
-        print(json.dumps([r.to_json() for r in records], indent=2))
-        return 1 if (args.check and host.failed) else 0
+        listing = [r.to_json() for r in records]
+        if args.check:
+            for item in listing:
+                item["problems"] = [f.to_json() for f in findings if f.plugin == item["name"]]
+        print(json.dumps(listing, indent=2))
+        return 1 if (args.check and failed_check) else 0
     for r in records:
         origin = "builtin" if r.builtin else f"{r.distribution} {r.version}"
         status = "" if r.loaded else "  [FAILED]"
@@ -57,7 +67,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             f"\n{len(host.failed)} plugin(s) failed to load; run with -v for tracebacks.",
             file=sys.stderr,
         )
-    return 1 if (args.check and host.failed) else 0
+    if args.check:
+        for finding in findings:
+            print(finding, file=sys.stderr)
+        errors = sum(f.severity == "error" for f in findings)
+        verdict = f"{errors} problem(s) to fix" if errors else "all plugins passed the checks"
+        print(f"check: {verdict}", file=sys.stderr)
+    return 1 if (args.check and failed_check) else 0
 
 
 # --- config -------------------------------------------------------------------------
@@ -190,9 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list loaded plugins and what they registered")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--check", action="store_true", help="exit 1 if any plugin failed")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also import and validate every registered component; exit 1 on any problem",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="show tracebacks")
     p.set_defaults(func=cmd_plugins)
+
+    from enginecore.cli_rpc import add_rpc_parser
+    from enginecore.starter.cli import add_plugin_new_parser
+
+    add_rpc_parser(sub)
+    add_plugin_new_parser(sub)
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)

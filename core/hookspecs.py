@@ -50,6 +50,8 @@ def plugin_api_versions() -> str | None:
     A plugin whose range excludes ``enginecore.PLUGIN_API_VERSION`` is refused at load
     time with a message naming the version it needs. Plugins that do not implement this
     hook are assumed to be compatible.
+    A plain string attribute ``plugin_api_versions = ">=1.0,<2"`` on the plugin module or
+    object is accepted too.
 
     Called once per plugin, right after the plugin is registered (the plugin manager
     calls each plugin's implementation on its own, so ``firstresult`` only matters to
@@ -145,6 +147,9 @@ def register_worker_rpcs(registry: Registry) -> None:
     The factory is a function ``fn(worker, *args, **kwargs)``; it runs inside each worker
     process with the :class:`enginecore.interfaces.Worker` as first argument, and its
     return value (which must be msgpack- or pickle-serialisable) is sent back per rank.
+
+    Built in (for debugging; ``enginecore rpc NAME`` calls them on a running server):
+    ``memory_snapshot``, ``kv_cache_stats``, ``model_summary`` and ``trace_next_steps(n)``.
     """
 
 

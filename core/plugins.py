@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterable
@@ -88,7 +89,11 @@ class PluginRecord:
         return self.error is None
 
     def describe(self) -> str:
-        origin = "builtin" if self.builtin else f"distribution {self.distribution} {self.version}"
+        origin = (
+            "builtin"
+            if self.builtin
+            else f"distribution {self.distribution} {self.version}".strip()
+        )
         return f"{self.name!r} ({origin})"
 
     def to_json(self) -> dict[str, Any]:
@@ -199,6 +204,9 @@ class PluginHost:
         try:
             plugin = load()
             self.pm.register(plugin, name=record.name)
+        except pluggy.PluginValidationError as exc:
+            self._fail(record, self._describe_bad_hookimpl(record, exc), exc)
+            return
         except Exception as exc:
             self._fail(record, f"failed to load: {type(exc).__name__}: {exc}", exc)
             return
@@ -209,6 +217,23 @@ class PluginHost:
             self._fail(record, str(exc), exc)
             return
         record.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
+
+    def _describe_bad_hookimpl(
+        self, record: PluginRecord, exc: pluggy.PluginValidationError
+    ) -> str:
+        """pluggy's multi-line text as one line that shows the spec's signature."""
+        text = " ".join(str(exc).split())
+        match = re.search(r"for hook '(\w+)'", text)
+        spec = getattr(getattr(self.pm.hook, match.group(1), None), "spec", None) if match else None
+        if spec is None:
+            return f"failed to load: PluginValidationError: {text}"
+        signature = f"{spec.name}({', '.join(spec.argnames)})"
+        detail = text.split("hookimpl definition: ", 1)[-1]
+        return (
+            f"failed to load: plugin {record.name!r} has an invalid hook implementation "
+            f"{detail}. The spec is {signature}; "
+            "an implementation may take any subset of its arguments, and no others"
+        )
 
     def _validate(self, record: PluginRecord, plugin: Any) -> None:
         for caller in self.pm.get_hookcallers(plugin) or []:
@@ -221,7 +246,8 @@ class PluginHost:
         impl = getattr(plugin, "plugin_api_versions", None)
         if impl is None:
             return
-        declared = impl()
+        # The hook (a function), or a plain string attribute of the plugin module/object.
+        declared = impl() if callable(impl) else impl
         record.api_versions = declared
         if declared is None:
             return

@@ -64,3 +64,9 @@ def model_refs() -> dict[str, str]:
 
     registry = make_plugin_manager(load_entrypoints=False).registry("model")
     return {name: registry.entry(name).ref for name in registry.names()}
+
+
+@pytest.fixture(scope="session")
+def enginecore_model(tiny_llama: pathlib.Path) -> pathlib.Path:
+    """The conformance kit's engine fixtures serve the suite's own tiny checkpoint."""
+    return tiny_llama

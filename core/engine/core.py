@@ -22,6 +22,7 @@ from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, Engi
 from enginecore.request import Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+from enginecore.startup_errors import build_component
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +67,29 @@ class EngineCore:
         )
         self.components: Components = resolve_components(config, self.plugins)
         # 1. executor: workers start and load weights.
-        self.executor: Executor = self.components.executor_cls(config, self.components.worker_spec)
+        self.executor: Executor = build_component(
+            self.plugins,
+            "executor",
+            self.components.executor_name,
+            self.components.executor_cls,
+            config,
+            self.components.worker_spec,
+        )
         try:
             # 2. profile memory and size the KV cache; 3. the scheduler knows its blocks.
             self.max_model_len, self.num_blocks = self._initialize_kv_cache()
-            policy = self.components.policy_cls(config)
-            self.scheduler: Scheduler = self.components.scheduler_cls(
+            policy = build_component(
+                self.plugins,
+                "scheduling_policy",
+                config.scheduler.policy,
+                self.components.policy_cls,
+                config,
+            )
+            self.scheduler: Scheduler = build_component(
+                self.plugins,
+                "scheduler",
+                config.scheduler.name,
+                self.components.scheduler_cls,
                 config,
                 num_blocks=self.num_blocks,
                 max_model_len=self.max_model_len,

@@ -98,10 +98,7 @@ class _EngineProcess:
                 break
             waited += LIVENESS_POLL_MS / 1000
             if not self.is_alive():
-                raise EngineDeadError(
-                    f"the engine core process exited with code {self.proc.returncode} "
-                    f"before it was ready (see its log above for the cause)"
-                )
+                raise EngineDeadError(_describe_early_exit(self.proc.returncode))
             if waited > timeout:
                 raise EngineCoreError(f"the engine core was not ready within {timeout:.0f} s")
         frames = self.output_socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -301,3 +298,23 @@ def _resolve(future: Any, utility_output: Any) -> None:
         future.set_exception(UtilityError(utility_output.failure_message))
     else:
         future.set_result(utility_output.result)
+
+
+def _describe_early_exit(code: int | None) -> str:
+    """Why the engine process is gone before its handshake; a crash leaves no message."""
+    text = f"the engine core process exited with code {code} before it was ready"
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (
+            f"{text}: it was killed by {name} (out of memory, or stopped from outside) "
+            "before it could report an error"
+        )
+    return (
+        f"{text} without reporting an error (a crash in native code or an import-time "
+        "exit); run with multiprocessing=False to get the error in this process"
+    )

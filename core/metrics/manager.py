@@ -11,6 +11,7 @@ from typing import Any
 
 from enginecore.interfaces import IterationStats, StatLogger
 from enginecore.protocol import SchedulerStats
+from enginecore.startup_errors import build_component
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,9 @@ class StatLoggerManager:
         self.names: list[str] = []
         for name in config.observability.stat_loggers:
             cls = registry.get(name)  # an unknown name raises, listing the known ones
-            self.loggers.append(cls(config, engine_index))
+            self.loggers.append(
+                build_component(plugin_host, "stat_logger", name, cls, config, engine_index)
+            )
             self.names.append(name)
         self._warned: set[str] = set()
 

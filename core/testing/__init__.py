@@ -1,11 +1,63 @@
-"""The plugin conformance kit: contract test suites a plugin author subclasses.
+"""The plugin conformance kit: contract test suites and pytest fixtures.
 
-Registered as a pytest plugin (``pytest11``), so the suites are importable from any test
-module without configuration::
+A plugin author subclasses a contract in their own tests and points it at their class::
 
-    from enginecore.testing import ExecutorContract
+    from enginecore.testing import SchedulingPolicyContract
+
+    class TestMyPolicy(SchedulingPolicyContract):
+        policy = "my-policy"
+
+This module is also a pytest plugin (entry point ``pytest11``, or ``pytest -p
+enginecore.testing``): it adds the fixtures in :mod:`enginecore.testing.fixtures`
+(``enginecore_model``, ``enginecore_llm``, ``enginecore_engine_process``,
+``enginecore_server``). Importing it is cheap: the contracts load on first use, and the
+fixtures import nothing heavy until a test asks for one.
 """
 
-from enginecore.testing.executor_contract import ExecutorContract
+from __future__ import annotations
 
-__all__ = ["ExecutorContract"]
+import importlib
+from typing import Any
+
+from enginecore.testing.fixtures import (  # noqa: F401  (pytest collects these)
+    enginecore_config_overrides,
+    enginecore_engine_process,
+    enginecore_llm,
+    enginecore_model,
+    enginecore_server,
+    pytest_addoption,
+)
+
+_CONTRACTS = {
+    "SchedulerContract": "enginecore.testing.scheduler_contract",
+    "SchedulingPolicyContract": "enginecore.testing.scheduler_contract",
+    "ExecutorContract": "enginecore.testing.executor_contract",
+    "ModelRunnerContract": "enginecore.testing.model_runner_contract",
+    "KVConnectorContract": "enginecore.testing.kv_connector_contract",
+    "StatLoggerContract": "enginecore.testing.stat_logger_contract",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _CONTRACTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'enginecore.testing' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise ImportError(
+            f"{name} is not part of this enginecore installation ({module} is missing); "
+            "upgrade enginecore"
+        ) from exc
+
+
+__all__ = [
+    "ExecutorContract",
+    "KVConnectorContract",
+    "ModelRunnerContract",
+    "SchedulerContract",
+    "SchedulingPolicyContract",
+    "StatLoggerContract",
+]

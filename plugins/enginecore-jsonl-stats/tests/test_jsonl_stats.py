@@ -12,6 +12,19 @@ from enginecore.interfaces import IterationStats
 from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.protocol import SchedulerStats
 from enginecore.request import FinishReason
+from enginecore.testing import StatLoggerContract
+
+
+class TestJsonlContract(StatLoggerContract):
+    """enginecore's conformance kit, with each logger writing to a temporary file."""
+
+    stat_logger = "jsonl"
+
+    def make_logger(self, engine_index: int = 0) -> JsonlStatLogger:
+        import tempfile
+
+        path = f"{tempfile.mkdtemp()}/stats.jsonl"
+        return self.logger_class()(self.make_config(), engine_index, path=path)
 
 
 def finished(request_id: str, **extra) -> FinishedRequestStats:

@@ -8,6 +8,14 @@ from enginecore_sjf import ShortestJobFirstPolicy
 import enginecore
 from enginecore import SamplingParams, make_config
 from enginecore.request import Request
+from enginecore.testing import SchedulingPolicyContract
+
+
+class TestSJFContract(SchedulingPolicyContract):
+    """enginecore's conformance kit: the policy alone, then inside the built-in scheduler
+    (budget, block freeing, preemption, async-scheduling placeholders)."""
+
+    policy = "sjf"
 
 
 def make_request(seq_no: int, prompt_len: int, max_tokens: int | None) -> Request:

@@ -1,0 +1,1 @@
+"""`enginecore plugin new`: a complete, installable plugin package from a template."""

@@ -1,0 +1,66 @@
+"""Errors raised while a plugin's component starts: they name the plugin and the component.
+
+A bug inside a plugin (a ``TypeError`` in its ``__init__``, a missing attribute) would
+otherwise surface as a bare traceback from deep in the engine. :func:`build_component`
+turns it into one message that says which component, which plugin and distribution,
+and what to do; the original exception stays chained as ``__cause__``. Errors that
+enginecore itself raised (``EngineCoreError``) already say what is wrong and pass
+through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from enginecore.errors import EngineCoreError
+
+T = TypeVar("T")
+
+# Component kind -> the config key that selects it (for the "what to do" hint).
+SELECTED_BY = {
+    "scheduler": "scheduler.name",
+    "scheduling_policy": "scheduler.policy",
+    "executor": "parallel.executor",
+    "model_runner": "model.runner",
+    "stat_logger": "observability.stat_loggers",
+    "kv_connector": "kv_transfer.connector",
+}
+
+
+class ComponentStartupError(EngineCoreError):
+    """A plugin-provided component raised while it was being built."""
+
+    def __init__(self, message: str, *, kind: str, name: str, plugin: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.name = name
+        self.plugin = plugin
+
+
+def describe_provider(host: Any, kind: str, name: str) -> tuple[str, str]:
+    """``("scheduling policy 'sjf' from plugin 'sjf' (distribution enginecore-sjf 0.1.0)",
+    plugin_name)``."""
+    entry = host.registry(kind).entry(name)
+    record = host.records.get(entry.plugin)
+    origin = record.describe() if record is not None else repr(entry.plugin)
+    return f"{kind.replace('_', ' ')} {name!r} from plugin {origin}", entry.plugin
+
+
+def build_component(host: Any, kind: str, name: str, factory: Callable[..., T], *args, **kw) -> T:
+    """``factory(*args, **kw)``; a non-enginecore exception becomes a ComponentStartupError."""
+    try:
+        return factory(*args, **kw)
+    except EngineCoreError:
+        raise
+    except Exception as exc:
+        provider, plugin = describe_provider(host, kind, name)
+        key = SELECTED_BY.get(kind)
+        hint = f" Fix the plugin, or select another {kind.replace('_', ' ')}"
+        hint += f" (config key {key})." if key else "."
+        raise ComponentStartupError(
+            f"{provider} failed to start: {type(exc).__name__}: {exc}.{hint}",
+            kind=kind,
+            name=name,
+            plugin=plugin,
+        ) from exc

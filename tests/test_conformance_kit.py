@@ -1,0 +1,139 @@
+"""The conformance kit itself: its checks fail on broken plugins, and it loads as a pytest
+plugin without costing anything to test runs that do not use it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from enginecore.builtin_schedulers.policies import FCFSPolicy
+from enginecore.builtin_schedulers.scheduler import DefaultScheduler
+from enginecore.metrics.logging_logger import LoggingStatLogger
+from enginecore.scheduler_output import SchedulerOutput
+from enginecore.testing import (
+    SchedulerContract,
+    SchedulingPolicyContract,
+    StatLoggerContract,
+)
+from enginecore.testing.scheduler_contract import FakeWorker
+
+
+class LeakyScheduler(DefaultScheduler):
+    """Forgets aborted requests without freeing their blocks."""
+
+    def finish_requests(self, request_ids, finished_status):
+        freed = self.kv_cache_manager.free
+        self.kv_cache_manager.free = lambda request: None
+        try:
+            return super().finish_requests(request_ids, finished_status)
+        finally:
+            self.kv_cache_manager.free = freed
+
+
+class TestLeakyScheduler(SchedulerContract):
+    scheduler = LeakyScheduler
+    __test__ = False  # run by hand below
+
+
+def test_a_scheduler_that_leaks_blocks_fails_the_contract():
+    with pytest.raises(AssertionError, match=r"KV cache usage|whole cache"):
+        TestLeakyScheduler().test_aborted_requests_free_their_blocks()
+
+
+def test_the_fake_worker_rejects_a_step_over_budget():
+    worker = FakeWorker(num_blocks=8, block_size=4, max_num_batched_tokens=4, max_num_seqs=2)
+    out = SchedulerOutput(num_scheduled_tokens={"a": 5}, total_num_scheduled_tokens=5)
+    with pytest.raises(AssertionError, match="5 tokens scheduled, budget 4"):
+        worker.execute(out)
+
+
+class RandomOrderPolicy(FCFSPolicy):
+    def sort_key(self, request):
+        return (request.priority,)  # ties keep whatever order the queue happened to have
+
+
+class MutatingPolicy(FCFSPolicy):
+    def sort_key(self, request):
+        request.priority += 1
+        return super().sort_key(request)
+
+
+def test_policy_contract_catches_ties_and_side_effects():
+    class Ties(SchedulingPolicyContract):
+        policy = RandomOrderPolicy
+
+    class Mutates(SchedulingPolicyContract):
+        policy = MutatingPolicy
+
+    with pytest.raises(AssertionError):
+        Ties().test_queue_order_does_not_depend_on_arrival_order()
+    with pytest.raises(AssertionError, match="must not change the request"):
+        Mutates().test_sort_key_is_deterministic_and_pure()
+
+
+class StatsMutator(LoggingStatLogger):
+    def record(self, scheduler_stats, iteration_stats, engine_index=0):
+        if iteration_stats is not None:
+            iteration_stats.finished_requests.clear()
+
+
+def test_stat_logger_contract_catches_a_logger_that_changes_the_stats():
+    class Mutator(StatLoggerContract):
+        stat_logger = StatsMutator
+
+    with pytest.raises(AssertionError, match="must not change them"):
+        Mutator().test_does_not_mutate_the_stats_it_receives()
+
+
+KIT_USER = textwrap.dedent(
+    """
+    from enginecore.testing import SchedulingPolicyContract
+
+
+    class TestFCFS(SchedulingPolicyContract):
+        policy = "fcfs"
+
+
+    def test_fixture_is_there(enginecore_config_overrides):
+        assert enginecore_config_overrides == {}
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "autoload"),
+    [((), True), (("-p", "enginecore.testing"), True), (("-p", "enginecore.testing"), False)],
+)
+def test_the_kit_is_a_pytest_plugin(tmp_path, args, autoload):
+    """Found through ``pytest11``, or named with ``-p`` when autoloading is off."""
+    (tmp_path / "test_kit_user.py").write_text(KIT_USER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    if not autoload:
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_loading_the_kit_imports_nothing_heavy():
+    code = (
+        "import sys, enginecore.testing; "
+        "print(sorted(m for m in ('torch', 'transformers', 'enginecore.engine.llm') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]"
