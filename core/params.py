@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
     # Set by the frontend: EOS and every stop token id, so the sampler can hold them
     # back below min_tokens. Users set stop_token_ids instead.
     all_stop_token_ids: list[int] | None = None
+    # KV connector handle for this request (disaggregated prefill/decode): what the
+    # prefill instance returned in its output's ``kv_transfer_params``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

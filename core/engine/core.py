@@ -16,9 +16,10 @@ from typing import Any
 from enginecore.config import EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
-from enginecore.interfaces import Executor, Scheduler
+from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from enginecore.registry import import_ref
 from enginecore.request import Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
@@ -52,6 +53,8 @@ def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
         scheduler_output.total_num_scheduled_tokens
         or scheduler_output.finished_req_ids
         or scheduler_output.preempted_req_ids
+        # KV connector: loads to start and transfers to poll, even in an empty step.
+        or scheduler_output.kv_connector_metadata is not None
     )
 
 
@@ -76,7 +79,7 @@ class EngineCore:
                 num_blocks=self.num_blocks,
                 max_model_len=self.max_model_len,
                 policy=policy,
-                kv_connector=None,
+                kv_connector=self._make_kv_connector(),
                 log_stats=True,
             )
         except BaseException:
@@ -102,6 +105,13 @@ class EngineCore:
         self.plugins.engine_started(config, self.ready_info())
 
     # --- start-up -------------------------------------------------------------------------
+
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
+        """The scheduler-side half of the configured KV connector (workers build theirs)."""
+        ref = self.components.worker_spec.kv_connector_ref
+        if ref is None:
+            return None
+        return import_ref(ref)().scheduler_side(self.config)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache

@@ -52,6 +52,11 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set by a KV connector when the request finishes (disaggregated prefill: the
+    # handle a decode instance passes back in its SamplingParams.kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the engine failed the request (finish_reason "error"), e.g. a KV load error.
+    error: str | None = None
 
 
 @dataclass
@@ -96,6 +101,8 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.error: str | None = None
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
         self._sent_tokens = 0
@@ -131,6 +138,10 @@ class RequestState:
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        if out.error is not None:
+            self.error = out.error
         if self.finish_reason is not None:
             self.times.finished = now
         return stop_string
@@ -322,6 +333,8 @@ class OutputProcessor:
                 finished=finished,
                 num_cached_tokens=state.num_cached_tokens,
                 metrics=state.metrics(),
+                kv_transfer_params=state.kv_transfer_params,
+                error=state.error,
             )
         if finished:
             parent.num_finished += 1
@@ -342,4 +355,6 @@ class OutputProcessor:
             finished=all_done,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics(),
+            kv_transfer_params=state.kv_transfer_params,
+            error=state.error,
         )

@@ -130,6 +130,7 @@ def _response(
         "model": ctx.model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
+        "kv_transfer_params": output.kv_transfer_params,
     }
 
 
