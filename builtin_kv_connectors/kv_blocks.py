@@ -56,12 +56,9 @@ def model_namespace(config: EngineConfig) -> str:
     except OSError:
         h.update(str(checkpoint).encode())
     par = config.parallel
-    h.update(
-        json.dumps(
-            [config.model.dtype, config.cache.block_size, par.tensor_parallel_size]
-            + [par.pipeline_parallel_size]
-        ).encode()
-    )
+    shape = [config.model.dtype, config.cache.block_size]
+    shape += [par.tensor_parallel_size, par.pipeline_parallel_size]
+    h.update(json.dumps(shape).encode())
     return h.hexdigest()[:16]
 
 
