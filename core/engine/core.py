@@ -225,6 +225,9 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not outputs and not scheduler_output.total_num_scheduled_tokens:
+            # A step that only polled KV transfers: its stats ride with the next real one.
+            return outputs
         stats = self.scheduler.make_stats()
         if stats is not None:
             # One stats record per step, on client 0's outputs (created if it had none).
