@@ -7,5 +7,6 @@ module without configuration::
 """
 
 from enginecore.testing.executor_contract import ExecutorContract
+from enginecore.testing.kv_connector_contract import KVConnectorContract
 
-__all__ = ["ExecutorContract"]
+__all__ = ["ExecutorContract", "KVConnectorContract"]
