@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError
 from enginecore.interfaces import KVConnectorFactory, KVConnectorScheduler, KVConnectorWorker
 from enginecore.request import Request
+from enginecore.runner_output import KVConnectorOutput
 from enginecore.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         keys = self._keys(request)
         first = request.num_computed_tokens // self.block_size
         last = (request.num_computed_tokens + num_external_tokens) // self.block_size
-        self._tracked[request.request_id] = _Tracked(keys=keys, num_saved=last)
+        self._tracked[request.request_id] = _Tracked(
+            keys=keys, block_ids=list(block_ids), num_saved=last
+        )
         if num_external_tokens:
             self._pending_loads.append(
                 BlockJob(request.request_id, list(block_ids[first:last]), keys[first:last])
@@ -211,6 +213,16 @@ class SharedStorageScheduler(KVConnectorScheduler):
         tracked.num_saved = max(tracked.num_saved, num_full)
         return BlockJob(req_id, block_ids, keys) if keys else None
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if not output.invalid_block_ids:
+            return
+        # Those blocks are recomputed: save them again once they are.
+        for tracked in self._tracked.values():
+            for i, block_id in enumerate(tracked.block_ids[: tracked.num_saved]):
+                if block_id in output.invalid_block_ids:
+                    tracked.num_saved = i
+                    break
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -232,7 +244,6 @@ class SharedStorageWorker(KVConnectorWorker):
         self.kv_caches: list[torch.Tensor] = []
         self.layout: KVLayout | None = None
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shared-storage")
-        self._lock = threading.Lock()
         self._loads: dict[str, Future] = {}
         self._writes: dict[str, list[Future]] = {}  # per request, until reported
         self._finished: set[str] = set()  # finished requests whose writes may be pending
@@ -255,24 +266,29 @@ class SharedStorageWorker(KVConnectorWorker):
         for job in metadata.loads:
             self._loads[job.req_id] = self._io.submit(self._load, job)
 
-    def _load(self, job: BlockJob) -> None:
-        """Read, check and copy the job's blocks; stop at the first bad one (the engine
-        recomputes from there)."""
+    def _load(self, job: BlockJob) -> set[int]:
+        """Read, check and copy the job's blocks up to the first bad one (the engine
+        recomputes from there). Every bad file is deleted, so the recompute saves it anew."""
         assert self.layout is not None
         dtype = self.kv_caches[0].dtype
         good_ids, tensors = [], []
+        invalid: set[int] = set()
+        broken = False
         for block_id, key in zip(job.block_ids, job.keys, strict=True):
             try:
-                tensors.append(decode_block(self.layout, self.directory.read(key), dtype))
+                block = decode_block(self.layout, self.directory.read(key), dtype)
             except (InvalidBlockError, FileNotFoundError) as exc:
                 logger.warning("shared_storage: block %s… unusable (%s): recomputed", key[:12], exc)
                 self.directory.discard(key)
-                with self._lock:
-                    self._invalid_blocks.add(block_id)
-                break
-            good_ids.append(block_id)
+                invalid.add(block_id)
+                broken = True
+                continue
+            if not broken:
+                good_ids.append(block_id)
+                tensors.append(block)
         if good_ids:
             scatter_blocks(self.kv_caches, good_ids, torch.stack(tensors))
+        return invalid  # reported with the load's end, in the same step
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: requests wait until they are reported
@@ -321,6 +337,8 @@ class SharedStorageWorker(KVConnectorWorker):
                 exc = future.exception()
                 if exc is not None:
                     self._failures[req_id] = f"loading KV blocks failed: {exc!r}"
+                else:
+                    self._invalid_blocks |= future.result()
         self._finished |= finished_req_ids & set(self._writes)
         done_sending = set()
         for req_id in list(self._writes):
@@ -337,8 +355,7 @@ class SharedStorageWorker(KVConnectorWorker):
         return done_sending, done_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            invalid, self._invalid_blocks = self._invalid_blocks, set()
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
     def get_failures(self) -> dict[str, str]:

@@ -106,7 +106,10 @@ class DefaultScheduler(Scheduler):
         self._remote_ready: set[str] = set()
         # Finished (aborted, failed) while a load was writing their blocks.
         self._aborted_loading: dict[str, Request] = {}
+        # Invalid blocks reported for loads not yet reported finished.
+        self._load_errors: dict[str, set[int]] = {}
         self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
         self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
         self._step_id = 0
         self._num_preemptions_since_stats = 0
@@ -170,6 +173,7 @@ class DefaultScheduler(Scheduler):
         self.finished_req_ids.add(request_id)
         self._remote_ready.discard(request_id)
         loading = self._waiting_for_remote.pop(request_id, None) is not None
+        self._load_errors.pop(request_id, None)
         delay_free = False
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)
@@ -271,6 +275,8 @@ class DefaultScheduler(Scheduler):
             computed = request.num_computed_tokens
             cached_ids.append(request_id)
             cached_computed.append(computed)
+            if computed < request.num_prompt_tokens:
+                self._count_prompt_tokens(request, computed, num_scheduled[request_id])
             computed += num_scheduled[request_id]
             request.num_computed_tokens = computed
             if computed >= len(request.all_token_ids) + request.num_output_placeholders:
@@ -292,6 +298,9 @@ class DefaultScheduler(Scheduler):
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
                 )
+            )
+            self._count_prompt_tokens(
+                request, request.num_computed_tokens, num_scheduled[request_id]
             )
             computed = request.num_computed_tokens + num_scheduled[request_id]
             request.num_computed_tokens = computed
@@ -323,6 +332,12 @@ class DefaultScheduler(Scheduler):
         self._last_num_scheduled_tokens = total
         self._num_preemptions_since_stats += len(preempted)
         return out
+
+    def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
+        """Prompt tokens this step computes (not taken from a cache or a connector)."""
+        end = min(computed + num_new, request.num_prompt_tokens)
+        if end > computed:
+            self._num_prompt_tokens_computed_since_stats += end - computed
 
     def _admit_waiting(
         self, budget: int, threshold: int, num_scheduled: dict[str, int]
@@ -573,6 +588,11 @@ class DefaultScheduler(Scheduler):
             )
         if failed:
             self._drop_finished(failed, True, True)
+        if invalid:
+            for request_id in self._waiting_for_remote:
+                bad = invalid.intersection(kv.get_block_ids(request_id))
+                if bad:
+                    self._load_errors.setdefault(request_id, set()).update(bad)
         for request_id in sorted(out.finished_recving | out.failed_recving):
             aborted = self._aborted_loading.pop(request_id, None)
             if aborted is not None:
@@ -582,12 +602,13 @@ class DefaultScheduler(Scheduler):
             if entry is None:
                 continue
             request, num_loaded = entry
+            bad = self._load_errors.pop(request_id, None)
             if request_id in out.failed_recving:
                 num_loaded = request.num_computed_tokens  # nothing landed: recompute
-            elif invalid:
+            elif bad:
                 block_ids = kv.get_block_ids(request_id)
                 for i in range(request.num_computed_tokens // bs, num_loaded // bs):
-                    if block_ids[i] in invalid:
+                    if block_ids[i] in bad:
                         num_loaded = i * bs  # recompute from the first invalid block
                         break
             self._num_kv_loaded_tokens_since_stats += num_loaded - request.num_computed_tokens
@@ -654,10 +675,12 @@ class DefaultScheduler(Scheduler):
             step_counter=self._step_id,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             num_kv_loaded_tokens=self._num_kv_loaded_tokens_since_stats,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed_since_stats,
             num_waiting_for_remote_kvs=len(self._waiting_for_remote),
         )
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
         return stats
 
     def shutdown(self) -> None:
@@ -675,6 +698,7 @@ class DefaultScheduler(Scheduler):
             ("delayed frees", self._delayed_free),
             ("waiting for remote KV", self._waiting_for_remote),
             ("aborted while loading", self._aborted_loading),
+            ("load errors", self._load_errors),
         ):
             if value:
                 problems.append(f"{name} not empty: {sorted(_ids(value))[:20]}")

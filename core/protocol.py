@@ -93,6 +93,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # parked until their external KV arrives.
     num_kv_loaded_tokens: int = 0
     num_waiting_for_remote_kvs: int = 0
+    # Prompt tokens computed by the model since the last stats (cache and KV connector
+    # hits excluded): what prefix caching and connectors save.
+    num_prompt_tokens_computed: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -68,6 +68,8 @@ class EngineCore:
             config.plugins.enabled, config.plugins.disabled
         )
         self.components: Components = resolve_components(config, self.plugins)
+        # The scheduler half of a KV connector checks its settings before anything starts.
+        kv_connector = self._make_kv_connector()
         # 1. executor: workers start and load weights.
         self.executor: Executor = self.components.executor_cls(config, self.components.worker_spec)
         try:
@@ -79,11 +81,13 @@ class EngineCore:
                 num_blocks=self.num_blocks,
                 max_model_len=self.max_model_len,
                 policy=policy,
-                kv_connector=self._make_kv_connector(),
+                kv_connector=kv_connector,
                 log_stats=True,
             )
         except BaseException:
             self.executor.shutdown()
+            if kv_connector is not None:
+                kv_connector.shutdown()
             raise
         async_ok = config.scheduler.async_scheduling and getattr(
             self.scheduler, "supports_async_scheduling", False
