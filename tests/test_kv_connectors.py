@@ -289,6 +289,7 @@ def test_zmq_p2p_rejects_unknown_settings(tiny_llama):
 # --- disaggregated prefill/decode ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
     """Prefill and decode engines in their own processes; the decode engine fetches the
     prompt KV over ZeroMQ and continues exactly like a single engine."""
