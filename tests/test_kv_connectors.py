@@ -20,7 +20,6 @@ from enginecore.engine.output import OutputKind
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import EngineCoreRequest
-from enginecore.request import RequestStatus
 from enginecore.testing.kv_connector_contract import free_port
 
 BLOCK = 16
@@ -367,7 +366,3 @@ def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
         ok = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))[0]
         assert ok.error is None and len(ok.outputs[0].token_ids) == 4
         assert _quiet(llm) == []
-
-
-def test_waiting_for_remote_kvs_status_exists():
-    assert RequestStatus.WAITING_FOR_REMOTE_KVS < RequestStatus.RUNNING
