@@ -13,6 +13,7 @@ from hf_reference import assert_matches_reference, greedy_reference
 from enginecore import LLM, AsyncLLM, SamplingParams, make_config
 from enginecore.builtin_kv_connectors.shared_storage import (
     SharedStorageConnector,
+    SharedStorageScheduler,
     SharedStorageWorker,
 )
 from enginecore.engine.core import EngineCore
@@ -366,3 +367,84 @@ def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
         ok = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))[0]
         assert ok.error is None and len(ok.outputs[0].token_ids) == 4
         assert _quiet(llm) == []
+
+
+# --- a connector that loads synchronously (inside the step) ----------------------------
+
+
+class SyncStorageScheduler(SharedStorageScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        num, _ = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return num, False  # loaded during the request's first step
+
+
+class SyncStorageWorker(SharedStorageWorker):
+    def start_load_kv(self, metadata):
+        for job in metadata.loads if metadata is not None else ():
+            self._invalid_blocks |= self._load(job)  # before the forward pass reads them
+
+
+class SyncStorageConnector(SharedStorageConnector):
+    def scheduler_side(self, config):
+        return SyncStorageScheduler(config)
+
+    def worker_side(self, config, rank):
+        return SyncStorageWorker(config, rank)
+
+
+class _SyncPlugin:
+    import enginecore as _ec
+
+    @staticmethod
+    @_ec.hookimpl
+    def register_kv_connectors(registry):
+        registry.add("sync_storage", SyncStorageConnector)
+
+
+def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tiny_llama, tmp_path):
+    """A 65-token prompt with 64 tokens loaded in the same step runs as a one-token step:
+    its loaded KV must be read from the paged cache, not from a stale decode mirror. A
+    corrupted block, found after the step used it, makes the request recompute."""
+    host = make_plugin_manager(load_entrypoints=False)
+    host.register_object(_SyncPlugin(), "sync")
+    config = make_config(
+        model=str(tiny_llama),
+        dtype="float32",
+        block_size=BLOCK,
+        num_blocks_override=64,
+        max_model_len=512,
+        kv_transfer={"connector": "sync_storage", "extra_config": {"path": str(tmp_path)}},
+    )
+    rng = random.Random(9)
+    prompt = [rng.randrange(10, 8000) for _ in range(65)]
+    other = [rng.randrange(10, 8000) for _ in range(30)]
+    from enginecore.builtin_kv_connectors.kv_blocks import prefix_keys
+
+    runs = []
+    for engine_run in range(2):
+        engine = EngineCore(config, host)
+        try:
+            # "other" keeps decoding, so the decode mirror is live when "p" arrives.
+            engine.add_request(_request("other", other, max_tokens=12))
+            for _ in range(3):
+                engine.step()
+            runs.append(_run(engine, [_request("p", prompt, max_tokens=6)]))
+            if engine_run == 1:
+                # Again, from a corrupted file (and no local prefix cache).
+                assert engine.reset_prefix_cache()
+                [bad] = list(tmp_path.rglob(f"{prefix_keys(prompt, BLOCK)[1]}.kvblock"))
+                raw = bytearray(bad.read_bytes())
+                raw[-7] ^= 0x55
+                bad.write_bytes(bytes(raw))
+                runs.append(_run(engine, [_request("p", prompt, max_tokens=6)]))
+            assert engine.scheduler.leak_report() == []
+        finally:
+            engine.shutdown()
+    first, loaded, recomputed = runs
+    assert loaded["p"]["num_cached_tokens"] == 64
+    assert loaded["p"]["tokens"] == first["p"]["tokens"]
+    assert loaded["stats"]["num_prompt_tokens_computed"] == 1
+    # The step that used the bad block is dropped; the request recomputes all but block 0.
+    assert recomputed["p"]["tokens"] == first["p"]["tokens"]
+    assert recomputed["stats"]["num_prompt_tokens_computed"] == 1 + 65 - BLOCK
+    assert loaded["stats"]["num_kv_loaded_tokens"] == 64
