@@ -166,9 +166,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
         keys = self._keys(request)
         first = request.num_computed_tokens // self.block_size
         last = (request.num_computed_tokens + num_external_tokens) // self.block_size
-        self._tracked[request.request_id] = _Tracked(
-            keys=keys, block_ids=list(block_ids), num_saved=last
-        )
+        # num_saved starts at 0: blocks of a local prefix hit may be missing on disk
+        # (each block is checked once; loaded ones are found there and skipped).
+        self._tracked[request.request_id] = _Tracked(keys=keys, block_ids=list(block_ids))
         if num_external_tokens:
             self._pending_loads.append(
                 BlockJob(request.request_id, list(block_ids[first:last]), keys[first:last])
