@@ -55,12 +55,13 @@ def disagg(tiny_llama, tmp_path_factory):
     producer.append(json.dumps({"port": kv_port}))
     consumer = ["--kv-role", "kv_consumer"]
     decode_stats = tmp / "decode-stats.jsonl"
-    env = dict(os.environ, ENGINECORE_JSONL_STATS_PATH=str(decode_stats))
+    prefill_env = dict(os.environ, ENGINECORE_JSONL_STATS_PATH=str(tmp / "prefill.jsonl"))
+    decode_env = dict(os.environ, ENGINECORE_JSONL_STATS_PATH=str(decode_stats))
     procs = []
     try:
         for port, kv, log, proc_env in (
-            (p_port, producer, tmp / "prefill.log", None),
-            (d_port, consumer, tmp / "decode.log", env),
+            (p_port, producer, tmp / "prefill.log", prefill_env),
+            (d_port, consumer, tmp / "decode.log", decode_env),
         ):
             args = ["serve", str(tiny_llama), "--port", str(port), *COMMON]
             args += ["--kv-connector", "zmq_p2p", *kv, "--stat-loggers", "jsonl"]
