@@ -132,6 +132,9 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         self.block_size = config.cache.block_size
         self._fetches: list[FetchJob] = []
         self._serves: list[ServeJob] = []
+        # Requests that already fetched their KV once: if preempted later, they
+        # recompute locally (the producer serves each request once).
+        self._fetched: set[str] = set()
 
     @staticmethod
     def _params(request: Request) -> dict[str, Any]:
@@ -141,7 +144,11 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = self._params(request)
-        if self.role == "kv_producer" or not params.get("do_remote_prefill"):
+        if (
+            self.role == "kv_producer"
+            or not params.get("do_remote_prefill")
+            or request.request_id in self._fetched
+        ):
             return 0, False
         remote_tokens = int(params.get("num_tokens", 0))
         usable = min(remote_tokens, request.num_prompt_tokens - 1)
@@ -153,6 +160,7 @@ class ZmqP2PScheduler(KVConnectorScheduler):
     ) -> None:
         if not num_external_tokens:
             return
+        self._fetched.add(request.request_id)
         params = self._params(request)
         first = request.num_computed_tokens // self.block_size
         last = (request.num_computed_tokens + num_external_tokens) // self.block_size
@@ -178,6 +186,7 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._fetches = [j for j in self._fetches if j.req_id != request.request_id]
+        self._fetched.discard(request.request_id)
         if (
             self.role == "kv_consumer"
             or not self._params(request).get("do_remote_decode")
@@ -231,6 +240,7 @@ class _BlockServer:
         self.lock = threading.Lock()
         self.held: dict[str, _Held] = {}
         self.done: set[str] = set()  # served or expired: blocks may be freed
+        self.gone: dict[str, None] = {}  # recently served or expired ids (bounded)
         self.waiting: list[tuple[bytes, _Get, float]] = []  # GETs that came before the job
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kv-zmq-p2p-server", daemon=True)
@@ -239,6 +249,7 @@ class _BlockServer:
     def hold(self, job: ServeJob) -> None:
         with self.lock:
             self.held[job.req_id] = _Held(job, time.monotonic() + self.send_timeout)
+            self.gone.pop(job.req_id, None)  # a request id reused by a client
 
     def take_done(self) -> set[str]:
         with self.lock:
@@ -268,7 +279,11 @@ class _BlockServer:
             with self.lock:
                 held = self.held.get(get.remote_request_id)
             if held is None:
-                if now < deadline:
+                if get.remote_request_id in self.gone:
+                    self._reply(
+                        identity, [b"ERR", b"this request's KV was already sent or expired"]
+                    )
+                elif now < deadline:
                     still.append((identity, get, deadline))  # the job is not registered yet
                 else:
                     self._reply(identity, [b"ERR", b"no KV held for this request"])
@@ -277,6 +292,7 @@ class _BlockServer:
             with self.lock:
                 self.held.pop(get.remote_request_id, None)
                 self.done.add(get.remote_request_id)
+            self._forget(get.remote_request_id)
         self.waiting = still
 
     def _blocks(self, job: ServeJob, get: _Get) -> list[bytes]:
@@ -299,6 +315,12 @@ class _BlockServer:
                     logger.warning("zmq_p2p: no decode instance claimed %s: blocks freed", req_id)
                     del self.held[req_id]
                     self.done.add(req_id)
+                    self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        self.gone[req_id] = None
+        while len(self.gone) > 100_000:
+            del self.gone[next(iter(self.gone))]
 
     def _reply(self, identity: bytes, frames: list[bytes]) -> None:
         self.socket.send_multipart([identity, b"", *frames], copy=False)
