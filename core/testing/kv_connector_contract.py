@@ -23,8 +23,9 @@ and the tests check the trace:
 
 * matched tokens are block-aligned, never reach past ``prompt - 1`` and the call is
   free of side effects (asked twice, same answer);
-* a request finished with ``delay_free`` keeps its blocks until the worker half reports
-  it in ``finished_sending``, and every such request is reported exactly once;
+* a request a step was saving (``save_request_ids`` of the metadata) finishes with
+  ``delay_free``, and every ``delay_free`` request is reported in ``finished_sending``
+  exactly once (until then the engine keeps its blocks);
 * every asynchronous load is reported in ``finished_recving`` exactly once;
 * the per-step metadata survives pickle and cloudpickle (how executors ship it to
   workers) and, for msgspec structs, msgpack;
@@ -72,15 +73,14 @@ class Trace:
     metadata: list[Any] = field(default_factory=list)
     done_sending: list[str] = field(default_factory=list)
     done_recving: list[str] = field(default_factory=list)
-    freed_while_held: list[str] = field(default_factory=list)
     parked: set[str] = field(default_factory=set)  # ever WAITING_FOR_REMOTE_KVS
 
 
 class _SchedulerRecorder:
     """Delegates to the real scheduler half and records every call."""
 
-    def __init__(self, inner: Any, trace: Trace, scheduler: Any) -> None:
-        self.inner, self.trace, self.scheduler = inner, trace, scheduler
+    def __init__(self, inner: Any, trace: Trace) -> None:
+        self.inner, self.trace = inner, trace
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         first = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -109,13 +109,6 @@ class _SchedulerRecorder:
         return result
 
     def update_connector_output(self, output):
-        delayed = self.scheduler._delayed_free
-        for req_id in list(delayed):
-            if (
-                req_id not in output.finished_sending
-                and not self.scheduler.kv_cache_manager.has_request(req_id)
-            ):
-                self.trace.freed_while_held.append(req_id)
         return self.inner.update_connector_output(output)
 
     def shutdown(self):
@@ -263,8 +256,15 @@ class KVConnectorContract:
 
     def test_delay_free_holds_blocks_until_finished_sending(self, contract_run):
         for trace in (contract_run["producer"], contract_run["consumer"]):
-            assert trace.freed_while_held == []
             held = {r for r, calls in trace.finished.items() if any(calls)}
+            # A request whose KV a step was saving may still be read by that save.
+            saving: set[str] = set()
+            for meta in trace.metadata:
+                saving |= set(getattr(meta, "save_request_ids", ()))
+            assert saving & set(trace.finished) <= held, (
+                "requests finished without delay_free while their KV was being saved: "
+                f"{sorted((saving & set(trace.finished)) - held)}"
+            )
             assert sorted(trace.done_sending) == sorted(set(trace.done_sending)), (
                 "a request was reported in finished_sending more than once"
             )
@@ -315,7 +315,7 @@ def _wrap(engine: EngineCore, trace: Trace) -> None:
     scheduler = engine.scheduler
     if getattr(scheduler, "connector", None) is None:
         raise AssertionError("the engine built no KV connector: check kv_transfer")
-    scheduler.connector = _SchedulerRecorder(scheduler.connector, trace, scheduler)
+    scheduler.connector = _SchedulerRecorder(scheduler.connector, trace)
     runner = engine.executor.worker.model_runner
     runner.kv_connector.connector = _WorkerRecorder(runner.kv_connector.connector, trace)
     engine._contract_trace = trace  # type: ignore[attr-defined]
