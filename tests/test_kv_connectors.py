@@ -448,3 +448,30 @@ def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tin
     assert recomputed["p"]["tokens"] == first["p"]["tokens"]
     assert recomputed["stats"]["num_prompt_tokens_computed"] == 1 + 65 - BLOCK
     assert loaded["stats"]["num_kv_loaded_tokens"] == 64
+
+
+def test_zmq_p2p_fetches_once_per_request():
+    """A decode request preempted after its fetch recomputes: the producer sent its
+    blocks once and freed them."""
+    from enginecore.builtin_kv_connectors.zmq_p2p import ZmqP2PScheduler
+    from enginecore.request import Request
+
+    config = make_config(
+        model="x", block_size=BLOCK, kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}
+    )
+    connector = ZmqP2PScheduler(config)
+    handle = {
+        "do_remote_prefill": True,
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "remote_request_id": "p-1",
+        "num_tokens": 64,
+    }
+    request = Request("d-1", list(range(70)), SamplingParams(kv_transfer_params=handle))
+    assert connector.get_num_new_matched_tokens(request, 0) == (64, True)
+    assert connector.get_num_new_matched_tokens(request, 16) == (48, True)
+    connector.update_state_after_alloc(request, list(range(1, 6)), 64)
+    [fetch] = connector.build_connector_meta(None).fetches
+    assert (fetch.remote_request_id, fetch.first_block, fetch.block_ids) == ("p-1", 0, [1, 2, 3, 4])
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)  # after preemption
+    assert connector.request_finished(request, [1, 2, 3, 4, 5]) == (False, None)
