@@ -15,6 +15,7 @@ class TestSharedStorageContract(KVConnectorContract):
 
 class TestZmqP2PContract(KVConnectorContract):
     connector = "zmq_p2p"
+    producer_finishes_alone = False  # it holds the blocks until the consumer pulls them
     port = free_port()
 
     def producer_kv_transfer(self, tmp_path):
