@@ -229,8 +229,13 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not outputs and not scheduler_output.total_num_scheduled_tokens:
-            # A step that only polled KV transfers: its stats ride with the next real one.
+        if (
+            not outputs
+            and not scheduler_output.total_num_scheduled_tokens
+            and scheduler_output.kv_connector_metadata is not None
+        ):
+            # A step that only polled KV transfers (every 1 ms while requests wait for
+            # them): its stats ride with the next step that has outputs.
             return outputs
         stats = self.scheduler.make_stats()
         if stats is not None:
