@@ -48,3 +48,17 @@ def test_cli_requires_both_kinds_of_instance():
         text=True,
     )
     assert result.returncode == 2 and "--decode" in result.stderr
+
+
+def test_several_prompts_or_n_go_straight_to_decode():
+    """One handoff covers one sequence: a batch of prompts (or n > 1) is not prefilled
+    remotely (its blocks would wait for a decode instance that never asks)."""
+    prefill_dead = f"http://127.0.0.1:{free_port()}"
+    decode_dead = f"http://127.0.0.1:{free_port()}"
+    with TestClient(build_app([prefill_dead], [decode_dead], timeout=5)) as client:
+        for body in ({"prompt": ["a", "b"]}, {"prompt": "a", "n": 2}):
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 502
+            assert f"decode instance {decode_dead}" in answer.json()["error"]["message"]
+        answer = client.post("/v1/completions", json={"prompt": [1, 2, 3]})  # token ids
+        assert f"prefill instance {prefill_dead}" in answer.json()["error"]["message"]

@@ -29,6 +29,16 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+def _one_sequence(body: dict[str, Any]) -> bool:
+    """True when the request makes one sequence: one prompt, ``n`` of 1."""
+    if body.get("n", 1) not in (1, None):
+        return False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt) == 1  # a list of prompts (strings or token lists)
+    return True
+
+
 def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600.0) -> FastAPI:
     if not prefill_urls or not decode_urls:
         raise ValueError("disagg-proxy needs at least one --prefill and one --decode URL")
@@ -54,6 +64,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         headers = headers_of(request)
+        if not _one_sequence(body):
+            # Several prompts or n > 1: one handoff cannot cover them; decode computes all.
+            return await forward(next(decode_cycle), path, body, headers)
         prefill = dict(body, stream=False, kv_transfer_params={"do_remote_decode": True})
         prefill.pop("stream_options", None)
         for name in token_fields:
@@ -66,8 +79,11 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json")
         decode = dict(body, kv_transfer_params=answer.json().get("kv_transfer_params"))
-        decode_url = next(decode_cycle)
-        if body.get("stream"):
+        return await forward(next(decode_cycle), path, decode, headers)
+
+    async def forward(decode_url: str, path: str, decode: dict, headers: dict) -> Response:
+        """The decode instance's answer, streamed or not, as the client's answer."""
+        if decode.get("stream"):
             upstream = client.build_request("POST", decode_url + path, json=decode, headers=headers)
             try:
                 response = await client.send(upstream, stream=True)
