@@ -174,6 +174,9 @@ class Worker(WorkerABC):
 
     def shutdown(self) -> None:
         """Leave the process group (a no-op at world size 1)."""
+        bridge = getattr(self.model_runner, "kv_connector", None)
+        if bridge is not None:
+            bridge.shutdown()  # the KV connector's threads and sockets
         if self.parallel.world_size > 1:
             destroy_distributed()
 

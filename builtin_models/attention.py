@@ -73,6 +73,9 @@ class AttentionMetadata:
     prefill: AttentionGroup | None
     # Set by the runner when the decode group is served from a DecodeMirror this step.
     mirror: Any = None
+    # Set by the runner when a KV connector is active (a KVConnectorBridge): each layer
+    # waits for its loads before attending and offers its K/V for saving after writing.
+    kv_connector: Any = None
 
 
 def _group_mask(
@@ -196,7 +199,12 @@ def paged_attention(
     """
     if kv_cache is None:
         return _attend_without_cache(query, key, value, meta, scale)
+    connector = meta.kv_connector
+    if connector is not None:
+        connector.wait_for_layer_load(kv_cache)
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    if connector is not None:
+        connector.save_layer(kv_cache)
     if meta.mirror is not None and meta.decode is not None:
         n = meta.decode.num_tokens
         decoded = meta.mirror.attend(query[:n], key[:n], value[:n], kv_cache, scale, sliding_window)

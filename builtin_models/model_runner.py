@@ -21,6 +21,7 @@ import torch
 
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
+from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.sampler import (
     Sampler,
@@ -38,7 +39,8 @@ from enginecore.distributed import SINGLE_RANK, ParallelContext
 from enginecore.errors import ConfigError, EngineCoreError
 from enginecore.interfaces import ModelRunner, WorkerSpec
 from enginecore.params import SamplingParams
-from enginecore.runner_output import LogprobsLists, ModelRunnerOutput
+from enginecore.registry import import_ref
+from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class _StepState:
     req_ids: list[str]  # every scheduled request, in batch order
     sample_req_ids: list[str]  # those whose next token is due (prefill complete)
     logits: torch.Tensor | None  # [len(sample_req_ids), vocab]
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class TorchModelRunner(ModelRunner):
@@ -92,6 +95,7 @@ class TorchModelRunner(ModelRunner):
         self._step: _StepState | None = None
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
+        self.kv_connector: KVConnectorBridge | None = None
 
     # --- loading --------------------------------------------------------------------
 
@@ -227,6 +231,12 @@ class TorchModelRunner(ModelRunner):
                 max_bytes=sum(c.numel() * c.element_size() for c in self.kv_caches),
                 max_len=self.get_max_model_len(),
             )
+        if self.kv_connector is not None:
+            self.kv_connector.bind_caches(self.kv_caches)
+        elif self.worker_spec.kv_connector_ref:
+            factory = import_ref(self.worker_spec.kv_connector_ref)()
+            connector = factory.worker_side(self.config, self.parallel.rank)
+            self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
 
     def _plan_decode_mirror(self, decodes: list[str]) -> list[str] | None:
         if self.decode_mirror is None or not decodes:
@@ -312,8 +322,12 @@ class TorchModelRunner(ModelRunner):
         self._update_states(so)
         if any(so.scheduled_spec_decode_tokens.values()):
             raise EngineCoreError("the torch model runner does not verify speculative drafts yet")
+        bridge = self.kv_connector
+        if bridge is not None:
+            bridge.begin_step(so)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
-            self._step = _StepState([], [], None)
+            kv_out = bridge.end_step(so) if bridge is not None else None
+            self._step = _StepState([], [], None, kv_out)
             return None
         if self.kv_caches is None:
             raise EngineCoreError("KV cache is not initialized (initialize_kv_cache, or wake_up)")
@@ -322,6 +336,13 @@ class TorchModelRunner(ModelRunner):
         scheduled = so.num_scheduled_tokens
         decodes = [r for r, n in scheduled.items() if n == 1]
         prefills = [r for r, n in scheduled.items() if n != 1]
+        if bridge is not None and so.scheduled_new_reqs:
+            # A request's first step may read KV a connector loads during this very
+            # forward: keep it out of the decode mirror (filled from the paged cache
+            # before the forward) until its next step.
+            fresh = {new.req_id for new in so.scheduled_new_reqs}
+            prefills = [r for r in decodes if r in fresh] + prefills
+            decodes = [r for r in decodes if r not in fresh]
         mirror = self._plan_decode_mirror(decodes)
         if mirror is not None:
             decodes = mirror  # row order of the dense decode mirror
@@ -380,6 +401,7 @@ class TorchModelRunner(ModelRunner):
         )
         if mirror is not None:
             meta.mirror = self.decode_mirror
+        meta.kv_connector = bridge
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         hidden = self._forward(ids_t, pos_t, self.kv_caches, meta)
@@ -389,7 +411,8 @@ class TorchModelRunner(ModelRunner):
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         if prompt_lp_rows and self.parallel.is_last_pp_rank:
             self._gather_prompt_logprobs(hidden, prompt_lp_rows)
-        self._step = _StepState(order, sample_req_ids, logits)
+        kv_out = bridge.end_step(so) if bridge is not None else None
+        self._step = _StepState(order, sample_req_ids, logits, kv_out)
         return None
 
     def _gather_prompt_logprobs(
@@ -462,12 +485,17 @@ class TorchModelRunner(ModelRunner):
         """
         step, self._step = self._step, None
         if step is None or not step.req_ids:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(
+                kv_connector_output=step.kv_connector_output if step is not None else None
+            )
         index = {r: i for i, r in enumerate(step.req_ids)}
         sampled: list[list[int]] = [[] for _ in step.req_ids]
         if not step.sample_req_ids:
             return ModelRunnerOutput(
-                req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
+                req_ids=step.req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=sampled,
+                kv_connector_output=step.kv_connector_output,
             )
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
             tokens = self._share_sampled(None, len(step.sample_req_ids))
@@ -477,7 +505,10 @@ class TorchModelRunner(ModelRunner):
                 state.token_ids.append(token)
                 sampled[index[req_id]] = [token]
             return ModelRunnerOutput(
-                req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
+                req_ids=step.req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=sampled,
+                kv_connector_output=step.kv_connector_output,
             )
         logits = step.logits
         if grammar_output is not None and grammar_output.structured_output_request_ids:
@@ -507,6 +538,7 @@ class TorchModelRunner(ModelRunner):
             sampled_token_ids=sampled,
             logprobs=self._full_logprobs(out.logprobs, step, index),
             prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            kv_connector_output=step.kv_connector_output,
         )
 
     def _apply_grammar(

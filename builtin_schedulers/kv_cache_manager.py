@@ -101,6 +101,8 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        *,
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones.
 
@@ -108,6 +110,8 @@ class KVCacheManager:
         (prefix hits covering ``num_new_computed_tokens``) | new tokens | lookahead
         (draft) slots. Returns the newly allocated blocks (possibly none), or None when
         the pool cannot supply them, in which case nothing at all has changed.
+        ``cache=False`` leaves the new blocks unhashed (a KV connector is still loading
+        them; :meth:`cache_blocks` once their contents are in place).
         """
         if num_new_tokens <= 0 and not num_lookahead_tokens:
             raise ValueError("num_new_tokens must be > 0")
@@ -142,7 +146,7 @@ class KVCacheManager:
         else:
             new_blocks = []
 
-        if self.enable_caching:
+        if self.enable_caching and cache:
             # Cache full blocks now, not after the forward pass: a request admitted later
             # in this same step can already share them. Never cache beyond the known
             # tokens (async placeholders and draft tokens are not known yet).
@@ -170,6 +174,18 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         if num_full > state.num_cached:
             self._cache_full_blocks(request, state, num_full)
+
+    def uncache_blocks(self, block_ids: set[int]) -> None:
+        """Make these blocks unfindable by hash: their contents are not to be trusted
+        (a KV connector reported them invalid after a load)."""
+        pool = self.block_pool
+        for block_id in block_ids:
+            block = pool.blocks[block_id]
+            h = block.block_hash
+            if h is not None:
+                if pool.cached_blocks.get(h) is block:
+                    del pool.cached_blocks[h]
+                block.block_hash = None
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (so a chain's tail is evicted first)."""

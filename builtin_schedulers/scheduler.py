@@ -39,7 +39,7 @@ from enginecore.scheduler_output import CachedRequestData, NewRequestData, Sched
 if TYPE_CHECKING:
     from enginecore.config import EngineConfig
     from enginecore.interfaces import KVConnectorScheduler
-    from enginecore.runner_output import ModelRunnerOutput
+    from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,17 @@ class DefaultScheduler(Scheduler):
         self._pending_preempted: set[str] = set()
         # Finished requests whose blocks a KV connector is still saving.
         self._delayed_free: dict[str, Request] = {}
+        # KV connector loads in flight (WAITING_FOR_REMOTE_KVS): id -> (request, tokens
+        # computed once the load lands); finished ones go back to the waiting queue and
+        # are admitted with their blocks (``_remote_ready``).
+        self._waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        self._remote_ready: set[str] = set()
+        # Finished (aborted, failed) while a load was writing their blocks.
+        self._aborted_loading: dict[str, Request] = {}
+        # Invalid blocks reported for loads not yet reported finished.
+        self._load_errors: dict[str, set[int]] = {}
+        self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
         self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
         self._step_id = 0
         self._num_preemptions_since_stats = 0
@@ -155,18 +166,24 @@ class DefaultScheduler(Scheduler):
             self._drop_finished(finished, from_running, from_waiting)
         return finished
 
-    def _release(self, request: Request) -> None:
-        """Forget a finished request: free its blocks unless a connector still saves them."""
+    def _release(self, request: Request, *, force_free: bool = False) -> None:
+        """Forget a finished request: free its blocks unless a connector still saves
+        them, or still loads into them (then they are freed when the load reports)."""
         request_id = request.request_id
         del self.requests[request_id]
         self.finished_req_ids.add(request_id)
+        self._remote_ready.discard(request_id)
+        loading = self._waiting_for_remote.pop(request_id, None) is not None
+        self._load_errors.pop(request_id, None)
         delay_free = False
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)
             delay_free, params = self.connector.request_finished(request, block_ids)
             if params is not None:
                 request.kv_transfer_params = params
-        if delay_free:
+        if loading and not force_free:
+            self._aborted_loading[request_id] = request
+        elif delay_free and not force_free:
             self._delayed_free[request_id] = request
         else:
             self.kv_cache_manager.free(request)
@@ -259,6 +276,8 @@ class DefaultScheduler(Scheduler):
             computed = request.num_computed_tokens
             cached_ids.append(request_id)
             cached_computed.append(computed)
+            if computed < request.num_prompt_tokens:
+                self._count_prompt_tokens(request, computed, num_scheduled[request_id])
             computed += num_scheduled[request_id]
             request.num_computed_tokens = computed
             if computed >= len(request.all_token_ids) + request.num_output_placeholders:
@@ -280,6 +299,9 @@ class DefaultScheduler(Scheduler):
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
                 )
+            )
+            self._count_prompt_tokens(
+                request, request.num_computed_tokens, num_scheduled[request_id]
             )
             computed = request.num_computed_tokens + num_scheduled[request_id]
             request.num_computed_tokens = computed
@@ -312,6 +334,12 @@ class DefaultScheduler(Scheduler):
         self._num_preemptions_since_stats += len(preempted)
         return out
 
+    def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
+        """Prompt tokens this step computes (not taken from a cache or a connector)."""
+        end = min(computed + num_new, request.num_prompt_tokens)
+        if end > computed:
+            self._num_prompt_tokens_computed_since_stats += end - computed
+
     def _admit_waiting(
         self, budget: int, threshold: int, num_scheduled: dict[str, int]
     ) -> list[Request]:
@@ -330,6 +358,25 @@ class DefaultScheduler(Scheduler):
             if self._policy_admits and not self.policy.admit(request, self._state(budget)):
                 skipped.append(waiting.pop())
                 continue
+            if request.request_id in self._remote_ready:
+                # Its external KV has landed in the blocks it holds: compute the rest.
+                num_new = request.num_tokens - request.num_computed_tokens
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    if not self.chunked_prefill:
+                        break
+                    num_new = budget
+                if kv.allocate_slots(request, num_new) is None:
+                    break
+                waiting.pop()
+                self._remote_ready.discard(request.request_id)
+                request.status = _RUNNING
+                running.append(request)
+                admitted.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_external = 0
             if self.connector is not None:
@@ -338,14 +385,13 @@ class DefaultScheduler(Scheduler):
                 )
                 if num_external is None:
                     break  # the connector asks us to retry later; keep the order strict
-                if load_async:
-                    raise NotImplementedError(
-                        "asynchronous KV loads (WAITING_FOR_REMOTE_KVS) are not supported "
-                        "by the default scheduler yet"
-                    )
             if num_hit + num_external >= request.num_tokens:
                 # Like a local hit: the last token is always computed, for its logits.
                 num_external = max(request.num_tokens - 1 - num_hit, 0)
+            if num_external and load_async:
+                if not self._start_remote_load(request, num_hit, hit_blocks, num_external):
+                    break  # no blocks for it yet
+                continue
             num_new = request.num_tokens - num_hit - num_external
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -358,9 +404,11 @@ class DefaultScheduler(Scheduler):
                 break  # no preemption for admission: wait for blocks to free up
             waiting.pop()
             if self.connector is not None:
+                request.num_computed_tokens = num_hit
                 self.connector.update_state_after_alloc(
                     request, kv.get_block_ids(request.request_id), num_external
                 )
+                self._num_kv_loaded_tokens_since_stats += num_external
             request.status = _RUNNING
             request.num_computed_tokens = num_hit + num_external
             if request.num_cached_tokens < 0:
@@ -372,6 +420,24 @@ class DefaultScheduler(Scheduler):
         for request in skipped:
             waiting.push(request)
         return admitted
+
+    def _start_remote_load(
+        self, request: Request, num_hit: int, hit_blocks: list, num_external: int
+    ) -> bool:
+        """Give the request blocks for its prefix hit and the external tokens, then park
+        it in WAITING_FOR_REMOTE_KVS until the worker reports the load finished."""
+        kv = self.kv_cache_manager
+        # Unhashed until the load lands: nobody may share blocks still being written.
+        if kv.allocate_slots(request, num_external, num_hit, hit_blocks, cache=False) is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit
+        self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+            request, kv.get_block_ids(request.request_id), num_external
+        )
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._waiting_for_remote[request.request_id] = (request, num_hit + num_external)
+        return True
 
     def _state(self, budget: int) -> SchedulerState:
         kv = self.kv_cache_manager
@@ -406,6 +472,10 @@ class DefaultScheduler(Scheduler):
         per_client: dict[int, list[EngineCoreOutput]] = {}
         finished: list[Request] = []
         from_running = from_waiting = False
+        connector_output = runner_output.kv_connector_output
+        recomputed: set[str] = set()
+        if connector_output is not None and self.connector is not None:
+            recomputed = self._apply_connector_output(connector_output, per_client)
         for index, request_id in enumerate(runner_output.req_ids):
             sampled = sampled_rows[index]
             if not sampled:
@@ -413,6 +483,12 @@ class DefaultScheduler(Scheduler):
             request = requests.get(request_id)
             if request is None or request.num_output_placeholders <= 0:
                 continue  # finished or aborted while its batch was in flight
+            if request_id in recomputed:
+                # Its step read KV that failed validation: drop the token, recompute.
+                request.num_output_placeholders = max(
+                    request.num_output_placeholders - len(sampled), 0
+                )
+                continue
             placeholders = request.num_output_placeholders - len(sampled)
             request.num_output_placeholders = placeholders if placeholders > 0 else 0
             params = request.sampling_params
@@ -475,7 +551,6 @@ class DefaultScheduler(Scheduler):
                 client_outputs.append(output)
         if finished:
             self._drop_finished(finished, from_running, from_waiting)
-        connector_output = runner_output.kv_connector_output
         if connector_output is not None and self._delayed_free:
             for request_id in sorted(connector_output.finished_sending):
                 request = self._delayed_free.pop(request_id, None)
@@ -485,7 +560,88 @@ class DefaultScheduler(Scheduler):
             client: EngineCoreOutputs(outputs=outputs) for client, outputs in per_client.items()
         }
 
+    def _apply_connector_output(
+        self, out: KVConnectorOutput, per_client: dict[int, list[EngineCoreOutput]]
+    ) -> set[str]:
+        """Failed transfers fail their request; finished loads resume theirs, recomputing
+        from the first invalid block. Returns running requests that must be recomputed
+        (a synchronous load into them was invalid)."""
+        self.connector.update_connector_output(out)  # type: ignore[union-attr]
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        invalid = out.invalid_block_ids
+        if invalid:
+            kv.uncache_blocks(invalid)
+        failed: list[Request] = []
+        for request_id, message in sorted(out.failures.items()):
+            request = self.requests.get(request_id)
+            if request is None:
+                aborted = self._aborted_loading.pop(request_id, None)
+                if aborted is not None:
+                    kv.free(aborted)
+                continue
+            logger.error("request %s failed in the KV connector: %s", request_id, message)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request, force_free=True)
+            failed.append(request)
+            per_client.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
+                    error=f"KV connector {self.config.kv_transfer.connector!r}: {message}",
+                )
+            )
+        if failed:
+            self._drop_finished(failed, True, True)
+        if invalid:
+            for request_id in self._waiting_for_remote:
+                bad = invalid.intersection(kv.get_block_ids(request_id))
+                if bad:
+                    self._load_errors.setdefault(request_id, set()).update(bad)
+        for request_id in sorted(out.finished_recving | out.failed_recving):
+            aborted = self._aborted_loading.pop(request_id, None)
+            if aborted is not None:
+                kv.free(aborted)
+                continue
+            entry = self._waiting_for_remote.pop(request_id, None)
+            if entry is None:
+                continue
+            request, num_loaded = entry
+            bad = self._load_errors.pop(request_id, None)
+            if request_id in out.failed_recving:
+                num_loaded = request.num_computed_tokens  # nothing landed: recompute
+            elif bad:
+                block_ids = kv.get_block_ids(request_id)
+                for i in range(request.num_computed_tokens // bs, num_loaded // bs):
+                    if block_ids[i] in bad:
+                        num_loaded = i * bs  # recompute from the first invalid block
+                        break
+            self._num_kv_loaded_tokens_since_stats += num_loaded - request.num_computed_tokens
+            request.num_computed_tokens = num_loaded
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_loaded
+            kv.cache_blocks(request, num_loaded)
+            request.status = RequestStatus.WAITING
+            self._remote_ready.add(request_id)
+            self.waiting.push(request)
+        recomputed: set[str] = set()
+        if invalid:
+            for request in list(self.running):
+                if invalid.intersection(kv.get_block_ids(request.request_id)):
+                    self.running.remove(request)
+                    self._preempt(request)
+                    self._pending_preempted.add(request.request_id)
+                    recomputed.add(request.request_id)
+        return recomputed
+
     # --- queries and maintenance -----------------------------------------------------
+
+    def has_requests(self) -> bool:
+        # Blocks still held for a connector need steps: the workers report their end.
+        return bool(
+            self.requests or self.finished_req_ids or self._delayed_free or self._aborted_loading
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -494,7 +650,7 @@ class DefaultScheduler(Scheduler):
         return bool(self.finished_req_ids)
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self._waiting_for_remote)
 
     def get_kv_cache_usage(self) -> float:
         return self.kv_cache_manager.usage
@@ -517,16 +673,25 @@ class DefaultScheduler(Scheduler):
         prefix = kv.make_prefix_cache_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self._waiting_for_remote),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions_since_stats,
             step_counter=self._step_id,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_kv_loaded_tokens=self._num_kv_loaded_tokens_since_stats,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed_since_stats,
+            num_waiting_for_remote_kvs=len(self._waiting_for_remote),
         )
         self._num_preemptions_since_stats = 0
+        self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
         return stats
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def leak_report(self) -> list[str]:
         """Empty when no request state is left and every KV block is free or cached."""
@@ -537,6 +702,9 @@ class DefaultScheduler(Scheduler):
             ("waiting", list(self.waiting)),
             ("unreported finished ids", self.finished_req_ids),
             ("delayed frees", self._delayed_free),
+            ("waiting for remote KV", self._waiting_for_remote),
+            ("aborted while loading", self._aborted_loading),
+            ("load errors", self._load_errors),
         ):
             if value:
                 problems.append(f"{name} not empty: {sorted(_ids(value))[:20]}")

@@ -97,6 +97,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 # --- models -------------------------------------------------------------------------
 
 
+def cmd_disagg_proxy(args: argparse.Namespace) -> int:
+    from enginecore.server.disagg_proxy import run
+
+    run(args.prefill, args.decode, args.host, args.port)
+    return 0
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from enginecore import checkpoints
 
@@ -235,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
         bench = bench_sub.add_parser(name, help=help_text)
         importlib.import_module(module).add_arguments(bench)
         bench.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "disagg-proxy", help="route requests to prefill then decode instances (zmq_p2p)"
+    )
+    p.add_argument("--prefill", action="append", required=True, metavar="URL")
+    p.add_argument("--decode", action="append", required=True, metavar="URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.set_defaults(func=cmd_disagg_proxy)
 
     p = sub.add_parser("demo-model", help="make the offline demo model (or a random one)")
     p.add_argument("dir", nargs="?", help="target directory (default: the cache)")

@@ -122,11 +122,15 @@ def register_models(registry: Registry) -> None:
 def register_kv_connectors(registry: Registry) -> None:
     """Register KV connectors by name.
 
-    The factory returns an object with two methods, ``scheduler_side(config)`` and
-    ``worker_side(config, rank)``, building the two halves
+    The factory (:class:`enginecore.interfaces.KVConnectorFactory`) returns an object
+    with two methods, ``scheduler_side(config)`` (called in the engine-core process
+    before the workers start) and ``worker_side(config, rank)`` (called in each worker
+    once its KV cache exists), building the two halves
     (:class:`enginecore.interfaces.KVConnectorScheduler` and
     :class:`enginecore.interfaces.KVConnectorWorker`). Selected by
-    ``kv_transfer.connector`` (flat name ``kv_connector``).
+    ``kv_transfer.connector`` (flat name ``kv_connector``); built in: ``shared_storage``
+    and ``zmq_p2p`` (docs/kv_transfer.md). Test one with
+    :class:`enginecore.testing.KVConnectorContract`.
     """
 
 

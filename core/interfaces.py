@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from enginecore.config import EngineConfig
     from enginecore.protocol import EngineCoreOutputs, SchedulerStats
     from enginecore.request import Request, RequestStatus
-    from enginecore.runner_output import ModelRunnerOutput
+    from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
     from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 
 
@@ -313,7 +313,15 @@ class ModelRunner(ABC):
 
 
 class KVConnectorScheduler(ABC):
-    """The scheduler-side half of a KV connector (runs in the engine core)."""
+    """The scheduler-side half of a KV connector (runs in the engine core).
+
+    Life of a request with external KV: ``get_num_new_matched_tokens`` (possibly asked
+    again on later steps) -> blocks allocated -> ``update_state_after_alloc`` ->
+    per step ``build_connector_meta`` tells the worker half what to load and save ->
+    ``request_finished`` once, when the request finishes. A request whose load is
+    asynchronous waits in status ``WAITING_FOR_REMOTE_KVS`` (holding its blocks, never
+    blocking the loop) until the worker half reports it in ``finished_recving``.
+    """
 
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -321,47 +329,121 @@ class KVConnectorScheduler(ABC):
     ) -> tuple[int | None, bool]:
         """Extra prompt tokens the connector can provide beyond the local prefix hit.
 
-        Returns ``(num_tokens, load_is_async)``; ``None`` tokens means "ask again later".
-        Must have no side effects.
+        ``num_computed_tokens`` is the local prefix-cache hit (block aligned). Returns
+        ``(num_tokens, load_is_async)``: ``None`` tokens means "ask again later";
+        ``load_is_async`` parks the request in ``WAITING_FOR_REMOTE_KVS`` until its load
+        is reported finished. The engine caps the total so that the prompt's last token
+        is always computed. Must have no side effects: it may be called repeatedly.
         """
 
     @abstractmethod
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None: ...
+    ) -> None:
+        """Called once per admission, after blocks were allocated for the request.
+
+        ``block_ids`` are all the request's blocks; the first
+        ``request.num_computed_tokens`` tokens are the local prefix hit and the next
+        ``num_external_tokens`` are the ones the connector must load into the following
+        blocks (0: nothing to load, but the connector may still want to save).
+        """
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        """The opaque per-step metadata the worker half receives."""
+        """The opaque per-step metadata the worker half receives (msgspec/cloudpickle
+        serializable). Called once per step, after the step's counters advanced.
+
+        Optional attributes ``load_request_ids`` / ``save_request_ids`` (sets of ids)
+        let the engine fail exactly the affected requests when the worker half raises
+        while loading / saving; without them every request of the step is failed.
+        """
 
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Return ``(delay_free, kv_transfer_params)``; delay_free keeps blocks until saved."""
+        """Called once when a request finishes (or is aborted or fails).
+
+        Returns ``(delay_free, kv_transfer_params)``. ``delay_free=True`` keeps the
+        blocks until the worker half reports the id in ``finished_sending`` (a save or a
+        send still reads them). ``kv_transfer_params`` travel back to the client in the
+        final output (disaggregated prefill hands the decode instance its handle so).
+        """
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
+        """What the worker halves reported this step (finished and failed transfers)."""
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Release sockets, threads and files (engine shutdown)."""
 
 
 class KVConnectorWorker(ABC):
-    """The worker-side half of a KV connector (runs inside the forward pass)."""
+    """The worker-side half of a KV connector (runs inside the forward pass).
+
+    Per step: ``start_load_kv(metadata)`` before the forward, ``wait_for_layer_load`` /
+    ``save_kv_layer`` around each attention layer, ``wait_for_save`` after the forward,
+    then ``get_finished``. Layers are named ``"layer.<i>"`` (``i`` the layer index on
+    this rank) and their cache tensors are ``[2, num_blocks, block_size, kv_heads,
+    head_dim]`` (K then V); ``register_kv_caches`` hands them over once.
+    """
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         return None
 
     @abstractmethod
-    def start_load_kv(self, metadata: Any) -> None: ...
+    def start_load_kv(self, metadata: Any) -> None:
+        """Start the loads this step's metadata asks for (may return before they end)."""
 
     @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this layer's synchronous loads are in the cache."""
 
     @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None: ...
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None:
+        """This layer's cache now holds the step's K/V: start saving what is due."""
 
     @abstractmethod
-    def wait_for_save(self) -> None: ...
+    def wait_for_save(self) -> None:
+        """After the forward pass: the cache may be overwritten from the next step on,
+        so anything saves still need must have been copied out by now."""
 
     @abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """``(done_sending, done_recving)`` request ids."""
+        """``(done_sending, done_recving)`` request ids, each reported exactly once.
+
+        ``finished_req_ids`` are the requests the scheduler finished since the last
+        step: a request whose blocks were kept (``delay_free``) must eventually appear
+        in ``done_sending``; an asynchronous load must eventually appear in
+        ``done_recving`` (also when it failed).
+        """
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose loaded contents are invalid (missing, truncated, bad checksum)
+        since the last call: the engine recomputes them and never uses their contents."""
+        return set()
+
+    def get_failures(self) -> dict[str, str]:
+        """Requests whose load or save failed since the last call: id -> error text.
+        The engine finishes each with an error and frees its blocks."""
+        return {}
+
+    def shutdown(self) -> None:  # noqa: B027
+        """Release sockets, threads and files (worker shutdown)."""
+
+
+class KVConnectorFactory(ABC):
+    """What ``register_kv_connectors`` registers: builds the two halves of a connector.
+
+    ``scheduler_side`` runs in the engine core process, ``worker_side`` in each worker
+    (``rank`` is the global rank). Both read ``config.kv_transfer`` (``role``,
+    ``extra_config``).
+    """
+
+    @abstractmethod
+    def scheduler_side(self, config: EngineConfig) -> KVConnectorScheduler: ...
+
+    @abstractmethod
+    def worker_side(self, config: EngineConfig, rank: int) -> KVConnectorWorker: ...
 
 
 # --- observability -------------------------------------------------------------------

@@ -61,6 +61,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
     # Top-N logprobs of each prompt token after the first (0: the prompt token only).
     # Requests that ask for them bypass prefix-cache hits (cached tokens have no logits).
     prompt_logprobs: int | None = None
+    # KV connector handle for this request (disaggregated prefill/decode): what the
+    # prefill instance returned in its output's ``kv_transfer_params``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

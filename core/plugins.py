@@ -35,6 +35,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_schedulers.plugin",
     "enginecore.builtin_executors.plugin",
     "enginecore.builtin_models.plugin",
+    "enginecore.builtin_kv_connectors.plugin",
     "enginecore.metrics.plugin",
     "enginecore.tool_parsers.plugin",
 )

@@ -100,6 +100,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # KV connector: prompt tokens loaded instead of computed (this step), and requests
+    # parked until their external KV arrives.
+    num_kv_loaded_tokens: int = 0
+    num_waiting_for_remote_kvs: int = 0
+    # Prompt tokens computed by the model since the last stats (cache and KV connector
+    # hits excluded): what prefix caching and connectors save.
+    num_prompt_tokens_computed: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

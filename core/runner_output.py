@@ -20,6 +20,18 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     finished_recving: set[str] = set()
     failed_recving: set[str] = set()
     invalid_block_ids: set[int] = set()
+    # Requests whose load or save failed: id -> error text (the request fails).
+    failures: dict[str, str] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.failed_recving
+            or self.invalid_block_ids
+            or self.failures
+        )
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):

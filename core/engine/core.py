@@ -16,9 +16,10 @@ from typing import Any
 from enginecore.config import EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
-from enginecore.interfaces import Executor, Scheduler
+from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from enginecore.registry import import_ref
 from enginecore.request import Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
@@ -53,6 +54,8 @@ def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
         scheduler_output.total_num_scheduled_tokens
         or scheduler_output.finished_req_ids
         or scheduler_output.preempted_req_ids
+        # KV connector: loads to start and transfers to poll, even in an empty step.
+        or scheduler_output.kv_connector_metadata is not None
     )
 
 
@@ -66,6 +69,8 @@ class EngineCore:
             config.plugins.enabled, config.plugins.disabled
         )
         self.components: Components = resolve_components(config, self.plugins)
+        # The scheduler half of a KV connector checks its settings before anything starts.
+        kv_connector = self._make_kv_connector()
         # 1. executor: workers start and load weights.
         self.executor: Executor = build_component(
             self.plugins,
@@ -94,11 +99,13 @@ class EngineCore:
                 num_blocks=self.num_blocks,
                 max_model_len=self.max_model_len,
                 policy=policy,
-                kv_connector=None,
+                kv_connector=kv_connector,
                 log_stats=True,
             )
         except BaseException:
             self.executor.shutdown()
+            if kv_connector is not None:
+                kv_connector.shutdown()
             raise
         async_ok = config.scheduler.async_scheduling and getattr(
             self.scheduler, "supports_async_scheduling", False
@@ -120,6 +127,13 @@ class EngineCore:
         self.plugins.engine_started(config, self.ready_info())
 
     # --- start-up -------------------------------------------------------------------------
+
+    def _make_kv_connector(self) -> KVConnectorScheduler | None:
+        """The scheduler-side half of the configured KV connector (workers build theirs)."""
+        ref = self.components.worker_spec.kv_connector_ref
+        if ref is None:
+            return None
+        return import_ref(ref)().scheduler_side(self.config)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
@@ -233,6 +247,14 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if (
+            not outputs
+            and not scheduler_output.total_num_scheduled_tokens
+            and scheduler_output.kv_connector_metadata is not None
+        ):
+            # A step that only polled KV transfers (every 1 ms while requests wait for
+            # them): its stats ride with the next step that has outputs.
+            return outputs
         stats = self.scheduler.make_stats()
         if stats is not None:
             # One stats record per step, on client 0's outputs (created if it had none).

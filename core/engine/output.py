@@ -55,6 +55,11 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
     # Streaming (DELTA) sends them once, in the first output that has them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set by a KV connector when the request finishes (disaggregated prefill: the
+    # handle a decode instance passes back in its SamplingParams.kv_transfer_params).
+    kv_transfer_params: dict[str, Any] | None = None
+    # Why the engine failed the request (finish_reason "error"), e.g. a KV load error.
+    error: str | None = None
 
 
 @dataclass
@@ -101,6 +106,8 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._sent_prompt_logprobs = False
         self.num_preemptions = 0
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.error: str | None = None
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
         self._sent_tokens = 0
@@ -138,6 +145,10 @@ class RequestState:
         elif out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        if out.error is not None:
+            self.error = out.error
         if self.finish_reason is not None:
             self.times.finished = now
         return stop_string
@@ -350,6 +361,8 @@ class OutputProcessor:
                 num_cached_tokens=state.num_cached_tokens,
                 metrics=state.metrics(),
                 prompt_logprobs=state.take_prompt_logprobs(),
+                kv_transfer_params=state.kv_transfer_params,
+                error=state.error,
             )
         if finished:
             parent.num_finished += 1
@@ -376,4 +389,6 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics(),
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=state.kv_transfer_params,
+            error=state.error,
         )

@@ -195,6 +195,7 @@ def _response(
         "model": ctx.model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
+        "kv_transfer_params": output.kv_transfer_params,
     }
     if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
         response["prompt_logprobs"] = raw_prompt_logprobs(output.prompt_logprobs)

@@ -162,6 +162,8 @@ def _response(
         "model": ctx.model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
+        # Disaggregated prefill: the handle the decode instance needs (one prompt only).
+        "kv_transfer_params": outputs[0].kv_transfer_params if len(outputs) == 1 else None,
     }
 
 

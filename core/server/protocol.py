@@ -46,6 +46,9 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     metadata: dict[str, Any] | None = None
     """User metadata; stat loggers see it as ``extra`` (with ``user`` added)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """KV connector handle (disaggregated prefill/decode): a prefill response's
+    ``kv_transfer_params``, passed on to the decode instance (see docs/kv_transfer.md)."""
 
 
 class CompletionRequest(SamplingFields):

@@ -101,6 +101,7 @@ def to_sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         extra=extra or None,
+        kv_transfer_params=req.kv_transfer_params,
         **optional,
     )
 
