@@ -21,6 +21,8 @@ import torch
 
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
+from enginecore.builtin_models.drafter import Drafter, TokenBuffer
+from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore.builtin_models.sampler import (
     Sampler,
     apply_grammar_bitmask,
@@ -55,6 +57,10 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     generator: torch.Generator | None = None
+    # Speculative decoding: drafts proposed after the last step, and the token array
+    # the proposer searches.
+    drafts: list[int] = field(default_factory=list)
+    token_buffer: TokenBuffer | None = None
 
 
 @dataclass
@@ -63,7 +69,9 @@ class _StepState:
 
     req_ids: list[str]  # every scheduled request, in batch order
     sample_req_ids: list[str]  # those whose next token is due (prefill complete)
-    logits: torch.Tensor | None  # [len(sample_req_ids), vocab]
+    logits: torch.Tensor | None  # [rows, vocab]: one row per sample request and draft
+    # Per sample request: the drafts verified this step (None: no speculative decoding).
+    drafts: list[list[int]] | None = None
 
 
 class TorchModelRunner(ModelRunner):
@@ -89,6 +97,9 @@ class TorchModelRunner(ModelRunner):
         self._step: _StepState | None = None
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
+        self.drafter: Drafter | None = None
+        if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
+            self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref)
 
     # --- loading --------------------------------------------------------------------
 
@@ -281,7 +292,9 @@ class TorchModelRunner(ModelRunner):
                 )
             if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
                 state.block_ids.extend(cached.new_block_ids[i])
-            if i < len(cached.num_computed_tokens):
+            if i < len(cached.num_computed_tokens) and self.drafter is None:
+                # With speculation the scheduler counts draft slots optimistically until
+                # it sees how many were accepted: this runner's own count is exact.
                 state.num_computed_tokens = cached.num_computed_tokens[i]
             if i < len(cached.new_token_ids) and cached.new_token_ids[i]:
                 # Only when this rank does not sample (pipeline parallelism).
@@ -294,8 +307,6 @@ class TorchModelRunner(ModelRunner):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
         self._update_states(so)
-        if any(so.scheduled_spec_decode_tokens.values()):
-            raise EngineCoreError("the torch model runner does not verify speculative drafts yet")
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             self._step = _StepState([], [], None)
             return None
@@ -304,6 +315,9 @@ class TorchModelRunner(ModelRunner):
 
         # Single-token queries first: attention batches them as one decode group.
         scheduled = so.num_scheduled_tokens
+        drafts_of: dict[str, list[int]] = {}
+        if so.scheduled_spec_decode_tokens:
+            scheduled, drafts_of = self._drafts_to_verify(so)
         decodes = [r for r, n in scheduled.items() if n == 1]
         prefills = [r for r, n in scheduled.items() if n != 1]
         mirror = self._plan_decode_mirror(decodes)
@@ -318,12 +332,30 @@ class TorchModelRunner(ModelRunner):
         input_ids: list[int] = []
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
+        verify: list[list[int]] | None = [] if self.drafter is not None else None
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
         cu = 0
         for i, state in enumerate(states):
             start, n = int(starts[i]), int(q_lens[i])
             end = start + n
+            drafts = drafts_of.get(state.req_id) if drafts_of else None
+            if drafts:
+                # Verify: the last known token, then the drafts; every position samples.
+                if start != len(state.token_ids) - 1:
+                    raise EngineCoreError(
+                        f"request {state.req_id!r}: drafts scheduled at position {start}, "
+                        f"but the model runner knows {len(state.token_ids)} tokens"
+                    )
+                input_ids.append(state.token_ids[start])
+                input_ids.extend(drafts)
+                block_table[i, : len(state.block_ids)] = state.block_ids
+                state.num_computed_tokens = end
+                sample_rows.extend(range(cu, cu + n))
+                cu += n
+                sample_req_ids.append(state.req_id)
+                verify.append(drafts)  # type: ignore[union-attr]
+                continue
             if end > len(state.token_ids):
                 raise EngineCoreError(
                     f"request {state.req_id!r}: scheduled tokens {start}..{end} but only "
@@ -339,6 +371,8 @@ class TorchModelRunner(ModelRunner):
             if end == len(state.token_ids):  # prefill complete: a new token is due
                 sample_rows.append(cu - 1)
                 sample_req_ids.append(state.req_id)
+                if verify is not None:
+                    verify.append([])
 
         total = int(q_lens.sum())
         req_of_token = np.repeat(np.arange(num_reqs), q_lens)
@@ -366,8 +400,33 @@ class TorchModelRunner(ModelRunner):
         if sample_rows and self.parallel.is_last_pp_rank:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        self._step = _StepState(order, sample_req_ids, logits)
+        self._step = _StepState(order, sample_req_ids, logits, verify)
         return None
+
+    def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Each request's drafts this step and its query length (1 + drafts).
+
+        Slots the scheduler filled with real ids are verified as given; ``-1``
+        placeholders (async scheduling) take the drafts this runner proposed after the
+        previous step, up to the number of slots. Unused slots are simply not run.
+        """
+        if self.drafter is None:
+            raise EngineCoreError(
+                "the scheduler sent draft tokens, but speculative decoding is off in this "
+                "model runner (set speculative_method and num_speculative_tokens)"
+            )
+        scheduled = dict(so.num_scheduled_tokens)
+        drafts_of: dict[str, list[int]] = {}
+        for req_id, slots in so.scheduled_spec_decode_tokens.items():
+            if not slots or req_id not in scheduled:
+                continue
+            if min(slots) >= 0:
+                drafts = list(slots)
+            else:
+                drafts = self.requests[req_id].drafts[: len(slots)]
+            drafts_of[req_id] = drafts
+            scheduled[req_id] += len(drafts) - len(slots)
+        return scheduled, drafts_of
 
     def _forward(
         self,
@@ -425,6 +484,8 @@ class TorchModelRunner(ModelRunner):
             return ModelRunnerOutput(
                 req_ids=step.req_ids, req_id_to_index=index, sampled_token_ids=sampled
             )
+        if self.drafter is not None:
+            return self._sample_speculative(step, grammar_output, index)
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
             tokens = self._share_sampled(None, len(step.sample_req_ids))
             for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
@@ -462,6 +523,105 @@ class TorchModelRunner(ModelRunner):
             req_id_to_index=index,
             sampled_token_ids=sampled,
             logprobs=self._full_logprobs(out.logprobs, step, index),
+        )
+
+    def _sample_speculative(
+        self, step: _StepState, grammar_output: GrammarOutput | None, index: dict[str, int]
+    ) -> ModelRunnerOutput:
+        """Verify this step's drafts (rejection_sampler.py), then propose the next ones."""
+        assert self.drafter is not None and step.drafts is not None
+        states = [self.requests[r] for r in step.sample_req_ids]
+        drafts = step.drafts
+        num_rows = len(states) + sum(len(d) for d in drafts)
+        logprobs = None
+        if step.logits is None:  # an earlier pipeline stage: learn the targets
+            targets = self._share_sampled(None, num_rows)
+            accepted = accept(targets, drafts)
+        else:
+            logits = step.logits
+            owner, outputs = expand_rows(
+                [s.sampling_params for s in states], [s.output_token_ids for s in states], drafts
+            )
+            if grammar_output is not None and grammar_output.structured_output_request_ids:
+                # Requests under a grammar have no drafts: name each request's first row.
+                first_rows: list[str | None] = [None] * num_rows
+                row = 0
+                for state, d in zip(states, drafts, strict=True):
+                    first_rows[row] = state.req_id
+                    row += len(d) + 1
+                self._apply_grammar(logits, first_rows, grammar_output)  # type: ignore[arg-type]
+            generators = [s.generator for s in states]
+            streams = SeededStreams(generators, drafts)
+            meta = build_sampling_metadata(
+                [states[i].sampling_params for i in owner],
+                [states[i].prompt_token_ids for i in owner],
+                outputs,
+                [generators[i] for i in owner],
+                self.eos_token_ids,
+                logits.shape[-1],
+                self.device,
+            )
+            out = self.sampler(logits, meta)
+            if self.parallel.world_size > 1:
+                targets = self._share_sampled(out.token_ids, num_rows)
+            else:
+                targets = out.token_ids.tolist()
+            accepted = accept(targets, drafts)
+            streams.rewind(accepted, drafts, logits.shape[-1])
+            if out.logprobs is not None:
+                logprobs = self._spec_logprobs(out.logprobs, step, accepted, index)
+        n = len(step.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        num_drafts = [0] * n
+        next_drafts: list[list[int]] = [[] for _ in range(n)]
+        for state, d, tokens in zip(states, drafts, accepted, strict=True):
+            state.output_token_ids.extend(tokens)
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
+            i = index[state.req_id]
+            sampled[i] = tokens
+            num_drafts[i] = len(d)
+            if state.sampling_params.structured_output is None:
+                if state.token_buffer is None:
+                    state.token_buffer = TokenBuffer()
+                state.drafts = self.drafter.propose(state.token_buffer, state.token_ids)
+                next_drafts[i] = state.drafts
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            draft_token_ids=next_drafts,
+            num_draft_tokens=num_drafts,
+        )
+
+    @staticmethod
+    def _spec_logprobs(
+        lp: LogprobsLists, step: _StepState, accepted: list[list[int]], index: dict[str, int]
+    ) -> LogprobsLists:
+        """Sampler rows cover every verified position; keep the accepted ones, grouped by
+        request in ``req_ids`` order (``cu_num_generated_tokens`` delimits them)."""
+        assert step.drafts is not None
+        rows_of: list[range] = [range(0) for _ in step.req_ids]
+        row = 0
+        for req_id, d, tokens in zip(step.sample_req_ids, step.drafts, accepted, strict=True):
+            rows_of[index[req_id]] = range(row, row + len(tokens))
+            row += len(d) + 1
+        ids: list[list[int]] = []
+        vals: list[list[float]] = []
+        ranks: list[int] = []
+        cu = [0]
+        for rows in rows_of:
+            for r in rows:
+                ids.append(lp.logprob_token_ids[r])
+                vals.append(lp.logprobs[r])
+                ranks.append(lp.sampled_token_ranks[r])
+            cu.append(len(ids))
+        return LogprobsLists(
+            logprob_token_ids=ids,
+            logprobs=vals,
+            sampled_token_ranks=ranks,
+            cu_num_generated_tokens=cu,
         )
 
     def _apply_grammar(

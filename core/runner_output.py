@@ -13,6 +13,9 @@ class LogprobsLists(msgspec.Struct, kw_only=True):
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    # Speculative decoding: the rows are per generated token, and request i owns rows
+    # cu_num_generated_tokens[i]:cu_num_generated_tokens[i + 1]. None: one row per request.
+    cu_num_generated_tokens: list[int] | None = None
 
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):
@@ -32,6 +35,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     kv_connector_output: KVConnectorOutput | None = None
     num_nans_in_logits: dict[str, int] | None = None
     extra: dict[str, Any] | None = None
+    # Speculative decoding, per request row: drafts proposed for the next step (from the
+    # tokens above), and how many drafts this step verified (accepted = len(sampled) - 1).
+    draft_token_ids: list[list[int]] | None = None
+    num_draft_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()
