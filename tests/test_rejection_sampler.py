@@ -12,7 +12,6 @@ bonus token fails by a wide margin.
 from __future__ import annotations
 
 import collections
-import itertools
 
 import pytest
 import torch
@@ -131,10 +130,10 @@ def test_seeded_generator_is_rewound_to_one_draw_per_emitted_token() -> None:
         streams = SeededStreams([generator], [DRAFTS])
         for _ in range(len(DRAFTS) + 1):  # the sampler's draws for the four rows
             torch.rand(VOCAB, generator=generator)
-        emitted = [DRAFTS[:num_accepted] + [0]]
+        emitted = [[*DRAFTS[:num_accepted], 0]]
         streams.rewind(emitted, [DRAFTS], VOCAB)
         reference = torch.Generator().manual_seed(99)
-        for _ in itertools.repeat(None, num_accepted + 1):
+        for _ in range(num_accepted + 1):
             torch.rand(VOCAB, generator=reference)
         assert torch.equal(
             torch.rand(VOCAB, generator=generator), torch.rand(VOCAB, generator=reference)
