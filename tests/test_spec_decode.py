@@ -165,3 +165,67 @@ def test_sampled_distribution_is_the_same_with_speculation(tiny_llama) -> None:
     stat, df = two_sample_chi_square(table(base), table(spec))
     assert df > 20
     assert stat < chi_square_critical(df), (stat, df, table(base), table(spec))
+
+
+def test_stop_strings_inside_a_multi_token_step_in_the_frontend(tiny_llama) -> None:
+    """The frontend checks stop strings token by token within a multi-token step: the
+    tokens after the one that completes the stop string are dropped (with their
+    logprobs), exactly as when the same tokens arrive one step at a time."""
+    from transformers import AutoTokenizer
+
+    from enginecore.engine.output import OutputKind, RequestState
+    from enginecore.protocol import EngineCoreOutput
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokens = tokenizer.encode(" alpha beta gamma delta epsilon zeta", add_special_tokens=False)
+    text = tokenizer.decode(tokens)
+    stop = "mma de"  # completed by a token in the middle of the step
+    params = SamplingParams(max_tokens=40, stop=[stop], logprobs=0)
+
+    def output(ids: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id="r",
+            new_token_ids=ids,
+            new_logprob_token_ids=[[t] for t in ids],
+            new_logprobs=[[-0.5] for _ in ids],
+            new_sampled_ranks=[1 for _ in ids],
+        )
+
+    def state() -> RequestState:
+        return RequestState("r", None, [1], params, tokenizer, output_kind=OutputKind.FINAL_ONLY)
+
+    one_by_one = state()
+    for token in tokens:
+        if one_by_one.apply(output([token]), 0.0) is not None:
+            break
+    at_once = state()
+    assert at_once.apply(output(tokens), 0.0) == stop
+    assert one_by_one.finish_reason is not None and at_once.finish_reason is not None
+    assert at_once.text == one_by_one.text == text[: text.index(stop)]
+    assert at_once.token_ids == one_by_one.token_ids
+    assert 1 < len(at_once.token_ids) < len(tokens)
+    assert len(at_once.logprobs) == len(at_once.token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"]
+)
+def test_speculation_with_two_ranks(tiny_llama, parallel) -> None:
+    """Every rank proposes for itself and learns the verified tokens from the output rank:
+    greedy and seeded outputs equal the single-rank engine without speculation."""
+    from enginecore import LLM
+
+    prompts = _ids(mixed_spec_prompts()[:6])
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    params = [GREEDY.clone(max_tokens=16, logprobs=2)] * 6 + [seeded] * 6
+    common = dict(dtype="float32", num_blocks_override=256, max_model_len=2048)
+    with LLM(tiny_llama, multiprocessing=False, **common) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, params)]
+    with LLM(tiny_llama, **common, **parallel, **SPEC) as llm:
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, params)]
+    assert outputs == reference
+
+
+def _ids(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in prompts]
