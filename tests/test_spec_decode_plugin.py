@@ -58,7 +58,7 @@ def test_plugins_command_lists_the_proposer(cycle_plugin) -> None:
 
 
 def test_the_plugin_proposer_speeds_up_without_changing_output(cycle_plugin, tiny_llama) -> None:
-    prompts = mixed_spec_prompts(seed=9)
+    prompts = mixed_spec_prompts(seed=9)[:8]
     requests = [(p, GREEDY) for p in prompts]
     base = run_engine(tiny_llama, requests)
     spec = run_engine(tiny_llama, requests, **CYCLE)
@@ -68,8 +68,8 @@ def test_the_plugin_proposer_speeds_up_without_changing_output(cycle_plugin, tin
     # The same through a separate engine process, whose worker imports the proposer.
     with LLM(tiny_llama, dtype="float32", num_blocks_override=256, **CYCLE) as llm:
         assert "cycle (from cycle_proposer)" in llm.engine_client.ready.components.values()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == base.in_order()[:4]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == base.in_order()[:2]
 
 
 def test_the_packages_own_tests_pass(cycle_plugin) -> None:
