@@ -213,7 +213,10 @@ class TorchModelRunner(ModelRunner):
         )
         hidden = self._forward(ids, positions, None, meta)
         if self.parallel.is_last_pp_rank:
-            rows = min(self.config.scheduler.max_num_seqs, total)
+            # Every verified draft position needs its own row of logits.
+            spec = self.config.speculative
+            per_seq = 1 + (spec.num_speculative_tokens if spec.enabled else 0)
+            rows = min(self.config.scheduler.max_num_seqs * per_seq, total)
             self.model.compute_logits(hidden[:rows])
         del hidden
 

@@ -12,6 +12,7 @@ from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.ngram_proposer import NgramProposer
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
+from enginecore.testing import SpecDecodeProposerContract
 
 
 def proposer(lo: int = 1, hi: int = 4) -> NgramProposer:
@@ -95,3 +96,11 @@ def test_the_builtin_is_registered_and_bad_settings_are_refused() -> None:
         make_config(ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2)
     with pytest.raises(ConfigError, match="num_speculative_tokens must be >= 0"):
         make_config(num_speculative_tokens=-1)
+
+
+class TestNgramProposerContract(SpecDecodeProposerContract):
+    proposer = "ngram"
+
+    @pytest.fixture(scope="class")
+    def contract_checkpoint(self, tiny_llama):
+        return tiny_llama

@@ -7,5 +7,6 @@ module without configuration::
 """
 
 from enginecore.testing.executor_contract import ExecutorContract
+from enginecore.testing.spec_decode_contract import SpecDecodeProposerContract
 
-__all__ = ["ExecutorContract"]
+__all__ = ["ExecutorContract", "SpecDecodeProposerContract"]

@@ -7,6 +7,7 @@ from enginecore_cycle_proposer import CycleProposer
 
 from enginecore import make_config
 from enginecore.plugins import make_plugin_manager
+from enginecore.testing import SpecDecodeProposerContract
 
 
 def propose(tokens: list[int], k: int = 5) -> list[int]:
@@ -29,3 +30,9 @@ def test_registered_under_its_name():
     registry = make_plugin_manager().registry("spec_decode_proposer")
     assert registry.entry("cycle").plugin == "cycle_proposer"
     assert registry.get("cycle") is CycleProposer
+
+
+class TestCycleProposerContract(SpecDecodeProposerContract):
+    """enginecore's conformance kit, run against this plugin."""
+
+    proposer = "cycle"
