@@ -72,6 +72,7 @@ def test_the_plugin_proposer_speeds_up_without_changing_output(cycle_plugin, tin
     assert [o.outputs[0].token_ids for o in outputs] == base.in_order()[:2]
 
 
+@pytest.mark.slow  # its contract suite repeats the engine check above in a subprocess
 def test_the_packages_own_tests_pass(cycle_plugin) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
