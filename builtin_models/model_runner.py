@@ -21,8 +21,10 @@ import torch
 
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
+from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
+from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore.builtin_models.sampler import (
     Sampler,
     apply_grammar_bitmask,
@@ -60,6 +62,10 @@ class RequestState:
     generator: torch.Generator | None = None
     # Set while prompt logprobs are being gathered (requests that asked for them).
     prompt_logprobs: PromptLogprobsAccumulator | None = None
+    # Speculative decoding: drafts proposed after the last step, and the token array
+    # the proposer searches.
+    drafts: list[int] = field(default_factory=list)
+    token_buffer: TokenBuffer | None = None
 
 
 @dataclass
@@ -68,7 +74,9 @@ class _StepState:
 
     req_ids: list[str]  # every scheduled request, in batch order
     sample_req_ids: list[str]  # those whose next token is due (prefill complete)
-    logits: torch.Tensor | None  # [len(sample_req_ids), vocab]
+    logits: torch.Tensor | None  # [rows, vocab]: one row per sample request and draft
+    # Per sample request: the drafts verified this step (None: no speculative decoding).
+    drafts: list[list[int]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
 
 
@@ -96,6 +104,9 @@ class TorchModelRunner(ModelRunner):
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
         self.kv_connector: KVConnectorBridge | None = None
+        self.drafter: Drafter | None = None
+        if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
+            self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref)
 
     # --- loading --------------------------------------------------------------------
 
@@ -209,7 +220,10 @@ class TorchModelRunner(ModelRunner):
         )
         hidden = self._forward(ids, positions, None, meta)
         if self.parallel.is_last_pp_rank:
-            rows = min(self.config.scheduler.max_num_seqs, total)
+            # Every verified draft position needs its own row of logits.
+            spec = self.config.speculative
+            per_seq = 1 + (spec.num_speculative_tokens if spec.enabled else 0)
+            rows = min(self.config.scheduler.max_num_seqs * per_seq, total)
             self.model.compute_logits(hidden[:rows])
         del hidden
 
@@ -307,7 +321,9 @@ class TorchModelRunner(ModelRunner):
                 )
             if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
                 state.block_ids.extend(cached.new_block_ids[i])
-            if i < len(cached.num_computed_tokens):
+            if i < len(cached.num_computed_tokens) and self.drafter is None:
+                # With speculation the scheduler counts draft slots optimistically until
+                # it sees how many were accepted: this runner's own count is exact.
                 state.num_computed_tokens = cached.num_computed_tokens[i]
             if i < len(cached.new_token_ids) and cached.new_token_ids[i]:
                 # Only when this rank does not sample (pipeline parallelism).
@@ -320,20 +336,21 @@ class TorchModelRunner(ModelRunner):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
         self._update_states(so)
-        if any(so.scheduled_spec_decode_tokens.values()):
-            raise EngineCoreError("the torch model runner does not verify speculative drafts yet")
         bridge = self.kv_connector
         if bridge is not None:
             bridge.begin_step(so)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             kv_out = bridge.end_step(so) if bridge is not None else None
-            self._step = _StepState([], [], None, kv_out)
+            self._step = _StepState([], [], None, kv_connector_output=kv_out)
             return None
         if self.kv_caches is None:
             raise EngineCoreError("KV cache is not initialized (initialize_kv_cache, or wake_up)")
 
         # Single-token queries first: attention batches them as one decode group.
         scheduled = so.num_scheduled_tokens
+        drafts_of: dict[str, list[int]] = {}
+        if so.scheduled_spec_decode_tokens:
+            scheduled, drafts_of = self._drafts_to_verify(so)
         decodes = [r for r, n in scheduled.items() if n == 1]
         prefills = [r for r, n in scheduled.items() if n != 1]
         if bridge is not None and so.scheduled_new_reqs:
@@ -356,12 +373,30 @@ class TorchModelRunner(ModelRunner):
         sample_rows: list[int] = []
         sample_req_ids: list[str] = []
         prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
+        verify: list[list[int]] | None = [] if self.drafter is not None else None
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
         cu = 0
         for i, state in enumerate(states):
             start, n = int(starts[i]), int(q_lens[i])
             end = start + n
+            drafts = drafts_of.get(state.req_id) if drafts_of else None
+            if drafts:
+                # Verify: the last known token, then the drafts; every position samples.
+                if start != len(state.token_ids) - 1:
+                    raise EngineCoreError(
+                        f"request {state.req_id!r}: drafts scheduled at position {start}, "
+                        f"but the model runner knows {len(state.token_ids)} tokens"
+                    )
+                input_ids.append(state.token_ids[start])
+                input_ids.extend(drafts)
+                block_table[i, : len(state.block_ids)] = state.block_ids
+                state.num_computed_tokens = end
+                sample_rows.extend(range(cu, cu + n))
+                cu += n
+                sample_req_ids.append(state.req_id)
+                verify.append(drafts)  # type: ignore[union-attr]
+                continue
             if end > len(state.token_ids):
                 raise EngineCoreError(
                     f"request {state.req_id!r}: scheduled tokens {start}..{end} but only "
@@ -381,6 +416,8 @@ class TorchModelRunner(ModelRunner):
             if end == len(state.token_ids):  # prefill complete: a new token is due
                 sample_rows.append(cu - 1)
                 sample_req_ids.append(state.req_id)
+                if verify is not None:
+                    verify.append([])
 
         total = int(q_lens.sum())
         req_of_token = np.repeat(np.arange(num_reqs), q_lens)
@@ -412,7 +449,9 @@ class TorchModelRunner(ModelRunner):
         if prompt_lp_rows and self.parallel.is_last_pp_rank:
             self._gather_prompt_logprobs(hidden, prompt_lp_rows)
         kv_out = bridge.end_step(so) if bridge is not None else None
-        self._step = _StepState(order, sample_req_ids, logits, kv_out)
+        self._step = _StepState(
+            order, sample_req_ids, logits, drafts=verify, kv_connector_output=kv_out
+        )
         return None
 
     def _gather_prompt_logprobs(
@@ -435,6 +474,31 @@ class TorchModelRunner(ModelRunner):
                 taken[req_id] = state.prompt_logprobs.result()
                 state.prompt_logprobs = None
         return taken or None
+
+    def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Each request's drafts this step and its query length (1 + drafts).
+
+        Slots the scheduler filled with real ids are verified as given; ``-1``
+        placeholders (async scheduling) take the drafts this runner proposed after the
+        previous step, up to the number of slots. Unused slots are simply not run.
+        """
+        if self.drafter is None:
+            raise EngineCoreError(
+                "the scheduler sent draft tokens, but speculative decoding is off in this "
+                "model runner (set speculative_method and num_speculative_tokens)"
+            )
+        scheduled = dict(so.num_scheduled_tokens)
+        drafts_of: dict[str, list[int]] = {}
+        for req_id, slots in so.scheduled_spec_decode_tokens.items():
+            if not slots or req_id not in scheduled:
+                continue
+            if min(slots) >= 0:
+                drafts = list(slots)
+            else:
+                drafts = self.requests[req_id].drafts[: len(slots)]
+            drafts_of[req_id] = drafts
+            scheduled[req_id] += len(drafts) - len(slots)
+        return scheduled, drafts_of
 
     def _forward(
         self,
@@ -497,6 +561,8 @@ class TorchModelRunner(ModelRunner):
                 sampled_token_ids=sampled,
                 kv_connector_output=step.kv_connector_output,
             )
+        if self.drafter is not None:
+            return self._sample_speculative(step, grammar_output, index)
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
             tokens = self._share_sampled(None, len(step.sample_req_ids))
             for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
@@ -539,6 +605,107 @@ class TorchModelRunner(ModelRunner):
             logprobs=self._full_logprobs(out.logprobs, step, index),
             prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
             kv_connector_output=step.kv_connector_output,
+        )
+
+    def _sample_speculative(
+        self, step: _StepState, grammar_output: GrammarOutput | None, index: dict[str, int]
+    ) -> ModelRunnerOutput:
+        """Verify this step's drafts (rejection_sampler.py), then propose the next ones."""
+        assert self.drafter is not None and step.drafts is not None
+        states = [self.requests[r] for r in step.sample_req_ids]
+        drafts = step.drafts
+        num_rows = len(states) + sum(len(d) for d in drafts)
+        logprobs = None
+        if step.logits is None:  # an earlier pipeline stage: learn the targets
+            targets = self._share_sampled(None, num_rows)
+            accepted = accept(targets, drafts)
+        else:
+            logits = step.logits
+            owner, outputs = expand_rows(
+                [s.sampling_params for s in states], [s.output_token_ids for s in states], drafts
+            )
+            if grammar_output is not None and grammar_output.structured_output_request_ids:
+                # Requests under a grammar have no drafts: name each request's first row.
+                first_rows: list[str | None] = [None] * num_rows
+                row = 0
+                for state, d in zip(states, drafts, strict=True):
+                    first_rows[row] = state.req_id
+                    row += len(d) + 1
+                self._apply_grammar(logits, first_rows, grammar_output)  # type: ignore[arg-type]
+            generators = [s.generator for s in states]
+            streams = SeededStreams(generators, drafts)
+            meta = build_sampling_metadata(
+                [states[i].sampling_params for i in owner],
+                [states[i].prompt_token_ids for i in owner],
+                outputs,
+                [generators[i] for i in owner],
+                self.eos_token_ids,
+                logits.shape[-1],
+                self.device,
+            )
+            out = self.sampler(logits, meta)
+            if self.parallel.world_size > 1:
+                targets = self._share_sampled(out.token_ids, num_rows)
+            else:
+                targets = out.token_ids.tolist()
+            accepted = accept(targets, drafts)
+            streams.rewind(accepted, drafts, logits.shape[-1])
+            if out.logprobs is not None:
+                logprobs = self._spec_logprobs(out.logprobs, step, accepted, index)
+        n = len(step.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        num_drafts = [0] * n
+        next_drafts: list[list[int]] = [[] for _ in range(n)]
+        for state, d, tokens in zip(states, drafts, accepted, strict=True):
+            state.output_token_ids.extend(tokens)
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
+            i = index[state.req_id]
+            sampled[i] = tokens
+            num_drafts[i] = len(d)
+            if state.sampling_params.structured_output is None:
+                if state.token_buffer is None:
+                    state.token_buffer = TokenBuffer()
+                state.drafts = self.drafter.propose(state.token_buffer, state.token_ids)
+                next_drafts[i] = state.drafts
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            kv_connector_output=step.kv_connector_output,
+            draft_token_ids=next_drafts,
+            num_draft_tokens=num_drafts,
+        )
+
+    @staticmethod
+    def _spec_logprobs(
+        lp: LogprobsLists, step: _StepState, accepted: list[list[int]], index: dict[str, int]
+    ) -> LogprobsLists:
+        """Sampler rows cover every verified position; keep the accepted ones, grouped by
+        request in ``req_ids`` order (``cu_num_generated_tokens`` delimits them)."""
+        assert step.drafts is not None
+        rows_of: list[range] = [range(0) for _ in step.req_ids]
+        row = 0
+        for req_id, d, tokens in zip(step.sample_req_ids, step.drafts, accepted, strict=True):
+            rows_of[index[req_id]] = range(row, row + len(tokens))
+            row += len(d) + 1
+        ids: list[list[int]] = []
+        vals: list[list[float]] = []
+        ranks: list[int] = []
+        cu = [0]
+        for rows in rows_of:
+            for r in rows:
+                ids.append(lp.logprob_token_ids[r])
+                vals.append(lp.logprobs[r])
+                ranks.append(lp.sampled_token_ranks[r])
+            cu.append(len(ids))
+        return LogprobsLists(
+            logprob_token_ids=ids,
+            logprobs=vals,
+            sampled_token_ranks=ranks,
+            cu_num_generated_tokens=cu,
         )
 
     def _apply_grammar(

@@ -29,3 +29,12 @@ def register_models(registry: Any) -> None:
     registry.add("MistralForCausalLM", llama, summary="Mistral (sliding-window attention)")
     registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias, sliding window)")
     registry.add("GPT2LMHeadModel", f"{_MODELS}.gpt2:GPT2LMHeadModel", summary="GPT-2")
+
+
+@enginecore.hookimpl(trylast=True)
+def register_spec_decode_proposers(registry: Any) -> None:
+    registry.add(
+        "ngram",
+        "enginecore.builtin_models.ngram_proposer:NgramProposer",
+        summary="prompt lookup: continue the latest earlier match of the text's suffix",
+    )

@@ -115,6 +115,11 @@ class DefaultScheduler(Scheduler):
         self._step_id = 0
         self._num_preemptions_since_stats = 0
         self._last_num_scheduled_tokens = 0
+        # Speculative decoding: draft slots per decode step (0: off), and counters since
+        # the last make_stats(): steps with drafts, draft tokens verified, accepted.
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        self._spec_counts = [0, 0, 0]
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -215,6 +220,7 @@ class DefaultScheduler(Scheduler):
         scheduled_running: list[Request] = []
         running_new_blocks: list[list[int] | None] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         # 1. Running requests first, in running order.
         i = 0
@@ -233,7 +239,12 @@ class DefaultScheduler(Scheduler):
                 num_new = budget
             if num_new <= 0:
                 continue  # waiting for outputs of batches in flight
-            new_blocks = allocate(request, num_new)
+            drafts = (
+                self._draft_slots(request, num_new, min(limit, budget) - num_new)
+                if self.num_spec_tokens
+                else ()
+            )
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=len(drafts))
             while new_blocks is None:
                 # Out of blocks: preempt the policy's victim and retry.
                 victim = policy.pick_preemption_victim(running)
@@ -244,6 +255,7 @@ class DefaultScheduler(Scheduler):
                 if victim.request_id in num_scheduled:
                     # Already scheduled this step: take its tokens back.
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     j = scheduled_running.index(victim)
                     del scheduled_running[j]
                     del running_new_blocks[j]
@@ -251,11 +263,14 @@ class DefaultScheduler(Scheduler):
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = allocate(request, num_new)
+                new_blocks = allocate(request, num_new, num_lookahead_tokens=len(drafts))
             if new_blocks is None:
                 continue  # the request itself was the victim
             scheduled_running.append(request)
             running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
+            if drafts:
+                spec_tokens[request.request_id] = drafts  # type: ignore[assignment]
+                num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
@@ -281,7 +296,9 @@ class DefaultScheduler(Scheduler):
             computed += num_scheduled[request_id]
             request.num_computed_tokens = computed
             if computed >= len(request.all_token_ids) + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples a token
+                # This step samples a token, plus one per draft it may accept.
+                drafts = spec_tokens.get(request_id)
+                request.num_output_placeholders += 1 + len(drafts) if drafts else 1
             if request.sampling_params.structured_output is not None:
                 structured.append(request_id)
         cached.new_block_ids = running_new_blocks
@@ -323,6 +340,7 @@ class DefaultScheduler(Scheduler):
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished_ids,
             preempted_req_ids=preempted_ids,
             structured_output_request_ids=structured,
@@ -339,6 +357,26 @@ class DefaultScheduler(Scheduler):
         end = min(computed + num_new, request.num_prompt_tokens)
         if end > computed:
             self._num_prompt_tokens_computed_since_stats += end - computed
+
+    def _draft_slots(self, request: Request, num_new: int, room: int) -> list[int]:
+        """Draft tokens to verify after a decode step's one token, at most ``room``.
+
+        With no batch of the request in flight we know its latest drafts (sent back with
+        its last output). Otherwise its newest tokens are still unknown to us, and so are
+        the drafts the worker proposed from them: we send ``-1`` placeholders for
+        ``num_speculative_tokens`` drafts, and the worker fills in its own (it may verify
+        fewer; ``update_from_output`` rolls back what was not accepted).
+        """
+        if room <= 0 or num_new != 1 or request.sampling_params.structured_output is not None:
+            return []
+        placeholders = request.num_output_placeholders
+        if request.num_output_tokens + placeholders == 0:
+            return []  # the prompt's last token: nothing was sampled yet to draft from
+        if request.num_computed_tokens + 1 != len(request.all_token_ids) + placeholders:
+            return []  # recomputing after a preemption: not a decode step
+        if placeholders:
+            return [-1] * min(self.num_spec_tokens, room)
+        return request.spec_token_ids[: min(self.num_spec_tokens, room)]
 
     def _admit_waiting(
         self, budget: int, threshold: int, num_scheduled: dict[str, int]
@@ -476,6 +514,9 @@ class DefaultScheduler(Scheduler):
         recomputed: set[str] = set()
         if connector_output is not None and self.connector is not None:
             recomputed = self._apply_connector_output(connector_output, per_client)
+        spec_slots = scheduler_output.scheduled_spec_decode_tokens
+        new_drafts = runner_output.draft_token_ids
+        spec_counts = self._spec_counts
         for index, request_id in enumerate(runner_output.req_ids):
             sampled = sampled_rows[index]
             if not sampled:
@@ -483,14 +524,29 @@ class DefaultScheduler(Scheduler):
             request = requests.get(request_id)
             if request is None or request.num_output_placeholders <= 0:
                 continue  # finished or aborted while its batch was in flight
+            slots = spec_slots.get(request_id) if spec_slots else None
+            num_slots = len(slots) if slots else 0
             if request_id in recomputed:
                 # Its step read KV that failed validation: drop the token, recompute.
                 request.num_output_placeholders = max(
-                    request.num_output_placeholders - len(sampled), 0
+                    request.num_output_placeholders - 1 - num_slots, 0
                 )
                 continue
-            placeholders = request.num_output_placeholders - len(sampled)
+            placeholders = request.num_output_placeholders - 1 - num_slots
             request.num_output_placeholders = placeholders if placeholders > 0 else 0
+            if num_slots:
+                num_accepted = len(sampled) - 1
+                if request.status == _RUNNING:
+                    # Roll back the rejected draft slots (their KV is overwritten later).
+                    request.num_computed_tokens -= num_slots - num_accepted
+                verified = runner_output.num_draft_tokens
+                num_verified = verified[index] if verified is not None else num_slots
+                if num_verified:
+                    spec_counts[0] += 1
+                    spec_counts[1] += num_verified
+                    spec_counts[2] += num_accepted
+            if new_drafts is not None:
+                request.spec_token_ids = new_drafts[index]
             params = request.sampling_params
             output_ids = request.output_token_ids
             all_ids = request.all_token_ids
@@ -521,9 +577,11 @@ class DefaultScheduler(Scheduler):
                 num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
             )
             if logprobs is not None and params.logprobs is not None:
-                output.new_logprob_token_ids = [logprobs.logprob_token_ids[index]]
-                output.new_logprobs = [logprobs.logprobs[index]]
-                output.new_sampled_ranks = [logprobs.sampled_token_ranks[index]]
+                cu = logprobs.cu_num_generated_tokens
+                rows = slice(cu[index], cu[index] + num_taken) if cu else slice(index, index + 1)
+                output.new_logprob_token_ids = logprobs.logprob_token_ids[rows]
+                output.new_logprobs = logprobs.logprobs[rows]
+                output.new_sampled_ranks = logprobs.sampled_token_ranks[rows]
             if runner_output.prompt_logprobs and request_id in runner_output.prompt_logprobs:
                 lp = runner_output.prompt_logprobs[request_id]
                 output.prompt_logprobs = PromptLogprobs(
@@ -683,10 +741,14 @@ class DefaultScheduler(Scheduler):
             num_kv_loaded_tokens=self._num_kv_loaded_tokens_since_stats,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed_since_stats,
             num_waiting_for_remote_kvs=len(self._waiting_for_remote),
+            spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1],
+            spec_num_accepted_tokens=self._spec_counts[2],
         )
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0
+        self._spec_counts = [0, 0, 0]
         return stats
 
     def shutdown(self) -> None:

@@ -173,9 +173,30 @@ class PluginsConfig(_Section):
 
 class SpeculativeConfig(_Section):
     speculative_method: str | None = None
+    """Draft-token proposer plugin name (built in: ngram); null: no speculative decoding."""
     num_speculative_tokens: int = 0
+    """Most draft tokens verified per request and step (required with a method)."""
     ngram_prompt_lookup_min: int = 1
+    """Shortest suffix n-gram the ngram proposer looks up in the request's tokens."""
     ngram_prompt_lookup_max: int = 4
+    """Longest suffix n-gram it looks up (the longest match wins)."""
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.speculative_method is not None and self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} needs num_speculative_tokens "
+                ">= 1 (how many draft tokens to verify per step)"
+            )
+        if self.ngram_prompt_lookup_min < 1:
+            raise ValueError("ngram_prompt_lookup_min must be >= 1")
+        if self.ngram_prompt_lookup_max < self.ngram_prompt_lookup_min:
+            raise ValueError("ngram_prompt_lookup_max must be >= ngram_prompt_lookup_min")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None and self.num_speculative_tokens > 0
 
 
 class StructuredOutputConfig(_Section):

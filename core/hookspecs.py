@@ -170,7 +170,14 @@ def register_structured_output_backends(registry: Registry) -> None:
 def register_spec_decode_proposers(registry: Registry) -> None:
     """Register draft-token proposers for speculative decoding.
 
-    Selected by ``speculative.speculative_method`` (built in: ``"ngram"``).
+    The factory is a :class:`enginecore.interfaces.SpecDecodeProposer` subclass (or a lazy
+    ``"module:Class"`` string), built in each worker as ``cls(config)``; after every
+    sampling step the model runner calls ``propose(token_ids, max_num_drafts)`` for each
+    request and verifies the drafts in the next step. Selected by
+    ``speculative.speculative_method`` (built in: ``"ngram"``), with at most
+    ``speculative.num_speculative_tokens`` drafts per step. Verification keeps the output
+    exactly as without speculation, so a proposer only changes speed; it must be
+    deterministic, since every rank of a parallel engine proposes for itself.
     """
 
 

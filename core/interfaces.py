@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from enginecore.config import EngineConfig
     from enginecore.protocol import EngineCoreOutputs, SchedulerStats
     from enginecore.request import Request, RequestStatus
@@ -154,6 +156,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     kv_connector_ref: str | None = None
     enabled_plugins: list[str] | None = None
     disabled_plugins: list[str] = []
+    spec_decode_proposer_ref: str | None = None  # the selected draft proposer, if any
 
 
 FailureCallback = Callable[[str], None]
@@ -307,6 +310,36 @@ class ModelRunner(ABC):
     @abstractmethod
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample from the logits of the last ``execute_model`` (with a grammar bitmask)."""
+
+
+# --- speculative decoding ------------------------------------------------------------
+
+
+class SpecDecodeProposer(ABC):
+    """Proposes draft tokens that the target model verifies in one forward pass.
+
+    Registered with ``register_spec_decode_proposers`` and selected by
+    ``speculative.speculative_method``. Built in each worker as ``cls(config)``, where it
+    runs right after sampling, once per request that sampled. Drafts are checked against
+    the target model's own samples, so whatever a proposer returns, the output is
+    exactly what decoding without speculation would produce (same distribution; the
+    same tokens for greedy and seeded requests): a proposer only decides the speed.
+
+    A proposer must be deterministic given its input: with tensor or pipeline
+    parallelism every rank proposes for itself and all must agree.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def propose(self, token_ids: np.ndarray, max_num_drafts: int) -> Sequence[int]:
+        """Up to ``max_num_drafts`` tokens guessed to follow ``token_ids``.
+
+        ``token_ids`` is the request's prompt and output so far (a read-only int64
+        array; do not keep it). Return fewer tokens, or none, when there is no good
+        guess: an empty proposal costs nothing.
+        """
 
 
 # --- KV connectors -------------------------------------------------------------------

@@ -84,6 +84,7 @@ class Request:
         "events",
         "extra",
         "kv_transfer_params",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -126,6 +127,8 @@ class Request:
         self.events: list[tuple[int, float]] = []
         self.extra: dict[str, Any] | None = sampling_params.extra
         self.kv_transfer_params: dict[str, Any] | None = None
+        # Speculative decoding: the drafts proposed after the latest output we have seen.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

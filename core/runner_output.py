@@ -13,6 +13,9 @@ class LogprobsLists(msgspec.Struct, kw_only=True):
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    # Speculative decoding: the rows are per generated token, and request i owns rows
+    # cu_num_generated_tokens[i]:cu_num_generated_tokens[i + 1]. None: one row per request.
+    cu_num_generated_tokens: list[int] | None = None
 
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):
@@ -47,6 +50,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Requests that asked for prompt logprobs, when their prefill completes: one row per
     # prompt token after the first, ``[prompt token, top-1..top-N]`` and its rank.
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+    # Speculative decoding, per request row: drafts proposed for the next step (from the
+    # tokens above), and how many drafts this step verified (accepted = len(sampled) - 1).
+    draft_token_ids: list[list[int]] | None = None
+    num_draft_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

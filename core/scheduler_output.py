@@ -46,7 +46,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
-    # Draft tokens to verify this step (speculative decoding).
+    # Draft tokens to verify this step after each decode's one token (speculative
+    # decoding; counted in num_scheduled_tokens). -1 entries are placeholders: the
+    # scheduler has not seen the drafts yet (async scheduling) and the runner verifies
+    # up to that many drafts of its own.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # Finished or aborted since the last step: workers drop their state.
     finished_req_ids: set[str] = set()

@@ -16,7 +16,7 @@ import pytest
 
 import enginecore
 from enginecore import SamplingParams, make_config
-from enginecore.errors import IncompatiblePluginError, PluginLoadError
+from enginecore.errors import IncompatiblePluginError, PluginLoadError, UnknownComponentError
 from enginecore.interfaces import (
     Executor,
     IterationStats,
@@ -24,6 +24,7 @@ from enginecore.interfaces import (
     KVConnectorWorker,
     ModelRunner,
     SchedulingPolicy,
+    SpecDecodeProposer,
     StatLogger,
     WorkerSpec,
 )
@@ -296,17 +297,30 @@ def test_hook_register_structured_output_backends():
     assert backend.compile("a+") == "compiled:a+"
 
 
-def test_hook_register_spec_decode_proposers():
-    class RepeatLastToken:
-        def propose(self, token_ids: list[int], k: int) -> list[int]:
-            return token_ids[-1:] * k
+class RepeatLastToken(SpecDecodeProposer):
+    """Guesses that the last token repeats (importable by reference, as workers need)."""
 
-    host = bare_host(
-        ("repeat", registering("register_spec_decode_proposers", "repeat", RepeatLastToken))
+    def propose(self, token_ids, max_num_drafts):
+        return [int(token_ids[-1])] * max_num_drafts
+
+
+def test_hook_register_spec_decode_proposers():
+    from enginecore.builtin_models.drafter import Drafter, TokenBuffer
+    from enginecore.engine.components import resolve_components
+
+    host = make_plugin_manager(load_entrypoints=False)
+    host.register_object(
+        registering("register_spec_decode_proposers", "repeat", RepeatLastToken), "repeat"
     )
     config = make_config(speculative_method="repeat", num_speculative_tokens=3)
-    proposer = host.registry("spec_decode_proposer").get(config.speculative.speculative_method)()
-    assert proposer.propose([5, 6, 7], config.speculative.num_speculative_tokens) == [7, 7, 7]
+    components = resolve_components(config, host)
+    assert components.providers["spec_decode_proposer"] == "repeat (from repeat)"
+    # Workers import the proposer from the reference the engine resolved.
+    drafter = Drafter(config, components.worker_spec.spec_decode_proposer_ref)
+    assert isinstance(drafter.proposer, RepeatLastToken)
+    assert drafter.propose(TokenBuffer(), [5, 6, 7]) == [7, 7, 7]
+    with pytest.raises(UnknownComponentError, match="ngram"):
+        resolve_components(make_config(speculative_method="nope", num_speculative_tokens=1), host)
 
 
 # --- 2. lifecycle observers ---------------------------------------------------------------

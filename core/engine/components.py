@@ -60,6 +60,13 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
         providers["stat_loggers"] = ", ".join(
             f"{n} (from {stat_loggers.entry(n).plugin})" for n in config.observability.stat_loggers
         )
+    proposer_ref = None
+    if config.speculative.speculative_method is not None:
+        proposer = host.registry("spec_decode_proposer").entry(
+            config.speculative.speculative_method
+        )
+        providers["spec_decode_proposer"] = f"{proposer.name} (from {proposer.plugin})"
+        proposer_ref = proposer.ref
     worker_spec = WorkerSpec(
         worker_ref=WORKER_REF,
         model_runner_ref=runner_entry.ref,
@@ -71,6 +78,7 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
         kv_connector_ref=kv_ref,
         enabled_plugins=config.plugins.enabled,
         disabled_plugins=list(config.plugins.disabled),
+        spec_decode_proposer_ref=proposer_ref,
     )
     return Components(
         executor_name=executor_name,

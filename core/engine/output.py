@@ -126,6 +126,10 @@ class RequestState:
                 self.times.scheduled = timestamp
             elif event_type == EngineCoreEventType.PREEMPTED:
                 self.num_preemptions += 1
+        stop_string = None
+        if self.detokenizer is not None and new_ids:
+            stop_string, num_kept = self._detokenize(new_ids)
+            new_ids = new_ids[:num_kept]
         if new_ids:
             if self.times.first_token is None:
                 self.times.first_token = now
@@ -133,12 +137,9 @@ class RequestState:
             self.times.last_token = now
             self.token_ids.extend(new_ids)
             if self.logprobs is not None and out.new_logprobs is not None:
-                self._add_logprobs(out)
+                self._add_logprobs(out, len(new_ids))
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:
             self._set_prompt_logprobs(out)
-        stop_string = None
-        if self.detokenizer is not None and new_ids:
-            stop_string = self.detokenizer.update(new_ids)
         if stop_string is not None:
             self.finish_reason = FinishReason.STOP
             self.stop_reason = stop_string
@@ -153,12 +154,29 @@ class RequestState:
             self.times.finished = now
         return stop_string
 
-    def _add_logprobs(self, out: EngineCoreOutput) -> None:
+    def _detokenize(self, new_ids: list[int]) -> tuple[str | None, int]:
+        """Detokenize a step's tokens: ``(stop string found, tokens kept)``.
+
+        A step carries several tokens with speculative decoding. Stop strings are then
+        checked token by token, as a one-token step would, so that the tokens after the
+        one completing a stop string are dropped: the output is the same either way.
+        """
+        detokenizer = self.detokenizer
+        assert detokenizer is not None
+        if len(new_ids) == 1 or not detokenizer.stop:
+            return detokenizer.update(new_ids), len(new_ids)
+        for index, token in enumerate(new_ids):
+            stop_string = detokenizer.update([token])
+            if stop_string is not None:
+                return stop_string, index + 1
+        return None, len(new_ids)
+
+    def _add_logprobs(self, out: EngineCoreOutput, num_tokens: int) -> None:
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
         for ids, lps, rank in zip(
-            out.new_logprob_token_ids or [],
-            out.new_logprobs or [],
-            out.new_sampled_ranks or [],
+            (out.new_logprob_token_ids or [])[:num_tokens],
+            (out.new_logprobs or [])[:num_tokens],
+            (out.new_sampled_ranks or [])[:num_tokens],
             strict=False,
         ):
             entry: dict[int, Logprob] = {}

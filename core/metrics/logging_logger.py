@@ -25,6 +25,10 @@ class LoggingStatLogger(StatLogger):
         2.0 tokens/s, Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%,
         Prefix cache hit rate: 40.0%
 
+    With speculative decoding it ends with ``Spec decode: draft acceptance rate: 62.5%,
+    mean accepted length: 3.50`` (accepted / verified drafts, and 1 + accepted per
+    verifying step) over the interval, when the interval verified any drafts.
+
     Throughputs and the prefix-cache hit rate cover the interval since the previous line;
     queue sizes and KV cache usage are the latest step's. The line is logged at INFO
     while the engine has work (or had some in the interval) and at DEBUG when idle, so an
@@ -51,6 +55,9 @@ class LoggingStatLogger(StatLogger):
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
         self.num_finished_requests = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     def record(
         self,
@@ -67,6 +74,9 @@ class LoggingStatLogger(StatLogger):
             self.prefix_cache_queries += scheduler_stats.prefix_cache_queries
             self.prefix_cache_hits += scheduler_stats.prefix_cache_hits
             self.num_preemptions += scheduler_stats.num_preemptions
+            self.spec_num_drafts += scheduler_stats.spec_num_drafts
+            self.spec_num_draft_tokens += scheduler_stats.spec_num_draft_tokens
+            self.spec_num_accepted_tokens += scheduler_stats.spec_num_accepted_tokens
 
     def format_line(self, now: float | None = None) -> str:
         """The line :meth:`log` would write now (without resetting the interval)."""
@@ -89,6 +99,13 @@ class LoggingStatLogger(StatLogger):
         )
         if self.num_preemptions:
             line += f", Preemptions: {self.num_preemptions}"
+        if self.spec_num_draft_tokens:
+            line += (
+                ", Spec decode: draft acceptance rate: "
+                f"{100.0 * self.spec_num_accepted_tokens / self.spec_num_draft_tokens:.1f}%, "
+                "mean accepted length: "
+                f"{1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts:.2f}"
+            )
         return line
 
     def log(self) -> None:

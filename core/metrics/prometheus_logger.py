@@ -71,6 +71,15 @@ class _Families:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Requests preempted.")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: request steps that verified drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
         self.request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
@@ -124,6 +133,7 @@ class PrometheusStatLogger(StatLogger):
         self.registry = REGISTRY if registry is None else registry
         self.model_name = config.model.served_model_name or config.model.path or "unknown"
         self.metrics = _families(self.registry)
+        self.speculative = config.speculative.enabled
         self._labels(engine_index)  # the series exist (at 0) before the first step
 
     def _labels(self, engine_index: int) -> dict[str, str]:
@@ -140,6 +150,10 @@ class PrometheusStatLogger(StatLogger):
             m.num_preemptions,
         ):
             metric.labels(**labels)
+        if self.speculative:
+            m.spec_decode_num_drafts.labels(**labels)
+            m.spec_decode_num_draft_tokens.labels(**labels)
+            m.spec_decode_num_accepted_tokens.labels(**labels)
         return labels
 
     def record(
@@ -162,6 +176,11 @@ class PrometheusStatLogger(StatLogger):
             m.prefix_cache_queries.labels(**labels).inc(scheduler_stats.prefix_cache_queries)
             m.prefix_cache_hits.labels(**labels).inc(scheduler_stats.prefix_cache_hits)
             m.num_preemptions.labels(**labels).inc(scheduler_stats.num_preemptions)
+            if scheduler_stats.spec_num_drafts:
+                s = scheduler_stats
+                m.spec_decode_num_drafts.labels(**labels).inc(s.spec_num_drafts)
+                m.spec_decode_num_draft_tokens.labels(**labels).inc(s.spec_num_draft_tokens)
+                m.spec_decode_num_accepted_tokens.labels(**labels).inc(s.spec_num_accepted_tokens)
         if iteration_stats is None:
             return
         m.prompt_tokens.labels(**labels).inc(iteration_stats.num_prompt_tokens)

@@ -35,6 +35,7 @@ _CONTRACTS = {
     "ModelRunnerContract": "enginecore.testing.model_runner_contract",
     "KVConnectorContract": "enginecore.testing.kv_connector_contract",
     "StatLoggerContract": "enginecore.testing.stat_logger_contract",
+    "SpecDecodeProposerContract": "enginecore.testing.spec_decode_contract",
 }
 
 
@@ -59,5 +60,6 @@ __all__ = [
     "ModelRunnerContract",
     "SchedulerContract",
     "SchedulingPolicyContract",
+    "SpecDecodeProposerContract",
     "StatLoggerContract",
 ]

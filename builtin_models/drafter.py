@@ -1,0 +1,53 @@
+"""The model runner's side of speculative decoding: proposing drafts after each step.
+
+The runner is the authority on a request's tokens, so drafts are proposed here, right
+after sampling, from every token sampled so far. The scheduler learns them with the
+step's output; with async scheduling it has already planned the next step with ``-1``
+placeholder slots, which the runner fills from the drafts it keeps (``state.drafts``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from enginecore.config import EngineConfig
+from enginecore.interfaces import SpecDecodeProposer
+from enginecore.registry import import_ref
+
+
+class TokenBuffer:
+    """A request's tokens as a growing int64 array (the proposer's input, no per-step copy)."""
+
+    __slots__ = ("_array", "_size")
+
+    def __init__(self) -> None:
+        self._array = np.empty(0, dtype=np.int64)
+        self._size = 0
+
+    def view(self, token_ids: list[int]) -> np.ndarray:
+        """The first ``len(token_ids)`` tokens; only tokens appended since the last call
+        are copied (``token_ids`` only ever grows)."""
+        n = len(token_ids)
+        if n > self._array.size:
+            grown = np.empty(max(2 * self._array.size, n + 64), dtype=np.int64)
+            grown[: self._size] = self._array[: self._size]
+            self._array = grown
+        if n > self._size:
+            self._array[self._size : n] = token_ids[self._size : n]
+        self._size = n
+        out = self._array[:n]
+        out.flags.writeable = False
+        return out
+
+
+class Drafter:
+    """Builds the configured proposer and asks it for each request's next drafts."""
+
+    def __init__(self, config: EngineConfig, proposer_ref: str) -> None:
+        cls = import_ref(proposer_ref)
+        self.proposer: SpecDecodeProposer = cls(config)
+        self.num_spec_tokens = config.speculative.num_speculative_tokens
+
+    def propose(self, buffer: TokenBuffer, token_ids: list[int]) -> list[int]:
+        drafts = self.proposer.propose(buffer.view(token_ids), self.num_spec_tokens)
+        return [int(t) for t in drafts[: self.num_spec_tokens]]
