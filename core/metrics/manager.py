@@ -61,7 +61,7 @@ class StatLoggerManager:
         iteration_stats: IterationStats | None,
         engine_index: int = 0,
     ) -> None:
-        for position, (name, stat_logger) in enumerate(zip(self.names, self.loggers)):
+        for position, (name, stat_logger) in enumerate(zip(self.names, self.loggers, strict=True)):
             wanted = self.engines[position] if position < len(self.engines) else None
             if wanted is not None and wanted != engine_index:
                 continue
