@@ -76,7 +76,14 @@ class LLM:
         states = self._validate_all(prompt_list, params_list, priority)
         for (request, _), rank in zip(states, ranks, strict=True):
             request.data_parallel_rank = rank
-        request_ids = [self._add(*state) for state in states]
+        request_ids = []
+        try:
+            for state in states:
+                request_ids.append(self._add(*state))
+        except BaseException:  # e.g. a named replica is dead: nothing stays behind
+            all_ids = [request.request_id for request, _ in states]
+            self.engine_client.abort_requests(self.output_processor.abort_requests(all_ids))
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(

@@ -46,6 +46,8 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     metadata: dict[str, Any] | None = None
     """User metadata; stat loggers see it as ``extra`` (with ``user`` added)."""
+    data_parallel_rank: int | None = None
+    """The data-parallel replica to run on (external load balancing)."""
 
 
 class CompletionRequest(SamplingFields):
