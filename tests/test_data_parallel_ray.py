@@ -3,7 +3,8 @@
 ``ray.cluster_utils.Cluster`` starts a head node and a second node, each a real raylet
 with its own resources. Two replicas must land on different nodes (one placement group
 each), answer greedy prompts exactly like transformers, take requests pinned by rank, and
-survive the SIGKILL of the other replica.
+survive the SIGKILL of the other replica. With the ``ray`` executor and TP=2 inside each
+replica, a replica's ranks sit in its own placement group, on its node.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def two_node_cluster():
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"head_node": 1}},
+        head_node_args={"num_cpus": 3, "resources": {"head_node": 1}},
     )
-    cluster.add_node(num_cpus=2, resources={"second_node": 1})
+    cluster.add_node(num_cpus=3, resources={"second_node": 1})  # logical CPUs
     cluster.wait_for_nodes()
     yield cluster
     if ray.is_initialized():
@@ -86,3 +87,55 @@ def test_two_replicas_on_two_nodes_serve_and_survive_a_sigkill(tiny_llama, two_n
     assert not ray.is_initialized()
     ray.init(address=two_node_cluster.address)
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_tp2_replicas_place_their_ranks_in_their_own_placement_group(tiny_llama, two_node_cluster):
+    prompts = mixed_prompts(10)[:4]
+    llm = LLM(
+        tiny_llama,
+        dtype="float32",
+        num_blocks_override=128,
+        max_model_len=512,
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+        ray_address=two_node_cluster.address,
+        executor="ray",
+        tensor_parallel_size=2,
+    )
+    try:
+        engines = llm.engine_client.engines
+        assert len({e.node_id for e in engines}) == 2
+        groups = ray.util.placement_group_table()
+        for engine in engines:
+            group = groups[engine.placement_group.id.hex()]
+            # bundle 0: the engine core; bundles 1 and 2: its two TP ranks
+            assert group["state"] == "CREATED" and len(group["bundles"]) == 3
+        live = [g for g in groups.values() if g["state"] != "REMOVED"]
+        assert len(live) == 2, "the replicas' executors made no placement group of their own"
+        rank_pids = llm.collective_rpc(_worker_pid_and_node())
+        assert len(rank_pids) == 4 and len({pid for pid, _ in rank_pids}) == 4
+        # replica-major: ranks 0-1 of replica 0 on its node, ranks 0-1 of replica 1 on its node
+        assert [node for _, node in rank_pids] == [
+            engines[0].node_id,
+            engines[0].node_id,
+            engines[1].node_id,
+            engines[1].node_id,
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert_matches_reference(
+                out.outputs[0].token_ids, greedy_reference(tiny_llama, prompt, 6), "ray dp tp2"
+            )
+    finally:
+        llm.shutdown()
+
+
+def _worker_pid_and_node():
+    def pid_and_node(worker) -> tuple[int, str]:
+        import os
+
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    return pid_and_node
