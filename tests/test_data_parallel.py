@@ -142,7 +142,8 @@ def loop():
 @pytest.fixture(scope="module")
 def dp_engine(loop, tiny_llama):
     async def make() -> AsyncLLM:
-        return AsyncLLM(tiny_llama, stat_loggers=["logging"], **DP_ARGS)
+        # No periodic log task: its log() would reset the counters this module reads.
+        return AsyncLLM(tiny_llama, stat_loggers=["logging"], log_stats_interval=0, **DP_ARGS)
 
     llm = loop.run(make())
     recorder = RecordingIndexes()

@@ -22,10 +22,12 @@ replica has its own input and output socket; the client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -37,7 +39,7 @@ from enginecore.config import EngineConfig
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.dp_coordinator import DPCoordinator
 from enginecore.engine.mp_client import LIVENESS_POLL_MS, _EngineProcess, _resolve
-from enginecore.errors import EngineDeadError
+from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -104,13 +106,24 @@ class _DPClientBase(EngineCoreClient):
                 _close_all([], ctx, started_ray)
                 raise
         else:
-            self.engines = [_EngineProcess(config, ctx, i) for i in range(self.size)]
+            self.engines = []
+            try:
+                for index in range(self.size):
+                    self.engines.append(_EngineProcess(config, ctx, index))
+            except BaseException:
+                _close_all(self.engines, ctx, False)
+                raise
         self._finalizer = weakref.finalize(self, _close_all, list(self.engines), ctx, started_ray)
-        try:
-            self.readies = [e.handshake(config.engine.ready_timeout) for e in self.engines]
-        except BaseException:
-            self._finalizer()
-            raise
+        # Every replica loads at the same time; the handshakes are awaited in turn.
+        self.readies = []
+        for engine in self.engines:
+            try:
+                self.readies.append(engine.handshake(config.engine.ready_timeout))
+            except BaseException as exc:
+                self._finalizer()
+                if isinstance(exc, EngineCoreError):
+                    raise type(exc)(f"data-parallel replica {engine.engine_index}: {exc}") from exc
+                raise
         first = self.readies[0]
         components = dict(first.components)
         lb = "external" if par.data_parallel_external_lb else "internal"
@@ -151,7 +164,8 @@ class _DPClientBase(EngineCoreClient):
                     by_replica.setdefault(index, []).append(request_id)
         for index, ids in by_replica.items():
             if index not in self.coordinator.dead:
-                self._send(index, EngineCoreRequestType.ABORT, ids)
+                with contextlib.suppress(EngineDeadError):  # its requests failed already
+                    self._send(index, EngineCoreRequestType.ABORT, ids)
 
     def engine_of(self, request_id: str) -> int | None:
         """The replica serving an engine request (None once it finished)."""
@@ -197,9 +211,9 @@ class _DPClientBase(EngineCoreClient):
             all_dead = not self.coordinator.alive()
         error = EngineDeadError(f"data-parallel replica {index} died: {reason}")
         logger.error("%s (%d requests lost)", error, len(lost))
-        for key in [k for k in self._utility_futures if k[0] == index]:
-            future = self._utility_futures.pop(key)
-            if not future.done():
+        for key in [k for k in list(self._utility_futures) if k[0] == index]:
+            future = self._utility_futures.pop(key, None)
+            if future is not None and not future.done():
                 future.set_exception(error)
         if all_dead:
             self.dead_error = EngineDeadError(f"every data-parallel replica is dead; last: {error}")
@@ -229,6 +243,10 @@ class _DPClientBase(EngineCoreClient):
         call_id = next(self._call_ids)
         self._utility_futures[(index, call_id)] = future
         self._send(index, EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        if index in self.coordinator.dead:  # died while the call was being registered
+            self._utility_futures.pop((index, call_id), None)
+            if not future.done():
+                future.set_exception(EngineDeadError(f"data-parallel replica {index} is dead"))
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -247,11 +265,27 @@ class DPSyncMPClient(_DPClientBase):
     def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self.outputs.put(item)
 
+    def _send(self, index: int, kind: EngineCoreRequestType, payload: Any) -> None:
+        """Never blocks on a dead replica: a PUSH socket whose peer is gone would wait
+        forever, so a full or peerless socket is a cue to check the replica's life."""
+        frames = [kind.value, *self.encoder.encode(payload)]
+        engine = self.engines[index]
+        while True:
+            try:
+                engine.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not engine.is_alive():
+                    self._replica_died(index, f"{engine.exit_text()} unexpectedly")
+                    raise EngineDeadError(f"data-parallel replica {index} is dead") from None
+                engine.input_socket.poll(LIVENESS_POLL_MS, zmq.POLLOUT)
+
     def _read_outputs(self) -> None:
         poller = zmq.Poller()
         sockets = {e.output_socket: e.engine_index for e in self.engines}
         for sock in sockets:
             poller.register(sock, zmq.POLLIN)
+        last_check = time.monotonic()
         while not self._stop.is_set() and self.dead_error is None:
             try:
                 ready = dict(poller.poll(LIVENESS_POLL_MS))
@@ -259,9 +293,11 @@ class DPSyncMPClient(_DPClientBase):
                 return
             if self._stop.is_set():
                 return
-            if not ready:
+            # Checked on a clock, not only when all is quiet: a busy replica must not
+            # hide a dead one.
+            if time.monotonic() - last_check >= LIVENESS_POLL_MS / 1000:
+                last_check = time.monotonic()
                 self._check_liveness()
-                continue
             for sock in ready:
                 try:
                     frames = sock.recv_multipart(copy=False)
