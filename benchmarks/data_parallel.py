@@ -119,7 +119,13 @@ class Setup:
                 )
                 for i, pid in enumerate(self.pids)
             }
-            self.best_profile = {"processes": profile, "load_avg_1m_before": load}
+            cores = sum(p["cores"] for p in profile.values())
+            self.best_profile = {
+                "processes": profile,
+                "cores_used": round(cores, 3),
+                "cpu_ms_per_output_token": round(1000 * cores * wall / self.tokens, 3),
+                "load_avg_1m_before": load,
+            }
 
     def result(self) -> dict:
         best = min(self.walls)
@@ -200,7 +206,11 @@ def main() -> None:
         for who, prof in profile["processes"].items():
             roles = ", ".join(f"{role} {cores}" for role, cores in prof["by_role"].items())
             print(f"    {who}: {prof['cores']} cores ({roles})")
-        print(f"    1-min load average before that run: {profile['load_avg_1m_before']:.2f}")
+        print(
+            f"    all processes: {profile['cores_used']} cores, "
+            f"{profile['cpu_ms_per_output_token']} CPU-ms per output token; "
+            f"1-min load average before that run: {profile['load_avg_1m_before']:.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -241,12 +241,21 @@ def test_async_explicit_rank_abort_routing_and_utilities(loop, dp_engine) -> Non
         ]
         await llm.resume()
         resumed = await llm.is_paused()
+        await llm.sleep(1)
+        asleep = [
+            await llm.engine_client.call_utility_async("is_sleeping", engine_index=i)
+            for i in (0, 1)
+        ]
+        await llm.wake_up()
+        assert asleep == [True, True] and await llm.is_sleeping() is False
+        awake_again = await _run(llm, prompt, max_tokens=3)
         rpc = await llm.collective_rpc(_pid)
         with pytest.raises(InvalidRequestError, match="data_parallel_rank"):
             llm.add_request("bad", {"prompt_token_ids": prompt}, None, data_parallel_rank=2)
-        return pinned, owner, left, paused, per_replica, resumed, rpc
+        return pinned, owner, left, paused, per_replica, resumed, rpc, awake_again
 
-    pinned, owner, left, paused, per_replica, resumed, rpc = loop.run(go())
+    pinned, owner, left, paused, per_replica, resumed, rpc, awake_again = loop.run(go())
+    assert awake_again == pinned[:3]
     assert_matches_reference(pinned, greedy_reference(llm.config.model.path, prompt, 8), "rank 1")
     assert owner == 1
     assert left == [0, 0]
