@@ -20,7 +20,7 @@ from test_llm_correctness import mixed_prompts
 from enginecore import LLM, AsyncLLM, SamplingParams
 from enginecore.config import make_config
 from enginecore.engine.client import make_client
-from enginecore.engine.dp_coordinator import DPCoordinator
+from enginecore.engine.dp_coordinator import DPCoordinator, check_data_parallel_rank
 from enginecore.errors import ConfigError, EngineDeadError, InvalidRequestError
 from enginecore.protocol import SchedulerStats
 
@@ -67,6 +67,19 @@ def test_coordinator_explicit_rank_external_lb_and_dead_replicas() -> None:
     with pytest.raises(InvalidRequestError, match="data_parallel_external_lb"):
         external.choose()
     assert external.choose(0) == 0
+
+
+def test_rank_checks_before_a_request_is_tracked() -> None:
+    check_data_parallel_rank(2, False, None)
+    check_data_parallel_rank(2, True, 1)
+    check_data_parallel_rank(1, True, None)  # one replica: nothing to choose
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(
+            InvalidRequestError, match=r"data_parallel_rank must be an int in 0\.\.1"
+        ):
+            check_data_parallel_rank(2, False, bad)
+    with pytest.raises(InvalidRequestError, match="must name its replica"):
+        check_data_parallel_rank(2, True, None)
 
 
 def test_bad_data_parallel_configs_are_rejected(tiny_llama) -> None:
