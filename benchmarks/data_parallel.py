@@ -83,11 +83,25 @@ def profile_delta(before: dict, after: dict, wall: float, roles: dict) -> dict[s
 class Setup:
     """One LLM with ``dp`` replicas, kept alive so runs of the DP sizes interleave."""
 
-    def __init__(self, path: str, dp: int, warmup: list, params: Any) -> None:
+    def __init__(self, path: str, spec: str, warmup: list, params: Any) -> None:
         from enginecore import LLM
 
-        self.dp = dp
-        self.llm = LLM(path, dtype="float32", data_parallel_size=dp, stat_loggers=[])
+        # "2" is DP=2 with the default threads; "1x1" is DP=1 with one torch thread per
+        # engine (OMP_NUM_THREADS, inherited by the engine process at start).
+        dp_text, _, threads = spec.partition("x")
+        self.spec = spec
+        self.dp = dp = int(dp_text)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = threads
+        try:
+            self.llm = LLM(path, dtype="float32", data_parallel_size=dp, stat_loggers=[])
+        finally:
+            if threads:
+                if saved is None:
+                    os.environ.pop("OMP_NUM_THREADS")
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved
         self.llm.generate(warmup[: max(2, dp)], params)  # every replica warmed up
         self.pids = [os.getpid(), *engine_pids(self.llm)]
         # Engine-side Python thread names, asked through each replica's worker (in the
@@ -131,6 +145,7 @@ class Setup:
         best = min(self.walls)
         median = sorted(self.walls)[len(self.walls) // 2]
         return {
+            "setup": self.spec,
             "dp": self.dp,
             "torch_threads_per_engine": self.torch_threads,
             "output_tokens": self.tokens,
@@ -165,7 +180,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--dp", default="1,2", help="DP sizes, the first is the baseline")
+    parser.add_argument(
+        "--dp",
+        default="1,2",
+        help="DP sizes, the first is the baseline; NxT pins T torch threads per engine",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -180,7 +199,7 @@ def main() -> None:
     batch = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     print(machine_line())
-    setups = [Setup(args.model, int(dp), batch, params) for dp in args.dp.split(",")]
+    setups = [Setup(args.model, spec, batch, params) for spec in args.dp.split(",")]
     try:
         for _ in range(args.repeats):  # interleaved: other load on the machine hits all alike
             for setup in setups:
@@ -196,11 +215,11 @@ def main() -> None:
         ratio = result["best_tokens_per_s"] / base.result()["best_tokens_per_s"]
         median_ratio = result["median_tokens_per_s"] / base.result()["median_tokens_per_s"]
         print(
-            f"DP={setup.dp}: {result['output_tokens']} tokens, best {result['best_tokens_per_s']} "
+            f"DP={setup.spec}: {result['output_tokens']} tokens, best {result['best_tokens_per_s']} "
             f"tok/s (median {result['median_tokens_per_s']}), runs {result['seconds']} s, "
-            f"x{ratio:.2f} best / x{median_ratio:.2f} median vs DP={base.dp}, "
+            f"x{ratio:.2f} best / x{median_ratio:.2f} median vs DP={base.spec}, "
             f"torch threads per engine {result['torch_threads_per_engine']}, "
-            f"outputs equal to DP={base.dp}: {setup.outputs == base.outputs}"
+            f"outputs equal to DP={base.spec}: {setup.outputs == base.outputs}"
         )
         profile = result["profile_of_best_run"]
         for who, prof in profile["processes"].items():
