@@ -21,7 +21,7 @@ from enginecore import LLM, AsyncLLM, SamplingParams
 from enginecore.config import make_config
 from enginecore.engine.client import make_client
 from enginecore.engine.dp_coordinator import DPCoordinator, check_data_parallel_rank
-from enginecore.errors import ConfigError, EngineDeadError, InvalidRequestError
+from enginecore.errors import ConfigError, EngineCoreError, EngineDeadError, InvalidRequestError
 from enginecore.protocol import SchedulerStats
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -312,3 +312,12 @@ def test_sigkill_of_one_replica_fails_only_its_requests(loop, tiny_llama) -> Non
         assert_matches_reference(after, greedy_reference(tiny_llama, prompt, 8), "survivor")
     finally:
         llm.shutdown()
+
+
+def test_a_replica_that_fails_to_start_is_named_and_none_is_left(tiny_llama) -> None:
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(EngineCoreError, match=r"data-parallel replica 0: .*no_such_runner"):
+        LLM(tiny_llama, data_parallel_size=2, runner="no_such_runner")
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
