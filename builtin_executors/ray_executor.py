@@ -222,8 +222,19 @@ class RayExecutor(Executor):
             self.config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
         bundle = {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
-        self.placement_group = placement_group([dict(bundle)] * self.world_size, strategy="PACK")
         timeout = self.config.engine.ready_timeout
+        # Inside a data-parallel replica on Ray, the replica's placement group already
+        # holds one bundle per rank after the engine core's (bundle 0): use those.
+        current = ray.util.get_current_placement_group()
+        first_bundle = 0
+        if current is not None and len(current.bundle_specs) >= self.world_size + 1:
+            self._own_placement_group = False
+            self.placement_group, first_bundle = current, 1
+        else:
+            self._own_placement_group = True
+            self.placement_group = placement_group(
+                [dict(bundle)] * self.world_size, strategy="PACK"
+            )
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout)
         if not ready:
             raise WorkerStartupError(
@@ -234,7 +245,8 @@ class RayExecutor(Executor):
         actor_cls = _actor_class(ray)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=rank
+                placement_group=self.placement_group,
+                placement_group_bundle_index=first_bundle + rank,
             )
             self.actors.append(
                 actor_cls.options(
@@ -352,7 +364,7 @@ class RayExecutor(Executor):
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        if self.placement_group is not None:
+        if self.placement_group is not None and getattr(self, "_own_placement_group", True):
             try:
                 from ray.util.placement_group import remove_placement_group
 

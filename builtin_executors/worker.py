@@ -79,9 +79,13 @@ class Worker(WorkerABC):
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.model.seed)
         par = self.config.parallel
-        if self.device.type == "cpu" and par.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # Ranks on one host share its cores; oversubscribed threads slow every rank.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // par.world_size))
+        # Ranks on one host share its cores; oversubscribed threads slow every rank. Local
+        # data-parallel replicas (backend mp) share them too; Ray sizes its actors itself.
+        local_ranks = par.world_size
+        if par.data_parallel_backend == "mp":
+            local_ranks *= par.data_parallel_size
+        if self.device.type == "cpu" and local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
         if par.world_size > 1 and self.parallel.world_size == 1:
             # Join the TP/PP process group (gloo on CPU, NCCL on CUDA); every rank of this
             # executor calls this at the same time with the same init_method.

@@ -106,6 +106,13 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    """Engine-core replicas behind one frontend (each with its own TP x PP workers)."""
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    """How replicas start: mp (local processes) or ray (one placement group per replica)."""
+    data_parallel_external_lb: bool = False
+    """Every request names its replica (data_parallel_rank); the frontend does not balance."""
+    data_parallel_host: str = "127.0.0.1"
+    """Address the frontend binds its ZeroMQ TCP sockets on for Ray replicas to connect to."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto is NCCL on CUDA, gloo on CPU."""
     ray_address: str | None = None

@@ -27,6 +27,7 @@ import msgspec
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import make_client
 from enginecore.engine.collector import RequestOutputCollector
+from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.output import (
     CompletionOutput,
@@ -143,13 +144,20 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: OutputKind | None = None,
         arrival_time: float | None = None,
+        data_parallel_rank: int | None = None,
     ) -> RequestOutputCollector:
         """Validate and submit a request; returns its collector. Raises at once on bad input.
 
-        Must be called from the event loop that consumes the outputs.
+        ``data_parallel_rank`` sends it to that replica (external load balancing) instead
+        of the least-loaded one. Must be called from the event loop that consumes the
+        outputs.
         """
         self._check_alive()
         self._ensure_tasks()
+        par = self.config.parallel
+        check_data_parallel_rank(
+            par.data_parallel_size, par.data_parallel_external_lb, data_parallel_rank
+        )
         params = sampling_params or SamplingParams()
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.collectors:
@@ -158,13 +166,23 @@ class AsyncLLM:
         request, text = self.input_processor.process(
             request_id, prompt, params, priority=priority, arrival_time=arrival_time
         )
+        request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request_id, kind)
         engine_requests = self.output_processor.add_engine_request(
             request, text, output_kind=kind, queue=collector
         )
         self.collectors[request_id] = collector
-        for engine_request in engine_requests:
-            self.engine_client.add_request(engine_request)
+        try:
+            for engine_request in engine_requests:
+                self.engine_client.add_request(engine_request)
+        except BaseException:
+            # e.g. the named replica is dead: nothing of this request stays behind.
+            self.collectors.pop(request_id, None)
+            with contextlib.suppress(EngineCoreError):
+                self.engine_client.abort_requests(
+                    self.output_processor.abort_requests([request_id])
+                )
+            raise
         return collector
         parent = ParentRequest(request_id, params.n)
         children = []
@@ -202,10 +220,16 @@ class AsyncLLM:
         *,
         priority: int = 0,
         output_kind: OutputKind | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (DELTA: new text and tokens only)."""
         collector = self.add_request(
-            request_id, prompt, sampling_params, priority=priority, output_kind=output_kind
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
+            output_kind=output_kind,
+            data_parallel_rank=data_parallel_rank,
         )
         async for output in self.stream(collector):
             yield output
@@ -292,6 +316,9 @@ class AsyncLLM:
             )
 
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_dead is not None:
+            self._fail_replica_requests(outputs)
+            return
         now = time.monotonic()
         op = self.output_processor
         builder = IterationStatsBuilder(now)
@@ -345,6 +372,22 @@ class AsyncLLM:
             await asyncio.sleep(interval)
             self.stat_loggers.log()
 
+    def _fail_replica_requests(self, outputs: EngineCoreOutputs) -> None:
+        """One data-parallel replica died: only the requests it served fail."""
+        error = EngineDeadError(outputs.engine_dead)
+        lost = outputs.finished_requests or set()
+        user_ids = set()
+        for request_id in lost:
+            state = self.output_processor.states.get(request_id)
+            if state is not None:
+                user_ids.add(state.parent.request_id if state.parent else state.request_id)
+        for user_id in user_ids:
+            collector = self.collectors.pop(user_id, None)
+            # Siblings of an n > 1 request on live replicas are aborted there.
+            self.engine_client.abort_requests(self.output_processor.abort_requests([user_id]))
+            if collector is not None:
+                collector.put(error)
+
     def _fail_all(self, error: EngineCoreError) -> None:
         """Raise ``error`` into every open request at once."""
         self._dead = error
@@ -362,7 +405,18 @@ class AsyncLLM:
         return await self.engine_client.call_utility_async(method, *args)
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError if the engine core is dead or does not answer."""
+        """Raises EngineDeadError if the engine core is dead or does not answer.
+
+        With data parallelism, one dead replica already makes the engine unhealthy (so an
+        orchestrator replaces it), although the live replicas keep serving meanwhile.
+        """
+        coordinator = getattr(self.engine_client, "coordinator", None)
+        if coordinator is not None and coordinator.dead:
+            index, reason = next(iter(coordinator.dead.items()))
+            raise EngineDeadError(
+                f"data-parallel replica {index} of {coordinator.size} is dead ({reason}); "
+                f"the other replicas still serve"
+            )
         try:
             await asyncio.wait_for(self._utility("ping"), HEALTH_TIMEOUT)
         except asyncio.TimeoutError:

@@ -86,8 +86,29 @@ def make_client(config: EngineConfig, *, asyncio_mode: bool = False) -> EngineCo
     """The client for this config: ``engine.multiprocessing`` (ENGINECORE_MULTIPROCESSING wins)."""
     from enginecore.engine.mp_client import AsyncMPClient, SyncMPClient
 
+    if config.parallel.data_parallel_size > 1:
+        return _make_dp_client(config, asyncio_mode)
     if asyncio_mode:
         return AsyncMPClient(config)
     if use_multiprocessing(config):
         return SyncMPClient(config)
     return InprocClient(config)
+
+
+def _make_dp_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:
+    from enginecore.engine.dp_client import DPAsyncMPClient, DPSyncMPClient
+    from enginecore.errors import ConfigError
+
+    size = config.parallel.data_parallel_size
+    if config.parallel.executor == "external_launcher":
+        raise ConfigError(
+            f"data_parallel_size {size} cannot be combined with executor 'external_launcher' "
+            "(every torchrun rank is a whole engine already): launch one torchrun job per "
+            "replica instead, or use executor 'uni', 'mp' or 'ray'"
+        )
+    if not asyncio_mode and not use_multiprocessing(config):
+        raise ConfigError(
+            f"data_parallel_size {size} runs each replica in its own process: set "
+            "multiprocessing = true (and unset ENGINECORE_MULTIPROCESSING=0)"
+        )
+    return DPAsyncMPClient(config) if asyncio_mode else DPSyncMPClient(config)

@@ -41,7 +41,14 @@ _STOP = object()
 
 
 class EngineCoreProc(EngineCore):
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+    ) -> None:
+        self.engine_index = engine_index  # this replica's data-parallel rank
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._deferred: deque[tuple[EngineCoreRequestType, Any]] = deque()
@@ -105,6 +112,7 @@ class EngineCoreProc(EngineCore):
             item = self.output_queue.get()
             if item is _STOP:
                 return
+            item.engine_index = self.engine_index  # every output names its replica
             self.output_socket.send_multipart(encoder.encode(item), copy=False)
 
     # --- the busy loop --------------------------------------------------------------------------
@@ -276,11 +284,14 @@ class EngineCoreProc(EngineCore):
             self.ctx.term()
 
 
-def run_engine_core(config_bytes: bytes, input_address: str, output_address: str) -> None:
-    """Entry point of the engine-core process."""
+def run_engine_core(
+    config_bytes: bytes, input_address: str, output_address: str, engine_index: int = 0
+) -> None:
+    """Entry point of the engine-core process (or of a Ray actor's thread, for data
+    parallelism on Ray: there signals stay with Ray and shutdown comes as a message)."""
     logging.basicConfig(
         level=os.environ.get("ENGINECORE_LOG_LEVEL", "WARNING").upper(),
-        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [engine {engine_index}] %(name)s: %(message)s",
     )
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     engine: EngineCoreProc | None = None
@@ -293,10 +304,11 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
         else:
             raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     try:
-        engine = EngineCoreProc(config, input_address, output_address)
+        engine = EngineCoreProc(config, input_address, output_address, engine_index)
     except BaseException as exc:
         _send_startup_failure(output_address, exc)
         raise SystemExit(1) from None
@@ -326,8 +338,10 @@ def _send_startup_failure(output_address: str, exc: BaseException) -> None:
 
 
 def main() -> None:
-    """``python -c 'from enginecore.engine.core_proc import main; main()' IN OUT`` with the
-    msgpack-encoded config on stdin (how the frontend starts the engine process)."""
+    """``python -c 'from enginecore.engine.core_proc import main; main()' IN OUT [INDEX]``
+    with the msgpack-encoded config on stdin (how the frontend starts the engine process;
+    INDEX is the data-parallel rank, 0 without data parallelism)."""
     import sys
 
-    run_engine_core(sys.stdin.buffer.read(), sys.argv[1], sys.argv[2])
+    engine_index = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    run_engine_core(sys.stdin.buffer.read(), sys.argv[1], sys.argv[2], engine_index)

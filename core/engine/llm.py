@@ -11,10 +11,11 @@ from typing import Any
 
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import EngineCoreClient, make_client
+from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.engine.tokenizer import load_tokenizer
-from enginecore.errors import InvalidRequestError
+from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,18 +58,32 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        data_parallel_rank: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in input order.
 
         A prompt is a ``str``, a list of token ids, or ``{"prompt_token_ids": [...]}``.
-        Every prompt is validated before any is scheduled.
+        Every prompt is validated before any is scheduled. ``data_parallel_rank`` (one,
+        or one per prompt) sends prompts to named replicas instead of balancing them.
+        With data parallelism, a replica that dies fails this call with
+        ``EngineDeadError``; later calls run on the replicas that live.
         """
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidRequestError("priority needs one value per prompt")
+        ranks = self._as_rank_list(data_parallel_rank, len(prompt_list))
         states = self._validate_all(prompt_list, params_list, priority)
-        request_ids = [self._add(*state) for state in states]
+        for (request, _), rank in zip(states, ranks, strict=True):
+            request.data_parallel_rank = rank
+        request_ids = []
+        try:
+            for state in states:
+                request_ids.append(self._add(*state))
+        except BaseException:  # e.g. a named replica is dead: nothing stays behind
+            all_ids = [request.request_id for request, _ in states]
+            self.engine_client.abort_requests(self.output_processor.abort_requests(all_ids))
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -119,6 +134,18 @@ class LLM:
             raise InvalidRequestError("no prompts given")
         return prompt_list
 
+    def _as_rank_list(self, ranks: Any, n: int) -> list[int | None]:
+        rank_list = list(ranks) if isinstance(ranks, Sequence) else [ranks] * n
+        if len(rank_list) != n:
+            raise InvalidRequestError(
+                f"got {len(rank_list)} data_parallel_rank values for {n} prompts: "
+                "give one or one per prompt"
+            )
+        par = self.config.parallel
+        for rank in rank_list:
+            check_data_parallel_rank(par.data_parallel_size, par.data_parallel_external_lb, rank)
+        return rank_list
+
     @staticmethod
     def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
         if params is None:
@@ -164,6 +191,11 @@ class LLM:
         try:
             while len(finished) < len(wanted):
                 engine_outputs = self.engine_client.get_output()
+                if engine_outputs.engine_dead is not None:  # one data-parallel replica
+                    lost = engine_outputs.finished_requests or set()
+                    if lost & set(self.output_processor.states):
+                        raise EngineDeadError(engine_outputs.engine_dead)
+                    continue
                 ready, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
                 self.engine_client.abort_requests(to_abort)
                 for _, output in ready:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -51,16 +52,20 @@ def _dead_message(proc: subprocess.Popen) -> str:
 
 def _cleanup(proc, ctx, sockets, tmpdir: str) -> None:
     """Runs at shutdown, garbage collection or interpreter exit: no zombie is left."""
+    _cleanup_engine(proc, sockets, tmpdir)
+    ctx.term()
+
+
+def _cleanup_engine(proc, sockets, tmpdir: str) -> None:
     if proc.poll() is None:
         proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
     for sock in sockets:
         sock.close(linger=0)
-    ctx.term()
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -71,7 +76,8 @@ class _EngineProcess:
     need no ``if __name__ == "__main__"`` guard and nothing of the caller is re-imported.
     """
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
         self.tmpdir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700
         input_address = f"ipc://{self.tmpdir}/input"
         output_address = f"ipc://{self.tmpdir}/output"
@@ -80,7 +86,7 @@ class _EngineProcess:
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_address)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address],
+            [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,
         )
         self.proc.stdin.write(msgspec.msgpack.encode(config))
@@ -88,6 +94,10 @@ class _EngineProcess:
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
+
+    def exit_text(self) -> str:
+        """How the engine ended, for error messages."""
+        return f"the engine core process exited with code {self.proc.returncode}"
 
     def handshake(self, timeout: float) -> EngineCoreReadyResponse:
         poller = zmq.Poller()
@@ -105,11 +115,24 @@ class _EngineProcess:
         if isinstance(frames, asyncio.Future | Future):  # zmq.asyncio socket
             frames = frames.result()
         if bytes(frames[0]) == HANDSHAKE_FAILED:
-            self.proc.wait(10)
+            self.wait_exit(10)
             raise EngineCoreError(f"the engine core failed to start: {bytes(frames[1]).decode()}")
         if bytes(frames[0]) != HANDSHAKE_READY:
             raise EngineCoreError("unexpected first message from the engine core")
         return MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+
+    def wait_exit(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Ask the engine to stop (SIGTERM: it finishes the step and shuts down)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+    def close(self) -> None:
+        """Wait for the engine to exit (killing it if it lingers) and free its sockets."""
+        _cleanup_engine(self.proc, [self.input_socket, self.output_socket], self.tmpdir)
 
 
 class _MPClientBase(EngineCoreClient):

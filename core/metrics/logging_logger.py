@@ -78,6 +78,10 @@ class LoggingStatLogger(StatLogger):
             self.spec_num_draft_tokens += scheduler_stats.spec_num_draft_tokens
             self.spec_num_accepted_tokens += scheduler_stats.spec_num_accepted_tokens
 
+    def label(self) -> str:
+        """What the line is about (the aggregate logger names every engine)."""
+        return f"Engine {self.engine_index:03d}"
+
     def format_line(self, now: float | None = None) -> str:
         """The line :meth:`log` would write now (without resetting the interval)."""
         now = self._clock() if now is None else now
@@ -89,7 +93,7 @@ class LoggingStatLogger(StatLogger):
             else 0.0
         )
         line = (
-            f"Engine {self.engine_index:03d}: "
+            f"{self.label()}: "
             f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {stats.num_running_reqs} reqs, "

@@ -17,18 +17,34 @@ logger = logging.getLogger(__name__)
 
 
 class StatLoggerManager:
-    """Builds ``observability.stat_loggers`` from the plugin host's ``stat_logger`` registry."""
+    """Builds ``observability.stat_loggers`` from the plugin host's ``stat_logger`` registry.
+
+    With data parallelism every selected logger is built once per replica
+    (``cls(config, engine_index)``) and gets only that replica's stats; the ``logging``
+    logger also gets an aggregate twin that sums every replica into one line.
+    """
 
     def __init__(self, config: Any, plugin_host: Any, engine_index: int = 0) -> None:
         registry = plugin_host.registry("stat_logger")
         self.loggers: list[StatLogger] = []
         self.names: list[str] = []
+        self.engines: list[int | None] = []  # the replica each logger records; None: all
+        size = config.parallel.data_parallel_size
+        indexes = [engine_index] if size == 1 else list(range(size))
         for name in config.observability.stat_loggers:
             cls = registry.get(name)  # an unknown name raises, listing the known ones
-            self.loggers.append(
-                build_component(plugin_host, "stat_logger", name, cls, config, engine_index)
-            )
-            self.names.append(name)
+            for index in indexes:
+                self.loggers.append(
+                    build_component(plugin_host, "stat_logger", name, cls, config, index)
+                )
+                self.names.append(name)
+                self.engines.append(index if size > 1 else None)
+        if size > 1 and "logging" in config.observability.stat_loggers:
+            from enginecore.metrics.aggregate_logger import AggregatedLoggingStatLogger
+
+            self.loggers.append(AggregatedLoggingStatLogger(config, indexes))
+            self.names.append("logging (all engines)")
+            self.engines.append(None)
         self._warned: set[str] = set()
 
     def _call_all(self, method: str, *args: Any) -> None:
@@ -48,7 +64,18 @@ class StatLoggerManager:
         iteration_stats: IterationStats | None,
         engine_index: int = 0,
     ) -> None:
-        self._call_all("record", scheduler_stats, iteration_stats, engine_index)
+        for position, (name, stat_logger) in enumerate(zip(self.names, self.loggers, strict=True)):
+            wanted = self.engines[position] if position < len(self.engines) else None
+            if wanted is not None and wanted != engine_index:
+                continue
+            try:
+                stat_logger.record(scheduler_stats, iteration_stats, engine_index)
+            except Exception:
+                if f"{name}.record" not in self._warned:
+                    self._warned.add(f"{name}.record")
+                    logger.exception(
+                        "stat logger %r raised in record (further errors hidden)", name
+                    )
 
     def log(self) -> None:
         self._call_all("log")

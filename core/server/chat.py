@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
+from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
@@ -133,6 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params,
         priority=body.priority,
         output_kind=kind,
+        data_parallel_rank=requested_rank(body, request),
     )
     created = int(time.time())
     if body.stream:

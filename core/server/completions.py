@@ -15,6 +15,7 @@ from enginecore.config import ServerConfig
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
+from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.logprobs import (
     completion_logprobs,
@@ -73,11 +74,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collectors = []
+    rank = requested_rank(body, request)
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             collectors.append(
-                engine.add_request(rid, prompt, params, priority=body.priority, output_kind=kind)
+                engine.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    priority=body.priority,
+                    output_kind=kind,
+                    data_parallel_rank=rank,
+                )
             )
     except BaseException:
         engine.abort([c.request_id for c in collectors])

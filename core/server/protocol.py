@@ -49,6 +49,8 @@ class SamplingFields(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     """KV connector handle (disaggregated prefill/decode): a prefill response's
     ``kv_transfer_params``, passed on to the decode instance (see docs/kv_transfer.md)."""
+    data_parallel_rank: int | None = None
+    """The data-parallel replica to run on (external load balancing)."""
 
 
 class CompletionRequest(SamplingFields):

@@ -396,72 +396,38 @@ def test_counts_tokens_and_finished_requests():
 
 KV_CONNECTOR = '''"""$cls: a KV connector in two halves joined by one per-step metadata object.
 
-The scheduler half (engine-core process) decides what to load or save; the worker half
-(inside each rank's forward pass) moves the bytes. This starter offers no external
-tokens and records what the engine would save, so it runs end to end; fill in your
-storage or transport where the comments say.
+The scheduler half (engine-core process) decides which prompt blocks to load or save;
+the worker half (inside each rank's forward pass) moves the bytes. This starter begins as
+enginecore's built-in ``shared_storage`` connector under a new name (blocks saved as
+checksummed files in ``kv_transfer.extra_config.path``), so it passes the conformance kit
+from the first run; replace the storage calls where the comments say.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from enginecore.interfaces import KVConnectorScheduler, KVConnectorWorker
+from enginecore.builtin_kv_connectors.shared_storage import (
+    SharedStorageScheduler,
+    SharedStorageWorker,
+)
+from enginecore.interfaces import KVConnectorFactory
 
 
-class ${cls}Scheduler(KVConnectorScheduler):
-    def __init__(self, config: Any) -> None:
-        self.config = config
-        self.saving: dict[str, list[int]] = {}
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        # How many prompt tokens beyond the local prefix hit can the connector provide?
-        # (0, False): none. Must have no side effects.
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int):
-        # Blocks were allocated for `request`; remember where external tokens would go.
-        if num_external_tokens:
-            self.saving[request.request_id] = list(block_ids)
-
-    def build_connector_meta(self, scheduler_output: Any) -> dict[str, Any]:
-        # The opaque object the worker half receives with this step.
-        return {"step_id": scheduler_output.step_id, "load": dict(self.saving)}
-
-    def request_finished(self, request: Any, block_ids: list[int]):
-        # (delay_free, kv_transfer_params): True would keep the blocks until saved.
-        self.saving.pop(request.request_id, None)
-        return False, None
+class ${cls}Scheduler(SharedStorageScheduler):
+    """Engine-core side. Override ``get_num_new_matched_tokens`` (how many prompt
+    tokens beyond the local prefix hit your store holds), ``update_state_after_alloc``,
+    ``build_connector_meta`` (the object the workers receive each step) and
+    ``request_finished`` (return ``(True, params)`` to keep blocks until saved)."""
 
 
-class ${cls}Worker(KVConnectorWorker):
-    def __init__(self, config: Any, rank: int) -> None:
-        self.config = config
-        self.rank = rank
-        self.saved_layers: list[str] = []
-
-    def start_load_kv(self, metadata: Any) -> None:
-        # Start copying external KV into the paged cache (asynchronously if you can).
-        self.metadata = metadata
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # Block until `layer_name`'s KV is in place (before its attention runs).
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, metadata: Any) -> None:
-        # Called after each layer computes: start saving it.
-        self.saved_layers.append(layer_name)
-
-    def wait_for_save(self) -> None:
-        # Block until every save of this step is done.
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        # (done_sending, done_recving) request ids.
-        return set(), set()
+class ${cls}Worker(SharedStorageWorker):
+    """Worker side. Override ``start_load_kv``/``wait_for_layer_load`` (copy KV into the
+    paged cache), ``save_kv_layer``/``wait_for_save`` and ``get_finished`` (the request
+    ids whose sends and loads completed)."""
 
 
-class $cls:
+class $cls(KVConnectorFactory):
     """What the registry holds: builds each half where it runs."""
 
     def scheduler_side(self, config: Any) -> ${cls}Scheduler:
@@ -486,9 +452,14 @@ from $package import $cls
 class Test${cls}Contract(KVConnectorContract):
     connector = "$component"
 
+    def producer_kv_transfer(self, tmp_path):
+        return {"connector": "$component", "extra_config": {"path": str(tmp_path / "kv")}}
 
-def test_builds_both_halves():
-    config = enginecore.make_config()
+
+def test_builds_both_halves(tmp_path):
+    config = enginecore.make_config(
+        kv_transfer={"connector": "$component", "extra_config": {"path": str(tmp_path)}}
+    )
     connector = $cls()
     assert isinstance(connector.scheduler_side(config), KVConnectorScheduler)
     worker = connector.worker_side(config, 0)
@@ -575,7 +546,8 @@ KINDS: dict[str, Kind] = {
         class_suffix="Connector",
         summary="a KV connector for enginecore",
         config_key="kv_connector",
-        select_toml='[kv_transfer]\nconnector = "$component"\n',
+        select_toml='[kv_transfer]\nconnector = "$component"\n'
+        'extra_config = { path = "/tmp/$component-kv" }\n',
         component=KV_CONNECTOR,
         test=KV_CONNECTOR_TEST,
     ),

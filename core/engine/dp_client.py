@@ -1,0 +1,396 @@
+"""Clients for data parallelism: N engine-core replicas behind one frontend.
+
+Each replica is a whole engine core (scheduler, KV cache, executor with its own TP x PP
+workers) in its own process, started locally (``data_parallel_backend = "mp"``, IPC
+sockets) or on a Ray cluster (``"ray"``, see :mod:`enginecore.engine.dp_ray`). Every
+replica has its own input and output socket; the client
+
+- picks the replica of each new request with the :class:`DPCoordinator` (or takes the
+  request's ``data_parallel_rank``) and remembers it, so aborts go to the owner;
+- merges every replica's outputs into one stream (each ``EngineCoreOutputs`` carries its
+  ``engine_index``; the stat loggers record per engine);
+- fans utility calls (``collective_rpc``, ``sleep``, ``reset_prefix_cache``, pause and
+  resume, ...) out to every live replica and combines the answers
+  (:func:`combine_utility_results`);
+- watches each replica: when one dies, only the requests it owned fail (an
+  ``EngineCoreOutputs`` with ``engine_dead`` set and their ids in
+  ``finished_requests``), and the frontend keeps serving on the others (degraded mode).
+  Requests that name the dead rank are refused with ``EngineDeadError``. Only when every
+  replica is dead is the client itself dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from enginecore.config import EngineConfig
+from enginecore.engine.client import EngineCoreClient
+from enginecore.engine.dp_coordinator import DPCoordinator
+from enginecore.engine.mp_client import LIVENESS_POLL_MS, _EngineProcess, _resolve
+from enginecore.errors import EngineCoreError, EngineDeadError
+from enginecore.protocol import (
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
+from enginecore.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+
+def combine_utility_results(method: str, results: list[Any]) -> Any:
+    """One answer from every live replica's answer to a fanned-out utility call."""
+    if method == "collective_rpc":
+        return [result for replica in results for result in replica]  # replica-major
+    if method in ("reset_prefix_cache", "is_paused", "is_sleeping"):
+        return all(results)
+    if method == "get_num_unfinished_requests":
+        return sum(results)
+    return results[0]
+
+
+def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
+    """At shutdown, garbage collection or exit: every replica stops, no zombie is left."""
+    for engine in engines:
+        try:
+            engine.stop()
+        except Exception:
+            logger.exception("could not stop data-parallel replica %d", engine.engine_index)
+    for engine in engines:
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("could not close data-parallel replica %d", engine.engine_index)
+    ctx.term()
+    if stop_ray:
+        import ray
+
+        ray.shutdown()
+
+
+class _DPClientBase(EngineCoreClient):
+    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+        par = config.parallel
+        self.config = config
+        self.ctx = ctx
+        self.size = par.data_parallel_size
+        self.coordinator = DPCoordinator(self.size, external_lb=par.data_parallel_external_lb)
+        self.encoder = MsgpackEncoder()
+        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        self.owner: dict[str, int] = {}  # engine request id -> replica
+        self._lock = threading.Lock()
+        self._call_ids = itertools.count(1)
+        self._utility_futures: dict[tuple[int, int], Any] = {}
+        self.dead_error: EngineDeadError | None = None
+        started_ray = False
+        if par.data_parallel_backend == "ray":
+            from enginecore.engine.dp_ray import ensure_ray, start_ray_engines
+
+            started_ray = ensure_ray(config)
+            try:
+                self.engines: list[Any] = start_ray_engines(config, ctx)
+            except BaseException:
+                _close_all([], ctx, started_ray)
+                raise
+        else:
+            self.engines = []
+            try:
+                for index in range(self.size):
+                    self.engines.append(_EngineProcess(config, ctx, index))
+            except BaseException:
+                _close_all(self.engines, ctx, False)
+                raise
+        self._finalizer = weakref.finalize(self, _close_all, list(self.engines), ctx, started_ray)
+        # Every replica loads at the same time; the handshakes are awaited in turn.
+        self.readies = []
+        for engine in self.engines:
+            try:
+                self.readies.append(engine.handshake(config.engine.ready_timeout))
+            except BaseException as exc:
+                self._finalizer()
+                if isinstance(exc, EngineCoreError):
+                    raise type(exc)(f"data-parallel replica {engine.engine_index}: {exc}") from exc
+                raise
+        first = self.readies[0]
+        components = dict(first.components)
+        lb = "external" if par.data_parallel_external_lb else "internal"
+        components["data_parallel"] = (
+            f"{self.size} replicas ({par.data_parallel_backend}, {lb} load balancing)"
+        )
+        self.ready = EngineCoreReadyResponse(
+            max_model_len=min(r.max_model_len for r in self.readies),
+            num_blocks=min(r.num_blocks for r in self.readies),
+            block_size=first.block_size,
+            max_num_seqs=first.max_num_seqs,
+            components=components,
+            pid=first.pid,
+        )
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _send(self, index: int, kind: EngineCoreRequestType, payload: Any) -> None:
+        frames = self.encoder.encode(payload)
+        self.engines[index].input_socket.send_multipart([kind.value, *frames], copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        with self._lock:
+            index = self.coordinator.choose(request.data_parallel_rank)
+            self.owner[request.request_id] = index
+            self.coordinator.on_added(index)
+        self._send(index, EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        with self._lock:
+            for request_id in request_ids:
+                index = self.owner.pop(request_id, None)
+                if index is not None:
+                    self.coordinator.on_done(index)
+                    by_replica.setdefault(index, []).append(request_id)
+        for index, ids in by_replica.items():
+            if index not in self.coordinator.dead:
+                with contextlib.suppress(EngineDeadError):  # its requests failed already
+                    self._send(index, EngineCoreRequestType.ABORT, ids)
+
+    def engine_of(self, request_id: str) -> int | None:
+        """The replica serving an engine request (None once it finished)."""
+        return self.owner.get(request_id)
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    def _on_frames(self, index: int, frames: list) -> EngineCoreOutputs | None:
+        """Route one message from replica ``index``; returns outputs for the frontend."""
+        outputs = self.decoder.decode(frames)
+        outputs.engine_index = index
+        if outputs.utility_output is not None:
+            future = self._utility_futures.pop((index, outputs.utility_output.call_id), None)
+            if future is not None and not future.done():
+                _resolve(future, outputs.utility_output)
+            return None
+        if outputs.engine_dead is not None:
+            self._replica_died(index, f"the engine core died: {outputs.engine_dead}")
+            return None
+        finished = [o.request_id for o in outputs.outputs if o.finish_reason is not None]
+        with self._lock:
+            for request_id in finished:
+                if self.owner.pop(request_id, None) is not None:
+                    self.coordinator.on_done(index)
+            if outputs.scheduler_stats is not None:
+                self.coordinator.on_stats(index, outputs.scheduler_stats)
+        return outputs
+
+    def _check_liveness(self) -> None:
+        for index in self.coordinator.alive():
+            engine = self.engines[index]
+            if not engine.is_alive():
+                self._replica_died(index, f"{engine.exit_text()} unexpectedly")
+
+    def _replica_died(self, index: int, reason: str) -> None:
+        with self._lock:
+            if index in self.coordinator.dead:
+                return
+            self.coordinator.on_dead(index, reason)
+            lost = {rid for rid, owner in self.owner.items() if owner == index}
+            for request_id in lost:
+                del self.owner[request_id]
+            all_dead = not self.coordinator.alive()
+        error = EngineDeadError(f"data-parallel replica {index} died: {reason}")
+        logger.error("%s (%d requests lost)", error, len(lost))
+        for key in [k for k in list(self._utility_futures) if k[0] == index]:
+            future = self._utility_futures.pop(key, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+        if all_dead:
+            self.dead_error = EngineDeadError(f"every data-parallel replica is dead; last: {error}")
+            self._put(self.dead_error)
+        else:
+            self._put(
+                EngineCoreOutputs(
+                    engine_index=index, engine_dead=str(error), finished_requests=lost
+                ).stamp()
+            )
+
+    def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        raise NotImplementedError
+
+    # --- utilities -------------------------------------------------------------------------
+
+    def _utility_targets(self, engine_index: int | None) -> list[int]:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if engine_index is None:
+            return self.coordinator.alive()
+        if engine_index in self.coordinator.dead:
+            raise EngineDeadError(f"data-parallel replica {engine_index} is dead")
+        return [engine_index]
+
+    def _start_utility(self, index: int, method: str, args: tuple, future: Any) -> None:
+        call_id = next(self._call_ids)
+        self._utility_futures[(index, call_id)] = future
+        self._send(index, EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        if index in self.coordinator.dead:  # died while the call was being registered
+            self._utility_futures.pop((index, call_id), None)
+            if not future.done():
+                future.set_exception(EngineDeadError(f"data-parallel replica {index} is dead"))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class DPSyncMPClient(_DPClientBase):
+    """Used by ``LLM``: one reader thread polls every replica's output socket."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, zmq.Context())
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True)
+        self._reader.start()
+
+    def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self.outputs.put(item)
+
+    def _send(self, index: int, kind: EngineCoreRequestType, payload: Any) -> None:
+        """Never blocks on a dead replica: a PUSH socket whose peer is gone would wait
+        forever, so a full or peerless socket is a cue to check the replica's life."""
+        frames = [kind.value, *self.encoder.encode(payload)]
+        engine = self.engines[index]
+        while True:
+            try:
+                engine.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if not engine.is_alive():
+                    self._replica_died(index, f"{engine.exit_text()} unexpectedly")
+                    raise EngineDeadError(f"data-parallel replica {index} is dead") from None
+                engine.input_socket.poll(LIVENESS_POLL_MS, zmq.POLLOUT)
+
+    def _read_outputs(self) -> None:
+        poller = zmq.Poller()
+        sockets = {e.output_socket: e.engine_index for e in self.engines}
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        last_check = time.monotonic()
+        while not self._stop.is_set() and self.dead_error is None:
+            try:
+                ready = dict(poller.poll(LIVENESS_POLL_MS))
+            except zmq.ZMQError:
+                return
+            if self._stop.is_set():
+                return
+            # Checked on a clock, not only when all is quiet: a busy replica must not
+            # hide a dead one.
+            if time.monotonic() - last_check >= LIVENESS_POLL_MS / 1000:
+                last_check = time.monotonic()
+                self._check_liveness()
+            for sock in ready:
+                try:
+                    frames = sock.recv_multipart(copy=False)
+                except zmq.ZMQError:
+                    return
+                outputs = self._on_frames(sockets[sock], frames)
+                if outputs is not None:
+                    self.outputs.put(outputs)
+
+    def get_output(self) -> EngineCoreOutputs:
+        item = self.outputs.get()
+        if isinstance(item, EngineDeadError):
+            self.outputs.put(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any, engine_index: int | None = None) -> Any:
+        """Runs on every live replica (or only ``engine_index``); answers combined."""
+        futures = []
+        for index in self._utility_targets(engine_index):
+            future: Future = Future()
+            self._start_utility(index, method, args, future)
+            futures.append(future)
+        results = [f.result() for f in futures]
+        return results[0] if engine_index is not None else combine_utility_results(method, results)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        super().shutdown()
+
+
+class DPAsyncMPClient(_DPClientBase):
+    """Used by ``AsyncLLM``: one asyncio task per replica reads its output socket."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config, zmq.asyncio.Context())
+        self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._readers: list[asyncio.Task] = []
+
+    def _ensure_reader(self) -> None:
+        if not self._readers:
+            self.outputs = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self._readers = [
+                loop.create_task(self._read_outputs(i), name=f"enginecore-dp-{i}")
+                for i in range(self.size)
+            ]
+
+    def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        if self.outputs is not None:
+            self.outputs.put_nowait(item)
+
+    async def _read_outputs(self, index: int) -> None:
+        engine = self.engines[index]
+        while index not in self.coordinator.dead and self.dead_error is None:
+            if not await engine.output_socket.poll(LIVENESS_POLL_MS):
+                if not engine.is_alive():
+                    self._replica_died(index, f"{engine.exit_text()} unexpectedly")
+                continue
+            frames = await engine.output_socket.recv_multipart(copy=False)
+            outputs = self._on_frames(index, frames)
+            if outputs is not None:
+                self.outputs.put_nowait(outputs)
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise TypeError("DPAsyncMPClient: use 'await get_output_async()'")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_reader()
+        item = await self.outputs.get()
+        if isinstance(item, EngineDeadError):
+            self.outputs.put_nowait(item)
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise TypeError("DPAsyncMPClient: use 'await call_utility_async(...)'")
+
+    async def call_utility_async(
+        self, method: str, *args: Any, engine_index: int | None = None
+    ) -> Any:
+        """Runs on every live replica (or only ``engine_index``); answers combined."""
+        self._ensure_reader()
+        loop = asyncio.get_running_loop()
+        futures = []
+        for index in self._utility_targets(engine_index):
+            future = loop.create_future()
+            self._start_utility(index, method, args, future)
+            futures.append(future)
+        results = await asyncio.gather(*futures)
+        return results[0] if engine_index is not None else combine_utility_results(method, results)
+
+    def shutdown(self) -> None:
+        for reader in self._readers:
+            reader.cancel()
+        super().shutdown()
