@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_schedulers.plugin",
     "enginecore.builtin_executors.plugin",
     "enginecore.builtin_models.plugin",
+    "enginecore.builtin_structured_output.plugin",
     "enginecore.metrics.plugin",
 )
 

@@ -1,0 +1,32 @@
+"""The frontend's early check of a constraint, so a bad one is refused before it is queued."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from enginecore.params import StructuredOutputParams
+
+if TYPE_CHECKING:
+    from enginecore.config import EngineConfig
+    from enginecore.plugins import PluginHost
+
+
+class StructuredOutputValidator:
+    """Calls the selected backend's ``validate`` (the plugin host is built on first use)."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginHost | None = None) -> None:
+        self.config = config
+        self._plugins = plugins
+        self._backend_cls: type | None = None
+
+    def validate(self, spec: StructuredOutputParams) -> None:
+        """Raise :class:`InvalidRequestError` with the compiler's message for a bad constraint."""
+        if self._backend_cls is None:
+            if self._plugins is None:
+                from enginecore.plugins import make_plugin_manager
+
+                plugins = self.config.plugins
+                self._plugins = make_plugin_manager(plugins.enabled, plugins.disabled)
+            registry = self._plugins.registry("structured_output_backend")
+            self._backend_cls = registry.get(self.config.structured_output.backend)
+        self._backend_cls.validate(spec)
