@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from enginecore.params import StructuredOutputParams
+from enginecore.structured_output.keys import grammar_key
 
 if TYPE_CHECKING:
     from enginecore.config import EngineConfig
@@ -18,6 +19,7 @@ class StructuredOutputValidator:
         self.config = config
         self._plugins = plugins
         self._backend_cls: type | None = None
+        self._valid: set[tuple[str, str]] = set()  # keys already validated (bounded below)
 
     def validate(self, spec: StructuredOutputParams) -> None:
         """Raise :class:`InvalidRequestError` with the compiler's message for a bad constraint."""
@@ -29,4 +31,10 @@ class StructuredOutputValidator:
                 self._plugins = make_plugin_manager(plugins.enabled, plugins.disabled)
             registry = self._plugins.registry("structured_output_backend")
             self._backend_cls = registry.get(self.config.structured_output.backend)
+        key = grammar_key(spec)
+        if key in self._valid:
+            return
         self._backend_cls.validate(spec)
+        if len(self._valid) >= 4096:
+            self._valid.clear()
+        self._valid.add(key)
