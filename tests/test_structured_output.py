@@ -234,3 +234,21 @@ def test_compile_error_in_the_engine_fails_only_that_request(trie_engine):
     assert str(results["bad"]["finish"]) == "error"
     assert results["bad"]["error"] == "the token_trie backend refuses 'FAIL'"
     assert str(results["good"]["finish"]) == "length" and len(results["good"]["tokens"]) == 6
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_get_the_bitmask(tiny_llama):
+    """The bitmask crosses the ``mp`` executor's broadcast to two ranks."""
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        executor="mp",
+        tensor_parallel_size=2,
+        multiprocessing=False,
+        disable_any_whitespace=True,
+    ) as llm:
+        params = mixed_batch(9, 3)
+        outputs = llm.generate(prompts(len(params)), params)
+        for p, out in zip(params, outputs, strict=True):
+            if p.structured_output is not None:
+                check(p.structured_output, out.outputs[0].text)
