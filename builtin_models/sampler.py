@@ -338,21 +338,41 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: tor
     token ``32 * w + j``. Tokens past the bitmask's width (padding of the model's
     vocabulary) are forbidden.
     """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.is_contiguous()
+        and sys.byteorder == "little"
+    ):
+        _apply_grammar_bitmask_numpy(logits.numpy(), rows.cpu().numpy(), bitmask.cpu().numpy())
+        return
     n, words = bitmask.shape
-    if bitmask.device.type == "cpu" and sys.byteorder == "little":
-        # numpy unpacks the bits in one C pass; the shift-and-mask below makes 32x more work.
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits).view(torch.bool)
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(n, words * 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(n, words * 32)
     vocab = logits.shape[-1]
     if allowed.shape[1] >= vocab:
         allowed = allowed[:, :vocab]
     else:
         pad = torch.zeros(n, vocab - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
         allowed = torch.cat([allowed, pad], dim=1)
-    if n == logits.shape[0] and torch.equal(rows.cpu(), torch.arange(n)):
-        logits.masked_fill_(~allowed, _NEG_INF)  # every row constrained, in order
+    logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+
+
+def _apply_grammar_bitmask_numpy(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    """The CPU path: numpy unpacks the inverted bits and masks in two C passes, several
+    times cheaper than torch's shift, compare and ``masked_fill`` over every token."""
+    packed = np.ascontiguousarray(bitmask, dtype=np.int32).view(np.uint8)
+    forbidden = np.unpackbits(~packed, axis=1, bitorder="little").view(bool)
+    vocab = logits.shape[1]
+    if forbidden.shape[1] >= vocab:
+        forbidden = forbidden[:, :vocab]
     else:
-        logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
+        forbidden = np.pad(
+            forbidden, ((0, 0), (0, vocab - forbidden.shape[1])), constant_values=True
+        )
+    if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():
+        np.putmask(logits, forbidden, -np.inf)  # every row constrained, in order
+    else:
+        masked = logits[rows]
+        np.putmask(masked, forbidden, -np.inf)
+        logits[rows] = masked
