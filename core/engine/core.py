@@ -271,24 +271,29 @@ class EngineCore:
         return executed if executed is not None else sampled
 
     def _update(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        grammar_rejections: list[tuple[str, str]] | None = None,
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.structured_output_request_ids:
-            self._advance_grammars(scheduler_output, runner_output, outputs)
+            if grammar_rejections is None:  # not advanced ahead of the update
+                grammar_rejections = self.structured_output.accept_sampled(
+                    scheduler_output, runner_output
+                )
+            self._settle_grammars(outputs, grammar_rejections)
         stats = self.scheduler.make_stats()
         if stats is not None:
             # One stats record per step, on client 0's outputs (created if it had none).
             outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return outputs
 
-    def _advance_grammars(
-        self,
-        scheduler_output: SchedulerOutput,
-        runner_output: ModelRunnerOutput,
-        outputs: dict[int, EngineCoreOutputs],
+    def _settle_grammars(
+        self, outputs: dict[int, EngineCoreOutputs], rejected: list[tuple[str, str]]
     ) -> None:
-        rejected = self.structured_output.advance(scheduler_output, runner_output, outputs)
+        """Drop finished requests' grammars; fail requests whose grammar rejected a token."""
+        self.structured_output.release_finished(outputs)
         if not rejected:
             return
         errors = dict(rejected)
@@ -345,13 +350,17 @@ class EngineCore:
             return failed, False
         execute, sample, scheduler_output = queue.pop()
         runner_output = self._result(execute, sample)
-        self._apply_pending_aborts()
-        outputs = self._update(scheduler_output, runner_output)
+        rejections = None
         if deferred is not None:
-            execute, scheduler_output = deferred
-            grammar = self._grammar_output(scheduler_output)
-            sample = self.executor.sample_tokens(grammar, non_block=True)
-            queue.appendleft((execute, sample, scheduler_output))
+            # The deferred batch's bitmask needs only these tokens in the grammars: advance
+            # them and let it sample before the scheduler's update, which then overlaps.
+            rejections = self.structured_output.accept_sampled(scheduler_output, runner_output)
+            next_execute, next_output = deferred
+            grammar = self._grammar_output(next_output)
+            next_sample = self.executor.sample_tokens(grammar, non_block=True)
+            queue.appendleft((next_execute, next_sample, next_output))
+        self._apply_pending_aborts()
+        outputs = self._update(scheduler_output, runner_output, rejections)
         return _merge(outputs, failed), scheduled
 
     def step_fn(self) -> Callable[[], StepResult]:

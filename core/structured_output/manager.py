@@ -178,13 +178,10 @@ class StructuredOutputManager:
             structured_output_request_ids=list(request_ids), grammar_bitmask=bitmask
         )
 
-    def advance(
-        self,
-        scheduler_output: SchedulerOutput,
-        runner_output: ModelRunnerOutput,
-        outputs: dict[int, EngineCoreOutputs],
+    def accept_sampled(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[tuple[str, str]]:
-        """Feed each grammar the tokens its request sampled; drop grammars of finished requests.
+        """Feed each grammar the tokens its request sampled in this batch.
 
         Returns ``(request_id, message)`` for each request whose grammar rejected a token
         (a sampler plugin overrode the mask): the engine finishes those with an error.
@@ -203,17 +200,18 @@ class StructuredOutputManager:
             tokens = sampled[i]
             if not grammar.accept_tokens(tokens):
                 del grammars[request_id]
-                rejected.append(
-                    (
-                        request_id,
-                        f"the {self.backend_name!r} grammar rejected sampled tokens {tokens}",
-                    )
-                )
+                message = f"the {self.backend_name!r} grammar rejected sampled tokens {tokens}"
+                rejected.append((request_id, message))
+        return rejected
+
+    def release_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Drop the grammars of requests that finished in this step."""
+        if not self.grammars:
+            return
         for client_outputs in outputs.values():
             for output in client_outputs.outputs:
                 if output.finish_reason is not None:
-                    grammars.pop(output.request_id, None)
-        return rejected
+                    self.grammars.pop(output.request_id, None)
 
     def shutdown(self) -> None:
         if self._pool is not None:
