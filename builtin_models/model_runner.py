@@ -719,8 +719,10 @@ class TorchModelRunner(ModelRunner):
                 logit_rows.append(row_of[req_id])
         if not logit_rows:
             return
-        bitmask = torch.as_tensor(np.asarray(grammar.grammar_bitmask, dtype=np.int32))
-        bitmask = bitmask[mask_rows].to(self.device)
+        bitmask = np.asarray(grammar.grammar_bitmask, dtype=np.int32)
+        if len(mask_rows) != len(bitmask):  # some rows are partial prefills: drop theirs
+            bitmask = bitmask[mask_rows]
+        bitmask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         apply_grammar_bitmask(logits, rows, bitmask)
 

@@ -208,6 +208,8 @@ class SpeculativeConfig(_Section):
 
 class StructuredOutputConfig(_Section):
     backend: str = "xgrammar"
+    disable_any_whitespace: bool = False
+    """JSON output without whitespace between tokens (a model that loops on spaces cannot)."""
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -161,8 +161,12 @@ def register_worker_rpcs(registry: Registry) -> None:
 def register_structured_output_backends(registry: Registry) -> None:
     """Register grammar backends for constrained decoding.
 
-    Selected by ``structured_output.backend`` (flat name ``structured_output_backend``;
-    default ``"xgrammar"``).
+    The factory is a :class:`enginecore.interfaces.StructuredOutputBackend` subclass,
+    built in the engine-core process as ``cls(config, tokenizer=..., vocab_size=...,
+    eos_token_ids=...)`` the first time a request carries a constraint. Its
+    ``validate`` classmethod also runs in the frontend. Selected by
+    ``structured_output.backend`` (flat name ``structured_output_backend``; default
+    ``"xgrammar"``).
     """
 
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from enginecore.config import EngineConfig
+    from enginecore.params import StructuredOutputParams
     from enginecore.protocol import EngineCoreOutputs, SchedulerStats
     from enginecore.request import Request, RequestStatus
     from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
@@ -477,6 +478,90 @@ class KVConnectorFactory(ABC):
 
     @abstractmethod
     def worker_side(self, config: EngineConfig, rank: int) -> KVConnectorWorker: ...
+
+
+# --- structured output ---------------------------------------------------------------
+
+
+class StructuredOutputGrammar(ABC):
+    """One request's grammar state: which tokens may come next.
+
+    Made by :meth:`StructuredOutputBackend.new_grammar`, one per request, and used only
+    from the engine loop thread (never concurrently).
+    """
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advance over ``token_ids`` in order.
+
+        Returns False when one is not allowed; the state is then as before the call
+        (tokens accepted before the rejected one are rolled back).
+        """
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (draft tokens for speculative decoding)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``.
+
+        ``bitmask`` is int32 ``[rows, ceil(vocab_size / 32)]``; bit ``j`` of word ``w``
+        allows token ``32 * w + j``. The row comes in with every bit set.
+        """
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: the output is complete."""
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles constraints (:class:`enginecore.StructuredOutputParams`) into grammars.
+
+    Registered with ``register_structured_output_backends`` and selected by
+    ``structured_output.backend``. Built in the engine-core process, the first time a
+    request needs it, as ``cls(config, tokenizer=..., vocab_size=..., eos_token_ids=...)``:
+    ``tokenizer`` is the model's transformers tokenizer and ``vocab_size`` the model's
+    (which may exceed the tokenizer's; tokens past the tokenizer are never allowed).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    def validate(cls, spec: StructuredOutputParams) -> None:
+        """Check a constraint in the frontend, before the request is queued (no tokenizer).
+
+        Raise :class:`enginecore.errors.InvalidRequestError` with the compiler's message
+        (the HTTP server answers 400). The default accepts everything; errors then come
+        from :meth:`compile` and finish the request with an error.
+        """
+        return None
+
+    @abstractmethod
+    def compile(self, spec: StructuredOutputParams) -> Any:
+        """Compile a constraint (slow: called from a thread pool, so it must be thread-safe).
+
+        The result is opaque to the engine, which caches it by the constraint's text and
+        passes it to :meth:`new_grammar`. Raise ``InvalidRequestError`` for a bad constraint.
+        """
+
+    @abstractmethod
+    def new_grammar(self, compiled: Any) -> StructuredOutputGrammar:
+        """A fresh grammar at its start state for one request (fast)."""
+
+    def shutdown(self) -> None:
+        return None
 
 
 # --- observability -------------------------------------------------------------------

@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_executors.plugin",
     "enginecore.builtin_models.plugin",
     "enginecore.builtin_kv_connectors.plugin",
+    "enginecore.builtin_structured_output.plugin",
     "enginecore.metrics.plugin",
     "enginecore.tool_parsers.plugin",
 )

@@ -69,4 +69,7 @@ class GrammarOutput(msgspec.Struct, kw_only=True):
     """The grammar bitmask for one step, built while the forward pass runs."""
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: Any  # numpy int32 array [num_requests, ceil(vocab / 32)]
+    # numpy int32 [rows, ceil(vocab / 32)], bit j of word w allows token 32 * w + j. Rows
+    # follow structured_output_request_ids: one per request, then one per draft token it
+    # has in scheduled_spec_decode_tokens (the mask after accepting the drafts before it).
+    grammar_bitmask: Any

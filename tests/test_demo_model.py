@@ -53,6 +53,12 @@ def test_greedy_equals_transformers_alone_and_batched(demo_llm, demo_model) -> N
         )
 
 
+def test_structured_output_in_a_mixed_batch(demo_llm) -> None:
+    from test_structured_output_demo import run_mixed_batch
+
+    run_mixed_batch(demo_llm, 3, 1)  # a JSON schema, a regex and a choice, one free request
+
+
 @pytest.mark.slow
 def test_bfloat16_weights_still_answer(demo_model) -> None:
     with LLM(demo_model, dtype="bfloat16", multiprocessing=False, max_model_len=512) as llm:

@@ -284,17 +284,21 @@ def test_hook_register_worker_rpcs():
     assert [fn(w, offset=10) for w in workers] == [10, 11]
 
 
-def test_hook_register_structured_output_backends():
-    class RegexOnlyBackend:
-        def compile(self, pattern: str) -> str:
-            return f"compiled:{pattern}"
+def test_hook_register_structured_output_backends(tiny_llama):
+    from token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
-    host = bare_host(
-        ("regex", registering("register_structured_output_backends", "regex", RegexOnlyBackend))
-    )
-    config = make_config(structured_output_backend="regex")
-    backend = host.registry("structured_output_backend").get(config.structured_output.backend)()
-    assert backend.compile("a+") == "compiled:a+"
+    from enginecore.interfaces import StructuredOutputBackend
+    from enginecore.structured_output import StructuredOutputManager
+
+    host = bare_host(("token-trie", TokenTriePlugin()))
+    config = make_config(model=str(tiny_llama), structured_output_backend="token_trie")
+    backend_cls = host.registry("structured_output_backend").get("token_trie")
+    assert backend_cls is TokenTrieBackend and issubclass(backend_cls, StructuredOutputBackend)
+    # The engine's manager selects it by config and names the plugin that provides it.
+    manager = StructuredOutputManager(config, host)
+    assert manager.backend_provider == "token-trie"
+    manager.shutdown()
+    # (tests/test_structured_output.py runs it in an engine.)
 
 
 class RepeatLastToken(SpecDecodeProposer):

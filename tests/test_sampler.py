@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from enginecore.builtin_models.sampler import (
@@ -185,3 +186,24 @@ def test_grammar_bitmask():
         logits, torch.tensor([0]), torch.tensor([[0, -(2**31)]], dtype=torch.int32)
     )
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [63]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["numpy-path", "torch-path"])
+def test_grammar_bitmask_paths_agree(dtype):
+    """float32 CPU logits take the numpy path, others the torch one: same result, for a
+    subset of rows and for all rows in order, and a vocabulary wider than the bitmask
+    (model padding) is forbidden past its width."""
+    gen = torch.Generator().manual_seed(0)
+    words = 4
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    for vocab, rows in ((100, [2, 0, 3]), (140, [0, 1, 2])):
+        logits = torch.randn(max(rows) + 1, vocab, generator=gen, dtype=dtype)
+        expected = logits.clone()
+        for j, row in enumerate(rows):
+            for token in range(vocab):
+                word, bit = divmod(token, 32)
+                if word >= words or not (int(bitmask[j, word]) >> bit) & 1:
+                    expected[row, token] = float("-inf")
+        apply_grammar_bitmask(logits, torch.tensor(rows), bitmask)
+        assert torch.equal(logits, expected)

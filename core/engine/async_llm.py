@@ -101,7 +101,9 @@ class AsyncLLM:
         self.engine_client: Any = make_client(self.config, asyncio_mode=True)
         self.ready = self.engine_client.ready
         self.max_model_len = self.ready.max_model_len
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.max_model_len, self.plugins
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self._request_counter = itertools.count()

@@ -18,12 +18,18 @@ from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
 from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
-from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from enginecore.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReadyResponse,
+    EngineCoreRequest,
+)
 from enginecore.registry import import_ref
-from enginecore.request import Request, RequestStatus
+from enginecore.request import FinishReason, Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore.startup_errors import build_component
+from enginecore.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +77,8 @@ class EngineCore:
         self.components: Components = resolve_components(config, self.plugins)
         # The scheduler half of a KV connector checks its settings before anything starts.
         kv_connector = self._make_kv_connector()
+        # Grammars compile off the loop; requests wait there until theirs is ready.
+        self.structured_output = StructuredOutputManager(config, self.plugins)
         # 1. executor: workers start and load weights.
         self.executor: Executor = build_component(
             self.plugins,
@@ -201,26 +209,43 @@ class EngineCore:
         room = self.max_model_len - num_prompt
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         self._seq_no += 1
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                seq_no=self._seq_no,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                client_index=request.client_index,
-                max_tokens=max_tokens,
-            )
+        core_request = Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            seq_no=self._seq_no,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            client_index=request.client_index,
+            max_tokens=max_tokens,
         )
+        if request.sampling_params.structured_output is not None:
+            self.structured_output.add_request(core_request)  # the scheduler gets it when compiled
+        else:
+            self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        request_ids = list(request_ids)
+        self.structured_output.abort(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_all_requests(self) -> list[str]:
+        """Abort every request, including those waiting for a grammar; returns their ids."""
+        waiting = self.structured_output.waiting_ids()
+        self.structured_output.abort(waiting, RequestStatus.FINISHED_ABORTED)
+        aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        self.structured_output.abort(
+            [r.request_id for r in aborted], RequestStatus.FINISHED_ABORTED
+        )
+        return waiting + [r.request_id for r in aborted]
 
     def has_work(self) -> bool:
-        return bool(self.batch_queue) or (self._paused != "keep" and self.scheduler.has_requests())
+        return bool(self.batch_queue) or (
+            self._paused != "keep"
+            and (self.scheduler.has_requests() or self.structured_output.has_waiting())
+        )
 
     # --- the step -------------------------------------------------------------------------
 
@@ -229,7 +254,41 @@ class EngineCore:
 
     def _grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The batch's grammar bitmask, built while the forward pass runs."""
-        return None
+        return self.structured_output.grammar_output(scheduler_output)
+
+    def _admit_compiled(self) -> dict[int, EngineCoreOutputs]:
+        """Hand requests whose grammar is ready to the scheduler; fail those that did not compile."""
+        if not self.structured_output.has_waiting():
+            return {}
+        ready, failed = self.structured_output.take_ready()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except Exception as exc:
+                self.structured_output.abort([request.request_id], RequestStatus.FINISHED_ERROR)
+                failed.append((request, f"{type(exc).__name__}: {exc}"))
+        outputs: dict[int, EngineCoreOutputs] = {}
+        for request, message in failed:
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=message,
+                )
+            )
+        return outputs
+
+    def _grammar_needs_batch_in_flight(self, scheduler_output: SchedulerOutput) -> bool:
+        """A structured request of this batch still waits for a token of a batch in flight:
+        its bitmask can only be built once that token is known (async scheduling)."""
+        ids = scheduler_output.structured_output_request_ids
+        if not ids or not self.batch_queue:
+            return False
+        in_flight = set()
+        for _, _, earlier in self.batch_queue:
+            in_flight.update(earlier.structured_output_request_ids)
+        return not in_flight.isdisjoint(ids)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future, Future]:
         execute = self.executor.execute_model(scheduler_output, non_block=True)
@@ -244,9 +303,18 @@ class EngineCore:
         return executed if executed is not None else sampled
 
     def _update(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        grammar_rejections: list[tuple[str, str]] | None = None,
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if scheduler_output.structured_output_request_ids:
+            if grammar_rejections is None:  # not advanced ahead of the update
+                grammar_rejections = self.structured_output.accept_sampled(
+                    scheduler_output, runner_output
+                )
+            self._settle_grammars(outputs, grammar_rejections)
         if (
             not outputs
             and not scheduler_output.total_num_scheduled_tokens
@@ -261,18 +329,34 @@ class EngineCore:
             outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return outputs
 
+    def _settle_grammars(
+        self, outputs: dict[int, EngineCoreOutputs], rejected: list[tuple[str, str]]
+    ) -> None:
+        """Drop finished requests' grammars; fail requests whose grammar rejected a token."""
+        self.structured_output.release_finished(outputs)
+        if not rejected:
+            return
+        errors = dict(rejected)
+        self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        for client_outputs in outputs.values():
+            for output in client_outputs.outputs:
+                if output.request_id in errors:
+                    output.finish_reason = FinishReason.ERROR
+                    output.error = errors[output.request_id]
+
     def step(self) -> StepResult:
         """Schedule, execute, sample and update, one batch at a time (the simplest loop)."""
+        failed = self._admit_compiled()
         if self._paused == "keep" or not self.scheduler.has_requests():
-            return {}, False
+            return failed, False
         scheduler_output = self.scheduler.schedule()
         if not _has_work_for_workers(scheduler_output):
-            return {}, False
+            return failed, False
         execute, sample = self._launch(scheduler_output)
         runner_output = self._result(execute, sample)
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output)
-        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+        return _merge(outputs, failed), scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> StepResult:
         """Schedule batch N+1 while batch N computes (async scheduling).
@@ -282,6 +366,8 @@ class EngineCore:
         """
         queue = self.batch_queue
         scheduled = False
+        failed = self._admit_compiled()
+        deferred: tuple[Future, SchedulerOutput] | None = None
         if (
             self._paused != "keep"
             and len(queue) < self.batch_queue_size
@@ -289,18 +375,33 @@ class EngineCore:
         ):
             scheduler_output = self.scheduler.schedule()
             if _has_work_for_workers(scheduler_output):
-                execute, sample = self._launch(scheduler_output)
-                queue.appendleft((execute, sample, scheduler_output))
                 scheduled = scheduler_output.total_num_scheduled_tokens > 0
-                if len(queue) < self.batch_queue_size and not queue[-1][1].done():
-                    return {}, scheduled  # room for one more batch: plan it first
+                if self._grammar_needs_batch_in_flight(scheduler_output):
+                    # Run the forward pass now; sample once the earlier batch's tokens
+                    # have advanced the grammars (below).
+                    execute = self.executor.execute_model(scheduler_output, non_block=True)
+                    deferred = (execute, scheduler_output)
+                else:
+                    execute, sample = self._launch(scheduler_output)
+                    queue.appendleft((execute, sample, scheduler_output))
+                    if len(queue) < self.batch_queue_size and not queue[-1][1].done():
+                        return failed, scheduled  # room for one more batch: plan it first
         if not queue:
-            return {}, False
+            return failed, False
         execute, sample, scheduler_output = queue.pop()
         runner_output = self._result(execute, sample)
+        rejections = None
+        if deferred is not None:
+            # The deferred batch's bitmask needs only these tokens in the grammars: advance
+            # them and let it sample before the scheduler's update, which then overlaps.
+            rejections = self.structured_output.accept_sampled(scheduler_output, runner_output)
+            next_execute, next_output = deferred
+            grammar = self._grammar_output(next_output)
+            next_sample = self.executor.sample_tokens(grammar, non_block=True)
+            queue.appendleft((next_execute, next_sample, next_output))
         self._apply_pending_aborts()
-        outputs = self._update(scheduler_output, runner_output)
-        return outputs, scheduled
+        outputs = self._update(scheduler_output, runner_output, rejections)
+        return _merge(outputs, failed), scheduled
 
     def step_fn(self) -> Callable[[], StepResult]:
         return self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
@@ -317,7 +418,7 @@ class EngineCore:
         return self._sleeping
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + self.structured_output.num_waiting
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -345,6 +446,18 @@ class EngineCore:
             self.drain_batch_queue()
         except Exception:
             logger.exception("error while draining in-flight batches at shutdown")
+        self.structured_output.shutdown()
         self.scheduler.shutdown()
         self.executor.shutdown()
         self.plugins.engine_stopped("shutdown")
+
+
+def _merge(
+    outputs: dict[int, EngineCoreOutputs], more: dict[int, EngineCoreOutputs]
+) -> dict[int, EngineCoreOutputs]:
+    for client, extra in more.items():
+        if client in outputs:
+            outputs[client].outputs.extend(extra.outputs)
+        else:
+            outputs[client] = extra
+    return outputs

@@ -30,7 +30,7 @@ from enginecore.protocol import (
     EngineCoreRequestType,
     UtilityOutput,
 )
-from enginecore.request import FinishReason, RequestStatus
+from enginecore.request import FinishReason
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable
 
 logger = logging.getLogger(__name__)
@@ -225,8 +225,7 @@ class EngineCoreProc(EngineCore):
             for outputs in self.drain_batch_queue():
                 for client_outputs in outputs.values():
                     self.output_queue.put(client_outputs.stamp())
-            aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-            self._send_finished([r.request_id for r in aborted], FinishReason.ABORT)
+            self._send_finished(self.abort_all_requests(), FinishReason.ABORT)
         self._paused = mode
 
     def resume_scheduler(self) -> None:
@@ -266,8 +265,7 @@ class EngineCoreProc(EngineCore):
         for outputs in self.drain_batch_queue():
             for client_outputs in outputs.values():
                 self.output_queue.put(client_outputs.stamp())
-        aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        self._send_finished([r.request_id for r in aborted], FinishReason.ABORT)
+        self._send_finished(self.abort_all_requests(), FinishReason.ABORT)
         return True
 
     def close(self, reason: str) -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from enginecore.config import EngineConfig
 from enginecore.errors import InvalidRequestError
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreRequest
+from enginecore.structured_output.validation import StructuredOutputValidator
+
+if TYPE_CHECKING:
+    from enginecore.plugins import PluginHost
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -33,12 +37,19 @@ def generation_eos_ids(config: EngineConfig, tokenizer: Any) -> list[int]:
 class InputProcessor:
     """Tokenizes and validates; every error is raised before anything is scheduled."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        max_model_len: int,
+        plugins: PluginHost | None = None,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_ids = generation_eos_ids(config, tokenizer)
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
+        self.structured_output = StructuredOutputValidator(config, plugins)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -85,6 +96,8 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         text, token_ids = self.tokenize(prompt)
         self.validate_tokens(token_ids, params)
+        if params.structured_output is not None:
+            self.structured_output.validate(params.structured_output)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_ids = list(params.stop_token_ids or [])

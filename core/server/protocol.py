@@ -19,6 +19,22 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """Fields completions and chat share."""
 
@@ -51,6 +67,12 @@ class SamplingFields(_Body):
     ``kv_transfer_params``, passed on to the decode instance (see docs/kv_transfer.md)."""
     data_parallel_rank: int | None = None
     """The data-parallel replica to run on (external load balancing)."""
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras (pass them with the openai client's ``extra_body``).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from enginecore.config import ServerConfig
-from enginecore.params import SamplingParams
+from enginecore.errors import InvalidRequestError
+from enginecore.params import SamplingParams, StructuredOutputParams
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import SamplingFields
 
@@ -48,6 +49,44 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
             )
         bias[token_id] = value
     return bias
+
+
+def structured_output(req: SamplingFields) -> StructuredOutputParams | None:
+    """``response_format`` or one of the ``guided_*`` extras -> the engine's constraint."""
+    given: dict[str, dict[str, Any]] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(
+                400,
+                "response_format of type json_schema needs json_schema.schema",
+                param="response_format",
+            )
+        given["response_format"] = {"json": fmt.json_schema.schema_}
+    for field, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(req, field)
+        if value is not None:
+            given[field] = {key: value}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(
+            400,
+            f"give one structured-output constraint, got {', '.join(given)}",
+            param=next(iter(given)),
+        )
+    ((param, fields),) = given.items()
+    try:
+        return StructuredOutputParams(**fields)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=param) from None
 
 
 def to_sampling_params(
@@ -102,6 +141,7 @@ def to_sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         extra=extra or None,
         kv_transfer_params=req.kv_transfer_params,
+        structured_output=structured_output(req),
         **optional,
     )
 

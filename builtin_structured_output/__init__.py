@@ -1,0 +1,1 @@
+"""Built-in structured-output backends (xgrammar), registered through the public hook."""
