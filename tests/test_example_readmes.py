@@ -32,7 +32,12 @@ def readme_commands(readme: Path) -> list[str]:
 
 
 def test_every_example_readme_has_install_and_test_commands():
-    assert EXAMPLES == ["enginecore-echo-executor", "enginecore-jsonl-stats", "enginecore-sjf"]
+    assert EXAMPLES == [
+        "enginecore-cycle-proposer",
+        "enginecore-echo-executor",
+        "enginecore-jsonl-stats",
+        "enginecore-sjf",
+    ]
     for name in EXAMPLES:
         commands = readme_commands(REPO / "plugins" / name / "README.md")
         assert any(c.startswith("pip install") for c in commands), name
