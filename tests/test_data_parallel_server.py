@@ -8,51 +8,25 @@ every series once per engine (label ``engine``).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_openai import _free_port
+from serve_process import serve, stop
 
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("dp-server") / "server.log"
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "enginecore.cli", "serve", str(tiny_llama),
-        "--port", str(port), "--max-model-len", "512", "--num-blocks-override", "128",
-        "--data-parallel-size", "2",
-    ]  # fmt: skip
+    flags = ["--max-model-len", "512", "--num-blocks-override", "128"]
+    flags += ["--data-parallel-size", "2"]
     env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    proc, url = serve(tiny_llama, log_path, *flags, env=env)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-            time.sleep(0.3)
         yield url, log_path
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop(proc)
 
 
 def generation_tokens_by_engine(url: str) -> dict[str, float]:

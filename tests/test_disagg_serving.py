@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
+from serve_process import start_cli, wait_healthy
 
 from enginecore import LLM, SamplingParams
 from enginecore.testing.kv_connector_contract import free_port
@@ -21,30 +20,6 @@ from enginecore.testing.kv_connector_contract import free_port
 pytestmark = pytest.mark.slow
 
 COMMON = ["--dtype", "float32", "--max-model-len", "512", "--num-blocks-override", "200"]
-
-
-def _start(args: list[str], log_path, env=None) -> subprocess.Popen:
-    with open(log_path, "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "enginecore.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env or dict(os.environ),
-        )
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{url} exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"{url} did not become healthy:\n{log_path.read_text()}")
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +40,18 @@ def disagg(tiny_llama, tmp_path_factory):
         ):
             args = ["serve", str(tiny_llama), "--port", str(port), *COMMON]
             args += ["--kv-connector", "zmq_p2p", *kv, "--stat-loggers", "jsonl"]
-            procs.append((_start(args, log, proc_env), f"http://127.0.0.1:{port}", log))
+            procs.append((start_cli(args, log, proc_env), f"http://127.0.0.1:{port}", log))
         proxy_args = ["disagg-proxy", "--port", str(proxy_port)]
         proxy_args += ["--prefill", procs[0][1], "--decode", procs[1][1]]
         procs.append(
             (
-                _start(proxy_args, tmp / "proxy.log"),
+                start_cli(proxy_args, tmp / "proxy.log"),
                 f"http://127.0.0.1:{proxy_port}",
                 tmp / "proxy.log",
             )
         )
         for proc, url, log in procs:
-            _wait_healthy(url, proc, log)
+            wait_healthy(url, proc, log)
         yield {"proxy": procs[2][1], "decode_stats": decode_stats}
     finally:
         for proc, _, _ in reversed(procs):

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import serve, stop
 
 API_KEY = "test-secret-key"
 MAX_MODEL_LEN = 2048
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -71,50 +64,17 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    port = _free_port()
     stats_path = tmp / "stats.jsonl"
     log_path = tmp / "server.log"
     env = dict(os.environ)
     env.update(ENGINECORE_JSONL_STATS_PATH=str(stats_path), ENGINECORE_API_KEY=API_KEY)
-    cmd = [
-        sys.executable,
-        "-m",
-        "enginecore.cli",
-        "serve",
-        str(tiny_llama),
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-blocks-override",
-        "400",
-        "--stat-loggers",
-        "logging,jsonl",
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.3)
+    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "400"]
+    flags += ["--stat-loggers", "logging,jsonl"]
+    proc, url = serve(tiny_llama, log_path, *flags, env=env)
     srv = Server(url, proc, stats_path, log_path)
     yield srv
     srv.http.close()
-    proc.send_signal(2)  # SIGINT: uvicorn stops, the engine process with it
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
+from serve_process import serve, stop
 from structured_helpers import CHOICES, CODE_REGEX, PERSON_SCHEMA, check
-from test_server_openai import Server, _free_port
+from test_server_openai import Server
 
 from enginecore import StructuredOutputParams
 
@@ -29,46 +26,14 @@ PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-structured") / "server.log"
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "enginecore.cli",
-        "serve",
-        str(tiny_llama),
-        "--port",
-        str(port),
-        "--max-model-len",
-        "1024",
-        "--num-blocks-override",
-        "400",
-        "--disable-any-whitespace",  # random weights would loop on spaces
-    ]
+    flags = ["--max-model-len", "1024", "--num-blocks-override", "400"]
+    flags.append("--disable-any-whitespace")  # random weights would loop on spaces
     env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.3)
+    proc, url = serve(tiny_llama, log_path, *flags, env=env)
     srv = Server(url, proc, None, log_path)
     yield srv
     srv.http.close()
-    proc.send_signal(2)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop(proc)
 
 
 @pytest.fixture(scope="module")

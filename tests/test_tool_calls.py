@@ -15,15 +15,14 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serve_process import free_port, serve, start_cli, stop
 from test_hooks import bare_host, registering
 
 from enginecore import LLM, SamplingParams
@@ -237,12 +236,6 @@ def test_llm_chat_passes_tools_to_the_template(tiny_llama) -> None:
 # --- end to end: the real server on the echo model ------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def echo_env(tmp_path_factory) -> dict[str, str]:
     """The echo-model plugin pip-installed into a private target dir (on PYTHONPATH)."""
@@ -273,45 +266,14 @@ def echo_checkpoint(tmp_path_factory) -> Path:
     return module.make_echo_checkpoint(tmp_path_factory.mktemp("echo-model"))
 
 
-def _serve(echo_env, checkpoint, log_path, *flags: str):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "enginecore.cli", "serve", str(checkpoint), "--port", str(port)]
-    cmd += ["--num-blocks-override", "200", "--max-num-batched-tokens", "32", *flags]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=echo_env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def server(echo_env, echo_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("echo-server") / "server.log"
-    proc, url = _serve(
-        echo_env,
-        echo_checkpoint,
-        log_path,
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not become healthy:\n{log_path.read_text()}")
-        time.sleep(0.3)
+    flags = ["--num-blocks-override", "200", "--max-num-batched-tokens", "32"]
+    flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    proc, url = serve(echo_checkpoint, log_path, *flags, env=echo_env)
     yield url
-    proc.send_signal(2)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -463,22 +425,12 @@ def test_text_content_parts_are_accepted_and_images_are_400(client):
         )
 
 
-def test_forced_tool_choice_without_a_structured_output_backend_is_400(client):
-    if importlib.util.find_spec("xgrammar") is not None:
-        pytest.skip("a structured-output backend may be registered here")
+def test_a_named_tool_choice_outside_tools_is_400(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice in ("required", named):
-        with pytest.raises(openai.BadRequestError, match="structured-output backend"):
-            _chat(client, "{}", tools=[WEATHER], tool_choice=choice)
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         _chat(client, "{}", tools=[TIME], tool_choice=named)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("xgrammar") is None,
-    reason="tool_choice 'required'/named constrain the output through structured outputs; "
-    "no xgrammar backend is installed on this branch",
-)
 def test_named_and_required_tool_choice(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     args = '{"city": "Paris"}'
@@ -503,7 +455,8 @@ def test_named_and_required_tool_choice(client):
 def test_bad_tool_settings_stop_the_server_at_startup(
     echo_env, echo_checkpoint, tmp_path, flags, message
 ):
-    proc, _ = _serve(echo_env, echo_checkpoint, tmp_path / "log", *flags)
+    args = ["serve", str(echo_checkpoint), "--port", str(free_port()), *flags]
+    proc = start_cli(args, tmp_path / "log", echo_env)
     try:
         code = proc.wait(120)
     finally:
