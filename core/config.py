@@ -13,12 +13,12 @@ import difflib
 import json
 import pathlib
 import re
+import tomllib
 import types
 import typing
 from typing import Any, Literal, Union
 
 import msgspec
-import tomllib
 
 from enginecore.errors import ConfigError
 

@@ -15,11 +15,11 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import importlib_metadata
 import pytest
-import tomllib
 
 from enginecore import make_config
 from enginecore.errors import UnknownComponentError

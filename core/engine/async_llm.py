@@ -421,7 +421,7 @@ class AsyncLLM:
             )
         try:
             await asyncio.wait_for(self._utility("ping"), HEALTH_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineDeadError(
                 f"the engine core did not answer a health check within {HEALTH_TIMEOUT:.0f} s"
             ) from None

@@ -1,0 +1,19 @@
+"""pyproject.toml ships every package of the source tree (a plain, non-editable install)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_source_package_is_listed_and_every_listed_one_exists():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {name: ROOT / path for name, path in setuptools["package-dir"].items()}
+    found = set()
+    for name, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder).parts
+            found.add(".".join((name, *relative)))
+    assert set(setuptools["packages"]) == found
