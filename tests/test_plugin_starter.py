@@ -8,7 +8,6 @@ installs run with ``--no-deps --no-build-isolation`` because the machine is offl
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from enginecore.starter.cli import StarterError, create_plugin, derive_names
 from enginecore.starter.templates import KINDS
 
 ENGINECORE = Path(sys.executable).parent / "enginecore"
-HAS_KV_CONTRACT = importlib.util.find_spec("enginecore.testing.kv_connector_contract") is not None
 
 
 def test_names_follow_the_distribution_name():
@@ -97,14 +95,7 @@ def test_a_new_stat_logger_plugin_installs_and_passes_its_tests(tmp_path, tiny_l
         "executor",
         "stat-logger",
         "model",
-        pytest.param(
-            "kv-connector",
-            marks=pytest.mark.skipif(
-                not HAS_KV_CONTRACT,
-                reason="its test subclasses KVConnectorContract, which lands with the "
-                "KV-connector work (core/testing/kv_connector_contract.py)",
-            ),
-        ),
+        "kv-connector",
     ],
 )
 def test_every_kind_installs_and_passes_its_tests(kind, tmp_path, tiny_llama):
