@@ -38,7 +38,13 @@ import zmq.asyncio
 from enginecore.config import EngineConfig
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.dp_coordinator import DPCoordinator
-from enginecore.engine.mp_client import LIVENESS_POLL_MS, _EngineProcess, _resolve
+from enginecore.engine.mp_client import (
+    LIVENESS_POLL_MS,
+    _EngineProcess,
+    _resolve,
+    take_output,
+    take_output_async,
+)
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -308,11 +314,7 @@ class DPSyncMPClient(_DPClientBase):
                     self.outputs.put(outputs)
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self.outputs.get()
-        if isinstance(item, EngineDeadError):
-            self.outputs.put(item)  # every later call fails the same way
-            raise item
-        return item
+        return take_output(self.outputs)
 
     def call_utility(self, method: str, *args: Any, engine_index: int | None = None) -> Any:
         """Runs on every live replica (or only ``engine_index``); answers combined."""
@@ -367,11 +369,7 @@ class DPAsyncMPClient(_DPClientBase):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
-        item = await self.outputs.get()
-        if isinstance(item, EngineDeadError):
-            self.outputs.put_nowait(item)
-            raise item
-        return item
+        return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         raise TypeError("DPAsyncMPClient: use 'await call_utility_async(...)'")

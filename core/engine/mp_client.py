@@ -229,11 +229,7 @@ class SyncMPClient(_MPClientBase):
         self._utility_futures.clear()
 
     def get_output(self) -> EngineCoreOutputs:
-        item = self.outputs.get()
-        if isinstance(item, EngineDeadError):
-            self.outputs.put(item)  # every later call fails the same way
-            raise item
-        return item
+        return take_output(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
@@ -293,11 +289,7 @@ class AsyncMPClient(_MPClientBase):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
-        item = await self.outputs.get()
-        if isinstance(item, EngineDeadError):
-            self.outputs.put_nowait(item)
-            raise item
-        return item
+        return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         raise TypeError("AsyncMPClient: use 'await call_utility_async(...)'")
@@ -321,6 +313,24 @@ def _resolve(future: Any, utility_output: Any) -> None:
         future.set_exception(UtilityError(utility_output.failure_message))
     else:
         future.set_result(utility_output.result)
+
+
+def take_output(outputs: queue.Queue) -> EngineCoreOutputs:
+    """The next output; a dead-engine error stays queued so every later call raises it."""
+    item = outputs.get()
+    if isinstance(item, EngineDeadError):
+        outputs.put(item)
+        raise item
+    return item
+
+
+async def take_output_async(outputs: asyncio.Queue) -> EngineCoreOutputs:
+    """:func:`take_output` for an asyncio queue."""
+    item = await outputs.get()
+    if isinstance(item, EngineDeadError):
+        outputs.put_nowait(item)
+        raise item
+    return item
 
 
 def _describe_early_exit(code: int | None) -> str:
