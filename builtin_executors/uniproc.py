@@ -26,6 +26,13 @@ class UniProcExecutor(Executor):
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
         self.worker = self._build_worker(plugin_host)
+        # Every torch call runs on the one worker thread, loading included: with libgomp,
+        # a second thread that has ever run an OpenMP region keeps its own thread team,
+        # and two teams on the same cores make every later parallel region sleep and wake
+        # instead of spinning (small ops in a decode step ran up to 10x slower).
+        self._thread.submit(self._start_worker).result()
+
+    def _start_worker(self) -> None:
         self.worker.init_device()
         self.worker.load_model()
 
