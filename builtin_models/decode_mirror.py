@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from enginecore.builtin_models.host_memory import zeroed
 from enginecore.builtin_models.sliding_window import restrict_to_window
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
@@ -30,6 +31,9 @@ class MirrorStep:
 
     num_rows: int
     write_pos: torch.Tensor  # [n] position of this step's token in each row
+    # [n * kv_heads]: where each row's and head's new K/V goes in a layer's K (or V)
+    # half viewed as [rows * kv_heads * capacity, head_dim].
+    write_index: torch.Tensor
     kv_len: int  # positions to attend over (max context + 1)
     mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -56,6 +60,7 @@ class DecodeMirror:
         device: torch.device,
         max_bytes: int,
         max_len: int,
+        max_rows: int,
     ) -> None:
         self.num_layers = num_layers
         self.shape_hd = (num_kv_heads, head_dim)
@@ -63,6 +68,7 @@ class DecodeMirror:
         self.device = device
         self.max_bytes = max_bytes
         self.max_len = max_len
+        self.max_rows = max_rows
         self.layers: list[torch.Tensor] = []
         self.layer_of: dict[int, int] = {}  # kv cache data_ptr -> layer index
         self.rows: list[str] = []  # request id of each row
@@ -85,24 +91,32 @@ class DecodeMirror:
         cap_r, cap_t = self._capacity()
         if rows <= cap_r and length <= cap_t:
             return True
-        new_r = max(rows, cap_r, 8)
-        if rows > cap_r:
-            new_r = max(rows, 2 * cap_r)
-        new_t = max(cap_t, -(-length // _T_ALIGN) * _T_ALIGN)
-        if length > cap_t:
-            new_t = min(max(new_t, 2 * cap_t), -(-self.max_len // _T_ALIGN) * _T_ALIGN)
-            new_t = max(new_t, length)
-        if self._bytes(new_r, new_t) > self.max_bytes:
-            new_r, new_t = max(rows, cap_r), max(length, cap_t)
+        full_r, full_t = self.max_rows, -(-self.max_len // _T_ALIGN) * _T_ALIGN
+        if rows <= full_r and self._bytes(full_r, full_t) <= self.max_bytes:
+            # Room for every row at full length: allocate it once. Pages are zero-mapped
+            # on first touch, so only the positions actually written take memory, and
+            # the mirror never regrows (a regrowth copies every row, ~100 ms at 256 rows).
+            new_r, new_t = full_r, full_t
+        else:
+            new_r = max(rows, cap_r, 8)
+            if rows > cap_r:
+                new_r = max(rows, 2 * cap_r)
+            new_t = max(cap_t, -(-length // _T_ALIGN) * _T_ALIGN)
+            if length > cap_t:
+                new_t = min(max(new_t, 2 * cap_t), full_t)
+                new_t = max(new_t, length)
             if self._bytes(new_r, new_t) > self.max_bytes:
-                return False
+                new_r, new_t = max(rows, cap_r), max(length, cap_t)
+                if self._bytes(new_r, new_t) > self.max_bytes:
+                    return False
         h, d = self.shape_hd
         keep = len(self.rows)
+        used = max(self.row_len, default=0)
         grown = []
         for old in self.layers or [None] * self.num_layers:
-            new = torch.zeros((2, new_r, h, new_t, d), dtype=self.dtype, device=self.device)
-            if old is not None and keep:
-                new[:, :keep, :, : old.shape[3]] = old[:, :keep]
+            new = zeroed((2, new_r, h, new_t, d), self.dtype, self.device)
+            if old is not None and keep and used:
+                new[:, :keep, :, :used] = old[:, :keep, :, :used]
             grown.append(new)
         self.layers = grown
         return True
@@ -149,15 +163,23 @@ class DecodeMirror:
         self.row_len = [c + 1 for c in ctx.tolist()]  # after this step's token is written
         ctx = ctx.to(self.device)
         mask = torch.arange(kv_len, device=self.device)[None, :] <= ctx[:, None]
+        h = self.shape_hd[0]
+        cap_t = self._capacity()[1]
+        row_heads = torch.arange(n * h, device=self.device).view(n, h)
+        write_index = (row_heads * cap_t + ctx[:, None]).reshape(-1)
         self.step = MirrorStep(
-            num_rows=n, write_pos=ctx, kv_len=kv_len, mask=mask[:, None, None, :]
+            num_rows=n,
+            write_pos=ctx,
+            write_index=write_index,
+            kv_len=kv_len,
+            mask=mask[:, None, None, :],
         )
         return order
 
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
             return
-        holes, moves_from = [], []
+        moves = []  # (hole, moved row, its length)
         for r in sorted(rows, reverse=True):
             last = len(self.rows) - 1
             del self.row_of[self.rows[r]]
@@ -165,15 +187,14 @@ class DecodeMirror:
                 self.rows[r] = self.rows[last]
                 self.row_len[r] = self.row_len[last]
                 self.row_of[self.rows[r]] = r
-                holes.append(r)
-                moves_from.append(last)
+                moves.append((r, last, self.row_len[r]))
             self.rows.pop()
             self.row_len.pop()
-        if holes:
-            # Sequential moves may chain (a moved row moved again); apply them in order.
-            for layer in self.layers:
-                for dst, src in zip(holes, moves_from, strict=True):
-                    layer[:, dst] = layer[:, src]
+        # Sequential moves may chain (a moved row moved again); apply them in order. Only
+        # the valid positions move: the rest of a row is never attended to.
+        for layer in self.layers:
+            for dst, src, length in moves:
+                layer[:, dst, :, :length] = layer[:, src, :, :length]
 
     def _fill(
         self,
@@ -219,9 +240,10 @@ class DecodeMirror:
         step = self.step
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
-        rows = torch.arange(n, device=self.device)
-        layer[0, rows, :, step.write_pos] = key
-        layer[1, rows, :, step.write_pos] = value
+        _, _, h, _, d = layer.shape
+        flat = layer.view(2, -1, d)
+        flat[0].index_copy_(0, step.write_index, key.reshape(n * h, d))
+        flat[1].index_copy_(0, step.write_index, value.reshape(n * h, d))
         k = layer[0, :n, :, : step.kv_len]
         v = layer[1, :n, :, : step.kv_len]
         hq, d = query.shape[1], query.shape[2]

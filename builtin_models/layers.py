@@ -397,7 +397,11 @@ def _inv_freq(rot_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate the two halves), cos/sin precomputed per position."""
+    """Neox-style rotary embedding (rotate the two halves), cos/sin precomputed per position.
+
+    Every layer of a step rotates at the same positions, so the step's cos/sin rows are
+    gathered once and reused (keyed on the positions tensor itself).
+    """
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -405,21 +409,27 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, params)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
         # float32 even for bf16 models: positions are large and the reference keeps fp32.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Laid out for ``x * cos + swap_halves(x) * sin``: [cos, cos] and [-sin, sin].
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H_q, D], k [T, H_kv, D] -> rotated copies."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self._step
+        if step is None or step[0] is not positions:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
+            step = self._step = (positions, cos, sin)
+        return step[1], step[2]
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(dtype)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] (query and key heads side by side, so one call rotates both) ->
+        a rotated copy. The products and the sum are rounded as the reference's
+        ``q * cos + rotate_half(q) * sin``."""
+        cos, sin = self._tables(positions)
+        xf = x.float()
+        half = self.head_dim // 2
+        swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * cos + swapped * sin).to(x.dtype)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
-import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
+from enginecore.builtin_models.host_memory import zeroed
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
@@ -230,7 +229,7 @@ class TorchModelRunner(ModelRunner):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [self._zeroed(shape) for _ in range(m.num_layers)]
+        self.kv_caches = [zeroed(shape, self.dtype, self.device) for _ in range(m.num_layers)]
         self.num_blocks = num_blocks
         self.decode_mirror = None
         if self.device.type == "cpu":
@@ -244,6 +243,7 @@ class TorchModelRunner(ModelRunner):
                 self.device,
                 max_bytes=sum(c.numel() * c.element_size() for c in self.kv_caches),
                 max_len=self.get_max_model_len(),
+                max_rows=self.config.scheduler.max_num_seqs,
             )
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
@@ -262,15 +262,6 @@ class TorchModelRunner(ModelRunner):
             {r: states[r].block_ids for r in decodes},
             self.kv_caches,
         )
-
-    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero KV tensor. On CPU it is an anonymous mapping: the OS hands out zero
-        pages on first touch, so RSS grows with the blocks actually used instead of the
-        whole cache being written up front."""
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = math.prod(shape) * self.dtype.itemsize
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=self.dtype).view(shape)
 
     # --- request state --------------------------------------------------------------
 

@@ -2,17 +2,21 @@
 
 Varied output lengths make requests leave the decode batch at different steps (rows are
 swap-removed), a small max_num_seqs makes new ones join mid-way (rows are filled from the
-paged cache), and a tight KV cache forces preemption (rows go stale).
+paged cache), and a tight KV cache forces preemption (rows go stale). With a roomy cache
+the mirror is allocated once at full size; with a tight one it grows step by step.
 """
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from enginecore import LLM, SamplingParams
 
 
-def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama) -> None:
+@pytest.mark.parametrize("tight_cache", [True, False], ids=["growing", "full-size"])
+def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama, tight_cache) -> None:
     rng = random.Random(11)
     prompts = [
         {"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(rng.randint(3, 60))]}
@@ -27,14 +31,20 @@ def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama) -> None:
         dtype="float32",
         multiprocessing=False,
         max_num_seqs=5,
-        num_blocks_override=14,
+        num_blocks_override=14 if tight_cache else None,
         max_model_len=128,
     ) as llm:
         runner = llm.engine_client.engine.executor.worker.model_runner
         assert runner.decode_mirror is not None  # on by default on CPU
         mirrored = llm.generate(prompts, params)
-        assert runner.decode_mirror.layers, "the mirror was never used"
-        assert sum(o.metrics["num_preemptions"] for o in mirrored) > 0
+        mirror = runner.decode_mirror
+        assert mirror.layers, "the mirror was never used"
+        full_size = (5, 128)  # max_num_seqs rows, max_model_len positions
+        if tight_cache:
+            assert sum(o.metrics["num_preemptions"] for o in mirrored) > 0
+            assert mirror._capacity() != full_size
+        else:
+            assert mirror._capacity() == full_size
         runner.decode_mirror = None  # plain paged attention from here on
         plain = llm.generate(prompts, params)
     for a, b in zip(mirrored, plain, strict=True):

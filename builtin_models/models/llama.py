@@ -74,10 +74,11 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        # Q and K heads are adjacent in the fused projection: rotate them in one pass.
+        qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = rotary(positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -106,7 +107,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one fewer temporary
 
 
 class LlamaDecoderLayer(nn.Module):
