@@ -22,6 +22,7 @@ from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.host_memory import zeroed
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
+from enginecore.builtin_models.layers import use_input_major_weights
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore.builtin_models.sampler import (
@@ -141,6 +142,8 @@ class TorchModelRunner(ModelRunner):
         with torch.device(self.device):
             model = model_cls(self.hf_config, self.parallel, self.dtype)
         model.load_weights(iter_weights(path, self.hf_config))
+        if self.device.type == "cpu":
+            use_input_major_weights(model)
         self.model = model.eval()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
