@@ -150,23 +150,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from enginecore import checkpoints
 
         config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
-    try:
-        from enginecore.server.app import run_server
-    except ImportError:
-        # The HTTP server lands with the serving work; until then answer one prompt.
-        print(
-            "enginecore serve: the HTTP server is not built yet; running "
-            "'enginecore generate' on the model instead.",
-            file=sys.stderr,
-        )
-        args.prompt = None
-        args.chat = True
-        args.max_tokens = 32
-        args.temperature = 0.0
-        args.seed_sampling = None
-        args.prompt = ["What is the capital of France?"]
-        args.model = config.model.path
-        return cmd_generate(args)
+    from enginecore.server.app import run_server
+
     run_server(config)
     return 0
 

@@ -117,11 +117,16 @@ class ParallelConfig(_Section):
     """torch.distributed backend; auto is NCCL on CUDA, gloo on CPU."""
     ray_address: str | None = None
     """Address of an existing Ray cluster; a local one is started when unset."""
+    cpu_reserved_cores: int | None = None
+    """CPU cores kept free of torch threads for the frontend (HTTP server, tokenizer,
+    detokenizer). Unset: 1 under ``enginecore serve``, 0 otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
+            raise ValueError("cpu_reserved_cores must be >= 0")
 
     @property
     def world_size(self) -> int:

@@ -33,13 +33,15 @@ API_KEY_ENV = "ENGINECORE_API_KEY"
 
 def server_config(config: EngineConfig) -> EngineConfig:
     """The config the server runs: ``prometheus`` among the stat loggers, the API key from
-    ``ENGINECORE_API_KEY`` when the config has none."""
+    ``ENGINECORE_API_KEY`` when the config has none, one CPU core kept for the server."""
     changes: dict[str, Any] = {}
     loggers = list(config.observability.stat_loggers)
     if "prometheus" not in loggers:
         changes["stat_loggers"] = [*loggers, "prometheus"]
     if config.server.api_key is None and os.environ.get(API_KEY_ENV):
         changes["api_key"] = os.environ[API_KEY_ENV]
+    if config.parallel.cpu_reserved_cores is None:
+        changes["cpu_reserved_cores"] = 1  # the HTTP server's core (see cpu_threads_per_rank)
     return config.replace(**changes) if changes else config
 
 

@@ -1,0 +1,58 @@
+"""How many torch threads a CPU worker runs, and the core the HTTP server keeps.
+
+An OpenMP team that shares its cores with the HTTP server stalls whenever one of its
+threads is preempted, so ``enginecore serve`` keeps one core for the frontend; offline
+``LLM`` use keeps none.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from enginecore import LLM
+from enginecore.builtin_executors.worker import cpu_threads_per_rank
+from enginecore.config import ParallelConfig, make_config
+from enginecore.server.app import server_config
+
+CORES = len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, CORES),
+        ({"cpu_reserved_cores": 1}, max(1, CORES - 1)),
+        ({"cpu_reserved_cores": CORES + 4}, 1),  # never below one thread
+        ({"tensor_parallel_size": 2}, max(1, CORES // 2)),
+        ({"tensor_parallel_size": 2, "cpu_reserved_cores": 1}, max(1, (CORES - 1) // 2)),
+        ({"data_parallel_size": 2}, max(1, CORES // 2)),
+        ({"data_parallel_size": 2, "data_parallel_backend": "ray"}, CORES),
+    ],
+)
+def test_threads_per_rank(settings, expected) -> None:
+    assert cpu_threads_per_rank(ParallelConfig(**settings)) == expected
+
+
+def test_negative_reservation_is_rejected() -> None:
+    with pytest.raises(ValueError, match="cpu_reserved_cores must be >= 0"):
+        ParallelConfig(cpu_reserved_cores=-1)
+
+
+def test_the_server_reserves_one_core_unless_told_otherwise() -> None:
+    assert server_config(make_config(model="m")).parallel.cpu_reserved_cores == 1
+    chosen = server_config(make_config(model="m", cpu_reserved_cores=0))
+    assert chosen.parallel.cpu_reserved_cores == 0
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs two cores to reserve one")
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS overrides it")
+def test_the_engine_process_runs_the_threads_it_was_given(tiny_llama) -> None:
+    def torch_threads(worker) -> int:  # nested: sent by value to the engine process
+        return torch.get_num_threads()
+
+    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
+        assert llm.collective_rpc(torch_threads) == [CORES - 1]
+        assert llm.generate(["hello"])[0].outputs[0].token_ids  # and it still generates
