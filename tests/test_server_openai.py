@@ -418,6 +418,9 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert main(argv) == 0
     results = json.loads(result_file.read_text())
     assert [r["request_rate"] for r in results] == [50.0, "inf"]
+    # Each rate gets its own prompts, so a prefix-caching server cannot answer the second
+    # rate from the first one's cache.
+    assert [r["seed"] for r in results] == [0, 1]
     for r in results:
         assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 16
         assert r["p50_ttft_ms"] > 0 and r["p99_itl_ms"] >= r["p50_itl_ms"] > 0

@@ -268,7 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests/s (Poisson); 'inf' sends all at once; a comma list sweeps",
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="prompt seed; the i-th rate of a sweep uses seed + i"
+    )
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="PNG of a request-rate sweep")
     parser.add_argument("--no-progress", action="store_true")
@@ -276,9 +278,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     rates = [float(r) for r in str(args.request_rate).split(",") if r]
-    prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
     summaries = []
-    for rate in rates:
+    for index, rate in enumerate(rates):
+        # Fresh prompts for every rate of a sweep: repeating them would let a server with
+        # prefix caching answer later rates from its cache.
+        seed = args.seed + index
+        prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, seed)
         results, duration = asyncio.run(
             run_load(
                 args.base_url.rstrip("/"),
@@ -288,12 +293,13 @@ def run(args: argparse.Namespace) -> int:
                 args.max_concurrency,
                 model=args.model,
                 api_key=args.api_key,
-                seed=args.seed,
+                seed=seed,
                 progress=not args.no_progress,
             )
         )
         summary = summarize(results, duration, rate)
         summary.update(
+            seed=seed,
             num_prompts=args.num_prompts,
             input_len=args.input_len,
             output_len=args.output_len,
