@@ -54,7 +54,7 @@ def cpu_threads_per_rank(par: Any) -> int:
     data-parallel replicas (backend mp) share them too (Ray sizes its actors itself).
     The frontend needs a core of its own while serving: an OpenMP team that shares its
     cores with the HTTP server stalls at every barrier where one of its threads was
-    preempted (on 2 cores, 1 thread served 3,200 output tok/s against 2 threads' 2,000-2,800).
+    preempted (``cpu_reserved_cores``; benchmarks/RESULTS.md has the measurements).
     """
     local_ranks = par.world_size
     if par.data_parallel_backend == "mp":
