@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from enginecore.builtin_models import cpu_kernels
 from enginecore.builtin_models.sliding_window import restrict_to_window
 
 
@@ -130,6 +131,14 @@ def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter this step's K/V ([T, H_kv, D]) into their cache slots."""
+    kernels = cpu_kernels.kernels_for(kv_cache)
+    if (
+        kernels is not None
+        and cpu_kernels.heads_contiguous(key, value)
+        and slot_mapping.dtype == torch.int64
+    ):
+        kernels.write_kv(kv_cache, key, value, slot_mapping)
+        return
     _, num_blocks, block_size, h, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, h, d)
     flat[0].index_copy_(0, slot_mapping, key)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from enginecore.builtin_models import cpu_kernels
 from enginecore.builtin_models.host_memory import zeroed
 from enginecore.builtin_models.sliding_window import restrict_to_window
 
@@ -35,6 +36,7 @@ class MirrorStep:
     # half viewed as [rows * kv_heads * capacity, head_dim].
     write_index: torch.Tensor
     kv_len: int  # positions to attend over (max context + 1)
+    lens: torch.Tensor  # [n] int64: each row's positions after this step's write
     mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -172,6 +174,7 @@ class DecodeMirror:
             write_pos=ctx,
             write_index=write_index,
             kv_len=kv_len,
+            lens=ctx + 1,
             mask=mask[:, None, None, :],
         )
         return order
@@ -241,9 +244,13 @@ class DecodeMirror:
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
         _, _, h, _, d = layer.shape
-        flat = layer.view(2, -1, d)
-        flat[0].index_copy_(0, step.write_index, key.reshape(n * h, d))
-        flat[1].index_copy_(0, step.write_index, value.reshape(n * h, d))
+        kernels = cpu_kernels.kernels_for(layer)
+        if kernels is not None and cpu_kernels.heads_contiguous(key, value):
+            kernels.mirror_append(layer, key, value, step.lens)
+        else:
+            flat = layer.view(2, -1, d)
+            flat[0].index_copy_(0, step.write_index, key.reshape(n * h, d))
+            flat[1].index_copy_(0, step.write_index, value.reshape(n * h, d))
         k = layer[0, :n, :, : step.kv_len]
         v = layer[1, :n, :, : step.kv_len]
         hq, d = query.shape[1], query.shape[2]

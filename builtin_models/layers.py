@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore.builtin_models import cpu_kernels
 from enginecore.distributed import ParallelContext
 
 
@@ -344,11 +345,25 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.kernels_for(x)
+        if kernels is not None and x.dim() == 2:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # F.rms_norm is one fused kernel (the hand-written form is ~50x slower on CPU).
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` (the residual stream, updated in place where fused) and its
+        norm: the reference's ``hidden = residual + hidden; norm(hidden)``."""
+        kernels = cpu_kernels.kernels_for(x)
+        if kernels is not None and x.dim() == 2 and residual.stride(-1) == 1:
+            return kernels.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 class LayerNorm(nn.Module):
@@ -441,8 +456,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (query and key heads side by side, so one call rotates both) ->
-        a rotated copy. The products and the sum are rounded as the reference's
+        rotated (in place by the fused CPU kernel, else a copy). The products and the sum are rounded as the reference's
         ``q * cos + rotate_half(q) * sin``."""
+        kernels = cpu_kernels.kernels_for(x)
+        if (
+            kernels is not None
+            and cpu_kernels.heads_contiguous(x)
+            and positions.dtype == torch.int64
+        ):
+            return kernels.rotary_(x, positions, self.cos, self.sin)
         cos, sin = self._tables(positions)
         xf = x.float()
         half = self.head_dim // 2

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore.builtin_models import cpu_kernels
 from enginecore.builtin_models.attention import AttentionMetadata, paged_attention
 from enginecore.builtin_models.layers import (
     MergedColumnParallelLinear,
@@ -106,7 +107,11 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels.kernels_for(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one fewer temporary
 
 
@@ -130,14 +135,22 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), rotary, kv_cache, meta
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` is the previous layer's MLP output and ``residual`` the stream it
+        is added to (None at the first layer: ``hidden`` is the stream). Returns this
+        layer's MLP output and its input stream; the caller adds them (fused with the
+        next norm)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn = self.self_attn(positions, normed, rotary, kv_cache, meta)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -181,11 +194,19 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``hidden_states`` is the previous stage's output (pipeline stages after the
         first); returns the final normed hidden states, or this stage's output."""
-        hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        if hidden_states is None:
+            hidden = self.embed_tokens(input_ids)
+        else:  # the fused add + norm updates the stream in place: not the caller's tensor
+            hidden = hidden_states.clone()
+        residual = None
         for i in range(self.start_layer, self.end_layer):
             cache = kv_caches[i - self.start_layer] if kv_caches else None
-            hidden = self.layers[i](positions, hidden, self.rotary, cache, meta)
-        return hidden if self.norm is None else self.norm(hidden)
+            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, cache, meta)
+        if residual is None:  # a stage without layers
+            return hidden if self.norm is None else self.norm(hidden)
+        if self.norm is None:
+            return residual + hidden
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,164 @@
+"""The fused CPU kernels against the torch ops they replace, and their fallback.
+
+Greedy equality with transformers through the kernels is covered by the model suites
+(test_llm_correctness, test_models_vs_transformers, ...), which run float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models.layers import RMSNorm, RotaryEmbedding
+
+KERNELS = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels unavailable")
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_rms_norm_matches_torch(gen):
+    x = torch.randn(37, 256, generator=gen)
+    w = torch.randn(256, generator=gen)
+    ours = KERNELS.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(ours, F.rms_norm(x, (256,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_adds_the_residual_in_place(gen):
+    x = torch.randn(5, 64, generator=gen)
+    residual = torch.randn(5, 64, generator=gen)
+    w = torch.randn(64, generator=gen)
+    expected_sum = residual + x
+    ours = KERNELS.rms_norm(x, w, 1e-5, residual)
+    assert torch.equal(residual, expected_sum)  # the stream itself, updated in place
+    torch.testing.assert_close(ours, F.rms_norm(expected_sum, (64,), w, 1e-5))
+
+
+def test_add_and_norm_falls_back_for_bf16(gen):
+    norm = RMSNorm(64, 1e-6, torch.bfloat16)
+    norm.weight.data.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    residual = torch.randn(3, 64, generator=gen).bfloat16()
+    before = residual.clone()
+    normed, stream = norm.add_and_norm(x, residual)
+    assert torch.equal(residual, before)  # the torch path never writes the caller's tensor
+    assert torch.equal(stream, before + x)
+    assert torch.equal(normed, norm(before + x))
+
+
+def _rotary_reference(rotary: RotaryEmbedding, positions, x, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "kernels_for", lambda _t: None)
+        return rotary(positions, x)
+
+
+def test_rotary_in_place_matches_the_torch_path(gen, monkeypatch):
+    rotary = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    qkv = torch.randn(9, (4 + 2 + 2) * 64, generator=gen)
+    qk = qkv[:, : 6 * 64].view(9, 6, 64)  # Q and K heads inside the fused projection
+    positions = torch.randint(0, 512, (9,), generator=gen)
+    expected = _rotary_reference(rotary, positions, qk.clone(), monkeypatch)
+    v_before = qkv[:, 6 * 64 :].clone()
+    out = rotary(positions, qk)
+    assert out.data_ptr() == qk.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert torch.equal(qkv[:, 6 * 64 :], v_before)  # V untouched
+
+
+def test_rotary_rejects_a_position_beyond_the_table(gen):
+    rotary = RotaryEmbedding(64, 16, {"rope_theta": 10000.0, "rope_type": "default"})
+    x = torch.randn(2, 2, 64, generator=gen)
+    before = x.clone()
+    with pytest.raises(IndexError, match="rotary table"):
+        rotary(torch.tensor([3, 16]), x)
+    assert torch.equal(x, before)
+
+
+def test_silu_and_mul_matches_torch(gen):
+    x = torch.randn(11, 2 * 96, generator=gen)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(KERNELS.silu_and_mul(x), F.silu(gate) * up)
+
+
+def test_write_kv_scatters_strided_heads(gen):
+    cache = torch.zeros(2, 6, 4, 2, 8)
+    qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8, generator=gen)
+    k = qkv[:, 32:48].view(3, 2, 8)
+    v = qkv[:, 48:].view(3, 2, 8)
+    slots = torch.tensor([0, 13, 23])
+    KERNELS.write_kv(cache, k, v, slots)
+    flat = cache.view(2, 24, 2, 8)
+    assert torch.equal(flat[0, slots], k) and torch.equal(flat[1, slots], v)
+    assert int((flat.abs().sum(dim=(2, 3)) != 0).sum()) == 6
+    with pytest.raises(IndexError, match="KV cache"):
+        KERNELS.write_kv(cache, k, v, torch.tensor([0, 1, 24]))
+
+
+def test_mirror_append_writes_each_row_at_its_length(gen):
+    n, hkv, d, cap = 3, 2, 8, 16
+    layer = torch.zeros(2, 4, hkv, cap, d)  # one spare row stays untouched
+    qkv = torch.randn(n, 4 * d + 2 * hkv * d, generator=gen)
+    k = qkv[:, 4 * d : 6 * d].view(n, hkv, d)
+    v = qkv[:, 6 * d :].view(n, hkv, d)
+    lens = torch.tensor([1, 9, 16])
+    KERNELS.mirror_append(layer, k, v, lens)
+    expected = torch.zeros_like(layer)
+    for r in range(n):
+        expected[0, r, :, lens[r] - 1] = k[r]
+        expected[1, r, :, lens[r] - 1] = v[r]
+    assert torch.equal(layer, expected)
+    with pytest.raises(IndexError, match="capacity"):
+        KERNELS.mirror_append(layer, k, v, torch.tensor([1, 0, 2]))
+    assert torch.equal(layer, expected)  # a bad length writes nothing
+
+
+def test_only_float32_cpu_tensors_get_kernels():
+    assert cpu_kernels.kernels_for(torch.zeros(2)) is KERNELS
+    assert cpu_kernels.kernels_for(torch.zeros(2, dtype=torch.bfloat16)) is None
+
+
+def _load_in_child(tmp_path, **env) -> str:
+    code = (
+        "import torch\n"
+        "from enginecore.builtin_models import cpu_kernels\n"
+        "print('loaded' if cpu_kernels.kernels_for(torch.zeros(1)) else 'fallback')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "ENGINECORE_CACHE_DIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() + "\n" + done.stderr
+
+
+def test_switched_off_by_the_environment(tmp_path):
+    out = _load_in_child(tmp_path, ENGINECORE_CPU_KERNELS="0")
+    assert out.startswith("fallback")
+    assert not any(tmp_path.iterdir())  # nothing built
+
+
+def test_a_failing_compiler_falls_back_with_a_warning(tmp_path):
+    out = _load_in_child(tmp_path, CC="false")
+    assert out.startswith("fallback")
+    assert "fused CPU kernels unavailable" in out
+
+
+def test_built_once_then_reused_from_the_cache(tmp_path):
+    assert _load_in_child(tmp_path).startswith("loaded")
+    built = list((tmp_path / "cpu_kernels").glob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert _load_in_child(tmp_path).startswith("loaded")
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cpu_kernels").glob("*.so")] == [stamp]
