@@ -93,7 +93,8 @@ def register_executors(registry: Registry) -> None:
 
     Selected by ``parallel.executor`` (flat name ``executor``). Built in: ``"uni"``,
     ``"mp"``, ``"ray"``, ``"external_launcher"``; ``"auto"`` picks ``uni`` for a world
-    size of one and ``mp`` otherwise.
+    size of one and ``mp`` otherwise (and ``mp`` for one CPU rank with
+    ``cpu_reserved_cores`` > 0, as under ``enginecore serve``).
     """
 
 

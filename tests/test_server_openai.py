@@ -99,7 +99,7 @@ def tokenize(server, **body) -> list[int]:
 def test_startup_log_lists_the_resolved_components(server):
     log = server.log_path.read_text()
     assert "components:" in log
-    for part in ("scheduler=default", "executor=uni", "model_runner=torch", "jsonl (from"):
+    for part in ("scheduler=default", "executor=mp", "model_runner=torch", "jsonl (from"):
         assert part in log, log
 
 

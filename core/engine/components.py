@@ -25,10 +25,30 @@ class Components:
 
 
 def pick_executor_name(config: EngineConfig) -> str:
+    """``auto``: ``mp`` for several ranks; for one, ``uni`` (in the engine process) unless
+    it computes on CPU with cores reserved for the frontend (``enginecore serve``).
+
+    A CPU forward pass holds the GIL between its ops, so in the engine process it takes
+    turns with the scheduler and the output serialization; in a worker process those run
+    on the reserved core beside it (TPOT at 8 req/s on the tiny model: ~4 ms against
+    ~7 ms, benchmarks/RESULTS.md). Offline, with no core to spare, the two were even.
+    """
     name = config.parallel.executor
     if name != "auto":
         return name
-    return "uni" if config.parallel.world_size == 1 else "mp"
+    if config.parallel.world_size > 1:
+        return "mp"
+    if (config.parallel.cpu_reserved_cores or 0) > 0 and _runs_on_cpu(config):
+        return "mp"
+    return "uni"
+
+
+def _runs_on_cpu(config: EngineConfig) -> bool:
+    if config.model.device != "auto":
+        return config.model.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
