@@ -1,9 +1,10 @@
 /* Fused float32 kernels for the CPU decode path (see cpu_kernels.py).
  *
- * Functions returning int check their indices first and return -1, writing nothing, when
- * one is out of range. Each replaces a chain of small eager torch ops whose per-op cost (dispatch, allocation,
+ * Each replaces a chain of small eager torch ops whose per-op cost (dispatch, allocation,
  * waking the OpenMP team) dominates a small-batch step. Rounding follows the reference
  * formulas term by term; built with -ffp-contract=off so no multiply-add is fused.
+ * Functions returning int check their indices first and return -1, writing nothing, when
+ * one is out of range.
  * Parallel loops use the OpenMP runtime torch already loaded (same SONAME), so the
  * calling thread keeps a single thread team.
  */

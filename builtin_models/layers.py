@@ -456,8 +456,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] (query and key heads side by side, so one call rotates both) ->
-        rotated (in place by the fused CPU kernel, else a copy). The products and the sum are rounded as the reference's
-        ``q * cos + rotate_half(q) * sin``."""
+        rotated: in place by the fused CPU kernel, else a copy. The products and the sum
+        are rounded as the reference's ``q * cos + rotate_half(q) * sin``."""
         kernels = cpu_kernels.kernels_for(x)
         if (
             kernels is not None
