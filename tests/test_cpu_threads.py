@@ -15,6 +15,7 @@ import torch
 from enginecore import LLM
 from enginecore.builtin_executors.worker import cpu_threads_per_rank
 from enginecore.config import ParallelConfig, make_config
+from enginecore.engine.components import pick_executor_name
 from enginecore.server.app import server_config
 
 CORES = len(os.sched_getaffinity(0))
@@ -45,6 +46,20 @@ def test_the_server_reserves_one_core_unless_told_otherwise() -> None:
     assert server_config(make_config(model="m")).parallel.cpu_reserved_cores == 1
     chosen = server_config(make_config(model="m", cpu_reserved_cores=0))
     assert chosen.parallel.cpu_reserved_cores == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"device": "cpu"}, "uni"),  # offline LLM: the worker stays in the engine process
+        ({"device": "cpu", "cpu_reserved_cores": 1}, "mp"),  # enginecore serve on CPU
+        ({"device": "cuda", "cpu_reserved_cores": 1}, "uni"),
+        ({"device": "cpu", "tensor_parallel_size": 2}, "mp"),
+        ({"device": "cpu", "cpu_reserved_cores": 1, "executor": "uni"}, "uni"),  # as asked
+    ],
+)
+def test_auto_executor_puts_a_serving_cpu_rank_in_its_own_process(settings, expected) -> None:
+    assert pick_executor_name(make_config(model="m", **settings)) == expected
 
 
 @pytest.mark.skipif(CORES < 2, reason="needs two cores to reserve one")
