@@ -20,6 +20,7 @@ from enginecore.distributed import (
     destroy_distributed,
     init_distributed,
     resolve_backend,
+    resolve_device_type,
 )
 from enginecore.errors import EngineCoreError
 from enginecore.interfaces import ModelRunner, WorkerSpec
@@ -36,9 +37,7 @@ class UnknownWorkerMethodError(EngineCoreError, AttributeError):
 
 
 def resolve_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
-    wanted = config.model.device
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    wanted = resolve_device_type(config.model.device)
     if wanted == "cuda":
         if not torch.cuda.is_available():
             raise EngineCoreError("device 'cuda' was requested but torch sees no CUDA device")

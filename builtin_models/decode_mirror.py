@@ -32,14 +32,22 @@ class MirrorStep:
 
     num_rows: int
     write_pos: torch.Tensor  # [n] position of this step's token in each row
-    # [n * kv_heads]: where each row's and head's new K/V goes in a layer's K (or V)
-    # half viewed as [rows * kv_heads * capacity, head_dim].
-    write_index: torch.Tensor
     kv_len: int  # positions to attend over (max context + 1)
     lens: torch.Tensor  # [n] int64: each row's positions after this step's write
     mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _write_index: torch.Tensor | None = None
+
+    def write_index(self, kv_heads: int, capacity: int) -> torch.Tensor:
+        """[n * kv_heads]: where each row's and head's new K/V goes in a layer's K (or V)
+        half viewed as [rows * kv_heads * capacity, head_dim] (the torch path's
+        ``index_copy_``; the fused kernel takes ``lens``). Built once per step."""
+        if self._write_index is None:
+            row_heads = torch.arange(self.num_rows * kv_heads, device=self.write_pos.device)
+            starts = row_heads.view(self.num_rows, kv_heads) * capacity
+            self._write_index = (starts + self.write_pos[:, None]).reshape(-1)
+        return self._write_index
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The step's mask, narrowed to the last ``window`` positions when given."""
@@ -176,14 +184,9 @@ class DecodeMirror:
         self.row_len = [c + 1 for c in ctx.tolist()]  # after this step's token is written
         ctx = ctx.to(self.device)
         mask = torch.arange(kv_len, device=self.device)[None, :] <= ctx[:, None]
-        h = self.shape_hd[0]
-        cap_t = self._capacity()[1]
-        row_heads = torch.arange(n * h, device=self.device).view(n, h)
-        write_index = (row_heads * cap_t + ctx[:, None]).reshape(-1)
         self.step = MirrorStep(
             num_rows=n,
             write_pos=ctx,
-            write_index=write_index,
             kv_len=kv_len,
             lens=ctx + 1,
             mask=mask[:, None, None, :],
@@ -254,14 +257,15 @@ class DecodeMirror:
         step = self.step
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
-        _, _, h, _, d = layer.shape
+        _, _, h, cap, d = layer.shape
         kernels = cpu_kernels.kernels_for(layer)
         if kernels is not None and cpu_kernels.heads_contiguous(key, value):
             kernels.mirror_append(layer, key, value, step.lens)
         else:
             flat = layer.view(2, -1, d)
-            flat[0].index_copy_(0, step.write_index, key.reshape(n * h, d))
-            flat[1].index_copy_(0, step.write_index, value.reshape(n * h, d))
+            index = step.write_index(h, cap)
+            flat[0].index_copy_(0, index, key.reshape(n * h, d))
+            flat[1].index_copy_(0, index, value.reshape(n * h, d))
         k = layer[0, :n, :, : step.kv_len]
         v = layer[1, :n, :, : step.kv_len]
         hq, d = query.shape[1], query.shape[2]

@@ -77,6 +77,16 @@ def loopback_init_method() -> str:
     return f"tcp://127.0.0.1:{free_loopback_port()}"
 
 
+def resolve_device_type(wanted: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a ``model.device`` setting; ``auto`` is CUDA when
+    torch sees a device."""
+    if wanted != "auto":
+        return wanted
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_backend(wanted: str, device_type: str) -> str:
     if wanted != "auto":
         return wanted

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enginecore.config import EngineConfig
+from enginecore.distributed import resolve_device_type
 from enginecore.interfaces import WorkerSpec
 from enginecore.plugins import PluginHost
 
@@ -38,17 +39,11 @@ def pick_executor_name(config: EngineConfig) -> str:
         return name
     if config.parallel.world_size > 1:
         return "mp"
-    if (config.parallel.cpu_reserved_cores or 0) > 0 and _runs_on_cpu(config):
+    if (config.parallel.cpu_reserved_cores or 0) > 0 and (
+        resolve_device_type(config.model.device) == "cpu"
+    ):
         return "mp"
     return "uni"
-
-
-def _runs_on_cpu(config: EngineConfig) -> bool:
-    if config.model.device != "auto":
-        return config.model.device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
