@@ -6,10 +6,18 @@ of a request lives in slot ``block_table[p // block_size] * block_size + p %
 block_size``.
 
 One step's tokens are flattened into one batch. The runner orders requests so that all
-single-token queries (decodes) come first and multi-token chunks (prefills) after; each
-group runs as one batched ``scaled_dot_product_attention`` over K/V gathered from the
-cache and padded to the group's longest context, with a mask. Query heads that share a
-KV head are folded into the query-length axis, so GQA never copies K/V per query head.
+single-token queries (decodes) come first and multi-token chunks (prefills) after.
+
+- Decodes run as one batched ``scaled_dot_product_attention`` over K/V gathered from the
+  cache and padded to the longest context, with a mask (or from the runner's
+  ``DecodeMirror``). The query heads that share a KV head are folded into the query axis,
+  so GQA never copies K/V per query head.
+- Prefill chunks run in *runs* (``PrefillRun``): consecutive fresh prompts of one length
+  share a call that attends to this step's own K/V under SDPA's causal flag (no gather,
+  no mask); a chunk with context before it (chunked prefill, a prefix-cache hit) gets its
+  own call over its gathered K/V with an additive causal bias. Nothing is padded to the
+  step's longest prompt: with prompts of 32 and 512 tokens in one step, a padded batch
+  did several times the attention work.
 """
 
 from __future__ import annotations
@@ -26,19 +34,66 @@ from enginecore.builtin_models.sliding_window import restrict_to_window
 
 
 @dataclass
+class PrefillRun:
+    """Prefill requests of a group that share one SDPA call: ``num_reqs`` fresh prompts
+    (no context) of ``query_len`` tokens each, or one chunk with ``context_len`` tokens
+    of context in the cache."""
+
+    token_start: int  # first token, counted from the group's first
+    req_start: int  # first request, counted from the group's first (its block table row)
+    num_reqs: int
+    query_len: int
+    context_len: int
+    # Additive masks per sliding window (None: full causal), made on first use and shared
+    # by the step's layers.
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def bias_for(
+        self, window: int | None, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """[query_len, context_len + query_len]: 0 where a query sees a key, -inf elsewhere
+        (query ``i`` sits at position ``context_len + i``; its own key is always seen)."""
+        bias = self.biases.get(window)
+        if bias is None:
+            ctx, n = self.context_len, self.query_len
+            q_pos = torch.arange(ctx, ctx + n, device=device)[:, None]
+            k_idx = torch.arange(ctx + n, device=device)[None, :]
+            seen = k_idx <= q_pos
+            if window is not None:
+                seen &= k_idx > q_pos - window
+            bias = torch.zeros(seen.shape, dtype=dtype, device=device)
+            bias = self.biases[window] = bias.masked_fill_(~seen, float("-inf"))
+        return bias
+
+
+def prefill_runs(query_lens: list[int], context_lens: list[int]) -> list[PrefillRun]:
+    """Split a prefill group into runs: consecutive fresh prompts of equal length share a
+    run; a chunk with context is a run of its own."""
+    runs: list[PrefillRun] = []
+    token = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        last = runs[-1] if runs else None
+        if ctx == 0 and last is not None and last.context_len == 0 and last.query_len == n:
+            last.num_reqs += 1
+        else:
+            runs.append(PrefillRun(token, i, 1, n, ctx))
+        token += n
+    return runs
+
+
+@dataclass
 class AttentionGroup:
-    """Requests that share one batched SDPA call (all decodes, or all prefills)."""
+    """The step's decodes (one batched SDPA call) or its prefill chunks (``runs``)."""
 
     token_start: int  # first flattened token of the group
     num_tokens: int
     block_tables: torch.Tensor  # [R, max_blocks] long
     max_query_len: int
     max_kv_len: int  # padded context length = max_blocks * block_size (trimmed)
-    mask: torch.Tensor  # [R, 1, max_query_len, max_kv_len] bool, True = attend
-    # Flat index (r * max_query_len + i) of each of the group's tokens in the padded
-    # [R, max_query_len] query layout; None when every query has length 1.
-    pad_index: torch.Tensor | None
-    q_pos: torch.Tensor | None = None  # [R, max_query_len] absolute query positions
+    # Decodes: [R, 1, 1, max_kv_len] bool, True = attend, and each row's query position.
+    mask: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None  # [R, 1]
+    runs: list[PrefillRun] = field(default_factory=list)  # prefill groups only
     # Sliding-window masks, made on first use by a windowed layer and shared by the others.
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -49,10 +104,6 @@ class AttentionGroup:
         if mask is None:
             mask = self.window_masks[window] = restrict_to_window(self.mask, self.q_pos, window)
         return mask
-
-    @property
-    def flat_blocks(self) -> torch.Tensor:
-        return self.block_tables.reshape(-1)
 
     @property
     def num_reqs(self) -> int:
@@ -79,50 +130,22 @@ class AttentionMetadata:
     kv_connector: Any = None
 
 
-def _group_mask(
-    context_lens: torch.Tensor, max_q: int, max_kv: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal-with-context mask and the query positions: query i of a request (absolute
-    position ctx + i) sees keys 0..ctx + i. Padded query rows still see key 0, so no row
-    is fully masked (a fully masked row would give NaN in SDPA)."""
-    device = context_lens.device
-    q_pos = context_lens[:, None] + torch.arange(max_q, device=device)[None, :]  # [R, Q]
-    k_idx = torch.arange(max_kv, device=device)
-    mask = k_idx[None, None, :] <= q_pos[:, :, None]  # [R, Q, K]
-    return mask.unsqueeze(1), q_pos
-
-
-def build_group(
-    token_start: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    block_size: int,
+def build_decode_group(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, max_seq_len: int, block_size: int
 ) -> AttentionGroup:
-    """Describe one group; ``context_lens``/``query_lens`` live on the target device."""
+    """The decode group: one query per request at position ``context_lens`` (on the target
+    device), which sees keys ``0..context_len``."""
     num_blocks_needed = (max_seq_len + block_size - 1) // block_size
-    block_tables = block_tables[:, :num_blocks_needed]
-    max_kv = max_seq_len
-    mask, q_pos = _group_mask(context_lens, max_query_len, max_kv)
-    pad_index = None
-    if max_query_len > 1:
-        device = query_lens.device
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        req_of_token = torch.repeat_interleave(
-            torch.arange(len(query_lens), device=device), query_lens
-        )
-        pos_in_req = torch.arange(int(query_lens.sum()), device=device) - starts[req_of_token]
-        pad_index = req_of_token * max_query_len + pos_in_req
+    q_pos = context_lens[:, None]  # [R, 1]
+    k_idx = torch.arange(max_seq_len, device=context_lens.device)
+    mask = k_idx[None, None, :] <= q_pos[:, :, None]  # [R, 1, K]
     return AttentionGroup(
-        token_start=token_start,
-        num_tokens=int(query_lens.sum()) if pad_index is not None else len(query_lens),
-        block_tables=block_tables,
-        max_query_len=max_query_len,
-        max_kv_len=max_kv,
-        mask=mask,
-        pad_index=pad_index,
+        token_start=0,
+        num_tokens=len(context_lens),
+        block_tables=block_tables[:, :num_blocks_needed],
+        max_query_len=1,
+        max_kv_len=max_seq_len,
+        mask=mask.unsqueeze(1),
         q_pos=q_pos,
     )
 
@@ -145,48 +168,76 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each request in the group as [R, H_kv, max_kv, D] (block-wise gather)."""
+def _gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first ``length`` positions of each block table row, as
+    [R, H_kv, length, D] (a block-wise gather)."""
     _, num_blocks, block_size, h, d = kv_cache.shape
-    r, nb = group.block_tables.shape
+    nb = -(-length // block_size)
+    r = block_tables.shape[0]
     # index_select of whole blocks (rows of block_size*H*D) is a plain memcpy per block
     # and several times faster on CPU than advanced indexing.
-    kv = kv_cache.view(2, num_blocks, block_size * h * d).index_select(1, group.flat_blocks)
-    kv = kv.view(2, r, nb * block_size, h, d)
-    kv = kv[:, :, : group.max_kv_len].transpose(2, 3)  # [2, R, H, K, D]
+    flat = block_tables[:, :nb].reshape(-1)
+    kv = kv_cache.view(2, num_blocks, block_size * h * d).index_select(1, flat)
+    kv = kv.view(2, r, nb * block_size, h, d)[:, :, :length].transpose(2, 3)  # [2, R, H, K, D]
     return kv[0], kv[1]
 
 
-def _attend_group(
+def _attend_decodes(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention for the group's tokens; ``query`` is [T_g, H_q, D], returns the same."""
-    r = group.num_reqs
-    _t, hq, d = query.shape
-    key, value = _gather_kv(kv_cache, group)
+    """Attention for the decode group's tokens; ``query`` is [R, H_q, D], returns the same."""
+    r, hq, d = query.shape
+    key, value = _gather_kv(kv_cache, group.block_tables, group.max_kv_len)
     hkv = key.shape[1]
-    g = hq // hkv
-    q_len = group.max_query_len
-    if group.pad_index is None:
-        q = query.view(r, 1, hq, d)
-    else:
-        q = query.new_zeros(r * q_len, hq, d)
-        q.index_copy_(0, group.pad_index, query)
-        q = q.view(r, q_len, hq, d)
-    # Fold the G query heads of each KV head into the query axis: [R, H_kv, G*Q, D].
-    q = q.view(r, q_len, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * q_len, d)
-    mask = group.mask_for(window)  # [R, 1, Q, K]
-    if g > 1:
-        mask = mask.unsqueeze(2).expand(r, 1, g, q_len, mask.shape[-1])
-        mask = mask.reshape(r, 1, g * q_len, mask.shape[-1])
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    out = out.view(r, hkv, g, q_len, d).permute(0, 3, 1, 2, 4).reshape(r * q_len, hq, d)
-    if group.pad_index is not None:
-        out = out.index_select(0, group.pad_index)
+    # The G query heads of a KV head become its query rows: [R, H_kv, G, D].
+    q = query.view(r, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(
+        q, key, value, attn_mask=group.mask_for(window), scale=scale
+    )
+    return out.reshape(r, hq, d)
+
+
+def _attend_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention for the prefill group's tokens, run by run (see ``PrefillRun``).
+
+    ``query`` [T_g, H_q, D] and this step's ``key``/``value`` [T_g, H_kv, D]; returns
+    [T_g, H_q, D]."""
+    out = torch.empty_like(query)
+    _, hq, d = query.shape
+    hkv = key.shape[1]
+    for run in group.runs:
+        r, n = run.num_reqs, run.query_len
+        rows = slice(run.token_start, run.token_start + r * n)
+        q = query[rows].view(r, n, hq, d).transpose(1, 2)
+        if run.context_len == 0:
+            # A fresh prompt's keys are exactly this step's: no gather.
+            k = key[rows].view(r, n, hkv, d).transpose(1, 2)
+            v = value[rows].view(r, n, hkv, d).transpose(1, 2)
+        else:
+            table = group.block_tables[run.req_start : run.req_start + r]
+            k, v = _gather_kv(kv_cache, table, run.context_len + n)
+        if run.context_len == 0 and window is None:
+            mask, causal = None, True  # SDPA's own causal flag: no mask to read
+        else:
+            mask, causal = run.bias_for(window, query.dtype, query.device), False
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hkv != hq
+        )
+        out[rows] = o.transpose(1, 2).reshape(r * n, hq, d)
     return out
 
 
@@ -214,25 +265,24 @@ def paged_attention(
     write_kv(kv_cache, key, value, meta.slot_mapping)
     if connector is not None:
         connector.save_layer(kv_cache)
-    if meta.mirror is not None and meta.decode is not None:
-        n = meta.decode.num_tokens
-        decoded = meta.mirror.attend(query[:n], key[:n], value[:n], kv_cache, scale, sliding_window)
-        if meta.prefill is None:
+    decode, prefill = meta.decode, meta.prefill
+    n = decode.num_tokens if decode is not None else 0
+    if decode is not None:
+        if meta.mirror is not None:
+            decoded = meta.mirror.attend(
+                query[:n], key[:n], value[:n], kv_cache, scale, sliding_window
+            )
+        else:
+            decoded = _attend_decodes(query[:n], kv_cache, decode, scale, sliding_window)
+        if prefill is None:
             return decoded
-        out = torch.empty_like(query)
-        out[:n] = decoded
-        grp = meta.prefill
-        sl = slice(grp.token_start, grp.token_start + grp.num_tokens)
-        out[sl] = _attend_group(query[sl], kv_cache, grp, scale, sliding_window)
-        return out
-    groups = [grp for grp in (meta.decode, meta.prefill) if grp is not None]
-    if len(groups) == 1:
-        return _attend_group(query, kv_cache, groups[0], scale, sliding_window)
-    out = torch.empty_like(query)
-    for grp in groups:
-        sl = slice(grp.token_start, grp.token_start + grp.num_tokens)
-        out[sl] = _attend_group(query[sl], kv_cache, grp, scale, sliding_window)
-    return out
+    rest = slice(n, None)
+    prefilled = _attend_prefills(
+        query[rest], key[rest], value[rest], kv_cache, prefill, scale, sliding_window
+    )
+    if decode is None:
+        return prefilled
+    return torch.cat((decoded, prefilled))
 
 
 def _attend_without_cache(
@@ -272,27 +322,21 @@ def build_attention_metadata(
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q, 0, out=qsl[1:])
     bt = block_table.to(device, non_blocking=True)
-    q_dev, ctx_dev = q.to(device), ctx.to(device)
+    ctx_dev = ctx.to(device)
     decode = prefill = None
     if num_decodes > 0:
-        decode = build_group(
-            0,
-            bt[:num_decodes],
-            ctx_dev[:num_decodes],
-            q_dev[:num_decodes],
-            1,
-            int(seq[:num_decodes].max()),
-            block_size,
+        decode = build_decode_group(
+            bt[:num_decodes], ctx_dev[:num_decodes], int(seq[:num_decodes].max()), block_size
         )
     if num_decodes < len(query_lens):
-        prefill = build_group(
-            int(qsl[num_decodes]),
-            bt[num_decodes:],
-            ctx_dev[num_decodes:],
-            q_dev[num_decodes:],
-            int(q[num_decodes:].max()),
-            int(seq[num_decodes:].max()),
-            block_size,
+        prefill_seq = seq[num_decodes:]
+        prefill = AttentionGroup(
+            token_start=int(qsl[num_decodes]),
+            num_tokens=int(q[num_decodes:].sum()),
+            block_tables=bt[num_decodes:, : -(-int(prefill_seq.max()) // block_size)],
+            max_query_len=int(q[num_decodes:].max()),
+            max_kv_len=int(prefill_seq.max()),
+            runs=prefill_runs(query_lens[num_decodes:], context_lens[num_decodes:]),
         )
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device, non_blocking=True),
