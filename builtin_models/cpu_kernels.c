@@ -128,3 +128,205 @@ int ec_mirror_append(float *k_cache, float *v_cache, const float *k, int64_t k_s
     }
     return 0;
 }
+
+/* Decode attention over the decode mirror, each row over its own length (SDPA would pad
+ * every row to the longest). q [n, kv_heads * group, dim] (heads contiguous, token stride
+ * q_stride): the `group` query heads of KV head h are h * group .. h * group + group - 1.
+ * The mirror halves are [rows, kv_heads, cap, dim]; row r attends positions
+ * [max(0, lens[r] - window), lens[r]) (window 0: all). One pass over K and V in blocks
+ * of EC_BLOCK positions with an online softmax: the running maximum and sum are rescaled
+ * per block, so each position is read once. out is [n, kv_heads * group, dim]. */
+#define EC_BLOCK 64
+#define EC_MAX_GROUP 16
+#define EC_MAX_DIM 256
+
+/* The block's softmax step for one query head: scores s[0..nb) become exp(s - new max),
+ * and the running max m, sum l and the accumulator's scale factor are updated. */
+static inline float online_softmax_block(float *s, int64_t nb, float *m, float *l) {
+    float bmax = *m;
+    for (int64_t j = 0; j < nb; j++) bmax = s[j] > bmax ? s[j] : bmax;
+    const float alpha = exp_poly(*m - bmax); /* m = -inf (first block): acc is still 0 */
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < nb; j++) {
+        s[j] = exp_poly(s[j] - bmax);
+        sum += s[j];
+    }
+    *l = *l * alpha + sum;
+    *m = bmax;
+    return alpha;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define EC_FAST_GROUP 8
+#define EC_FAST_NV 8 /* dim / 16 */
+
+/* The sums of the 16 lanes of a, b, c and d, as one 4-float vector (a shuffle tree:
+ * cheaper than four horizontal reductions). */
+static inline __m128 reduce4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* per 128-bit lane: ab = [a0+a2, b0+b2, a1+a3, b1+b3], cd likewise */
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    /* per 128-bit lane: [sum a, sum b, sum c, sum d] of its four elements */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* then across the four 128-bit lanes */
+    t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+    t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(t);
+}
+
+/* One (row, KV head) with the query heads and accumulators held in registers; G and NV
+ * are literals at each call site, so the loops unroll. */
+static inline __attribute__((always_inline)) void attend_unit_avx512(
+    const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
+    float *o, const int G, const int NV) {
+    __m512 q[EC_FAST_GROUP][EC_FAST_NV], acc[EC_FAST_GROUP][EC_FAST_NV];
+    float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int v = 0; v < NV; v++) {
+            q[g][v] = _mm512_loadu_ps(qh + g * NV * 16 + v * 16);
+            acc[g][v] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
+        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+        const __m128 scale4 = _mm_set1_ps(scale);
+        int64_t j = 0;
+        for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
+            __m512 x[EC_FAST_GROUP][4];
+            for (int u = 0; u < 4; u++) {
+                const float *kt = K + (t0 + j + u) * NV * 16;
+                __m512 k[EC_FAST_NV];
+                for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(kt + v * 16);
+                for (int g = 0; g < G; g++) {
+                    x[g][u] = _mm512_mul_ps(q[g][0], k[0]);
+                    for (int v = 1; v < NV; v++) x[g][u] = _mm512_fmadd_ps(q[g][v], k[v], x[g][u]);
+                }
+            }
+            for (int g = 0; g < G; g++)
+                _mm_storeu_ps(&s[g][j], _mm_mul_ps(reduce4_avx512(x[g][0], x[g][1], x[g][2],
+                                                                  x[g][3]), scale4));
+        }
+        for (; j < nb; j++) {
+            const float *kt = K + (t0 + j) * NV * 16;
+            __m512 k[EC_FAST_NV];
+            for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(kt + v * 16);
+            for (int g = 0; g < G; g++) {
+                __m512 x = _mm512_mul_ps(q[g][0], k[0]);
+                for (int v = 1; v < NV; v++) x = _mm512_fmadd_ps(q[g][v], k[v], x);
+                s[g][j] = _mm512_reduce_add_ps(x) * scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 alpha = _mm512_set1_ps(online_softmax_block(s[g], nb, &m[g], &l[g]));
+            for (int v = 0; v < NV; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], alpha);
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            const float *vt = V + (t0 + j) * NV * 16;
+            __m512 x[EC_FAST_NV];
+            for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(vt + v * 16);
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(s[g][j]);
+                for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+        for (int v = 0; v < NV; v++)
+            _mm512_storeu_ps(o + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+    }
+}
+
+/* Whether (group, dim) has a specialized version; it is then run and 1 returned. */
+static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t group, int64_t dim) {
+#define EC_CASE(G, NV)                                                                  \
+    if (group == G && dim == NV * 16) {                                                 \
+        attend_unit_avx512(qh, K, V, start, len, scale, o, G, NV);                       \
+        return 1;                                                                       \
+    }
+    EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
+    EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
+#undef EC_CASE
+    return 0;
+}
+#else
+static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t group, int64_t dim) {
+    return 0;
+}
+#endif
+
+/* Any group and dim (up to the maxima), in portable C. */
+static void attend_unit_generic(const float *qh, const float *K, const float *V, int64_t start,
+                                int64_t len, float scale, float *o, int64_t group,
+                                int64_t dim) {
+    float s[EC_MAX_GROUP * EC_BLOCK], acc[EC_MAX_GROUP * EC_MAX_DIM];
+    float m[EC_MAX_GROUP], l[EC_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * group * dim);
+    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
+        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+        for (int64_t j = 0; j < nb; j++) {
+            const float *kt = K + (t0 + j) * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qh + g * dim;
+                float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+                for (int64_t i = 0; i < dim; i++) d += qg[i] * kt[i];
+                s[g * EC_BLOCK + j] = d * scale;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float alpha = online_softmax_block(s + g * EC_BLOCK, nb, &m[g], &l[g]);
+            float *ag = acc + g * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) ag[i] *= alpha;
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            const float *vt = V + (t0 + j) * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const float p = s[g * EC_BLOCK + j];
+                float *ag = acc + g * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) ag[i] += p * vt[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / l[g];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[g * dim + i] = acc[g * dim + i] * inv;
+    }
+}
+
+int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                        const float *v_cache, const int64_t *lens, int64_t n, int64_t kv_heads,
+                        int64_t group, int64_t dim, int64_t cap, int64_t window, float scale,
+                        float *out, int nthreads) {
+    if (group < 1 || group > EC_MAX_GROUP || dim < 1 || dim > EC_MAX_DIM) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (lens[r] < 1 || lens[r] > cap) return -1;
+#pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 4) schedule(dynamic, 1)
+    for (int64_t u = 0; u < n * kv_heads; u++) {
+        const int64_t r = u / kv_heads, h = u % kv_heads, len = lens[r];
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        const float *K = k_cache + (r * kv_heads + h) * cap * dim;
+        const float *V = v_cache + (r * kv_heads + h) * cap * dim;
+        const float *qh = q + r * q_stride + h * group * dim;
+        float *o = out + (r * kv_heads + h) * group * dim;
+        if (!attend_unit_fast(qh, K, V, start, len, scale, o, group, dim))
+            attend_unit_generic(qh, K, V, start, len, scale, o, group, dim);
+    }
+    return 0;
+}

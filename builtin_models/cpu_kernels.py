@@ -43,9 +43,15 @@ _SIGNATURES = {
     "ec_silu_and_mul": [_P, _P, _I64, _I64, _I],
     "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
     "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64],
+    "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
-_CHECKED = {"ec_rotary", "ec_write_kv", "ec_mirror_append"}  # return -1 on a bad index
+_CHECKED = {
+    "ec_rotary",
+    "ec_write_kv",
+    "ec_mirror_append",
+    "ec_decode_attention",
+}  # return -1 on a bad index
 
 
 def _check(status: int, what: str) -> None:
@@ -223,6 +229,40 @@ class CpuKernels:
         )
         _check(status, "a decode length beyond the mirror's capacity")
 
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        layer: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Attention of one query per row (``query`` [n, H_q, D]) over a decode-mirror
+        layer [2, rows, H_kv, cap, D], row ``r`` over its first ``lens[r]`` positions (its
+        last ``window`` with a window); returns [n, H_q, D]."""
+        n, hq, d = query.shape
+        _, _, hkv, cap, _ = layer.shape
+        out = torch.empty((n, hq, d), dtype=torch.float32)
+        base = layer.data_ptr()
+        status = self.lib.ec_decode_attention(
+            query.data_ptr(),
+            query.stride(0),
+            base,
+            base + layer[0].numel() * 4,
+            lens.data_ptr(),
+            n,
+            hkv,
+            hq // hkv,
+            d,
+            cap,
+            window or 0,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        _check(status, "a decode length beyond the mirror's capacity")
+        return out
+
 
 _lock = threading.Lock()
 _loaded: CpuKernels | None = None
@@ -251,6 +291,15 @@ def heads_contiguous(*tensors: torch.Tensor) -> bool:
     """Whether each [T, H, D] tensor has contiguous heads (any token stride), as the
     kernels read them."""
     return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in tensors)
+
+
+MAX_ATTENTION_GROUP = 16  # query heads per KV head (EC_MAX_GROUP in the C source)
+MAX_ATTENTION_DIM = 256  # head dim (EC_MAX_DIM)
+
+
+def decode_attention_fits(group: int, head_dim: int) -> bool:
+    """Whether ``decode_attention`` takes this many query heads per KV head and head dim."""
+    return 1 <= group <= MAX_ATTENTION_GROUP and 1 <= head_dim <= MAX_ATTENTION_DIM
 
 
 def kernels_for(x: torch.Tensor) -> CpuKernels | None:

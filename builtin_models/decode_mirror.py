@@ -10,6 +10,9 @@ mirror is a per-runner acceleration, dropped whenever anything about a row is in
 
 Rows are kept compact (``0..n-1`` in batch order): a request that leaves the decode
 batch is swap-removed, new ones are appended.
+
+On CPU in float32 the fused ``decode_attention`` kernel attends each row over its own
+length; otherwise SDPA attends every row over the longest, with a mask.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ class MirrorStep:
     write_pos: torch.Tensor  # [n] position of this step's token in each row
     kv_len: int  # positions to attend over (max context + 1)
     lens: torch.Tensor  # [n] int64: each row's positions after this step's write
-    mask: torch.Tensor  # [n, 1, 1, kv_len] True = attend
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _write_index: torch.Tensor | None = None
 
@@ -50,13 +52,16 @@ class MirrorStep:
         return self._write_index
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        """The step's mask, narrowed to the last ``window`` positions when given."""
-        if window is None:
-            return self.mask
+        """[n, 1, 1, kv_len], True = attend: each row's positions up to its own, the last
+        ``window`` of them when given (torch path only: the fused kernel takes ``lens``)."""
         mask = self.window_masks.get(window)
         if mask is None:
-            q_pos = self.write_pos[:, None]  # each row's query sits at its write position
-            mask = restrict_to_window(self.mask, q_pos, window)
+            if window is None:
+                k_idx = torch.arange(self.kv_len, device=self.write_pos.device)
+                mask = (k_idx[None, :] <= self.write_pos[:, None])[:, None, None, :]
+            else:
+                q_pos = self.write_pos[:, None]  # each row's query sits at its write position
+                mask = restrict_to_window(self.mask_for(None), q_pos, window)
             self.window_masks[window] = mask
         return mask
 
@@ -183,14 +188,7 @@ class DecodeMirror:
         ctx = torch.tensor([context_lens[rid] for rid in order], dtype=torch.int64)
         self.row_len = [c + 1 for c in ctx.tolist()]  # after this step's token is written
         ctx = ctx.to(self.device)
-        mask = torch.arange(kv_len, device=self.device)[None, :] <= ctx[:, None]
-        self.step = MirrorStep(
-            num_rows=n,
-            write_pos=ctx,
-            kv_len=kv_len,
-            lens=ctx + 1,
-            mask=mask[:, None, None, :],
-        )
+        self.step = MirrorStep(num_rows=n, write_pos=ctx, kv_len=kv_len, lens=ctx + 1)
         return order
 
     def _remove_rows(self, rows: list[int]) -> None:
@@ -266,6 +264,13 @@ class DecodeMirror:
             index = step.write_index(h, cap)
             flat[0].index_copy_(0, index, key.reshape(n * h, d))
             flat[1].index_copy_(0, index, value.reshape(n * h, d))
+        if (
+            kernels is not None
+            and cpu_kernels.heads_contiguous(query)
+            and cpu_kernels.decode_attention_fits(query.shape[1] // h, d)
+        ):
+            # Each row over its own length: SDPA would attend every row over the longest.
+            return kernels.decode_attention(query, layer, step.lens, scale, window)
         k = layer[0, :n, :, : step.kv_len]
         v = layer[1, :n, :, : step.kv_len]
         hq, d = query.shape[1], query.shape[2]

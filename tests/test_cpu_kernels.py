@@ -121,6 +121,36 @@ def test_mirror_append_writes_each_row_at_its_length(gen):
     assert torch.equal(layer, expected)  # a bad length writes nothing
 
 
+def _mirror_attention(query, layer, lens, scale, window):
+    """SDPA of each row on its own positions (the reference for decode_attention)."""
+    n, hq, _ = query.shape
+    hkv = layer.shape[2]
+    out = torch.empty_like(query)
+    for r in range(n):
+        start = max(0, int(lens[r]) - window) if window else 0
+        k = layer[0, r, :, start : lens[r]].repeat_interleave(hq // hkv, dim=0)
+        v = layer[1, r, :, start : lens[r]].repeat_interleave(hq // hkv, dim=0)
+        out[r] = F.scaled_dot_product_attention(query[r][:, None], k, v, scale=scale)[:, 0]
+    return out
+
+
+# (query heads, KV heads, head dim): the AVX-512 versions (dims 64 and 128) and the
+# portable one (any other dim, here with 6 query heads per KV head).
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 128), (12, 2, 40)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_attends_each_row_over_its_own_length(gen, hq, hkv, d, window):
+    n, cap = 5, 150  # lengths cross the kernel's 64-position blocks
+    layer = torch.randn(2, n + 1, hkv, cap, d, generator=gen)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
+    query = qkv[:, : hq * d].view(n, hq, d)  # a view with the QKV row stride
+    lens = torch.tensor([1, 64, 65, 150, 17])
+    got = KERNELS.decode_attention(query, layer, lens, d**-0.5, window)
+    want = _mirror_attention(query, layer, lens, d**-0.5, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(IndexError, match="capacity"):
+        KERNELS.decode_attention(query, layer, torch.tensor([1, 2, 3, 151, 4]), 1.0, None)
+
+
 def test_only_float32_cpu_tensors_get_kernels():
     assert cpu_kernels.kernels_for(torch.zeros(2)) is KERNELS
     assert cpu_kernels.kernels_for(torch.zeros(2, dtype=torch.bfloat16)) is None
