@@ -46,12 +46,8 @@ _SIGNATURES = {
     "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
-_CHECKED = {
-    "ec_rotary",
-    "ec_write_kv",
-    "ec_mirror_append",
-    "ec_decode_attention",
-}  # return -1 on a bad index
+# These return -1 on a bad index or length (nothing written).
+_CHECKED = {"ec_rotary", "ec_write_kv", "ec_mirror_append", "ec_decode_attention"}
 
 
 def _check(status: int, what: str) -> None:
