@@ -315,9 +315,13 @@ int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                         int64_t group, int64_t dim, int64_t cap, int64_t window, float scale,
                         float *out, int nthreads) {
     if (group < 1 || group > EC_MAX_GROUP || dim < 1 || dim > EC_MAX_DIM) return -1;
-    for (int64_t r = 0; r < n; r++)
+    int64_t positions = 0; /* over all rows and heads: below ~1k, threads cost more */
+    for (int64_t r = 0; r < n; r++) {
         if (lens[r] < 1 || lens[r] > cap) return -1;
-#pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 4) schedule(dynamic, 1)
+        positions += (window > 0 && lens[r] > window ? window : lens[r]) * kv_heads;
+    }
+#pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 2 && positions >= 1024) \
+    schedule(dynamic, 1)
     for (int64_t u = 0; u < n * kv_heads; u++) {
         const int64_t r = u / kv_heads, h = u % kv_heads, len = lens[r];
         const int64_t start = window > 0 && len > window ? len - window : 0;
