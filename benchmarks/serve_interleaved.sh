@@ -5,8 +5,8 @@
 # Starts `vllm serve` (peers' venv) and `enginecore serve` on the same checkpoint with the
 # same limits (max-model-len 512, 256 sequences, prefix caching off), waits until both
 # answer, then runs ROUNDS rounds at RATE req/s (200 prompts, 128 in / 128 out,
-# ignore_eos), swapping which server goes first each round, and one all-at-once run
-# each. Results: OUT/{enginecore,vllm}_rate*_round*.json.
+# ignore_eos), swapping which server goes first each round, then ALL_ROUNDS all-at-once
+# runs each, alternating the same way. Results: OUT/{enginecore,vllm}_rate*_*.json.
 #
 # Usage: PEERS=/tmp/peers bash benchmarks/serve_interleaved.sh MODEL_DIR [OUT_DIR]
 set -u
@@ -15,7 +15,7 @@ V=${PEERS:?set PEERS to the peers scratch directory (shared/peers/vllm_cpu/insta
 HERE=$(cd "$(dirname "$0")" && pwd)
 VLLM_CLI=${VLLM_CLI_PATH:-$HERE/../../shared/peers/vllm_cpu/vllm_cli.py}
 ENGINECORE=${ENGINECORE:-enginecore}
-ROUNDS=${ROUNDS:-3}; RATE=${RATE:-8}
+ROUNDS=${ROUNDS:-3}; RATE=${RATE:-8}; ALL_ROUNDS=${ALL_ROUNDS:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 mkdir -p "$OUT"
 declare -A PORTS=([vllm]=18123 [enginecore]=18200)
@@ -45,4 +45,7 @@ for r in $(seq "$ROUNDS"); do
   order="enginecore vllm"; [ $((r % 2)) -eq 0 ] && order="vllm enginecore"
   for name in $order; do run "$name" "$RATE" "round$r" $((100 + r)); done
 done
-for name in enginecore vllm; do run "$name" inf all 1; done
+for r in $(seq "$ALL_ROUNDS"); do
+  order="enginecore vllm"; [ $((r % 2)) -eq 0 ] && order="vllm enginecore"
+  for name in $order; do run "$name" inf "all$r" "$r"; done
+done

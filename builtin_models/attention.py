@@ -90,19 +90,23 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [R, max_blocks] long
     max_query_len: int
     max_kv_len: int  # padded context length = max_blocks * block_size (trimmed)
-    # Decodes: [R, 1, 1, max_kv_len] bool, True = attend, and each row's query position.
-    mask: torch.Tensor | None = None
-    q_pos: torch.Tensor | None = None  # [R, 1]
+    # Decodes: each row's query position, [R, 1].
+    q_pos: torch.Tensor | None = None
     runs: list[PrefillRun] = field(default_factory=list)  # prefill groups only
-    # Sliding-window masks, made on first use by a windowed layer and shared by the others.
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Decode masks per sliding window (None: full), [R, 1, 1, max_kv_len] bool, True =
+    # attend: made on first use (the decode mirror's kernel needs none) and shared by
+    # the step's layers.
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
-        if window is None:
-            return self.mask
-        mask = self.window_masks.get(window)
+        mask = self.masks.get(window)
         if mask is None:
-            mask = self.window_masks[window] = restrict_to_window(self.mask, self.q_pos, window)
+            if window is None:
+                k_idx = torch.arange(self.max_kv_len, device=self.q_pos.device)
+                mask = (k_idx[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
+            else:
+                mask = restrict_to_window(self.mask_for(None), self.q_pos, window)
+            self.masks[window] = mask
         return mask
 
     @property
@@ -136,17 +140,13 @@ def build_decode_group(
     """The decode group: one query per request at position ``context_lens`` (on the target
     device), which sees keys ``0..context_len``."""
     num_blocks_needed = (max_seq_len + block_size - 1) // block_size
-    q_pos = context_lens[:, None]  # [R, 1]
-    k_idx = torch.arange(max_seq_len, device=context_lens.device)
-    mask = k_idx[None, None, :] <= q_pos[:, :, None]  # [R, 1, K]
     return AttentionGroup(
         token_start=0,
         num_tokens=len(context_lens),
         block_tables=block_tables[:, :num_blocks_needed],
         max_query_len=1,
         max_kv_len=max_seq_len,
-        mask=mask.unsqueeze(1),
-        q_pos=q_pos,
+        q_pos=context_lens[:, None],
     )
 
 
