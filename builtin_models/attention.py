@@ -154,7 +154,7 @@ def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter this step's K/V ([T, H_kv, D]) into their cache slots."""
-    kernels = cpu_kernels.kernels_for(kv_cache)
+    kernels = cpu_kernels.kernels_for(kv_cache, key, value)
     if (
         kernels is not None
         and cpu_kernels.heads_contiguous(key, value)

@@ -72,6 +72,11 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU exposes AMX tiles for bfloat16 (oneDNN's fast half-precision GEMM)."""
+    return "amx_bf16" in _cpu_signature().split()
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc"):
         if name and shutil.which(name):
@@ -298,8 +303,10 @@ def decode_attention_fits(group: int, head_dim: int) -> bool:
     return 1 <= group <= MAX_ATTENTION_GROUP and 1 <= head_dim <= MAX_ATTENTION_DIM
 
 
-def kernels_for(x: torch.Tensor) -> CpuKernels | None:
-    """The kernels when ``x`` is a float32 CPU tensor and they are enabled."""
-    if x.dtype is not torch.float32 or x.device.type != "cpu":
-        return None
+def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
+    """The kernels when every tensor a call reads or writes is a float32 CPU tensor and
+    they are enabled (they take raw float pointers: a narrower tensor would be overrun)."""
+    for x in tensors:
+        if x.dtype is not torch.float32 or x.device.type != "cpu":
+            return None
     return _loaded if _loaded is not None else load()

@@ -256,7 +256,7 @@ class DecodeMirror:
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
         _, _, h, cap, d = layer.shape
-        kernels = cpu_kernels.kernels_for(layer)
+        kernels = cpu_kernels.kernels_for(layer, query, key, value)
         if kernels is not None and cpu_kernels.heads_contiguous(key, value):
             kernels.mirror_append(layer, key, value, step.lens)
         else:

@@ -63,6 +63,19 @@ def tp_all_gather_last_dim(x: torch.Tensor, parallel: ParallelContext) -> torch.
     return torch.cat(parts, dim=-1)
 
 
+def project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + b``. A weight stored wider than the activations (a half-precision model's
+    projections in float32, see ``use_float32_projections``) computes in its dtype and
+    rounds the result back once, as a half-precision GEMM with float32 accumulation does."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    wide = weight.dtype
+    out = F.linear(x.to(wide), weight, None if bias is None else bias.to(wide))
+    return out.to(x.dtype)
+
+
 def _param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -106,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, rank * self.out_local, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -138,7 +151,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, rank * self.in_local, self.in_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+        out = tp_all_reduce(project(x, self.weight), self.parallel)
         return out if self.bias is None else out + self.bias
 
 
@@ -298,7 +311,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """Full-vocabulary logits from a vocab-parallel weight: local slice, then all-gather."""
-    logits = F.linear(hidden, head.weight)
+    logits = project(hidden, head.weight)
     if head.parallel.tp_size == 1:
         return logits
     return tp_all_gather_last_dim(logits, head.parallel)[..., : head.num_embeddings]
@@ -317,6 +330,34 @@ def use_input_major_weights(model: nn.Module) -> None:
         if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
             weight = module.weight
             weight.data = weight.data.t().contiguous().t()
+
+
+def projection_bytes(model: nn.Module) -> int:
+    """Bytes held by the projection weights (an untied LM head included)."""
+    return sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
+    )
+
+
+def use_float32_projections(model: nn.Module) -> None:
+    """Store a bfloat16/float16 model's projection weights (and an untied LM head) in
+    float32, with the same values; activations, norms, the embedding and the KV cache keep
+    the model's dtype, and ``project`` rounds each output back to it.
+
+    Half-precision values multiply exactly in float32 and the GEMM accumulates in float32
+    either way, so only the summation order can differ from a half-precision GEMM. On a
+    CPU without AMX it is much faster: torch's bfloat16 GEMM converts in software, and a
+    small model's projections ran 1.3-1.6x faster in float32 at 1 to 256 rows on the
+    2-core AVX-512 machine in benchmarks/RESULTS.md (even at 1 row, where the float32
+    weights are twice the bytes to read). Costs the weights' size again in memory.
+    """
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+            weight = module.weight
+            if weight.dtype in (torch.bfloat16, torch.float16):
+                weight.data = weight.data.float().t().contiguous().t()  # input-major too
 
 
 class PPMissingLayer(nn.Identity):
@@ -345,7 +386,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.kernels_for(x)
+        kernels = cpu_kernels.kernels_for(x, self.weight)
         if kernels is not None and x.dim() == 2:
             return kernels.rms_norm(x, self.weight, self.eps)
         # F.rms_norm is one fused kernel (the hand-written form is ~50x slower on CPU).
@@ -359,7 +400,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + x`` (the residual stream, updated in place where fused) and its
         norm: the reference's ``hidden = residual + hidden; norm(hidden)``."""
-        kernels = cpu_kernels.kernels_for(x)
+        kernels = cpu_kernels.kernels_for(x, residual, self.weight)
         if kernels is not None and x.dim() == 2 and residual.stride(-1) == 1:
             return kernels.rms_norm(x, self.weight, self.eps, residual), residual
         residual = residual + x
@@ -458,7 +499,7 @@ class RotaryEmbedding(nn.Module):
         """x [T, H, D] (query and key heads side by side, so one call rotates both) ->
         rotated: in place by the fused CPU kernel, else a copy. The products and the sum
         are rounded as the reference's ``q * cos + rotate_half(q) * sin``."""
-        kernels = cpu_kernels.kernels_for(x)
+        kernels = cpu_kernels.kernels_for(x, self.cos, self.sin)
         if (
             kernels is not None
             and cpu_kernels.heads_contiguous(x)

@@ -25,11 +25,24 @@ def load_reference(path: str, dtype: torch.dtype = torch.float32):
     return model
 
 
+def half_precision_tie(top2: torch.Tensor) -> bool:
+    """Two bfloat16 logits at most two bfloat16 steps apart (8 significant bits). Every
+    layer rounds its output to bfloat16, so another summation order moves each logit by
+    about a step: two logits two steps apart can meet (seen: 1.2109 and 1.1953, exactly
+    1.2070 and 1.1954, both rounded to 1.2031)."""
+    step = 2.0 ** (torch.frexp(top2[0].abs()).exponent.item() - 8)
+    return float(top2[0] - top2[1]) <= 2 * step
+
+
 def greedy_reference(
-    path: str | pathlib.Path, prompt_ids: list[int], max_new_tokens: int
+    path: str | pathlib.Path,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[int], int]:
-    """``(tokens, first_tie)``: the index of the first near-tie step, or len(tokens)."""
-    model = load_reference(str(path))
+    """``(tokens, first_tie)``: the index of the first near-tie step, or len(tokens).
+    In bfloat16, a near tie is one bfloat16 step (``half_precision_tie``)."""
+    model = load_reference(str(path), dtype)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids]),
@@ -42,7 +55,9 @@ def greedy_reference(
     tokens = out.sequences[0, len(prompt_ids) :].tolist()
     for step, scores in enumerate(out.scores):
         top2 = torch.topk(scores[0].float(), 2).values
-        if float(top2[0] - top2[1]) < TIE_GAP:
+        if float(top2[0] - top2[1]) < TIE_GAP or (
+            dtype == torch.bfloat16 and half_precision_tie(top2)
+        ):
             return tokens, step
     return tokens, len(tokens)
 

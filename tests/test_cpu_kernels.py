@@ -57,7 +57,7 @@ def test_add_and_norm_falls_back_for_bf16(gen):
 
 def _rotary_reference(rotary: RotaryEmbedding, positions, x, monkeypatch) -> torch.Tensor:
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "kernels_for", lambda _t: None)
+        m.setattr(cpu_kernels, "kernels_for", lambda *_t: None)
         return rotary(positions, x)
 
 
@@ -154,6 +154,10 @@ def test_decode_attention_attends_each_row_over_its_own_length(gen, hq, hkv, d, 
 def test_only_float32_cpu_tensors_get_kernels():
     assert cpu_kernels.kernels_for(torch.zeros(2)) is KERNELS
     assert cpu_kernels.kernels_for(torch.zeros(2, dtype=torch.bfloat16)) is None
+    # Every tensor a call touches: a bfloat16 weight beside float32 activations would be
+    # read as floats past its end.
+    assert cpu_kernels.kernels_for(torch.zeros(2), torch.zeros(2)) is KERNELS
+    assert cpu_kernels.kernels_for(torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)) is None
 
 
 def _load_in_child(tmp_path, **env) -> str:
