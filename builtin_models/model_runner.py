@@ -165,8 +165,8 @@ class TorchModelRunner(ModelRunner):
 
     def _float32_projections_pay(self, model: torch.nn.Module) -> bool:
         """A half-precision model on a CPU without AMX: its projections run faster in
-        float32 (``use_float32_projections``), when that copy takes at most a quarter of
-        the memory available."""
+        float32 (``use_float32_projections``). Taken when the memory that adds (the
+        projections' half-precision size again) is at most a quarter of what is free."""
         if self.dtype not in (torch.bfloat16, torch.float16) or cpu_kernels.cpu_has_amx():
             return False
         import psutil
