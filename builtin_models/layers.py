@@ -326,19 +326,20 @@ def use_input_major_weights(model: nn.Module) -> None:
     values are unchanged. A head tied to the embedding keeps the row-major layout the
     embedding lookup wants.
     """
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            weight = module.weight
-            weight.data = weight.data.t().contiguous().t()
+    for module in projections(model):
+        module.weight.data = module.weight.data.t().contiguous().t()
+
+
+def projections(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weight multiplies activations: the linear layers and an untied
+    LM head (a tied head is the embedding itself)."""
+    kinds = ColumnParallelLinear | RowParallelLinear | ParallelLMHead
+    return [m for m in model.modules() if isinstance(m, kinds)]
 
 
 def projection_bytes(model: nn.Module) -> int:
-    """Bytes held by the projection weights (an untied LM head included)."""
-    return sum(
-        m.weight.numel() * m.weight.element_size()
-        for m in model.modules()
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear | ParallelLMHead)
-    )
+    """Bytes held by the projection weights."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in projections(model))
 
 
 def use_float32_projections(model: nn.Module) -> None:
@@ -349,15 +350,14 @@ def use_float32_projections(model: nn.Module) -> None:
     Half-precision values multiply exactly in float32 and the GEMM accumulates in float32
     either way, so only the summation order can differ from a half-precision GEMM. On a
     CPU without AMX it is much faster: torch's bfloat16 GEMM converts in software, and a
-    small model's projections ran 1.3-1.6x faster in float32 at 1 to 256 rows on the
-    2-core AVX-512 machine in benchmarks/RESULTS.md (even at 1 row, where the float32
-    weights are twice the bytes to read). Costs the weights' size again in memory.
+    small model's projections ran 1.03-1.64x faster in float32 at 1 to 256 rows (1.3x or
+    more except at 4 rows) on the 2-core AVX-512 machine in benchmarks/RESULTS.md, even
+    at 1 row, where the float32 weights are twice the bytes to read. Costs the weights' size again in memory.
     """
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            weight = module.weight
-            if weight.dtype in (torch.bfloat16, torch.float16):
-                weight.data = weight.data.float().t().contiguous().t()  # input-major too
+    for module in projections(model):
+        weight = module.weight
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            weight.data = weight.data.float().t().contiguous().t()  # input-major too
 
 
 class PPMissingLayer(nn.Identity):
