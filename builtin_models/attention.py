@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from enginecore.builtin_models import cpu_kernels
-from enginecore.builtin_models.sliding_window import restrict_to_window
+from enginecore.builtin_models.sliding_window import decode_mask
 
 
 @dataclass
@@ -101,12 +101,7 @@ class AttentionGroup:
     def mask_for(self, window: int | None) -> torch.Tensor:
         mask = self.masks.get(window)
         if mask is None:
-            if window is None:
-                k_idx = torch.arange(self.max_kv_len, device=self.q_pos.device)
-                mask = (k_idx[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
-            else:
-                mask = restrict_to_window(self.mask_for(None), self.q_pos, window)
-            self.masks[window] = mask
+            mask = self.masks[window] = decode_mask(self.q_pos, self.max_kv_len, window)
         return mask
 
     @property

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from enginecore.builtin_models import cpu_kernels
 from enginecore.builtin_models.host_memory import zeroed
-from enginecore.builtin_models.sliding_window import restrict_to_window
+from enginecore.builtin_models.sliding_window import decode_mask
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 
@@ -56,12 +56,8 @@ class MirrorStep:
         ``window`` of them when given (torch path only: the fused kernel takes ``lens``)."""
         mask = self.window_masks.get(window)
         if mask is None:
-            if window is None:
-                k_idx = torch.arange(self.kv_len, device=self.write_pos.device)
-                mask = (k_idx[None, :] <= self.write_pos[:, None])[:, None, None, :]
-            else:
-                q_pos = self.write_pos[:, None]  # each row's query sits at its write position
-                mask = restrict_to_window(self.mask_for(None), q_pos, window)
+            # each row's query sits at its write position
+            mask = decode_mask(self.write_pos[:, None], self.kv_len, window)
             self.window_masks[window] = mask
         return mask
 

@@ -58,3 +58,11 @@ def restrict_to_window(mask: torch.Tensor, q_pos: torch.Tensor, window: int) -> 
     windowed = mask & inside.unsqueeze(1)
     empty = ~windowed.any(dim=-1, keepdim=True)
     return windowed | (empty & (k_idx == 0))
+
+
+def decode_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """[R, 1, 1, kv_len] bool, True = attend, for one query per row at ``q_pos`` [R, 1]:
+    keys up to its own position, the last ``window`` of them when given."""
+    k_idx = torch.arange(kv_len, device=q_pos.device)
+    mask = (k_idx[None, :] <= q_pos)[:, None, None, :]
+    return mask if window is None else restrict_to_window(mask, q_pos, window)
