@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models.packed_gemm import packed_for
 from enginecore.distributed import ParallelContext
 
 
@@ -69,11 +70,13 @@ def project(
     """``x W^T + b``. A weight stored wider than the activations (a half-precision model's
     projections in float32, see ``use_float32_projections``) computes in its dtype and
     rounds the result back once, as a half-precision GEMM with float32 accumulation does."""
+    packed = packed_for(weight, x)  # MKL's packed copy, where the runner made one
     if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    wide = weight.dtype
-    out = F.linear(x.to(wide), weight, None if bias is None else bias.to(wide))
-    return out.to(x.dtype)
+        return F.linear(x, weight, bias) if packed is None else packed.linear(x, bias)
+    wide, bias = weight.dtype, None if bias is None else bias.to(weight.dtype)
+    if packed is None:
+        return F.linear(x.to(wide), weight, bias).to(x.dtype)
+    return packed.linear(x.to(wide), bias).to(x.dtype)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:

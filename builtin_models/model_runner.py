@@ -17,14 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models import cpu_kernels, packed_gemm
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
-from enginecore.builtin_models.host_memory import zeroed
+from enginecore.builtin_models.host_memory import keep_freed_memory, zeroed
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.layers import (
     projection_bytes,
+    projections,
     use_float32_projections,
     use_input_major_weights,
 )
@@ -144,6 +145,8 @@ class TorchModelRunner(ModelRunner):
                 f"max_model_len={configured} exceeds the checkpoint's limit of {native} "
                 "positions (max_position_embeddings / n_positions)"
             )
+        if self.device.type == "cpu":
+            keep_freed_memory()
         with torch.device(self.device):
             model = model_cls(self.hf_config, self.parallel, self.dtype)
         model.load_weights(iter_weights(path, self.hf_config))
@@ -152,6 +155,7 @@ class TorchModelRunner(ModelRunner):
             if self._float32_projections_pay(model):
                 use_float32_projections(model)
                 logger.info("%s projections computed in float32 (no AMX on this CPU)", self.dtype)
+            self._pack_projections(model)
         self.model = model.eval()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -172,6 +176,18 @@ class TorchModelRunner(ModelRunner):
         import psutil
 
         return projection_bytes(model) <= psutil.virtual_memory().available // 4
+
+    def _pack_projections(self, model: torch.nn.Module) -> None:
+        """Hand the wide float32 projections to MKL packed (``packed_gemm``) when the
+        copies fit in a quarter of the memory that is free."""
+        import psutil
+
+        weights = [m.weight for m in projections(model)]
+        extra = packed_gemm.packed_bytes(weights)
+        if not extra or extra > psutil.virtual_memory().available // 4:
+            return
+        count = packed_gemm.pack_weights(weights)
+        logger.info("%d of %d projections use MKL's packed GEMM", count, len(weights))
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):

@@ -1,0 +1,181 @@
+"""CPU projections through MKL's packed GEMM: pack a weight once, multiply it many times.
+
+``F.linear`` hands MKL the plain weight, and sgemm copies it into its internal panel
+layout on every call. With the small K of these models (256-768) and the 2-300 rows of a
+decode step, that copy is a large share of the call. MKL's ``cblas_sgemm_pack`` does it
+once at load time and ``cblas_sgemm_compute`` reuses the packed copy. On the 2-core
+AVX-512 machine in benchmarks/RESULTS.md it was 1.06-1.8x faster than input-major
+``F.linear`` for outputs of 512 or more features at 16-300 rows. Narrower outputs (256
+features) ran up to 1.7x slower, and at 2,048 rows packing gained nothing (0.94-1.0x on
+most shapes): those keep ``F.linear``.
+
+A packed weight is used only where it gives the same bits as ``F.linear``, so greedy
+outputs stay those of the unpacked model:
+- each weight is probed at pack time and left unpacked if any output differs (packed,
+  MKL split K=1024 and 2048 differently, which changes the summation order);
+- a single row keeps ``F.linear``: MKL takes its matrix-vector path there;
+- row-major weights (a head tied to the embedding) are not packed: their packed
+  product differed from ``F.linear``'s.
+
+The packed copy is a snapshot: ``project`` uses it only while the weight still has the
+storage and version it was packed from, and the model runner packs again whenever it
+loads weights. It costs the packed weights' size again in memory; the runner packs only
+when that is at most a quarter of what is free. Needs torch built with MKL (the x86
+wheels); elsewhere, or with ``ENGINECORE_PACKED_GEMM=0``, projections use ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from ctypes import c_float, c_int, c_size_t, c_void_p
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "ENGINECORE_PACKED_GEMM"
+MIN_OUT_FEATURES = 512
+# The row count MKL packs for. Measured: packing for 256 rows is fastest at 16-300 rows
+# and as fast as F.linear at 2,048; packing for 1 or 2,048 rows lost at decode sizes.
+PACK_ROWS = 256
+MAX_ROWS = 512  # more rows: F.linear (see above)
+PROBE_ROWS = (2, 37, 300)
+
+# CBLAS enums (mkl_cblas.h); MKL_INT is 32-bit in the LP64 interface torch links.
+_ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
+_ATTR = "_packed_gemm"
+
+
+class _Mkl:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.get_size = lib.cblas_sgemm_pack_get_size
+        self.get_size.restype = c_size_t
+        self.get_size.argtypes = [c_int, c_int, c_int, c_int]
+        self.pack = lib.cblas_sgemm_pack
+        self.pack.restype = None
+        self.pack.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_float]
+        self.pack.argtypes += [c_void_p, c_int, c_void_p]
+        self.compute = lib.cblas_sgemm_compute
+        self.compute.restype = None
+        self.compute.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_void_p, c_int]
+        self.compute.argtypes += [c_void_p, c_int, c_float, c_void_p, c_int]
+
+
+_lock = threading.Lock()
+_mkl: _Mkl | None = None
+_loaded = False
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def mkl() -> _Mkl | None:
+    """MKL's packed-GEMM entry points from torch's own library, or None."""
+    global _mkl, _loaded
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            if not _switched_off() and torch.backends.mkl.is_available():
+                path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+                try:
+                    _mkl = _Mkl(ctypes.CDLL(str(path)))
+                except (OSError, AttributeError) as exc:
+                    logger.info("MKL packed GEMM not available: %s", exc)
+        return _mkl
+
+
+class PackedWeight:
+    """One input-major projection weight (logical [out, in], stored [in, out]; see
+    ``use_input_major_weights``) in MKL's packed layout."""
+
+    def __init__(self, lib: _Mkl, weight: torch.Tensor) -> None:
+        self.lib = lib
+        self.n, self.k = weight.shape
+        size = lib.get_size(_B_MATRIX, PACK_ROWS, self.n, self.k)
+        # MKL wants the packed buffer 64-byte aligned, which torch's CPU allocator gives.
+        self.buffer = torch.empty(-(-size // 4), dtype=torch.float32)
+        src, dst = weight.data_ptr(), self.buffer.data_ptr()
+        lib.pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, PACK_ROWS, self.n, self.k, 1.0, src, self.n, dst)
+        self.source = (weight.data_ptr(), weight._version)
+
+    def current_for(self, weight: torch.Tensor) -> bool:
+        return self.source == (weight.data_ptr(), weight._version)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b`` for float32 ``x`` of shape [..., in]."""
+        n, k = self.n, self.k
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1 or rows.stride(0) < k:
+            rows = rows.contiguous()
+        m = rows.shape[0]
+        out = torch.empty((m, n), dtype=torch.float32)
+        if m:
+            a, b, c = rows.data_ptr(), self.buffer.data_ptr(), out.data_ptr()
+            self.lib.compute(
+                _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a, rows.stride(0), b, n, 0.0, c, n
+            )
+        if bias is not None:
+            out.add_(bias)
+        return out.view(*x.shape[:-1], self.n)
+
+
+def packed_for(weight: torch.Tensor, x: torch.Tensor) -> PackedWeight | None:
+    """The weight's packed copy, if it has one that is still current and ``x`` has more
+    than one row: for a single row MKL takes its matrix-vector path, which sums in
+    another order than any GEMM."""
+    packed = getattr(weight, _ATTR, None)
+    if packed is None or not 1 < x.numel() // x.shape[-1] <= MAX_ROWS:
+        return None
+    return packed if packed.current_for(weight) else None
+
+
+def _same_bits(packed: PackedWeight, weight: torch.Tensor) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, packed.k, generator=gen)
+        if not torch.equal(packed.linear(x), F.linear(x, weight)):
+            return False
+    return True
+
+
+def eligible(weight: torch.Tensor) -> bool:
+    """A float32 CPU weight, input-major (row-major ones, such as a head tied to the
+    embedding, gave other bits packed than ``F.linear``), with enough outputs to gain."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.shape[0] >= MIN_OUT_FEATURES
+        and weight.stride() == (1, weight.shape[0])
+    )
+
+
+def pack_weights(weights: list[torch.Tensor]) -> int:
+    """Pack every eligible weight that gives the same bits packed; returns how many.
+    Packing again replaces an earlier copy; a weight that no longer qualifies loses it."""
+    lib = mkl()
+    count = 0
+    for weight in weights:
+        setattr(weight, _ATTR, None)
+        if lib is None or not eligible(weight):
+            continue
+        packed = PackedWeight(lib, weight)
+        if _same_bits(packed, weight):
+            setattr(weight, _ATTR, packed)
+            count += 1
+        else:
+            logger.debug(
+                "weight %s not packed: the packed GEMM sums in another order", tuple(weight.shape)
+            )
+    return count
+
+
+def packed_bytes(weights: list[torch.Tensor]) -> int:
+    """What packing the eligible ones would add to memory (about their own size)."""
+    return sum(w.numel() * w.element_size() for w in weights if eligible(w))

@@ -1,0 +1,178 @@
+"""MKL's packed GEMM for CPU projections (builtin_models/packed_gemm.py), and the malloc
+setting that keeps a step's freed activations mapped (host_memory.keep_freed_memory).
+
+Greedy equality with transformers through the packed projections is covered by the
+model suites (test_llm_correctness, test_models_vs_transformers, ...), which load float32
+models on CPU and so pack their wide projections.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from enginecore.builtin_models import packed_gemm
+from enginecore.builtin_models.host_memory import keep_freed_memory
+from enginecore.builtin_models.layers import project
+
+MKL = packed_gemm.mkl()
+needs_mkl = pytest.mark.skipif(MKL is None, reason="torch without MKL: nothing is packed")
+
+
+def _input_major(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """A weight laid out as the model runner stores it (use_input_major_weights)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    return torch.nn.Parameter(w.t().contiguous().t(), requires_grad=False)
+
+
+@needs_mkl
+def test_packed_projection_gives_the_same_bits_as_linear():
+    weight = _input_major(2048, 256)
+    bias = torch.randn(2048)
+    assert packed_gemm.pack_weights([weight]) == 1
+    gen = torch.Generator().manual_seed(1)
+    for rows in (2, 3, 16, 64, 255, 300, 512):
+        x = torch.randn(rows, 256, generator=gen)
+        assert packed_gemm.packed_for(weight, x) is not None
+        assert torch.equal(project(x, weight), F.linear(x, weight))
+        assert torch.equal(project(x, weight, bias), F.linear(x, weight, bias))
+    batched = torch.randn(4, 5, 256, generator=gen)  # leading dims are flattened
+    assert torch.equal(project(batched, weight), F.linear(batched, weight))
+
+
+@needs_mkl
+def test_one_row_and_large_batches_keep_linear():
+    weight = _input_major(2048, 256)
+    packed_gemm.pack_weights([weight])
+    # One row: MKL's matrix-vector path sums in another order than any GEMM.
+    assert packed_gemm.packed_for(weight, torch.randn(1, 256)) is None
+    assert packed_gemm.packed_for(weight, torch.randn(256)) is None
+    many = torch.randn(packed_gemm.MAX_ROWS + 1, 256)
+    assert packed_gemm.packed_for(weight, many) is None
+    assert torch.equal(project(many, weight), F.linear(many, weight))
+
+
+@needs_mkl
+def test_narrow_row_major_and_non_float32_weights_are_not_packed():
+    narrow = _input_major(packed_gemm.MIN_OUT_FEATURES - 1, 256)
+    half = torch.nn.Parameter(_input_major(2048, 256).data.bfloat16(), requires_grad=False)
+    # Row-major (a head tied to the embedding): packed, MKL gives other bits than F.linear.
+    row_major = torch.nn.Parameter(_input_major(2048, 256).data.contiguous(), requires_grad=False)
+    assert packed_gemm.pack_weights([narrow, half, row_major]) == 0
+    assert packed_gemm.packed_for(narrow, torch.randn(8, 256)) is None
+    assert packed_gemm.packed_bytes([narrow, half, row_major]) == 0
+
+
+@needs_mkl
+def test_a_changed_weight_drops_its_stale_packed_copy():
+    weight = _input_major(1024, 256)
+    packed_gemm.pack_weights([weight])
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        weight.mul_(2.0)  # in place: same storage, new version
+    assert packed_gemm.packed_for(weight, x) is None
+    assert torch.equal(project(x, weight), F.linear(x, weight))
+    weight.data = _input_major(1024, 256, seed=1).data  # new storage
+    assert packed_gemm.packed_for(weight, x) is None
+    assert packed_gemm.pack_weights([weight]) == 1  # packing again makes it current
+    assert torch.equal(project(x, weight), F.linear(x, weight))
+
+
+@needs_mkl
+def test_a_weight_that_sums_differently_packed_is_left_unpacked(monkeypatch):
+    weight = _input_major(1024, 256)
+    monkeypatch.setattr(packed_gemm, "_same_bits", lambda packed, w: False)
+    assert packed_gemm.pack_weights([weight]) == 0
+    assert packed_gemm.packed_for(weight, torch.randn(8, 256)) is None
+
+
+def _run(code: str, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+LOADED_MODEL = """
+    import torch
+    from enginecore import make_config
+    from enginecore.builtin_models import packed_gemm
+    from enginecore.builtin_models.model_runner import TorchModelRunner
+    from enginecore.interfaces import WorkerSpec
+
+    spec = WorkerSpec(
+        worker_ref="enginecore.builtin_executors.worker:Worker",
+        model_runner_ref="enginecore.builtin_models.model_runner:TorchModelRunner",
+        model_refs={{"LlamaForCausalLM": "enginecore.builtin_models.models.llama:LlamaForCausalLM"}},
+    )
+    runner = TorchModelRunner(make_config(model="{path}", dtype="float32"), spec)
+    runner.load_model()
+    matrices = [(n, p) for n, p in runner.model.named_parameters() if p.dim() == 2]
+    two_rows = lambda p: torch.ones(2, p.shape[1])
+    print(",".join(n for n, p in matrices if packed_gemm.packed_for(p, two_rows(p))))
+"""
+
+
+@needs_mkl
+def test_the_model_runner_packs_wide_projections_unless_switched_off(tiny_llama):
+    code = LOADED_MODEL.format(path=tiny_llama)
+    packed = _run(code).split(",")
+    assert "model.layers.0.mlp.gate_up_proj.weight" in packed
+    assert "lm_head.weight" in packed
+    assert "model.layers.0.mlp.down_proj.weight" not in packed  # 256 outputs: too narrow
+    assert _run(code, ENGINECORE_PACKED_GEMM="0") == ""
+
+
+MALLOC_STATE = """
+    import ctypes, sys, torch
+    from enginecore.builtin_models.host_memory import keep_freed_memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    info = ctypes.CDLL(None).mallinfo2
+    info.restype = MallInfo2
+    if sys.argv[1] == "keep":
+        assert keep_freed_memory()
+    x = torch.empty(5 << 20)  # 20 MiB, as a prefill step's activations
+    mapped = info().hblkhd  # bytes in blocks that have a mapping of their own
+    del x
+    print(mapped, info().arena)  # and the heap left after freeing it
+"""
+
+
+def test_keep_freed_memory_serves_activations_from_a_heap_it_keeps():
+    # glibc's default serves a block this large with its own mmap and unmaps it on free,
+    # so the next one is faulted in page by page again.
+    if not keep_freed_memory():
+        pytest.skip("not glibc: mallopt is not available")
+    mib = 1 << 20
+    state = {}
+    for mode in ("default", "keep"):
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(MALLOC_STATE), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        state[mode] = [int(v) for v in done.stdout.split()]
+    default_mapped, _ = state["default"]
+    kept_mapped, kept_heap = state["keep"]
+    assert default_mapped >= 20 * mib
+    assert kept_mapped < 20 * mib  # from the heap ...
+    assert kept_heap >= 20 * mib  # ... which keeps the freed block
