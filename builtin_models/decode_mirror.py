@@ -143,6 +143,15 @@ class DecodeMirror:
         self.layers = grown
         return True
 
+    def prefault(self, budget: int) -> None:
+        """Allocate for every row now and fault in each row's first positions, as many as
+        ``budget`` bytes cover (rows fill from position 0, and rows are reused in order)."""
+        rows = self.max_rows
+        length = min(self.max_len, budget // self._bytes(rows, 1))
+        if length and self._ensure(rows, length):
+            for layer in self.layers:
+                layer[:, :rows, :, :length].zero_()
+
     def reset(self) -> None:
         self.layers = []
         self.rows, self.row_of, self.row_len = [], {}, []

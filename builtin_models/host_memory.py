@@ -13,6 +13,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# How much of the KV cache, and of the decode mirror, a CPU runner faults in at start-up
+# (see ``DecodeMirror.prefault`` and ``TorchModelRunner.initialize_kv_cache``).
+PREFAULT_BYTES = 256 << 20
+
 # mallopt(3) parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 

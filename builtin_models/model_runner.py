@@ -21,7 +21,7 @@ from enginecore.builtin_models import cpu_kernels, packed_gemm
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
 from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
-from enginecore.builtin_models.host_memory import keep_freed_memory, zeroed
+from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.layers import (
     projection_bytes,
@@ -282,12 +282,23 @@ class TorchModelRunner(ModelRunner):
                 max_len=self.get_max_model_len(),
                 max_rows=self.config.scheduler.max_num_seqs,
             )
+            self._prefault(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
             factory = import_ref(self.worker_spec.kv_connector_ref)()
             connector = factory.worker_side(self.config, self.parallel.rank)
             self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
+
+    def _prefault(self, num_blocks: int) -> None:
+        """Fault in the start of the KV cache and of the decode mirror now, not in the
+        first batch's steps. Their pages are mapped on first touch, which cost 1-10 µs per
+        4 KiB page in the VM of benchmarks/RESULTS.md: ~0.1-1 s inside a 256-request
+        run. The pool hands out blocks in id order, so the first ones go first."""
+        first = min(num_blocks, PREFAULT_BYTES // self.get_kv_cache_block_bytes())
+        for cache in self.kv_caches:
+            cache[:, :first].zero_()  # zeros over zeros: only the faults happen
+        self.decode_mirror.prefault(PREFAULT_BYTES)
 
     def _plan_decode_mirror(self, decodes: list[str]) -> list[str] | None:
         if self.decode_mirror is None or not decodes:

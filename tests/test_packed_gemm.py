@@ -1,5 +1,4 @@
-"""MKL's packed GEMM for CPU projections (builtin_models/packed_gemm.py), and the malloc
-setting that keeps a step's freed activations mapped (host_memory.keep_freed_memory).
+"""MKL's packed GEMM for CPU projections (builtin_models/packed_gemm.py).
 
 Greedy equality with transformers through the packed projections is covered by the
 model suites (test_llm_correctness, test_models_vs_transformers, ...), which load float32
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from enginecore.builtin_models import packed_gemm
-from enginecore.builtin_models.host_memory import keep_freed_memory
 from enginecore.builtin_models.layers import project
 
 MKL = packed_gemm.mkl()
@@ -133,46 +131,3 @@ def test_the_model_runner_packs_wide_projections_unless_switched_off(tiny_llama)
     assert "lm_head.weight" in packed
     assert "model.layers.0.mlp.down_proj.weight" not in packed  # 256 outputs: too narrow
     assert _run(code, ENGINECORE_PACKED_GEMM="0") == ""
-
-
-MALLOC_STATE = """
-    import ctypes, sys, torch
-    from enginecore.builtin_models.host_memory import keep_freed_memory
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    info = ctypes.CDLL(None).mallinfo2
-    info.restype = MallInfo2
-    if sys.argv[1] == "keep":
-        assert keep_freed_memory()
-    x = torch.empty(5 << 20)  # 20 MiB, as a prefill step's activations
-    mapped = info().hblkhd  # bytes in blocks that have a mapping of their own
-    del x
-    print(mapped, info().arena)  # and the heap left after freeing it
-"""
-
-
-def test_keep_freed_memory_serves_activations_from_a_heap_it_keeps():
-    # glibc's default serves a block this large with its own mmap and unmaps it on free,
-    # so the next one is faulted in page by page again.
-    if not keep_freed_memory():
-        pytest.skip("not glibc: mallopt is not available")
-    mib = 1 << 20
-    state = {}
-    for mode in ("default", "keep"):
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(MALLOC_STATE), mode],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr
-        state[mode] = [int(v) for v in done.stdout.split()]
-    default_mapped, _ = state["default"]
-    kept_mapped, kept_heap = state["keep"]
-    assert default_mapped >= 20 * mib
-    assert kept_mapped < 20 * mib  # from the heap ...
-    assert kept_heap >= 20 * mib  # ... which keeps the freed block

@@ -1,0 +1,103 @@
+"""Host memory of a CPU runner (builtin_models/host_memory.py): the malloc setting that
+keeps a step's freed activations mapped, and the start of the KV cache and of the decode
+mirror faulted in at start-up rather than in the first batch's steps."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from enginecore import make_config
+from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory
+from enginecore.builtin_models.model_runner import TorchModelRunner
+from enginecore.interfaces import WorkerSpec
+
+
+def _faults_while(fn) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama, model_refs):
+    spec = WorkerSpec(
+        worker_ref="enginecore.builtin_executors.worker:Worker",
+        model_runner_ref="enginecore.builtin_models.model_runner:TorchModelRunner",
+        model_refs=model_refs,
+    )
+    config = make_config(model=str(tiny_llama), dtype="float32", max_model_len=512)
+    runner = TorchModelRunner(config, spec, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(40_000)  # 640 MB: more than the prefaulted start
+    return runner
+
+
+def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
+    first = PREFAULT_BYTES // runner.get_kv_cache_block_bytes()
+    assert 0 < first < runner.num_blocks
+    cache = runner.kv_caches[0]
+    pages = cache[0, 1:first].numel() * 4 // 4096
+    assert _faults_while(lambda: cache[0, 1:first].fill_(1.0)) < pages // 100
+    # The blocks after them are still mapped on first touch.
+    later = cache[0, first : 2 * first]
+    assert _faults_while(lambda: later.fill_(1.0)) > pages // 2
+
+
+def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runner):
+    mirror = runner.decode_mirror
+    rows = runner.config.scheduler.max_num_seqs
+    assert mirror.layers and mirror.layers[0].shape[1] >= rows  # every row, before any step
+    length = min(512, PREFAULT_BYTES // mirror._bytes(rows, 1))
+    assert length > 0
+    start = mirror.layers[0][:, :rows, :, :length]
+    pages = start.numel() * 4 // 4096
+    assert _faults_while(lambda: start.fill_(1.0)) < pages // 100
+
+
+MALLOC_STATE = """
+    import ctypes, sys, torch
+    from enginecore.builtin_models.host_memory import keep_freed_memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    info = ctypes.CDLL(None).mallinfo2
+    info.restype = MallInfo2
+    if sys.argv[1] == "keep":
+        assert keep_freed_memory()
+    x = torch.empty(5 << 20)  # 20 MiB, as a prefill step's activations
+    mapped = info().hblkhd  # bytes in blocks that have a mapping of their own
+    del x
+    print(mapped, info().arena)  # and the heap left after freeing it
+"""
+
+
+def test_keep_freed_memory_serves_activations_from_a_heap_it_keeps():
+    # glibc's default serves a block this large with its own mmap and unmaps it on free,
+    # so the next one is faulted in page by page again.
+    if not keep_freed_memory():
+        pytest.skip("not glibc: mallopt is not available")
+    mib = 1 << 20
+    state = {}
+    for mode in ("default", "keep"):
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(MALLOC_STATE), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        state[mode] = [int(v) for v in done.stdout.split()]
+    default_mapped, _ = state["default"]
+    kept_mapped, kept_heap = state["keep"]
+    assert default_mapped >= 20 * mib
+    assert kept_mapped < 20 * mib  # from the heap ...
+    assert kept_heap >= 20 * mib  # ... which keeps the freed block
