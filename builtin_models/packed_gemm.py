@@ -4,7 +4,7 @@
 layout on every call. With the small K of these models (256-768) and the 2-300 rows of a
 decode step, that copy is a large share of the call. MKL's ``cblas_sgemm_pack`` does it
 once at load time and ``cblas_sgemm_compute`` reuses the packed copy. On the 2-core
-AVX-512 machine in benchmarks/RESULTS.md it was 1.06-1.8x faster than input-major
+AVX-512 machine in benchmarks/RESULTS.md it was 1.02-1.8x faster than input-major
 ``F.linear`` for outputs of 512 or more features at 16-300 rows. Narrower outputs (256
 features) ran up to 1.7x slower, and at 2,048 rows packing gained nothing (0.94-1.0x on
 most shapes): those keep ``F.linear``.
