@@ -293,7 +293,7 @@ class TorchModelRunner(ModelRunner):
     def _prefault(self, num_blocks: int) -> None:
         """Fault in the start of the KV cache and of the decode mirror now, not in the
         first batch's steps. Their pages are mapped on first touch, which cost 1-10 µs per
-        4 KiB page in the VM of benchmarks/RESULTS.md: ~0.1-1 s inside a 256-request
+        4 KiB page in the VM of benchmarks/RESULTS.md: ~0.2-2 s inside a 256-request
         run. The pool hands out blocks in id order, so the first ones go first."""
         first = min(num_blocks, PREFAULT_BYTES // self.get_kv_cache_block_bytes())
         for cache in self.kv_caches:
