@@ -55,6 +55,11 @@ def _check(status: int, what: str) -> None:
         raise IndexError(f"fused CPU kernel: {what} out of range")
 
 
+def switched_off(variable: str) -> bool:
+    """Whether an on-by-default switch such as ``ENGINECORE_CPU_KERNELS`` is set to off."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def cache_dir() -> Path:
     root = os.environ.get("ENGINECORE_CACHE_DIR")
     if root:
@@ -277,7 +282,7 @@ def load() -> CpuKernels | None:
         return _loaded
     with _lock:
         if _loaded is None and not _failed:
-            if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+            if switched_off(ENV_SWITCH):
                 _failed = True
                 return None
             try:

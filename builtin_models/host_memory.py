@@ -14,7 +14,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # How much of the KV cache, and of the decode mirror, a CPU runner faults in at start-up
-# (see ``DecodeMirror.prefault`` and ``TorchModelRunner.initialize_kv_cache``).
+# (see ``DecodeMirror.prefault`` and ``TorchModelRunner._prefault``).
 PREFAULT_BYTES = 256 << 20
 
 # mallopt(3) parameters

@@ -86,6 +86,13 @@ class _StepState:
     kv_connector_output: KVConnectorOutput | None = None
 
 
+def _fits_a_quarter_of_free_memory(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` that only buys speed is small enough to make."""
+    import psutil
+
+    return nbytes <= psutil.virtual_memory().available // 4
+
+
 class TorchModelRunner(ModelRunner):
     def __init__(
         self,
@@ -173,18 +180,14 @@ class TorchModelRunner(ModelRunner):
         projections' half-precision size again) is at most a quarter of what is free."""
         if self.dtype not in (torch.bfloat16, torch.float16) or cpu_kernels.cpu_has_amx():
             return False
-        import psutil
-
-        return projection_bytes(model) <= psutil.virtual_memory().available // 4
+        return _fits_a_quarter_of_free_memory(projection_bytes(model))
 
     def _pack_projections(self, model: torch.nn.Module) -> None:
         """Hand the wide float32 projections to MKL packed (``packed_gemm``) when the
         copies fit in a quarter of the memory that is free."""
-        import psutil
-
         weights = [m.weight for m in projections(model)]
         extra = packed_gemm.packed_bytes(weights)
-        if not extra or extra > psutil.virtual_memory().available // 4:
+        if not extra or not _fits_a_quarter_of_free_memory(extra):
             return
         count = packed_gemm.pack_weights(weights)
         logger.info("%d of %d projections use MKL's packed GEMM", count, len(weights))

@@ -27,14 +27,15 @@ wheels); elsewhere, or with ``ENGINECORE_PACKED_GEMM=0``, projections use ``F.li
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import os
-import threading
 from ctypes import c_float, c_int, c_size_t, c_void_p
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from enginecore.builtin_models.cpu_kernels import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -66,28 +67,16 @@ class _Mkl:
         self.compute.argtypes += [c_void_p, c_int, c_float, c_void_p, c_int]
 
 
-_lock = threading.Lock()
-_mkl: _Mkl | None = None
-_loaded = False
-
-
-def _switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
-
-
+@functools.cache
 def mkl() -> _Mkl | None:
     """MKL's packed-GEMM entry points from torch's own library, or None."""
-    global _mkl, _loaded
-    with _lock:
-        if not _loaded:
-            _loaded = True
-            if not _switched_off() and torch.backends.mkl.is_available():
-                path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-                try:
-                    _mkl = _Mkl(ctypes.CDLL(str(path)))
-                except (OSError, AttributeError) as exc:
-                    logger.info("MKL packed GEMM not available: %s", exc)
-        return _mkl
+    if switched_off(ENV_SWITCH) or not torch.backends.mkl.is_available():
+        return None
+    try:
+        return _Mkl(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")))
+    except (OSError, AttributeError) as exc:
+        logger.info("MKL packed GEMM not available: %s", exc)
+        return None
 
 
 class PackedWeight:
@@ -122,7 +111,7 @@ class PackedWeight:
             )
         if bias is not None:
             out.add_(bias)
-        return out.view(*x.shape[:-1], self.n)
+        return out.view(*x.shape[:-1], n)
 
 
 def packed_for(weight: torch.Tensor, x: torch.Tensor) -> PackedWeight | None:
