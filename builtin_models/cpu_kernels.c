@@ -101,9 +101,10 @@ void ec_silu_and_mul(const float *x, float *out, int64_t tokens, int64_t inter, 
  * paged cache halves, token t to slot slots[t]. */
 int ec_write_kv(float *k_cache, float *v_cache, const float *k, int64_t k_stride,
                 const float *v, int64_t v_stride, const int64_t *slots, int64_t tokens,
-                int64_t width, int64_t num_slots) {
+                int64_t width, int64_t num_slots, int nthreads) {
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+#pragma omp parallel for num_threads(nthreads) if (tokens * width >= 32768) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
         memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
@@ -116,14 +117,46 @@ int ec_write_kv(float *k_cache, float *v_cache, const float *k, int64_t k_stride
  * lens[r] - 1 of each of its heads. */
 int ec_mirror_append(float *k_cache, float *v_cache, const float *k, int64_t k_stride,
                      const float *v, int64_t v_stride, const int64_t *lens, int64_t n,
-                     int64_t kv_heads, int64_t dim, int64_t cap) {
+                     int64_t kv_heads, int64_t dim, int64_t cap, int nthreads) {
     for (int64_t r = 0; r < n; r++)
         if (lens[r] < 1 || lens[r] > cap) return -1;
+#pragma omp parallel for num_threads(nthreads) if (n * kv_heads * dim >= 32768) \
+    schedule(static)
     for (int64_t r = 0; r < n; r++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t at = ((r * kv_heads + h) * cap + lens[r] - 1) * dim;
             memcpy(k_cache + at, k + r * k_stride + h * dim, dim * sizeof(float));
             memcpy(v_cache + at, v + r * v_stride + h * dim, dim * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* Copy n requests' first lens[i] positions of K and V from the paged cache halves
+ * [num_blocks, block_size, kv_heads, D] into decode-mirror rows row0 + i of the mirror
+ * halves [rows, kv_heads, cap, D]; request i's block ids are table[i * table_stride ..]. */
+int ec_mirror_fill(float *mk, float *mv, const float *ck, const float *cv, const int64_t *table,
+                   int64_t table_stride, const int64_t *lens, int64_t n, int64_t row0,
+                   int64_t mirror_rows, int64_t kv_heads, int64_t dim, int64_t cap,
+                   int64_t block_size, int64_t num_blocks, int nthreads) {
+    if (row0 < 0 || row0 + n > mirror_rows) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (lens[i] < 0 || lens[i] > cap || lens[i] > table_stride * block_size) return -1;
+        for (int64_t b = 0; b * block_size < lens[i]; b++) {
+            const int64_t id = table[i * table_stride + b];
+            if (id < 0 || id >= num_blocks) return -1;
+        }
+    }
+#pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 2) schedule(dynamic, 1)
+    for (int64_t u = 0; u < n * kv_heads; u++) {
+        const int64_t i = u / kv_heads, h = u % kv_heads;
+        float *dk = mk + ((row0 + i) * kv_heads + h) * cap * dim;
+        float *dv = mv + ((row0 + i) * kv_heads + h) * cap * dim;
+        for (int64_t p = 0; p < lens[i]; p++) {
+            const int64_t slot = table[i * table_stride + p / block_size] * block_size +
+                                 p % block_size;
+            memcpy(dk + p * dim, ck + (slot * kv_heads + h) * dim, dim * sizeof(float));
+            memcpy(dv + p * dim, cv + (slot * kv_heads + h) * dim, dim * sizeof(float));
         }
     }
     return 0;
@@ -344,4 +377,55 @@ int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
             attend_unit_generic(qh, K, V, start, len, scale, o, group, dim);
     }
     return 0;
+}
+
+/* The index of the largest of row[0..cols): the first one on ties, and the first NaN if
+ * the row has one, as numpy's argmax. */
+static int64_t argmax_row(const float *row, int64_t cols) {
+    int64_t i = 0, at = 0;
+    float best = row[0];
+#ifdef __AVX512F__
+    if (cols >= 16) {
+        /* Each lane keeps its own maximum and where it first saw it (strict >); the
+         * smallest index among the lanes holding the overall maximum is the first one. */
+        __m512 lane_best = _mm512_set1_ps(-INFINITY);
+        __m512i lane_at = _mm512_setzero_si512();
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __mmask16 nan = 0;
+        for (; i + 16 <= cols; i += 16) {
+            const __m512 v = _mm512_loadu_ps(row + i);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+            lane_best = _mm512_mask_mov_ps(lane_best, gt, v);
+            lane_at = _mm512_mask_mov_epi32(lane_at, gt, idx);
+            idx = _mm512_add_epi32(idx, sixteen);
+        }
+        if (nan) {
+            while (row[at] == row[at]) at++;
+            return at;
+        }
+        best = _mm512_reduce_max_ps(lane_best);
+        const __mmask16 top = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        at = _mm512_mask_reduce_min_epi32(top, lane_at);
+    }
+#endif
+    for (; i < cols; i++) {
+        if (row[i] != row[i]) {
+            if (best == best) return i; /* the first NaN (none came before: see above) */
+            return at;
+        }
+        if (row[i] > best) {
+            best = row[i];
+            at = i;
+        }
+    }
+    return at;
+}
+
+/* out[r] = argmax_row of row r of x ([rows, cols], rows `stride` floats apart). */
+void ec_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                    int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * cols >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
 }

@@ -3,9 +3,12 @@
 A small-batch CPU step is dominated by eager-op overhead, not arithmetic: ``F.rms_norm``
 on 8 x 256 floats costs ~15 µs, and the decode step runs ~150 such ops. These kernels
 fuse the chains the Llama family runs every layer: residual add + RMS norm, Neox rotary
-(in place), SiLU·up, and the K/V writes into the paged cache and the decode mirror.
-Attention itself stays with torch's SDPA, whose blocked kernel is faster than a plain
-loop.
+(in place), SiLU·up, the K/V writes into the paged cache and the decode mirror, and decode
+attention over the mirror; plus the copy of a request's context into the mirror and the
+greedy argmax. Copies that one thread did while the other core's OpenMP thread waited
+are split over the torch threads too: the K/V writes, the mirror fill and the argmax
+made a tiny-model 256-request run 4.5% faster (benchmarks/RESULTS.md, ninth session).
+Prefill attention stays with torch's SDPA.
 
 The library is built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
@@ -41,13 +44,21 @@ _SIGNATURES = {
     "ec_rms_norm": [_P, _I64, _P, _I64, _I, _P, _P, _I64, _I64, _F, _I],
     "ec_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "ec_silu_and_mul": [_P, _P, _I64, _I64, _I],
-    "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64],
-    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64],
+    "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I],
+    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I],
+    "ec_argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
+    "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I],
     "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
 # These return -1 on a bad index or length (nothing written).
-_CHECKED = {"ec_rotary", "ec_write_kv", "ec_mirror_append", "ec_decode_attention"}
+_CHECKED = {
+    "ec_rotary",
+    "ec_write_kv",
+    "ec_mirror_append",
+    "ec_mirror_fill",
+    "ec_decode_attention",
+}
 
 
 def _check(status: int, what: str) -> None:
@@ -210,6 +221,7 @@ class CpuKernels:
             tokens,
             h * d,
             half // (h * d),
+            torch.get_num_threads(),
         )
         _check(status, "a slot beyond the KV cache")
 
@@ -232,8 +244,55 @@ class CpuKernels:
             h,
             d,
             layer.shape[3],
+            torch.get_num_threads(),
         )
         _check(status, "a decode length beyond the mirror's capacity")
+
+    def mirror_fill(
+        self,
+        layer: torch.Tensor,
+        kv_cache: torch.Tensor,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        row0: int,
+    ) -> None:
+        """Copy request ``i``'s first ``lens[i]`` positions from ``kv_cache`` [2, blocks,
+        bs, H_kv, D] (its blocks: row ``i`` of ``table``, int64) into row ``row0 + i`` of
+        a decode-mirror layer [2, rows, H_kv, cap, D]."""
+        _, rows, h, cap, d = layer.shape
+        _, num_blocks, block_size, _, _ = kv_cache.shape
+        mirror, cache = layer.data_ptr(), kv_cache.data_ptr()
+        status = self.lib.ec_mirror_fill(
+            mirror,
+            mirror + layer[0].numel() * 4,
+            cache,
+            cache + kv_cache[0].numel() * 4,
+            table.data_ptr(),
+            table.stride(0),
+            lens.data_ptr(),
+            table.shape[0],
+            row0,
+            rows,
+            h,
+            d,
+            cap,
+            block_size,
+            num_blocks,
+            torch.get_num_threads(),
+        )
+        _check(status, "a block id, row or length beyond the cache or the mirror")
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Index of each row's maximum of a [rows, cols] tensor with contiguous rows (the
+        first on ties, the first NaN if any: numpy's ``argmax(axis=1)``)."""
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if cols == 0:
+            raise ValueError("argmax of an empty row")
+        self.lib.ec_argmax_rows(
+            x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads()
+        )
+        return out
 
     def decode_attention(
         self,

@@ -31,7 +31,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    # Private, not mmap's default shared mapping: a first touch then costs ~0.6 µs
+    # instead of ~0.9 (no shmem page cache), and a forked child copies instead of sharing.
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    memory = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 def keep_freed_memory() -> bool:

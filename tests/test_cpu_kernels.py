@@ -121,6 +121,63 @@ def test_mirror_append_writes_each_row_at_its_length(gen):
     assert torch.equal(layer, expected)  # a bad length writes nothing
 
 
+def test_write_kv_and_mirror_append_split_over_threads_write_the_same(gen):
+    """Enough tokens that the copies run on every torch thread: same bytes as torch's."""
+    tokens, h, d, bs = 300, 2, 64, 16
+    cache = torch.zeros(2, 40, bs, h, d)
+    k = torch.randn(tokens, h, d, generator=gen)
+    v = torch.randn(tokens, h, d, generator=gen)
+    slots = torch.randperm(40 * bs, generator=gen)[:tokens]
+    KERNELS.write_kv(cache, k, v, slots)
+    expected = torch.zeros_like(cache).view(2, 40 * bs, h, d)
+    expected[0].index_copy_(0, slots, k)
+    expected[1].index_copy_(0, slots, v)
+    assert torch.equal(cache.view_as(expected), expected)
+
+    layer = torch.zeros(2, tokens, h, 8, d)
+    lens = torch.randint(1, 9, (tokens,), generator=gen)
+    KERNELS.mirror_append(layer, k, v, lens)
+    rows = torch.arange(tokens)
+    assert torch.equal(layer[0, rows, :, lens - 1], k)
+    assert torch.equal(layer[1, rows, :, lens - 1], v)
+    assert int((layer.abs().sum(dim=-1) != 0).sum()) == 2 * tokens * h
+
+
+def test_mirror_fill_copies_each_request_context_from_its_blocks(gen):
+    bs, h, d, cap = 4, 2, 8, 16
+    cache = torch.randn(2, 10, bs, h, d, generator=gen)
+    layer = torch.zeros(2, 5, h, cap, d)
+    table = torch.tensor([[3, 7, 1], [9, 0, 0]])  # request 1 has one block (rest padding)
+    lens = torch.tensor([10, 3])
+    KERNELS.mirror_fill(layer, cache, table, lens, 2)
+    for i, row in enumerate((2, 3)):
+        slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs for p in range(lens[i])])
+        gathered = cache.view(2, 10 * bs, h, d)[:, slots].transpose(1, 2)  # [2, H, len, D]
+        assert torch.equal(layer[:, row, :, : lens[i]], gathered)
+        assert not layer[:, row, :, lens[i] :].any()
+    assert not layer[:, [0, 1, 4]].any()
+    for bad_table, bad_lens, row0 in (
+        (torch.tensor([[3, 10, 1], [9, 0, 0]]), lens, 2),  # a block id past the cache
+        (table, torch.tensor([13, 3]), 2),  # more positions than the table's blocks
+        (table, lens, 4),  # a row past the mirror
+    ):
+        with pytest.raises(IndexError, match="beyond the cache or the mirror"):
+            KERNELS.mirror_fill(layer, cache, bad_table, bad_lens, row0)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 33, 8192])
+def test_argmax_rows_matches_numpy_on_ties_nan_and_infinities(gen, cols):
+    x = torch.randn(64, cols, generator=gen)
+    x[1] = 1.0  # all tied: the first
+    x[2] = float("-inf")
+    x[3, cols // 2] = float("nan")  # a NaN wins, as in numpy
+    x[4, -1] = float("nan")
+    x[5] = x[5].round()  # ties among the largest
+    x[6, 0] = float("inf")
+    for rows in (x, torch.randn(64, 2 * cols, generator=gen)[:, :cols]):  # strided rows too
+        assert torch.equal(KERNELS.argmax_rows(rows), torch.from_numpy(rows.numpy().argmax(1)))
+
+
 def _mirror_attention(query, layer, lens, scale, window):
     """SDPA of each row on its own positions (the reference for decode_attention)."""
     n, hq, _ = query.shape

@@ -8,6 +8,12 @@ Workloads (random token ids, ignore_eos, greedy, seeded):
 transformers runs in a child process (its own peak RSS), with static batches of
 ``--hf-batch`` prompts, left-padded, generating until the longest requested output of
 the batch; only the requested tokens count as output.
+
+Each system is warmed up (enginecore: one short request; transformers: one batch of four
+new tokens), then runs the workload ``--reps`` times in one process and reports the median
+wall time, as the peer harnesses in ``../shared/peers/`` do (the VM this was developed on
+drifts by 5-10% between single runs). enginecore's prefix cache is reset before each
+repetition, so every one computes every prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import threading
@@ -81,7 +88,11 @@ class _RssSampler:
 
 
 def run_enginecore(
-    model: str, workload: list[tuple[list[int], int]], dtype: str, overrides: dict[str, Any]
+    model: str,
+    workload: list[tuple[list[int], int]],
+    dtype: str,
+    overrides: dict[str, Any],
+    reps: int = 1,
 ) -> dict[str, Any]:
     from enginecore import LLM, SamplingParams
 
@@ -93,17 +104,22 @@ def run_enginecore(
     first_token = time.perf_counter() - t0
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in workload]
-    t1 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - t1
+    walls = []
+    for _ in range(reps):
+        llm.reset_prefix_cache()
+        t1 = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        walls.append(time.perf_counter() - t1)
     llm.shutdown()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p, _ in workload)
+    wall = statistics.median(walls)
     return {
         "system": "enginecore",
         "startup_s": startup,
         "startup_to_first_token_s": first_token,
         "wall_s": wall,
+        "rep_walls_s": walls,
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / wall,
         "total_tok_s": (out_tokens + in_tokens) / wall,
@@ -123,7 +139,35 @@ def _hf_child(spec: dict[str, Any]) -> dict[str, Any]:
     pad = model.generation_config.pad_token_id or 0
     load = time.perf_counter() - t0
     workload, batch = spec["workload"], spec["batch"]
-    t1 = time.perf_counter()
+    # One untimed batch first, as the peer harness (../shared/peers/hf/bench_generate.py)
+    # does: a cold first generate ran ~15% slower than the ones after it.
+    _hf_generate_all(model, [(p, 4) for p, _ in workload[:batch]], batch, pad)
+    walls = []
+    for _ in range(spec["reps"]):
+        t1 = time.perf_counter()
+        useful = _hf_generate_all(model, workload, batch, pad)
+        walls.append(time.perf_counter() - t1)
+    wall = statistics.median(walls)
+    in_tokens = sum(len(p) for p, _ in workload)
+    return {
+        "system": "transformers",
+        "startup_s": load,
+        "wall_s": wall,
+        "rep_walls_s": walls,
+        "output_tokens": useful,
+        "output_tok_s": useful / wall,
+        "total_tok_s": (useful + in_tokens) / wall,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _hf_generate_all(
+    model: Any, workload: list[tuple[list[int], int]], batch: int, pad: int
+) -> int:
+    """The workload through ``generate`` in static batches; returns the output tokens that
+    were asked for."""
+    import torch
+
     useful = 0
     with torch.inference_mode():
         for start in range(0, len(workload), batch):
@@ -144,23 +188,15 @@ def _hf_child(spec: dict[str, Any]) -> dict[str, Any]:
                 pad_token_id=pad,
             )
             useful += sum(n for _, n in chunk)
-    wall = time.perf_counter() - t1
-    in_tokens = sum(len(p) for p, _ in workload)
-    return {
-        "system": "transformers",
-        "startup_s": load,
-        "wall_s": wall,
-        "output_tokens": useful,
-        "output_tok_s": useful / wall,
-        "total_tok_s": (useful + in_tokens) / wall,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    return useful
 
 
 def run_transformers(
-    model: str, workload: list[tuple[list[int], int]], dtype: str, batch: int
+    model: str, workload: list[tuple[list[int], int]], dtype: str, batch: int, reps: int = 1
 ) -> dict[str, Any]:
-    spec = json.dumps({"model": model, "workload": workload, "dtype": dtype, "batch": batch})
+    spec = json.dumps(
+        {"model": model, "workload": workload, "dtype": dtype, "batch": batch, "reps": reps}
+    )
     code = (
         "import json, sys; from enginecore.bench.throughput import _hf_child; "
         "print(json.dumps(_hf_child(json.loads(sys.stdin.read()))))"
@@ -184,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers static batch")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument(
+        "--reps", type=int, default=3, help="timed runs per system (the median is reported)"
+    )
+    parser.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -205,9 +244,13 @@ def run(args: argparse.Namespace) -> int:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value) if value[:1] in "[{0123456789tfn-" else value
     results = {"machine": machine_line(), "workload": args.workload, "n": args.num_prompts}
-    results["enginecore"] = run_enginecore(args.model, workload, args.dtype, overrides)
+    if args.reps < 1:
+        raise SystemExit("--reps must be at least 1")
+    results["enginecore"] = run_enginecore(args.model, workload, args.dtype, overrides, args.reps)
     if not args.no_peer:
-        results["transformers"] = run_transformers(args.model, workload, args.dtype, args.hf_batch)
+        results["transformers"] = run_transformers(
+            args.model, workload, args.dtype, args.hf_batch, args.reps
+        )
         results["ratio_output_tok_s"] = (
             results["enginecore"]["output_tok_s"] / results["transformers"]["output_tok_s"]
         )
@@ -221,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
                 f"total tok/s  wall {r['wall_s']:6.2f} s  start-up {r['startup_s']:5.1f} s  "
                 f"peak RSS {r['peak_rss_mib']:6.0f} MiB"
             )
+            if len(r["rep_walls_s"]) > 1:
+                walls = ", ".join(f"{w:.2f}" for w in r["rep_walls_s"])
+                print(f"{'':>12}  median of {len(r['rep_walls_s'])} runs ({walls} s)")
     if "ratio_output_tok_s" in results:
         print(
             f"ratio (enginecore / transformers, output tok/s): {results['ratio_output_tok_s']:.2f}x"
