@@ -386,25 +386,44 @@ static int64_t argmax_row(const float *row, int64_t cols) {
     float best = row[0];
 #ifdef __AVX512F__
     if (cols >= 16) {
-        /* Each lane keeps its own maximum and where it first saw it (strict >); the
+        /* Each lane keeps its own maximum and where it first saw it (strict >), in two
+         * independent sets (even and odd vectors) so consecutive compares overlap; the
          * smallest index among the lanes holding the overall maximum is the first one. */
-        __m512 lane_best = _mm512_set1_ps(-INFINITY);
-        __m512i lane_at = _mm512_setzero_si512();
+        __m512 best0 = _mm512_set1_ps(-INFINITY), best1 = best0;
+        __m512i at0 = _mm512_setzero_si512(), at1 = at0;
         __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i sixteen = _mm512_set1_epi32(16), thirty_two = _mm512_set1_epi32(32);
         __mmask16 nan = 0;
+        for (; i + 32 <= cols; i += 32) {
+            const __m512 v0 = _mm512_loadu_ps(row + i), v1 = _mm512_loadu_ps(row + i + 16);
+            nan |= _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) |
+                   _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+            const __mmask16 gt0 = _mm512_cmp_ps_mask(v0, best0, _CMP_GT_OQ);
+            const __mmask16 gt1 = _mm512_cmp_ps_mask(v1, best1, _CMP_GT_OQ);
+            best0 = _mm512_mask_mov_ps(best0, gt0, v0);
+            best1 = _mm512_mask_mov_ps(best1, gt1, v1);
+            at0 = _mm512_mask_mov_epi32(at0, gt0, idx);
+            at1 = _mm512_mask_mov_epi32(at1, gt1, _mm512_add_epi32(idx, sixteen));
+            idx = _mm512_add_epi32(idx, thirty_two);
+        }
         for (; i + 16 <= cols; i += 16) {
             const __m512 v = _mm512_loadu_ps(row + i);
             nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            const __mmask16 gt = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
-            lane_best = _mm512_mask_mov_ps(lane_best, gt, v);
-            lane_at = _mm512_mask_mov_epi32(lane_at, gt, idx);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best0, _CMP_GT_OQ);
+            best0 = _mm512_mask_mov_ps(best0, gt, v);
+            at0 = _mm512_mask_mov_epi32(at0, gt, idx);
             idx = _mm512_add_epi32(idx, sixteen);
         }
         if (nan) {
             while (row[at] == row[at]) at++;
             return at;
         }
+        /* Merge the odd set into the even one: a larger value wins, a tie the lower index. */
+        const __mmask16 take = _mm512_cmp_ps_mask(best1, best0, _CMP_GT_OQ) |
+                               (_mm512_cmp_ps_mask(best1, best0, _CMP_EQ_OQ) &
+                                _mm512_cmp_epi32_mask(at1, at0, _MM_CMPINT_LT));
+        const __m512 lane_best = _mm512_mask_mov_ps(best0, take, best1);
+        const __m512i lane_at = _mm512_mask_mov_epi32(at0, take, at1);
         best = _mm512_reduce_max_ps(lane_best);
         const __mmask16 top = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
         at = _mm512_mask_reduce_min_epi32(top, lane_at);
