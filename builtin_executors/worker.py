@@ -45,9 +45,14 @@ def resolve_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def cpu_threads_per_rank(par: Any) -> int:
+# A step with at least this many prompt tokens runs on the reserved cores too.
+BURST_MIN_PREFILL_TOKENS = 512
+
+
+def cpu_threads_per_rank(par: Any, reserve: bool = True) -> int:
     """Torch threads for one CPU rank: the cores this process may run on, less those
-    reserved for the frontend, shared by the ranks on this host.
+    reserved for the frontend (unless ``reserve`` is false), shared by the ranks on this
+    host.
 
     Ranks on one host share its cores, and oversubscribed threads slow every rank; local
     data-parallel replicas (backend mp) share them too (Ray sizes its actors itself).
@@ -62,8 +67,13 @@ def cpu_threads_per_rank(par: Any) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    reserved = par.cpu_reserved_cores or 0
+    reserved = (par.cpu_reserved_cores or 0) if reserve else 0
     return max(1, (cores - reserved) // local_ranks)
+
+
+def prefill_tokens(scheduler_output: SchedulerOutput) -> int:
+    """Tokens of the step's multi-token chunks (prompts, mostly; not single decodes)."""
+    return sum(n for n in scheduler_output.num_scheduled_tokens.values() if n > 1)
 
 
 class Worker(WorkerABC):
@@ -88,6 +98,10 @@ class Worker(WorkerABC):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
+        # CPU torch threads (set by init_device): per step, and for large prefill steps,
+        # which borrow the cores reserved for the frontend (0: never).
+        self.step_threads = 0
+        self.burst_threads = 0
         # Set by the trace_next_steps worker RPC (a StepTracer) for the next N steps.
         self.step_tracer: Any = None
 
@@ -103,7 +117,18 @@ class Worker(WorkerABC):
             threads = cpu_threads_per_rank(par)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-            logger.info("rank %d: %d torch threads", self.rank, threads)
+            burst = cpu_threads_per_rank(par, reserve=False)
+            if burst > threads:
+                self.step_threads, self.burst_threads = threads, burst
+                logger.info(
+                    "rank %d: %d torch threads, %d for steps with %d+ prompt tokens",
+                    self.rank,
+                    threads,
+                    burst,
+                    BURST_MIN_PREFILL_TOKENS,
+                )
+            else:
+                logger.info("rank %d: %d torch threads", self.rank, threads)
         if par.world_size > 1 and self.parallel.world_size == 1:
             # Join the TP/PP process group (gloo on CPU, NCCL on CUDA); every rank of this
             # executor calls this at the same time with the same init_method.
@@ -150,9 +175,24 @@ class Worker(WorkerABC):
     # --- the step -----------------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.burst_threads:
+            self._set_step_threads(scheduler_output)
         if self.step_tracer is not None:
             return self.step_tracer.execute_model(scheduler_output)
         return self.model_runner.execute_model(scheduler_output)
+
+    def _set_step_threads(self, scheduler_output: SchedulerOutput) -> None:
+        """Large prefill steps run on the reserved cores too.
+
+        The reservation keeps decode steps clear of the frontend's bursts (an OpenMP
+        barrier waits for a preempted thread). A step prefilling many prompts at once is
+        long and comes when requests arrive together: there the second thread paid off,
+        200 requests at once ran 6-15% faster on the 2-core machine, while at 8 requests
+        a second, one prompt per step, it did not (benchmarks/RESULTS.md)."""
+        big = prefill_tokens(scheduler_output) >= BURST_MIN_PREFILL_TOKENS
+        threads = self.burst_threads if big else self.step_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         if self.step_tracer is not None:

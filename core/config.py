@@ -119,7 +119,8 @@ class ParallelConfig(_Section):
     """Address of an existing Ray cluster; a local one is started when unset."""
     cpu_reserved_cores: int | None = None
     """CPU cores kept free of torch threads for the frontend (HTTP server, tokenizer,
-    detokenizer). Unset: 1 under ``enginecore serve``, 0 otherwise."""
+    detokenizer), except in steps with 512+ prompt tokens. Unset: 1 under ``enginecore
+    serve``, 0 otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -71,3 +71,31 @@ def test_the_engine_process_runs_the_threads_it_was_given(tiny_llama) -> None:
     with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
         assert llm.collective_rpc(torch_threads) == [CORES - 1]
         assert llm.generate(["hello"])[0].outputs[0].token_ids  # and it still generates
+
+
+@pytest.mark.skipif(CORES < 2, reason="needs two cores to reserve one")
+@pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS overrides it")
+def test_large_prefill_steps_borrow_the_reserved_cores(tiny_llama) -> None:
+    def threads_per_step(worker) -> list[int]:  # nested: sent by value to the worker
+        from types import SimpleNamespace
+
+        from enginecore.builtin_executors.worker import BURST_MIN_PREFILL_TOKENS
+
+        seen = []
+        for scheduled in (
+            {"a": BURST_MIN_PREFILL_TOKENS},  # one long prompt chunk
+            {"a": 1, "b": 1, "c": BURST_MIN_PREFILL_TOKENS - 1},  # decodes and a short one
+            {"a": BURST_MIN_PREFILL_TOKENS // 2, "b": BURST_MIN_PREFILL_TOKENS // 2},
+            {"a": 1},
+        ):
+            worker._set_step_threads(SimpleNamespace(num_scheduled_tokens=scheduled))
+            seen.append(torch.get_num_threads())
+        return seen
+
+    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
+        assert llm.collective_rpc(threads_per_step) == [[CORES, CORES - 1, CORES, CORES - 1]]
+        assert llm.generate(["hello"])[0].outputs[0].token_ids
+        assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [CORES - 1]
+
+    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=0) as llm:  # nothing to borrow
+        assert llm.collective_rpc(lambda worker: worker.burst_threads) == [0]
