@@ -233,6 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.reps < 1:
+        raise SystemExit("--reps must be at least 1")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
@@ -244,8 +246,6 @@ def run(args: argparse.Namespace) -> int:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value) if value[:1] in "[{0123456789tfn-" else value
     results = {"machine": machine_line(), "workload": args.workload, "n": args.num_prompts}
-    if args.reps < 1:
-        raise SystemExit("--reps must be at least 1")
     results["enginecore"] = run_enginecore(args.model, workload, args.dtype, overrides, args.reps)
     if not args.no_peer:
         results["transformers"] = run_transformers(
