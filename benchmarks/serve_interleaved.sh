@@ -12,6 +12,9 @@
 # processes keep about one core busy for a second after a run (measured: 0.94 CPU-s in
 # the first second, then idle), which a run started at once would lose to it.
 #
+# VLLM_ARGS adds flags to `vllm serve`: where vLLM sees less free memory on its NUMA node
+# than its default fraction (0.92), `VLLM_ARGS="--gpu-memory-utilization 0.5"`.
+#
 # Usage: PEERS=/tmp/peers bash benchmarks/serve_interleaved.sh MODEL_DIR [OUT_DIR]
 set -u
 MODEL=$1; OUT=${2:-serve-interleaved}
@@ -26,7 +29,7 @@ declare -A PORTS=([vllm]=18123 [enginecore]=18200)
 
 "$V/bin/python" "$VLLM_CLI" serve "$MODEL" --host 127.0.0.1 --port ${PORTS[vllm]} \
     --dtype float32 --max-model-len 512 --max-num-seqs 256 --no-enable-prefix-caching \
-    --seed 0 > "$OUT/vllm_server.log" 2>&1 &
+    --seed 0 ${VLLM_ARGS:-} > "$OUT/vllm_server.log" 2>&1 &
 VPID=$!
 "$ENGINECORE" serve "$MODEL" --port ${PORTS[enginecore]} --dtype float32 --max-model-len 512 \
     --max-num-seqs 256 --no-prefix-caching > "$OUT/enginecore_server.log" 2>&1 &

@@ -197,7 +197,9 @@ static inline float online_softmax_block(float *s, int64_t nb, float *m, float *
 /* Positions ahead to prefetch K from: the hardware prefetcher stops at each 4 KB page
  * (16 positions of 64 floats). At 256 rows of ~192 positions, 8 ahead (with this block's
  * V prefetched as its K is read) ran 8-15% faster than no prefetch, 16 or 32 ahead. */
+#ifndef EC_PREFETCH_AHEAD
 #define EC_PREFETCH_AHEAD 8
+#endif
 
 /* The sums of the 16 lanes of a, b, c and d, as one 4-float vector (a shuffle tree:
  * cheaper than four horizontal reductions). */
@@ -297,6 +299,106 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
     }
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
     EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
+#undef EC_CASE
+    return 0;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EC_FAST_GROUP 8
+#define EC_FAST_NV 16 /* dim / 8 */
+#ifndef EC_PREFETCH_AHEAD
+#define EC_PREFETCH_AHEAD 8
+#endif
+
+/* The sums of the 8 lanes of a, b, c and d, as one 4-float vector. */
+static inline __m128 reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* [a01 a23 b01 b23 | a45 a67 b45 b67], [c.. d..] likewise, then the four sums per half */
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* The AVX-512 kernel's loop with 8-float vectors. Sixteen registers cannot hold the query
+ * heads as well as the accumulators: the queries are read from L1 (memory operands). */
+static inline __attribute__((always_inline)) void attend_unit_avx2(
+    const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
+    float *o, const int G, const int NV) {
+    __m256 acc[EC_FAST_GROUP][EC_FAST_NV];
+    float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int v = 0; v < NV; v++) acc[g][v] = _mm256_setzero_ps();
+    }
+    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
+        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+        const __m128 scale4 = _mm_set1_ps(scale);
+        int64_t j = 0;
+        for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
+            for (int u = 0; u < 4; u++) {
+                const float *kt = K + (t0 + j + u) * NV * 8;
+                const float *vt = V + (t0 + j + u) * NV * 8;
+                for (int c = 0; c < NV; c += 2) { /* a cache line is 16 floats */
+                    _mm_prefetch((const char *)(kt + (EC_PREFETCH_AHEAD * NV + c) * 8),
+                                 _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vt + c * 8), _MM_HINT_T0);
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                const float *qg = qh + g * NV * 8;
+                __m256 x[4];
+                for (int u = 0; u < 4; u++) {
+                    const float *kt = K + (t0 + j + u) * NV * 8;
+                    x[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt));
+                    for (int v = 1; v < NV; v++)
+                        x[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8),
+                                               _mm256_loadu_ps(kt + v * 8), x[u]);
+                }
+                _mm_storeu_ps(&s[g][j], _mm_mul_ps(reduce4_avx2(x[0], x[1], x[2], x[3]), scale4));
+            }
+        }
+        for (; j < nb; j++) {
+            const float *kt = K + (t0 + j) * NV * 8;
+            for (int g = 0; g < G; g++) {
+                const float *qg = qh + g * NV * 8;
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt));
+                for (int v = 1; v < NV; v++)
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8), _mm256_loadu_ps(kt + v * 8),
+                                        x);
+                const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+                const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                s[g][j] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2))) * scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m256 alpha = _mm256_set1_ps(online_softmax_block(s[g], nb, &m[g], &l[g]));
+            for (int v = 0; v < NV; v++) acc[g][v] = _mm256_mul_ps(acc[g][v], alpha);
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            const float *vt = V + (t0 + j) * NV * 8;
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(s[g][j]);
+                for (int v = 0; v < NV; v++)
+                    acc[g][v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + v * 8), acc[g][v]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        for (int v = 0; v < NV; v++)
+            _mm256_storeu_ps(o + g * NV * 8 + v * 8, _mm256_mul_ps(acc[g][v], inv));
+    }
+}
+
+static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t group, int64_t dim) {
+#define EC_CASE(G, NV)                                                                  \
+    if (group == G && dim == NV * 8) {                                                  \
+        attend_unit_avx2(qh, K, V, start, len, scale, o, G, NV);                         \
+        return 1;                                                                       \
+    }
+    EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
+    EC_CASE(1, 16) EC_CASE(2, 16) EC_CASE(4, 16) EC_CASE(8, 16)
 #undef EC_CASE
     return 0;
 }
@@ -427,6 +529,55 @@ static int64_t argmax_row(const float *row, int64_t cols) {
         best = _mm512_reduce_max_ps(lane_best);
         const __mmask16 top = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
         at = _mm512_mask_reduce_min_epi32(top, lane_at);
+    }
+#elif defined(__AVX2__)
+    if (cols >= 8) {
+        /* As above with 8 lanes: blends instead of masks, a scalar pass over the lanes. */
+        __m256 best0 = _mm256_set1_ps(-INFINITY), best1 = best0;
+        __m256i at0 = _mm256_setzero_si256(), at1 = at0;
+        __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i eight = _mm256_set1_epi32(8), sixteen = _mm256_set1_epi32(16);
+        __m256 nan = _mm256_setzero_ps();
+        for (; i + 16 <= cols; i += 16) {
+            const __m256 v0 = _mm256_loadu_ps(row + i), v1 = _mm256_loadu_ps(row + i + 8);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+            const __m256 gt0 = _mm256_cmp_ps(v0, best0, _CMP_GT_OQ);
+            const __m256 gt1 = _mm256_cmp_ps(v1, best1, _CMP_GT_OQ);
+            best0 = _mm256_blendv_ps(best0, v0, gt0);
+            best1 = _mm256_blendv_ps(best1, v1, gt1);
+            at0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at0),
+                                                       _mm256_castsi256_ps(idx), gt0));
+            at1 = _mm256_castps_si256(_mm256_blendv_ps(
+                _mm256_castsi256_ps(at1), _mm256_castsi256_ps(_mm256_add_epi32(idx, eight)),
+                gt1));
+            idx = _mm256_add_epi32(idx, sixteen);
+        }
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(v, best0, _CMP_GT_OQ);
+            best0 = _mm256_blendv_ps(best0, v, gt);
+            at0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at0),
+                                                       _mm256_castsi256_ps(idx), gt));
+            idx = _mm256_add_epi32(idx, eight);
+        }
+        if (_mm256_movemask_ps(nan)) {
+            while (row[at] == row[at]) at++;
+            return at;
+        }
+        float b0[8], b1[8];
+        int32_t a0[8], a1[8];
+        _mm256_storeu_ps(b0, best0);
+        _mm256_storeu_ps(b1, best1);
+        _mm256_storeu_si256((__m256i *)a0, at0);
+        _mm256_storeu_si256((__m256i *)a1, at1);
+        best = b0[0];
+        at = a0[0];
+        for (int lane = 0; lane < 8; lane++) {
+            /* a larger value wins, a tie the lower index (the odd set may have no value) */
+            if (b0[lane] > best || (b0[lane] == best && a0[lane] < at)) best = b0[lane], at = a0[lane];
+            if (b1[lane] > best || (b1[lane] == best && a1[lane] < at)) best = b1[lane], at = a1[lane];
+        }
     }
 #endif
     for (; i < cols; i++) {

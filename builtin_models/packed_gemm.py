@@ -11,8 +11,9 @@ most shapes): those keep ``F.linear``.
 
 A packed weight is used only where it gives the same bits as ``F.linear``, so greedy
 outputs stay those of the unpacked model:
-- each weight is probed at pack time and left unpacked if any output differs (packed,
-  MKL split K=1024 and 2048 differently, which changes the summation order);
+- each weight is probed at pack time, with and without a bias, and left unpacked if any
+  output differs (packed, MKL split K=1024 and 2048 differently, which changes the
+  summation order);
 - a single row keeps ``F.linear``: MKL takes its matrix-vector path there;
 - row-major weights (a head tied to the embedding) are not packed: their packed
   product differed from ``F.linear``'s.
@@ -46,6 +47,10 @@ MIN_OUT_FEATURES = 512
 PACK_ROWS = 256
 MAX_ROWS = 512  # more rows: F.linear (see above)
 PROBE_ROWS = (2, 37, 300)
+# Wider weights are packed as blocks of this many output columns, one GEMM each: on AMD
+# Zen 3 an 8,192-wide LM head at 256 rows ran 13% faster in 2,048-wide blocks (1,024:
+# 12%), with the same bits (benchmarks/RESULTS.md, tenth session).
+MAX_BLOCK_COLUMNS = 2048
 
 # CBLAS enums (mkl_cblas.h); MKL_INT is 32-bit in the LP64 interface torch links.
 _ROW_MAJOR, _NO_TRANS, _PACKED, _B_MATRIX = 101, 111, 151, 162
@@ -81,16 +86,24 @@ def mkl() -> _Mkl | None:
 
 class PackedWeight:
     """One input-major projection weight (logical [out, in], stored [in, out]; see
-    ``use_input_major_weights``) in MKL's packed layout."""
+    ``use_input_major_weights``) in MKL's packed layout, as column blocks of at most
+    ``MAX_BLOCK_COLUMNS`` outputs."""
 
     def __init__(self, lib: _Mkl, weight: torch.Tensor) -> None:
         self.lib = lib
         self.n, self.k = weight.shape
-        size = lib.get_size(_B_MATRIX, PACK_ROWS, self.n, self.k)
-        # MKL wants the packed buffer 64-byte aligned, which torch's CPU allocator gives.
-        self.buffer = torch.empty(-(-size // 4), dtype=torch.float32)
-        src, dst = weight.data_ptr(), self.buffer.data_ptr()
-        lib.pack(_ROW_MAJOR, _B_MATRIX, _NO_TRANS, PACK_ROWS, self.n, self.k, 1.0, src, self.n, dst)
+        self.blocks: list[tuple[int, int, torch.Tensor]] = []  # (first column, width, buffer)
+        for first in range(0, self.n, MAX_BLOCK_COLUMNS):
+            width = min(MAX_BLOCK_COLUMNS, self.n - first)
+            size = lib.get_size(_B_MATRIX, PACK_ROWS, width, self.k)
+            # MKL wants packed buffers 64-byte aligned, which torch's CPU allocator gives.
+            buffer = torch.empty(-(-size // 4), dtype=torch.float32)
+            src = weight.data_ptr() + first * weight.element_size()  # [in, out]: columns
+            lib.pack(
+                _ROW_MAJOR, _B_MATRIX, _NO_TRANS, PACK_ROWS, width, self.k, 1.0, src, self.n,
+                buffer.data_ptr(),
+            )  # fmt: skip
+            self.blocks.append((first, width, buffer))
         self.source = (weight.data_ptr(), weight._version)
 
     def current_for(self, weight: torch.Tensor) -> bool:
@@ -103,14 +116,19 @@ class PackedWeight:
         if rows.stride(-1) != 1 or rows.stride(0) < k:
             rows = rows.contiguous()
         m = rows.shape[0]
-        out = torch.empty((m, n), dtype=torch.float32)
+        # With a bias, as torch's addmm: the output starts as the bias and the GEMM adds
+        # to it (beta 1). Adding the bias afterwards rounded differently on AMD Zen 3.
+        if bias is None:
+            out, beta = torch.empty((m, n), dtype=torch.float32), 0.0
+        else:
+            out, beta = bias.expand(m, n).contiguous(), 1.0
         if m:
-            a, b, c = rows.data_ptr(), self.buffer.data_ptr(), out.data_ptr()
-            self.lib.compute(
-                _ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k, a, rows.stride(0), b, n, 0.0, c, n
-            )
-        if bias is not None:
-            out.add_(bias)
+            a, c = rows.data_ptr(), out.data_ptr()
+            for first, width, buffer in self.blocks:  # each block writes its columns of out
+                self.lib.compute(
+                    _ROW_MAJOR, _NO_TRANS, _PACKED, m, width, k, a, rows.stride(0),
+                    buffer.data_ptr(), width, beta, c + first * 4, n,
+                )  # fmt: skip
         return out.view(*x.shape[:-1], n)
 
 
@@ -125,10 +143,14 @@ def packed_for(weight: torch.Tensor, x: torch.Tensor) -> PackedWeight | None:
 
 
 def _same_bits(packed: PackedWeight, weight: torch.Tensor) -> bool:
+    """Probed with and without a bias: whether a layer has one is not known here."""
     gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(packed.n, generator=gen)
     for rows in PROBE_ROWS:
         x = torch.randn(rows, packed.k, generator=gen)
         if not torch.equal(packed.linear(x), F.linear(x, weight)):
+            return False
+        if not torch.equal(packed.linear(x, bias), F.linear(x, weight, bias)):
             return False
     return True
 

@@ -191,9 +191,11 @@ def _mirror_attention(query, layer, lens, scale, window):
     return out
 
 
-# (query heads, KV heads, head dim): the AVX-512 versions (dims 64 and 128) and the
-# portable one (any other dim, here with 6 query heads per KV head).
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 128), (12, 2, 40)])
+# (query heads, KV heads, head dim): the AVX-512 or AVX2 versions (dims 64 and 128, 1 to 8
+# query heads per KV head) and the portable one (any other dim, here with 6 per KV head).
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(4, 2, 64), (8, 1, 64), (8, 8, 128), (16, 4, 128), (12, 2, 40)]
+)
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_attends_each_row_over_its_own_length(gen, hq, hkv, d, window):
     n, cap = 5, 150  # lengths cross the kernel's 64-position blocks

@@ -46,6 +46,25 @@ def test_packed_projection_gives_the_same_bits_as_linear():
 
 
 @needs_mkl
+def test_wide_weights_are_packed_in_column_blocks_with_the_same_bits():
+    wide = packed_gemm.MAX_BLOCK_COLUMNS * 2 + 904  # two full blocks and a narrower one
+    weight = _input_major(wide, 256, seed=3)
+    bias = torch.randn(wide)
+    assert packed_gemm.pack_weights([weight]) == 1
+    packed = packed_gemm.packed_for(weight, torch.randn(2, 256))
+    assert [(first, width) for first, width, _ in packed.blocks] == [
+        (0, packed_gemm.MAX_BLOCK_COLUMNS),
+        (packed_gemm.MAX_BLOCK_COLUMNS, packed_gemm.MAX_BLOCK_COLUMNS),
+        (2 * packed_gemm.MAX_BLOCK_COLUMNS, 904),
+    ]
+    gen = torch.Generator().manual_seed(2)
+    for rows in (2, 64, 256):
+        x = torch.randn(rows, 256, generator=gen)
+        assert torch.equal(project(x, weight), F.linear(x, weight))
+        assert torch.equal(project(x, weight, bias), F.linear(x, weight, bias))
+
+
+@needs_mkl
 def test_one_row_and_large_batches_keep_linear():
     weight = _input_major(2048, 256)
     packed_gemm.pack_weights([weight])
