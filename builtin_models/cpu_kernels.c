@@ -534,6 +534,7 @@ static int64_t argmax_row(const float *row, int64_t cols) {
         __m256 nan = _mm256_setzero_ps();
         for (; i + 16 <= cols; i += 16) {
             const __m256 v0 = _mm256_loadu_ps(row + i), v1 = _mm256_loadu_ps(row + i + 8);
+            /* unordered when either is NaN: one compare covers both vectors */
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
             const __m256 gt0 = _mm256_cmp_ps(v0, best0, _CMP_GT_OQ);
             const __m256 gt1 = _mm256_cmp_ps(v1, best1, _CMP_GT_OQ);
@@ -569,8 +570,10 @@ static int64_t argmax_row(const float *row, int64_t cols) {
         at = a0[0];
         for (int lane = 0; lane < 8; lane++) {
             /* a larger value wins, a tie the lower index (the odd set may have no value) */
-            if (b0[lane] > best || (b0[lane] == best && a0[lane] < at)) best = b0[lane], at = a0[lane];
-            if (b1[lane] > best || (b1[lane] == best && a1[lane] < at)) best = b1[lane], at = a1[lane];
+            if (b0[lane] > best || (b0[lane] == best && a0[lane] < at))
+                best = b0[lane], at = a0[lane];
+            if (b1[lane] > best || (b1[lane] == best && a1[lane] < at))
+                best = b1[lane], at = a1[lane];
         }
     }
 #endif

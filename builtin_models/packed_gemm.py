@@ -123,11 +123,11 @@ class PackedWeight:
         else:
             out, beta = bias.expand(m, n).contiguous(), 1.0
         if m:
-            a, c = rows.data_ptr(), out.data_ptr()
+            a, c, size = rows.data_ptr(), out.data_ptr(), out.element_size()
             for first, width, buffer in self.blocks:  # each block writes its columns of out
                 self.lib.compute(
                     _ROW_MAJOR, _NO_TRANS, _PACKED, m, width, k, a, rows.stride(0),
-                    buffer.data_ptr(), width, beta, c + first * 4, n,
+                    buffer.data_ptr(), width, beta, c + first * size, n,
                 )  # fmt: skip
         return out.view(*x.shape[:-1], n)
 
