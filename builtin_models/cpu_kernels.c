@@ -596,3 +596,115 @@ void ec_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
 #pragma omp parallel for num_threads(nthreads) if (rows * cols >= 65536) schedule(static)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, cols);
 }
+
+/* ---- Projection GEMM (see panel_gemm.py) -------------------------------------------------
+ * c[m, n] = sum_k a[m, k] * w[n, k] (+ bias[n]), with w packed once into panels of
+ * EC_PANEL output columns: panel p holds w[EC_PANEL p + j][k] at [k][j], zero-padded past
+ * the last column. Every output sums its K products in one FMA chain from k = 0 up and
+ * then adds its bias, whatever the row count or tile: a row gets the same bits alone or in
+ * any batch. A 6 x 16 tile keeps its 12 accumulators in registers over the whole chain. */
+#define EC_PANEL 16
+#define EC_TILE_ROWS 6
+#define EC_ROW_BLOCK_BYTES (128 * 1024) /* the rows of a that one block keeps in L2 */
+
+void ec_gemm_pack(const float *w, int64_t stride_n, int64_t stride_k, int64_t n, int64_t k,
+                  float *panels) {
+    for (int64_t p = 0; p * EC_PANEL < n; p++) {
+        float *dst = panels + p * k * EC_PANEL;
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t j = 0; j < EC_PANEL; j++) {
+                const int64_t col = p * EC_PANEL + j;
+                dst[kk * EC_PANEL + j] = col < n ? w[col * stride_n + kk * stride_k] : 0.0f;
+            }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+int ec_gemm_available(void) { return 1; }
+
+#define EC_ROW_FMA(i)                                                                     \
+    if (i < R) {                                                                          \
+        const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);                           \
+        acc##i##a = _mm256_fmadd_ps(x, b0, acc##i##a);                                    \
+        acc##i##b = _mm256_fmadd_ps(x, b1, acc##i##b);                                    \
+    }
+#define EC_ROW_STORE(i)                                                                   \
+    if (i < R) {                                                                          \
+        _mm256_storeu_ps(tile[i], acc##i##a);                                             \
+        _mm256_storeu_ps(tile[i] + 8, acc##i##b);                                         \
+    }
+
+/* R (1-6) rows of a times one panel into c (width columns of it are real). */
+static inline __attribute__((always_inline)) void gemm_tile(
+    const float *a, int64_t lda, const float *panel, int64_t k, const float *bias, float *c,
+    int64_t ldc, int64_t width, const int R) {
+    __m256 acc0a = _mm256_setzero_ps(), acc0b = acc0a, acc1a = acc0a, acc1b = acc0a;
+    __m256 acc2a = acc0a, acc2b = acc0a, acc3a = acc0a, acc3b = acc0a;
+    __m256 acc4a = acc0a, acc4b = acc0a, acc5a = acc0a, acc5b = acc0a;
+    for (int64_t kk = 0; kk < k; kk++) {
+        const __m256 b0 = _mm256_loadu_ps(panel + kk * EC_PANEL);
+        const __m256 b1 = _mm256_loadu_ps(panel + kk * EC_PANEL + 8);
+        EC_ROW_FMA(0) EC_ROW_FMA(1) EC_ROW_FMA(2) EC_ROW_FMA(3) EC_ROW_FMA(4) EC_ROW_FMA(5)
+    }
+    float tile[EC_TILE_ROWS][EC_PANEL];
+    EC_ROW_STORE(0) EC_ROW_STORE(1) EC_ROW_STORE(2) EC_ROW_STORE(3) EC_ROW_STORE(4)
+    EC_ROW_STORE(5)
+    for (int i = 0; i < R; i++) {
+        if (bias)
+            for (int64_t j = 0; j < width; j++) tile[i][j] = bias[j] + tile[i][j];
+        memcpy(c + i * ldc, tile[i], sizeof(float) * width);
+    }
+}
+
+/* All `rows` rows of a times one panel, six at a time. */
+static void gemm_panel(const float *a, int64_t lda, int64_t rows, const float *panel,
+                       int64_t k, const float *bias, float *c, int64_t ldc, int64_t width) {
+    int64_t i = 0;
+    for (; i + EC_TILE_ROWS <= rows; i += EC_TILE_ROWS)
+        gemm_tile(a + i * lda, lda, panel, k, bias, c + i * ldc, ldc, width, 6);
+    const float *ai = a + i * lda;
+    float *ci = c + i * ldc;
+    switch (rows - i) {
+    case 5: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 5); break;
+    case 4: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 4); break;
+    case 3: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 3); break;
+    case 2: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 2); break;
+    case 1: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 1); break;
+    }
+}
+#undef EC_ROW_FMA
+#undef EC_ROW_STORE
+
+/* c [m, n] (rows ldc apart) = a [m, k] (rows lda apart) times the packed weight, plus bias
+ * (or NULL). Rows go in blocks that fit L2; each block's panels are split over the
+ * threads. */
+int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
+            const float *bias, float *c, int64_t ldc, int nthreads) {
+    const int64_t count = (n + EC_PANEL - 1) / EC_PANEL;
+    int64_t block = EC_ROW_BLOCK_BYTES / (int64_t)sizeof(float) / (k > 0 ? k : 1);
+    block = block < EC_TILE_ROWS ? EC_TILE_ROWS : block / EC_TILE_ROWS * EC_TILE_ROWS;
+    /* A tile's chain costs about k FMA latencies: below ~16k of them (~20 us) over all
+     * tiles, waking the second thread cost more than it saved (AMD Zen 3, 2 threads). */
+    const int64_t chain = (m + EC_TILE_ROWS - 1) / EC_TILE_ROWS * count * k;
+#pragma omp parallel num_threads(nthreads) if (chain >= 16384)
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+        const int64_t rows = m - r0 < block ? m - r0 : block;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            const int64_t col = p * EC_PANEL, width = n - col < EC_PANEL ? n - col : EC_PANEL;
+            gemm_panel(a + r0 * lda, lda, rows, panels + p * k * EC_PANEL, k,
+                       bias ? bias + col : NULL, c + r0 * ldc + col, ldc, width);
+        }
+    }
+    return 0;
+}
+#else
+int ec_gemm_available(void) { return 0; }
+
+int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
+            const float *bias, float *c, int64_t ldc, int nthreads) {
+    return -1;
+}
+#endif

@@ -59,7 +59,11 @@ _SIGNATURES = {
     "ec_argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
     "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I],
     "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _P],
+    "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I],
+    "ec_gemm_available": [],
 }
+GEMM_PANEL = 16  # output columns per packed panel (EC_PANEL in the C source)
 
 # These return -1 on a bad index or length (nothing written).
 _CHECKED = {
@@ -69,6 +73,7 @@ _CHECKED = {
     "ec_mirror_fill",
     "ec_decode_attention",
 }
+_RETURN_INT = _CHECKED | {"ec_gemm", "ec_gemm_available"}
 
 
 def _check(status: int, what: str) -> None:
@@ -153,7 +158,7 @@ class CpuKernels:
         self.lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             getattr(self.lib, name).argtypes = argtypes
-            getattr(self.lib, name).restype = _I if name in _CHECKED else None
+            getattr(self.lib, name).restype = _I if name in _RETURN_INT else None
 
     def rms_norm(
         self,
@@ -336,6 +341,43 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         _check(status, "a decode length beyond the mirror's capacity")
+        return out
+
+    def gemm_available(self) -> bool:
+        """Whether ``gemm`` was built (it needs AVX2 and FMA)."""
+        return bool(self.lib.ec_gemm_available())
+
+    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 [out, in] weight (any strides) copied into the panels ``gemm`` reads."""
+        n, k = weight.shape
+        panels = torch.empty(-(-n // GEMM_PANEL) * GEMM_PANEL * k, dtype=torch.float32)
+        self.lib.ec_gemm_pack(
+            weight.data_ptr(), weight.stride(0), weight.stride(1), n, k, panels.data_ptr()
+        )
+        return panels
+
+    def gemm(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [m, k]`` (contiguous rows) times the ``n``-output weight packed in
+        ``panels``, plus ``bias`` (float32, contiguous) if given: [m, n]."""
+        m, k = x.shape
+        out = torch.empty((m, n), dtype=torch.float32)
+        if m:
+            status = self.lib.ec_gemm(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                k,
+                panels.data_ptr(),
+                n,
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                n,
+                torch.get_num_threads(),
+            )
+            if status != 0:
+                raise RuntimeError("ec_gemm is not built on this CPU (it needs AVX2 and FMA)")
         return out
 
 

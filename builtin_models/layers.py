@@ -70,7 +70,7 @@ def project(
     """``x W^T + b``. A weight stored wider than the activations (a half-precision model's
     projections in float32, see ``use_float32_projections``) computes in its dtype and
     rounds the result back once, as a half-precision GEMM with float32 accumulation does."""
-    packed = packed_for(weight, x)  # MKL's packed copy, where the runner made one
+    packed = packed_for(weight, x)  # a packed copy, where the runner made one
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias) if packed is None else packed.linear(x, bias)
     wide, bias = weight.dtype, None if bias is None else bias.to(weight.dtype)

@@ -183,14 +183,20 @@ class TorchModelRunner(ModelRunner):
         return _fits_a_quarter_of_free_memory(projection_bytes(model))
 
     def _pack_projections(self, model: torch.nn.Module) -> None:
-        """Hand the wide float32 projections to MKL packed (``packed_gemm``) when the
-        copies fit in a quarter of the memory that is free."""
+        """Pack the float32 projections for this CPU's GEMM (``packed_gemm``) when the
+        copies fit in a quarter of the memory that is free. A head tied to the embedding
+        (``logits_head``, where the model has one) is packed too where the backend takes
+        its row-major layout."""
         weights = [m.weight for m in projections(model)]
+        last_stage = self.parallel.is_last_pp_rank
+        head = model.logits_head() if last_stage and hasattr(model, "logits_head") else None
+        if head is not None and not any(head.weight is w for w in weights):
+            weights.append(head.weight)
         extra = packed_gemm.packed_bytes(weights)
         if not extra or not _fits_a_quarter_of_free_memory(extra):
             return
         count = packed_gemm.pack_weights(weights)
-        logger.info("%d of %d projections use MKL's packed GEMM", count, len(weights))
+        logger.info("%d of %d projections use %s", count, len(weights), packed_gemm.backend())
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):

@@ -2,7 +2,9 @@
 
 Greedy equality with transformers through the packed projections is covered by the
 model suites (test_llm_correctness, test_models_vs_transformers, ...), which load float32
-models on CPU and so pack their wide projections.
+models on CPU and so pack their wide projections. On an AVX2 CPU without AVX-512 the
+runner packs for enginecore's own GEMM instead (test_panel_gemm.py); these tests switch
+that off to pin MKL.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from enginecore.builtin_models.layers import project
 
 MKL = packed_gemm.mkl()
 needs_mkl = pytest.mark.skipif(MKL is None, reason="torch without MKL: nothing is packed")
+
+
+@pytest.fixture(autouse=True)
+def mkl_backend(monkeypatch):
+    monkeypatch.setenv("ENGINECORE_PANEL_GEMM", "0")
 
 
 def _input_major(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -145,8 +152,8 @@ LOADED_MODEL = """
 @needs_mkl
 def test_the_model_runner_packs_wide_projections_unless_switched_off(tiny_llama):
     code = LOADED_MODEL.format(path=tiny_llama)
-    packed = _run(code).split(",")
+    packed = _run(code, ENGINECORE_PANEL_GEMM="0").split(",")
     assert "model.layers.0.mlp.gate_up_proj.weight" in packed
     assert "lm_head.weight" in packed
     assert "model.layers.0.mlp.down_proj.weight" not in packed  # 256 outputs: too narrow
-    assert _run(code, ENGINECORE_PACKED_GEMM="0") == ""
+    assert _run(code, ENGINECORE_PANEL_GEMM="0", ENGINECORE_PACKED_GEMM="0") == ""

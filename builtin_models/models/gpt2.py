@@ -146,8 +146,11 @@ class GPT2LMHeadModel(nn.Module):
     ) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, attn_metadata)
 
+    def logits_head(self) -> VocabParallelEmbedding:
+        return self.transformer.wte  # tied LM head
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(hidden_states, self.transformer.wte)  # tied LM head
+        return vocab_parallel_logits(hidden_states, self.logits_head())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         def transposed(

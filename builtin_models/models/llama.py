@@ -258,9 +258,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_states)
 
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The weight that computes logits: the LM head, or the embedding it is tied to."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return vocab_parallel_logits(hidden_states, head)
+        return vocab_parallel_logits(hidden_states, self.logits_head())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = set(dict(self.named_parameters()))

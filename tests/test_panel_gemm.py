@@ -1,0 +1,125 @@
+"""enginecore's own AVX2 GEMM for CPU projections (builtin_models/panel_gemm.py, ec_gemm).
+
+The kernel tests run wherever it is built (AVX2 and FMA), whether or not this CPU prefers
+it; the model runner's choice is tested on the CPUs that prefer it. Greedy equality with
+transformers through it is covered by the model suites, which pack on such a CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_packed_gemm import LOADED_MODEL, _run
+
+from enginecore.builtin_models import cpu_kernels, packed_gemm, panel_gemm
+from enginecore.builtin_models.layers import project
+
+KERNELS = cpu_kernels.load()
+needs_gemm = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.gemm_available(), reason="ec_gemm needs AVX2 and FMA"
+)
+
+
+def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=gen) * 0.05
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    wide = None if bias is None else bias.double()
+    return F.linear(x.double(), weight.double(), wide).float()
+
+
+@needs_gemm
+@pytest.mark.parametrize(
+    "out_features,in_features",
+    [(2048, 256), (256, 1024), (100, 77), (16, 1), (5, 300)],  # tails: 100 = 6 x 16 + 4
+)
+def test_products_match_a_float64_reference(out_features, in_features):
+    weight = _weight(out_features, in_features)
+    packed = panel_gemm.PanelWeight(KERNELS, weight)
+    bias = torch.randn(out_features)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 5, 6, 7, 13, 64, 301):  # every tile height, several row blocks
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            got = packed.linear(x, b)
+            assert got.shape == (rows, out_features)
+            torch.testing.assert_close(got, _reference(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_gemm
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
+    weight = _weight(512, 256)
+    packed = panel_gemm.PanelWeight(KERNELS, weight)
+    bias = torch.randn(512)
+    x = torch.randn(700, 256)  # 700 rows: several row blocks, split over the threads
+    whole = packed.linear(x, bias)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 37, 256):
+        assert torch.equal(packed.linear(x[:rows], bias), whole[:rows])
+    for row in (0, 5, 6, 350, 699):
+        assert torch.equal(packed.linear(x[row : row + 1], bias), whole[row : row + 1])
+
+
+@needs_gemm
+def test_either_weight_layout_and_strided_rows_give_the_same_bits():
+    weight = _weight(300, 256)
+    row_major = panel_gemm.PanelWeight(KERNELS, weight)
+    input_major = panel_gemm.PanelWeight(KERNELS, weight.t().contiguous().t())
+    wider = torch.randn(4, 9, 512)
+    x = wider[..., :256]  # rows 512 floats apart, leading dims flattened
+    got = input_major.linear(x)
+    assert got.shape == (4, 9, 300)
+    assert torch.equal(got, row_major.linear(x.contiguous()))
+    assert torch.equal(got.reshape(36, 300), row_major.linear(x.reshape(36, 256)))
+
+
+@needs_gemm
+def test_pack_weights_takes_every_float32_matrix_when_preferred(monkeypatch):
+    monkeypatch.setattr(panel_gemm, "preferred", lambda: True)
+    narrow = _weight(256, 1024)  # any width and either layout
+    wide = _weight(2048, 256).t().contiguous().t()
+    half = _weight(2048, 256).bfloat16()
+    assert packed_gemm.backend() == "enginecore's AVX2 GEMM"
+    assert packed_gemm.pack_weights([narrow, wide, half]) == 2
+    assert packed_gemm.packed_bytes([narrow, wide, half]) == (256 * 1024 + 2048 * 256) * 4
+    one_row = torch.randn(1, 1024)  # a single row too: the same chain as in any batch
+    assert isinstance(packed_gemm.packed_for(narrow, one_row), panel_gemm.PanelWeight)
+    assert packed_gemm.packed_for(half, torch.randn(2, 256)) is None
+    torch.testing.assert_close(project(one_row, narrow), _reference(one_row, narrow, None))
+
+
+@needs_gemm
+def test_a_changed_weight_drops_its_stale_panels(monkeypatch):
+    monkeypatch.setattr(panel_gemm, "preferred", lambda: True)
+    weight = _weight(512, 256)
+    packed_gemm.pack_weights([weight])
+    x = torch.randn(8, 256)
+    assert packed_gemm.packed_for(weight, x) is not None
+    weight.mul_(2.0)  # in place: same storage, new version
+    assert packed_gemm.packed_for(weight, x) is None
+    assert torch.equal(project(x, weight), F.linear(x, weight))
+
+
+def test_only_an_avx2_cpu_without_avx512_prefers_it(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not panel_gemm.preferred()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv(panel_gemm.ENV_SWITCH, "0")
+    assert not panel_gemm.preferred()
+    monkeypatch.delenv(panel_gemm.ENV_SWITCH)
+    assert panel_gemm.preferred() == (KERNELS is not None and KERNELS.gemm_available())
+
+
+@pytest.mark.skipif(not panel_gemm.preferred(), reason="this CPU keeps MKL's GEMM")
+def test_the_model_runner_packs_every_projection_for_it(tiny_llama):
+    code = LOADED_MODEL.format(path=tiny_llama)
+    packed = _run(code).split(",")
+    for name in ("gate_up_proj", "down_proj", "qkv_proj", "o_proj"):
+        assert f"model.layers.0.mlp.{name}.weight" in packed or (
+            f"model.layers.0.self_attn.{name}.weight" in packed
+        )
+    assert "lm_head.weight" in packed
+    # Switched off, MKL packs the wide ones only.
+    assert "model.layers.0.mlp.down_proj.weight" not in _run(code, ENGINECORE_PANEL_GEMM="0")
