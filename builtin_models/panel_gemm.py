@@ -60,10 +60,12 @@ class PanelWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T + b`` for float32 ``x`` of shape [..., in]."""
+        if x.dtype != torch.float32:  # the kernel reads raw float pointers
+            raise TypeError(f"packed float32 projection given {x.dtype} activations")
         rows = x.reshape(-1, self.k)
         if rows.stride(-1) != 1 or rows.stride(0) < self.k:
             rows = rows.contiguous()
         if bias is not None:
-            bias = bias.contiguous()
+            bias = bias.to(torch.float32).contiguous()
         out = self.kernels.gemm(rows, self.panels, self.n, bias)
         return out.view(*x.shape[:-1], self.n)

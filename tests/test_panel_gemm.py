@@ -76,6 +76,13 @@ def test_either_weight_layout_and_strided_rows_give_the_same_bits():
 
 
 @needs_gemm
+def test_other_activation_dtypes_are_refused():
+    packed = panel_gemm.PanelWeight(KERNELS, _weight(32, 16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        packed.linear(torch.randn(4, 16).bfloat16())
+
+
+@needs_gemm
 def test_pack_weights_takes_every_float32_matrix_when_preferred(monkeypatch):
     monkeypatch.setattr(panel_gemm, "preferred", lambda: True)
     narrow = _weight(256, 1024)  # any width and either layout
