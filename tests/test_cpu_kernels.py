@@ -89,6 +89,20 @@ def test_silu_and_mul_matches_torch(gen):
     torch.testing.assert_close(KERNELS.silu_and_mul(x), F.silu(gate) * up)
 
 
+def test_silu_and_mul_vector_lanes_and_tail_agree_bit_for_bit(gen):
+    # 13 = one 8-lane vector + a 5-element scalar tail; each row's tail repeats its first
+    # five gates, so both paths see the same values and must give the same bits.
+    gate = torch.randn(40, 8, generator=gen) * 40
+    gate[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 95.0, -95.0])
+    gate = torch.cat([gate, gate[:, :5]], dim=1)
+    up = torch.randn(40, 8, generator=gen)
+    out = KERNELS.silu_and_mul(torch.cat([gate, torch.cat([up, up[:, :5]], dim=1)], dim=1))
+    assert torch.equal(out[:, :5].view(torch.int32), out[:, 8:].view(torch.int32))
+    ref = F.silu(gate) * torch.cat([up, up[:, :5]], dim=1)
+    torch.testing.assert_close(out[1:], ref[1:])
+    assert out[0, 0].isnan() and out[0, 1] == float("inf") * up[0, 1]
+
+
 def test_write_kv_scatters_strided_heads(gen):
     cache = torch.zeros(2, 6, 4, 2, 8)
     qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8, generator=gen)
