@@ -27,6 +27,10 @@ from enginecore.builtin_models.host_memory import zeroed
 from enginecore.builtin_models.sliding_window import decode_mask
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
+# Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
+# positions put every row's K and V exactly 1 MiB apart, and decode attention over 256 rows
+# ran 7-11% slower than with these few extra positions (AMD Zen 3).
+_T_PAD = 16
 
 
 @dataclass
@@ -103,11 +107,15 @@ class DecodeMirror:
     def _capacity(self) -> tuple[int, int]:
         if not self.layers:
             return 0, 0
-        return self.layers[0].shape[1], self.layers[0].shape[3]
+        return self.layers[0].shape[1], self.layers[0].shape[3] - _T_PAD
 
     def _bytes(self, rows: int, length: int) -> int:
+        """The memory of a mirror of ``rows`` rows holding ``length`` positions each."""
+        return self._position_bytes(rows) * (length + _T_PAD)
+
+    def _position_bytes(self, rows: int) -> int:
         h, d = self.shape_hd
-        return self.num_layers * 2 * rows * h * length * d * self.dtype.itemsize
+        return self.num_layers * 2 * rows * h * d * self.dtype.itemsize
 
     def _ensure(self, rows: int, length: int) -> bool:
         cap_r, cap_t = self._capacity()
@@ -136,7 +144,7 @@ class DecodeMirror:
         used = max(self.row_len, default=0)
         grown = []
         for old in self.layers or [None] * self.num_layers:
-            new = zeroed((2, new_r, h, new_t, d), self.dtype, self.device)
+            new = zeroed((2, new_r, h, new_t + _T_PAD, d), self.dtype, self.device)
             if old is not None and keep and used:
                 new[:, :keep, :, :used] = old[:, :keep, :, :used]
             grown.append(new)
@@ -147,8 +155,8 @@ class DecodeMirror:
         """Allocate for every row now and fault in each row's first positions, as many as
         ``budget`` bytes cover (rows fill from position 0, and rows are reused in order)."""
         rows = self.max_rows
-        length = min(self.max_len, budget // self._bytes(rows, 1))
-        if length and self._ensure(rows, length):
+        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
+        if length > 0 and self._ensure(rows, length):
             for layer in self.layers:
                 layer[:, :rows, :, :length].zero_()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from enginecore import make_config
+from enginecore.builtin_models.decode_mirror import _T_PAD
 from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory
 from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.interfaces import WorkerSpec
@@ -53,7 +54,7 @@ def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runne
     mirror = runner.decode_mirror
     rows = runner.config.scheduler.max_num_seqs
     assert mirror.layers and mirror.layers[0].shape[1] >= rows  # every row, before any step
-    length = min(512, PREFAULT_BYTES // mirror._bytes(rows, 1))
+    length = min(512, PREFAULT_BYTES // mirror._position_bytes(rows) - _T_PAD)
     assert length > 0
     start = mirror.layers[0][:, :rows, :, :length]
     pages = start.numel() * 4 // 4096
