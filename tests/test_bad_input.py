@@ -107,6 +107,20 @@ def test_unloadable_tokenizer_is_a_clear_config_error(tiny_llama, tmp_path) -> N
         LLM(path, dtype="float32", multiprocessing=False)
 
 
+def test_unloadable_tokenizer_stops_the_engine_started_beside_it(tiny_llama, tmp_path) -> None:
+    # With the engine in its own process the tokenizer loads while that process starts:
+    # the tokenizer's error still wins, and the engine process does not outlive it.
+    import psutil
+
+    path = _copy_checkpoint(tiny_llama, tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match="could not load a tokenizer"):
+        LLM(path, dtype="float32", multiprocessing=True)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
 def test_missing_model_path(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         LLM(tmp_path / "nowhere", multiprocessing=False)

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from enginecore.config import EngineConfig, make_config
-from enginecore.engine.client import make_client
+from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
@@ -37,7 +37,6 @@ from enginecore.engine.output import (
     RequestOutput,
     RequestState,
 )
-from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import (
     EngineCoreError,
     EngineDeadError,
@@ -92,13 +91,13 @@ class AsyncLLM:
             overrides["model"] = str(model)
         self.config = make_config(config_file, base=config, **overrides)
         self.output_kind = OutputKind.DELTA
-        self.tokenizer = load_tokenizer(self.config)
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
-        self.engine_client: Any = make_client(self.config, asyncio_mode=True)
+        self.engine_client: Any
+        self.engine_client, self.tokenizer = start_engine(self.config, asyncio_mode=True)
         self.ready = self.engine_client.ready
         self.max_model_len = self.ready.max_model_len
         self.input_processor = InputProcessor(

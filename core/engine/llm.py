@@ -10,11 +10,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from enginecore.config import EngineConfig, make_config
-from enginecore.engine.client import EngineCoreClient, make_client
+from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
-from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.params import SamplingParams
 
@@ -41,8 +40,8 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         self.config = make_config(config_file, base=config, **overrides)
-        self.tokenizer = load_tokenizer(self.config)
-        self.engine_client: EngineCoreClient = make_client(self.config)
+        self.engine_client: EngineCoreClient
+        self.engine_client, self.tokenizer = start_engine(self.config)
         self.max_model_len = self.engine_client.ready.max_model_len
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -136,7 +137,12 @@ class _EngineProcess:
 
 
 class _MPClientBase(EngineCoreClient):
-    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ctx: zmq.Context,
+        while_starting: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.ctx = ctx
         self.encoder = MsgpackEncoder()
@@ -152,6 +158,8 @@ class _MPClientBase(EngineCoreClient):
             self.engine.tmpdir,
         )
         try:
+            if while_starting is not None:
+                while_starting()  # the engine process boots meanwhile
             self.ready = self.engine.handshake(config.engine.ready_timeout)
         except BaseException:
             self._finalizer()
@@ -186,8 +194,10 @@ class SyncMPClient(_MPClientBase):
     """Used by ``LLM``: a reader thread routes outputs and utility results, and watches
     the engine process so a death is noticed within a bounded time."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, zmq.Context())
+    def __init__(
+        self, config: EngineConfig, while_starting: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(config, zmq.Context(), while_starting)
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._utility_futures: dict[int, Future] = {}
         self._stop = threading.Event()
@@ -246,8 +256,10 @@ class SyncMPClient(_MPClientBase):
 class AsyncMPClient(_MPClientBase):
     """Used by ``AsyncLLM``: an asyncio task routes outputs and utility results."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, zmq.asyncio.Context())
+    def __init__(
+        self, config: EngineConfig, while_starting: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(config, zmq.asyncio.Context(), while_starting)
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._utility_futures: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
