@@ -29,7 +29,7 @@ from enginecore.builtin_models.sliding_window import decode_mask
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
 # positions put every row's K and V exactly 1 MiB apart, and decode attention over 256 rows
-# ran 7-11% slower than with these few extra positions (AMD Zen 3).
+# ran 7-11% slower in isolation than with these few extra positions (AMD Zen 3).
 _T_PAD = 16
 
 
