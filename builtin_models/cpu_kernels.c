@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* residual[t] += x[t] (when add is set), then out[t] = residual[t] / rms * weight, with
@@ -642,6 +643,8 @@ void ec_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
 #define EC_PANEL 16
 #define EC_TILE_ROWS 6
 #define EC_ROW_BLOCK_BYTES (256 * 1024) /* the rows of a that one block keeps in L2 */
+#define EC_PACK_MIN_PANELS 32
+#define EC_PACK_MIN_TILES 4
 
 void ec_gemm_pack(const float *w, int64_t stride_n, int64_t stride_k, int64_t n, int64_t k,
                   float *panels) {
@@ -662,20 +665,25 @@ int ec_gemm_available(void) { return 1; }
 
 #define EC_ROW_FMA(i)                                                                     \
     if (i < R) {                                                                          \
-        const __m256 x = _mm256_broadcast_ss(a + i * lda + kk);                           \
+        const __m256 x = _mm256_broadcast_ss(a + i * row_step + kk * k_step);             \
         acc##i##a = _mm256_fmadd_ps(x, b0, acc##i##a);                                    \
         acc##i##b = _mm256_fmadd_ps(x, b1, acc##i##b);                                    \
     }
-#define EC_ROW_STORE(i)                                                                   \
+#define EC_ROW_STORE(i, dst, ld)                                                          \
     if (i < R) {                                                                          \
-        _mm256_storeu_ps(tile[i], acc##i##a);                                             \
-        _mm256_storeu_ps(tile[i] + 8, acc##i##b);                                         \
+        _mm256_storeu_ps(dst + i * ld, acc##i##a);                                        \
+        _mm256_storeu_ps(dst + i * ld + 8, acc##i##b);                                    \
     }
+#define EC_ROW_STORES(dst, ld)                                                            \
+    EC_ROW_STORE(0, dst, ld) EC_ROW_STORE(1, dst, ld) EC_ROW_STORE(2, dst, ld)            \
+    EC_ROW_STORE(3, dst, ld) EC_ROW_STORE(4, dst, ld) EC_ROW_STORE(5, dst, ld)
 
-/* R (1-6) rows of a times one panel into c (width columns of it are real). */
+/* R (1-6) rows of a times one panel into c (width columns of it are real). Row i's k-th
+ * value is at a[i * row_step + k * k_step]: rows of the caller's matrix (lda, 1) or a
+ * packed tile (1, 6). */
 static inline __attribute__((always_inline)) void gemm_tile(
-    const float *a, int64_t lda, const float *panel, int64_t k, const float *bias, float *c,
-    int64_t ldc, int64_t width, const int R) {
+    const float *a, const int64_t row_step, const int64_t k_step, const float *panel,
+    int64_t k, const float *bias, float *c, int64_t ldc, int64_t width, const int R) {
     __m256 acc0a = _mm256_setzero_ps(), acc0b = acc0a, acc1a = acc0a, acc1b = acc0a;
     __m256 acc2a = acc0a, acc2b = acc0a, acc3a = acc0a, acc3b = acc0a;
     __m256 acc4a = acc0a, acc4b = acc0a, acc5a = acc0a, acc5b = acc0a;
@@ -684,9 +692,12 @@ static inline __attribute__((always_inline)) void gemm_tile(
         const __m256 b1 = _mm256_loadu_ps(panel + kk * EC_PANEL + 8);
         EC_ROW_FMA(0) EC_ROW_FMA(1) EC_ROW_FMA(2) EC_ROW_FMA(3) EC_ROW_FMA(4) EC_ROW_FMA(5)
     }
+    if (width == EC_PANEL && !bias) {
+        EC_ROW_STORES(c, ldc)
+        return;
+    }
     float tile[EC_TILE_ROWS][EC_PANEL];
-    EC_ROW_STORE(0) EC_ROW_STORE(1) EC_ROW_STORE(2) EC_ROW_STORE(3) EC_ROW_STORE(4)
-    EC_ROW_STORE(5)
+    EC_ROW_STORES(tile[0], EC_PANEL)
     for (int i = 0; i < R; i++) {
         if (bias)
             for (int64_t j = 0; j < width; j++) tile[i][j] = bias[j] + tile[i][j];
@@ -694,38 +705,81 @@ static inline __attribute__((always_inline)) void gemm_tile(
     }
 }
 
-/* All `rows` rows of a times one panel, six at a time. With `next` (the panel this thread
- * takes after this one) and enough tiles to hide it, each tile first asks for its share of
- * the next panel's k lines (64 bytes each): between a decode step's projections the
- * attention streams the KV cache through L3, so each panel's first tile would otherwise
- * wait on memory (10% of the projections' time at 64-2048 rows on AMD Zen 3). */
-static void gemm_panel(const float *a, int64_t lda, int64_t rows, const float *panel,
-                       int64_t k, const float *bias, float *c, int64_t ldc, int64_t width,
-                       const float *next) {
+/* All `rows` rows of a times one panel, six at a time; with `packed`, a holds the tiles
+ * as pack_tile wrote them. With `next` (the panel this thread takes after this one) and
+ * enough tiles to hide it, each tile first asks for its share of the next panel's k
+ * lines (64 bytes each): between a decode step's projections the attention streams the
+ * KV cache through L3, so each panel's first tile would otherwise wait on memory (10% of
+ * the projections' time at 64-2048 rows on AMD Zen 3). */
+static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
+                       const float *panel, int64_t k, const float *bias, float *c,
+                       int64_t ldc, int64_t width, const float *next) {
     const int64_t tiles = rows / EC_TILE_ROWS;
     const int64_t share = tiles >= 4 && next ? (k + tiles - 1) / tiles : 0;
-    int64_t i = 0, fetched = 0;
-    for (; i + EC_TILE_ROWS <= rows; i += EC_TILE_ROWS) {
+    const int64_t tile_step = packed ? k * EC_TILE_ROWS : EC_TILE_ROWS * lda;
+    const int64_t row_step = packed ? 1 : lda, k_step = packed ? EC_TILE_ROWS : 1;
+    int64_t t = 0, fetched = 0;
+    for (; t < tiles; t++) {
         for (int64_t l = 0; l < share && fetched < k; l++, fetched++)
             _mm_prefetch((const char *)(next + fetched * EC_PANEL), _MM_HINT_T0);
-        gemm_tile(a + i * lda, lda, panel, k, bias, c + i * ldc, ldc, width, 6);
+        float *ct = c + t * EC_TILE_ROWS * ldc;
+        if (packed)
+            gemm_tile(a + t * tile_step, 1, EC_TILE_ROWS, panel, k, bias, ct, ldc, width, 6);
+        else
+            gemm_tile(a + t * tile_step, lda, 1, panel, k, bias, ct, ldc, width, 6);
     }
-    const float *ai = a + i * lda;
-    float *ci = c + i * ldc;
-    switch (rows - i) {
-    case 5: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 5); break;
-    case 4: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 4); break;
-    case 3: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 3); break;
-    case 2: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 2); break;
-    case 1: gemm_tile(ai, lda, panel, k, bias, ci, ldc, width, 1); break;
+    const float *at = a + t * tile_step;
+    float *ct = c + t * EC_TILE_ROWS * ldc;
+    switch (rows - t * EC_TILE_ROWS) {
+    case 5: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 5); break;
+    case 4: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 4); break;
+    case 3: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 3); break;
+    case 2: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 2); break;
+    case 1: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 1); break;
     }
 }
 #undef EC_ROW_FMA
 #undef EC_ROW_STORE
+#undef EC_ROW_STORES
+
+/* One tile: the first min(rows, 6) rows of a into dst as [k][6], rows past them as zeros.
+ * 8 k at a time through an 8 x 8 transpose (rows 6 and 7 zero) whose 8 outputs are
+ * stored 6 floats apart, each over the previous one's 2 spare lanes. */
+static void pack_tile(const float *a, int64_t lda, int64_t rows, int64_t k, float *dst) {
+    const __m256i first6 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    int64_t kk = 0;
+    for (; kk + 8 <= k; kk += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = i < rows && i < EC_TILE_ROWS ? _mm256_loadu_ps(a + i * lda + kk)
+                                                : _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float *d = dst + kk * EC_TILE_ROWS;
+        _mm256_storeu_ps(d + 0 * EC_TILE_ROWS, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(d + 1 * EC_TILE_ROWS, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(d + 2 * EC_TILE_ROWS, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(d + 3 * EC_TILE_ROWS, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(d + 4 * EC_TILE_ROWS, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(d + 5 * EC_TILE_ROWS, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(d + 6 * EC_TILE_ROWS, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_maskstore_ps(d + 7 * EC_TILE_ROWS, first6, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+    for (; kk < k; kk++)
+        for (int i = 0; i < EC_TILE_ROWS; i++)
+            dst[kk * EC_TILE_ROWS + i] = i < rows ? a[i * lda + kk] : 0.0f;
+}
 
 /* c [m, n] (rows ldc apart) = a [m, k] (rows lda apart) times the packed weight, plus bias
  * (or NULL). Rows go in blocks that fit L2; each block's panels are split over the
- * threads. */
+ * threads. For wide weights each block's rows are first copied tile by tile into one
+ * stream ([k][6] per tile), which the threads share. */
 int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
             const float *bias, float *c, int64_t ldc, int nthreads) {
     if (m <= 0) return 0;
@@ -737,21 +791,36 @@ int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *pane
     fit = fit < 1 ? 1 : fit;
     const int64_t blocks = (tiles + fit - 1) / fit;
     const int64_t block = (tiles + blocks - 1) / blocks * EC_TILE_ROWS;
+    /* A wide weight's tiles read the block's rows copied into one stream per tile: a
+     * 2,048 x 256 weight took 9-13% less time so at 256 and 2,048 rows (AMD Zen 3, 2
+     * threads). Narrow weights (16 panels) and a few rows do not repay the copy. */
+    float *packed = NULL;
+    if (count >= EC_PACK_MIN_PANELS && tiles >= EC_PACK_MIN_TILES) {
+        packed = aligned_alloc(64, (block * k * sizeof(float) + 63) / 64 * 64);
+        if (!packed) return -2;
+    }
     /* A tile's chain costs about k FMA latencies: below ~16k of them (~20 us) over all
      * tiles, waking the second thread cost more than it saved (AMD Zen 3, 2 threads). */
     const int64_t chain = tiles * count * k;
 #pragma omp parallel num_threads(nthreads) if (chain >= 16384)
     for (int64_t r0 = 0; r0 < m; r0 += block) {
         const int64_t rows = m - r0 < block ? m - r0 : block;
+        if (packed) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < (rows + EC_TILE_ROWS - 1) / EC_TILE_ROWS; t++)
+                pack_tile(a + (r0 + t * EC_TILE_ROWS) * lda, lda, rows - t * EC_TILE_ROWS, k,
+                          packed + t * k * EC_TILE_ROWS);
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < count; p++) {
             const int64_t col = p * EC_PANEL, width = n - col < EC_PANEL ? n - col : EC_PANEL;
             const float *panel = panels + p * k * EC_PANEL;
             const float *next = p + 1 < count ? panel + k * EC_PANEL : NULL;
-            gemm_panel(a + r0 * lda, lda, rows, panel, k, bias ? bias + col : NULL,
-                       c + r0 * ldc + col, ldc, width, next);
+            gemm_panel(packed ? packed : a + r0 * lda, lda, packed != NULL, rows, panel, k,
+                       bias ? bias + col : NULL, c + r0 * ldc + col, ldc, width, next);
         }
     }
+    free(packed);
     return 0;
 }
 #else

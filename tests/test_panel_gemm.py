@@ -34,7 +34,9 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @needs_gemm
 @pytest.mark.parametrize(
     "out_features,in_features",
-    [(2048, 256), (256, 1024), (100, 77), (16, 1), (5, 300)],  # tails: 100 = 6 x 16 + 4
+    # Tails: 100 = 6 x 16 + 4 columns. 520 columns (33 panels) copy each row block into
+    # tiles first, and 77 = 9 x 8 + 5 leaves a tail past the copy's 8-wide transposes.
+    [(2048, 256), (256, 1024), (100, 77), (520, 77), (16, 1), (5, 300)],
 )
 def test_products_match_a_float64_reference(out_features, in_features):
     weight = _weight(out_features, in_features)
@@ -51,6 +53,7 @@ def test_products_match_a_float64_reference(out_features, in_features):
 
 @needs_gemm
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
+    # 512 columns: up to 18 rows are read in place, from 19 (4 tiles) copied into tiles first.
     weight = _weight(512, 256)
     packed = panel_gemm.PanelWeight(KERNELS, weight)
     bias = torch.randn(512)
@@ -64,15 +67,16 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
 
 @needs_gemm
 def test_either_weight_layout_and_strided_rows_give_the_same_bits():
-    weight = _weight(300, 256)
-    row_major = panel_gemm.PanelWeight(KERNELS, weight)
-    input_major = panel_gemm.PanelWeight(KERNELS, weight.t().contiguous().t())
-    wider = torch.randn(4, 9, 512)
-    x = wider[..., :256]  # rows 512 floats apart, leading dims flattened
-    got = input_major.linear(x)
-    assert got.shape == (4, 9, 300)
-    assert torch.equal(got, row_major.linear(x.contiguous()))
-    assert torch.equal(got.reshape(36, 300), row_major.linear(x.reshape(36, 256)))
+    for columns in (300, 600):  # rows read in place, and copied into tiles first
+        weight = _weight(columns, 256)
+        row_major = panel_gemm.PanelWeight(KERNELS, weight)
+        input_major = panel_gemm.PanelWeight(KERNELS, weight.t().contiguous().t())
+        wider = torch.randn(4, 9, 512)
+        x = wider[..., :256]  # rows 512 floats apart, leading dims flattened
+        got = input_major.linear(x)
+        assert got.shape == (4, 9, columns)
+        assert torch.equal(got, row_major.linear(x.contiguous()))
+        assert torch.equal(got.reshape(36, columns), row_major.linear(x.reshape(36, 256)))
 
 
 @needs_gemm
