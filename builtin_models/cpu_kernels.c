@@ -792,13 +792,12 @@ int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *pane
     const int64_t blocks = (tiles + fit - 1) / fit;
     const int64_t block = (tiles + blocks - 1) / blocks * EC_TILE_ROWS;
     /* A wide weight's tiles read the block's rows copied into one stream per tile: a
-     * 2,048 x 256 weight took 9-13% less time so at 256 and 2,048 rows (AMD Zen 3, 2
-     * threads). Narrow weights (16 panels) and a few rows do not repay the copy. */
+     * 2,048 x 256 weight took 6-14% less time so at 256 and 2,048 rows (AMD Zen 3, 2
+     * threads). Narrow weights (16 panels) and a few rows do not repay the copy. Without
+     * memory for it the rows are read in place. */
     float *packed = NULL;
-    if (count >= EC_PACK_MIN_PANELS && tiles >= EC_PACK_MIN_TILES) {
+    if (count >= EC_PACK_MIN_PANELS && tiles >= EC_PACK_MIN_TILES)
         packed = aligned_alloc(64, (block * k * sizeof(float) + 63) / 64 * 64);
-        if (!packed) return -2;
-    }
     /* A tile's chain costs about k FMA latencies: below ~16k of them (~20 us) over all
      * tiles, waking the second thread cost more than it saved (AMD Zen 3, 2 threads). */
     const int64_t chain = tiles * count * k;
