@@ -723,6 +723,7 @@ static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
         for (int64_t l = 0; l < share && fetched < k; l++, fetched++)
             _mm_prefetch((const char *)(next + fetched * EC_PANEL), _MM_HINT_T0);
         float *ct = c + t * EC_TILE_ROWS * ldc;
+        /* literal steps, so that each full-tile loop is compiled for its own addressing */
         if (packed)
             gemm_tile(a + t * tile_step, 1, EC_TILE_ROWS, panel, k, bias, ct, ldc, width, 6);
         else
