@@ -114,6 +114,15 @@ static inline __m256 exp_poly8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX2__
+/* silu(g) * u on 8 lanes: the same operations as the scalar tail below, so the same bits,
+ * here and in the GEMM that applies it to its gate and up accumulators. */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp_poly8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+#endif
+
 /* out[t, i] = silu(x[t, i]) * x[t, inter + i] for x [T, 2 * inter] (gate then up). */
 void ec_silu_and_mul(const float *x, float *out, int64_t tokens, int64_t inter, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (tokens >= 16) schedule(static)
@@ -122,13 +131,8 @@ void ec_silu_and_mul(const float *x, float *out, int64_t tokens, int64_t inter, 
         float *o = out + t * inter;
         int64_t i = 0;
 #ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-        for (; i + 8 <= inter; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 silu =
-                _mm256_div_ps(gv, _mm256_add_ps(one, exp_poly8(_mm256_xor_ps(gv, sign))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-        }
+        for (; i + 8 <= inter; i += 8)
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
         for (; i < inter; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
@@ -639,23 +643,42 @@ void ec_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
  * EC_PANEL output columns: panel p holds w[EC_PANEL p + j][k] at [k][j], zero-padded past
  * the last column. Every output sums its K products in one FMA chain from k = 0 up and
  * then adds its bias, whatever the row count or tile: a row gets the same bits alone or in
- * any batch. A 6 x 16 tile keeps its 12 accumulators in registers over the whole chain. */
+ * any batch. A 6 x 16 tile keeps its 12 accumulators in registers over the whole chain.
+ *
+ * A gated weight (an MLP's gate rows, then as many up rows: `half` each, a multiple of 8)
+ * is packed in pairs instead: panel p holds gate columns 8p..8p+7, then up columns
+ * 8p..8p+7. Each output still has its own chain, so the bits are the plain packing's; a
+ * tile then holds both factors of its 8 outputs and can store silu(gate) * up directly,
+ * which skips writing the [m, 2 * half] product and reading it back. */
 #define EC_PANEL 16
 #define EC_TILE_ROWS 6
 #define EC_ROW_BLOCK_BYTES (256 * 1024) /* the rows of a that one block keeps in L2 */
 #define EC_PACK_MIN_PANELS 32
 #define EC_PACK_MIN_TILES 4
 
-void ec_gemm_pack(const float *w, int64_t stride_n, int64_t stride_k, int64_t n, int64_t k,
-                  float *panels) {
-    for (int64_t p = 0; p * EC_PANEL < n; p++) {
+/* The panels of an n-output weight: plain (half 0) or gated (n = 2 * half). */
+static int64_t panel_count(int64_t n, int64_t half) {
+    return half ? half / 8 : (n + EC_PANEL - 1) / EC_PANEL;
+}
+
+/* The weight row in column j of panel p. */
+static inline int64_t panel_column(int64_t p, int64_t j, int64_t half) {
+    if (!half) return p * EC_PANEL + j;
+    return j < 8 ? p * 8 + j : half + p * 8 + j - 8;
+}
+
+int ec_gemm_pack(const float *w, int64_t stride_n, int64_t stride_k, int64_t n, int64_t k,
+                 int64_t half, float *panels) {
+    if (half && (half % 8 || n != 2 * half)) return -1;
+    for (int64_t p = 0; p < panel_count(n, half); p++) {
         float *dst = panels + p * k * EC_PANEL;
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t j = 0; j < EC_PANEL; j++) {
-                const int64_t col = p * EC_PANEL + j;
+                const int64_t col = panel_column(p, j, half);
                 dst[kk * EC_PANEL + j] = col < n ? w[col * stride_n + kk * stride_k] : 0.0f;
             }
     }
+    return 0;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -669,21 +692,35 @@ int ec_gemm_available(void) { return 1; }
         acc##i##a = _mm256_fmadd_ps(x, b0, acc##i##a);                                    \
         acc##i##b = _mm256_fmadd_ps(x, b1, acc##i##b);                                    \
     }
-#define EC_ROW_STORE(i, dst, ld)                                                          \
+#define EC_ROW_STORE(i, dst, ld, off)                                                     \
     if (i < R) {                                                                          \
         _mm256_storeu_ps(dst + i * ld, acc##i##a);                                        \
-        _mm256_storeu_ps(dst + i * ld + 8, acc##i##b);                                    \
+        _mm256_storeu_ps(dst + i * ld + off, acc##i##b);                                  \
     }
-#define EC_ROW_STORES(dst, ld)                                                            \
-    EC_ROW_STORE(0, dst, ld) EC_ROW_STORE(1, dst, ld) EC_ROW_STORE(2, dst, ld)            \
-    EC_ROW_STORE(3, dst, ld) EC_ROW_STORE(4, dst, ld) EC_ROW_STORE(5, dst, ld)
+#define EC_ROW_STORES(dst, ld, off)                                                       \
+    EC_ROW_STORE(0, dst, ld, off) EC_ROW_STORE(1, dst, ld, off)                           \
+    EC_ROW_STORE(2, dst, ld, off) EC_ROW_STORE(3, dst, ld, off)                           \
+    EC_ROW_STORE(4, dst, ld, off) EC_ROW_STORE(5, dst, ld, off)
+/* The bias is added as in the stores below: bias + product. */
+#define EC_ROW_SILU(i)                                                                    \
+    if (i < R) {                                                                          \
+        __m256 g = acc##i##a, u = acc##i##b;                                              \
+        if (bias) {                                                                       \
+            g = _mm256_add_ps(_mm256_loadu_ps(bias), g);                                  \
+            u = _mm256_add_ps(_mm256_loadu_ps(bias + up), u);                             \
+        }                                                                                 \
+        _mm256_storeu_ps(c + i * ldc, silu_mul8(g, u));                                   \
+    }
 
 /* R (1-6) rows of a times one panel into c (width columns of it are real). Row i's k-th
  * value is at a[i * row_step + k * k_step]: rows of the caller's matrix (lda, 1) or a
- * packed tile (1, 6). */
+ * packed tile (1, 6). The panel's second 8 columns go `up` floats after its first, in c
+ * and in bias: 8 for a plain panel, half for a gated one. With `silu`, c takes the 8
+ * values silu(gate) * up per row instead. */
 static inline __attribute__((always_inline)) void gemm_tile(
     const float *a, const int64_t row_step, const int64_t k_step, const float *panel,
-    int64_t k, const float *bias, float *c, int64_t ldc, int64_t width, const int R) {
+    int64_t k, const float *bias, float *c, int64_t ldc, int64_t width, int64_t up,
+    const int silu, const int R) {
     __m256 acc0a = _mm256_setzero_ps(), acc0b = acc0a, acc1a = acc0a, acc1b = acc0a;
     __m256 acc2a = acc0a, acc2b = acc0a, acc3a = acc0a, acc3b = acc0a;
     __m256 acc4a = acc0a, acc4b = acc0a, acc5a = acc0a, acc5b = acc0a;
@@ -692,17 +729,21 @@ static inline __attribute__((always_inline)) void gemm_tile(
         const __m256 b1 = _mm256_loadu_ps(panel + kk * EC_PANEL + 8);
         EC_ROW_FMA(0) EC_ROW_FMA(1) EC_ROW_FMA(2) EC_ROW_FMA(3) EC_ROW_FMA(4) EC_ROW_FMA(5)
     }
+    if (silu) {
+        EC_ROW_SILU(0) EC_ROW_SILU(1) EC_ROW_SILU(2) EC_ROW_SILU(3) EC_ROW_SILU(4) EC_ROW_SILU(5)
+        return;
+    }
     if (width == EC_PANEL && !bias) {
-        EC_ROW_STORES(c, ldc)
+        EC_ROW_STORES(c, ldc, up)
         return;
     }
     float tile[EC_TILE_ROWS][EC_PANEL];
-    EC_ROW_STORES(tile[0], EC_PANEL)
-    for (int i = 0; i < R; i++) {
-        if (bias)
-            for (int64_t j = 0; j < width; j++) tile[i][j] = bias[j] + tile[i][j];
-        memcpy(c + i * ldc, tile[i], sizeof(float) * width);
-    }
+    EC_ROW_STORES(tile[0], EC_PANEL, 8)
+    for (int i = 0; i < R; i++)
+        for (int64_t j = 0; j < width; j++) {
+            const int64_t at = j < 8 ? j : up + j - 8;
+            c[i * ldc + at] = bias ? bias[at] + tile[i][j] : tile[i][j];
+        }
 }
 
 /* All `rows` rows of a times one panel, six at a time; with `packed`, a holds the tiles
@@ -713,7 +754,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
  * the projections' time at 64-2048 rows on AMD Zen 3). */
 static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
                        const float *panel, int64_t k, const float *bias, float *c,
-                       int64_t ldc, int64_t width, const float *next) {
+                       int64_t ldc, int64_t width, int64_t up, int silu, const float *next) {
     const int64_t tiles = rows / EC_TILE_ROWS;
     const int64_t share = tiles >= 4 && next ? (k + tiles - 1) / tiles : 0;
     const int64_t tile_step = packed ? k * EC_TILE_ROWS : EC_TILE_ROWS * lda;
@@ -724,24 +765,37 @@ static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
             _mm_prefetch((const char *)(next + fetched * EC_PANEL), _MM_HINT_T0);
         float *ct = c + t * EC_TILE_ROWS * ldc;
         /* literal steps, so that each full-tile loop is compiled for its own addressing */
-        if (packed)
-            gemm_tile(a + t * tile_step, 1, EC_TILE_ROWS, panel, k, bias, ct, ldc, width, 6);
+        const float *at = a + t * tile_step;
+        if (packed && silu)
+            gemm_tile(at, 1, EC_TILE_ROWS, panel, k, bias, ct, ldc, width, up, 1, 6);
+        else if (packed)
+            gemm_tile(at, 1, EC_TILE_ROWS, panel, k, bias, ct, ldc, width, up, 0, 6);
+        else if (silu)
+            gemm_tile(at, lda, 1, panel, k, bias, ct, ldc, width, up, 1, 6);
         else
-            gemm_tile(a + t * tile_step, lda, 1, panel, k, bias, ct, ldc, width, 6);
+            gemm_tile(at, lda, 1, panel, k, bias, ct, ldc, width, up, 0, 6);
     }
     const float *at = a + t * tile_step;
     float *ct = c + t * EC_TILE_ROWS * ldc;
+#define EC_LAST(R)                                                                        \
+    if (silu)                                                                             \
+        gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, up, 1, R);        \
+    else                                                                                  \
+        gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, up, 0, R);        \
+    break;
     switch (rows - t * EC_TILE_ROWS) {
-    case 5: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 5); break;
-    case 4: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 4); break;
-    case 3: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 3); break;
-    case 2: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 2); break;
-    case 1: gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, 1); break;
+    case 5: EC_LAST(5)
+    case 4: EC_LAST(4)
+    case 3: EC_LAST(3)
+    case 2: EC_LAST(2)
+    case 1: EC_LAST(1)
     }
+#undef EC_LAST
 }
 #undef EC_ROW_FMA
 #undef EC_ROW_STORE
 #undef EC_ROW_STORES
+#undef EC_ROW_SILU
 
 /* One tile: the first min(rows, 6) rows of a into dst as [k][6], rows past them as zeros.
  * 8 k at a time through an 8 x 8 transpose (rows 6 and 7 zero) whose 8 outputs are
@@ -780,11 +834,15 @@ static void pack_tile(const float *a, int64_t lda, int64_t rows, int64_t k, floa
 /* c [m, n] (rows ldc apart) = a [m, k] (rows lda apart) times the packed weight, plus bias
  * (or NULL). Rows go in blocks that fit L2; each block's panels are split over the
  * threads. For wide weights each block's rows are first copied tile by tile into one
- * stream ([k][6] per tile), which the threads share. */
+ * stream ([k][6] per tile), which the threads share. A gated weight (`half` > 0) gives c
+ * the plain column order; with `silu`, c is [m, half] = silu(gate) * up. Returns -1 for a
+ * gated call that does not match its packing. */
 int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
-            const float *bias, float *c, int64_t ldc, int nthreads) {
+            const float *bias, float *c, int64_t ldc, int64_t half, int silu, int nthreads) {
+    if ((half && (half % 8 || n != 2 * half)) || (silu && !half)) return -1;
     if (m <= 0) return 0;
-    const int64_t count = (n + EC_PANEL - 1) / EC_PANEL;
+    const int64_t count = panel_count(n, half);
+    const int64_t up = half ? half : 8; /* a panel's second 8 columns, from its first */
     /* As few row blocks as fit L2, of even size in whole tiles (256 rows of k = 256 are two
      * blocks of 132 and 124, not 126, 126 and a 4-row block that streams every panel again). */
     const int64_t tiles = (m + EC_TILE_ROWS - 1) / EC_TILE_ROWS;
@@ -813,11 +871,13 @@ int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *pane
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < count; p++) {
-            const int64_t col = p * EC_PANEL, width = n - col < EC_PANEL ? n - col : EC_PANEL;
+            const int64_t col = panel_column(p, 0, half);
+            const int64_t width = half || n - col >= EC_PANEL ? EC_PANEL : n - col;
             const float *panel = panels + p * k * EC_PANEL;
             const float *next = p + 1 < count ? panel + k * EC_PANEL : NULL;
             gemm_panel(packed ? packed : a + r0 * lda, lda, packed != NULL, rows, panel, k,
-                       bias ? bias + col : NULL, c + r0 * ldc + col, ldc, width, next);
+                       bias ? bias + col : NULL, c + r0 * ldc + col, ldc, width, up, silu,
+                       next);
         }
     }
     free(packed);
@@ -827,7 +887,7 @@ int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *pane
 int ec_gemm_available(void) { return 0; }
 
 int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
-            const float *bias, float *c, int64_t ldc, int nthreads) {
+            const float *bias, float *c, int64_t ldc, int64_t half, int silu, int nthreads) {
     return -1;
 }
 #endif

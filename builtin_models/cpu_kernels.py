@@ -59,8 +59,8 @@ _SIGNATURES = {
     "ec_argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
     "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I],
     "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
-    "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _P],
-    "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I],
+    "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _I64, _P],
+    "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _I],
     "ec_gemm_available": [],
 }
 GEMM_PANEL = 16  # output columns per packed panel (EC_PANEL in the C source)
@@ -73,7 +73,7 @@ _CHECKED = {
     "ec_mirror_fill",
     "ec_decode_attention",
 }
-_RETURN_INT = _CHECKED | {"ec_gemm", "ec_gemm_available"}
+_RETURN_INT = _CHECKED | {"ec_gemm", "ec_gemm_pack", "ec_gemm_available"}
 
 
 def _check(status: int, what: str) -> None:
@@ -347,22 +347,34 @@ class CpuKernels:
         """Whether ``gemm`` was built (it needs AVX2 and FMA)."""
         return bool(self.lib.ec_gemm_available())
 
-    def gemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """A float32 [out, in] weight (any strides) copied into the panels ``gemm`` reads."""
+    def gemm_pack(self, weight: torch.Tensor, half: int = 0) -> torch.Tensor:
+        """A float32 [out, in] weight (any strides) copied into the panels ``gemm`` reads.
+        With ``half``, the weight is gate rows then up rows, ``half`` each (a multiple of
+        8), packed in pairs so that ``gemm`` can apply ``silu(gate) * up`` as it stores."""
         n, k = weight.shape
+        if half and (half % 8 or n != 2 * half):
+            raise ValueError(f"a gated pack needs 2 x a multiple of 8 rows, not {n} = 2 x {half}")
         panels = torch.empty(-(-n // GEMM_PANEL) * GEMM_PANEL * k, dtype=torch.float32)
         self.lib.ec_gemm_pack(
-            weight.data_ptr(), weight.stride(0), weight.stride(1), n, k, panels.data_ptr()
+            weight.data_ptr(), weight.stride(0), weight.stride(1), n, k, half, panels.data_ptr()
         )
         return panels
 
     def gemm(
-        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        half: int = 0,
+        silu: bool = False,
     ) -> torch.Tensor:
         """``x [m, k]`` (contiguous rows) times the ``n``-output weight packed in
-        ``panels``, plus ``bias`` (float32, contiguous) if given: [m, n]."""
+        ``panels`` (gated when ``half``, as ``gemm_pack``), plus ``bias`` (float32,
+        contiguous) if given: [m, n], or with ``silu`` [m, half] = silu(gate) * up."""
         m, k = x.shape
-        out = torch.empty((m, n), dtype=torch.float32)
+        width = half if silu else n
+        out = torch.empty((m, width), dtype=torch.float32)
         if m:
             status = self.lib.ec_gemm(
                 x.data_ptr(),
@@ -373,11 +385,17 @@ class CpuKernels:
                 n,
                 None if bias is None else bias.data_ptr(),
                 out.data_ptr(),
-                n,
+                width,
+                half,
+                int(silu),
                 torch.get_num_threads(),
             )
             if status != 0:
-                raise RuntimeError("ec_gemm is not built on this CPU (it needs AVX2 and FMA)")
+                raise RuntimeError(
+                    "ec_gemm is not built on this CPU (it needs AVX2 and FMA)"
+                    if not self.gemm_available()
+                    else f"ec_gemm: a gated call (half {half}) does not fit {n} outputs"
+                )
         return out
 
 

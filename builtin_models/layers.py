@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models import cpu_kernels, panel_gemm
 from enginecore.builtin_models.packed_gemm import packed_for
 from enginecore.distributed import ParallelContext
 
@@ -77,6 +77,20 @@ def project(
     if packed is None:
         return F.linear(x.to(wide), weight, bias).to(x.dtype)
     return packed.linear(x.to(wide), bias).to(x.dtype)
+
+
+def project_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``x``'s [gate | up] projection in one pass, where the weight
+    is packed in pairs for enginecore's GEMM (``panel_gemm``); None elsewhere, and the
+    caller projects and then applies SiLU."""
+    packed = packed_for(weight, x)
+    if not isinstance(packed, panel_gemm.PanelWeight) or not packed.half:
+        return None
+    if x.dtype != weight.dtype:  # float32 projections of a half model round in between
+        return None
+    return packed.silu_and_mul(x, bias)
 
 
 def _param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:

@@ -194,9 +194,10 @@ def pack_weights(weights: list[torch.Tensor]) -> int:
     if panel_gemm.preferred():
         kernels = load_cpu_kernels()
         for weight in weights:
-            packed = (
-                panel_gemm.PanelWeight(kernels, weight) if panel_gemm.eligible(weight) else None
-            )
+            packed = None
+            if panel_gemm.eligible(weight):
+                half = panel_gemm.gated_half(weight)
+                packed = panel_gemm.PanelWeight(kernels, weight, half)
             setattr(weight, _ATTR, packed)
         return sum(getattr(weight, _ATTR) is not None for weight in weights)
     lib = mkl()

@@ -14,6 +14,12 @@ MKL sums in another order, a few units in the last place apart. transformers' ow
 single-row decode already differs from a batched GEMM in this way, and the greedy tests
 compare up to the first near-tie for that reason.
 
+An MLP's fused gate and up weight is packed in pairs (8 gate columns, then the same 8
+up columns, per panel): the kernel then stores ``silu(gate) * up`` straight from its
+accumulators, with the bits of the GEMM followed by ``silu_and_mul``, and the
+[rows, 2 x intermediate] product is never written. At 2,048 rows of the tiny model that
+product is 16 MiB per layer, past L2 and most of L3.
+
 ``preferred()`` decides: float32 CPU weights on an AVX2 CPU without AVX-512, with the
 kernels built. On AVX-512 CPUs MKL's packed GEMM (``packed_gemm``) keeps the work: this
 kernel was not measured there. ``ENGINECORE_PANEL_GEMM=0`` switches it off.
@@ -43,13 +49,29 @@ def eligible(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
-class PanelWeight:
-    """One projection weight (logical [out, in]) packed for ``ec_gemm``."""
+# The attribute an MLP sets on its fused gate/up weight (to the intermediate size) when
+# its output feeds silu(gate) * up.
+GATED_HALF = "silu_gated_half"
 
-    def __init__(self, kernels: cpu_kernels.CpuKernels, weight: torch.Tensor) -> None:
+
+def gated_half(weight: torch.Tensor) -> int:
+    """The intermediate size of a [gate; up] weight marked by its MLP (``GATED_HALF``),
+    where it packs in pairs (a multiple of 8), else 0."""
+    half = getattr(weight, GATED_HALF, 0)
+    return half if half and half % 8 == 0 and weight.shape[0] == 2 * half else 0
+
+
+class PanelWeight:
+    """One projection weight (logical [out, in]) packed for ``ec_gemm``; a [gate; up]
+    weight (``half`` rows each) packed in pairs also gives ``silu(gate) * up``."""
+
+    def __init__(
+        self, kernels: cpu_kernels.CpuKernels, weight: torch.Tensor, half: int = 0
+    ) -> None:
         self.kernels = kernels
         self.n, self.k = weight.shape
-        self.panels = kernels.gemm_pack(weight)
+        self.half = half
+        self.panels = kernels.gemm_pack(weight, half)
         self.source = (weight.data_ptr(), weight._version)
 
     def accepts(self, rows: int) -> bool:
@@ -60,6 +82,16 @@ class PanelWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T + b`` for float32 ``x`` of shape [..., in]."""
+        return self._multiply(x, bias, silu=False)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of ``x W^T + b`` = [gate | up], for a weight packed with
+        ``half``: [..., half], bit for bit ``CpuKernels.silu_and_mul`` of ``linear``."""
+        if not self.half:
+            raise ValueError("silu_and_mul needs a weight packed as [gate; up] (half > 0)")
+        return self._multiply(x, bias, silu=True)
+
+    def _multiply(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
         if x.dtype != torch.float32:  # the kernel reads raw float pointers
             raise TypeError(f"packed float32 projection given {x.dtype} activations")
         rows = x.reshape(-1, self.k)
@@ -67,5 +99,5 @@ class PanelWeight:
             rows = rows.contiguous()
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()
-        out = self.kernels.gemm(rows, self.panels, self.n, bias)
-        return out.view(*x.shape[:-1], self.n)
+        out = self.kernels.gemm(rows, self.panels, self.n, bias, self.half, silu)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -145,7 +145,9 @@ LOADED_MODEL = """
     runner.load_model()
     matrices = [(n, p) for n, p in runner.model.named_parameters() if p.dim() == 2]
     two_rows = lambda p: torch.ones(2, p.shape[1])
-    print(",".join(n for n, p in matrices if packed_gemm.packed_for(p, two_rows(p))))
+    packed = [(n, packed_gemm.packed_for(p, two_rows(p))) for n, p in matrices]
+    gated = lambda w: " (gated)" if getattr(w, "half", 0) else ""
+    print(",".join(n + gated(w) for n, w in packed if w is not None))
 """
 
 

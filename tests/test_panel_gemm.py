@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from test_packed_gemm import LOADED_MODEL, _run
 
 from enginecore.builtin_models import cpu_kernels, packed_gemm, panel_gemm
-from enginecore.builtin_models.layers import project
+from enginecore.builtin_models.layers import project, project_silu_and_mul
 
 KERNELS = cpu_kernels.load()
 needs_gemm = pytest.mark.skipif(
@@ -80,6 +80,57 @@ def test_either_weight_layout_and_strided_rows_give_the_same_bits():
 
 
 @needs_gemm
+@pytest.mark.parametrize("intermediate,in_features", [(1024, 256), (24, 77), (8, 3), (264, 40)])
+def test_a_gated_pack_gives_the_plain_bits_and_silu_and_mul_of_them(intermediate, in_features):
+    # 264 = 33 pairs: wide enough to copy its rows into tiles first; 77 and 3 leave k tails.
+    weight = _weight(2 * intermediate, in_features)
+    plain = panel_gemm.PanelWeight(KERNELS, weight)
+    gated = panel_gemm.PanelWeight(KERNELS, weight, intermediate)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(2 * intermediate, generator=gen)
+    for rows in (1, 5, 6, 7, 37, 301):  # every tile height, several row blocks
+        x = torch.randn(rows, in_features, generator=gen)
+        for b in (None, bias):
+            product = plain.linear(x, b)
+            assert torch.equal(gated.linear(x, b), product)  # the plain column order
+            fused = gated.silu_and_mul(x, b)
+            assert fused.shape == (rows, intermediate)
+            assert torch.equal(fused, KERNELS.silu_and_mul(product))
+
+
+@needs_gemm
+def test_a_gated_pack_needs_halves_of_a_multiple_of_8():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        panel_gemm.PanelWeight(KERNELS, _weight(24, 16), 12)
+    with pytest.raises(ValueError, match=r"\[gate; up\]"):
+        panel_gemm.PanelWeight(KERNELS, _weight(32, 16)).silu_and_mul(torch.randn(2, 16))
+    assert panel_gemm.gated_half(_weight(32, 16)) == 0  # not marked by an MLP
+    for rows, half, expected in ((32, 16, 16), (24, 12, 0), (32, 8, 0)):
+        weight = _weight(rows, 16)
+        setattr(weight, panel_gemm.GATED_HALF, half)
+        assert panel_gemm.gated_half(weight) == expected
+
+
+@needs_gemm
+def test_a_marked_mlp_weight_is_packed_in_pairs_and_fused(monkeypatch):
+    monkeypatch.setattr(panel_gemm, "preferred", lambda: True)
+    gate_up = _weight(2048, 256).t().contiguous().t()
+    setattr(gate_up, panel_gemm.GATED_HALF, 1024)
+    plain = _weight(2048, 256)
+    packed_gemm.pack_weights([gate_up, plain])
+    x = torch.randn(9, 256)
+    assert packed_gemm.packed_for(gate_up, x).half == 1024
+    assert packed_gemm.packed_for(plain, x).half == 0
+    fused = project_silu_and_mul(x, gate_up)
+    gate, up = project(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(fused, F.silu(gate) * up)
+    assert project_silu_and_mul(x, plain) is None  # not a [gate; up] packing
+    assert project_silu_and_mul(x.bfloat16(), gate_up) is None  # rounds in between
+    gate_up.mul_(2.0)  # stale panels: the caller projects, then applies SiLU
+    assert project_silu_and_mul(x, gate_up) is None
+
+
+@needs_gemm
 def test_other_activation_dtypes_are_refused():
     packed = panel_gemm.PanelWeight(KERNELS, _weight(32, 16))
     with pytest.raises(TypeError, match="bfloat16"):
@@ -127,7 +178,8 @@ def test_only_an_avx2_cpu_without_avx512_prefers_it(monkeypatch):
 def test_the_model_runner_packs_every_projection_for_it(tiny_llama):
     code = LOADED_MODEL.format(path=tiny_llama)
     packed = _run(code).split(",")
-    for name in ("gate_up_proj", "down_proj", "qkv_proj", "o_proj"):
+    assert "model.layers.0.mlp.gate_up_proj.weight (gated)" in packed  # SiLU as it stores
+    for name in ("down_proj", "qkv_proj", "o_proj"):
         assert f"model.layers.0.mlp.{name}.weight" in packed or (
             f"model.layers.0.self_attn.{name}.weight" in packed
         )

@@ -21,9 +21,11 @@ from enginecore.builtin_models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     pp_layer_range,
+    project_silu_and_mul,
     rope_parameters,
     vocab_parallel_logits,
 )
+from enginecore.builtin_models.panel_gemm import GATED_HALF
 from enginecore.builtin_models.sliding_window import layer_sliding_windows
 from enginecore.builtin_models.weight_loader import load_params
 from enginecore.distributed import SINGLE_RANK, ParallelContext
@@ -105,8 +107,13 @@ class LlamaMLP(nn.Module):
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
+        # Lets enginecore's GEMM pack the weight so as to apply SiLU as it stores.
+        setattr(self.gate_up_proj.weight, GATED_HALF, self.gate_up_proj.local_sizes[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = project_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        if fused is not None:
+            return self.down_proj(fused)
         gate_up = self.gate_up_proj(x)
         kernels = cpu_kernels.kernels_for(gate_up)
         if kernels is not None:
