@@ -98,11 +98,34 @@ class AttentionGroup:
     # the step's layers.
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
+    # Prefill groups: the first token and length of each fresh prompt the CPU kernel
+    # takes, as int64 tensors, per length limit; made on first use.
+    _fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
     def mask_for(self, window: int | None) -> torch.Tensor:
         mask = self.masks.get(window)
         if mask is None:
             mask = self.masks[window] = decode_mask(self.q_pos, self.max_kv_len, window)
         return mask
+
+    def fresh_prompts(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[first token, length] of every prompt of at most ``max_len`` tokens in a run
+        without context (a prefill group's), counted from the group's first token."""
+        if max_len not in self._fresh:
+            starts, lens = [], []
+            for run in self.runs:
+                if run.context_len == 0 and run.query_len <= max_len:
+                    starts += range(
+                        run.token_start,
+                        run.token_start + run.num_reqs * run.query_len,
+                        run.query_len,
+                    )
+                    lens += [run.query_len] * run.num_reqs
+            self._fresh[max_len] = (
+                torch.tensor(starts, dtype=torch.int64),
+                torch.tensor(lens, dtype=torch.int64),
+            )
+        return self._fresh[max_len]
 
     @property
     def num_reqs(self) -> int:
@@ -210,11 +233,21 @@ def _attend_prefills(
     """Attention for the prefill group's tokens, run by run (see ``PrefillRun``).
 
     ``query`` [T_g, H_q, D] and this step's ``key``/``value`` [T_g, H_kv, D]; returns
-    [T_g, H_q, D]."""
-    out = torch.empty_like(query)
+    [T_g, H_q, D]. On CPU in float32 the fresh prompts up to a length go to the fused
+    kernel in one call (``prefill_attention``: 1.7-2x SDPA on prompts of 32-512 tokens)."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _, hq, d = query.shape
     hkv = key.shape[1]
+    fused_len = 0  # fresh prompts up to this length take the kernel
+    kernels = cpu_kernels.kernels_for(query, key, value, out) if window is None else None
+    if kernels is not None and cpu_kernels.heads_contiguous(query, key, value):
+        fused_len = cpu_kernels.prefill_attention_max_len(kernels, d)
+        starts, lens = group.fresh_prompts(fused_len)
+        if len(starts):
+            kernels.prefill_attention(query, key, value, starts, lens, scale, out)
     for run in group.runs:
+        if run.context_len == 0 and run.query_len <= fused_len:
+            continue
         r, n = run.num_reqs, run.query_len
         rows = slice(run.token_start, run.token_start + r * n)
         q = query[rows].view(r, n, hq, d).transpose(1, 2)

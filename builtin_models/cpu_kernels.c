@@ -717,16 +717,16 @@ int ec_gemm_available(void) { return 1; }
  * packed tile (1, 6). The panel's second 8 columns go `up` floats after its first, in c
  * and in bias: 8 for a plain panel, half for a gated one. With `silu`, c takes the 8
  * values silu(gate) * up per row instead. */
-static inline __attribute__((always_inline)) void gemm_tile(
+static inline __attribute__((always_inline)) void gemm_tile_strided(
     const float *a, const int64_t row_step, const int64_t k_step, const float *panel,
-    int64_t k, const float *bias, float *c, int64_t ldc, int64_t width, int64_t up,
-    const int silu, const int R) {
+    const int64_t panel_step, int64_t k, const float *bias, float *c, int64_t ldc,
+    int64_t width, int64_t up, const int silu, const int R) {
     __m256 acc0a = _mm256_setzero_ps(), acc0b = acc0a, acc1a = acc0a, acc1b = acc0a;
     __m256 acc2a = acc0a, acc2b = acc0a, acc3a = acc0a, acc3b = acc0a;
     __m256 acc4a = acc0a, acc4b = acc0a, acc5a = acc0a, acc5b = acc0a;
     for (int64_t kk = 0; kk < k; kk++) {
-        const __m256 b0 = _mm256_loadu_ps(panel + kk * EC_PANEL);
-        const __m256 b1 = _mm256_loadu_ps(panel + kk * EC_PANEL + 8);
+        const __m256 b0 = _mm256_loadu_ps(panel + kk * panel_step);
+        const __m256 b1 = _mm256_loadu_ps(panel + kk * panel_step + 8);
         EC_ROW_FMA(0) EC_ROW_FMA(1) EC_ROW_FMA(2) EC_ROW_FMA(3) EC_ROW_FMA(4) EC_ROW_FMA(5)
     }
     if (silu) {
@@ -744,6 +744,32 @@ static inline __attribute__((always_inline)) void gemm_tile(
             const int64_t at = j < 8 ? j : up + j - 8;
             c[i * ldc + at] = bias ? bias[at] + tile[i][j] : tile[i][j];
         }
+}
+
+/* A packed panel's k-th 16 values are EC_PANEL floats after its (k-1)-th. */
+#define gemm_tile(a, row_step, k_step, panel, ...)                                        \
+    gemm_tile_strided(a, row_step, k_step, panel, EC_PANEL, __VA_ARGS__)
+
+/* `rows` (any count) rows of a times one 16-column panel, six at a time (see gemm_tile). */
+static void gemm_rows(const float *a, int64_t row_step, const float *panel, int64_t panel_step,
+                      int64_t k, float *c, int64_t ldc, int64_t width, int64_t rows) {
+    int64_t t = 0;
+    for (; t + EC_TILE_ROWS <= rows; t += EC_TILE_ROWS)
+        gemm_tile_strided(a + t * row_step, row_step, 1, panel, panel_step, k, NULL, c + t * ldc,
+                          ldc, width, 8, 0, 6);
+    const float *at = a + t * row_step;
+    float *ct = c + t * ldc;
+#define EC_LAST(R)                                                                        \
+    gemm_tile_strided(at, row_step, 1, panel, panel_step, k, NULL, ct, ldc, width, 8, 0, R); \
+    break;
+    switch (rows - t) {
+    case 5: EC_LAST(5)
+    case 4: EC_LAST(4)
+    case 3: EC_LAST(3)
+    case 2: EC_LAST(2)
+    case 1: EC_LAST(1)
+    }
+#undef EC_LAST
 }
 
 /* All `rows` rows of a times one panel, six at a time; with `packed`, a holds the tiles
@@ -796,6 +822,111 @@ static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
 #undef EC_ROW_STORE
 #undef EC_ROW_STORES
 #undef EC_ROW_SILU
+
+/* Row r of the scores s (its first `valid` keys real, then masked up to `width`) becomes
+ * its softmax: scaled, max subtracted, exponentiated, divided by the sum; masked keys 0. */
+static void softmax_row(float *s, int64_t valid, int64_t width, float scale) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= valid; j += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+        _mm256_storeu_ps(s + j, x);
+        mx = _mm256_max_ps(mx, x);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+    for (; j < valid; j++) {
+        s[j] *= scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= valid; j += 8) {
+        const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += sum8[l];
+    for (; j < valid; j++) {
+        s[j] = exp_poly(s[j] - m);
+        sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (j = 0; j + 8 <= valid; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
+    for (; j < valid; j++) s[j] *= inv;
+    for (; j < width; j++) s[j] = 0.0f;
+}
+
+/* Causal attention of fresh prompts (nothing cached before them) over their own K/V, read
+ * in place from the step's projections: q [T, kv_heads * group, dim] (tokens q_stride
+ * floats apart), k and v [T, kv_heads, dim] (k_stride, v_stride); prompt i is tokens
+ * starts[i] .. starts[i] + lens[i] - 1. out [T, kv_heads * group, dim], contiguous, gets
+ * the prompts' rows. A task is EC_QBLOCK query positions of one prompt and KV head: the
+ * keys up to its last position are copied transposed into 16-key panels, and the GEMM
+ * tile computes each query head's scores; after the causal mask and the softmax, V's rows
+ * serve in place as the panels of the second product. dim: a multiple of 16. Returns -1
+ * on bad sizes, -2 without memory for the per-thread buffers. */
+#define EC_QBLOCK 48
+int ec_prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                         const float *v, int64_t v_stride, const int64_t *starts,
+                         const int64_t *lens, int64_t prompts, int64_t kv_heads, int64_t group,
+                         int64_t dim, float scale, float *out, int nthreads) {
+    if (dim < 16 || dim % 16 || group < 1 || kv_heads < 1 || prompts < 1) return -1;
+    int64_t longest = 0, blocks = 0, work = 0;
+    for (int64_t i = 0; i < prompts; i++) {
+        if (lens[i] < 1 || starts[i] < 0) return -1;
+        longest = lens[i] > longest ? lens[i] : longest;
+        blocks += (lens[i] + EC_QBLOCK - 1) / EC_QBLOCK;
+        work += lens[i] * lens[i];
+    }
+    const int64_t heads = kv_heads * group, ld = (longest + 15) / 16 * 16;
+    const int64_t tasks = blocks * kv_heads;
+    int failed = 0;
+    /* ~1k query-key pairs per head take a few microseconds: less is not worth a thread */
+#pragma omp parallel num_threads(nthreads) if (tasks >= 2 && work * heads >= 16384)
+    {
+        float *kt = aligned_alloc(64, (ld * dim * sizeof(float) + 63) / 64 * 64);
+        float *sc = aligned_alloc(64, (EC_QBLOCK * ld * sizeof(float) + 63) / 64 * 64);
+        if (!kt || !sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (!kt || !sc) continue;
+            int64_t b = t / kv_heads, i = 0;
+            const int64_t h = t % kv_heads;
+            while (b >= (lens[i] + EC_QBLOCK - 1) / EC_QBLOCK) b -= (lens[i++] + EC_QBLOCK - 1) / EC_QBLOCK;
+            const int64_t first = starts[i], q0 = b * EC_QBLOCK;
+            const int64_t nq = lens[i] - q0 < EC_QBLOCK ? lens[i] - q0 : EC_QBLOCK;
+            const int64_t keys = q0 + nq, panels = (keys + 15) / 16;
+            for (int64_t p = 0; p < panels; p++) /* K^T: panel p is [dim][16 keys] */
+                for (int64_t j = 0; j < 16; j++) {
+                    const int64_t key = p * 16 + j;
+                    const float *row = k + (first + key) * k_stride + h * dim;
+                    float *dst = kt + p * dim * 16 + j;
+                    for (int64_t d = 0; d < dim; d++) dst[d * 16] = key < keys ? row[d] : 0.0f;
+                }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t head = h * group + g;
+                const float *qg = q + (first + q0) * q_stride + head * dim;
+                for (int64_t p = 0; p < panels; p++)
+                    gemm_rows(qg, q_stride, kt + p * dim * 16, 16, dim, sc + p * 16, ld, 16, nq);
+                for (int64_t r = 0; r < nq; r++) softmax_row(sc + r * ld, q0 + r + 1, keys, scale);
+                float *o = out + (first + q0) * heads * dim + head * dim;
+                const float *vh = v + first * v_stride + h * dim;
+                for (int64_t c = 0; c < dim; c += 16)
+                    gemm_rows(sc, ld, vh + c, v_stride, keys, o + c, heads * dim, 16, nq);
+            }
+        }
+        free(kt);
+        free(sc);
+    }
+    return failed ? -2 : 0;
+}
 
 /* One tile: the first min(rows, 6) rows of a into dst as [k][6], rows past them as zeros.
  * 8 k at a time through an 8 x 8 transpose (rows 6 and 7 zero) whose 8 outputs are
@@ -888,6 +1019,13 @@ int ec_gemm_available(void) { return 0; }
 
 int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *panels, int64_t n,
             const float *bias, float *c, int64_t ldc, int64_t half, int silu, int nthreads) {
+    return -1;
+}
+
+int ec_prefill_attention(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                         const float *v, int64_t v_stride, const int64_t *starts,
+                         const int64_t *lens, int64_t prompts, int64_t kv_heads, int64_t group,
+                         int64_t dim, float scale, float *out, int nthreads) {
     return -1;
 }
 #endif

@@ -224,6 +224,56 @@ def test_decode_attention_attends_each_row_over_its_own_length(gen, hq, hkv, d, 
         KERNELS.decode_attention(query, layer, torch.tensor([1, 2, 3, 151, 4]), 1.0, None)
 
 
+needs_gemm = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.gemm_available(), reason="the GEMM tile needs AVX2 and FMA"
+)
+
+
+# Lengths across the 48-position query blocks and 16-key panels; (query heads, KV heads,
+# head dim) with 1 to 6 query heads per KV head.
+@needs_gemm
+@pytest.mark.parametrize(
+    "lens,hq,hkv,d",
+    [
+        ([128] * 5, 4, 2, 64),
+        ([1, 5, 47, 48, 49, 131], 4, 2, 64),
+        ([7, 97], 8, 8, 16),
+        ([100], 12, 2, 128),
+        ([300], 4, 1, 32),
+    ],
+)
+def test_prefill_attention_is_causal_attention_of_each_prompt(gen, lens, hq, hkv, d):
+    total = sum(lens) + 3  # rows past the prompts: left alone
+    qkv = torch.randn(total, (hq + 2 * hkv) * d, generator=gen)  # strided views, as in a step
+    q = qkv[:, : hq * d].view(total, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(total, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(total, hkv, d)
+    starts = torch.tensor([3 + sum(lens[:i]) for i in range(len(lens))])
+    out = torch.full((total, hq, d), 7.0)
+    KERNELS.prefill_attention(q, k, v, starts, torch.tensor(lens), d**-0.5, out)
+    assert torch.equal(out[:3], torch.full((3, hq, d), 7.0))
+    for first, n in zip(starts.tolist(), lens, strict=True):
+        rows = slice(first, first + n)
+        heads = [x[rows].transpose(0, 1).double() for x in (q, k, v)]
+        want = F.scaled_dot_product_attention(
+            *heads, is_causal=True, scale=d**-0.5, enable_gqa=True
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[rows], want.float(), rtol=2e-5, atol=2e-5)
+
+
+@needs_gemm
+def test_prefill_attention_refuses_what_it_cannot_attend(gen):
+    q, k, v = torch.randn(4, 2, 24), torch.randn(4, 1, 24), torch.randn(4, 1, 24)
+    out = torch.empty(4, 2, 24)
+    assert cpu_kernels.prefill_attention_max_len(KERNELS, 24) == 0
+    assert cpu_kernels.prefill_attention_max_len(KERNELS, 64) == 1170  # 512 KiB per thread
+    with pytest.raises(ValueError, match="multiple of 16"):
+        KERNELS.prefill_attention(q, k, v, torch.tensor([0]), torch.tensor([4]), 1.0, out)
+    q, k, v, out = (x[..., :16].contiguous() for x in (q, k, v, out))
+    with pytest.raises(ValueError, match="non-empty"):
+        KERNELS.prefill_attention(q, k, v, torch.tensor([0, 2]), torch.tensor([2, 0]), 1.0, out)
+
+
 def test_only_float32_cpu_tensors_get_kernels():
     assert cpu_kernels.kernels_for(torch.zeros(2)) is KERNELS
     assert cpu_kernels.kernels_for(torch.zeros(2, dtype=torch.bfloat16)) is None

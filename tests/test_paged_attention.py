@@ -3,7 +3,8 @@
 One step holds two decodes, two fresh prompts of one length (one batched causal call),
 a shorter fresh prompt, and a chunk with context already in the cache (its K/V gathered
 from scattered blocks under an additive causal bias), with and without a sliding window
-and with GQA (4 query heads over 2 KV heads).
+and with GQA (4 query heads over 2 KV heads). With head dim 16 on an AVX2 CPU the fresh
+prompts go to the fused prefill kernel; with head dim 8 they stay with SDPA.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from enginecore.builtin_models import cpu_kernels
 from enginecore.builtin_models.attention import (
     build_attention_metadata,
     paged_attention,
@@ -19,7 +21,7 @@ from enginecore.builtin_models.attention import (
 )
 
 BLOCK = 4
-HQ, HKV, D = 4, 2, 8
+HQ, HKV = 4, 2
 # (tokens already in the cache, tokens this step); decodes first, as the runner orders them
 REQUESTS = [(5, 1), (9, 1), (0, 6), (0, 6), (0, 3), (7, 5)]
 
@@ -28,7 +30,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, windo
     """Attention of queries at positions ctx.. over keys 0..; q [n, HQ, D], k/v [L, HKV, D]."""
     k = k.repeat_interleave(HQ // HKV, dim=1)
     v = v.repeat_interleave(HQ // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
     q_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]
     seen = k_pos <= q_pos
@@ -39,7 +41,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, windo
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_mixed_step_matches_plain_attention(window):
+@pytest.mark.parametrize("D", [8, 16])
+@pytest.mark.parametrize("kernel_max_len", [None, 5])
+def test_mixed_step_matches_plain_attention(window, D, kernel_max_len, monkeypatch):
+    if kernel_max_len is not None:  # prompts longer than this stay with SDPA
+        limit = kernel_max_len * (D + cpu_kernels.PREFILL_QUERY_BLOCK) * 4
+        monkeypatch.setattr(cpu_kernels, "PREFILL_ATTENTION_BYTES", limit)
+    kernels = cpu_kernels.load()
+    fused_calls = []
+    if kernels is not None:
+        original = type(kernels).prefill_attention
+        spy = lambda self, *a: fused_calls.append(a[3].tolist()) or original(self, *a)  # noqa: E731
+        monkeypatch.setattr(type(kernels), "prefill_attention", spy)
     gen = torch.Generator().manual_seed(0)
     num_blocks = 40
     cache = torch.zeros(2, num_blocks, BLOCK, HKV, D)
@@ -81,6 +94,11 @@ def test_mixed_step_matches_plain_attention(window):
     key = torch.cat([k[ctx:] for k, (ctx, _) in zip(full_k, REQUESTS, strict=True)])
     value = torch.cat([v[ctx:] for v, (ctx, _) in zip(full_v, REQUESTS, strict=True)])
     got = paged_attention(query, key, value, cache, meta, D**-0.5, window)
+    if kernels is not None and kernels.gemm_available() and D == 16 and window is None:
+        # the three fresh prompts in one call, or the one of 3 tokens
+        assert fused_calls == ([[0, 6, 12]] if kernel_max_len is None else [[12]])
+    else:
+        assert fused_calls == []
 
     start = 0
     for r, (ctx, n) in enumerate(REQUESTS):
