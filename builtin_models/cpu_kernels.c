@@ -755,8 +755,8 @@ static void gemm_rows(const float *a, int64_t row_step, const float *panel, int6
                       int64_t k, float *c, int64_t ldc, int64_t width, int64_t rows) {
     int64_t t = 0;
     for (; t + EC_TILE_ROWS <= rows; t += EC_TILE_ROWS)
-        gemm_tile_strided(a + t * row_step, row_step, 1, panel, panel_step, k, NULL, c + t * ldc,
-                          ldc, width, 8, 0, 6);
+        gemm_tile_strided(a + t * row_step, row_step, 1, panel, panel_step, k, NULL,
+                          c + t * ldc, ldc, width, 8, 0, 6);
     const float *at = a + t * row_step;
     float *ct = c + t * ldc;
 #define EC_LAST(R)                                                                        \
@@ -855,7 +855,8 @@ static void softmax_row(float *s, int64_t valid, int64_t width, float scale) {
     }
     const float inv = 1.0f / sum;
     const __m256 iv = _mm256_set1_ps(inv);
-    for (j = 0; j + 8 <= valid; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
+    for (j = 0; j + 8 <= valid; j += 8)
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), iv));
     for (; j < valid; j++) s[j] *= inv;
     for (; j < width; j++) s[j] = 0.0f;
 }
@@ -897,9 +898,10 @@ int ec_prefill_attention(const float *q, int64_t q_stride, const float *k, int64
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (!kt || !sc) continue;
-            int64_t b = t / kv_heads, i = 0;
+            int64_t b = t / kv_heads, i = 0; /* block b of prompt i */
             const int64_t h = t % kv_heads;
-            while (b >= (lens[i] + EC_QBLOCK - 1) / EC_QBLOCK) b -= (lens[i++] + EC_QBLOCK - 1) / EC_QBLOCK;
+            while (b >= (lens[i] + EC_QBLOCK - 1) / EC_QBLOCK)
+                b -= (lens[i++] + EC_QBLOCK - 1) / EC_QBLOCK;
             const int64_t first = starts[i], q0 = b * EC_QBLOCK;
             const int64_t nq = lens[i] - q0 < EC_QBLOCK ? lens[i] - q0 : EC_QBLOCK;
             const int64_t keys = q0 + nq, panels = (keys + 15) / 16;
@@ -915,7 +917,8 @@ int ec_prefill_attention(const float *q, int64_t q_stride, const float *k, int64
                 const float *qg = q + (first + q0) * q_stride + head * dim;
                 for (int64_t p = 0; p < panels; p++)
                     gemm_rows(qg, q_stride, kt + p * dim * 16, 16, dim, sc + p * 16, ld, 16, nq);
-                for (int64_t r = 0; r < nq; r++) softmax_row(sc + r * ld, q0 + r + 1, keys, scale);
+                for (int64_t r = 0; r < nq; r++)
+                    softmax_row(sc + r * ld, q0 + r + 1, keys, scale);
                 float *o = out + (first + q0) * heads * dim + head * dim;
                 const float *vh = v + first * v_stride + h * dim;
                 for (int64_t c = 0; c < dim; c += 16)

@@ -8,11 +8,13 @@ attention over the mirror; plus the copy of a request's context into the mirror 
 greedy argmax. Copies that one thread did while the other core's OpenMP thread waited
 are split over the torch threads too: the K/V writes, the mirror fill and the argmax
 made a tiny-model 256-request run 4.5% faster (benchmarks/RESULTS.md, ninth session).
-Prefill attention stays with torch's SDPA.
+On AVX2 CPUs the library also holds the projection GEMM (``panel_gemm``) and the
+attention of fresh prompts (``prefill_attention``), built on its register tile.
 
 The library is built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
-``~/.cache/enginecore``), keyed by the source, the flags and the CPU. Without a compiler,
+``~/.cache/enginecore``), keyed by the source, the flags and the CPU: the build takes
+6-8 s on the 2-core machine of benchmarks/RESULTS.md, once. Without a compiler,
 or with ``ENGINECORE_CPU_KERNELS=0``, the model runs the plain torch ops instead (same
 results up to float rounding); a failed build is logged once.
 """
