@@ -17,8 +17,9 @@ single-token queries (decodes) come first and multi-token chunks (prefills) afte
   no mask); a chunk with context before it (chunked prefill, a prefix-cache hit) gets its
   own call over its gathered K/V with an additive causal bias. Nothing is padded to the
   step's longest prompt: with prompts of 32 and 512 tokens in one step, a padded batch
-  did several times the attention work. On an AVX2 CPU in float32 the fresh prompts (up
-  to a length) go to one call of the C kernel ``prefill_attention`` instead.
+  did several times the attention work. In float32 on the CPUs that run enginecore's own
+  GEMM (``panel_gemm.preferred``: AVX2 without AVX-512), the fresh prompts (up to a
+  length) go to one call of the C kernel ``prefill_attention`` instead.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models import cpu_kernels, panel_gemm
 from enginecore.builtin_models.sliding_window import decode_mask
 
 
@@ -241,7 +242,12 @@ def _attend_prefills(
     hkv = key.shape[1]
     fused_len = 0  # fresh prompts up to this length take the kernel
     kernels = cpu_kernels.kernels_for(query, key, value, out) if window is None else None
-    if kernels is not None and cpu_kernels.heads_contiguous(query, key, value):
+    # Where enginecore's GEMM is preferred: the kernel runs on its tile, measured there.
+    if (
+        kernels is not None
+        and cpu_kernels.heads_contiguous(query, key, value)
+        and panel_gemm.preferred()
+    ):
         fused_len = cpu_kernels.prefill_attention_max_len(kernels, d)
         starts, lens = group.fresh_prompts(fused_len)
         if len(starts):

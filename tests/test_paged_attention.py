@@ -3,8 +3,9 @@
 One step holds two decodes, two fresh prompts of one length (one batched causal call),
 a shorter fresh prompt, and a chunk with context already in the cache (its K/V gathered
 from scattered blocks under an additive causal bias), with and without a sliding window
-and with GQA (4 query heads over 2 KV heads). With head dim 16 on an AVX2 CPU the fresh
-prompts go to the fused prefill kernel; with head dim 8 they stay with SDPA.
+and with GQA (4 query heads over 2 KV heads). With head dim 16, on a CPU that prefers
+enginecore's GEMM, the fresh prompts go to the fused prefill kernel; with head dim 8 they
+stay with SDPA.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_models import cpu_kernels, panel_gemm
 from enginecore.builtin_models.attention import (
     build_attention_metadata,
     paged_attention,
@@ -42,9 +43,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, windo
 
 @pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("D", [8, 16])
-@pytest.mark.parametrize("kernel_max_len", [None, 5])
+@pytest.mark.parametrize("kernel_max_len", [None, 5, 0])
 def test_mixed_step_matches_plain_attention(window, D, kernel_max_len, monkeypatch):
-    if kernel_max_len is not None:  # prompts longer than this stay with SDPA
+    if kernel_max_len == 0:  # switched off with enginecore's GEMM
+        monkeypatch.setenv(panel_gemm.ENV_SWITCH, "0")
+    elif kernel_max_len is not None:  # prompts longer than this stay with SDPA
         limit = kernel_max_len * (D + cpu_kernels.PREFILL_QUERY_BLOCK) * 4
         monkeypatch.setattr(cpu_kernels, "PREFILL_ATTENTION_BYTES", limit)
     kernels = cpu_kernels.load()
@@ -94,7 +97,7 @@ def test_mixed_step_matches_plain_attention(window, D, kernel_max_len, monkeypat
     key = torch.cat([k[ctx:] for k, (ctx, _) in zip(full_k, REQUESTS, strict=True)])
     value = torch.cat([v[ctx:] for v, (ctx, _) in zip(full_v, REQUESTS, strict=True)])
     got = paged_attention(query, key, value, cache, meta, D**-0.5, window)
-    if kernels is not None and kernels.gemm_available() and D == 16 and window is None:
+    if panel_gemm.preferred() and D == 16 and window is None:
         # the three fresh prompts in one call, or the one of 3 tokens
         assert fused_calls == ([[0, 6, 12]] if kernel_max_len is None else [[12]])
     else:
