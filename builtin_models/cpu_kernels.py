@@ -64,23 +64,7 @@ _SIGNATURES = {
     "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _I64, _P],
     "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _I],
     "ec_gemm_available": [],
-    "ec_prefill_attention": [
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _I64,
-        _P,
-        _P,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _F,
-        _P,
-        _I,
-    ],
+    "ec_prefill_attention": [*[_P, _I64] * 3, _P, _P, *[_I64] * 4, _F, _P, _I],
 }
 GEMM_PANEL = 16  # output columns per packed panel (EC_PANEL in the C source)
 
