@@ -746,6 +746,16 @@ static inline __attribute__((always_inline)) void gemm_tile_strided(
         }
 }
 
+/* The last tile of `n` (0-5) rows, through the caller's EC_LAST(R) with a literal R. */
+#define EC_PARTIAL_TILE(n)                                                                \
+    switch (n) {                                                                          \
+    case 5: EC_LAST(5)                                                                    \
+    case 4: EC_LAST(4)                                                                    \
+    case 3: EC_LAST(3)                                                                    \
+    case 2: EC_LAST(2)                                                                    \
+    case 1: EC_LAST(1)                                                                    \
+    }
+
 /* A packed panel's k-th 16 values are EC_PANEL floats after its (k-1)-th. */
 #define gemm_tile(a, row_step, k_step, panel, ...)                                        \
     gemm_tile_strided(a, row_step, k_step, panel, EC_PANEL, __VA_ARGS__)
@@ -762,13 +772,7 @@ static void gemm_rows(const float *a, int64_t row_step, const float *panel, int6
 #define EC_LAST(R)                                                                        \
     gemm_tile_strided(at, row_step, 1, panel, panel_step, k, NULL, ct, ldc, width, 8, 0, R); \
     break;
-    switch (rows - t) {
-    case 5: EC_LAST(5)
-    case 4: EC_LAST(4)
-    case 3: EC_LAST(3)
-    case 2: EC_LAST(2)
-    case 1: EC_LAST(1)
-    }
+    EC_PARTIAL_TILE(rows - t)
 #undef EC_LAST
 }
 
@@ -809,19 +813,14 @@ static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
     else                                                                                  \
         gemm_tile(at, row_step, k_step, panel, k, bias, ct, ldc, width, up, 0, R);        \
     break;
-    switch (rows - t * EC_TILE_ROWS) {
-    case 5: EC_LAST(5)
-    case 4: EC_LAST(4)
-    case 3: EC_LAST(3)
-    case 2: EC_LAST(2)
-    case 1: EC_LAST(1)
-    }
+    EC_PARTIAL_TILE(rows - t * EC_TILE_ROWS)
 #undef EC_LAST
 }
 #undef EC_ROW_FMA
 #undef EC_ROW_STORE
 #undef EC_ROW_STORES
 #undef EC_ROW_SILU
+#undef EC_PARTIAL_TILE
 
 /* Row r of the scores s (its first `valid` keys real, then masked up to `width`) becomes
  * its softmax: scaled, max subtracted, exponentiated, divided by the sum; masked keys 0. */
