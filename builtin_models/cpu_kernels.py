@@ -14,7 +14,7 @@ attention of fresh prompts (``prefill_attention``), built on its register tile.
 The library is built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
 ``~/.cache/enginecore``), keyed by the source, the flags and the CPU: the build takes
-6-8 s on the 2-core machine of benchmarks/RESULTS.md, once. Without a compiler,
+6-9 s on the 2-core machine of benchmarks/RESULTS.md, once. Without a compiler,
 or with ``ENGINECORE_CPU_KERNELS=0``, the model runs the plain torch ops instead (same
 results up to float rounding); a failed build is logged once.
 """
