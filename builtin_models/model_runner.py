@@ -17,18 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from enginecore.builtin_models import cpu_kernels, packed_gemm
-from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
-from enginecore.builtin_models.decode_mirror import DecodeMirror
+from enginecore.builtin_models.block_table import BlockTable
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
-from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
-from enginecore.builtin_models.layers import (
-    projection_bytes,
-    projections,
-    use_float32_projections,
-    use_input_major_weights,
-)
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore.builtin_models.sampler import (
@@ -45,7 +36,21 @@ from enginecore.builtin_models.weight_loader import (
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
 from enginecore.errors import ConfigError, EngineCoreError
-from enginecore.interfaces import ModelRunner, WorkerSpec
+from enginecore.interfaces import AttentionBackend, AttentionSpec, ModelRunner, WorkerSpec
+from enginecore.layers import (
+    Attention,
+    AttentionBatch,
+    AttentionContext,
+    LinearBase,
+    VocabParallelEmbedding,
+    install_fused_ops,
+    use_linear_method,
+)
+from enginecore.layers.selection import (
+    registered_refs,
+    select_attention_backend,
+    select_linear_method,
+)
 from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
@@ -61,7 +66,6 @@ class RequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
@@ -86,11 +90,14 @@ class _StepState:
     kv_connector_output: KVConnectorOutput | None = None
 
 
-def _fits_a_quarter_of_free_memory(nbytes: int) -> bool:
-    """Whether a copy of ``nbytes`` that only buys speed is small enough to make."""
-    import psutil
+class _BatchView:
+    """Request id -> (context length, block ids), for a backend ordering its decodes."""
 
-    return nbytes <= psutil.virtual_memory().available // 4
+    def __init__(self, requests: dict[str, RequestState], table: BlockTable) -> None:
+        self.requests, self.table = requests, table
+
+    def __getitem__(self, req_id: str) -> tuple[int, np.ndarray]:
+        return self.requests[req_id].num_computed_tokens, self.table.block_ids(req_id)
 
 
 class TorchModelRunner(ModelRunner):
@@ -110,9 +117,10 @@ class TorchModelRunner(ModelRunner):
         self.hf_config: Any = None
         self.dtype = torch.float32
         self.kv_caches: list[torch.Tensor] | None = None
-        self.decode_mirror: DecodeMirror | None = None
+        self.attn_backend: AttentionBackend | None = None
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable()
         self._step: _StepState | None = None
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
@@ -134,7 +142,11 @@ class TorchModelRunner(ModelRunner):
             return _DTYPES[wanted]
         if self.device.type == "cpu":
             return torch.float32  # CPU matmuls in half precision are slow and lossy
-        return checkpoint_dtype(self.hf_config) or torch.float32
+        native = checkpoint_dtype(self.hf_config)
+        if native in (torch.bfloat16, torch.float16):
+            return native
+        # float32 checkpoints and GGUF files: a GPU serves them in half precision.
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def load_model(self) -> None:
         path = self.config.model.path
@@ -152,51 +164,72 @@ class TorchModelRunner(ModelRunner):
                 f"max_model_len={configured} exceeds the checkpoint's limit of {native} "
                 "positions (max_position_embeddings / n_positions)"
             )
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        with torch.device(self.device):
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        method_cls = select_linear_method(
+            self.device.type,
+            str(self.dtype).removeprefix("torch."),
+            self.worker_spec.linear_method_refs or registered_refs("linear_method"),
+            self.config.model.linear_method,
+        )
+        with torch.device(self.device), use_linear_method(method_cls(self.config)):
             model = model_cls(self.hf_config, self.parallel, self.dtype)
         model.load_weights(iter_weights(path, self.hf_config))
-        if self.device.type == "cpu":
-            use_input_major_weights(model)
-            if self._float32_projections_pay(model):
-                use_float32_projections(model)
-                logger.info("%s projections computed in float32 (no AMX on this CPU)", self.dtype)
-            self._pack_projections(model)
+        for layer in self._weighted_layers(model):
+            layer.linear_method.process_weights_after_loading(layer)
         self.model = model.eval()
+        self.attn_backend = self._make_attention_backend(model)
+        fused = self.attn_backend.fused_ops()
+        if fused is not None:
+            install_fused_ops(model, fused)
+            self.sampler.fused_ops = fused
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         logger.info(
-            "loaded %s (%s) on %s as %s",
+            "loaded %s (%s) on %s as %s; attention: %s, linear method: %s",
             type(model).__name__,
             path,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            self.attn_backend.name,
+            method_cls.name,
         )
 
-    def _float32_projections_pay(self, model: torch.nn.Module) -> bool:
-        """A half-precision model on a CPU without AMX: its projections run faster in
-        float32 (``use_float32_projections``). Taken when the memory that adds (the
-        projections' half-precision size again) is at most a quarter of what is free."""
-        if self.dtype not in (torch.bfloat16, torch.float16) or cpu_kernels.cpu_has_amx():
-            return False
-        return _fits_a_quarter_of_free_memory(projection_bytes(model))
+    def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The linear layers, and the LM head where this stage computes logits (a head
+        tied to the embedding is the embedding)."""
+        layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+        if self.parallel.is_last_pp_rank and hasattr(model, "logits_head"):
+            head = model.logits_head()
+            if isinstance(head, VocabParallelEmbedding):
+                layers.append(head)
+        return layers
 
-    def _pack_projections(self, model: torch.nn.Module) -> None:
-        """Pack the float32 projections for this CPU's GEMM (``packed_gemm``) when the
-        copies fit in a quarter of the memory that is free. A head tied to the embedding
-        (``logits_head``, where the model has one) is packed too where the backend takes
-        its row-major layout."""
-        weights = [m.weight for m in projections(model)]
-        last_stage = self.parallel.is_last_pp_rank
-        head = model.logits_head() if last_stage and hasattr(model, "logits_head") else None
-        if head is not None and not any(head.weight is w for w in weights):
-            weights.append(head.weight)
-        extra = packed_gemm.packed_bytes(weights)
-        if not extra or not _fits_a_quarter_of_free_memory(extra):
-            return
-        count = packed_gemm.pack_weights(weights)
-        logger.info("%d of %d projections use %s", count, len(weights), packed_gemm.backend())
+    def _make_attention_backend(self, model: torch.nn.Module) -> AttentionBackend:
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not layers:
+            raise ConfigError(f"{type(model).__name__} has no enginecore.layers.Attention layer")
+        spec = AttentionSpec(
+            num_layers=len(layers),
+            num_heads=layers[0].num_heads,
+            num_kv_heads=layers[0].num_kv_heads,
+            head_dim=layers[0].head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            max_model_len=self.get_max_model_len(),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=self._max_num_batched_tokens(),
+            sliding_window=any(a.sliding_window is not None for a in layers),
+            logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
+        )
+        backend_cls = select_attention_backend(
+            spec,
+            self.worker_spec.attention_backend_refs or registered_refs("attention_backend"),
+            self.config.model.attention_backend,
+        )
+        return backend_cls(spec)
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):
@@ -217,81 +250,58 @@ class TorchModelRunner(ModelRunner):
     # --- memory and KV cache ----------------------------------------------------------
 
     def get_kv_cache_block_bytes(self) -> int:
-        m = self.model
+        spec = self.attn_backend.spec
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem * m.num_layers
+        shape = self.attn_backend.kv_cache_shape(1)
+        return int(np.prod(shape)) * elem * spec.num_layers
 
     @torch.inference_mode()
     def determine_available_memory(self) -> int:
         cache_cfg = self.config.cache
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.device.type != "cuda":
+            if cache_cfg.kv_cache_bytes is not None:
+                return cache_cfg.kv_cache_bytes
+            import psutil
+
+            # On CPU the ranks share the host's RAM: each takes its share of the fraction.
+            # Nothing is profiled: the fraction does not depend on activation memory.
+            share = cache_cfg.cpu_kv_cache_fraction / self.parallel.world_size
+            return int(psutil.virtual_memory().available * share)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run()
         if cache_cfg.kv_cache_bytes is not None:
             return cache_cfg.kv_cache_bytes
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = torch.cuda.max_memory_reserved(self.device)
-            # Memory used outside this process's torch allocator (other processes, NCCL).
-            non_torch = total - free - torch.cuda.memory_reserved(self.device)
-            return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
-        import psutil
-
-        # On CPU the ranks share the host's RAM: each takes its share of the fraction.
-        share = cache_cfg.cpu_kv_cache_fraction / self.parallel.world_size
-        return int(psutil.virtual_memory().available * share)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) + self.attn_backend.workspace_bytes()
+        # Memory used outside this process's torch allocator (other processes, NCCL).
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
 
     def _profile_run(self) -> None:
-        """A forward at the largest batch (no KV cache) to measure peak activation memory."""
+        """A forward at the largest batch (no KV cache), then sampling at the largest
+        batch, to measure peak activation memory."""
         total = self._max_num_batched_tokens()
         per_req = max(1, min(total, self.get_max_model_len()))
         lens = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
         ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        qsl = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor(lens), 0, out=qsl[1:])
-        meta = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64, device=self.device),
-            query_start_loc=qsl,
-            seq_lens=torch.tensor(lens),
-            context_lens=torch.zeros(len(lens), dtype=torch.int64),
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-            block_size=self.block_size,
-            decode=None,
-            prefill=None,
-        )
-        hidden = self._forward(ids, positions, None, meta)
+        ctx = AttentionContext(self.attn_backend, self.attn_backend.build_profile_metadata(lens))
+        hidden = self._forward(ids, positions, None, ctx)
         if self.parallel.is_last_pp_rank:
             # Every verified draft position needs its own row of logits.
             spec = self.config.speculative
             per_seq = 1 + (spec.num_speculative_tokens if spec.enabled else 0)
             rows = min(self.config.scheduler.max_num_seqs * per_seq, total)
-            self.model.compute_logits(hidden[:rows])
+            logits = self.model.compute_logits(hidden[:rows])
+            # The sampler's softmax and sort over the vocabulary at the largest batch.
+            logits.float().softmax(dim=-1).sort(dim=-1)
         del hidden
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        m = self.model
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [zeroed(shape, self.dtype, self.device) for _ in range(m.num_layers)]
+        self.kv_caches = self.attn_backend.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.decode_mirror = None
-        if self.device.type == "cpu":
-            # On CPU, gathering paged K/V every decode step is memory-bound: mirror the
-            # decode batch densely, in at most as much memory as the paged cache itself.
-            self.decode_mirror = DecodeMirror(
-                m.num_layers,
-                m.num_kv_heads,
-                m.head_dim,
-                self.dtype,
-                self.device,
-                max_bytes=sum(c.numel() * c.element_size() for c in self.kv_caches),
-                max_len=self.get_max_model_len(),
-                max_rows=self.config.scheduler.max_num_seqs,
-            )
-            self._prefault(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
@@ -299,34 +309,12 @@ class TorchModelRunner(ModelRunner):
             connector = factory.worker_side(self.config, self.parallel.rank)
             self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
 
-    def _prefault(self, num_blocks: int) -> None:
-        """Fault in the start of the KV cache and of the decode mirror now, not in the
-        first batch's steps. Their pages are mapped on first touch, which cost 1-10 µs per
-        4 KiB page in the VM of benchmarks/RESULTS.md: ~0.2-2 s inside a 256-request
-        run. The pool hands out blocks in id order, so the first ones go first."""
-        first = min(num_blocks, PREFAULT_BYTES // self.get_kv_cache_block_bytes())
-        for cache in self.kv_caches:
-            cache[:, :first].zero_()  # zeros over zeros: only the faults happen
-        self.decode_mirror.prefault(PREFAULT_BYTES)
-
-    def _plan_decode_mirror(self, decodes: list[str]) -> list[str] | None:
-        if self.decode_mirror is None or not decodes:
-            return None
-        states = self.requests
-        return self.decode_mirror.plan(
-            decodes,
-            {r: states[r].num_computed_tokens for r in decodes},
-            {r: states[r].block_ids for r in decodes},
-            self.kv_caches,
-        )
-
     # --- request state --------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
-        for req_id in so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self.block_table.remove(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -336,11 +324,11 @@ class TorchModelRunner(ModelRunner):
                 vocab = self.hf_config.vocab_size
                 for _ in new.output_token_ids:
                     torch.empty(vocab, device=self.device).exponential_(generator=gen)
+            self.block_table.add(new.req_id, new.block_ids)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=params,
-                block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -368,7 +356,7 @@ class TorchModelRunner(ModelRunner):
                     "not hold (it was never added, or was finished/preempted)"
                 )
             if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
-                state.block_ids.extend(cached.new_block_ids[i])
+                self.block_table.append(req_id, cached.new_block_ids[i])
             if i < len(cached.num_computed_tokens) and self.drafter is None:
                 # With speculation the scheduler counts draft slots optimistically until
                 # it sees how many were accepted: this runner's own count is exact.
@@ -403,14 +391,14 @@ class TorchModelRunner(ModelRunner):
         prefills = [r for r, n in scheduled.items() if n != 1]
         if bridge is not None and so.scheduled_new_reqs:
             # A request's first step may read KV a connector loads during this very
-            # forward: keep it out of the decode mirror (filled from the paged cache
-            # before the forward) until its next step.
+            # forward: keep it out of the decode group (a backend may serve decodes from
+            # state it fills before the forward, like the CPU's dense mirror).
             fresh = {new.req_id for new in so.scheduled_new_reqs}
             prefills = [r for r in decodes if r in fresh] + prefills
             decodes = [r for r in decodes if r not in fresh]
-        mirror = self._plan_decode_mirror(decodes)
-        if mirror is not None:
-            decodes = mirror  # row order of the dense decode mirror
+        if decodes:
+            view = _BatchView(self.requests, self.block_table)
+            decodes = self.attn_backend.order_decodes(decodes, view)
         order = decodes + prefills
         num_reqs = len(order)
 
@@ -422,8 +410,7 @@ class TorchModelRunner(ModelRunner):
         sample_req_ids: list[str] = []
         prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
         verify: list[list[int]] | None = [] if self.drafter is not None else None
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        block_table = self.block_table.gather(order)
         cu = 0
         for i, state in enumerate(states):
             start, n = int(starts[i]), int(q_lens[i])
@@ -438,7 +425,6 @@ class TorchModelRunner(ModelRunner):
                     )
                 input_ids.append(state.token_ids[start])
                 input_ids.extend(drafts)
-                block_table[i, : len(state.block_ids)] = state.block_ids
                 state.num_computed_tokens = end
                 sample_rows.extend(range(cu, cu + n))
                 cu += n
@@ -454,7 +440,6 @@ class TorchModelRunner(ModelRunner):
                 input_ids.append(state.token_ids[start])
             else:
                 input_ids.extend(state.token_ids[start:end])
-            block_table[i, : len(state.block_ids)] = state.block_ids
             if state.prompt_logprobs is not None:
                 rows = state.prompt_logprobs.wants(start, end)
                 if rows is not None:
@@ -475,21 +460,19 @@ class TorchModelRunner(ModelRunner):
         slots = block_table[req_of_token, positions // bs] * bs + positions % bs
 
         dev = self.device
-        meta = build_attention_metadata(
-            q_lens.tolist(),
-            starts.tolist(),
-            torch.from_numpy(block_table),
-            torch.from_numpy(slots),
-            len(decodes),
-            bs,
-            dev,
+        batch = AttentionBatch(
+            req_ids=order,
+            query_lens=q_lens,
+            context_lens=starts,
+            block_table=block_table,
+            slot_mapping=slots,
+            num_decodes=len(decodes),
         )
-        if mirror is not None:
-            meta.mirror = self.decode_mirror
-        meta.kv_connector = bridge
+        meta = self.attn_backend.build_metadata(batch)
+        ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        hidden = self._forward(ids_t, pos_t, self.kv_caches, meta)
+        hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
         logits = None
         if sample_rows and self.parallel.is_last_pp_rank:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
@@ -553,13 +536,13 @@ class TorchModelRunner(ModelRunner):
         ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        meta: AttentionMetadata,
+        ctx: AttentionContext,
     ) -> torch.Tensor:
         """The model's forward on this rank; pipeline stages receive the previous stage's
         hidden states and send theirs on (torch.distributed point-to-point)."""
         par = self.parallel
         if par.pp_size == 1:
-            return self.model(ids, positions, kv_caches, meta)
+            return self.model(ids, positions, kv_caches, ctx)
         import torch.distributed as dist
 
         received = None
@@ -568,7 +551,7 @@ class TorchModelRunner(ModelRunner):
                 ids.shape[0], self.model.hidden_size, dtype=self.dtype, device=self.device
             )
             dist.recv(received, src=par.prev_pp_rank)
-        hidden = self.model(ids, positions, kv_caches, meta, received)
+        hidden = self.model(ids, positions, kv_caches, ctx, received)
         if not par.is_last_pp_rank:
             dist.send(hidden.contiguous(), dst=par.next_pp_rank)
         return hidden
@@ -799,7 +782,8 @@ class TorchModelRunner(ModelRunner):
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
-        self.decode_mirror = None
+        if self.attn_backend is not None:
+            self.attn_backend.release_kv_cache()
         if level >= 2:
             self.model = None
         gc.collect()

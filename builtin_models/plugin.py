@@ -32,6 +32,15 @@ def register_models(registry: Any) -> None:
 
 
 @enginecore.hookimpl(trylast=True)
+def register_linear_methods(registry: Any) -> None:
+    registry.add(
+        "unquantized",
+        "enginecore.layers.linear:UnquantizedLinearMethod",
+        summary="weights in the model's dtype, multiplied by F.linear (any device)",
+    )
+
+
+@enginecore.hookimpl(trylast=True)
 def register_spec_decode_proposers(registry: Any) -> None:
     registry.add(
         "ngram",

@@ -35,7 +35,7 @@ class ModelConfig(_Section):
     served_model_name: str | None = None
     """The model name clients use in API requests; defaults to the checkpoint path."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight and activation dtype; ``auto`` is float32 on CPU and the checkpoint's dtype on CUDA."""
+    """Weight and activation dtype; ``auto`` is float32 on CPU and, on CUDA, the checkpoint's half dtype (bfloat16 for float32 checkpoints and GGUF where the GPU has it, else float16)."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; defaults to the checkpoint's max_position_embeddings."""
     runner: str = "torch"
@@ -44,6 +44,12 @@ class ModelConfig(_Section):
     """Seed of the random state used by requests that do not give their own seed."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; ``auto`` picks CUDA when available."""
+    attention_backend: str = "auto"
+    """Attention backend plugin name; ``auto`` takes the best one that supports the device, dtype and model."""
+    linear_method: str = "auto"
+    """Linear method plugin name (how projection weights are stored and multiplied); ``auto`` takes the best for the device."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs (the GPU runner captures decode batches otherwise)."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -113,9 +113,52 @@ def register_models(registry: Registry) -> None:
 
     The name is the string in the checkpoint's ``config.json`` ``architectures`` list, for
     example ``"LlamaForCausalLM"``. The factory is called by the model runner as
-    ``factory(hf_config, parallel_context)`` and returns a ``torch.nn.Module`` with the
-    interface described in ``docs/plugins.md`` (forward over paged attention metadata
-    and ``load_weights``).
+    ``factory(hf_config, parallel, dtype)`` (the transformers config, this rank's
+    :class:`enginecore.distributed.ParallelContext` and the ``torch.dtype`` to build in)
+    and returns a ``torch.nn.Module`` built from :mod:`enginecore.layers` with the
+    interface described in ``docs/plugins.md``, "Writing a model": ``forward(input_ids,
+    positions, kv_caches, attn_context, hidden_states=None)``, ``compute_logits`` and
+    ``load_weights``.
+    """
+
+
+@hookspec
+def register_attention_backends(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.AttentionBackend` classes by name.
+
+    A backend owns the KV cache layout, builds its per-step metadata from the runner's
+    :class:`enginecore.layers.AttentionBatch` (block tables, sequence lengths, query start
+    offsets, slot mapping) and, for every :class:`enginecore.layers.Attention` layer,
+    writes the step's K/V into the paged cache and attends over a mixed batch (prefills
+    with and without context, decodes, speculative verification). It declares what it
+    supports in ``capabilities`` (devices, dtypes, head sizes, sliding window, logit
+    soft-capping, CUDA graphs); ``enginecore plugins`` lists them.
+
+    Selected by ``model.attention_backend`` (flat name ``attention_backend``); ``"auto"``
+    (the default) takes the supporting backend with the highest ``priority`` for the
+    device, dtype and model. Built in: ``torch`` (any device, the reference), ``cpu`` (C
+    kernels and a dense decode mirror), ``triton`` (paged attention kernels for GPUs;
+    on CPU only when selected by name, under ``TRITON_INTERPRET=1``) and ``flash_attn``
+    (when that package is importable). Test one with
+    :class:`enginecore.testing.AttentionBackendContract`.
+    """
+
+
+@hookspec
+def register_linear_methods(registry: Registry) -> None:
+    """Register :class:`enginecore.interfaces.LinearMethod` classes by name.
+
+    A linear method owns how a projection's weights are stored and multiplied:
+    ``create_weights`` (in the layer's constructor), ``process_weights_after_loading``
+    (repack, quantize) and ``apply`` (every forward). Every linear layer in
+    :mod:`enginecore.layers` and the LM head compute through the selected method, so a
+    weight format plugs in here without touching a model.
+
+    Selected by ``model.linear_method`` (flat name ``linear_method``); ``"auto"`` (the
+    default) takes the supporting method with the highest ``priority`` for the device
+    and dtype. Built in: ``unquantized`` (``F.linear``, any device) and ``cpu_packed``
+    (weights packed for the CPU's GEMM). Test one with
+    :class:`enginecore.testing.LinearMethodContract`.
     """
 
 

@@ -158,6 +158,10 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     enabled_plugins: list[str] | None = None
     disabled_plugins: list[str] = []
     spec_decode_proposer_ref: str | None = None  # the selected draft proposer, if any
+    # Name -> ref of every registered attention backend and linear method: "auto" is
+    # resolved in the worker, which knows the device, dtype and model.
+    attention_backend_refs: dict[str, str] = {}
+    linear_method_refs: dict[str, str] = {}
 
 
 FailureCallback = Callable[[str], None]
@@ -600,4 +604,207 @@ class StatLogger(ABC):
 
     def log(self) -> None:
         """Called periodically (``observability.log_stats_interval``)."""
+        return None
+
+
+# --- attention backends and linear methods ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model's attention needs, and where it runs: the facts a backend is chosen
+    by and built from (this rank's heads)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any  # torch.dtype of the KV cache and activations
+    device: Any  # torch.device
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    sliding_window: bool = False  # some layer has a window
+    logits_soft_cap: bool = False  # some layer caps its scores
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend supports; ``enginecore plugins`` shows it and ``auto`` selection
+    reads it. ``head_sizes=None`` means any."""
+
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    head_sizes: tuple[int, ...] | None = None
+    sliding_window: bool = True
+    logits_soft_cap: bool = True
+    cuda_graphs: bool = False
+
+    def describe(self) -> str:
+        heads = "any" if self.head_sizes is None else ",".join(map(str, self.head_sizes))
+        extras = [
+            name
+            for name, on in (
+                ("sliding window", self.sliding_window),
+                ("soft-cap", self.logits_soft_cap),
+                ("CUDA graphs", self.cuda_graphs),
+            )
+            if on
+        ]
+        return (
+            f"devices {'/'.join(self.devices)}; dtypes {'/'.join(self.dtypes)}; "
+            f"head sizes {heads}" + (f"; {', '.join(extras)}" if extras else "")
+        )
+
+
+class AttentionBackend(ABC):
+    """Owns the KV cache layout and computes attention for mixed batches.
+
+    Built once per model runner as ``cls(spec)`` (an :class:`AttentionSpec`). Each step
+    the runner calls :meth:`build_metadata` once with the step's
+    :class:`enginecore.layers.AttentionBatch`; every :class:`enginecore.layers.Attention`
+    layer then calls :meth:`forward`, which writes the step's K/V into the paged cache and
+    attends: prefills with and without context, decodes and speculative verification
+    (several query tokens after a context) all arrive in one batch.
+
+    Registered through ``register_attention_backends``; selected by
+    ``model.attention_backend`` (``"auto"``: the supporting backend with the highest
+    ``priority``). Test one with :class:`enginecore.testing.AttentionBackendContract`.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(devices=("cpu",))
+    #: ``auto`` prefers the supporting backend with the highest priority.
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, *, by_name: bool = False) -> str | None:
+        """Why this backend cannot serve ``spec`` (None: it can). ``by_name`` is True
+        when the user selected it explicitly (a backend may allow more then, such as an
+        interpreter on CPU). Checks the declared capabilities; override to add more."""
+        caps = cls.capabilities
+        device = getattr(spec.device, "type", str(spec.device))
+        if device not in caps.devices:
+            return f"runs on {'/'.join(caps.devices)}, not {device}"
+        if spec.dtype_name not in caps.dtypes:
+            return f"supports {'/'.join(caps.dtypes)}, not {spec.dtype_name}"
+        if caps.head_sizes is not None and spec.head_dim not in caps.head_sizes:
+            return f"supports head sizes {caps.head_sizes}, not {spec.head_dim}"
+        if spec.sliding_window and not caps.sliding_window:
+            return "does not support sliding-window attention"
+        if spec.logits_soft_cap and not caps.logits_soft_cap:
+            return "does not support logit soft-capping"
+        return None
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache; the default is ``[2, blocks, block_size, kv_heads, head_dim]``
+        (K then V), which KV connectors and the built-in backends share."""
+        s = self.spec
+        return (2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[Any]:
+        """One zeroed cache tensor per layer."""
+        import torch
+
+        shape = self.kv_cache_shape(num_blocks)
+        return [
+            torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
+            for _ in range(self.spec.num_layers)
+        ]
+
+    def release_kv_cache(self) -> None:
+        """The runner dropped the cache (sleep): drop whatever was derived from it."""
+        return None
+
+    def workspace_bytes(self) -> int:
+        """Device memory attention takes beyond the cache at the largest step (the
+        runner reserves it before sizing the cache)."""
+        return 0
+
+    def order_decodes(self, req_ids: list[str], batch_view: Any) -> list[str]:
+        """The order the step's decode requests should take in the batch (a backend with
+        per-request state, like a dense decode mirror, may want its own). ``batch_view``
+        maps a request id to ``(context_len, block_ids)``."""
+        return req_ids
+
+    @abstractmethod
+    def build_metadata(self, batch: Any) -> Any:
+        """Per-step metadata from an :class:`enginecore.layers.AttentionBatch`, shared by
+        every layer of the step."""
+
+    def build_profile_metadata(self, query_lens: list[int]) -> Any:
+        """Metadata for the memory-profiling forward: fresh prompts of these lengths
+        with no KV cache (``forward`` then gets ``kv_cache=None``)."""
+        return list(query_lens)
+
+    @abstractmethod
+    def forward(
+        self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, metadata: Any
+    ) -> Any:
+        """Write ``key``/``value`` [T, kv_heads, D] into ``kv_cache`` at the step's slots,
+        then attend ``query`` [T, heads, D]; returns [T, heads, D]. ``layer`` is the
+        :class:`enginecore.layers.Attention` (its scale, window and soft-cap)."""
+
+    def fused_ops(self) -> Any:
+        """A :class:`enginecore.layers.FusedOps` with this device's fused kernels for the
+        model's norms, rotary embedding and activation, or None."""
+        return None
+
+
+class LinearMethod(ABC):
+    """How a projection's weights are stored and multiplied.
+
+    Built once per model runner as ``cls(config)``; every linear layer of the model keeps
+    a reference. ``create_weights`` runs in the layer's constructor (register the
+    parameters, each with a ``weight_loader``), ``process_weights_after_loading`` once
+    the checkpoint is loaded (repack, quantize, transpose), ``apply`` every forward.
+    Registered through ``register_linear_methods``; selected by ``model.linear_method``
+    (``"auto"``: the supporting method with the highest ``priority``). Test one with
+    :class:`enginecore.testing.LinearMethodContract`.
+    """
+
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    #: Devices and activation dtypes the method computes for.
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config
+
+    @classmethod
+    def unsupported_reason(cls, device: str, dtype: str) -> str | None:
+        if device not in cls.devices:
+            return f"runs on {'/'.join(cls.devices)}, not {device}"
+        if dtype not in cls.dtypes:
+            return f"supports {'/'.join(cls.dtypes)}, not {dtype}"
+        return None
+
+    @abstractmethod
+    def create_weights(self, layer: Any, input_size: int, output_size: int, dtype: Any) -> None:
+        """Register this rank's weight parameters on ``layer`` ([output_size, input_size]
+        logically); each parameter's ``weight_loader`` should be ``layer.weight_loader``,
+        which copies this rank's shard."""
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        """Called once per layer after every weight is loaded (and again after a reload).
+        Also called for an LM head (a :class:`enginecore.layers.VocabParallelEmbedding`
+        whose table computes the logits)."""
+        return None
+
+    @abstractmethod
+    def apply(self, layer: Any, x: Any, bias: Any = None) -> Any:
+        """``x @ W^T (+ bias)`` for ``x`` [T, input_size]."""
+
+    def apply_silu_and_mul(self, layer: Any, x: Any, bias: Any = None) -> Any:
+        """For a gated projection (``layer.gated``): ``silu(gate) * up`` of ``apply``'s
+        result, in one pass where the method can fuse it; None to let the layer do it."""
         return None

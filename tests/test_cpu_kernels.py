@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_models import cpu_kernels
-from enginecore.builtin_models.layers import RMSNorm, RotaryEmbedding
+from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu.fused_ops import CpuFusedOps
+from enginecore.layers import RMSNorm, RotaryEmbedding
+from enginecore.layers.fused_ops import NO_FUSED_OPS
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels unavailable")
@@ -45,6 +47,7 @@ def test_rms_norm_adds_the_residual_in_place(gen):
 
 def test_add_and_norm_falls_back_for_bf16(gen):
     norm = RMSNorm(64, 1e-6, torch.bfloat16)
+    norm.fused_ops = CpuFusedOps()
     norm.weight.data.copy_(torch.randn(64, generator=gen))
     x = torch.randn(3, 64, generator=gen).bfloat16()
     residual = torch.randn(3, 64, generator=gen).bfloat16()
@@ -57,12 +60,13 @@ def test_add_and_norm_falls_back_for_bf16(gen):
 
 def _rotary_reference(rotary: RotaryEmbedding, positions, x, monkeypatch) -> torch.Tensor:
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "kernels_for", lambda *_t: None)
+        m.setattr(rotary, "fused_ops", NO_FUSED_OPS)
         return rotary(positions, x)
 
 
 def test_rotary_in_place_matches_the_torch_path(gen, monkeypatch):
     rotary = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    rotary.fused_ops = CpuFusedOps()
     qkv = torch.randn(9, (4 + 2 + 2) * 64, generator=gen)
     qk = qkv[:, : 6 * 64].view(9, 6, 64)  # Q and K heads inside the fused projection
     positions = torch.randint(0, 512, (9,), generator=gen)
@@ -76,6 +80,7 @@ def test_rotary_in_place_matches_the_torch_path(gen, monkeypatch):
 
 def test_rotary_rejects_a_position_beyond_the_table(gen):
     rotary = RotaryEmbedding(64, 16, {"rope_theta": 10000.0, "rope_type": "default"})
+    rotary.fused_ops = CpuFusedOps()
     x = torch.randn(2, 2, 64, generator=gen)
     before = x.clone()
     with pytest.raises(IndexError, match="rotary table"):
@@ -286,7 +291,7 @@ def test_only_float32_cpu_tensors_get_kernels():
 def _load_in_child(tmp_path, **env) -> str:
     code = (
         "import torch\n"
-        "from enginecore.builtin_models import cpu_kernels\n"
+        "from enginecore.builtin_cpu import cpu_kernels\n"
         "print('loaded' if cpu_kernels.kernels_for(torch.zeros(1)) else 'fallback')\n"
     )
     done = subprocess.run(

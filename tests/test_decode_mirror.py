@@ -35,9 +35,9 @@ def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama, tight_cach
         max_model_len=128,
     ) as llm:
         runner = llm.engine_client.engine.executor.worker.model_runner
-        assert runner.decode_mirror is not None  # on by default on CPU
+        assert runner.attn_backend.mirror is not None  # on by default on CPU
         mirrored = llm.generate(prompts, params)
-        mirror = runner.decode_mirror
+        mirror = runner.attn_backend.mirror
         assert mirror.layers, "the mirror was never used"
         full_size = (5, 128)  # max_num_seqs rows, max_model_len positions
         if tight_cache:
@@ -45,7 +45,7 @@ def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama, tight_cach
             assert mirror._capacity() != full_size
         else:
             assert mirror._capacity() == full_size
-        runner.decode_mirror = None  # plain paged attention from here on
+        runner.attn_backend.mirror = None  # plain paged attention from here on
         plain = llm.generate(prompts, params)
     for a, b in zip(mirrored, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -27,7 +27,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_demo_gguf_logits_equal_transformers(model_refs):
     from transformers import AutoModelForCausalLM
 
-    from enginecore.builtin_models.attention import build_attention_metadata
+    from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
     from enginecore.builtin_models.weight_loader import (
         iter_weights,
         load_gguf_tokenizer,
@@ -35,6 +35,7 @@ def test_demo_gguf_logits_equal_transformers(model_refs):
         resolve_model_class,
     )
     from enginecore.checkpoints import find_demo_gguf
+    from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
     path = find_demo_gguf()
     cfg = load_hf_config(path)
@@ -48,12 +49,11 @@ def test_demo_gguf_logits_equal_transformers(model_refs):
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
     bs = 4
-    table = torch.tensor([[5, 1, 3]])
     pos = torch.arange(len(ids))
-    slots = table[0][pos // bs] * bs + pos % bs
-    kv = [torch.zeros(2, 6, bs, model.num_kv_heads, model.head_dim) for _ in range(30)]
-    meta = build_attention_metadata([len(ids)], [0], table, slots, 0, bs, torch.device("cpu"))
+    backend = TorchAttentionBackend(spec_for_model(model, block_size=bs))
+    kv = backend.allocate_kv_cache(6)
+    ctx = step_context(backend, make_batch([len(ids)], [0], [[5, 1, 3]], bs))
     with torch.no_grad():
-        got = model.compute_logits(model(ids, pos, kv, meta))
+        got = model.compute_logits(model(ids, pos, kv, ctx))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     assert tok.decode(got[-1].argmax()) == " Paris"

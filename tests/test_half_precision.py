@@ -1,7 +1,7 @@
 """A bfloat16 model on CPU: greedy output equals transformers' bfloat16 generate.
 
 On a CPU without AMX the runner stores the projections in float32 and rounds each output
-back to bfloat16 (``use_float32_projections``); with AMX it keeps them in bfloat16. Either
+back to bfloat16 (the ``cpu_packed`` linear method); with AMX it keeps them in bfloat16. Either
 way the tokens must be transformers' up to its first near tie: two bfloat16 logits two
 rounding steps apart (``hf_reference.half_precision_tie``).
 """
@@ -14,7 +14,8 @@ from hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_models import cpu_kernels, layers
+from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu.linear_method import project
 
 PROJECTIONS = {"ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear"}
 PROJECTIONS |= {"QKVParallelLinear", "ParallelLMHead"}
@@ -47,10 +48,10 @@ def test_project_rounds_a_widened_projection_once() -> None:
     x = torch.randn(5, 64, generator=gen).bfloat16()
     weight = torch.randn(32, 64, generator=gen).bfloat16()
     bias = torch.randn(32, generator=gen).bfloat16()
-    out = layers.project(x, weight.float(), bias)
+    out = project(x, weight.float(), bias)
     assert out.dtype == torch.bfloat16
     exact = x.double() @ weight.double().T + bias.double()
     # float32 accumulation, one rounding to bfloat16: within one bfloat16 step of exact
     step = 2.0 ** (torch.frexp(exact).exponent - 8)
     assert ((out.double() - exact).abs() <= step).all()
-    assert torch.equal(layers.project(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(project(x, weight, bias), torch.nn.functional.linear(x, weight, bias))

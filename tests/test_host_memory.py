@@ -1,4 +1,4 @@
-"""Host memory of a CPU runner (builtin_models/host_memory.py): the malloc setting that
+"""Host memory of a CPU runner (builtin_cpu/host_memory.py): the malloc setting that
 keeps a step's freed activations mapped, and the start of the KV cache and of the decode
 mirror faulted in at start-up rather than in the first batch's steps."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from enginecore import make_config
-from enginecore.builtin_models.decode_mirror import _T_PAD
-from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory
+from enginecore.builtin_cpu.decode_mirror import _T_PAD
+from enginecore.builtin_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory
 from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.interfaces import WorkerSpec
 
@@ -51,7 +51,7 @@ def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
 
 
 def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runner):
-    mirror = runner.decode_mirror
+    mirror = runner.attn_backend.mirror
     rows = runner.config.scheduler.max_num_seqs
     assert mirror.layers and mirror.layers[0].shape[1] >= rows  # every row, before any step
     length = min(512, PREFAULT_BYTES // mirror._position_bytes(rows) - _T_PAD)
@@ -63,7 +63,7 @@ def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runne
 
 MALLOC_STATE = """
     import ctypes, sys, torch
-    from enginecore.builtin_models.host_memory import keep_freed_memory
+    from enginecore.builtin_cpu.host_memory import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 
-from enginecore.builtin_models.attention import build_attention_metadata
+from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
 from enginecore.builtin_models.weight_loader import (
     MissingWeightsError,
     UnknownArchitectureError,
@@ -15,6 +15,7 @@ from enginecore.builtin_models.weight_loader import (
     load_hf_config,
     resolve_model_class,
 )
+from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 ATOL = 2e-5
@@ -35,9 +36,10 @@ def reference_logits(path: pathlib.Path, ids: torch.Tensor) -> torch.Tensor:
         return ref(ids[None]).logits[0]
 
 
-def new_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    return [torch.zeros(shape) for _ in range(model.num_layers)]
+def new_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> tuple:
+    """The reference backend for ``model`` and a KV cache of ``num_blocks`` blocks."""
+    backend = TorchAttentionBackend(spec_for_model(model, block_size=block_size))
+    return backend, backend.allocate_kv_cache(num_blocks)
 
 
 def run_chunks(
@@ -46,19 +48,16 @@ def run_chunks(
     chunks: list[tuple[int, int]],
     block_size: int,
     blocks: list[int],
-    kv: list[torch.Tensor],
+    kv: tuple,
 ) -> torch.Tensor:
     """Feed one request's tokens chunk by chunk through the paged cache; all logits."""
-    table = torch.tensor([blocks])
+    backend, caches = kv
     out = []
     for a, b in chunks:
         pos = torch.arange(a, b)
-        slots = table[0][pos // block_size] * block_size + pos % block_size
-        meta = build_attention_metadata(
-            [b - a], [a], table, slots, int(b - a == 1), block_size, torch.device("cpu")
-        )
+        ctx = step_context(backend, make_batch([b - a], [a], [blocks], block_size))
         with torch.no_grad():
-            out.append(model.compute_logits(model(ids[a:b], pos, kv, meta)))
+            out.append(model.compute_logits(model(ids[a:b], pos, caches, ctx)))
     return torch.cat(out)
 
 
@@ -104,26 +103,21 @@ def test_mixed_batch_of_decodes_and_prefills(tiny_llama, model_refs):
     # (their last prompt token) and runs the fourth's remaining 14 tokens as a chunk.
     steps = [[(0, 4), (0, 12), (0, 8), (0, 6)], [(4, 5), (12, 13), (8, 9), (6, 20)]]
     got: list[list[torch.Tensor]] = [[] for _ in prompts]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     for step in steps:
         order = sorted(range(len(prompts)), key=lambda i: step[i][1] - step[i][0] != 1)
         num_decodes = sum(1 for i in order if step[i][1] - step[i][0] == 1)
         ids = torch.cat([prompts[i][step[i][0] : step[i][1]] for i in order])
         pos = torch.cat([torch.arange(*step[i]) for i in order])
         rows = torch.cat([torch.full((step[i][1] - step[i][0],), i) for i in order])
-        slots = table[rows, pos // bs] * bs + pos % bs
-        meta = build_attention_metadata(
+        batch = make_batch(
             [step[i][1] - step[i][0] for i in order],
             [step[i][0] for i in order],
-            table[order],
-            slots,
-            num_decodes,
+            [tables[i] for i in order],
             bs,
-            torch.device("cpu"),
         )
+        assert batch.num_decodes == num_decodes
         with torch.no_grad():
-            logits = model.compute_logits(model(ids, pos, kv, meta))
+            logits = model.compute_logits(model(ids, pos, kv[1], step_context(kv[0], batch)))
         for i in order:
             got[i].append(logits[rows == i])
     for i, want in enumerate(wants):

@@ -1,4 +1,4 @@
-"""Paged attention of a mixed step equals plain attention over each request's whole sequence.
+"""The cpu backend's mixed step equals plain attention over each request's whole sequence.
 
 One step holds two decodes, two fresh prompts of one length (one batched causal call),
 a shorter fresh prompt, and a chunk with context already in the cache (its K/V gathered
@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_models import cpu_kernels, panel_gemm
-from enginecore.builtin_models.attention import (
-    build_attention_metadata,
-    paged_attention,
-    prefill_runs,
-    write_kv,
-)
+from enginecore.builtin_attention.torch_backend import prefill_runs, write_kv
+from enginecore.builtin_cpu import cpu_kernels, panel_gemm
+from enginecore.builtin_cpu.attention import CpuAttentionBackend
+from enginecore.interfaces import AttentionSpec
+from enginecore.layers import Attention
+from enginecore.testing.attention_steps import make_batch
 
 BLOCK = 4
 HQ, HKV = 4, 2
@@ -76,19 +75,14 @@ def test_mixed_step_matches_plain_attention(window, D, kernel_max_len, monkeypat
             index = torch.tensor(slots(r, range(ctx)))
             write_kv(cache, full_k[r][:ctx], full_v[r][:ctx], index)
 
-    table = torch.zeros(len(REQUESTS), max(len(t) for t in tables), dtype=torch.int64)
-    for r, blocks in enumerate(tables):
-        table[r, : len(blocks)] = torch.tensor(blocks)
     new_slots = [s for r, (ctx, n) in enumerate(REQUESTS) for s in slots(r, range(ctx, ctx + n))]
-    meta = build_attention_metadata(
-        [n for _, n in REQUESTS],
-        [ctx for ctx, _ in REQUESTS],
-        table,
-        torch.tensor(new_slots),
-        2,
-        BLOCK,
-        torch.device("cpu"),
+    batch = make_batch([n for _, n in REQUESTS], [ctx for ctx, _ in REQUESTS], tables, BLOCK)
+    assert batch.slot_mapping.tolist() == new_slots
+    spec = AttentionSpec(
+        1, HQ, HKV, D, torch.float32, torch.device("cpu"), BLOCK, 64, 8, 64, window is not None
     )
+    backend = CpuAttentionBackend(spec)
+    meta = backend.build_metadata(batch)
     runs = [(run.req_start, run.num_reqs) for run in meta.prefill.runs]
     assert runs == [(0, 2), (2, 1), (3, 1)]  # the equal fresh prompts share one call
 
@@ -96,7 +90,8 @@ def test_mixed_step_matches_plain_attention(window, D, kernel_max_len, monkeypat
     query = torch.randn(total, HQ, D, generator=gen)
     key = torch.cat([k[ctx:] for k, (ctx, _) in zip(full_k, REQUESTS, strict=True)])
     value = torch.cat([v[ctx:] for v, (ctx, _) in zip(full_v, REQUESTS, strict=True)])
-    got = paged_attention(query, key, value, cache, meta, D**-0.5, window)
+    layer = Attention(HQ, D, D**-0.5, HKV, sliding_window=window)
+    got = backend.forward(layer, query, key, value, cache, meta)
     if panel_gemm.preferred() and D == 16 and window is None:
         # the three fresh prompts in one call, or the one of 3 tokens
         assert fused_calls == ([[0, 6, 12]] if kernel_max_len is None else [[12]])

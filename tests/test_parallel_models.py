@@ -29,6 +29,16 @@ from enginecore.testing.executor_contract import STUB_RUNNER_REF
 # The ranks cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+def no_cache_context(model, n: int):
+    """The reference backend's context for one fresh prompt of ``n`` tokens, no cache."""
+    from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
+    from enginecore.layers import AttentionContext
+    from enginecore.testing.attention_steps import spec_for_model
+
+    backend = TorchAttentionBackend(spec_for_model(model, block_size=16))
+    return AttentionContext(backend, backend.build_profile_metadata([n]))
+
+
 IDS = [3, 17, 256, 1024, 4000, 8000, 5, 9, 12, 77, 300, 2]
 
 
@@ -38,7 +48,6 @@ def forward_logits(worker, path: str, ids: list[int], layout: str) -> np.ndarray
     import torch
     import torch.distributed as dist
 
-    from enginecore.builtin_models.attention import AttentionMetadata
     from enginecore.builtin_models.weight_loader import (
         iter_weights,
         load_hf_config,
@@ -55,17 +64,7 @@ def forward_logits(worker, path: str, ids: list[int], layout: str) -> np.ndarray
     model = resolve_model_class(cfg, worker.worker_spec.model_refs)(cfg, parallel, torch.float32)
     model.load_weights(iter_weights(path, cfg))
     n = len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n]),
-        seq_lens=torch.tensor([n]),
-        context_lens=torch.zeros(1, dtype=torch.int64),
-        max_query_len=n,
-        max_seq_len=n,
-        block_size=16,
-        decode=None,
-        prefill=None,
-    )
+    meta = no_cache_context(model, n)
     with torch.inference_mode():
         ids_t, pos = torch.tensor(ids), torch.arange(n)
         if layout == "pp":
@@ -102,20 +101,9 @@ def reference_logits(path, model_refs) -> torch.Tensor:
     cfg = load_hf_config(path)
     model = resolve_model_class(cfg, model_refs)(cfg, SINGLE_RANK, torch.float32)
     model.load_weights(iter_weights(path, cfg))
-    from enginecore.builtin_models.attention import AttentionMetadata
 
     n = len(IDS)
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n]),
-        seq_lens=torch.tensor([n]),
-        context_lens=torch.zeros(1, dtype=torch.int64),
-        max_query_len=n,
-        max_seq_len=n,
-        block_size=16,
-        decode=None,
-        prefill=None,
-    )
+    meta = no_cache_context(model, n)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(IDS), torch.arange(n), None, meta))
 
@@ -158,7 +146,7 @@ def test_pp2_logits_match_single_stage(two_ranks, tiny_llama, tied_llama, model_
 
 
 def test_pp_stage_holds_only_its_layers(tiny_llama) -> None:
-    from enginecore.builtin_models.layers import PPMissingLayer, pp_layer_range
+    from enginecore.layers import PPMissingLayer, pp_layer_range
     from enginecore.builtin_models.models.llama import LlamaForCausalLM
     from enginecore.distributed import ParallelContext
 
@@ -190,7 +178,7 @@ def test_tp_that_does_not_divide_the_heads_is_a_clear_error(tiny_llama) -> None:
 
 
 def test_kv_heads_are_replicated_when_fewer_than_tp(tiny_llama) -> None:
-    from enginecore.builtin_models.layers import QKVParallelLinear
+    from enginecore.layers import QKVParallelLinear
     from enginecore.distributed import ParallelContext
 
     # 4 query heads, 2 KV heads, tp=4: each rank one query head, KV heads shared in pairs.

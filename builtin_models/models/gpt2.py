@@ -9,17 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_models.attention import AttentionMetadata, paged_attention
-from enginecore.builtin_models.layers import (
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.layers import (
+    Attention,
+    AttentionContext,
     ColumnParallelLinear,
     LayerNorm,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    load_params,
     vocab_parallel_logits,
 )
-from enginecore.builtin_models.weight_loader import load_params
-from enginecore.distributed import SINGLE_RANK, ParallelContext
 
 _ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -38,7 +39,7 @@ class GPT2Attention(nn.Module):
         super().__init__()
         hidden = cfg.n_embd
         self.head_dim = hidden // cfg.n_head
-        self.scale = self.head_dim**-0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
+        scale = self.head_dim**-0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
         # GPT-2's fused c_attn is [q; k; v] in one checkpoint tensor: the QKV layer splits
         # it per projection, then per rank (shard=None in its loader).
         self.c_attn = QKVParallelLinear(
@@ -46,13 +47,14 @@ class GPT2Attention(nn.Module):
         )
         self.num_heads = self.c_attn.num_heads  # this rank's heads
         self.c_proj = RowParallelLinear(hidden, hidden, bias=True, parallel=parallel, dtype=dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, scale)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, ctx: AttentionContext
     ) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.c_attn(hidden).view(t, 3, self.num_heads, self.head_dim).unbind(1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = self.attn(q, k, v, kv_cache, ctx)
         return self.c_proj(out.reshape(t, -1))
 
 
@@ -85,9 +87,9 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(cfg, parallel, dtype)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, meta: AttentionMetadata
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, ctx: AttentionContext
     ) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, meta)
+        hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, ctx)
         return hidden + self.mlp(self.ln_2(hidden))
 
 
@@ -108,11 +110,11 @@ class GPT2Model(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        meta: AttentionMetadata,
+        ctx: AttentionContext,
     ) -> torch.Tensor:
         hidden = self.wte(input_ids) + self.wpe(positions)
         for i, block in enumerate(self.h):
-            hidden = block(hidden, kv_caches[i] if kv_caches else None, meta)
+            hidden = block(hidden, kv_caches[i] if kv_caches else None, ctx)
         return self.ln_f(hidden)
 
 
@@ -133,18 +135,15 @@ class GPT2LMHeadModel(nn.Module):
         self.parallel = parallel
         self.hidden_size = hf_config.n_embd
         self.transformer = GPT2Model(hf_config, parallel, dtype)
-        self.num_kv_heads = self.transformer.h[0].attn.num_heads  # this rank's heads
-        self.head_dim = hf_config.n_embd // hf_config.n_head
-        self.num_layers = hf_config.n_layer
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        attn_metadata: AttentionMetadata,
+        attn_context: AttentionContext,
     ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
+        return self.transformer(input_ids, positions, kv_caches, attn_context)
 
     def logits_head(self) -> VocabParallelEmbedding:
         return self.transformer.wte  # tied LM head

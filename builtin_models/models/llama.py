@@ -6,12 +6,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_models import cpu_kernels
-from enginecore.builtin_models.attention import AttentionMetadata, paged_attention
-from enginecore.builtin_models.layers import (
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.layers import (
+    Attention,
+    AttentionContext,
     MergedColumnParallelLinear,
     ParallelLMHead,
     PPMissingLayer,
@@ -19,16 +19,14 @@ from enginecore.builtin_models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    SiluAndMul,
     VocabParallelEmbedding,
+    layer_sliding_windows,
+    load_params,
     pp_layer_range,
-    project_silu_and_mul,
     rope_parameters,
     vocab_parallel_logits,
 )
-from enginecore.builtin_models.panel_gemm import GATED_HALF
-from enginecore.builtin_models.sliding_window import layer_sliding_windows
-from enginecore.builtin_models.weight_loader import load_params
-from enginecore.distributed import SINGLE_RANK, ParallelContext
 
 
 class LlamaAttention(nn.Module):
@@ -41,11 +39,9 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.sliding_window = sliding_window
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
-        self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
@@ -65,6 +61,13 @@ class LlamaAttention(nn.Module):
             parallel=parallel,
             dtype=dtype,
         )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=sliding_window,
+        )
 
     def forward(
         self,
@@ -72,7 +75,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor | None,
-        meta: AttentionMetadata,
+        ctx: AttentionContext,
     ) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -82,7 +85,7 @@ class LlamaAttention(nn.Module):
         qk = rotary(positions, qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        out = self.attn(q, k, v, kv_cache, ctx)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -96,6 +99,7 @@ class LlamaMLP(nn.Module):
             bias=bool(getattr(cfg, "mlp_bias", False)),
             parallel=parallel,
             dtype=dtype,
+            gated=True,
         )
         self.down_proj = RowParallelLinear(
             inter,
@@ -107,19 +111,13 @@ class LlamaMLP(nn.Module):
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
-        # Lets enginecore's GEMM pack the weight so as to apply SiLU as it stores.
-        setattr(self.gate_up_proj.weight, GATED_HALF, self.gate_up_proj.local_sizes[0])
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = project_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        if fused is not None:
-            return self.down_proj(fused)
-        gate_up = self.gate_up_proj(x)
-        kernels = cpu_kernels.kernels_for(gate_up)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one fewer temporary
+        fused = self.gate_up_proj.fused_silu_and_mul(x)
+        if fused is None:
+            fused = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(fused)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor | None,
-        meta: AttentionMetadata,
+        ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` is the previous layer's MLP output and ``residual`` the stream it
         is added to (None at the first layer: ``hidden`` is the stream). Returns this
@@ -155,7 +153,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn = self.self_attn(positions, normed, rotary, kv_cache, meta)
+        attn = self.self_attn(positions, normed, rotary, kv_cache, ctx)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(normed), residual
 
@@ -196,7 +194,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        meta: AttentionMetadata,
+        ctx: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden_states`` is the previous stage's output (pipeline stages after the
@@ -208,7 +206,7 @@ class LlamaModel(nn.Module):
         residual = None
         for i in range(self.start_layer, self.end_layer):
             cache = kv_caches[i - self.start_layer] if kv_caches else None
-            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, cache, meta)
+            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, cache, ctx)
         if residual is None:  # a stage without layers
             return hidden if self.norm is None else self.norm(hidden)
         if self.norm is None:
@@ -250,20 +248,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, parallel=parallel, dtype=dtype
             )
-        attn = self.model.layers[self.model.start_layer].self_attn
-        # Per rank: this rank's KV heads, and this stage's layers (what the KV cache holds).
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.num_layers = self.model.end_layer - self.model.start_layer
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        attn_metadata: AttentionMetadata,
+        attn_context: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_states)
+        return self.model(input_ids, positions, kv_caches, attn_context, hidden_states)
 
     def logits_head(self) -> VocabParallelEmbedding:
         """The weight that computes logits: the LM head, or the embedding it is tied to."""

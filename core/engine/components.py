@@ -63,6 +63,16 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
     runner_entry = host.registry("model_runner").entry(config.model.runner)
     providers["model_runner"] = f"{config.model.runner} (from {runner_entry.plugin})"
     models = host.registry("model")
+    backend_refs = {}
+    for kind, selected in (
+        ("attention_backend", config.model.attention_backend),
+        ("linear_method", config.model.linear_method),
+    ):
+        registry = host.registry(kind)
+        if selected != "auto":
+            entry = registry.entry(selected)  # an unknown name fails here, listing the known
+            providers[kind] = f"{selected} (from {entry.plugin})"
+        backend_refs[kind] = {name: registry.entry(name).ref for name in registry}
     kv_ref = None
     if config.kv_transfer.connector:
         kv_entry = host.registry("kv_connector").entry(config.kv_transfer.connector)
@@ -94,6 +104,8 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
         enabled_plugins=config.plugins.enabled,
         disabled_plugins=list(config.plugins.disabled),
         spec_decode_proposer_ref=proposer_ref,
+        attention_backend_refs=backend_refs["attention_backend"],
+        linear_method_refs=backend_refs["linear_method"],
     )
     return Components(
         executor_name=executor_name,

@@ -36,6 +36,8 @@ _CONTRACTS = {
     "KVConnectorContract": "enginecore.testing.kv_connector_contract",
     "StatLoggerContract": "enginecore.testing.stat_logger_contract",
     "SpecDecodeProposerContract": "enginecore.testing.spec_decode_contract",
+    "AttentionBackendContract": "enginecore.testing.attention_backend_contract",
+    "LinearMethodContract": "enginecore.testing.linear_method_contract",
 }
 
 
@@ -55,6 +57,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AttentionBackendContract",
+    "LinearMethodContract",
     "ExecutorContract",
     "KVConnectorContract",
     "ModelRunnerContract",

@@ -6,8 +6,9 @@ is S[k] (EOS once all of S is written); with no such k it is S[0]. So after any 
 template's generation prompt the model writes S, then EOS.
 
 The context is read back from the engine's paged KV cache: each position's token id is
-stored in its K slot (one layer, one KV head of size 1), so the model sees exactly what
-the engine's block tables, prefix cache and chunked prefill give it.
+stored in its K slot (one attention layer, one KV head of size 1, written by whichever
+attention backend runs), so the model sees exactly what the engine's block tables,
+prefix cache and chunked prefill give it. It imports only ``enginecore``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from enginecore.builtin_models.attention import AttentionMetadata, write_kv
+from enginecore.layers import Attention, AttentionContext
 
 
 class EchoForCausalLM(nn.Module):
@@ -30,7 +31,7 @@ class EchoForCausalLM(nn.Module):
         self.eos_id = eos if isinstance(eos, int) else eos[0]
         self.logit = nn.Parameter(torch.ones(1, dtype=dtype))  # the chosen token's logit
         self.hidden_size = self.vocab_size
-        self.num_kv_heads, self.head_dim, self.num_layers = 1, 1, 1
+        self.attn = Attention(num_heads=1, head_dim=1, scale=1.0)  # declares the cache
 
     def next_token(self, context: list[int]) -> int:
         pads = [i for i, t in enumerate(context) if t == self.pad_id]
@@ -48,7 +49,7 @@ class EchoForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor] | None,
-        attn_metadata: AttentionMetadata,
+        attn_context: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.zeros(len(input_ids), self.vocab_size, dtype=self.logit.dtype)
@@ -56,16 +57,14 @@ class EchoForCausalLM(nn.Module):
             return out.to(input_ids.device)
         cache = kv_caches[0]
         ids = input_ids.to(cache.dtype).view(-1, 1, 1)
-        write_kv(cache, ids, ids, attn_metadata.slot_mapping)
+        self.attn(ids, ids, ids, cache, attn_context)  # writes each token id as its K
         stored = cache[0].reshape(-1).tolist()  # token id per cache slot
-        meta = attn_metadata
-        block_size = meta.block_size
-        starts = meta.query_start_loc.tolist()
-        context_lens = meta.context_lens.tolist()
-        num_decodes = meta.decode.num_reqs if meta.decode is not None else 0
+        batch = attn_context.batch
+        block_size = cache.shape[2]
+        starts = batch.query_start_loc.tolist()
+        context_lens = batch.context_lens.tolist()
         for r in range(len(starts) - 1):
-            group, row = (meta.decode, r) if r < num_decodes else (meta.prefill, r - num_decodes)
-            blocks = group.block_tables[row].tolist()
+            blocks = batch.block_table[r].tolist()
             seq_len = context_lens[r] + starts[r + 1] - starts[r]
             tokens = [
                 int(stored[blocks[p // block_size] * block_size + p % block_size])

@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_models import panel_gemm
-from enginecore.builtin_models.cpu_kernels import load as load_cpu_kernels
-from enginecore.builtin_models.cpu_kernels import switched_off
+from enginecore.builtin_cpu import panel_gemm
+from enginecore.builtin_cpu.cpu_kernels import load as load_cpu_kernels
+from enginecore.builtin_cpu.cpu_kernels import switched_off
 
 logger = logging.getLogger(__name__)
 

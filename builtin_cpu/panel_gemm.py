@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from enginecore.builtin_models import cpu_kernels
+from enginecore.builtin_cpu import cpu_kernels
 
 ENV_SWITCH = "ENGINECORE_PANEL_GEMM"
 

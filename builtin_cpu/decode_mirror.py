@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_models import cpu_kernels
-from enginecore.builtin_models.host_memory import zeroed
-from enginecore.builtin_models.sliding_window import decode_mask
+from enginecore.builtin_attention.masks import decode_mask
+from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu.host_memory import zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096

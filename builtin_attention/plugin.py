@@ -1,0 +1,18 @@
+"""Registers the device-independent attention backends: ``torch`` (the reference, any
+device), ``triton`` (paged attention kernels for NVIDIA and AMD GPUs) and
+``flash_attn`` (used when the ``flash_attn`` package is importable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import enginecore
+
+
+@enginecore.hookimpl(trylast=True)
+def register_attention_backends(registry: Any) -> None:
+    registry.add(
+        "torch",
+        "enginecore.builtin_attention.torch_backend:TorchAttentionBackend",
+        summary="SDPA over K/V gathered from the paged cache: any device, the reference",
+    )

@@ -1,0 +1,26 @@
+"""Registers the CPU backend: the ``cpu`` attention backend and the ``cpu_packed`` linear
+method (``auto`` picks both on CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import enginecore
+
+
+@enginecore.hookimpl(trylast=True)
+def register_attention_backends(registry: Any) -> None:
+    registry.add(
+        "cpu",
+        "enginecore.builtin_cpu.attention:CpuAttentionBackend",
+        summary="C kernels and a dense decode mirror on top of the torch paths (CPU)",
+    )
+
+
+@enginecore.hookimpl(trylast=True)
+def register_linear_methods(registry: Any) -> None:
+    registry.add(
+        "cpu_packed",
+        "enginecore.builtin_cpu.linear_method:CpuPackedLinearMethod",
+        summary="input-major weights packed for MKL's or enginecore's GEMM (CPU)",
+    )
