@@ -16,3 +16,13 @@ def register_attention_backends(registry: Any) -> None:
         "enginecore.builtin_attention.torch_backend:TorchAttentionBackend",
         summary="SDPA over K/V gathered from the paged cache: any device, the reference",
     )
+    registry.add(
+        "triton",
+        "enginecore.builtin_attention.triton_backend:TritonAttentionBackend",
+        summary="paged attention kernels reading K/V in place (NVIDIA and AMD GPUs)",
+    )
+    registry.add(
+        "flash_attn",
+        "enginecore.builtin_attention.flash_attn_backend:FlashAttnBackend",
+        summary="the flash_attn package's varlen kernel over the paged cache (when importable)",
+    )

@@ -62,6 +62,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"    error: {r.error}")
             if args.verbose and r.traceback:
                 print("    " + r.traceback.replace("\n", "\n    "))
+    from enginecore.backend_listing import describe_backends
+
+    print("\n" + "\n".join(describe_backends(host)))
     if host.failed:
         print(
             f"\n{len(host.failed)} plugin(s) failed to load; run with -v for tracebacks.",

@@ -472,20 +472,148 @@ def test_builds_both_halves(tmp_path):
 
 MODEL = '''"""$cls: a model architecture, registered under its Hugging Face name.
 
-It starts as enginecore's Llama implementation under a new name (the checkpoint's
-config.json says "architectures": ["$cls"]). Change the layers to your architecture;
-keep the constructor ``(hf_config, parallel, dtype)``, ``forward`` over the paged
-attention metadata, ``compute_logits`` and ``load_weights``.
+A Llama-shaped decoder (the checkpoint's config.json says "architectures": ["$cls"])
+built only from ``enginecore.layers``: attention runs on whichever attention backend
+the engine selects and every projection through the selected linear method, so the
+model works on every device and weight format the installed plugins provide. Change
+the blocks to your architecture; keep the constructor ``(hf_config, parallel, dtype)``,
+``forward(input_ids, positions, kv_caches, attn_context, hidden_states=None)``,
+``compute_logits`` and ``load_weights``.
 """
 
 from __future__ import annotations
 
-from enginecore.builtin_models.models.llama import LlamaForCausalLM
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from enginecore.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    load_params,
+    rope_parameters,
+    vocab_parallel_logits,
+)
 
 
-class $cls(LlamaForCausalLM):
-    pass
+class Block(nn.Module):
+    def __init__(self, cfg: Any, parallel: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            heads,
+            kv_heads,
+            bias=False,
+            parallel=parallel,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            heads * self.head_dim, cfg.hidden_size, bias=False, parallel=parallel, dtype=dtype
+        )
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+        )
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=False, parallel=parallel, dtype=dtype, gated=True
+        )
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, bias=False, parallel=parallel, dtype=dtype
+        )
+        self.act = SiluAndMul()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, rotary, kv_cache, ctx):
+        t, a = hidden.shape[0], self.attn
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qk = qkv[:, : q_size + kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim)
+        qk = rotary(positions, qk)
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        v = qkv[:, q_size + kv_size :].reshape(t, a.num_kv_heads, a.head_dim)
+        out = self.attn(q, k, v, kv_cache, ctx).reshape(t, a.num_heads * a.head_dim)
+        hidden = hidden + self.o_proj(out)
+        x = self.post_attention_layernorm(hidden)
+        fused = self.gate_up_proj.fused_silu_and_mul(x)
+        mlp = self.down_proj(fused if fused is not None else self.act(self.gate_up_proj(x)))
+        return hidden + mlp
+
+
+class $cls(nn.Module):
+    # checkpoint projection -> (fused parameter, shard)
+    stacked_params = {
+        "self_attn.q_proj": ("qkv_proj", "q"),
+        "self_attn.k_proj": ("qkv_proj", "k"),
+        "self_attn.v_proj": ("qkv_proj", "v"),
+        "self_attn.o_proj": ("o_proj", None),
+        "mlp.gate_proj": ("gate_up_proj", 0),
+        "mlp.up_proj": ("gate_up_proj", 1),
+        "mlp.down_proj": ("down_proj", None),
+    }
+
+    def __init__(self, hf_config: Any, parallel: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        if parallel.pp_size > 1:
+            raise NotImplementedError("$cls does not support pipeline parallelism")
+        cfg = hf_config
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
+        )
+        self.layers = nn.ModuleList(Block(cfg, parallel, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(
+            self.layers[0].head_dim, cfg.max_position_embeddings, rope_parameters(cfg)
+        )
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tied:
+            self.lm_head = ParallelLMHead(
+                cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
+            )
+
+    def forward(self, input_ids, positions, kv_caches, attn_context, hidden_states=None):
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            cache = kv_caches[i] if kv_caches else None
+            hidden = layer(positions, hidden, self.rotary, cache, attn_context)
+        return self.norm(hidden)
+
+    def logits_head(self) -> VocabParallelEmbedding:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(hidden_states, self.logits_head())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def rename(name: str) -> tuple[str, Any] | None:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tied):
+                return None
+            name = name.removeprefix("model.")
+            for ckpt, (fused, shard) in self.stacked_params.items():
+                if f".{ckpt}." in name:
+                    return name.replace(f".{ckpt}.", f".{fused}."), shard
+            return name, None
+
+        load_params(self, weights, rename)
 '''
+
 
 MODEL_TEST = (
     '''"""Tests of $cls: enginecore's model-runner conformance kit with this model."""
