@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from enginecore.builtin_models.block_table import BlockTable
+from enginecore.builtin_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
@@ -118,6 +119,7 @@ class TorchModelRunner(ModelRunner):
         self.dtype = torch.float32
         self.kv_caches: list[torch.Tensor] | None = None
         self.attn_backend: AttentionBackend | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable()
@@ -275,6 +277,8 @@ class TorchModelRunner(ModelRunner):
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_reserved(self.device) + self.attn_backend.workspace_bytes()
+        if graphs_apply(self):
+            peak += measure_graph_memory(self)
         # Memory used outside this process's torch allocator (other processes, NCCL).
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
@@ -302,6 +306,9 @@ class TorchModelRunner(ModelRunner):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.attn_backend.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if graphs_apply(self):
+            self.decode_graphs = DecodeGraphs(self, self.kv_caches)
+            self.decode_graphs.capture()
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
@@ -468,11 +475,14 @@ class TorchModelRunner(ModelRunner):
             slot_mapping=slots,
             num_decodes=len(decodes),
         )
-        meta = self.attn_backend.build_metadata(batch)
-        ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
         ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
+        if self.decode_graphs is not None and self.decode_graphs.handles(batch):
+            hidden = self.decode_graphs.run(ids_t, pos_t, batch)
+        else:
+            meta = self.attn_backend.build_metadata(batch)
+            ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
+            hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
         logits = None
         if sample_rows and self.parallel.is_last_pp_rank:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
@@ -782,6 +792,7 @@ class TorchModelRunner(ModelRunner):
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
+        self.decode_graphs = None
         if self.attn_backend is not None:
             self.attn_backend.release_kv_cache()
         if level >= 2:

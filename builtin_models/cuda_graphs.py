@@ -1,0 +1,128 @@
+"""Decode steps replayed from CUDA graphs captured at start-up.
+
+A decode step launches hundreds of small kernels whose launch cost, at small batches,
+exceeds their run time. Each bucket size (1, 2, 4, 8, then multiples of 16 up to
+``max_num_seqs``) gets one graph of the model's forward over that many decode tokens,
+captured once. A decode-only step of ``n`` requests pads itself to the smallest bucket
+that holds it (padding rows write nothing: slot -1) and replays that graph after
+refilling the static inputs in place: token ids, positions and the attention backend's
+metadata, which a graph-capable backend keeps in persistent buffers.
+
+Graphs are used only with a backend that declares ``cuda_graphs``, one rank (no
+collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off.
+Their memory is measured by a capture over a one-block cache while the KV cache is
+sized, and counted there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from enginecore.layers.attention import AttentionBatch, AttentionContext
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [n for n in (1, 2, 4, 8) if n < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+def graphs_apply(runner: Any) -> bool:
+    """Whether this runner's steps may be captured."""
+    return (
+        runner.device.type == "cuda"
+        and not runner.config.model.enforce_eager
+        and runner.attn_backend.capabilities.cuda_graphs
+        and runner.parallel.world_size == 1
+        and not runner.worker_spec.kv_connector_ref
+    )
+
+
+class DecodeGraphs:
+    def __init__(self, runner: Any, kv_caches: list[torch.Tensor]) -> None:
+        self.runner = runner
+        self.kv_caches = kv_caches
+        self.sizes = bucket_sizes(runner.config.scheduler.max_num_seqs)
+        top = self.sizes[-1]
+        dev = runner.device
+        self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _padded(self, batch: AttentionBatch | None, size: int) -> AttentionBatch:
+        """``batch`` padded with rows that write nothing (slot -1) and read block 0; with
+        no batch (capture), rows whose first one spans ``max_model_len`` positions, so the
+        kernels are set up for the longest context a replay may bring."""
+        n = 0 if batch is None else len(batch.query_lens)
+        width = 1 if batch is None else batch.block_table.shape[1]
+        if batch is None:
+            width = -(-self.runner.get_max_model_len() // self.runner.block_size)
+        table = np.zeros((size, width), dtype=np.int64)
+        ctx = np.zeros(size, dtype=np.int64)
+        slots = np.full(size, -1, dtype=np.int64)
+        if batch is not None:
+            table[:n] = batch.block_table
+            ctx[:n] = batch.context_lens
+            slots[:n] = batch.slot_mapping
+        else:
+            ctx[0] = self.runner.get_max_model_len() - 1
+        ids = [f"pad{i}" for i in range(size)]
+        if batch is not None:
+            ids[:n] = batch.req_ids
+        return AttentionBatch(ids, np.ones(size, dtype=np.int64), ctx, table, slots, size)
+
+    def capture(self) -> None:
+        runner, backend = self.runner, self.runner.attn_backend
+        torch.cuda.synchronize(runner.device)
+        for size in reversed(self.sizes):  # largest first: smaller ones reuse its pool
+            ctx = AttentionContext(backend, backend.build_metadata(self._padded(None, size)))
+            ids, pos = self.ids[:size], self.positions[:size]
+            for _ in range(2):  # warm up (autotuning, lazy allocations) outside the graph
+                runner._forward(ids, pos, self.kv_caches, ctx)
+            torch.cuda.synchronize(runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = runner._forward(ids, pos, self.kv_caches, ctx)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(runner.device)
+
+    def handles(self, batch: AttentionBatch) -> bool:
+        n = len(batch.query_lens)
+        return batch.num_decodes == n and 0 < n <= self.sizes[-1]
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> Any:
+        n = len(batch.query_lens)
+        size = next(s for s in self.sizes if s >= n)
+        self.runner.attn_backend.build_metadata(self._padded(batch, size))  # in place
+        self.ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        if size > n:
+            self.ids[n:size].zero_()
+            self.positions[n:size].zero_()
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+
+def measure_graph_memory(runner: Any) -> int:
+    """Bytes the graphs' pool takes: captured over a one-block cache, then dropped."""
+    before = torch.cuda.memory_reserved(runner.device)
+    caches = runner.attn_backend.allocate_kv_cache(1)
+    graphs = DecodeGraphs(runner, caches)
+    graphs.capture()
+    used = torch.cuda.memory_reserved(runner.device) - before
+    del graphs, caches
+    torch.cuda.empty_cache()
+    logger.info(
+        "CUDA graphs for %d batch sizes take %.1f MiB",
+        len(bucket_sizes(runner.config.scheduler.max_num_seqs)),
+        used / 2**20,
+    )
+    return max(used, 0)
