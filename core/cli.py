@@ -31,6 +31,7 @@ def _resolve_config(args: argparse.Namespace):
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from enginecore.backend_listing import DESCRIBED_KINDS, describe_component
     from enginecore.plugins import make_plugin_manager
 
     host = make_plugin_manager()
@@ -58,13 +59,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             print(f"    hooks: {', '.join(r.hooks)}")
         for kind, names in sorted(r.registered.items()):
             print(f"    {kind}: {', '.join(names)}")
+            if kind in DESCRIBED_KINDS:  # what each supports: what "auto" would pick
+                for name in names:
+                    print(f"        {name}: {describe_component(host, kind, name)}")
         if r.error:
             print(f"    error: {r.error}")
             if args.verbose and r.traceback:
                 print("    " + r.traceback.replace("\n", "\n    "))
-    from enginecore.backend_listing import describe_backends
-
-    print("\n" + "\n".join(describe_backends(host)))
     if host.failed:
         print(
             f"\n{len(host.failed)} plugin(s) failed to load; run with -v for tracebacks.",

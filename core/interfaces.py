@@ -646,7 +646,7 @@ class AttentionCapabilities:
     cuda_graphs: bool = False
 
     def describe(self) -> str:
-        heads = "any" if self.head_sizes is None else ",".join(map(str, self.head_sizes))
+        heads = "any" if self.head_sizes is None else _compact(self.head_sizes)
         extras = [
             name
             for name, on in (
@@ -660,6 +660,14 @@ class AttentionCapabilities:
             f"devices {'/'.join(self.devices)}; dtypes {'/'.join(self.dtypes)}; "
             f"head sizes {heads}" + (f"; {', '.join(extras)}" if extras else "")
         )
+
+
+def _compact(values: tuple[int, ...]) -> str:
+    """``8-256 step 8`` for an evenly spaced run of sizes, else the list."""
+    steps = {b - a for a, b in zip(values, values[1:], strict=False)}
+    if len(values) > 4 and len(steps) == 1:
+        return f"{values[0]}-{values[-1]} step {steps.pop()}"
+    return ",".join(map(str, values))
 
 
 class AttentionBackend(ABC):

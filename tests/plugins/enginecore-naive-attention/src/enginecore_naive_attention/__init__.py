@@ -1,0 +1,1 @@
+"""A third-party attention backend for enginecore (see README.md)."""
