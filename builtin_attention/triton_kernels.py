@@ -254,7 +254,8 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
+        # Spare rows (past the request or the group) saw no key; keep them free of 0 / 0.
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         tl.store(
             out_ptr
             + tok[:, None] * stride_out_tok
