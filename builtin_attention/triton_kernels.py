@@ -27,7 +27,13 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["SUPPORTED_DTYPES", "is_interpreted", "paged_attention", "write_kv"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "default_kv_splits",
+    "is_interpreted",
+    "paged_attention",
+    "write_kv",
+]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -431,7 +437,13 @@ def paged_attention(
     block_n = 64 if head_pad <= 128 else 32
     num_q_tiles = num_tokens // block_q + num_reqs
     if num_kv_splits is None:
-        num_kv_splits = _default_kv_splits(query.device, num_q_tiles * num_kv_heads, max_seq_len)
+        num_kv_splits = default_kv_splits(
+            query,
+            kv_cache,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
     use_window = sliding_window is not None and 0 < sliding_window < max_seq_len
     use_soft_cap = logits_soft_cap is not None and logits_soft_cap > 0
     # Triton's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit patterns, so
@@ -509,11 +521,20 @@ def _query_tile_tokens(max_query_len: int, group_pad: int) -> int:
     return max(1, rows // group_pad)
 
 
-def _default_kv_splits(device: torch.device, num_programs: int, max_seq_len: int) -> int:
-    """Split the KV range only on a GPU whose SMs the batch's programs leave mostly idle."""
-    if device.type != "cuda" or is_interpreted():
+def default_kv_splits(
+    query: Tensor, kv_cache: Tensor, *, num_reqs: int, max_query_len: int, max_seq_len: int
+) -> int:
+    """How many split-KV programs ``paged_attention`` gives each query tile by default.
+
+    One, unless on a GPU whose SMs the batch's programs would leave mostly idle and whose
+    contexts are long enough to share out (at least ``_MIN_KEYS_PER_SPLIT`` keys per split).
+    """
+    if query.device.type != "cuda" or is_interpreted():
         return 1
-    target = 2 * _multiprocessor_count(device.index)
+    group_pad = triton.next_power_of_2(query.shape[1] // kv_cache.shape[3])
+    num_q_tiles = query.shape[0] // _query_tile_tokens(max_query_len, group_pad) + num_reqs
+    num_programs = num_q_tiles * kv_cache.shape[3]
+    target = 2 * _multiprocessor_count(query.device.index)
     if num_programs >= target:
         return 1
     by_length = triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT)
