@@ -19,6 +19,7 @@ CPU through Triton's interpreter, which is how the test suite checks them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -430,12 +431,8 @@ def paged_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    block_q = _query_tile_tokens(max_query_len, group_pad)
-    block_n = 64 if head_pad <= 128 else 32
-    num_q_tiles = num_tokens // block_q + num_reqs
+    tiles = _TilePlan.for_batch(query, kv_cache, max_query_len)
+    num_q_tiles = num_tokens // tiles.block_q + num_reqs
     if num_kv_splits is None:
         num_kv_splits = default_kv_splits(
             query,
@@ -453,7 +450,7 @@ def paged_attention(
 
     if num_kv_splits > 1:
         partial_acc = torch.empty(
-            (num_tokens, num_q_heads, num_kv_splits, head_pad),
+            (num_tokens, num_q_heads, num_kv_splits, tiles.head_pad),
             dtype=torch.float32,
             device=query.device,
         )
@@ -485,11 +482,11 @@ def paged_attention(
         float(scale),
         float(logits_soft_cap) if use_soft_cap else 0.0,
         int(sliding_window) if use_window else 0,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        HEAD_PAD=head_pad,
+        GROUP=tiles.group,
+        GROUP_PAD=tiles.group_pad,
+        BLOCK_Q=tiles.block_q,
+        BLOCK_N=tiles.block_n,
+        HEAD_PAD=tiles.head_pad,
         NUM_SPLITS=num_kv_splits,
         USE_WINDOW=use_window,
         USE_SOFT_CAP=use_soft_cap,
@@ -510,15 +507,34 @@ def paged_attention(
             head_size,
             NUM_SPLITS=num_kv_splits,
             SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            HEAD_PAD=head_pad,
+            HEAD_PAD=tiles.head_pad,
         )
 
 
-def _query_tile_tokens(max_query_len: int, group_pad: int) -> int:
-    """Query tokens per tile: the tile holds tokens x group rows, at least 16 rows (the
-    smallest tl.dot), 64 once the batch has prefills worth filling it with."""
-    rows = 16 if max_query_len * group_pad <= 16 else 64
-    return max(1, rows // group_pad)
+@dataclasses.dataclass(frozen=True)
+class _TilePlan:
+    """Tile shapes of one launch (all powers of two, as tl.arange needs)."""
+
+    group: int  # query heads per KV head
+    group_pad: int
+    head_pad: int  # head size padded up, at least 16 (the smallest tl.dot)
+    block_q: int  # query tokens per tile; a tile holds block_q * group_pad rows
+    block_n: int  # keys per KV tile
+
+    @classmethod
+    def for_batch(cls, query: Tensor, kv_cache: Tensor, max_query_len: int) -> _TilePlan:
+        group = query.shape[1] // kv_cache.shape[3]
+        group_pad = triton.next_power_of_2(group)
+        head_pad = max(16, triton.next_power_of_2(query.shape[2]))
+        row_bytes = head_pad * kv_cache.element_size()
+        # At least 16 rows (the smallest tl.dot); 64 once the batch has prefills worth filling
+        # them with, 32 for fp32 x 256 rows so the tiles fit the ~100 KB of shared memory of
+        # consumer GPUs.
+        rows = 16 if max_query_len * group_pad <= 16 else (64 if row_bytes <= 512 else 32)
+        block_q = max(1, rows // group_pad)
+        # 16 KB of K per tile (64 keys of bf16 x 128), at least 16 keys.
+        block_n = max(16, 16384 // row_bytes)
+        return cls(group, group_pad, head_pad, block_q, block_n)
 
 
 def default_kv_splits(
@@ -531,8 +547,8 @@ def default_kv_splits(
     """
     if query.device.type != "cuda" or is_interpreted():
         return 1
-    group_pad = triton.next_power_of_2(query.shape[1] // kv_cache.shape[3])
-    num_q_tiles = query.shape[0] // _query_tile_tokens(max_query_len, group_pad) + num_reqs
+    tiles = _TilePlan.for_batch(query, kv_cache, max_query_len)
+    num_q_tiles = query.shape[0] // tiles.block_q + num_reqs
     num_programs = num_q_tiles * kv_cache.shape[3]
     target = 2 * _multiprocessor_count(query.device.index)
     if num_programs >= target:

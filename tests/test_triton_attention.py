@@ -148,12 +148,22 @@ def test_half_precision_caches(dtype: torch.dtype, atol: float):
 
 @pytest.mark.parametrize(("num_kv_splits", "window"), [(1, None), (3, None), (4, 70)])
 def test_long_context_across_many_shuffled_blocks(num_kv_splits: int, window: int | None):
-    # 300 cached tokens in 4-token blocks: 75+ blocks scattered over the pool, several KV tiles,
-    # and with splits each split merges its own share of them.
+    # 300 cached tokens in 4-token blocks: 75+ blocks scattered over the pool, several KV tiles
+    # (of 64 keys at fp32 x 64), and with splits each split merges its own share of them.
     requests = [(300, 1), (37, 1), (250, 4), (0, 5)]
-    batch = make_batch(requests, num_kv_heads=1, group=4, head_size=16, block_size=4, seed=3)
+    batch = make_batch(requests, num_kv_heads=1, group=4, head_size=64, block_size=4, seed=3)
     assert len(set(batch["block_table"][0].tolist())) == 76
     out = run(batch, num_kv_splits=num_kv_splits, sliding_window=window)
+    assert_close(out, reference(batch, sliding_window=window), atol=1e-5)
+
+
+@pytest.mark.parametrize(("group", "window"), [(1, None), (2, 24)])
+def test_long_prefills_span_several_query_tiles(group: int, window: int | None):
+    # 64-row query tiles: the 70- and 45-token chunks take several tiles each (with context
+    # behind one of them), between decodes whose tiles sit next to theirs.
+    requests = [(20, 1), (50, 70), (3, 1), (0, 45), (9, 1)]
+    batch = make_batch(requests, num_kv_heads=1, group=group, head_size=64, seed=7)
+    out = run(batch, sliding_window=window)
     assert_close(out, reference(batch, sliding_window=window), atol=1e-5)
 
 
@@ -286,13 +296,17 @@ COMPILE_FOR_GPUS = textwrap.dedent(
 
     partials = {"partial_acc_ptr": "*fp32", "partial_max_ptr": "*fp32", "partial_sum_ptr": "*fp32"}
     for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
-        for dtype, precision, splits in (("bf16", "tf32", 4), ("fp32", "ieee", 1)):
+        # Triton turns integer arguments equal to 1 into constants at launch; the second
+        # variant compiles the kernel as a one-request batch with unit strides would see it.
+        ones = dict(num_reqs=1, stride_query_dim=1, stride_out_dim=1, stride_cache_dim=1,
+                    stride_table_block=1)
+        for dtype, precision, splits, unit in (("bf16", "tf32", 4, {}), ("fp32", "ieee", 1, ones)):
             compile_for(
                 tk._paged_attention_kernel,
                 target,
                 dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, HEAD_PAD=128,
                      NUM_SPLITS=splits, USE_WINDOW=True, USE_SOFT_CAP=True,
-                     DOT_PRECISION=precision, DOT_IN_FP32=False),
+                     DOT_PRECISION=precision, DOT_IN_FP32=False, **unit),
                 {"query_ptr": "*" + dtype, "cache_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                  **partials},
             )
