@@ -407,8 +407,11 @@ def paged_attention(
     ``seq_lens[r] - q_len + i`` and sees keys ``(pos - sliding_window, pos]`` (``[0, pos]``
     without a window). ``block_table[r]`` lists the request's cache blocks in order. Scores are
     ``scale * q.k``, soft-capped to ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is set.
-    ``max_query_len``/``max_seq_len`` bound the batch (used to choose tile sizes without a
-    device sync). Rows of ``out`` past ``query_start_loc[-1]`` (padding) are left unwritten.
+    ``max_query_len``/``max_seq_len`` describe the batch without a device sync; they only
+    steer tile sizes and the split count, so results are right for any lengths the tensors
+    hold (a captured CUDA graph can be replayed on other batches of the same token count).
+    Rows of ``out`` past ``query_start_loc[-1]`` (padding) are left unwritten. Nothing here
+    syncs with the device or reads its memory on the host.
 
     ``num_kv_splits`` forces the number of split-KV programs per query tile; by default one,
     or more on a GPU when the batch has too few tiles to fill it and contexts are long.
@@ -441,7 +444,9 @@ def paged_attention(
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-    use_window = sliding_window is not None and 0 < sliding_window < max_seq_len
+    # Decided from the arguments alone, never from max_seq_len: a CUDA graph captured on short
+    # sequences is replayed on longer ones.
+    use_window = sliding_window is not None and sliding_window > 0
     use_soft_cap = logits_soft_cap is not None and logits_soft_cap > 0
     # Triton's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit patterns, so
     # there the bf16 tiles are widened first. Products of bf16 values are exact in fp32, so this

@@ -167,6 +167,18 @@ def test_long_prefills_span_several_query_tiles(group: int, window: int | None):
     assert_close(out, reference(batch, sliding_window=window), atol=1e-5)
 
 
+def test_length_hints_steer_tiling_only():
+    # A CUDA graph captured on one batch is replayed on others with the same token count, so
+    # the launch-time max_query_len / max_seq_len may understate the batch it runs on.
+    batch = make_batch(MIXED, group=2, seed=8)
+    hints = {**attend(batch), "max_query_len": 1, "max_seq_len": 1}
+    out = torch.full_like(batch["query"], float("nan"))
+    triton_kernels.paged_attention(
+        batch["query"], batch["kv_cache"], out, **hints, sliding_window=4, num_kv_splits=2
+    )
+    assert_close(out, reference(batch, sliding_window=4), atol=1e-5)
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
 def test_padding_rows_are_left_alone(num_kv_splits: int):
     batch = make_batch([(5, 1), (0, 3)], padding_tokens=3, seed=4)
