@@ -38,7 +38,6 @@ __all__ = [
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_LOG2E = 1.4426950408889634
 # Splitting the KV range pays only when each split still streams a fair amount of context.
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 16
@@ -253,7 +252,7 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(kv_ptrs + stride_cache_kv, mask=kv_mask, other=0.0)
-        p = p.to(v.dtype)  # the 16-bit rounding of p that the tensor cores see
+        p = p.to(v.dtype)  # 16-bit caches: p is rounded like V for the second product
         if DOT_IN_FP32:
             p = p.to(tl.float32)
             v = v.to(tl.float32)

@@ -179,6 +179,13 @@ def test_length_hints_steer_tiling_only():
     assert_close(out, reference(batch, sliding_window=4), atol=1e-5)
 
 
+def test_int64_metadata():
+    batch = make_batch(MIXED, group=4, seed=9)
+    for name in ("query_start_loc", "seq_lens", "block_table"):
+        batch[name] = batch[name].long()
+    assert_close(run(batch), reference(batch), atol=1e-5)
+
+
 @pytest.mark.parametrize("num_kv_splits", [1, 2])
 def test_padding_rows_are_left_alone(num_kv_splits: int):
     batch = make_batch([(5, 1), (0, 3)], padding_tokens=3, seed=4)
