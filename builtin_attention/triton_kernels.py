@@ -29,6 +29,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = [
+    "MAX_HEAD_SIZE",
     "SUPPORTED_DTYPES",
     "default_kv_splits",
     "is_interpreted",
@@ -41,6 +42,8 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # Splitting the KV range pays only when each split still streams a fair amount of context.
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_KV_SPLITS = 16
+# Beyond this the query tile and a K/V tile no longer fit in shared memory together.
+MAX_HEAD_SIZE = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,6 +626,10 @@ def _check_attention_args(
     num_kv_heads, cache_head_size = kv_cache.shape[3:]
     if head_size != cache_head_size:
         raise ValueError(f"query head_size {head_size} != kv_cache head_size {cache_head_size}")
+    if head_size > MAX_HEAD_SIZE:
+        raise ValueError(
+            f"head_size {head_size} is above the {MAX_HEAD_SIZE} the triton kernels support"
+        )
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if query.dtype != kv_cache.dtype:

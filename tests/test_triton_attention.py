@@ -270,6 +270,11 @@ def test_bad_arguments_raise_clear_errors():
         triton_kernels.paged_attention(
             batch["query"][:, :3], batch["kv_cache"], out[:, :3], **attend(batch)
         )
+    big = torch.zeros(1, 2, 512)
+    with pytest.raises(ValueError, match="head_size 512 is above the 256"):
+        triton_kernels.paged_attention(
+            big, torch.zeros(2, 2, 4, 2, 512), torch.empty_like(big), **attend(batch)
+        )
     with pytest.raises(ValueError, match="query dtype"):
         triton_kernels.paged_attention(
             batch["query"].half(), batch["kv_cache"], out.half(), **attend(batch)
