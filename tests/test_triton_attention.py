@@ -6,6 +6,11 @@ causal mask (and the sliding window), soft-caps the scaled scores and takes a so
 mix what one engine step holds: decodes, fresh prefills, prefills on top of cached context,
 verification-like rows (several queries on top of context) and an empty request; the cache is
 filled with random values everywhere, so a key read from the wrong block shows up.
+
+Two things the interpreter does differently from a GPU: it rounds fp32 to bf16 by truncation,
+and the kernel widens bf16 tiles to fp32 before tl.dot there (see triton_kernels). Code the
+interpreter accepts but a GPU compiler would reject is caught by a slow test that compiles the
+kernels for NVIDIA sm_90 and AMD gfx942 with the compilers shipped in the triton wheel.
 """
 
 from __future__ import annotations
@@ -100,14 +105,14 @@ def reference(batch: dict, sliding_window: int | None = None, soft_cap: float | 
     return out
 
 
-def attend(batch: dict) -> dict:
+def metadata_of(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in ("query", "kv_cache")}
 
 
 def run(batch: dict, **kwargs) -> torch.Tensor:
     out = torch.full_like(batch["query"], float("nan"))
     triton_kernels.paged_attention(
-        batch["query"], batch["kv_cache"], out, **attend(batch), **kwargs
+        batch["query"], batch["kv_cache"], out, **metadata_of(batch), **kwargs
     )
     return out
 
@@ -171,7 +176,7 @@ def test_length_hints_steer_tiling_only():
     # A CUDA graph captured on one batch is replayed on others with the same token count, so
     # the launch-time max_query_len / max_seq_len may understate the batch it runs on.
     batch = make_batch(MIXED, group=2, seed=8)
-    hints = {**attend(batch), "max_query_len": 1, "max_seq_len": 1}
+    hints = {**metadata_of(batch), "max_query_len": 1, "max_seq_len": 1}
     out = torch.full_like(batch["query"], float("nan"))
     triton_kernels.paged_attention(
         batch["query"], batch["kv_cache"], out, **hints, sliding_window=4, num_kv_splits=2
@@ -268,22 +273,24 @@ def test_bad_arguments_raise_clear_errors():
     out = torch.empty_like(batch["query"])
     with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
         triton_kernels.paged_attention(
-            batch["query"][:, :3], batch["kv_cache"], out[:, :3], **attend(batch)
+            batch["query"][:, :3], batch["kv_cache"], out[:, :3], **metadata_of(batch)
         )
     big = torch.zeros(1, 2, 512)
     with pytest.raises(ValueError, match="head_size 512 is above the 256"):
         triton_kernels.paged_attention(
-            big, torch.zeros(2, 2, 4, 2, 512), torch.empty_like(big), **attend(batch)
+            big, torch.zeros(2, 2, 4, 2, 512), torch.empty_like(big), **metadata_of(batch)
         )
     with pytest.raises(ValueError, match="query dtype"):
         triton_kernels.paged_attention(
-            batch["query"].half(), batch["kv_cache"], out.half(), **attend(batch)
+            batch["query"].half(), batch["kv_cache"], out.half(), **metadata_of(batch)
         )
-    bad_table = {**attend(batch), "block_table": batch["block_table"].float()}
+    bad_table = {**metadata_of(batch), "block_table": batch["block_table"].float()}
     with pytest.raises(ValueError, match="block_table must be int32 or int64"):
         triton_kernels.paged_attention(batch["query"], batch["kv_cache"], out, **bad_table)
     with pytest.raises(ValueError, match=r"kv_cache must be \[2, num_blocks"):
-        triton_kernels.paged_attention(batch["query"], batch["kv_cache"][0], out, **attend(batch))
+        triton_kernels.paged_attention(
+            batch["query"], batch["kv_cache"][0], out, **metadata_of(batch)
+        )
     with pytest.raises(ValueError, match=r"kv_cache dtype torch\.float64 is not supported"):
         triton_kernels.write_kv(
             torch.zeros(1, 2, 32),
