@@ -19,6 +19,7 @@ CPU through Triton's interpreter, which is how the test suite checks them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -370,6 +371,12 @@ def write_kv(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor)
     _check_same_device("write_kv", kv_cache, key=key, value=value, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
+    with _on_device(kv_cache.device):
+        _launch_write_kv(key, value, kv_cache, slot_mapping)
+
+
+def _launch_write_kv(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    num_tokens, num_kv_heads, head_size = key.shape
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -431,13 +438,9 @@ def paged_attention(
         logits_soft_cap,
         num_kv_splits,
     )
-    num_tokens, num_q_heads, head_size = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    num_reqs = seq_lens.shape[0]
+    num_tokens, num_reqs = query.shape[0], seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
-    tiles = _TilePlan.for_batch(query, kv_cache, max_query_len)
-    num_q_tiles = num_tokens // tiles.block_q + num_reqs
     if num_kv_splits is None:
         num_kv_splits = default_kv_splits(
             query,
@@ -446,6 +449,50 @@ def paged_attention(
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
+    with _on_device(kv_cache.device):
+        _launch_attention(
+            query,
+            kv_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            _TilePlan.for_batch(query, kv_cache, max_query_len),
+            num_kv_splits,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+        )
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index != torch.cuda.current_device()
+    ):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _launch_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    out: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    tiles: _TilePlan,
+    num_kv_splits: int,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> None:
+    num_tokens, num_q_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    num_reqs = seq_lens.shape[0]
+    num_q_tiles = num_tokens // tiles.block_q + num_reqs
     # Decided from the arguments alone, never from max_seq_len: a CUDA graph captured on short
     # sequences is replayed on longer ones.
     use_window = sliding_window is not None and sliding_window > 0
