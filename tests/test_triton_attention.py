@@ -368,3 +368,35 @@ def test_kernels_compile_for_nvidia_and_amd_gpus():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split("\n")[:2] == ["compiled for cuda", "compiled for hip"]
+
+
+# --- the backend: the contract, and greedy parity through the engine ----------------------
+
+from enginecore.testing import AttentionBackendContract  # noqa: E402
+
+
+class TestTritonBackendContract(AttentionBackendContract):
+    """The same matrix the torch and cpu backends pass (test_attention_backends.py)."""
+
+    backend = "triton"
+    dtypes = ("float32", "bfloat16")
+
+
+def test_llm_on_the_triton_backend_gives_transformers_greedy_tokens(tiny_llama):
+    """``LLM(attention_backend="triton")`` under the interpreter: one mixed batch with
+    chunked prefill and a prefix-cache hit gives transformers' greedy tokens."""
+    from hf_reference import greedy_reference
+
+    from enginecore import LLM, SamplingParams
+
+    shared = list(range(40, 60))
+    prompts = [[*shared, 5, 6, 7], list(range(100, 137)), [*shared, 9], [300, 301]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(
+        tiny_llama, attention_backend="triton", max_num_batched_tokens=32, dtype="float32"
+    ) as llm:
+        [backend] = llm.collective_rpc(lambda w: w.model_runner.attn_backend.name)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert backend == "triton"
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy_reference(tiny_llama, prompt, 6)[0]
