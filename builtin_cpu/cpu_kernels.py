@@ -7,14 +7,16 @@ fuse the chains the Llama family runs every layer: residual add + RMS norm, Neox
 attention over the mirror; plus the copy of a request's context into the mirror and the
 greedy argmax. Copies that one thread did while the other core's OpenMP thread waited
 are split over the torch threads too: the K/V writes, the mirror fill and the argmax
-made a tiny-model 256-request run 4.5% faster (benchmarks/RESULTS.md, ninth session).
+made a tiny-model 256-request run 4.5% faster.
 On AVX2 CPUs the library also holds the projection GEMM (``panel_gemm``) and the
 attention of fresh prompts (``prefill_attention``), built on its register tile.
 
 The library is built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
-``~/.cache/enginecore``), keyed by the source, the flags and the CPU: the build takes
-6-9 s on the 2-core machine of benchmarks/RESULTS.md, once. Without a compiler,
+``~/.cache/enginecore``), keyed by the source and the flags. It is compiled for the
+CPU's x86-64 level (``-march=x86-64-v3`` on AVX2, ``x86-64-v4`` on AVX-512), which the
+file name says, so a cache copied to another x86-64 CPU of that level still runs; the
+build takes 6-9 s of ``gcc`` on a 2-core machine, once. Without a compiler,
 or with ``ENGINECORE_CPU_KERNELS=0``, the model runs the plain torch ops instead (same
 results up to float rounding); a failed build is logged once.
 """
@@ -42,7 +44,6 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # branches on AVX2 and left SiLU scalar (3x slower on AMD Zen 3).
 FLAGS = [
     "-O3",
-    "-march=native",
     "-fopenmp",
     "-ffp-contract=off",
     "-fno-trapping-math",
@@ -98,12 +99,34 @@ def cache_dir() -> Path:
 
 
 def _cpu_signature() -> str:
-    """-march=native makes the library CPU-specific: key the cache on the CPU's flags."""
+    """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return platform.processor()
+
+
+# x86-64 micro-architecture levels and the flags each needs beyond the previous one; the C
+# source uses AVX2 + FMA (level 3) and AVX-512F (level 4) where the compiler enables them.
+_X86_LEVELS = (
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}),
+    ("x86-64-v2", {"sse4_2", "popcnt", "ssse3"}),
+)
+
+
+def instruction_set() -> str:
+    """What the library is compiled for: the highest x86-64 level this CPU has, so the
+    built file runs on every x86-64 CPU of that level it is copied to; elsewhere the
+    host CPU itself (``native``, with the cache keyed on its flags)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "native"
+    flags = set(_cpu_signature().split())
+    for level, needs in _X86_LEVELS:
+        if needs <= flags:
+            return level
+    return "x86-64"
 
 
 def cpu_has_amx() -> bool:
@@ -124,12 +147,14 @@ def build(directory: Path | None = None) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    source = SOURCE.read_bytes()
+    isa = instruction_set()
+    flags = [*FLAGS, f"-march={isa}"]
+    host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), _cpu_signature().encode()])
+        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), host.encode()])
     ).hexdigest()[:16]
     directory = directory or cache_dir() / "cpu_kernels"
-    target = directory / f"enginecore_cpu_kernels_{key}.so"
+    target = directory / f"enginecore_cpu_kernels_{isa}_{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -138,7 +163,7 @@ def build(directory: Path | None = None) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,

@@ -324,3 +324,38 @@ def test_built_once_then_reused_from_the_cache(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert _load_in_child(tmp_path).startswith("loaded")
     assert [p.stat().st_mtime_ns for p in (tmp_path / "cpu_kernels").glob("*.so")] == [stamp]
+
+
+@pytest.mark.parametrize(
+    "flags,level",
+    [
+        ("fpu sse4_2 popcnt ssse3 avx avx2 fma bmi1 bmi2 f16c movbe", "x86-64-v3"),
+        (
+            "sse4_2 popcnt ssse3 avx2 fma bmi1 bmi2 f16c movbe avx512f avx512bw avx512cd "
+            "avx512dq avx512vl",
+            "x86-64-v4",
+        ),
+        ("sse4_2 popcnt ssse3", "x86-64-v2"),
+    ],
+)
+def test_the_build_targets_the_cpus_x86_level_not_the_host(flags, level, monkeypatch, tmp_path):
+    """A library built for a level runs on every CPU of that level it is copied to: the
+    file is named by the level and the key holds no host-specific flag."""
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : " + flags)
+    assert cpu_kernels.instruction_set() == level
+    commands = []
+    real_run = cpu_kernels.subprocess.run
+
+    def record(command, **kwargs):
+        commands.append(command)
+        return real_run(["true"], **kwargs)
+
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", record)
+    monkeypatch.setattr(cpu_kernels.os, "replace", lambda src, dst: None)
+    target = cpu_kernels.build(tmp_path)
+    assert target.name.startswith(f"enginecore_cpu_kernels_{level}_")
+    assert f"-march={level}" in commands[0] and "-march=native" not in commands[0]
+    # Another CPU of the same level (other flags besides) gets the same file.
+    monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : " + flags + " rdrand")
+    assert cpu_kernels.build(tmp_path) == target
