@@ -89,6 +89,35 @@ def test_mixed_batch_chunked_prefix_cached_preempted(
         assert leaks(llm) == []
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_each_attention_backend_matches_transformers(tiny_llama, backend: str) -> None:
+    """The same mixed, chunked, prefix-cached, preempted batch through each CPU backend
+    (``triton`` runs it in test_triton_attention.py, under the interpreter)."""
+    prompts = mixed_prompts(2)
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        multiprocessing=False,
+        attention_backend=backend,
+        max_num_batched_tokens=32,
+        block_size=16,
+        num_blocks_override=24,
+    ) as llm:
+        [used] = llm.collective_rpc(lambda w: w.model_runner.attn_backend.name)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        )
+        assert used == backend
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert_matches_reference(
+                out.outputs[0].token_ids, greedy_reference(tiny_llama, prompt, 10), backend
+            )
+        assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption forced"
+        assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
+        assert leaks(llm) == []
+
+
 def test_multiprocess_async_engine_matches_transformers(tiny_llama) -> None:
     prompts = mixed_prompts(3)[:8]
     with LLM(tiny_llama, dtype="float32", max_num_batched_tokens=64) as llm:

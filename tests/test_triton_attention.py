@@ -384,19 +384,27 @@ class TestTritonBackendContract(AttentionBackendContract):
 
 def test_llm_on_the_triton_backend_gives_transformers_greedy_tokens(tiny_llama):
     """``LLM(attention_backend="triton")`` under the interpreter: one mixed batch with
-    chunked prefill and a prefix-cache hit gives transformers' greedy tokens."""
+    chunked prefill, a prefix-cache hit and preemption (11 blocks of 4 tokens for three
+    requests of 30 tokens) gives transformers' greedy tokens."""
     from hf_reference import greedy_reference
 
     from enginecore import LLM, SamplingParams
 
-    shared = list(range(40, 60))
-    prompts = [[*shared, 5, 6, 7], list(range(100, 137)), [*shared, 9], [300, 301]]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    shared = list(range(40, 56))
+    prompts = [[*shared, 5, 6, 7, 8], list(range(100, 124)), [*shared, 9, 10]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with LLM(
-        tiny_llama, attention_backend="triton", max_num_batched_tokens=32, dtype="float32"
+        tiny_llama,
+        attention_backend="triton",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        block_size=4,
+        num_blocks_override=12,
     ) as llm:
         [backend] = llm.collective_rpc(lambda w: w.model_runner.attn_backend.name)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert backend == "triton"
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == greedy_reference(tiny_llama, prompt, 6)[0]
+        assert out.outputs[0].token_ids == greedy_reference(tiny_llama, prompt, 10)[0]
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no preemption forced"
+    assert any(o.num_cached_tokens > 0 for o in outs), "no prefix-cache hit"
