@@ -6,6 +6,7 @@ suite per ABC that a plugin author runs against their class.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -664,7 +665,7 @@ class AttentionCapabilities:
 
 def _compact(values: tuple[int, ...]) -> str:
     """``8-256 step 8`` for an evenly spaced run of sizes, else the list."""
-    steps = {b - a for a, b in zip(values, values[1:], strict=False)}
+    steps = {b - a for a, b in itertools.pairwise(values)}
     if len(values) > 4 and len(steps) == 1:
         return f"{values[0]}-{values[-1]} step {steps.pop()}"
     return ",".join(map(str, values))
