@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from enginecore.layers.attention import AttentionBatch, AttentionContext
+from enginecore.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,11 @@ class DecodeGraphs:
             for _ in range(2):  # warm up (autotuning, lazy allocations) outside the graph
                 runner._forward(ids, pos, self.kv_caches, ctx)
             torch.cuda.synchronize(runner.device)
+            # Per-step caches keyed on the (static) positions tensor were filled by the
+            # warm-up, outside the graph: drop them so the graph computes its own.
+            for module in runner.model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.forget_step()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = runner._forward(ids, pos, self.kv_caches, ctx)

@@ -408,3 +408,49 @@ def test_llm_on_the_triton_backend_gives_transformers_greedy_tokens(tiny_llama):
         assert out.outputs[0].token_ids == greedy_reference(tiny_llama, prompt, 10)[0]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no preemption forced"
     assert any(o.num_cached_tokens > 0 for o in outs), "no prefix-cache hit"
+
+
+def test_a_decode_batch_padded_for_a_cuda_graph_changes_no_real_row():
+    """What a graph replay runs: the step's decodes padded to the bucket size with rows
+    that write nothing (slot -1) and read block 0. The real rows' outputs and the cache
+    are exactly those of the unpadded step."""
+    from types import SimpleNamespace
+
+    from enginecore.builtin_models.cuda_graphs import DecodeGraphs, bucket_sizes
+    from enginecore.interfaces import AttentionSpec
+    from enginecore.layers import Attention
+    from enginecore.plugins import make_plugin_manager
+    from enginecore.testing.attention_steps import make_batch, write_sequences
+
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert bucket_sizes(1) == [1]
+    cls = make_plugin_manager().registry("attention_backend").get("triton")
+    spec = AttentionSpec(1, 4, 2, 16, torch.float32, torch.device("cpu"), 4, 64, 8, 64)
+    gen = torch.Generator().manual_seed(3)
+    lens = [9, 4, 14]
+    tables = [[5, 1, 7], [2, 9], [0, 3, 8, 4]]
+    keys = [torch.randn(n + 1, 2, 16, generator=gen) for n in lens]
+    values = [torch.randn(n + 1, 2, 16, generator=gen) for n in lens]
+    batch = make_batch([1, 1, 1], lens, tables, 4)
+    query = torch.randn(3, 4, 16, generator=gen)
+    new_k = torch.stack([k[n] for k, n in zip(keys, lens, strict=True)])
+    new_v = torch.stack([v[n] for v, n in zip(values, lens, strict=True)])
+    layer = Attention(4, 16, 0.25, 2)
+    outs, caches = [], []
+    for pad in (False, True):
+        backend = cls(spec)
+        cache = backend.allocate_kv_cache(12)[0]
+        write_sequences(cache, keys, values, batch)
+        step = batch
+        q, k, v = query, new_k, new_v
+        if pad:
+            runner = SimpleNamespace(get_max_model_len=lambda: 64, block_size=4)
+            step = DecodeGraphs._padded(SimpleNamespace(runner=runner), batch, 8)
+            assert step.slot_mapping[3:].tolist() == [-1] * 5 and step.num_decodes == 8
+            q = torch.cat((query, torch.zeros(5, 4, 16)))
+            k = torch.cat((new_k, torch.zeros(5, 2, 16)))
+            v = torch.cat((new_v, torch.zeros(5, 2, 16)))
+        outs.append(backend.forward(layer, q, k, v, cache, backend.build_metadata(step))[:3])
+        caches.append(cache.clone())
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0], caches[1])

@@ -75,6 +75,11 @@ class RotaryEmbedding(nn.Module):
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.fused_ops = NO_FUSED_OPS
 
+    def forget_step(self) -> None:
+        """Drop the step's cached rows (before capturing a CUDA graph, whose positions
+        tensor is reused across replays)."""
+        self._step = None
+
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = self._step
         if step is None or step[0] is not positions:
