@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
@@ -94,6 +95,7 @@ class AsyncLLM:
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
+        check_components(self.config, self.plugins)  # every bad name at once, before any process
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: Any
