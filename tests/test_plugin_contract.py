@@ -26,7 +26,6 @@ from enginecore.errors import ConfigError, PluginLoadError
 from enginecore.interfaces import StatLogger
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.metrics.stats import FinishedRequestStats
-from enginecore.plugin_settings import plugin_settings
 from enginecore.plugins import make_plugin_manager
 from enginecore.startup_errors import ComponentStartupError
 
@@ -344,6 +343,8 @@ def test_a_plugin_table_in_the_config_file_reaches_the_component(tmp_path):
     [stat_logger] = StatLoggerManager(config, host).loggers
     assert stat_logger.settings == CsvSettings(path="/data/stats.csv", every_n_steps=4)
     # The same settings, for code enginecore does not build (a hook, a worker RPC).
+    from enginecore.plugin_settings import plugin_settings
+
     assert plugin_settings(config, "csv_stats", CsvSettings).every_n_steps == 4
     # And as a keyword, like every other config field.
     kwarg = make_config(plugin_config={"csv_stats": {"path": "x.csv"}})
