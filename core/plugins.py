@@ -110,6 +110,9 @@ class PluginRecord:
     api_versions: str | None = None
     error: str | None = None  # one-line summary
     traceback: str | None = None
+    # The imported module/object, kept when a later step failed (``--check`` reports
+    # everything else wrong with it too).
+    plugin: Any = field(default=None, repr=False, compare=False)
 
     @property
     def loaded(self) -> bool:
@@ -254,6 +257,7 @@ class PluginHost:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt at import too
             self._fail(record, f"failed to load: {exception_line(exc)}", exc)
             return
+        record.plugin = plugin
         try:
             self.pm.register(plugin, name=record.name)
         except pluggy.PluginValidationError as exc:

@@ -437,3 +437,34 @@ def test_plugins_json_lists_the_settings_free_record_fields(site):
     assert result.returncode == 0, result.stderr
     [record] = [r for r in json.loads(result.stdout) if r["name"] == "exiting"]
     assert record["error"] == "failed to load: SystemExit: 5 (the plugin called sys.exit())"
+
+
+MANY_PROBLEMS = """
+    import enginecore
+
+    class NotAPolicy:
+        pass
+
+    @enginecore.hookimpl
+    def register_schedulers(reg):  # wrong argument name: the plugin fails to load
+        pass
+
+    @enginecore.hookimpl
+    def register_scheduling_policies(registry):
+        registry.add("not_a_policy", NotAPolicy)
+
+    def register_executors(registry):  # not decorated
+        pass
+"""
+
+
+def test_check_reports_every_problem_of_a_failed_plugin(site):
+    site.plugin("many", MANY_PROBLEMS)
+    result = run_cli("plugins", "--check", "--json")
+    assert result.returncode == 1
+    [record] = [r for r in json.loads(result.stdout) if r["name"] == "many"]
+    messages = [p["message"] for p in record["problems"]]
+    assert len(messages) == 3, messages
+    assert "register_schedulers(reg)" in messages[0]
+    assert any("'not_a_policy'" in m and "SchedulingPolicy" in m for m in messages)
+    assert any("register_executors() is not decorated" in m for m in messages)
