@@ -201,11 +201,11 @@ class Executor(ABC):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         """Call ``method`` on every rank; one result per rank (or only ``unique_reply_rank``'s).
 

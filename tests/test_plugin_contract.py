@@ -468,3 +468,27 @@ def test_check_reports_every_problem_of_a_failed_plugin(site):
     assert "register_schedulers(reg)" in messages[0]
     assert any("'not_a_policy'" in m and "SchedulingPolicy" in m for m in messages)
     assert any("register_executors() is not decorated" in m for m in messages)
+
+
+def test_collective_rpc_takes_its_arguments_in_one_order_everywhere():
+    """vLLM's order, (method, timeout, args, kwargs), for the frontends and executors."""
+    import inspect
+
+    from enginecore import LLM, AsyncLLM
+    from enginecore.builtin_executors.multiproc import MultiprocExecutor
+    from enginecore.builtin_executors.ray_executor import RayExecutor
+    from enginecore.builtin_executors.uniproc import UniProcExecutor
+    from enginecore.engine.core import EngineCore
+    from enginecore.interfaces import Executor
+
+    for owner in (
+        LLM,
+        AsyncLLM,
+        EngineCore,
+        Executor,
+        UniProcExecutor,
+        MultiprocExecutor,
+        RayExecutor,
+    ):
+        names = list(inspect.signature(owner.collective_rpc).parameters)[1:5]
+        assert names == ["method", "timeout", "args", "kwargs"], owner
