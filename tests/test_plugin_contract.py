@@ -492,3 +492,21 @@ def test_collective_rpc_takes_its_arguments_in_one_order_everywhere():
     ):
         names = list(inspect.signature(owner.collective_rpc).parameters)[1:5]
         assert names == ["method", "timeout", "args", "kwargs"], owner
+
+
+def test_a_broken_plugin_does_not_fail_another_plugins_kit_tests(site, monkeypatch):
+    from enginecore.testing import SchedulingPolicyContract, StatLoggerContract
+
+    site.plugin("exploding", "raise RuntimeError('broken beyond repair')\n")
+    monkeypatch.setenv("ENGINECORE_STRICT_PLUGINS", "1")  # as under `make test`
+
+    class TestPriority(SchedulingPolicyContract):
+        policy = "priority"
+
+    class TestLogging(StatLoggerContract):
+        stat_logger = "logging"
+
+    TestPriority().test_queue_order_does_not_depend_on_arrival_order_or_history()
+    TestLogging().test_does_not_mutate_the_stats_it_receives()
+    with pytest.raises(PluginLoadError, match="broken beyond repair"):
+        make_plugin_manager()  # strict mode itself is unchanged

@@ -196,7 +196,7 @@ class SchedulerContract:
             return what
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager().registry(kind).get(what)
+        return make_plugin_manager(strict=False).registry(kind).get(what)
 
     def make_scheduler(self, num_blocks: int | None = None, **overrides: Any) -> Scheduler:
         config = self.make_config(**overrides)
