@@ -510,3 +510,11 @@ def test_a_broken_plugin_does_not_fail_another_plugins_kit_tests(site, monkeypat
     TestLogging().test_does_not_mutate_the_stats_it_receives()
     with pytest.raises(PluginLoadError, match="broken beyond repair"):
         make_plugin_manager()  # strict mode itself is unchanged
+
+
+def test_the_start_up_components_name_the_models_plugin(tiny_llama):
+    from enginecore.engine.components import resolve_components
+
+    config = make_config(model=str(tiny_llama))
+    providers = resolve_components(config, make_plugin_manager(load_entrypoints=False)).providers
+    assert providers["model"] == "LlamaForCausalLM (from builtin_models)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,19 @@ def pick_executor_name(config: EngineConfig) -> str:
     return "uni"
 
 
+def checkpoint_architecture(path: str, models: Any) -> str | None:
+    """The first registered name in the checkpoint's ``config.json`` ``architectures``
+    (the one the model runner will build), or None when it cannot tell cheaply."""
+    config_json = pathlib.Path(path) / "config.json" if path else None
+    if config_json is None or not config_json.is_file():
+        return None
+    try:
+        architectures = json.loads(config_json.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((a for a in architectures if a in models), None)
+
+
 def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
     """Look up every selected name; an unknown one fails here, before anything loads."""
     providers: dict[str, str] = {}
@@ -63,6 +78,9 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
     runner_entry = host.registry("model_runner").entry(config.model.runner)
     providers["model_runner"] = f"{config.model.runner} (from {runner_entry.plugin})"
     models = host.registry("model")
+    architecture = checkpoint_architecture(config.model.path, models)
+    if architecture is not None:
+        providers["model"] = f"{architecture} (from {models.entry(architecture).plugin})"
     kv_ref = None
     if config.kv_transfer.connector:
         kv_entry = host.registry("kv_connector").entry(config.kv_transfer.connector)
