@@ -284,6 +284,8 @@ class PluginHost:
             for impl in caller.get_hookimpls():
                 if impl.plugin is not plugin:
                     continue
+                if self.selection.trace:
+                    impl.function = _traced(impl.function, name, caller.name)
                 if impl.wrapper or impl.hookwrapper:
                     impl.function = _bound_wrapper(impl.function, name, self._blame)
                 elif caller.name in LIFECYCLE_HOOKS:
@@ -474,6 +476,17 @@ class PluginHost:
             )
         finally:
             self._blamed = []
+
+
+def _traced(fn: Any, plugin: str, hook_name: str) -> Any:
+    """One stderr line per implementation called (ENGINECORE_TRACE_PLUGINS=1)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        sys.stderr.write(f"[enginecore] {hook_name}() -> plugin {plugin!r}\n")
+        return fn(*args)
+
+    return call
 
 
 def _bound_call(fn: Any, plugin: str, blame: Any) -> Any:

@@ -139,6 +139,9 @@ class Registry(Generic[T]):
             "%s %r from plugin %r overrides the one from plugin %r", self.kind, name, new, old
         )
 
+    def __repr__(self) -> str:
+        return f"Registry({self.kind}: {', '.join(self.entries) or 'empty'})"
+
     def __contains__(self, name: object) -> bool:
         return name in self.entries
 
