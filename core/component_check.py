@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from enginecore.config import EngineConfig
-from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.errors import ConfigError, EngineCoreError, UnknownComponentError
 from enginecore.plugin_settings import plugin_settings
 from enginecore.registry import did_you_mean
 
@@ -47,11 +47,8 @@ def check_components(config: EngineConfig, host: Any) -> None:
     for kind, key, name in selected_components(config):
         registry = host.registry(kind)
         if name not in registry:
-            available = ", ".join(registry.names()) or "none"
-            problems.append(
-                f"{key} = {name!r}: no {kind.replace('_', ' ')} of that name."
-                f"{did_you_mean(name, registry.names())} Available: {available}."
-            )
+            problems.append(f"{key}: {registry.unknown_message(name)}")
+    unknown_names = bool(problems)
     loaded = [r.name for r in host.records.values() if r.loaded]
     for plugin in config.plugins.config:
         record = host.records.get(plugin)
@@ -71,4 +68,5 @@ def check_components(config: EngineConfig, host: Any) -> None:
                     problems.append(str(exc))
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"the config names components that cannot be used:\n{lines}")
+        error = UnknownComponentError if unknown_names else ConfigError
+        raise error(f"the config names components that cannot be used:\n{lines}")

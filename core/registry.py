@@ -159,7 +159,7 @@ class Registry(Generic[T]):
         try:
             return self.entries[name]
         except KeyError:
-            raise UnknownComponentError(self._unknown_message(name)) from None
+            raise UnknownComponentError(self.unknown_message(name)) from None
 
     def get(self, name: str) -> Any:
         """Resolve ``name`` to its factory, importing a lazy reference now."""
@@ -174,7 +174,8 @@ class Registry(Generic[T]):
                 ) from exc
         return entry.factory
 
-    def _unknown_message(self, name: str) -> str:
+    def unknown_message(self, name: str) -> str:
+        """What is wrong with ``name``: close matches, what is available and from whom."""
         available = ", ".join(f"{n} (from {e.plugin})" for n, e in sorted(self.entries.items()))
         msg = f"unknown {self.kind} {name!r}.{did_you_mean(name, self.entries)}"
         msg += f" Available: {available or 'none'}."

@@ -280,9 +280,10 @@ def test_config_show_rejects_unknown_component_names_with_did_you_mean(capsys):
     )
     err = capsys.readouterr().err
     assert code == 2
-    assert "scheduler.policy = 'fcfss'" in err and "Did you mean 'fcfs'?" in err
-    assert "Available: fcfs, priority" in err
-    assert "observability.stat_loggers = 'promethus'" in err and "'prometheus'?" in err
+    assert "scheduler.policy: unknown scheduling policy 'fcfss'. Did you mean 'fcfs'?" in err
+    assert "Available: fcfs (from builtin_schedulers), priority (from builtin_schedulers)" in err
+    assert "observability.stat_loggers: unknown stat logger 'promethus'." in err
+    assert "Did you mean 'prometheus'?" in err
 
 
 def test_config_show_accepts_known_names(capsys):
@@ -293,7 +294,7 @@ def test_config_show_accepts_known_names(capsys):
 def test_llm_refuses_an_unknown_policy_before_starting_an_engine(tmp_path):
     from enginecore import LLM
 
-    with pytest.raises(ConfigError, match=r"scheduler.policy = 'no_such_policy'"):
+    with pytest.raises(ConfigError, match=r"scheduler.policy: unknown scheduling policy 'no_s"):
         LLM(model=str(tmp_path / "no-checkpoint-needed"), scheduling_policy="no_such_policy")
 
 
