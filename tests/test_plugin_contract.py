@@ -519,3 +519,43 @@ def test_the_start_up_components_name_the_models_plugin(tiny_llama):
     config = make_config(model=str(tiny_llama))
     providers = resolve_components(config, make_plugin_manager(load_entrypoints=False)).providers
     assert providers["model"] == "LlamaForCausalLM (from builtin_models)"
+
+
+class RecordingStatLogger(StatLogger):
+    records: list = []
+
+    def record(self, scheduler_stats, iteration_stats, engine_index=0):
+        if iteration_stats is not None:
+            type(self).records.extend(iteration_stats.finished_requests)
+
+
+@pytest.mark.slow
+def test_llm_reports_requests_it_aborts_like_async_llm(tiny_llama):
+    """Interrupted mid-generate: the unfinished request reaches the stat loggers and
+    request_finished with finish reason abort. The logger is registered in-process only,
+    so the engine, which never builds stat loggers, must not look for it."""
+    from enginecore import LLM, SamplingParams
+
+    finished: list = []
+
+    class Plugin:
+        @enginecore.hookimpl
+        def register_stat_loggers(self, registry):
+            registry.add("recording", RecordingStatLogger)
+
+        @enginecore.hookimpl
+        def request_finished(self, request_stats):
+            finished.append(request_stats)
+            if len(finished) == 1:
+                raise KeyboardInterrupt  # Ctrl-C as the first request finishes
+
+    host = make_plugin_manager(load_entrypoints=False)
+    host.register_object(Plugin(), "interrupting")
+    RecordingStatLogger.records = []
+    with LLM(model=str(tiny_llama), plugin_host=host, stat_loggers=["recording"]) as llm:
+        params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=200, ignore_eos=True)]
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["short", "long"], params)
+        assert llm.engine_client.ready.components["stat_loggers"] == "recording"
+    assert [(s.request_id, s.finish_reason) for s in finished] == [("0", "length"), ("1", "abort")]
+    assert [s.finish_reason for s in RecordingStatLogger.records] == ["length", "abort"]

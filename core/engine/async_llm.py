@@ -273,17 +273,7 @@ class AsyncLLM:
             self._record(None, stats)
 
     def _states_of(self, ids: list[str]) -> list[RequestState]:
-        op = self.output_processor
-        states = []
-        for request_id in ids:
-            parent = op.parents.get(request_id)
-            if parent is not None:
-                states += [
-                    c for c in parent.children if c is not None and c.request_id in op.states
-                ]
-            elif request_id in op.states:
-                states.append(op.states[request_id])
-        return states
+        return self.output_processor.states_of(ids)
 
     # --- the output task ------------------------------------------------------------------------
 

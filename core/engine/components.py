@@ -86,12 +86,13 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
         kv_entry = host.registry("kv_connector").entry(config.kv_transfer.connector)
         providers["kv_connector"] = f"{kv_entry.name} (from {kv_entry.plugin})"
         kv_ref = kv_entry.ref
+    # Stat loggers run in the frontend, which checked their names (and may hold one
+    # registered in-process only): here they are only named.
     stat_loggers = host.registry("stat_logger")
-    for name in config.observability.stat_loggers:
-        stat_loggers.entry(name)
     if config.observability.stat_loggers:
         providers["stat_loggers"] = ", ".join(
-            f"{n} (from {stat_loggers.entry(n).plugin})" for n in config.observability.stat_loggers
+            f"{n} (from {stat_loggers.entry(n).plugin})" if n in stat_loggers else n
+            for n in config.observability.stat_loggers
         )
     proposer_ref = None
     if config.speculative.speculative_method is not None:

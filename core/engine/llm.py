@@ -17,10 +17,12 @@ from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.interfaces import IterationStats
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
 from enginecore.plugins import PluginHost, make_plugin_manager
+from enginecore.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -229,8 +231,7 @@ class LLM:
                 ):
                     break
         except BaseException:
-            leftover = [rid for rid in request_ids if rid not in finished]
-            self.engine_client.abort_requests(self.output_processor.abort_requests(leftover))
+            self._abort([rid for rid in request_ids if rid not in finished])
             raise
         return [finished[rid] for rid in request_ids if rid in finished]
 
@@ -264,8 +265,22 @@ class LLM:
     # --- control -----------------------------------------------------------------------
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+    def _abort(self, ids: list[str]) -> None:
+        """Abort in the frontend and the engine; the aborted requests reach the stat
+        loggers and ``request_finished`` with finish reason abort, as under AsyncLLM."""
+        now = time.monotonic()
+        states = self.output_processor.states_of(ids)
         self.engine_client.abort_requests(self.output_processor.abort_requests(ids))
+        if states:
+            stats = IterationStats(timestamp=now)
+            stats.finished_requests = [
+                finished_request_stats(s, now, FinishReason.ABORT) for s in states
+            ]
+            self.stat_loggers.record(None, stats)
+            for finished in stats.finished_requests:
+                self.plugins.request_finished(finished)
 
     def collective_rpc(
         self,
