@@ -559,3 +559,30 @@ def test_llm_reports_requests_it_aborts_like_async_llm(tiny_llama):
         assert llm.engine_client.ready.components["stat_loggers"] == "recording"
     assert [(s.request_id, s.finish_reason) for s in finished] == [("0", "length"), ("1", "abort")]
     assert [s.finish_reason for s in RecordingStatLogger.records] == ["length", "abort"]
+
+
+HALF_BROKEN = """
+    import enginecore
+
+    @enginecore.hookimpl
+    def register_stat_loggers(registry):
+        registry.add("logging", "collections:OrderedDict", override=True)
+
+    @enginecore.hookimpl
+    def register_schedulers(registry):
+        raise RuntimeError("needs a license server")
+"""
+
+
+@pytest.mark.slow
+def test_the_frontend_and_the_engine_process_agree_on_a_failed_plugin(site, tiny_llama):
+    from enginecore import LLM
+    from enginecore.metrics.logging_logger import LoggingStatLogger
+
+    site.plugin("half_broken", HALF_BROKEN)
+    with LLM(model=str(tiny_llama), stat_loggers=["logging"]) as llm:
+        assert not llm.plugins.records["half_broken"].loaded
+        assert type(llm.stat_loggers.loggers[0]) is LoggingStatLogger
+        components = llm.engine_client.ready.components
+    assert components["stat_loggers"] == "logging (from metrics)"
+    assert components["scheduler"] == "default (from builtin_schedulers)"
