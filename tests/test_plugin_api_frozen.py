@@ -125,3 +125,15 @@ def test_a_changed_hook_is_caught(monkeypatch):
     engine_stopped.enginecore_spec = {}
     monkeypatch.setattr(hookspecs, "engine_stopped", engine_stopped)
     assert current_api()["hooks"] != recorded["hooks"]
+
+
+def test_every_field_of_the_data_a_plugin_receives_is_documented():
+    text = DOCS.read_text()
+    section = text[text.index("### Data a plugin receives") :]
+    section = section[: section.index("\n## ")]
+    for name, cls in DATA.items():
+        if name == "WorkerSpec":
+            continue  # an executor passes it on unread
+        missing = [f for f in _fields(cls) if f"`{f}`" not in section]
+        assert not missing, f"docs/plugins.md does not describe {name}.{', '.join(missing)}"
+    assert "`extra`" in section and "`close()`" in section
