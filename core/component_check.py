@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from enginecore.config import EngineConfig
+from enginecore.config import EngineConfig, StructuredOutputConfig
 from enginecore.errors import ConfigError, EngineCoreError, UnknownComponentError
 from enginecore.plugin_settings import plugin_settings
 from enginecore.registry import did_you_mean
@@ -21,12 +21,10 @@ def selected_components(config: EngineConfig) -> list[tuple[str, str, str]]:
         ("scheduler", "scheduler.name", config.scheduler.name),
         ("scheduling_policy", "scheduler.policy", config.scheduler.policy),
         ("model_runner", "model.runner", config.model.runner),
-        (
-            "structured_output_backend",
-            "structured_output.backend",
-            config.structured_output.backend,
-        ),
     ]
+    backend = config.structured_output.backend
+    if backend != StructuredOutputConfig().backend:  # the default loads only when used
+        chosen.append(("structured_output_backend", "structured_output.backend", backend))
     if config.parallel.executor != "auto":
         chosen.append(("executor", "parallel.executor", config.parallel.executor))
     if config.kv_transfer.connector:

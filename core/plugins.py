@@ -355,7 +355,6 @@ class PluginHost:
         """Record the failure and take the plugin out: it contributes nothing from now on."""
         record.error = message
         record.traceback = "".join(traceback.format_exception(exc))
-        record.hooks = record.hooks or []
         record.registered = {}
         if self.pm.get_plugin(record.name) is not None:
             self.pm.unregister(name=record.name)
