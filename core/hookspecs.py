@@ -83,8 +83,9 @@ def register_scheduling_policies(registry: Registry) -> None:
     """Register :class:`enginecore.interfaces.SchedulingPolicy` implementations.
 
     A policy decides the order of the waiting queue (``sort_key``), whether a request may
-    be admitted now (``admit``) and which running request to preempt when the KV cache
-    is full (``pick_preemption_victim``). Selected by ``scheduler.policy`` (flat name
+    be admitted now (``admit``, which sees the running and waiting requests through its
+    ``SchedulerState``) and which running request to preempt when the KV cache is full
+    (``pick_preemption_victim``). Policies keep no state of their own. Selected by ``scheduler.policy`` (flat name
     ``scheduling_policy``; built in: ``"fcfs"``, ``"priority"``).
     """
 
