@@ -217,11 +217,11 @@ class MultiprocExecutor(Executor):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         name = method_name(method)
         if self._dead is not None:

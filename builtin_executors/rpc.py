@@ -41,6 +41,7 @@ class RankError(EngineCoreError):
         self.rank = rank
         self.method = method
         self.original = exc
+        self.detail = text  # what the rank raised, as text (crosses process boundaries)
 
 
 class WorkerStartupError(EngineCoreError):

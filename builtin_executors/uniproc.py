@@ -49,11 +49,11 @@ class UniProcExecutor(Executor):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         fn = self.worker.resolve_method(method)
         kwargs = kwargs or {}

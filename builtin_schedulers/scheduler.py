@@ -486,6 +486,8 @@ class DefaultScheduler(Scheduler):
             num_total_blocks=kv.block_pool.num_usable_blocks,
             token_budget_left=budget,
             step=self._step_id,
+            running=tuple(self.running),
+            waiting=self.waiting.view(),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,6 +40,10 @@ class WaitingQueue:
             heapq.heapify(heap)
             self._heap = heap
 
+    def view(self) -> Sequence[Request]:
+        """The waiting requests, read-only and unordered, without a copy."""
+        return _HeapView(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -49,3 +53,20 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Request]:
         """In admission order."""
         return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))
+
+
+class _HeapView(Sequence):
+    """The requests of a heap of ``(key, counter, request)`` entries, in heap order."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self, heap: list[tuple[Any, int, Request]]) -> None:
+        self._heap = heap
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [entry[2] for entry in self._heap[index]]
+        return self._heap[index][2]

@@ -32,9 +32,12 @@ def _resolve_config(args: argparse.Namespace):
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from enginecore.backend_listing import DESCRIBED_KINDS, describe_component
-    from enginecore.plugins import make_plugin_manager
+    from enginecore.plugins import PluginSelection, make_plugin_manager
 
-    host = make_plugin_manager()
+    # The listing is the diagnostic for failures, so it never stops at the first one;
+    # under strict mode it still exits non-zero when any plugin failed.
+    host = make_plugin_manager(strict=False)
+    strict = PluginSelection.from_env().strict
     host.all_registries()  # runs every registration hook, so "registered" is filled in
     findings = []
     if args.check:
@@ -42,6 +45,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
         findings = check_plugins(host)
     failed_check = any(f.severity == "error" for f in findings) or bool(host.failed)
+    fail_exit = (args.check or strict) and failed_check
     records = sorted(host.records.values(), key=lambda r: (not r.builtin, r.name))
     if args.json:
         listing = [r.to_json() for r in records]
@@ -49,7 +53,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             for item in listing:
                 item["problems"] = [f.to_json() for f in findings if f.plugin == item["name"]]
         print(json.dumps(listing, indent=2))
-        return 1 if (args.check and failed_check) else 0
+        return 1 if fail_exit else 0
     for r in records:
         origin = "builtin" if r.builtin else f"{r.distribution} {r.version}"
         status = "" if r.loaded else "  [FAILED]"
@@ -77,14 +81,20 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         errors = sum(f.severity == "error" for f in findings)
         verdict = f"{errors} problem(s) to fix" if errors else "all plugins passed the checks"
         print(f"check: {verdict}", file=sys.stderr)
-    return 1 if (args.check and failed_check) else 0
+    if strict and host.failed:
+        print("strict mode (ENGINECORE_STRICT_PLUGINS=1): a plugin failed", file=sys.stderr)
+    return 1 if fail_exit else 0
 
 
 # --- config -------------------------------------------------------------------------
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    from enginecore.component_check import check_components
+    from enginecore.plugins import make_plugin_manager
+
     config = _resolve_config(args)
+    check_components(config, make_plugin_manager(config.plugins.enabled, config.plugins.disabled))
     data = config.to_dict()
     if args.format == "json":
         print(json.dumps(data, indent=2))
@@ -93,9 +103,19 @@ def cmd_config_show(args: argparse.Namespace) -> int:
             print(f"[{section}]")
             for key, value in fields.items():
                 # TOML has no null: unset keys are shown commented out.
-                print(f"# {key} = (unset)" if value is None else f"{key} = {json.dumps(value)}")
+                print(f"# {key} = (unset)" if value is None else f"{key} = {_toml(value)}")
             print()
     return 0
+
+
+def _toml(value: object) -> str:
+    """A value as TOML (JSON's strings, numbers and lists are TOML; tables are not)."""
+    if isinstance(value, dict):
+        items = ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items())
+        return "{" + items + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 # --- models -------------------------------------------------------------------------

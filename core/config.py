@@ -188,6 +188,9 @@ class PluginsConfig(_Section):
     """Allow-list of third-party plugins (None: all installed; []: none)."""
     disabled: list[str] = []
     """Plugins never to load."""
+    config: dict[str, dict[str, Any]] = {}
+    """Each plugin's own settings by plugin name (the TOML table [plugins.NAME]),
+    validated by the settings type the plugin declares."""
 
 
 class SpeculativeConfig(_Section):
@@ -264,6 +267,7 @@ FLAT_NAME_OVERRIDES: dict[tuple[str, str], str] = {
     ("structured_output", "backend"): "structured_output_backend",
     ("plugins", "enabled"): "enabled_plugins",
     ("plugins", "disabled"): "disabled_plugins",
+    ("plugins", "config"): "plugin_config",
 }
 
 
@@ -342,6 +346,9 @@ def _merge_into(tree: dict[str, dict[str, Any]], data: dict[str, Any], where: st
         if key in SECTIONS and isinstance(value, dict):
             section = tree.setdefault(key, {})
             for field_name, field_value in value.items():
+                if key == "plugins" and _is_plugin_table(field_name, field_value):
+                    section.setdefault("config", {})[field_name] = field_value
+                    continue
                 section[field_name] = field_value  # unknown fields: msgspec names them
         elif key in FLAT_NAMES:
             section_name, field_name = FLAT_NAMES[key]
@@ -350,6 +357,11 @@ def _merge_into(tree: dict[str, dict[str, Any]], data: dict[str, Any], where: st
             tree[key] = msgspec.to_builtins(value)
         else:
             raise ConfigError(_unknown_key_message(key, where))
+
+
+def _is_plugin_table(key: str, value: Any) -> bool:
+    """``[plugins.NAME]``: a table under ``plugins`` that is not one of its own fields."""
+    return key not in PluginsConfig.__struct_fields__ and isinstance(value, dict)
 
 
 _PATH_RE = re.compile(r"at `\$\.(\w+)(?:\.(\w+))?")

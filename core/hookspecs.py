@@ -9,14 +9,15 @@ Third-party plugins are found through the ``enginecore`` entry-point group::
     [project.entry-points.enginecore]
     myplugin = "mypkg.plugin"
 
-Built-in components register through exactly the same hooks (their implementations are
-marked ``trylast`` so that they register first and a plugin may replace one explicitly
-with ``override=True``).
+Built-in components register through exactly the same hooks (marked ``trylast``); a
+plugin replaces one explicitly with ``override=True``, whichever runs first.
 
-Registration hooks are called once per process, when the process first needs that kind
-of component. Lifecycle hooks are observers: they are never in the per-token path, their
-return values are ignored, and an exception in one is logged with the plugin's name and
-does not stop the engine.
+Hooks are called through pluggy, so ``wrapper=True`` and ``hookwrapper=True``
+implementations work as pluggy documents. Registration hooks are called once per
+process, all together, when the process first needs a registry; a plugin that raises in
+one contributes nothing to any. Lifecycle hooks are observers: they are never in the
+per-token path, their return values are ignored, and an exception in one is logged with
+the plugin's name and does not stop the engine or the other observers.
 
 Stability: every hook here is part of the versioned public API
 (``enginecore.PLUGIN_API_VERSION``). A change to a hook's name or arguments bumps the
@@ -55,7 +56,8 @@ def plugin_api_versions() -> str | None:
 
     Called once per plugin, right after the plugin is registered (the plugin manager
     calls each plugin's implementation on its own, so ``firstresult`` only matters to
-    callers that ask the whole hook).
+    callers that ask the whole hook). A plugin may also declare ``plugin_settings``, the
+    ``msgspec.Struct`` type (or ``"module:Type"``) of its ``[plugins.NAME]`` config table.
     """
 
 
@@ -81,8 +83,9 @@ def register_scheduling_policies(registry: Registry) -> None:
     """Register :class:`enginecore.interfaces.SchedulingPolicy` implementations.
 
     A policy decides the order of the waiting queue (``sort_key``), whether a request may
-    be admitted now (``admit``) and which running request to preempt when the KV cache
-    is full (``pick_preemption_victim``). Selected by ``scheduler.policy`` (flat name
+    be admitted now (``admit``, which sees the running and waiting requests through its
+    ``SchedulerState``) and which running request to preempt when the KV cache is full
+    (``pick_preemption_victim``). Policies keep no state of their own. Selected by ``scheduler.policy`` (flat name
     ``scheduling_policy``; built in: ``"fcfs"``, ``"priority"``).
     """
 

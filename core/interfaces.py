@@ -31,7 +31,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SchedulerState:
-    """A read-only view of the scheduler that a policy may consult in ``admit``."""
+    """A read-only view of the scheduler that a policy may consult in ``admit``.
+
+    ``running`` and ``waiting`` are the scheduler's own requests (no copy, so building
+    the state costs nothing): read ``request.extra`` (the user's ``SamplingParams.extra``,
+    e.g. a tenant), ``priority``, ``num_prompt_tokens``, ``num_computed_tokens``,
+    ``max_tokens`` and ``seq_no``, and never change them. ``waiting`` holds the requests
+    still queued (the one being decided included) in no particular order. A fair-share policy counts each
+    tenant's running requests here instead of keeping state of its own.
+    """
 
     num_running: int
     num_waiting: int
@@ -39,12 +47,17 @@ class SchedulerState:
     num_total_blocks: int
     token_budget_left: int
     step: int
+    running: Sequence[Request] = ()
+    waiting: Sequence[Request] = ()
 
 
 class SchedulingPolicy(ABC):
     """Order, admission and preemption choices, without subclassing the scheduler.
 
-    Policies are small and pure: the scheduler owns all state and calls these methods.
+    Policies are small and pure: the scheduler owns all state and calls these methods,
+    and the same arguments give the same answer from any instance (the conformance kit
+    checks this across fresh instances). What a policy needs to know about the other
+    requests is in the :class:`SchedulerState` that ``admit`` receives.
     Async scheduling, chunked prefill and prefix caching work whatever policy is chosen.
     """
 
@@ -193,11 +206,11 @@ class Executor(ABC):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         """Call ``method`` on every rank; one result per rank (or only ``unique_reply_rank``'s).
 

@@ -108,6 +108,55 @@ def _undecorated_hooks(record: PluginRecord, plugin: Any) -> list[str]:
     return found
 
 
+def _post_mortem(host: PluginHost, record: PluginRecord) -> list[str]:
+    """Every other problem of a plugin that failed after import, found without loading it:
+    each hook's name and arguments, each registration hook run into a scratch registry,
+    each component it would have registered."""
+    from enginecore.registry import Registry, providing_plugin
+
+    plugin = record.plugin
+    problems = _undecorated_hooks(record, plugin)
+    kinds = {hook: kind for kind, hook in COMPONENT_HOOKS.items()}
+    for attr in dir(plugin):
+        function = getattr(plugin, attr, None)
+        if not callable(function) or getattr(function, "enginecore_impl", None) is None:
+            continue
+        if attr in (record.error or ""):
+            continue  # the failure already reported
+        caller = getattr(host.pm.hook, attr, None)
+        spec = getattr(caller, "spec", None)
+        if spec is None:
+            problems.append(f"implements unknown hook {attr!r}")
+            continue
+        argnames = list(inspect.signature(function).parameters)
+        extra = [a for a in argnames if a not in spec.argnames]
+        if extra:
+            problems.append(
+                f"{attr}() takes {', '.join(extra)}, which the hook does not pass "
+                f"(the spec is {attr}({', '.join(spec.argnames)}))"
+            )
+            continue
+        kind = kinds.get(attr)
+        if kind is None:
+            continue  # an observer: nothing to run
+        scratch: Registry = Registry(kind=kind.replace("_", " "))
+        token = providing_plugin.set(record.name)
+        try:
+            function(**{a: scratch for a in argnames})
+        except Exception as exc:
+            problems.append(f"raised in {attr}: {type(exc).__name__}: {exc}")
+        finally:
+            providing_plugin.reset(token)
+        for name in scratch.names():
+            try:
+                problem = _check_component(kind, name, scratch.get(name))
+            except Exception as exc:
+                problem = str(exc)
+            if problem:
+                problems.append(problem)
+    return problems
+
+
 def check_plugins(host: PluginHost) -> list[Finding]:
     """Run every registration hook and every check; returns the findings, errors first."""
     registries = host.all_registries()
@@ -116,6 +165,9 @@ def check_plugins(host: PluginHost) -> list[Finding]:
         origin = _origin(record)
         if not record.loaded:
             findings.append(Finding(record.name, origin, "error", record.error or "failed"))
+            if record.plugin is not None:  # imported: report what else is wrong with it
+                for message in _post_mortem(host, record):
+                    findings.append(Finding(record.name, origin, "error", message))
             continue
         if record.builtin:
             continue

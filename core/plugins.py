@@ -3,10 +3,18 @@
 There is no global plugin manager. :func:`make_plugin_manager` builds a :class:`PluginHost`
 that the engine passes explicitly; everything in the core calls hooks through the
 host's typed methods, never through ``pm.hook.x(...)`` directly.
+
+Hooks are called through pluggy, so ``wrapper=True`` and ``hookwrapper=True``
+implementations wrap the others as pluggy documents. Each implementation is bound to its
+plugin when the plugin registers: a ``Registry.add`` it makes is recorded as that
+plugin's, and what it raises is blamed on it. Loading is all-or-nothing per plugin: a
+plugin that fails anywhere (import, validation, any registration hook) is unregistered
+and every registry is rebuilt without it, so it contributes nothing in any process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -23,7 +31,7 @@ from packaging.version import Version
 
 from enginecore import hookspecs
 from enginecore.errors import IncompatiblePluginError, PluginLoadError
-from enginecore.registry import Registry
+from enginecore.registry import Registry, did_you_mean, providing_plugin
 from enginecore.version import PLUGIN_API_VERSION
 
 logger = logging.getLogger(__name__)
@@ -75,6 +83,23 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: Plugins whose failure this process tree has already warned about. Child processes
+#: (engine core, workers) inherit it, so a failure is warned once, not once per process.
+WARNED_ENV_VAR = "ENGINECORE_WARNED_PLUGINS"
+#: Longest exception text kept in a plugin's one-line error (the traceback has it all).
+MAX_ERROR_TEXT = 240
+
+
+def exception_line(exc: BaseException) -> str:
+    """``"ValueError: text"`` on one line, cut to :data:`MAX_ERROR_TEXT` characters."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, SystemExit):
+        text = f"{text or 0} (the plugin called sys.exit())"
+    if len(text) > MAX_ERROR_TEXT:
+        text = text[: MAX_ERROR_TEXT - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 @dataclass
 class PluginRecord:
     """What is known about one plugin, loaded or not (shown by ``enginecore plugins``)."""
@@ -89,6 +114,9 @@ class PluginRecord:
     api_versions: str | None = None
     error: str | None = None  # one-line summary
     traceback: str | None = None
+    # The imported module/object, kept when a later step failed (``--check`` reports
+    # everything else wrong with it too).
+    plugin: Any = field(default=None, repr=False, compare=False)
 
     @property
     def loaded(self) -> bool:
@@ -159,6 +187,7 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
         self._registries: dict[str, Registry] = {}
+        self._blamed: list[tuple[BaseException, str]] = []
         if self.selection.trace:
             self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[enginecore] {msg}"))
             self.pm.enable_tracing()
@@ -174,8 +203,10 @@ class PluginHost:
             self._load(record, lambda m=module_name: __import__(m, fromlist=["_"]))
 
     def load_entrypoints(self) -> None:
+        installed: list[str] = []
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist
+            installed += [ep.name, dist.name if dist else ep.name]
             record = PluginRecord(
                 name=ep.name,
                 module=ep.value,
@@ -184,14 +215,31 @@ class PluginHost:
             )
             if record.name in self.records:
                 logger.warning(
-                    "two installed distributions declare enginecore plugin %r; keeping %s",
+                    "two installed distributions declare enginecore plugin %r: keeping %s, "
+                    "ignoring distribution %s %s. Uninstall one of them.",
                     record.name,
                     self.records[record.name].describe(),
+                    record.distribution,
+                    record.version,
                 )
                 continue
             if not self.selection.allows(record.name, record.distribution):
                 continue
             self._load(record, ep.load)
+        self._warn_unknown_selection(installed)
+
+    def _warn_unknown_selection(self, installed: list[str]) -> None:
+        """A name in the allow-list that matches no installed plugin is almost a typo."""
+        builtins = [r.name for r in self.records.values() if r.builtin]
+        for name in self.selection.enabled or []:
+            if name not in installed and name not in builtins:
+                logger.warning(
+                    "ENGINECORE_PLUGINS / plugins.enabled names %r, which no installed "
+                    "plugin or distribution is called.%s Installed: %s.",
+                    name,
+                    did_you_mean(name, installed),
+                    ", ".join(sorted(set(installed))) or "none",
+                )
 
     def register_object(self, plugin: Any, name: str) -> PluginRecord:
         """Register an in-process plugin object (tests, notebooks, one-off experiments)."""
@@ -207,26 +255,63 @@ class PluginHost:
 
     def _load(self, record: PluginRecord, load: Any) -> None:
         self.records[record.name] = record
+        self._registries.clear()
         try:
             plugin = load()
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt at import too
+            self._fail(record, f"failed to load: {exception_line(exc)}", exc)
+            return
+        record.plugin = plugin
+        try:
             self.pm.register(plugin, name=record.name)
         except pluggy.PluginValidationError as exc:
-            self._fail(record, self._describe_bad_hookimpl(record, exc), exc)
+            self._fail(record, self._describe_bad_hookimpl(exc), exc)
             return
-        except Exception as exc:
-            self._fail(record, f"failed to load: {type(exc).__name__}: {exc}", exc)
+        except BaseException as exc:
+            self._fail(record, f"failed to load: {exception_line(exc)}", exc)
             return
         try:
             self._validate(record, plugin)
-        except Exception as exc:
-            self.pm.unregister(name=record.name)
-            self._fail(record, str(exc), exc)
+        except BaseException as exc:
+            self._fail(
+                record,
+                exception_line(exc) if not isinstance(exc, PluginLoadError) else str(exc),
+                exc,
+            )
             return
         record.hooks = sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or [])
+        self._bind(plugin, record.name)
 
-    def _describe_bad_hookimpl(
-        self, record: PluginRecord, exc: pluggy.PluginValidationError
-    ) -> str:
+    def _bind(self, plugin: Any, name: str) -> None:
+        """Wrap each of the plugin's implementations so that it runs as ``name``."""
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not plugin:
+                    continue
+                if self.selection.trace:
+                    impl.function = _traced(impl.function, name, caller.name)
+                if impl.wrapper or impl.hookwrapper:
+                    impl.function = _bound_wrapper(impl.function, name, self._blame)
+                elif caller.name in LIFECYCLE_HOOKS:
+                    impl.function = _bound_observer(impl.function, name, caller.name)
+                else:
+                    impl.function = _bound_call(impl.function, name, self._blame)
+
+    def _blame(self, exc: BaseException, plugin: str) -> None:
+        """Remember the first plugin ``exc`` passed through (the one that raised it)."""
+        if not any(seen is exc for seen, _ in self._blamed):
+            self._blamed.append((exc, plugin))
+
+    def _culprit(self, exc: BaseException) -> str | None:
+        named = getattr(exc, "plugin", None)  # a duplicate name: the plugin loaded later
+        if isinstance(named, str) and named in self.records:
+            return named
+        for seen, plugin in self._blamed:
+            if seen is exc:
+                return plugin
+        return None
+
+    def _describe_bad_hookimpl(self, exc: pluggy.PluginValidationError) -> str:
         """pluggy's multi-line text as one line that shows the spec's signature."""
         text = " ".join(str(exc).split())
         match = re.search(r"for hook '(\w+)'", text)
@@ -236,19 +321,18 @@ class PluginHost:
         signature = f"{spec.name}({', '.join(spec.argnames)})"
         detail = text.split("hookimpl definition: ", 1)[-1]
         return (
-            f"failed to load: plugin {record.name!r} has an invalid hook implementation "
-            f"{detail}. The spec is {signature}; "
+            f"failed to load: invalid hook implementation {detail}. The spec is {signature}; "
             "an implementation may take any subset of its arguments, and no others"
         )
 
     def _validate(self, record: PluginRecord, plugin: Any) -> None:
         for caller in self.pm.get_hookcallers(plugin) or []:
             if caller.spec is None:
-                known = ", ".join(sorted(COMPONENT_HOOKS.values()) + list(LIFECYCLE_HOOKS))
-                raise PluginLoadError(
-                    f"plugin {record.describe()} implements unknown hook {caller.name!r}. "
-                    f"Check the spelling; the hooks are: {known}, plugin_api_versions."
+                known = [*COMPONENT_HOOKS.values(), *LIFECYCLE_HOOKS, "plugin_api_versions"]
+                hint = did_you_mean(caller.name, known) or (
+                    f" The hooks are: {', '.join(sorted(known))}."
                 )
+                raise PluginLoadError(f"implements unknown hook {caller.name!r}.{hint}")
         impl = getattr(plugin, "plugin_api_versions", None)
         if impl is None:
             return
@@ -261,32 +345,34 @@ class PluginHost:
             spec = SpecifierSet(declared)
         except InvalidSpecifier as exc:
             raise IncompatiblePluginError(
-                f"plugin {record.describe()} declares plugin_api_versions() = {declared!r}, "
+                f"declares plugin_api_versions() = {declared!r}, "
                 f"which is not a version specifier such as '>=1.0,<2'"
             ) from exc
         if Version(PLUGIN_API_VERSION) not in spec:
             raise IncompatiblePluginError(
-                f"plugin {record.describe()} supports plugin API {declared}, but this "
+                f"supports plugin API {declared}, but this "
                 f"enginecore provides plugin API {PLUGIN_API_VERSION}. Upgrade the plugin "
                 f"or install an enginecore whose PLUGIN_API_VERSION is in {declared}."
             )
 
     def _fail(self, record: PluginRecord, message: str, exc: BaseException) -> None:
+        """Record the failure and take the plugin out: it contributes nothing from now on."""
         record.error = message
         record.traceback = "".join(traceback.format_exception(exc))
+        record.registered = {}
+        if self.pm.get_plugin(record.name) is not None:
+            self.pm.unregister(name=record.name)
+        self._registries.clear()
         text = f"enginecore plugin {record.describe()} {message}"
         if self.selection.strict:
-            raise PluginLoadError(
-                f"{text}\n(strict mode: ENGINECORE_STRICT_PLUGINS=1)\n"
-                f"Original traceback:\n{record.traceback}"
-            ) from exc
-        logger.warning("%s. It is skipped; 'enginecore plugins' shows the traceback.", text)
-
-    def _trace(self, message: str) -> None:
-        # The host calls each hookimpl itself (to bind provenance and isolate failures),
-        # bypassing pluggy's hook-call monitoring, so it traces those calls here.
-        if self.selection.trace:
-            sys.stderr.write(f"[enginecore] {message}\n")
+            raise PluginLoadError(f"{text} (strict mode: ENGINECORE_STRICT_PLUGINS=1)") from exc
+        warned = set(_env_list(WARNED_ENV_VAR) or [])
+        if record.name in warned:  # a parent process already said so
+            logger.debug("%s; skipped", text)
+            return
+        text = text if text.endswith((".", "?")) else f"{text}."
+        logger.warning("%s It is skipped; 'enginecore plugins -v' shows the traceback.", text)
+        os.environ[WARNED_ENV_VAR] = ",".join(sorted(warned | {record.name}))
 
     # --- registries ---------------------------------------------------------------------
 
@@ -303,35 +389,64 @@ class PluginHost:
         return registry
 
     def _build_registry(self, kind: str) -> Registry:
-        hook_name = COMPONENT_HOOKS[kind]
-        registry: Registry = Registry(kind=kind.replace("_", " "))
-        # get_hookimpls() lists trylast (built-in) impls first: built-ins register before
-        # third parties, so a plugin's override=True replaces a built-in, never the reverse.
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            record = self.records.get(impl.plugin_name)
-            if record is None or not record.loaded:
-                continue
-            registry._current_plugin = impl.plugin_name
-            before = set(registry.entries)
-            self._trace(f"{hook_name}(registry) -> plugin {impl.plugin_name!r}")
-            try:
-                impl.function(**{arg: registry for arg in impl.argnames})
-            except Exception as exc:
-                self._trace(f"{hook_name}: plugin {impl.plugin_name!r} raised {exc!r}")
-                self._fail(record, f"raised in {hook_name}: {type(exc).__name__}: {exc}", exc)
-                for name in set(registry.entries) - before:
-                    del registry.entries[name]
-                continue
-            added = [n for n, e in registry.entries.items() if e.plugin == impl.plugin_name]
-            self._trace(f"{hook_name}: plugin {impl.plugin_name!r} added {sorted(added)}")
-            if added:
-                record.registered[kind] = sorted(added)
-        registry._current_plugin = "<direct>"
-        registry.failed_plugins = [f"{r.describe()}: {r.error}" for r in self.failed]
-        return registry
+        self._build_all()
+        return self._registries[kind]
+
+    def _build_all(self) -> None:
+        """Run every registration hook; a plugin that raises in one is dropped from all.
+
+        Each failure rebuilds every registry without the failed plugin, so what a plugin
+        registered in a hook that ran before it failed never survives.
+        """
+        load_order = {name: i for i, name in enumerate(self.records)}
+        while True:
+            registries = {
+                kind: Registry(kind=kind.replace("_", " "), load_order=load_order)
+                for kind in COMPONENT_HOOKS
+            }
+            failure = None
+            for kind, hook_name in COMPONENT_HOOKS.items():
+                self._blamed = []
+                try:
+                    getattr(self.pm.hook, hook_name)(registry=registries[kind])
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as exc:
+                    culprit = self._culprit(exc)
+                    if culprit is None:
+                        raise
+                    failure = (culprit, hook_name, exc)
+                    break
+                finally:
+                    self._blamed = []
+            if failure is None:
+                break
+            culprit, hook_name, exc = failure
+            self._fail(self.records[culprit], f"raised in {hook_name}: {exception_line(exc)}", exc)
+        for record in self.records.values():
+            record.registered = {}
+        for kind, registry in registries.items():
+            for name, entry in registry.entries.items():
+                record = self.records.get(entry.plugin)
+                if record is not None:
+                    record.registered.setdefault(kind, []).append(name)
+            registry.failed_plugins = [r.describe() for r in self.failed]
+        for record in self.records.values():
+            record.registered = {k: sorted(v) for k, v in record.registered.items()}
+        self._registries = registries
 
     def all_registries(self) -> dict[str, Registry]:
         return {kind: self.registry(kind) for kind in COMPONENT_HOOKS}
+
+    def settings_type(self, plugin_name: str) -> type | None:
+        """The msgspec type a loaded plugin declares as ``plugin_settings``, if any."""
+        plugin = self.pm.get_plugin(plugin_name)
+        declared = getattr(plugin, "plugin_settings", None)
+        if isinstance(declared, str):
+            from enginecore.registry import import_ref
+
+            declared = import_ref(declared)
+        return declared if isinstance(declared, type) else None
 
     # --- typed lifecycle calls ----------------------------------------------------------
 
@@ -351,13 +466,87 @@ class PluginHost:
         return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
 
     def _notify(self, hook_name: str, **kwargs: Any) -> None:
-        """Call each observer on its own, so one failing plugin never silences the others."""
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            self._trace(f"{hook_name}({', '.join(impl.argnames)}) -> plugin {impl.plugin_name!r}")
+        """Call the observers through pluggy; each one's failure is logged, never raised."""
+        hook = getattr(self.pm.hook, hook_name)
+        if not hook.get_hookimpls():
+            return
+        self._blamed = []
+        try:
+            hook(**kwargs)
+        except Exception as exc:  # a wrapper raised: the observers it wrapped have run
+            logger.exception(
+                "plugin %r raised in %s (ignored)", self._culprit(exc) or "?", hook_name
+            )
+        finally:
+            self._blamed = []
+
+
+def _traced(fn: Any, plugin: str, hook_name: str) -> Any:
+    """One stderr line per implementation called (ENGINECORE_TRACE_PLUGINS=1)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        sys.stderr.write(f"[enginecore] {hook_name}() -> plugin {plugin!r}\n")
+        return fn(*args)
+
+    return call
+
+
+def _bound_call(fn: Any, plugin: str, blame: Any) -> Any:
+    """A registration implementation that records its entries and failures as ``plugin``."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        token = providing_plugin.set(plugin)
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            blame(exc, plugin)
+            raise
+        finally:
+            providing_plugin.reset(token)
+
+    return call
+
+
+def _bound_observer(fn: Any, plugin: str, hook_name: str) -> Any:
+    """A lifecycle observer whose failure is logged, so the other observers still run."""
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (Exception, SystemExit):
+            logger.exception("plugin %r raised in %s (ignored)", plugin, hook_name)
+            return None
+
+    return call
+
+
+def _bound_wrapper(fn: Any, plugin: str, blame: Any) -> Any:
+    """A pluggy wrapper (a generator) run step by step as ``plugin``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> Any:
+        gen = fn(*args)
+        step, value = gen.send, None
+        while True:
+            token = providing_plugin.set(plugin)
             try:
-                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-            except Exception:
-                logger.exception("plugin %r raised in %s (ignored)", impl.plugin_name, hook_name)
+                out = step(value)
+            except StopIteration as stop:
+                return stop.value
+            except BaseException as exc:
+                blame(exc, plugin)
+                raise
+            finally:
+                providing_plugin.reset(token)
+            try:
+                value, step = (yield out), gen.send
+            except BaseException as exc:  # pluggy throws the inner exception in
+                value, step = exc, gen.throw
+
+    return wrapper
 
 
 def make_plugin_manager(
@@ -366,14 +555,19 @@ def make_plugin_manager(
     *,
     load_entrypoints: bool = True,
     builtins: Iterable[str] = BUILTIN_PLUGINS,
+    strict: bool | None = None,
 ) -> PluginHost:
     """Build a :class:`PluginHost`: built-ins first, then each entry point on its own.
 
     ``enabled``/``disabled`` come from the config's ``plugins`` section; the env vars
     ``ENGINECORE_PLUGINS`` (allow-list; empty means none), ``ENGINECORE_DISABLE_PLUGINS``,
-    ``ENGINECORE_STRICT_PLUGINS`` and ``ENGINECORE_TRACE_PLUGINS`` take precedence.
+    ``ENGINECORE_STRICT_PLUGINS`` and ``ENGINECORE_TRACE_PLUGINS`` take precedence
+    (``strict`` overrides the env var: the ``plugins`` command lists every failure).
     """
-    host = PluginHost(PluginSelection.from_env(enabled, disabled))
+    selection = PluginSelection.from_env(enabled, disabled)
+    if strict is not None:
+        selection.strict = strict
+    host = PluginHost(selection)
     host.load_builtins(builtins)
     if load_entrypoints:
         host.load_entrypoints()

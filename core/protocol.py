@@ -84,6 +84,8 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     call_id: int
     failure_message: str | None = None  # set: the call failed
     result: Any = None
+    failure_rank: int | None = None  # set: a worker RPC raised on this rank (RankError)
+    failure_method: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import difflib
 import importlib
 import logging
 from collections.abc import Callable, Iterator
@@ -14,6 +16,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: The plugin whose hook implementation is running: every ``Registry.add`` made meanwhile
+#: is recorded as provided by it (set by the plugin host around each implementation).
+providing_plugin: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "enginecore_providing_plugin", default=None
+)
+
+
+def did_you_mean(name: str, choices: Iterator[str] | list[str]) -> str:
+    """``" Did you mean 'x'?"`` for the closest choices, or ``""``."""
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
 
 @dataclass
 class RegistryEntry:
@@ -24,6 +38,7 @@ class RegistryEntry:
     plugin: str
     summary: str = ""
     overrides: str | None = None  # the plugin whose entry this one replaced
+    overriding: bool = False  # registered with override=True
 
     @property
     def ref(self) -> str:
@@ -59,6 +74,10 @@ class Registry(Generic[T]):
     # Plugins that failed to load: shown when a name is missing, since one of them may
     # have provided it.
     failed_plugins: list[str] = field(default_factory=list)
+    # Plugin name -> load position. Hooks run in pluggy's order (built-ins last), so when
+    # two plugins register one name the one loaded later is the one at fault, whoever
+    # ran first.
+    load_order: dict[str, int] = field(default_factory=dict)
 
     def add(
         self,
@@ -73,40 +92,55 @@ class Registry(Generic[T]):
         ``factory`` is a class or callable, or a lazy ``"module:Class"`` string that is
         imported only if the name is selected. A name that another plugin already
         registered is an error unless ``override=True``, which replaces it and is logged.
+        The outcome does not depend on which plugin's hook runs first.
         """
+        plugin = providing_plugin.get() or self._current_plugin
         if not isinstance(name, str) or not name:
             raise PluginLoadError(
-                f"plugin {self._current_plugin!r} registered a {self.kind} with an invalid "
+                f"plugin {plugin!r} registered a {self.kind} with an invalid "
                 f"name {name!r}: names are non-empty strings"
             )
         if isinstance(factory, str) and ":" not in factory:
             raise PluginLoadError(
-                f"plugin {self._current_plugin!r} registered {self.kind} {name!r} with "
+                f"plugin {plugin!r} registered {self.kind} {name!r} with "
                 f"factory {factory!r}: a lazy factory must be a 'module:Class' string"
             )
         existing = self.entries.get(name)
         if existing is not None and not override:
-            raise DuplicateRegistrationError(
-                f"{self.kind} {name!r} is registered twice: by plugin {existing.plugin!r} and "
-                f"by plugin {self._current_plugin!r}. Disable one of them "
-                f"(ENGINECORE_DISABLE_PLUGINS={self._current_plugin}) or register with "
-                f"override=True to replace it on purpose."
+            if existing.overriding and existing.overrides is None:
+                # The replacement ran before the original: keep it, note what it replaced.
+                existing.overrides = plugin
+                self._log_override(name, existing.plugin, plugin)
+                return
+            first, second = sorted(
+                (existing.plugin, plugin),
+                key=lambda p: self.load_order.get(p, len(self.load_order)),
             )
+            error = DuplicateRegistrationError(
+                f"{self.kind} {name!r} is registered twice: by plugin {first!r} and by plugin "
+                f"{second!r}. Disable one of them (ENGINECORE_DISABLE_PLUGINS={second}) or "
+                f"register with override=True to replace it on purpose."
+            )
+            error.plugin = second  # the one dropped: the plugin loaded later
+            raise error
         if existing is not None:
-            logger.info(
-                "%s %r from plugin %r overrides the one from plugin %r",
-                self.kind,
-                name,
-                self._current_plugin,
-                existing.plugin,
-            )
+            self._log_override(name, plugin, existing.plugin)
         self.entries[name] = RegistryEntry(
             name=name,
             factory=factory,
-            plugin=self._current_plugin,
+            plugin=plugin,
             summary=summary,
             overrides=existing.plugin if existing else None,
+            overriding=override,
         )
+
+    def _log_override(self, name: str, new: str, old: str) -> None:
+        logger.info(
+            "%s %r from plugin %r overrides the one from plugin %r", self.kind, name, new, old
+        )
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind}: {', '.join(self.entries) or 'empty'})"
 
     def __contains__(self, name: object) -> bool:
         return name in self.entries
@@ -125,7 +159,7 @@ class Registry(Generic[T]):
         try:
             return self.entries[name]
         except KeyError:
-            raise UnknownComponentError(self._unknown_message(name)) from None
+            raise UnknownComponentError(self.unknown_message(name)) from None
 
     def get(self, name: str) -> Any:
         """Resolve ``name`` to its factory, importing a lazy reference now."""
@@ -140,13 +174,15 @@ class Registry(Generic[T]):
                 ) from exc
         return entry.factory
 
-    def _unknown_message(self, name: str) -> str:
+    def unknown_message(self, name: str) -> str:
+        """What is wrong with ``name``: close matches, what is available and from whom."""
         available = ", ".join(f"{n} (from {e.plugin})" for n, e in sorted(self.entries.items()))
-        msg = f"unknown {self.kind} {name!r}. Available: {available or 'none'}."
+        msg = f"unknown {self.kind} {name!r}.{did_you_mean(name, self.entries)}"
+        msg += f" Available: {available or 'none'}."
         if self.failed_plugins:
             msg += (
                 " These plugins failed to load and may have provided it: "
-                + "; ".join(self.failed_plugins)
-                + ". Run 'enginecore plugins' for their errors."
+                + ", ".join(self.failed_plugins)
+                + " (run 'enginecore plugins' for their errors)."
             )
         return msg

@@ -48,7 +48,19 @@ def describe_provider(host: Any, kind: str, name: str) -> tuple[str, str]:
 
 
 def build_component(host: Any, kind: str, name: str, factory: Callable[..., T], *args, **kw) -> T:
-    """``factory(*args, **kw)``; a non-enginecore exception becomes a ComponentStartupError."""
+    """``factory(*args, **kw)``; a non-enginecore exception becomes a ComponentStartupError.
+
+    When the providing plugin declares a settings type, the factory also gets
+    ``settings=`` (its ``[plugins.NAME]`` table, validated); ``args[0]`` is the config.
+    """
+    settings_type = getattr(host, "settings_type", None)
+    if settings_type is not None and args:
+        plugin = host.registry(kind).entry(name).plugin
+        declared = settings_type(plugin)
+        if declared is not None:
+            from enginecore.plugin_settings import plugin_settings
+
+            kw = {**kw, "settings": plugin_settings(args[0], plugin, declared)}
     try:
         return factory(*args, **kw)
     except EngineCoreError:

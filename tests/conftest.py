@@ -10,6 +10,12 @@ import pytest
 CheckpointFactory = Callable[..., pathlib.Path]
 
 
+@pytest.fixture(autouse=True)
+def _plugin_warnings_per_test(monkeypatch):
+    """A plugin failure is warned once per process tree; each test is its own tree."""
+    monkeypatch.setenv("ENGINECORE_WARNED_PLUGINS", "")
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactory:
     """``factory(arch="llama", size="tiny", seed=0, sliding_window=None)`` -> checkpoint

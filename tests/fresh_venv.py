@@ -22,6 +22,7 @@ import sysconfig
 from pathlib import Path
 
 PLUGIN_ENV_VARS = (
+    "ENGINECORE_WARNED_PLUGINS",
     "ENGINECORE_PLUGINS",
     "ENGINECORE_DISABLE_PLUGINS",
     "ENGINECORE_STRICT_PLUGINS",

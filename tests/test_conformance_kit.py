@@ -70,9 +70,77 @@ def test_policy_contract_catches_ties_and_side_effects():
         policy = MutatingPolicy
 
     with pytest.raises(AssertionError):
-        Ties().test_queue_order_does_not_depend_on_arrival_order()
+        Ties().test_queue_order_does_not_depend_on_arrival_order_or_history()
     with pytest.raises(AssertionError, match="must not change the request"):
         Mutates().test_sort_key_is_deterministic_and_pure()
+
+
+class FirstSeenTenantPolicy(FCFSPolicy):
+    """Orders tenants by when this instance first saw them: hidden state."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.tenants: dict[str, int] = {}
+
+    def sort_key(self, request):
+        tenant = (request.extra or {}).get("tenant", "")
+        return (self.tenants.setdefault(tenant, len(self.tenants)), request.seq_no)
+
+
+class CountingAdmitPolicy(FCFSPolicy):
+    """Admits every other request it is asked about: hidden state."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.calls = 0
+
+    def admit(self, request, state):
+        self.calls += 1
+        return self.calls % 2 == 1
+
+
+def test_policy_contract_catches_a_policy_that_keeps_state():
+    class FirstSeen(SchedulingPolicyContract):
+        policy = FirstSeenTenantPolicy
+
+    class Counting(SchedulingPolicyContract):
+        policy = CountingAdmitPolicy
+
+    with pytest.raises(AssertionError, match="keep no state"):
+        FirstSeen().test_queue_order_does_not_depend_on_arrival_order_or_history()
+    with pytest.raises(AssertionError, match="keep no state"):
+        Counting().test_admit_is_pure_across_fresh_instances()
+
+
+class FairSharePolicy(FCFSPolicy):
+    """At most two running requests per tenant, counted from the state it is given."""
+
+    name = "fair_share_test"
+
+    def admit(self, request, state):
+        tenant = (request.extra or {}).get("tenant")
+        running = sum((r.extra or {}).get("tenant") == tenant for r in state.running)
+        return running < 2
+
+
+class TestFairSharePolicyContract(SchedulingPolicyContract):
+    policy = FairSharePolicy
+
+
+def test_a_fair_share_policy_sees_each_tenants_running_requests():
+    kit = TestFairSharePolicyContract()
+    config = kit.make_config()
+    scheduler = DefaultScheduler(
+        config, num_blocks=64, max_model_len=256, policy=FairSharePolicy(config)
+    )
+    for i in range(6):
+        scheduler.add_request(
+            kit.make_request(f"a{i}", 4, max_tokens=50, seq_no=i, extra={"tenant": "a"})
+        )
+    scheduler.add_request(kit.make_request("b0", 4, max_tokens=50, seq_no=6, extra={"tenant": "b"}))
+    scheduler.schedule()
+    tenants = sorted(r.extra["tenant"] for r in scheduler.running)
+    assert tenants == ["a", "a", "b"]  # tenant a capped at two, b admitted past a's queue
 
 
 class StatsMutator(LoggingStatLogger):

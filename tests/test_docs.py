@@ -106,7 +106,7 @@ def test_plugin_env_vars_and_builtins_are_documented():
     text = (DOCS / "plugins.md").read_text()
     plugins_source = (ROOT / "core" / "plugins.py").read_text()
     env_vars = set(re.findall(r'"(ENGINECORE_\w+)"', plugins_source))
-    assert len(env_vars) == 4
+    assert len(env_vars) == 5
     for var in env_vars:
         assert f"`{var}`" in text, f"plugins.md does not document {var}"
     for module in BUILTIN_PLUGINS:

@@ -273,3 +273,17 @@ def test_engine_startup_failure_is_reported_with_its_cause(tmp_path) -> None:
 
     with pytest.raises(EngineCoreError, match="NoSuchForCausalLM"):
         SyncMPClient(make_config(model=str(bad)))
+
+
+def test_a_rank_error_keeps_its_type_and_rank_across_the_process_boundary(llm) -> None:
+    """docs/executors.md promises RankError whatever the process mode."""
+    from enginecore.builtin_executors.rpc import RankError
+
+    def fails(worker):
+        raise KeyError("missing shard")
+
+    with pytest.raises(RankError) as info:
+        llm.collective_rpc(fails)
+    assert info.value.rank == 0 and info.value.method == "fails"
+    assert str(info.value) == "rank 0 raised in fails: KeyError: 'missing shard'"
+    assert isinstance(info.value, UtilityError)  # still a failed utility call

@@ -218,3 +218,69 @@ def test_the_engine_resolves_both_plugins_at_start_up(installed_plugins, clean_e
     assert components.providers["stat_loggers"] == (
         "prometheus (from metrics), jsonl (from jsonl_stats)"
     )
+
+
+def _finished_records(path: Path) -> list[dict]:
+    lines = [json.loads(text) for text in path.read_text().splitlines()]
+    return [record for line in lines for record in line["finished_requests"]]
+
+
+@pytest.mark.slow
+def test_llm_builds_the_selected_stat_loggers_and_calls_request_finished(
+    installed_plugins, clean_env, tiny_llama, tmp_path
+):
+    """Offline, as under AsyncLLM: the jsonl logger writes and every observer is told."""
+    import enginecore
+    from enginecore import LLM, SamplingParams
+
+    finished: list[FinishedRequestStats] = []
+
+    class Observer:
+        @enginecore.hookimpl
+        def request_finished(self, request_stats):
+            finished.append(request_stats)
+
+    host = make_plugin_manager()
+    host.register_object(Observer(), "observer")
+    path = tmp_path / "stats.jsonl"
+    llm = LLM(
+        model=str(tiny_llama),
+        plugin_host=host,
+        stat_loggers=["jsonl"],
+        plugin_config={"jsonl_stats": {"path": str(path)}},
+    )
+    try:
+        llm.generate(["Hello", "World"], SamplingParams(max_tokens=4, extra={"user": "alice"}))
+    finally:
+        llm.shutdown()
+    records = _finished_records(path)
+    assert sorted(r["request_id"] for r in records) == ["0", "1"]
+    assert all(r["extra"] == {"user": "alice"} and r["num_generation_tokens"] == 4 for r in records)
+    assert sorted(s.request_id for s in finished) == ["0", "1"]
+    assert llm.stat_loggers.loggers[0]._file is None  # closed at shutdown
+
+
+@pytest.mark.slow
+def test_generate_command_writes_through_the_configured_stat_logger(
+    installed_plugins, clean_env, tiny_llama, tmp_path
+):
+    path = tmp_path / "run1.jsonl"
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text(
+        '[observability]\nstat_loggers = ["logging", "jsonl"]\n\n'
+        f'[plugins.jsonl_stats]\npath = "{path}"\n'
+    )
+    result = run_enginecore(
+        "generate",
+        str(tiny_llama),
+        "--config",
+        str(config_file),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "3",
+        env=clean_env,
+    )
+    assert result.returncode == 0, result.stderr
+    [record] = _finished_records(path)
+    assert record["finish_reason"] == "length" and record["num_generation_tokens"] == 3

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
@@ -94,6 +95,7 @@ class AsyncLLM:
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
+        check_components(self.config, self.plugins)  # every bad name at once, before any process
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: Any
@@ -271,17 +273,7 @@ class AsyncLLM:
             self._record(None, stats)
 
     def _states_of(self, ids: list[str]) -> list[RequestState]:
-        op = self.output_processor
-        states = []
-        for request_id in ids:
-            parent = op.parents.get(request_id)
-            if parent is not None:
-                states += [
-                    c for c in parent.children if c is not None and c.request_id in op.states
-                ]
-            elif request_id in op.states:
-                states.append(op.states[request_id])
-        return states
+        return self.output_processor.states_of(ids)
 
     # --- the output task ------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,19 @@ def pick_executor_name(config: EngineConfig) -> str:
     return "uni"
 
 
+def checkpoint_architecture(path: str, models: Any) -> str | None:
+    """The first registered name in the checkpoint's ``config.json`` ``architectures``
+    (the one the model runner will build), or None when it cannot tell cheaply."""
+    config_json = pathlib.Path(path) / "config.json" if path else None
+    if config_json is None or not config_json.is_file():
+        return None
+    try:
+        architectures = json.loads(config_json.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((a for a in architectures if a in models), None)
+
+
 def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
     """Look up every selected name; an unknown one fails here, before anything loads."""
     providers: dict[str, str] = {}
@@ -63,6 +78,9 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
     runner_entry = host.registry("model_runner").entry(config.model.runner)
     providers["model_runner"] = f"{config.model.runner} (from {runner_entry.plugin})"
     models = host.registry("model")
+    architecture = checkpoint_architecture(config.model.path, models)
+    if architecture is not None:
+        providers["model"] = f"{architecture} (from {models.entry(architecture).plugin})"
     backend_refs = {}
     for kind, selected in (
         ("attention_backend", config.model.attention_backend),
@@ -78,12 +96,13 @@ def resolve_components(config: EngineConfig, host: PluginHost) -> Components:
         kv_entry = host.registry("kv_connector").entry(config.kv_transfer.connector)
         providers["kv_connector"] = f"{kv_entry.name} (from {kv_entry.plugin})"
         kv_ref = kv_entry.ref
+    # Stat loggers run in the frontend, which checked their names (and may hold one
+    # registered in-process only): here they are only named.
     stat_loggers = host.registry("stat_logger")
-    for name in config.observability.stat_loggers:
-        stat_loggers.entry(name)
     if config.observability.stat_loggers:
         providers["stat_loggers"] = ", ".join(
-            f"{n} (from {stat_loggers.entry(n).plugin})" for n in config.observability.stat_loggers
+            f"{n} (from {stat_loggers.entry(n).plugin})" if n in stat_loggers else n
+            for n in config.observability.stat_loggers
         )
     proposer_ref = None
     if config.speculative.speculative_method is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
 from enginecore.engine.core import UTILITY_METHODS, EngineCore
 from enginecore.errors import EngineDeadError
@@ -200,6 +201,9 @@ class EngineCoreProc(EngineCore):
             output.result = getattr(self, method)(*args)
         except Exception as exc:
             output.failure_message = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, RankError):  # rebuilt as a RankError in the frontend
+                output.failure_message = exc.detail
+                output.failure_rank, output.failure_method = exc.rank, exc.method
         self.output_queue.put(EngineCoreOutputs(utility_output=output).stamp())
 
     def _send_finished(

@@ -6,16 +6,23 @@ import contextlib
 import itertools
 import logging
 import pathlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.interfaces import IterationStats
+from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
+from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
+from enginecore.plugins import PluginHost, make_plugin_manager
+from enginecore.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +42,34 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         config_file: str | pathlib.Path | None = None,
+        plugin_host: PluginHost | None = None,
         **overrides: Any,
     ) -> None:
         if model is not None:
             overrides["model"] = str(model)
+        self._closed = True  # until the engine runs: nothing to shut down
         self.config = make_config(config_file, base=config, **overrides)
+        self.plugins = plugin_host or make_plugin_manager(
+            self.config.plugins.enabled, self.config.plugins.disabled
+        )
+        check_components(self.config, self.plugins)  # every bad name at once, before any process
+        # Built before the engine (as under AsyncLLM) so that a bad logger fails in seconds.
+        self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: EngineCoreClient
-        self.engine_client, self.tokenizer = start_engine(self.config)
+        try:
+            self.engine_client, self.tokenizer = start_engine(self.config)
+        except BaseException:
+            self.stat_loggers.close()
+            raise
+        self._closed = False
         self.max_model_len = self.engine_client.ready.max_model_len
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.max_model_len)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.max_model_len, self.plugins
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
-        self._closed = False
+        self._next_log = time.monotonic() + self.config.observability.log_stats_interval
+        self.stat_loggers.log_engine_initialized()
 
     # --- generation ------------------------------------------------------------------------
 
@@ -195,7 +218,7 @@ class LLM:
                     if lost & set(self.output_processor.states):
                         raise EngineDeadError(engine_outputs.engine_dead)
                     continue
-                ready, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+                ready, to_abort = self._process_step(engine_outputs)
                 self.engine_client.abort_requests(to_abort)
                 for _, output in ready:
                     if output.finished and output.request_id in wanted:
@@ -208,16 +231,56 @@ class LLM:
                 ):
                     break
         except BaseException:
-            leftover = [rid for rid in request_ids if rid not in finished]
-            self.engine_client.abort_requests(self.output_processor.abort_requests(leftover))
+            self._abort([rid for rid in request_ids if rid not in finished])
             raise
         return [finished[rid] for rid in request_ids if rid in finished]
+
+    def _process_step(self, engine_outputs: Any) -> tuple[list, list[str]]:
+        """Fold one step's outputs in and feed the stat loggers and ``request_finished``,
+        exactly as :class:`~enginecore.AsyncLLM` does."""
+        now = time.monotonic()
+        states = self.output_processor.states
+        before = {
+            out.request_id: (state, TokenTimes(state))
+            for out in engine_outputs.outputs
+            if (state := states.get(out.request_id)) is not None
+        }
+        ready, to_abort = self.output_processor.process_outputs(engine_outputs.outputs, now)
+        builder = IterationStatsBuilder(now)
+        for state, times in before.values():
+            builder.observe(state, times, now)
+            if state.finish_reason is not None:
+                builder.finish(finished_request_stats(state, now))
+        self.stat_loggers.record(
+            engine_outputs.scheduler_stats, builder.stats, engine_outputs.engine_index
+        )
+        for finished in builder.stats.finished_requests:
+            self.plugins.request_finished(finished)
+        interval = self.config.observability.log_stats_interval
+        if interval > 0 and now >= self._next_log:
+            self._next_log = now + interval
+            self.stat_loggers.log()
+        return ready, to_abort
 
     # --- control -----------------------------------------------------------------------
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+    def _abort(self, ids: list[str]) -> None:
+        """Abort in the frontend and the engine; the aborted requests reach the stat
+        loggers and ``request_finished`` with finish reason abort, as under AsyncLLM."""
+        now = time.monotonic()
+        states = self.output_processor.states_of(ids)
         self.engine_client.abort_requests(self.output_processor.abort_requests(ids))
+        if states:
+            stats = IterationStats(timestamp=now)
+            stats.finished_requests = [
+                finished_request_stats(s, now, FinishReason.ABORT) for s in states
+            ]
+            self.stat_loggers.record(None, stats)
+            for finished in stats.finished_requests:
+                self.plugins.request_finished(finished)
 
     def collective_rpc(
         self,
@@ -238,7 +301,10 @@ class LLM:
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine_client.shutdown()
+            try:
+                self.engine_client.shutdown()
+            finally:
+                self.stat_loggers.close()
 
     def __enter__(self) -> LLM:
         return self

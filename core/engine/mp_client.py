@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
@@ -40,6 +41,11 @@ LIVENESS_POLL_MS = 200  # how often a silent output socket triggers a process ch
 
 class UtilityError(EngineCoreError):
     """A utility call raised inside the engine core (the engine keeps running)."""
+
+
+class RemoteRankError(UtilityError, RankError):
+    """A worker RPC raised on one rank: a :class:`RankError` (with ``.rank``) in every
+    process mode, and a :class:`UtilityError` like any failed utility call."""
 
 
 ENGINE_ENTRY = "from enginecore.engine.core_proc import main; main()"
@@ -321,7 +327,15 @@ class AsyncMPClient(_MPClientBase):
 
 
 def _resolve(future: Any, utility_output: Any) -> None:
-    if utility_output.failure_message is not None:
+    if utility_output.failure_rank is not None:
+        future.set_exception(
+            RemoteRankError(
+                utility_output.failure_rank,
+                utility_output.failure_method or "?",
+                utility_output.failure_message or "",
+            )
+        )
+    elif utility_output.failure_message is not None:
         future.set_exception(UtilityError(utility_output.failure_message))
     else:
         future.set_result(utility_output.result)

@@ -331,6 +331,19 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.states)
 
+    def states_of(self, request_ids: list[str]) -> list[RequestState]:
+        """The live states behind user-facing ids (each sample of an ``n > 1`` request)."""
+        states = []
+        for request_id in request_ids:
+            parent = self.parents.get(request_id)
+            if parent is not None:
+                states += [
+                    c for c in parent.children if c is not None and c.request_id in self.states
+                ]
+            elif request_id in self.states:
+                states.append(self.states[request_id])
+        return states
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Drop frontend state first; return the engine request ids to abort."""
         engine_ids = []

@@ -11,7 +11,7 @@ from typing import Any
 
 from enginecore.interfaces import IterationStats, StatLogger
 from enginecore.protocol import SchedulerStats
-from enginecore.startup_errors import build_component
+from enginecore.startup_errors import ComponentStartupError, build_component, describe_provider
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +34,9 @@ class StatLoggerManager:
         for name in config.observability.stat_loggers:
             cls = registry.get(name)  # an unknown name raises, listing the known ones
             for index in indexes:
-                self.loggers.append(
-                    build_component(plugin_host, "stat_logger", name, cls, config, index)
-                )
+                stat_logger = build_component(plugin_host, "stat_logger", name, cls, config, index)
+                _check_stat_logger(plugin_host, name, stat_logger)
+                self.loggers.append(stat_logger)
                 self.names.append(name)
                 self.engines.append(index if size > 1 else None)
         if size > 1 and "logging" in config.observability.stat_loggers:
@@ -91,3 +91,17 @@ class StatLoggerManager:
                     close()
                 except Exception:
                     logger.exception("stat logger %r raised in close", stat_logger)
+
+
+def _check_stat_logger(plugin_host: Any, name: str, stat_logger: Any) -> None:
+    """A factory that builds something other than a stat logger fails now, not per step."""
+    if isinstance(stat_logger, StatLogger) or callable(getattr(stat_logger, "record", None)):
+        return
+    provider, plugin = describe_provider(plugin_host, "stat_logger", name)
+    raise ComponentStartupError(
+        f"{provider} built a {type(stat_logger).__qualname__}, which is not a stat logger: "
+        "subclass enginecore.interfaces.StatLogger and implement record()",
+        kind="stat_logger",
+        name=name,
+        plugin=plugin,
+    )

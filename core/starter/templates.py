@@ -248,11 +248,11 @@ class $cls(Executor):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         fn = self.worker.resolve_method(method)  # an unknown name fails here, by name
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))

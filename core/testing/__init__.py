@@ -12,6 +12,10 @@ enginecore.testing``): it adds the fixtures in :mod:`enginecore.testing.fixtures
 (``enginecore_model``, ``enginecore_llm``, ``enginecore_engine_process``,
 ``enginecore_server``). Importing it is cheap: the contracts load on first use, and the
 fixtures import nothing heavy until a test asks for one.
+
+The contracts look components up with strict mode off: another installed plugin that is
+broken does not fail this plugin's tests (a component whose own plugin failed is still
+unknown, and the error names that plugin's failure).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class ExecutorContract:
         from enginecore.plugins import make_plugin_manager
 
         config = cls.make_config()
-        host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+        host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled, strict=False)
         components = resolve_components(config, host)
         spec = msgspec.structs.replace(components.worker_spec, model_runner_ref=STUB_RUNNER_REF)
         executor_cls = components.executor_cls if isinstance(cls.executor, str) else cls.executor

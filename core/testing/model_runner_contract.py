@@ -191,7 +191,7 @@ class ModelRunnerContract:
             max_model_len=512,
             **{**cls.config_overrides, **overrides},
         )
-        host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+        host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled, strict=False)
         runners, models = host.registry("model_runner"), host.registry("model")
         runner_cls = runners.get(cls.runner) if isinstance(cls.runner, str) else cls.runner
         runner_ref = f"{runner_cls.__module__}:{runner_cls.__qualname__}"

@@ -196,7 +196,7 @@ class SchedulerContract:
             return what
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager().registry(kind).get(what)
+        return make_plugin_manager(strict=False).registry(kind).get(what)
 
     def make_scheduler(self, num_blocks: int | None = None, **overrides: Any) -> Scheduler:
         config = self.make_config(**overrides)
@@ -227,13 +227,18 @@ class SchedulerContract:
 
     @staticmethod
     def make_request(
-        req_id: str, prompt_len: int, max_tokens: int = 8, seq_no: int = 0, priority: int = 0
+        req_id: str,
+        prompt_len: int,
+        max_tokens: int = 8,
+        seq_no: int = 0,
+        priority: int = 0,
+        extra: dict[str, Any] | None = None,
     ) -> Request:
         prompt = [(seq_no * 7 + i) % 900 + 3 for i in range(prompt_len)]
         return Request(
             req_id,
             prompt,
-            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, extra=extra),
             eos_token_id=EOS_TOKEN_ID,
             arrival_time=0.0,
             seq_no=seq_no,
@@ -249,6 +254,7 @@ class SchedulerContract:
                 max_tokens=rng.randint(1, 12),
                 seq_no=i,
                 priority=rng.randint(0, 3),
+                extra={"tenant": f"tenant-{rng.randint(0, 2)}"},
             )
             for i in range(count)
         ]
@@ -469,15 +475,50 @@ class SchedulingPolicyContract(SchedulerContract):
             assert policy.sort_key(request) == policy.sort_key(request)
             assert self._snapshot(request) == before, "sort_key must not change the request"
 
-    def test_queue_order_does_not_depend_on_arrival_order(self) -> None:
-        """Keys form a total order (break ties with ``request.seq_no``)."""
-        policy = self.make_policy()
+    def test_queue_order_does_not_depend_on_arrival_order_or_history(self) -> None:
+        """Keys form a total order (break ties with ``request.seq_no``) that a fresh
+        instance computes alike: a policy remembering what it saw (say, a tenant's first
+        appearance) orders a shuffled queue differently, and fails here."""
         requests = self.mixed_requests(20)
-        expected = [r.request_id for r in sorted(requests, key=policy.sort_key)]
-        for seed in range(3):
+        expected = [r.request_id for r in sorted(requests, key=self.make_policy().sort_key)]
+        for seed in range(20):
             shuffled = list(requests)
             random.Random(seed).shuffle(shuffled)
-            assert [r.request_id for r in sorted(shuffled, key=policy.sort_key)] == expected
+            policy = self.make_policy()
+            order = [r.request_id for r in sorted(shuffled, key=policy.sort_key)]
+            assert order == expected, f"shuffle {seed} gave another order: keep no state"
+
+    def _state_with(self, running: list[Request], waiting: list[Request]) -> SchedulerState:
+        return SchedulerState(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_free_blocks=32,
+            num_total_blocks=64,
+            token_budget_left=64,
+            step=1,
+            running=tuple(running),
+            waiting=tuple(waiting),
+        )
+
+    def test_admit_is_pure_across_fresh_instances(self) -> None:
+        """``admit`` decides from the request and the state alone: the same question gets
+        the same answer however often, in whatever order, and from any instance."""
+        requests = self.mixed_requests(12)
+        for r in requests[:6]:
+            r.status = RequestStatus.RUNNING
+        state = self._state_with(requests[:6], requests[6:])
+        questions = requests[6:]
+        before = [self._snapshot(r) for r in requests]
+        expected = [self.make_policy().admit(r, state) for r in questions]
+        for seed in range(10):
+            order = list(range(len(questions)))
+            random.Random(seed).shuffle(order)
+            policy = self.make_policy()
+            answers = {i: policy.admit(questions[i], state) for i in order}
+            assert [answers[i] for i in range(len(questions))] == expected, (
+                f"admit answered differently in shuffle {seed}: keep no state"
+            )
+        assert [self._snapshot(r) for r in requests] == before, "admit must not change requests"
 
     def test_preemption_victim_is_a_running_request(self) -> None:
         policy = self.make_policy()

@@ -42,7 +42,7 @@ class SpecDecodeProposerContract:
         if isinstance(self.proposer, str):
             from enginecore.plugins import make_plugin_manager
 
-            registry = make_plugin_manager().registry("spec_decode_proposer")
+            registry = make_plugin_manager(strict=False).registry("spec_decode_proposer")
             return self.proposer, registry.get(self.proposer)
         return None, self.proposer
 
@@ -145,7 +145,7 @@ def _engine_with(engine_cls: Any, config: EngineConfig, unregistered: type | Non
     from enginecore.hookspecs import hookimpl
     from enginecore.plugins import make_plugin_manager
 
-    host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+    host = make_plugin_manager(config.plugins.enabled, config.plugins.disabled, strict=False)
     if unregistered is not None:
 
         class _Contract:

@@ -83,7 +83,7 @@ class StatLoggerContract:
             return self.stat_logger
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager().registry("stat_logger").get(self.stat_logger)
+        return make_plugin_manager(strict=False).registry("stat_logger").get(self.stat_logger)
 
     def make_logger(self, engine_index: int = 0) -> StatLogger:
         """Build it the way the engine does; override to add set-up."""

@@ -73,11 +73,11 @@ class EchoExecutor(Executor):
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
+        timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-        timeout: float | None = None,
     ) -> list[Any] | Any | Future:
         with self._lock:
             self._seq += 1

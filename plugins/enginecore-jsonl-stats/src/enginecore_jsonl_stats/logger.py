@@ -1,7 +1,8 @@
 """``JsonlStatLogger``: appends one JSON object per engine step to a file.
 
-The file is named by the environment variable ``ENGINECORE_JSONL_STATS_PATH``
-(default ``./enginecore-stats.jsonl``), read when the logger is built. Lines are
+The file is named by the plugin's settings table ``[plugins.jsonl_stats] path = ...``,
+else by the environment variable ``ENGINECORE_JSONL_STATS_PATH`` (default
+``./enginecore-stats.jsonl``), read when the logger is built. Lines are
 appended and flushed one at a time, so ``tail -f`` shows each step as it happens and
 several engine processes may share one file.
 """
@@ -22,6 +23,14 @@ from enginecore.interfaces import IterationStats, StatLogger
 
 PATH_ENV_VAR = "ENGINECORE_JSONL_STATS_PATH"
 DEFAULT_PATH = "./enginecore-stats.jsonl"
+
+
+class JsonlSettings(msgspec.Struct, kw_only=True):
+    """The ``[plugins.jsonl_stats]`` table (the plugin's ``plugin_settings``)."""
+
+    path: str | None = None
+    """File the lines are appended to (default: $ENGINECORE_JSONL_STATS_PATH, then
+    ./enginecore-stats.jsonl)."""
 
 
 def _finished_to_json(stats: Any) -> dict[str, Any]:
@@ -45,8 +54,16 @@ class JsonlStatLogger(StatLogger):
     ``scheduler`` and ``iteration`` are ``null`` in a step that did not report them.
     """
 
-    def __init__(self, config: Any, engine_index: int = 0, *, path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        engine_index: int = 0,
+        *,
+        path: str | None = None,
+        settings: JsonlSettings | None = None,
+    ) -> None:
         super().__init__(config, engine_index)
+        path = path or (settings.path if settings is not None else None)
         self.path = pathlib.Path(path or os.environ.get(PATH_ENV_VAR) or DEFAULT_PATH)
         self.model_name = config.model.served_model_name or config.model.path
         self._lock = threading.Lock()

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enginecore
 
+# The type of the config table [plugins.jsonl_stats], as a lazy reference: enginecore
+# validates the table against it and builds the logger with ``settings=``.
+plugin_settings = "enginecore_jsonl_stats.logger:JsonlSettings"
+
 
 @enginecore.hookimpl
 def plugin_api_versions() -> str:
@@ -19,5 +23,5 @@ def register_stat_loggers(registry) -> None:
     registry.add(
         "jsonl",
         "enginecore_jsonl_stats.logger:JsonlStatLogger",
-        summary="one JSON line per engine step (path: $ENGINECORE_JSONL_STATS_PATH)",
+        summary="one JSON line per engine step (path: [plugins.jsonl_stats] path)",
     )

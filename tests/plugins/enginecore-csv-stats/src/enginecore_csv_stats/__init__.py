@@ -1,0 +1,1 @@
+"""A CSV stat logger, written from docs/plugins.md."""

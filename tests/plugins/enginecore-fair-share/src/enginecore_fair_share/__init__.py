@@ -1,0 +1,1 @@
+"""A fair-share scheduling policy for enginecore, written from docs/plugins.md."""

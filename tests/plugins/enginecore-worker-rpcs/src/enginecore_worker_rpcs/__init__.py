@@ -1,0 +1,1 @@
+"""Worker RPCs for enginecore, written from docs/plugins.md."""
