@@ -8,7 +8,6 @@ the component where the config has a key for it.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 
 import enginecore
 from enginecore import SamplingParams, make_config
+from enginecore.builtin_models.models.llama import LlamaForCausalLM
 from enginecore.errors import IncompatiblePluginError, PluginLoadError, UnknownComponentError
 from enginecore.interfaces import (
     Executor,
@@ -54,11 +54,13 @@ def bare_host(*plugins: tuple[str, Any]) -> PluginHost:
     return host
 
 
-def registering(hook_name: str, name: str, factory: Any, summary: str = "") -> Any:
+def registering(
+    hook_name: str, name: str, factory: Any, summary: str = "", override: bool = False
+) -> Any:
     """A plugin object whose ``hook_name`` implementation adds one component."""
 
     def impl(registry):
-        registry.add(name, factory, summary=summary)
+        registry.add(name, factory, summary=summary, override=override)
 
     impl.__name__ = hook_name
     plugin = type("Plugin", (), {hook_name: staticmethod(enginecore.hookimpl(impl))})
@@ -187,17 +189,32 @@ def test_hook_register_model_runners():
     assert runner.determine_available_memory() // runner.get_kv_cache_block_bytes() == 1024
 
 
-def test_hook_register_models(tmp_path):
-    class ToyForCausalLM:
-        def __init__(self, hf_config, parallel_context):
-            self.hf_config = hf_config
-            self.parallel_context = parallel_context
+class ToyForCausalLM(LlamaForCausalLM):
+    """A plugin's architecture: records how the runner called its factory."""
 
-    host = bare_host(("toy_arch", registering("register_models", "ToyForCausalLM", ToyForCausalLM)))
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToyForCausalLM"]}))
-    [arch] = json.loads((tmp_path / "config.json").read_text())["architectures"]
-    model = host.registry("model").get(arch)({"hidden_size": 8}, None)
-    assert isinstance(model, ToyForCausalLM) and model.hf_config == {"hidden_size": 8}
+    built: list = []
+
+    def __init__(self, hf_config, parallel, dtype):
+        type(self).built.append((type(hf_config).__name__, parallel.tp_size, dtype))
+        super().__init__(hf_config, parallel, dtype)
+
+
+def test_hook_register_models(tiny_llama):
+    """A model registered by a plugin is built the way the runner builds it:
+    ``factory(hf_config, parallel, dtype)``."""
+    import torch
+
+    from enginecore.builtin_models.model_runner import TorchModelRunner
+    from enginecore.engine.components import resolve_components
+
+    host = make_plugin_manager(load_entrypoints=False)
+    plugin = registering("register_models", "LlamaForCausalLM", ToyForCausalLM, override=True)
+    host.register_object(plugin, "toy_arch")
+    config = make_config(model=str(tiny_llama), dtype="float32")
+    runner = TorchModelRunner(config, resolve_components(config, host).worker_spec)
+    runner.load_model()
+    assert ToyForCausalLM.built == [("LlamaConfig", 1, torch.float32)]
+    assert isinstance(runner.model, ToyForCausalLM)
 
 
 class NoopConnectorScheduler(KVConnectorScheduler):
