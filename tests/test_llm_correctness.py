@@ -89,15 +89,21 @@ def test_mixed_batch_chunked_prefix_cached_preempted(
         assert leaks(llm) == []
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_each_attention_backend_matches_transformers(tiny_llama, backend: str) -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu", "cpu without kernels"])
+def test_each_attention_backend_matches_transformers(tiny_llama, backend: str, monkeypatch) -> None:
     """The same mixed, chunked, prefix-cached, preempted batch through each CPU backend
-    (``triton`` runs it in test_triton_attention.py, under the interpreter)."""
+    (``triton`` runs it in test_triton_attention.py, under the interpreter). Without its
+    kernels (no C compiler, or switched off) the ``cpu`` backend runs the torch paths; the
+    engine process is then a fresh one that never loaded them."""
     prompts = mixed_prompts(2)
+    in_process = backend != "cpu without kernels"
+    if not in_process:
+        monkeypatch.setenv("ENGINECORE_CPU_KERNELS", "0")
+    backend = backend.split()[0]
     with LLM(
         tiny_llama,
         dtype="float32",
-        multiprocessing=False,
+        multiprocessing=not in_process,
         attention_backend=backend,
         max_num_batched_tokens=32,
         block_size=16,
@@ -115,7 +121,8 @@ def test_each_attention_backend_matches_transformers(tiny_llama, backend: str) -
             )
         assert sum(o.metrics["num_preemptions"] for o in outputs) > 0, "no preemption forced"
         assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
-        assert leaks(llm) == []
+        if in_process:
+            assert leaks(llm) == []
 
 
 def test_multiprocess_async_engine_matches_transformers(tiny_llama) -> None:
