@@ -29,6 +29,22 @@ def register_models(registry: Any) -> None:
     registry.add("MistralForCausalLM", llama, summary="Mistral (sliding-window attention)")
     registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias, sliding window)")
     registry.add("GPT2LMHeadModel", f"{_MODELS}.gpt2:GPT2LMHeadModel", summary="GPT-2")
+    registry.add("Qwen3ForCausalLM", f"{_MODELS}.qwen3:Qwen3ForCausalLM", summary="Qwen3 (QK norm)")
+    registry.add(
+        "Qwen3MoeForCausalLM",
+        f"{_MODELS}.qwen3_moe:Qwen3MoeForCausalLM",
+        summary="Qwen3-MoE (QK norm, mixture of experts)",
+    )
+    registry.add(
+        "Qwen2MoeForCausalLM",
+        f"{_MODELS}.qwen2_moe:Qwen2MoeForCausalLM",
+        summary="Qwen2-MoE (mixture of experts with a shared expert)",
+    )
+    registry.add(
+        "MixtralForCausalLM",
+        f"{_MODELS}.mixtral:MixtralForCausalLM",
+        summary="Mixtral (mixture of experts, sliding window)",
+    )
 
 
 @enginecore.hookimpl(trylast=True)
