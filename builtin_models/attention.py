@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from enginecore.builtin_models import cpu_kernels, panel_gemm
 from enginecore.builtin_models.sliding_window import decode_mask
+from enginecore.builtin_models.soft_cap import soft_capped_attention
 
 
 @dataclass
@@ -204,12 +205,32 @@ def _gather_kv(
     return kv[0], kv[1]
 
 
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """SDPA over [..., H, L, D] (K/V may have fewer heads: GQA), soft-capped where asked."""
+    if soft_cap is not None:
+        return soft_capped_attention(q, k, v, scale=scale, mask=mask, causal=causal, cap=soft_cap)
+    gqa = k.shape[-3] != q.shape[-3]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+
+
 def _attend_decodes(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     group: AttentionGroup,
     scale: float,
     window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention for the decode group's tokens; ``query`` is [R, H_q, D], returns the same."""
     r, hq, d = query.shape
@@ -217,9 +238,8 @@ def _attend_decodes(
     hkv = key.shape[1]
     # The G query heads of a KV head become its query rows: [R, H_kv, G, D].
     q = query.view(r, hkv, hq // hkv, d)
-    out = F.scaled_dot_product_attention(
-        q, key, value, attn_mask=group.mask_for(window), scale=scale
-    )
+    mask = group.mask_for(window)
+    out = _sdpa(q, key, value, mask=mask, scale=scale, soft_cap=soft_cap)
     return out.reshape(r, hq, d)
 
 
@@ -231,6 +251,7 @@ def _attend_prefills(
     group: AttentionGroup,
     scale: float,
     window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention for the prefill group's tokens, run by run (see ``PrefillRun``).
 
@@ -241,7 +262,8 @@ def _attend_prefills(
     _, hq, d = query.shape
     hkv = key.shape[1]
     fused_len = 0  # fresh prompts up to this length take the kernel
-    kernels = cpu_kernels.kernels_for(query, key, value, out) if window is None else None
+    plain = window is None and soft_cap is None  # what the C kernel computes
+    kernels = cpu_kernels.kernels_for(query, key, value, out) if plain else None
     # Where enginecore's GEMM is preferred: the kernel runs on its tile, measured there.
     if (
         kernels is not None
@@ -269,9 +291,7 @@ def _attend_prefills(
             mask, causal = None, True  # SDPA's own causal flag: no mask to read
         else:
             mask, causal = run.bias_for(window, query.dtype, query.device), False
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hkv != hq
-        )
+        o = _sdpa(q, k, v, mask=mask, causal=causal, scale=scale, soft_cap=soft_cap)
         out[rows] = o.transpose(1, 2).reshape(r * n, hq, d)
     return out
 
@@ -284,16 +304,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Shapes: q [T, H_q, D],
     k/v [T, H_kv, D]; returns [T, H_q, D]. With ``sliding_window`` W each query sees
-    only the last W positions up to its own (see ``sliding_window.py``).
+    only the last W positions up to its own (see ``sliding_window.py``); with
+    ``logits_soft_cap`` C the scores are ``C * tanh(scores / C)`` (Gemma 2).
 
     With ``kv_cache=None`` (the memory-profiling pass) every request is treated as a
     fresh prefill over its own tokens (the window does not change memory use).
     """
     if kv_cache is None:
-        return _attend_without_cache(query, key, value, meta, scale)
+        return _attend_without_cache(query, key, value, meta, scale, logits_soft_cap)
     connector = meta.kv_connector
     if connector is not None:
         connector.wait_for_layer_load(kv_cache)
@@ -303,17 +326,27 @@ def paged_attention(
     decode, prefill = meta.decode, meta.prefill
     n = decode.num_tokens if decode is not None else 0
     if decode is not None:
-        if meta.mirror is not None:
+        # The mirror's kernels do not soft-cap: such layers read the paged cache.
+        if meta.mirror is not None and logits_soft_cap is None:
             decoded = meta.mirror.attend(
                 query[:n], key[:n], value[:n], kv_cache, scale, sliding_window
             )
         else:
-            decoded = _attend_decodes(query[:n], kv_cache, decode, scale, sliding_window)
+            decoded = _attend_decodes(
+                query[:n], kv_cache, decode, scale, sliding_window, logits_soft_cap
+            )
         if prefill is None:
             return decoded
     rest = slice(n, None)
     prefilled = _attend_prefills(
-        query[rest], key[rest], value[rest], kv_cache, prefill, scale, sliding_window
+        query[rest],
+        key[rest],
+        value[rest],
+        kv_cache,
+        prefill,
+        scale,
+        sliding_window,
+        logits_soft_cap,
     )
     if decode is None:
         return prefilled
@@ -326,6 +359,7 @@ def _attend_without_cache(
     value: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
@@ -333,7 +367,7 @@ def _attend_without_cache(
         q = query[a:b].transpose(0, 1)
         k = key[a:b].transpose(0, 1)
         v = value[a:b].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        o = _sdpa(q, k, v, causal=True, scale=scale, soft_cap=soft_cap)
         out[a:b] = o.transpose(0, 1)
     return out
 

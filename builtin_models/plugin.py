@@ -40,6 +40,26 @@ def register_models(registry: Any) -> None:
         f"{_MODELS}.qwen2_moe:Qwen2MoeForCausalLM",
         summary="Qwen2-MoE (mixture of experts with a shared expert)",
     )
+    gemma = f"{_MODELS}.gemma2:GemmaForCausalLM"
+    registry.add("GemmaForCausalLM", gemma, summary="Gemma (GELU-tanh, scaled embeddings)")
+    registry.add(
+        "Gemma2ForCausalLM",
+        gemma,
+        summary="Gemma 2 (soft-capping, alternating sliding and global layers)",
+    )
+    registry.add(
+        "Gemma3ForCausalLM", gemma, summary="Gemma 3 text (QK norm, local and global RoPE)"
+    )
+    registry.add(
+        "Phi3ForCausalLM",
+        f"{_MODELS}.phi3:Phi3ForCausalLM",
+        summary="Phi-3 (fused QKV and gate/up, LongRoPE)",
+    )
+    registry.add(
+        "Olmo2ForCausalLM",
+        f"{_MODELS}.olmo2:Olmo2ForCausalLM",
+        summary="OLMo 2 (post-norm blocks, QK norm)",
+    )
     registry.add(
         "MixtralForCausalLM",
         f"{_MODELS}.mixtral:MixtralForCausalLM",

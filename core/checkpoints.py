@@ -27,6 +27,7 @@ Arch = Literal[
     "qwen3_moe",
     "qwen2_moe",
     "mixtral",
+    "gemma",
     "gemma2",
     "gemma3",
     "phi3",
@@ -87,6 +88,8 @@ def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
         return tf.MixtralConfig(
             **base, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
         )
+    if arch == "gemma":
+        return tf.GemmaConfig(**base)
     if arch == "gemma2":
         return tf.Gemma2Config(
             **base, **_GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
