@@ -19,6 +19,10 @@ import torch
 
 from enginecore.builtin_models import cpu_kernels, packed_gemm
 from enginecore.builtin_models.attention import AttentionMetadata, build_attention_metadata
+from enginecore.builtin_models.checkpoint_support import (
+    check_supported_checkpoint,
+    unsupported_feature,
+)
 from enginecore.builtin_models.decode_mirror import DecodeMirror
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
@@ -44,7 +48,7 @@ from enginecore.builtin_models.weight_loader import (
 )
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
-from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
 from enginecore.interfaces import ModelRunner, WorkerSpec
 from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
@@ -143,6 +147,7 @@ class TorchModelRunner(ModelRunner):
                 "model path is empty: set 'model' to a checkpoint directory or .gguf file"
             )
         self.hf_config = load_hf_config(path)
+        check_supported_checkpoint(self.hf_config, path)
         model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
         self.dtype = self._resolve_dtype()
         configured = self.config.model.max_model_len
@@ -154,8 +159,11 @@ class TorchModelRunner(ModelRunner):
             )
         if self.device.type == "cpu":
             keep_freed_memory()
-        with torch.device(self.device):
-            model = model_cls(self.hf_config, self.parallel, self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(self.hf_config, self.parallel, self.dtype)
+        except (NotImplementedError, UnsupportedModelError) as exc:
+            raise unsupported_feature(self.hf_config, path, exc) from exc
         model.load_weights(iter_weights(path, self.hf_config))
         if self.device.type == "cpu":
             use_input_major_weights(model)

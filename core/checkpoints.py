@@ -100,15 +100,14 @@ def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
         return config
     if arch == "phi3":
         half = base["head_dim"] // 2
+        longrope = {
+            "type": "longrope",
+            "short_factor": [1.0 + i / half for i in range(half)],
+            "long_factor": [2.0 + i / half for i in range(half)],
+        }
+        rope = {} if "rope_parameters" in base else {"rope_scaling": longrope}
         return tf.Phi3Config(
-            **base,
-            original_max_position_embeddings=512,
-            rope_scaling={
-                "type": "longrope",
-                "short_factor": [1.0 + i / half for i in range(half)],
-                "long_factor": [2.0 + i / half for i in range(half)],
-            },
-            tie_word_embeddings=False,
+            **base, **rope, original_max_position_embeddings=512, tie_word_embeddings=False
         )
     if arch == "olmo2":
         return tf.Olmo2Config(**base, tie_word_embeddings=False)
