@@ -115,7 +115,9 @@ def register_models(registry: Registry) -> None:
     example ``"LlamaForCausalLM"``. The factory is called by the model runner as
     ``factory(hf_config, parallel_context)`` and returns a ``torch.nn.Module`` with the
     interface described in ``docs/plugins.md`` (forward over paged attention metadata
-    and ``load_weights``).
+    and ``load_weights``). ``registry.add(..., features=[...])`` declares what the
+    architecture supports, from ``"sliding_window"``, ``"moe"``, ``"gguf"``, ``"tp"``,
+    ``"pp"``; ``enginecore models`` lists it.
     """
 
 

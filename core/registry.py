@@ -24,6 +24,9 @@ class RegistryEntry:
     plugin: str
     summary: str = ""
     overrides: str | None = None  # the plugin whose entry this one replaced
+    # What the component supports, in the registry kind's vocabulary (for models:
+    # "sliding_window", "moe", "gguf", "tp", "pp"); listed by ``enginecore models``.
+    features: tuple[str, ...] = ()
 
     @property
     def ref(self) -> str:
@@ -67,12 +70,14 @@ class Registry(Generic[T]):
         *,
         summary: str = "",
         override: bool = False,
+        features: tuple[str, ...] | list[str] = (),
     ) -> None:
         """Register ``factory`` under ``name``.
 
         ``factory`` is a class or callable, or a lazy ``"module:Class"`` string that is
         imported only if the name is selected. A name that another plugin already
         registered is an error unless ``override=True``, which replaces it and is logged.
+        ``features`` says what the component supports (shown by ``enginecore models``).
         """
         if not isinstance(name, str) or not name:
             raise PluginLoadError(
@@ -106,6 +111,7 @@ class Registry(Generic[T]):
             plugin=self._current_plugin,
             summary=summary,
             overrides=existing.plugin if existing else None,
+            features=tuple(features),
         )
 
     def __contains__(self, name: object) -> bool:
