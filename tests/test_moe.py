@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from enginecore.builtin_models.moe import FusedMoE, expert_checkpoint_target, route
 from enginecore.distributed import ParallelContext
 
-E, K, H, I = 4, 2, 32, 48
+E, K, H, INTER = 4, 2, 32, 48
 
 
 def _experts(parallel: ParallelContext = ParallelContext(), seed: int = 0) -> FusedMoE:
     torch.manual_seed(seed)
-    gate_up = torch.randn(E, 2 * I, H) / H**0.5
-    down = torch.randn(E, H, I) / I**0.5
+    gate_up = torch.randn(E, 2 * INTER, H) / H**0.5
+    down = torch.randn(E, H, INTER) / INTER**0.5
     moe = FusedMoE(
-        E, K, H, I, renormalize=True, hidden_act="silu", parallel=parallel, dtype=torch.float32
+        E, K, H, INTER, renormalize=True, hidden_act="silu", parallel=parallel, dtype=torch.float32
     )
     moe.w13_weight.weight_loader(moe.w13_weight, gate_up)
     moe.w2_weight.weight_loader(moe.w2_weight, down)
@@ -77,7 +77,7 @@ def test_tp_shards_sum_to_the_whole_layer():
     halves = [
         _experts(ParallelContext(rank=r, world_size=2, tp_rank=r, tp_size=2)) for r in range(2)
     ]
-    assert halves[0].w13_weight.shape == (E, I, H)  # half of every expert's 2 * I rows
+    assert halves[0].w13_weight.shape == (E, INTER, H)  # half of every expert's 2 * INTER rows
     summed = sum(h.experts(x, weights, ids) for h in halves)
     torch.testing.assert_close(summed, whole, atol=1e-5, rtol=0)
 
