@@ -36,17 +36,17 @@ _BUILTIN_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "Qwen2ForCausalLM": (
         "llama:LlamaForCausalLM",
         "Qwen2 (QKV bias, sliding window)",
-        ("sliding_window", *_PARALLEL),
+        ("sliding_window", "gguf", *_PARALLEL),
     ),
     "Qwen3ForCausalLM": (
         "qwen3:Qwen3ForCausalLM",
         "Qwen3 (QK norm)",
-        ("sliding_window", *_PARALLEL),
+        ("sliding_window", "gguf", *_PARALLEL),
     ),
     "Qwen3MoeForCausalLM": (
         "qwen3_moe:Qwen3MoeForCausalLM",
         "Qwen3-MoE (QK norm, mixture of experts)",
-        ("sliding_window", "moe", *_PARALLEL),
+        ("sliding_window", "moe", "gguf", *_PARALLEL),
     ),
     "Qwen2MoeForCausalLM": (
         "qwen2_moe:Qwen2MoeForCausalLM",
@@ -66,17 +66,17 @@ _BUILTIN_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "Gemma2ForCausalLM": (
         "gemma2:GemmaForCausalLM",
         "Gemma 2 (soft-capping, alternating sliding and global layers)",
-        ("sliding_window", *_PARALLEL),
+        ("sliding_window", "gguf", *_PARALLEL),
     ),
     "Gemma3ForCausalLM": (
         "gemma2:GemmaForCausalLM",
         "Gemma 3 text (QK norm, local and global RoPE)",
-        ("sliding_window", *_PARALLEL),
+        ("sliding_window", "gguf", *_PARALLEL),
     ),
     "Phi3ForCausalLM": (
         "phi3:Phi3ForCausalLM",
         "Phi-3 (fused QKV and gate/up, LongRoPE)",
-        ("sliding_window", *_PARALLEL),
+        ("sliding_window", "gguf", *_PARALLEL),
     ),
     "Olmo2ForCausalLM": (
         "olmo2:Olmo2ForCausalLM",
