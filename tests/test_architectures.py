@@ -126,3 +126,31 @@ def test_llama_with_gelu_activation_matches_transformers(tmp_path, model_refs):
     kv = new_cache(model, 8, 4)
     got = run_chunks(model, ids, [(0, 9), (9, 10), (10, 21)], 4, list(range(6)), kv)
     torch.testing.assert_close(got, reference_logits(path, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mixtral", "gemma2", "phi3"])
+def test_enginecore_serve_gives_transformers_greedy_text(checkpoint_factory, tmp_path, arch):
+    """Through the real server and the openai client, as a user would run it."""
+    import openai
+    from serve_process import serve, stop
+    from transformers import AutoTokenizer
+
+    path = checkpoint_factory(arch)
+    prompt = mixed_prompts(4)[3]
+    proc, url = serve(path, tmp_path / "server.log", "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        reply = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+    finally:
+        stop(proc)
+    tokens, first_tie = greedy_reference(path, prompt, 8)
+    assert first_tie == len(tokens), "a near tie: pick another prompt"
+    assert reply.choices[0].text == AutoTokenizer.from_pretrained(path).decode(tokens)
