@@ -154,3 +154,16 @@ def test_enginecore_serve_gives_transformers_greedy_text(checkpoint_factory, tmp
     tokens, first_tie = greedy_reference(path, prompt, 8)
     assert first_tie == len(tokens), "a near tie: pick another prompt"
     assert reply.choices[0].text == AutoTokenizer.from_pretrained(path).decode(tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_greedy_matches_transformers(checkpoint_factory, arch):
+    path = checkpoint_factory(arch)
+    prompts = mixed_prompts(3)[:4]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(path, dtype="bfloat16", multiprocessing=False, max_num_batched_tokens=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        reference = greedy_reference(path, prompt, 10, torch.bfloat16)
+        assert_matches_reference(out.outputs[0].token_ids, reference, f"{arch} prompt {i}")
