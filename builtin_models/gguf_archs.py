@@ -4,7 +4,8 @@ file's metadata, and its tensor names, with llama.cpp's conventions undone.
 llama.cpp's converter interleaves the two rotary halves of Llama's Q/K rows (undone by
 ``unpermute_rope``; the other architectures rotate NeoX-style and are stored as they
 are), stores Gemma's norm weights as ``1 + w`` (``w`` is restored), splits MoE experts
-into 3-D ``ffn_*_exps`` tensors and carries Phi-3's LongRoPE factors as tensors.
+into 3-D ``ffn_*_exps`` tensors and carries Phi-3's LongRoPE factors and Llama 3's RoPE
+scaling (``rope_freqs``) as tensors.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def gguf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, 
         original = meta("rope.scaling.original_context_length", None)
         if original is not None:
             rope["original_max_position_embeddings"] = int(original)
+    if "rope_freqs.weight" in tensors:  # Llama 3's scaling, per frequency
+        rope["freq_factors"] = _floats(tensors["rope_freqs.weight"])
     if arch == "qwen3moe":
         kwargs.update(
             num_experts=int(meta("expert_count")),

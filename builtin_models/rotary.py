@@ -15,6 +15,8 @@ the forward pass is the same gather-and-rotate whatever the variant:
 - ``longrope`` (Phi-3): ``short_factor`` below ``original_max_position_embeddings``,
   ``long_factor`` from there on, cos/sin scaled by the attention factor.
 - partial rotary (``partial_rotary_factor`` < 1): only the first part of each head turns.
+- ``freq_factors`` (GGUF files carry Llama 3's scaling as a ``rope_freqs`` tensor): each
+  frequency divided by its factor.
 
 Any other ``rope_type`` is refused at load with its name (``UnsupportedModelError``).
 """
@@ -150,6 +152,8 @@ def position_frequencies(
         return _dynamic_angles(rot_dim, positions, params), factor
     elif rope_type == "longrope":
         return _longrope_angles(rot_dim, positions, params)
+    if params.get("freq_factors") is not None:
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return torch.outer(positions, inv_freq), factor
 
 

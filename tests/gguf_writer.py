@@ -96,6 +96,12 @@ def write_gguf(checkpoint: pathlib.Path, out: pathlib.Path, quantize: bool = Fal
                 [t == "sliding_attention" for t in cfg["layer_types"]]
             )
     tensors = load_file(str(checkpoint / "model.safetensors"))
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        # llama.cpp writes Llama 3's scaling as per-frequency divisors.
+        from enginecore.builtin_models.rotary import _base_inv_freq, _llama3
+
+        base = _base_inv_freq(head_dim, rope["rope_theta"])
+        writer.add_tensor("rope_freqs.weight", (base / _llama3(base, rope)).numpy())
     if arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         for kind in ("long", "short"):

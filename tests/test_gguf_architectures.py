@@ -140,3 +140,27 @@ def test_gguf_with_a_tensor_type_that_cannot_be_dequantized_is_refused(gguf_file
     assert "F64" in message and "Q8_0" in message  # the type found, and what is supported
     assert "executor" not in message
     json.dumps(message)  # plain text
+
+
+def test_llama3_rope_scaling_from_a_gguf_rope_freqs_tensor(tmp_path, model_refs):
+    """Llama 3.x GGUF files carry their RoPE scaling as a ``rope_freqs`` tensor."""
+    from enginecore.checkpoints import make_random_checkpoint
+
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    original = make_random_checkpoint(
+        tmp_path / "llama3", config_overrides={"rope_parameters": rope}
+    )
+    path = write_gguf(original, tmp_path / "llama3.gguf")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 8000, (29,))
+    model = load_ours(path, model_refs)
+    kv = new_cache(model, 12, 4)
+    got = run_chunks(model, ids, [(0, 11), (11, 12), (12, 29)], 4, list(range(8)), kv)
+    torch.testing.assert_close(got, reference_logits(original, ids), atol=ATOL, rtol=0)
