@@ -17,11 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
 from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
 from enginecore.registry import import_ref
 
 logger = logging.getLogger(__name__)
+
+
+_FLOAT8 = {
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+}
 
 
 class MissingWeightsError(EngineCoreError, ValueError):
@@ -93,7 +101,15 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
     for name in files:
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                if tensor.dtype in _FLOAT8:
+                    # Copied into a float parameter it would load without its scales.
+                    raise UnsupportedModelError(
+                        f"checkpoint {str(p)!r} stores {key} as {tensor.dtype} (quantized "
+                        f"weights), which enginecore does not support. Supported: "
+                        f"{SUPPORTED_WEIGHTS}."
+                    )
+                yield key, tensor
 
 
 def iter_weights(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -85,3 +85,22 @@ def test_not_implemented_in_a_model_class_names_the_model(tmp_path):
     parallel = ParallelContext(world_size=4, tp_size=4)
     with pytest.raises(UnsupportedModelError, match="OLMo 2's key norm"):
         Olmo2ForCausalLM(cfg, parallel)
+
+
+def test_float8_weights_without_a_quantization_config_are_refused(tiny_llama, tmp_path):
+    """FP8 tensors copied into float parameters would load without their scales."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "fp8-tensors"
+    dst.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).symlink_to(f)
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(dst / "model.safetensors"))
+    message = _load_error(dst, multiprocessing=False)
+    assert name in message and "float8_e4m3fn" in message
+    assert "executor" not in message
