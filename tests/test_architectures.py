@@ -167,3 +167,27 @@ def test_bfloat16_greedy_matches_transformers(checkpoint_factory, arch):
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
         reference = greedy_reference(path, prompt, 10, torch.bfloat16)
         assert_matches_reference(out.outputs[0].token_ids, reference, f"{arch} prompt {i}")
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("qwen3_moe", {"mlp_only_layers": [0]}),  # a dense MLP on layer 0
+        ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True}),  # MoE on layer 1
+    ],
+)
+def test_moe_models_with_dense_layers_match_transformers(tmp_path, model_refs, arch, overrides):
+    from enginecore.builtin_models.moe import FusedMoE
+    from enginecore.checkpoints import make_random_checkpoint
+
+    path = make_random_checkpoint(tmp_path / arch, arch=arch, config_overrides=overrides)
+    model = load_ours(path, model_refs)
+    kinds = [
+        isinstance(getattr(layer.mlp, "experts", None), FusedMoE) for layer in model.model.layers
+    ]
+    assert kinds == [False, True]
+    torch.manual_seed(0)
+    ids = torch.randint(3, 8000, (21,))
+    kv = new_cache(model, 8, 4)
+    got = run_chunks(model, ids, [(0, 9), (9, 10), (10, 21)], 4, list(range(6)), kv)
+    torch.testing.assert_close(got, reference_logits(path, ids), atol=ATOL, rtol=0)
