@@ -18,6 +18,10 @@ import numpy as np
 import torch
 
 from enginecore.builtin_models.block_table import BlockTable
+from enginecore.builtin_models.checkpoint_support import (
+    check_supported_checkpoint,
+    unsupported_feature,
+)
 from enginecore.builtin_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
@@ -34,7 +38,7 @@ from enginecore.builtin_models.weight_loader import (
 )
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
-from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
 from enginecore.interfaces import AttentionBackend, AttentionSpec, ModelRunner, WorkerSpec
 from enginecore.layers import (
     Attention,
@@ -143,6 +147,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 "model path is empty: set 'model' to a checkpoint directory or .gguf file"
             )
         self.hf_config = load_hf_config(path)
+        check_supported_checkpoint(self.hf_config, path)
         model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
         self.dtype = self._resolve_dtype()
         configured = self.config.model.max_model_len
@@ -161,8 +166,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.worker_spec.linear_method_refs or registered_refs("linear_method"),
             self.config.model.linear_method,
         )
-        with torch.device(self.device), use_linear_method(method_cls(self.config)):
-            model = model_cls(self.hf_config, self.parallel, self.dtype)
+        try:
+            with torch.device(self.device), use_linear_method(method_cls(self.config)):
+                model = model_cls(self.hf_config, self.parallel, self.dtype)
+        except (NotImplementedError, UnsupportedModelError) as exc:
+            raise unsupported_feature(self.hf_config, path, exc) from exc
         model.load_weights(iter_weights(path, self.hf_config))
         for layer in self._weighted_layers(model):
             layer.linear_method.process_weights_after_loading(layer)

@@ -22,13 +22,75 @@ def register_model_runners(registry: Any) -> None:
     )
 
 
+# architecture -> (module:Class, summary, features). The built-in models shard over
+# tensor- and pipeline-parallel ranks (GPT-2: tensor only); "gguf": the GGUF loader
+# maps its tensors.
+_PARALLEL = ("tp", "pp")
+_BUILTIN_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "LlamaForCausalLM": ("llama:LlamaForCausalLM", "Llama 2/3 family", ("gguf", *_PARALLEL)),
+    "MistralForCausalLM": (
+        "llama:LlamaForCausalLM",
+        "Mistral (sliding-window attention)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Qwen2ForCausalLM": (
+        "llama:LlamaForCausalLM",
+        "Qwen2 (QKV bias, sliding window)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Qwen3ForCausalLM": (
+        "qwen3:Qwen3ForCausalLM",
+        "Qwen3 (QK norm)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Qwen3MoeForCausalLM": (
+        "qwen3_moe:Qwen3MoeForCausalLM",
+        "Qwen3-MoE (QK norm, mixture of experts)",
+        ("sliding_window", "moe", "gguf", *_PARALLEL),
+    ),
+    "Qwen2MoeForCausalLM": (
+        "qwen2_moe:Qwen2MoeForCausalLM",
+        "Qwen2-MoE (mixture of experts with a shared expert)",
+        ("sliding_window", "moe", *_PARALLEL),
+    ),
+    "MixtralForCausalLM": (
+        "mixtral:MixtralForCausalLM",
+        "Mixtral (mixture of experts, sliding window)",
+        ("sliding_window", "moe", *_PARALLEL),
+    ),
+    "GemmaForCausalLM": (
+        "gemma2:GemmaForCausalLM",
+        "Gemma (GELU-tanh, scaled embeddings)",
+        _PARALLEL,
+    ),
+    "Gemma2ForCausalLM": (
+        "gemma2:GemmaForCausalLM",
+        "Gemma 2 (soft-capping, alternating sliding and global layers)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Gemma3ForCausalLM": (
+        "gemma2:GemmaForCausalLM",
+        "Gemma 3 text (QK norm, local and global RoPE)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Phi3ForCausalLM": (
+        "phi3:Phi3ForCausalLM",
+        "Phi-3 (fused QKV and gate/up, LongRoPE)",
+        ("sliding_window", "gguf", *_PARALLEL),
+    ),
+    "Olmo2ForCausalLM": (
+        "olmo2:Olmo2ForCausalLM",
+        "OLMo 2 (post-norm blocks, QK norm)",
+        _PARALLEL,
+    ),
+    "GPT2LMHeadModel": ("gpt2:GPT2LMHeadModel", "GPT-2", ("tp",)),
+}
+
+
 @enginecore.hookimpl(trylast=True)
 def register_models(registry: Any) -> None:
-    llama = f"{_MODELS}.llama:LlamaForCausalLM"
-    registry.add("LlamaForCausalLM", llama, summary="Llama 2/3 family")
-    registry.add("MistralForCausalLM", llama, summary="Mistral (sliding-window attention)")
-    registry.add("Qwen2ForCausalLM", llama, summary="Qwen2 (QKV bias, sliding window)")
-    registry.add("GPT2LMHeadModel", f"{_MODELS}.gpt2:GPT2LMHeadModel", summary="GPT-2")
+    for name, (ref, summary, features) in _BUILTIN_MODELS.items():
+        registry.add(name, f"{_MODELS}.{ref}", summary=summary, features=features)
 
 
 @enginecore.hookimpl(trylast=True)

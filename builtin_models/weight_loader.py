@@ -2,7 +2,7 @@
 
 Both produce the same thing for a model's ``load_weights``: an iterator of
 ``(hf_name, tensor)`` pairs with HF names and HF layouts. GGUF tensors are de-quantized
-at load time and llama.cpp's rope permutation of Q/K is undone.
+at load time and llama.cpp's conventions undone (``gguf_archs.py``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,23 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from enginecore.errors import ConfigError
+from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
+from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
+from enginecore.errors import ConfigError, UnsupportedModelError
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 
 logger = logging.getLogger(__name__)
+
+
+_FLOAT8 = {
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+}
 
 
 class UnknownArchitectureError(ConfigError):
@@ -90,7 +98,15 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
     for name in files:
         with safe_open(str(p / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                if tensor.dtype in _FLOAT8:
+                    # Copied into a float parameter it would load without its scales.
+                    raise UnsupportedModelError(
+                        f"checkpoint {str(p)!r} stores {key} as {tensor.dtype} (quantized "
+                        f"weights), which enginecore does not support. Supported: "
+                        f"{SUPPORTED_WEIGHTS}."
+                    )
+                yield key, tensor
 
 
 def iter_weights(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,23 +116,6 @@ def iter_weights(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str
 
 
 # --- GGUF -----------------------------------------------------------------------------
-
-_GGUF_LLAMA_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LLAMA_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,80 +135,41 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return value
 
 
-def gguf_hf_config(path: str | pathlib.Path) -> Any:
-    """The HF-equivalent config of a GGUF file, read from its metadata (llama only)."""
-    from transformers import LlamaConfig
+def gguf_tensor_types() -> set[str]:
+    """The GGUF tensor types the loader de-quantizes (through the ``gguf`` package)."""
+    from gguf.quants import _type_traits
 
-    reader = _gguf_reader(str(pathlib.Path(path).resolve()))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise UnknownArchitectureError(
-            f"GGUF architecture {arch!r} is not supported by the GGUF loader (only 'llama')"
+    return {"F32", "F16"} | {t.name for t in _type_traits}
+
+
+def check_gguf_tensor_types(reader: Any, path: str | pathlib.Path) -> None:
+    supported = gguf_tensor_types()
+    found = sorted({t.tensor_type.name for t in reader.tensors} - supported)
+    if found:
+        raise UnsupportedModelError(
+            f"GGUF file {str(path)!r} holds tensors of type {', '.join(found)}, which "
+            f"enginecore cannot de-quantize (supported: {', '.join(sorted(supported))})"
         )
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_field(reader, "llama.context_length", 2048)),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        tie_word_embeddings=not has_output,
-        dtype="float32",
-    )
 
 
-def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp interleaves each head's two rotary halves; restore HF's half-split order."""
-    out_dim = w.shape[0]
-    return (
-        w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )
+def gguf_hf_config(path: str | pathlib.Path) -> Any:
+    """The HF-equivalent config of a GGUF file, read from its metadata."""
+    reader = _gguf_reader(str(pathlib.Path(path).resolve()))
+    check_gguf_tensor_types(reader, path)
+    arch = _field(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+    return gguf_config(arch, lambda key, default: _field(reader, key, default), tensors)
 
 
 def iter_gguf(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """De-quantized GGUF tensors under HF llama names."""
-    from gguf.quants import dequantize
-
+    """De-quantized GGUF tensors under HF names and in HF layouts."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
-    n_heads = hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
-        name = tensor.name
-        if name in _GGUF_LLAMA_NAMES:
-            hf_name = _GGUF_LLAMA_NAMES[name]
-        elif name.startswith("blk."):
-            _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LLAMA_BLOCK:
-                logger.debug("skipping GGUF tensor %s", name)
-                continue
-            hf_name = f"model.layers.{layer}.{_GGUF_LLAMA_BLOCK[kind]}.{suffix}"
-        else:
-            logger.debug("skipping GGUF tensor %s", name)
-            continue
-        # GGUF lists dims fastest-first; the de-quantized array is row-major HF shape.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = dequantize(tensor.data, tensor.tensor_type)
-        # np.array copies: de-quantized F32/F16 tensors may be read-only views of the mmap.
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-        if name.endswith("attn_q.weight"):
-            weight = _unpermute_rope(weight, n_heads)
-        elif name.endswith("attn_k.weight"):
-            weight = _unpermute_rope(weight, n_kv)
-        yield hf_name, weight
+        named = list(hf_tensors(arch, tensor.name, dequantized(tensor), hf_config))
+        if not named:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+        yield from named
 
 
 def load_gguf_tokenizer(path: str | pathlib.Path) -> Any:

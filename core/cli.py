@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import get_args
 
 from enginecore.config import add_config_flags, config_from_args
 from enginecore.errors import EngineCoreError
@@ -25,6 +26,25 @@ def _resolve_config(args: argparse.Namespace):
     if getattr(args, "model_path", None):
         args.model = args.model_path
     return config_from_args(args)
+
+
+# --- models -------------------------------------------------------------------------
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from enginecore.model_listing import model_rows, render_markdown, render_text
+    from enginecore.plugins import make_plugin_manager
+
+    # --markdown writes docs/models.md: the built-ins only, whatever is installed.
+    host = make_plugin_manager(load_entrypoints=not args.markdown)
+    rows = model_rows(host)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        sys.stdout.write(render_markdown(rows))
+    else:
+        print(render_text(rows))
+    return 0
 
 
 # --- plugins ------------------------------------------------------------------------
@@ -220,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser(
+        "models", help="list the model architectures, their plugins and their features"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--markdown", action="store_true", help="the built-ins as docs/models.md holds them"
+    )
+    p.set_defaults(func=cmd_models)
+
     p = sub.add_parser("plugins", help="list loaded plugins and what they registered")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -261,10 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8100)
     p.set_defaults(func=cmd_disagg_proxy)
 
+    from enginecore.checkpoints import Arch  # light: the heavy imports are lazy there
+
     p = sub.add_parser("demo-model", help="make the offline demo model (or a random one)")
     p.add_argument("dir", nargs="?", help="target directory (default: the cache)")
     p.add_argument("--random", action="store_true", help="seeded random weights instead")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "gpt2"])
+    p.add_argument("--arch", default="llama", choices=get_args(Arch))
     p.add_argument("--size", default="tiny", choices=["tiny", "small"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo_model)

@@ -11,6 +11,12 @@ class ConfigError(EngineCoreError, ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
 
 
+class UnsupportedModelError(ConfigError):
+    """The checkpoint needs something enginecore does not implement (an architecture
+    option, a RoPE scaling type, a quantization method, a GGUF tensor type); the message
+    names the model and the feature."""
+
+
 class PluginError(EngineCoreError):
     """Base class of plugin loading and registration errors."""
 

@@ -121,7 +121,9 @@ def register_models(registry: Registry) -> None:
     and returns a ``torch.nn.Module`` built from :mod:`enginecore.layers` with the
     interface described in ``docs/plugins.md``, "Writing a model": ``forward(input_ids,
     positions, kv_caches, attn_context, hidden_states=None)``, ``compute_logits`` and
-    ``load_weights``.
+    ``load_weights``. ``registry.add(..., features=[...])`` declares what the architecture
+    supports, from ``"sliding_window"``, ``"moe"``, ``"gguf"``, ``"tp"``, ``"pp"``;
+    ``enginecore models`` lists it.
     """
 
 

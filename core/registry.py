@@ -39,6 +39,9 @@ class RegistryEntry:
     summary: str = ""
     overrides: str | None = None  # the plugin whose entry this one replaced
     overriding: bool = False  # registered with override=True
+    # What the component supports, in the registry kind's vocabulary (for models:
+    # "sliding_window", "moe", "gguf", "tp", "pp"); listed by ``enginecore models``.
+    features: tuple[str, ...] = ()
 
     @property
     def ref(self) -> str:
@@ -86,6 +89,7 @@ class Registry(Generic[T]):
         *,
         summary: str = "",
         override: bool = False,
+        features: tuple[str, ...] | list[str] = (),
     ) -> None:
         """Register ``factory`` under ``name``.
 
@@ -93,6 +97,7 @@ class Registry(Generic[T]):
         imported only if the name is selected. A name that another plugin already
         registered is an error unless ``override=True``, which replaces it and is logged.
         The outcome does not depend on which plugin's hook runs first.
+        ``features`` says what the component supports (shown by ``enginecore models``).
         """
         plugin = providing_plugin.get() or self._current_plugin
         if not isinstance(name, str) or not name:
@@ -132,6 +137,7 @@ class Registry(Generic[T]):
             summary=summary,
             overrides=existing.plugin if existing else None,
             overriding=override,
+            features=tuple(features),
         )
 
     def _log_override(self, name: str, new: str, old: str) -> None:

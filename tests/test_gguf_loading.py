@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_models.weight_loader import _unpermute_rope
+from enginecore.builtin_models.gguf_archs import unpermute_rope as _unpermute_rope
 
 
 def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

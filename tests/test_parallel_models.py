@@ -136,6 +136,23 @@ def test_tp2_logits_match_tp1(two_ranks, checkpoint_factory, model_refs, arch) -
     np.testing.assert_array_equal(rank0, rank1)  # every rank ends with the same logits
 
 
+NEW_ARCHS = ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma2", "gemma3", "phi3", "olmo2"]
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_newer_archs_shard_over_tp2_and_pp2(two_ranks, checkpoint_factory, model_refs, arch):
+    """TP splits every expert's intermediate dimension (MoE), the heads and the QK norms;
+    PP splits the two layers into two stages."""
+    path = checkpoint_factory(arch)
+    want = reference_logits(path, model_refs)
+    rank0, rank1 = two_ranks.collective_rpc(forward_logits, args=(str(path), IDS, "tp"))
+    _check(rank0, want)
+    np.testing.assert_array_equal(rank0, rank1)
+    first, last = two_ranks.collective_rpc(forward_logits, args=(str(path), IDS, "pp"))
+    assert first is None
+    torch.testing.assert_close(torch.from_numpy(np.asarray(last)), want, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("which", ["llama", "tied"])
 def test_pp2_logits_match_single_stage(two_ranks, tiny_llama, tied_llama, model_refs, which):
     path = tied_llama if which == "tied" else tiny_llama

@@ -27,6 +27,8 @@ from enginecore.layers import (
     rope_parameters,
     vocab_parallel_logits,
 )
+from enginecore.layers.activation import act_and_mul, get_activation
+from enginecore.layers.moe import expert_checkpoint_target
 
 
 class LlamaAttention(nn.Module):
@@ -90,9 +92,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype) -> None:
+    """[gate | up] projection, ``act(gate) * up``, down projection (SiLU unless the config
+    names another activation)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        parallel: ParallelContext,
+        dtype: torch.dtype,
+        intermediate_size: int | None = None,
+        hidden_act: str | None = None,
+    ) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size,
             [inter, inter],
@@ -108,12 +120,15 @@ class LlamaMLP(nn.Module):
             parallel=parallel,
             dtype=dtype,
         )
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
+        act = hidden_act or getattr(cfg, "hidden_act", "silu")
+        # Other activations than SiLU take the plain path (the fused kernels apply SiLU).
+        self.activation = None if act == "silu" else get_activation(act)
+        self.gate_up_proj.gated = self.activation is None
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation is not None:
+            return self.down_proj(act_and_mul(self.activation, self.gate_up_proj(x)))
         fused = self.gate_up_proj.fused_silu_and_mul(x)
         if fused is None:
             fused = self.act_fn(self.gate_up_proj(x))
@@ -121,6 +136,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. Architectures with the same block and another attention or MLP
+    (Qwen3's QK norm, mixture-of-experts MLPs) override ``attention_cls`` / ``make_mlp``."""
+
+    attention_cls: type[nn.Module] = LlamaAttention
+
     def __init__(
         self,
         cfg: Any,
@@ -128,13 +148,19 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         is_qwen2: bool,
         sliding_window: int | None = None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(cfg, parallel, dtype, is_qwen2, sliding_window)
+        self.self_attn = self.attention_cls(cfg, parallel, dtype, is_qwen2, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(cfg, parallel, dtype)
+        self.mlp = self.make_mlp(cfg, parallel, dtype, layer_index)
+
+    def make_mlp(
+        self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, layer_index: int
+    ) -> nn.Module:
+        return LlamaMLP(cfg, parallel, dtype)
 
     def forward(
         self,
@@ -163,6 +189,8 @@ class LlamaModel(nn.Module):
     others are parameter-free placeholders, so parameter names stay global), the first
     stage the embedding and the last stage the final norm."""
 
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(
         self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
     ) -> None:
@@ -176,7 +204,7 @@ class LlamaModel(nn.Module):
             )
         windows = layer_sliding_windows(cfg)  # Mistral / Qwen2 sliding-window attention
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, parallel, dtype, is_qwen2, windows[i])
+            self.decoder_layer_cls(cfg, parallel, dtype, is_qwen2, windows[i], i)
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)
@@ -215,7 +243,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints;
+    subclasses with the same stack and another block set ``model_cls``."""
+
+    model_cls: type[LlamaModel] = LlamaModel
 
     # checkpoint projection name -> (fused parameter name, shard)
     stacked_params = {
@@ -237,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         self.hidden_size = hf_config.hidden_size
         # Qwen2: biased q/k/v, unbiased o_proj; Llama/Mistral: attention_bias for all four.
-        is_qwen2 = getattr(hf_config, "model_type", "") == "qwen2"
-        self.model = LlamaModel(hf_config, parallel, dtype, is_qwen2)
+        is_qwen2 = self.bias_on_qkv_only(hf_config)
+        self.model = self.model_cls(hf_config, parallel, dtype, is_qwen2)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # A tied head reuses the embedding, unless that lives on another pipeline stage.
         self.lm_head = None
@@ -248,6 +279,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, parallel=parallel, dtype=dtype
             )
+
+    @staticmethod
+    def bias_on_qkv_only(hf_config: Any) -> bool:
+        """Qwen2's layout: biased q/k/v and an unbiased o_proj."""
+        return getattr(hf_config, "model_type", "") == "qwen2"
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's parameters spell it."""
+        return name
 
     def forward(
         self,
@@ -271,8 +311,12 @@ class LlamaForCausalLM(nn.Module):
         pp = self.parallel.pp_size > 1
 
         def rename(name: str) -> tuple[str, Any] | None:
+            name = self.checkpoint_name(name)
             if "rotary_emb" in name:
                 return None
+            expert = expert_checkpoint_target(name)  # mixture-of-experts weights
+            if expert is not None:
+                return None if pp and expert[0] not in params else expert
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 return None  # the embedding is loaded under its own name
             if (

@@ -129,11 +129,9 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
     """
     num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "model_type", "") == "qwen2" and not getattr(
-        hf_config, "use_sliding_window", False
-    ):
-        window = None  # transformers ignores Qwen2's sliding_window unless enabled
-    if window is None:
+    if getattr(hf_config, "use_sliding_window", None) is False:
+        window = None  # the Qwen configs carry a sliding_window they ignore unless enabled
+    if window is None or window == 0:  # Qwen2-MoE writes 0 for "no window"
         return [None] * num_layers
     if not isinstance(window, int) or window < 1:
         raise ConfigError(f"config.json: sliding_window must be a positive integer, got {window!r}")
