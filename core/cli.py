@@ -269,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("enginecore: interrupted", file=sys.stderr)
         return 130
 
 

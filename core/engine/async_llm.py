@@ -469,9 +469,11 @@ class AsyncLLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template."""
+        """Token ids of a conversation rendered by the tokenizer's chat template;
+        ``continue_final_message`` leaves the last message open for the reply to continue."""
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
@@ -479,6 +481,7 @@ class AsyncLLM:
                 messages,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=True,
                 **(chat_template_kwargs or {}),
             )

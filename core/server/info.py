@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from enginecore.errors import EngineCoreError
-from enginecore.server.chat import message_dicts
+from enginecore.server.chat import chat_prompt_ids
 from enginecore.server.context import context
 from enginecore.server.errors import error_response
 from enginecore.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -78,11 +78,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
         tools = [t.model_dump(exclude_unset=True) for t in body.tools or []]
-        tokens = engine.chat_prompt(
-            message_dicts(body.messages),
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs={"tools": tools} if tools else None,
-        )
+        tokens = chat_prompt_ids(ctx, body, tools or None)
     else:
         tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse(
