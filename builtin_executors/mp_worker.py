@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
@@ -125,9 +124,6 @@ def main() -> None:
     threading.Thread(
         target=_watch_parent, args=(boot["parent_pid"],), name="parent-watch", daemon=True
     ).start()
-    # Ctrl-C in a terminal reaches every process of the group: the engine process stops
-    # this worker (or it sees the engine gone), so the worker itself ignores it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(boot)
 
 
