@@ -266,7 +266,7 @@ def test_malformed_json_is_400(server):
 
 
 def test_openai_client_sees_bad_request_errors(client, model):
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=model, prompt="word " * (MAX_MODEL_LEN + 10))
