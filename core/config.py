@@ -404,6 +404,17 @@ def _strip_optional(tp: Any) -> Any:
     return tp
 
 
+def _json_object_flag(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object; anything else is argparse's one-line error."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
+
+
 def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     """Add ``--flat-name`` for every config field; unset flags stay None (file wins)."""
     docs = field_docs()
@@ -422,7 +433,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             elif typing.get_origin(tp) is list:
                 kwargs.update(type=lambda s: [x for x in s.split(",") if x], metavar="A,B")
             elif typing.get_origin(tp) is dict:
-                kwargs.update(type=json.loads, metavar="JSON")
+                kwargs.update(type=_json_object_flag, metavar="JSON")
             elif typing.get_origin(tp) is Literal:
                 kwargs["choices"] = list(typing.get_args(tp))
             elif tp in (int, float, str):

@@ -97,7 +97,9 @@ class AsyncLLM:
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: Any
-        self.engine_client, self.tokenizer = start_engine(self.config, asyncio_mode=True)
+        self.engine_client, self.tokenizer = start_engine(
+            self.config, asyncio_mode=True, plugins=self.plugins
+        )
         self.ready = self.engine_client.ready
         self.max_model_len = self.ready.max_model_len
         self.input_processor = InputProcessor(

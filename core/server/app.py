@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from enginecore.config import EngineConfig
+from enginecore.engine.preflight import check_port_free
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
@@ -133,6 +134,7 @@ async def serve(config: EngineConfig) -> None:
     _show_info_logs()
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
+    check_port_free(config.server.host, config.server.port)
     engine = _start_engine(config, plugins)
     try:
         app = build_app(config, engine)
