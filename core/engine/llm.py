@@ -56,7 +56,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in input order.
@@ -93,7 +93,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
@@ -200,8 +200,8 @@ class LLM:
                 for _, output in ready:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        if progress:
-                            progress(len(finished))
+                        if progress is not None:
+                            progress.update(1)
                 if (
                     not engine_outputs.outputs
                     and not self.output_processor.has_unfinished_requests()
@@ -211,6 +211,9 @@ class LLM:
             leftover = [rid for rid in request_ids if rid not in finished]
             self.engine_client.abort_requests(self.output_processor.abort_requests(leftover))
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[rid] for rid in request_ids if rid in finished]
 
     # --- control -----------------------------------------------------------------------
@@ -251,12 +254,8 @@ class LLM:
             self.shutdown()
 
 
-def _progress(total: int) -> Callable[[int], None]:
-    import sys
+def _progress(total: int) -> Any:
+    """vLLM's progress bar (on stderr): prompts done, and their rate."""
+    from tqdm import tqdm
 
-    def report(done: int) -> None:
-        sys.stderr.write(f"\rprocessed {done}/{total} prompts")
-        if done == total:
-            sys.stderr.write("\n")
-
-    return report
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
