@@ -44,6 +44,11 @@ class ModelConfig(_Section):
     """Seed of the random state used by requests that do not give their own seed."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the model runs; ``auto`` picks CUDA when available."""
+    generation_config: Literal["auto", "vllm"] = "auto"
+    """``auto``: the checkpoint's generation_config.json sampling values are the defaults of
+    requests that leave them out; ``vllm``: they are not (vLLM's --generation-config)."""
+    chat_template: str | None = None
+    """A chat template (a file, or the template text) used instead of the tokenizer's."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import openai
 import pytest
@@ -18,13 +19,23 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 USER = [{"role": "user", "content": "Say something."}]
 
 
+#: The checkpoint's generation_config.json recommends this many new tokens.
+MAX_NEW_TOKENS = 7
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-vllm-compat") / "server.log"
+    tmp = tmp_path_factory.mktemp("server-vllm-compat")
+    log_path = tmp / "server.log"
+    checkpoint = tmp / "ckpt"
+    shutil.copytree(tiny_llama, checkpoint)
+    gen = json.loads((checkpoint / "generation_config.json").read_text())
+    gen["max_new_tokens"] = MAX_NEW_TOKENS
+    (checkpoint / "generation_config.json").write_text(json.dumps(gen))
     flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "200"]
     flags.append("--disable-any-whitespace")  # random weights would loop on spaces
     env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    proc, url = serve(tiny_llama, log_path, *flags, env=env)
+    proc, url = serve(checkpoint, log_path, *flags, env=env)
     srv = Server(url, proc, None, log_path)
     yield srv
     srv.http.close()
@@ -361,3 +372,17 @@ def test_chat_prompt_logprobs(server, client, model):
     assert len(out["prompt_logprobs"]) == len(prompt)
     assert out["prompt_logprobs"][0] is None
     assert str(prompt[1]) in out["prompt_logprobs"][1]
+
+
+# --- 11. the checkpoint's generation_config.json -----------------------------------------
+
+
+def test_generation_config_sampling_defaults_apply(client, model):
+    out = client.chat.completions.create(
+        model=model, messages=USER, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == MAX_NEW_TOKENS
+    asked = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert asked.usage.completion_tokens == 2

@@ -29,6 +29,7 @@ from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.model_defaults import configured_chat_template
 from enginecore.engine.output import (
     CompletionOutput,
     OutputKind,
@@ -94,6 +95,7 @@ class AsyncLLM:
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
+        self.chat_template = configured_chat_template(self.config)
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: Any
@@ -476,6 +478,7 @@ class AsyncLLM:
     ) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's chat template;
         ``continue_final_message`` leaves the last message open for the reply to continue."""
+        chat_template = chat_template or self.chat_template
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:

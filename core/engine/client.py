@@ -115,11 +115,13 @@ def start_engine(
 
     The model path and the component names are checked first, here: a mistake fails
     before any process starts."""
+    from enginecore.engine.model_defaults import configured_chat_template
     from enginecore.engine.preflight import check_component_names, check_model_path
     from enginecore.engine.tokenizer import load_tokenizer
     from enginecore.plugins import make_plugin_manager
 
     check_model_path(config)
+    configured_chat_template(config)  # a missing template file fails here
     if plugins is None:
         plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_component_names(config, plugins)

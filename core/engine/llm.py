@@ -13,6 +13,7 @@ from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.params import SamplingParams
@@ -40,6 +41,8 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         self.config = make_config(config_file, base=config, **overrides)
+        self.default_sampling = sampling_defaults(self.config)
+        self.chat_template = configured_chat_template(self.config)
         self.engine_client: EngineCoreClient
         self.engine_client, self.tokenizer = start_engine(self.config)
         self.max_model_len = self.engine_client.ready.max_model_len
@@ -68,6 +71,8 @@ class LLM:
         ``EngineDeadError``; later calls run on the replicas that live.
         """
         prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidRequestError("priority needs one value per prompt")
@@ -84,6 +89,11 @@ class LLM:
             self.engine_client.abort_requests(self.output_processor.abort_requests(all_ids))
             raise
         return self._run(request_ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the checkpoint's
+        generation_config.json values (config ``model.generation_config``), as vLLM's."""
+        return SamplingParams(**self.default_sampling)
 
     def chat(
         self,
@@ -104,6 +114,7 @@ class LLM:
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        chat_template = chat_template or self.chat_template
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass chat_template=... or use "

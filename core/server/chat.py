@@ -131,9 +131,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     num_top = None
     if body.logprobs:
         num_top = body.top_logprobs or 0
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    requested = body.max_completion_tokens or body.max_tokens
+    defaults = ctx.sampling_defaults
+    # The checkpoint's max_new_tokens is a default: the engine cuts it to what fits.
+    max_tokens = requested if requested is not None else defaults.get("max_tokens")
     params = to_sampling_params(
-        body, ctx.limits, max_tokens=max_tokens, logprobs=num_top, vocab_size=ctx.vocab_size
+        body,
+        ctx.limits,
+        max_tokens=max_tokens,
+        logprobs=num_top,
+        vocab_size=ctx.vocab_size,
+        defaults=defaults,
     )
     if check_prompt_logprobs(body.prompt_logprobs, ctx.limits) is not None:
         params = params.clone(prompt_logprobs=body.prompt_logprobs)
@@ -152,7 +160,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        check_max_tokens(max_tokens, len(prompt_ids), engine.max_model_len, param)
+        check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(

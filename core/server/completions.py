@@ -123,6 +123,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
         vocab_size=ctx.vocab_size,
+        defaults=ctx.sampling_defaults,
     )
     candidates = _num_candidates(body, ctx.limits.max_n)
     if candidates != body.n:

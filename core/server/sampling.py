@@ -131,8 +131,11 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     vocab_size: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Validate bounds (400 on violation) and build the engine's sampling parameters."""
+    """Validate bounds (400 on violation) and build the engine's sampling parameters;
+    ``defaults`` (the checkpoint's generation_config) fill the fields the request left out."""
+    defaults = defaults or {}
     if req.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", param="n")
     if req.use_beam_search:
@@ -169,6 +172,8 @@ def to_sampling_params(
     optional: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             optional[name] = value
     return SamplingParams(
