@@ -162,6 +162,10 @@ class ObservabilityConfig(_Section):
     log_stats_interval: float = 10.0
     """Seconds between periodic stat log lines."""
     log_requests: bool = False
+    """Log each request as it arrives (uvicorn's access log)."""
+    metrics_name_compat: Literal["none", "vllm"] = "none"
+    """``vllm``: the Prometheus metrics are exported under vLLM's ``vllm:`` names too, so
+    dashboards written for vLLM work unchanged."""
 
 
 class ServerConfig(_Section):
@@ -409,15 +413,13 @@ def _strip_optional(tp: Any) -> Any:
     return tp
 
 
-def _json_object_flag(text: str) -> dict[str, Any]:
-    """A flag whose value is a JSON object; anything else is argparse's one-line error."""
+def _json_flag(text: str) -> Any:
+    """A flag whose value is JSON; text that is not is argparse's one-line error (the
+    config's validation then names a value of the wrong shape)."""
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
-    return value
 
 
 def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
@@ -438,7 +440,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             elif typing.get_origin(tp) is list:
                 kwargs.update(type=lambda s: [x for x in s.split(",") if x], metavar="A,B")
             elif typing.get_origin(tp) is dict:
-                kwargs.update(type=_json_object_flag, metavar="JSON")
+                kwargs.update(type=_json_flag, metavar="JSON")
             elif typing.get_origin(tp) is Literal:
                 kwargs["choices"] = list(typing.get_args(tp))
             elif tp in (int, float, str):
