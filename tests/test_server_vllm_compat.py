@@ -386,3 +386,13 @@ def test_generation_config_sampling_defaults_apply(client, model):
         model=model, messages=USER, max_tokens=2, extra_body={"ignore_eos": True}
     )
     assert asked.usage.completion_tokens == 2
+
+
+def test_tokenizer_info(server, tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    info = server.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template
+    assert info["vocab_size"] == len(tok) and info["max_model_len"] == MAX_MODEL_LEN

@@ -1,9 +1,11 @@
 """Read-only endpoints: ``/health``, ``/metrics``, ``/version``, ``/v1/models``,
-``/tokenize`` and ``/detokenize``."""
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import prometheus_client
 from fastapi import APIRouter, Request
@@ -95,3 +97,29 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     if bad:
         return error_response(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})
+
+
+def _json_ready(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's ``/tokenizer_info``: the tokenizer's class, its configuration and the chat
+    template, for clients that tokenize on their side."""
+    ctx = context(request)
+    tokenizer = ctx.engine.tokenizer
+    info: dict[str, Any] = {
+        key: value
+        for key, value in getattr(tokenizer, "init_kwargs", {}).items()
+        if _json_ready(value)
+    }
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["chat_template"] = ctx.engine.chat_template or getattr(tokenizer, "chat_template", None)
+    info["vocab_size"] = ctx.vocab_size
+    info["max_model_len"] = ctx.engine.max_model_len
+    return JSONResponse(info)
