@@ -169,8 +169,14 @@ class MultiprocExecutor(Executor):
                 "response_address": f"ipc://{self._dir}/responses",
                 "parent_pid": os.getpid(),
             }
+            # In a process group of its own: a terminal's Ctrl-C (sent to the foreground
+            # group) would reach it even while the interpreter starts, before any handler;
+            # the engine stops it, and it exits on its own when the engine is gone.
             proc = subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE, close_fds=True
+                [sys.executable, "-m", WORKER_MODULE],
+                stdin=subprocess.PIPE,
+                close_fds=True,
+                process_group=0,
             )
             self.procs.append(proc)
             proc.stdin.write(pickle.dumps(boot, protocol=5))

@@ -37,13 +37,14 @@ from enginecore.version import PLUGIN_API_VERSION, __version__
 if TYPE_CHECKING:
     from enginecore.engine.async_llm import AsyncLLM
     from enginecore.engine.llm import LLM
-    from enginecore.engine.output import CompletionOutput, RequestOutput
+    from enginecore.engine.output import CompletionOutput, OutputKind, RequestOutput
 
 _LAZY = {
     "LLM": "enginecore.engine.llm",
     "AsyncLLM": "enginecore.engine.async_llm",
     "RequestOutput": "enginecore.engine.output",
     "CompletionOutput": "enginecore.engine.output",
+    "OutputKind": "enginecore.engine.output",
 }
 
 
@@ -60,6 +61,7 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "AsyncLLM",
     "CompletionOutput",
+    "OutputKind",
     "ConfigError",
     "DuplicateRegistrationError",
     "EngineConfig",

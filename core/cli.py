@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import get_args
@@ -14,6 +15,7 @@ from enginecore.errors import EngineCoreError
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:
+    _add_log_level(parser)
     if model_positional:
         parser.add_argument(
             "model_path", nargs="?", metavar="MODEL", help="checkpoint dir or .gguf"
@@ -188,12 +190,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_MODEL_NAME = "enginecore-demo"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _resolve_config(args)
     if not config.model.path:
         from enginecore import checkpoints
 
         config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
+        if not config.model.served_model_name:  # not its cache path as the model id
+            config = config.replace(served_model_name=DEMO_MODEL_NAME)
     from enginecore.server.app import run_server
 
     run_server(config)
@@ -219,12 +226,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- entry point ----------------------------------------------------------------------
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: given after the subcommand it wins; not given, the top-level value stays.
+    parser.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="enginecore", description="LLM inference engine core with plugins"
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level (also accepted after the subcommand)",
+    )
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
@@ -324,7 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("enginecore: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Output piped into a reader that stopped (``| head``): not an error of ours.
+        # Python's recipe: point stdout at devnull so the exit's flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

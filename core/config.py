@@ -50,6 +50,11 @@ class ModelConfig(_Section):
     """Linear method plugin name (how projection weights are stored and multiplied); ``auto`` takes the best for the device."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (the GPU runner captures decode batches otherwise)."""
+    generation_config: Literal["auto", "vllm"] = "auto"
+    """``auto``: the checkpoint's generation_config.json sampling values are the defaults of
+    requests that leave them out; ``vllm``: they are not (vLLM's --generation-config)."""
+    chat_template: str | None = None
+    """A chat template (a file, or the template text) used instead of the tokenizer's."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -163,6 +168,10 @@ class ObservabilityConfig(_Section):
     log_stats_interval: float = 10.0
     """Seconds between periodic stat log lines."""
     log_requests: bool = False
+    """Log each request as it arrives (uvicorn's access log)."""
+    metrics_name_compat: Literal["none", "vllm"] = "none"
+    """``vllm``: the Prometheus metrics are exported under vLLM's ``vllm:`` names too, so
+    dashboards written for vLLM work unchanged."""
 
 
 class ServerConfig(_Section):
@@ -422,6 +431,15 @@ def _strip_optional(tp: Any) -> Any:
     return tp
 
 
+def _json_flag(text: str) -> Any:
+    """A flag whose value is JSON; text that is not is argparse's one-line error (the
+    config's validation then names a value of the wrong shape)."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+
+
 def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     """Add ``--flat-name`` for every config field; unset flags stay None (file wins)."""
     docs = field_docs()
@@ -440,7 +458,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             elif typing.get_origin(tp) is list:
                 kwargs.update(type=lambda s: [x for x in s.split(",") if x], metavar="A,B")
             elif typing.get_origin(tp) is dict:
-                kwargs.update(type=json.loads, metavar="JSON")
+                kwargs.update(type=_json_flag, metavar="JSON")
             elif typing.get_origin(tp) is Literal:
                 kwargs["choices"] = list(typing.get_args(tp))
             elif tp in (int, float, str):

@@ -314,10 +314,26 @@ def test_sigkill_of_one_replica_fails_only_its_requests(loop, tiny_llama) -> Non
         llm.shutdown()
 
 
-def test_a_replica_that_fails_to_start_is_named_and_none_is_left(tiny_llama) -> None:
+def test_a_replica_that_fails_to_start_is_named_and_none_is_left(tiny_llama, tmp_path) -> None:
+    import psutil
+
+    # Corrupt weights: only the replicas find out (a bad name fails before any starts).
+    bad = tmp_path / "bad-weights"
+    bad.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(EngineCoreError, match=r"data-parallel replica [01]: .*SafetensorError"):
+        LLM(bad, data_parallel_size=2)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_an_unknown_component_fails_before_any_replica_starts(tiny_llama) -> None:
     import psutil
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(EngineCoreError, match=r"data-parallel replica 0: .*no_such_runner"):
+    with pytest.raises(ConfigError, match="unknown model runner 'no_such_runner'"):
         LLM(tiny_llama, data_parallel_size=2, runner="no_such_runner")
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -266,7 +266,7 @@ def test_malformed_json_is_400(server):
 
 
 def test_openai_client_sees_bad_request_errors(client, model):
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=model, prompt="word " * (MAX_MODEL_LEN + 10))
@@ -456,7 +456,10 @@ def test_echo_with_logprobs_returns_prompt_logprobs(server, client, model, tiny_
     want = _reference_prompt_logprobs(tiny_llama, ids)
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-4)
-        top = want[i - 1].topk(2).values.tolist()
+        # The top 2, and the prompt's own token when it is not among them (as OpenAI's).
+        top_ids = want[i - 1].topk(2).indices.tolist()
+        shown = top_ids if ids[i] in top_ids else [*top_ids, ids[i]]
+        top = sorted((float(want[i - 1, t]) for t in shown), reverse=True)
         assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
     assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
     assert lp.text_offset[len(ids)] == len(prompt)

@@ -293,3 +293,49 @@ def test_prometheus_model_name_falls_back_to_the_checkpoint_path():
     registry = CollectorRegistry()
     PrometheusStatLogger(make_config(model="/ckpt/llama"), registry=registry)
     assert sample(registry, "enginecore:num_requests_running", model_name="/ckpt/llama") == 0
+
+
+def test_prometheus_metrics_under_vllm_names_with_the_compat_setting():
+    registry = CollectorRegistry()
+    config = make_config(model="m", metrics_name_compat="vllm")
+    logger = PrometheusStatLogger(config, registry=registry)
+    logger.record(
+        SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25),
+        IterationStats(
+            num_prompt_tokens=9,
+            num_generation_tokens=4,
+            time_to_first_tokens=[0.03],
+            inter_token_latencies=[0.02],
+            finished_requests=[finished("a", FinishReason.STOP, e2e_latency=1.0)],
+        ),
+    )
+    ours = {}
+    for family in text_string_to_metric_families(exposition(registry)):
+        for s in family.samples:
+            ours[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    enginecore = {
+        k: v
+        for k, v in ours.items()
+        if k[0].startswith("enginecore:") and not k[0].endswith("_created")  # timestamps
+    }
+    assert enginecore
+    for (name, labels), value in enginecore.items():
+        twin = ("vllm:" + name.removeprefix("enginecore:"), labels)
+        assert ours.get(twin) == value, twin
+    # What vLLM's Grafana dashboard queries.
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+    ):
+        assert any(n == name for n, _ in ours), name
+    plain = CollectorRegistry()
+    PrometheusStatLogger(make_config(model="m"), registry=plain)
+    assert "vllm:" not in exposition(plain)

@@ -30,6 +30,7 @@ from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.model_defaults import configured_chat_template
 from enginecore.engine.output import (
     CompletionOutput,
     OutputKind,
@@ -96,10 +97,13 @@ class AsyncLLM:
             self.config.plugins.enabled, self.config.plugins.disabled
         )
         check_components(self.config, self.plugins)  # every bad name at once, before any process
+        self.chat_template = configured_chat_template(self.config)
         # Built before the engine so that an unknown logger name fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
         self.engine_client: Any
-        self.engine_client, self.tokenizer = start_engine(self.config, asyncio_mode=True)
+        self.engine_client, self.tokenizer = start_engine(
+            self.config, asyncio_mode=True, plugins=self.plugins
+        )
         self.ready = self.engine_client.ready
         self.max_model_len = self.ready.max_model_len
         self.input_processor = InputProcessor(
@@ -461,9 +465,12 @@ class AsyncLLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template."""
+        """Token ids of a conversation rendered by the tokenizer's chat template;
+        ``continue_final_message`` leaves the last message open for the reply to continue."""
+        chat_template = chat_template or self.chat_template
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError("this model's tokenizer has no chat template")
         try:
@@ -471,6 +478,7 @@ class AsyncLLM:
                 messages,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=True,
                 **(chat_template_kwargs or {}),
             )

@@ -107,12 +107,25 @@ def make_client(
 
 
 def start_engine(
-    config: EngineConfig, *, asyncio_mode: bool = False
+    config: EngineConfig, *, asyncio_mode: bool = False, plugins: Any = None
 ) -> tuple[EngineCoreClient, Any]:
     """The engine's client and the model's tokenizer. The tokenizer (and transformers and
-    torch, which it imports) loads in this process while the engine process starts: on a
-    2-core machine ``LLM`` on the tiny model went from 13.3-13.9 s to 7.8-8.4 s."""
+    torch, which it imports) loads in this process while the engine process starts, so
+    the two overlap.
+
+    The model path and the component names are checked first, here: a mistake fails
+    before any process starts."""
+    from enginecore.component_check import check_components
+    from enginecore.engine.model_defaults import configured_chat_template
+    from enginecore.engine.preflight import check_model_path
     from enginecore.engine.tokenizer import load_tokenizer
+    from enginecore.plugins import make_plugin_manager
+
+    check_model_path(config)
+    configured_chat_template(config)  # a missing template file fails here
+    if plugins is None:
+        plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+    check_components(config, plugins)
 
     loaded: list[Any] = []
     client = make_client(

@@ -77,7 +77,6 @@ class EngineCoreProc(EngineCore):
     def _input_thread(self) -> None:
         add_decoder = MsgpackDecoder(EngineCoreRequest)
         any_decoder = MsgpackDecoder()
-        parent = os.getppid()
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         while True:
@@ -86,10 +85,6 @@ class EngineCoreProc(EngineCore):
             except zmq.ZMQError:
                 return  # the socket closed at shutdown
             if not ready:
-                if os.getppid() != parent:  # the frontend is gone: stop, do not linger
-                    self.input_queue.put((EngineCoreRequestType.WAKEUP, "parent exited"))
-                    self._shutdown_requested = True
-                    return
                 continue
             try:
                 frames = self.input_socket.recv_multipart(copy=False)
@@ -286,6 +281,24 @@ class EngineCoreProc(EngineCore):
             self.ctx.term()
 
 
+#: Seconds between checks that the frontend process is still there.
+PARENT_POLL = 0.2
+
+
+def _watch_parent(parent_pid: int, get_engine: Any) -> None:
+    """Stop when the frontend is gone, from the first moment on: during start-up (imports,
+    model load) by exiting at once, so no orphan keeps the model's memory; once running,
+    through an orderly shutdown. The executor's workers watch this process the same way."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL)
+    engine = get_engine()
+    if engine is None:
+        logger.warning("the frontend exited during start-up: stopping")
+        os._exit(1)
+    engine._shutdown_requested = True
+    engine.input_queue.put((EngineCoreRequestType.WAKEUP, "parent exited"))
+
+
 def run_engine_core(
     config_bytes: bytes, input_address: str, output_address: str, engine_index: int = 0
 ) -> None:
@@ -297,6 +310,13 @@ def run_engine_core(
     )
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     engine: EngineCoreProc | None = None
+    ready = False
+    threading.Thread(
+        target=_watch_parent,
+        args=(os.getppid(), lambda: engine if ready else None),
+        name="enginecore-parent-watch",
+        daemon=True,
+    ).start()
 
     def on_signal(signum: int, _frame: Any) -> None:
         # A state change, not an exception: the loop finishes the step and shuts down.
@@ -304,7 +324,9 @@ def run_engine_core(
             engine._shutdown_requested = True
             engine.input_queue.put((EngineCoreRequestType.WAKEUP, "shutdown"))
         else:
-            raise SystemExit(128 + signum)
+            # Still starting (Ctrl-C reaches the whole process group): nothing to drain and
+            # nothing to report; the frontend says what happened. Workers watch this process.
+            os._exit(128 + signum)
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
@@ -317,6 +339,7 @@ def run_engine_core(
     encoder = MsgpackEncoder()
     engine.output_socket.send_multipart([HANDSHAKE_READY, *encoder.encode(engine.ready_response())])
     engine.start_io_threads()
+    ready = True
     reason = "shutdown"
     try:
         engine.run_busy_loop()

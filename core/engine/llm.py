@@ -15,6 +15,7 @@ from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.interfaces import IterationStats
@@ -55,6 +56,8 @@ class LLM:
         check_components(self.config, self.plugins)  # every bad name at once, before any process
         # Built before the engine (as under AsyncLLM) so that a bad logger fails in seconds.
         self.stat_loggers = StatLoggerManager(self.config, self.plugins)
+        self.default_sampling = sampling_defaults(self.config)
+        self.chat_template = configured_chat_template(self.config)
         self.engine_client: EngineCoreClient
         try:
             self.engine_client, self.tokenizer = start_engine(self.config)
@@ -79,7 +82,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in input order.
@@ -91,6 +94,8 @@ class LLM:
         ``EngineDeadError``; later calls run on the replicas that live.
         """
         prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidRequestError("priority needs one value per prompt")
@@ -108,6 +113,11 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the checkpoint's
+        generation_config.json values (config ``model.generation_config``), as vLLM's."""
+        return SamplingParams(**self.default_sampling)
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
@@ -116,7 +126,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate.
@@ -127,6 +137,7 @@ class LLM:
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        chat_template = chat_template or self.chat_template
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; pass chat_template=... or use "
@@ -223,8 +234,8 @@ class LLM:
                 for _, output in ready:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
-                        if progress:
-                            progress(len(finished))
+                        if progress is not None:
+                            progress.update(1)
                 if (
                     not engine_outputs.outputs
                     and not self.output_processor.has_unfinished_requests()
@@ -233,6 +244,9 @@ class LLM:
         except BaseException:
             self._abort([rid for rid in request_ids if rid not in finished])
             raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[rid] for rid in request_ids if rid in finished]
 
     def _process_step(self, engine_outputs: Any) -> tuple[list, list[str]]:
@@ -317,12 +331,8 @@ class LLM:
             self.shutdown()
 
 
-def _progress(total: int) -> Callable[[int], None]:
-    import sys
+def _progress(total: int) -> Any:
+    """vLLM's progress bar (on stderr): prompts done, and their rate."""
+    from tqdm import tqdm
 
-    def report(done: int) -> None:
-        sys.stderr.write(f"\rprocessed {done}/{total} prompts")
-        if done == total:
-            sys.stderr.write("\n")
-
-    return report
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)

@@ -92,9 +92,13 @@ class _EngineProcess:
         self.input_socket.bind(input_address)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_address)
+        # In a process group of its own: a terminal's Ctrl-C goes to the frontend alone,
+        # which stops the engine (an interpreter still starting would die of it with a
+        # traceback). The engine exits on its own when the frontend is gone.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,
+            process_group=0,
         )
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()

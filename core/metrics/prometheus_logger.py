@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from enginecore.config import EngineConfig
 
 PREFIX = "enginecore:"
+#: vLLM's prefix: with ``observability.metrics_name_compat = "vllm"`` every metric is
+#: exported under it too (the names after the prefix are vLLM's own).
+VLLM_PREFIX = "vllm:"
 
 #: The registry used when none is passed: prometheus-client's default one.
 REGISTRY: CollectorRegistry = prometheus_client.REGISTRY
@@ -45,17 +48,18 @@ REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 
 
 class _Families:
-    """The metric families of one registry (created once, shared by its loggers)."""
+    """The metric families of one registry under one prefix (created once, shared by the
+    registry's loggers)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str = PREFIX) -> None:
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, LABELS, registry=registry)
+            return Gauge(prefix + name, doc, LABELS, registry=registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, (*LABELS, *extra), registry=registry)
+            return Counter(prefix + name, doc, (*LABELS, *extra), registry=registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=registry)
+            return Histogram(prefix + name, doc, LABELS, buckets=buckets, registry=registry)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -101,17 +105,18 @@ class _Families:
         )
 
 
-_families_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = (
+_families_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, _Families]] = (
     weakref.WeakKeyDictionary()
 )
 _families_lock = threading.Lock()
 
 
-def _families(registry: CollectorRegistry) -> _Families:
+def _families(registry: CollectorRegistry, prefix: str = PREFIX) -> _Families:
     with _families_lock:
-        families = _families_by_registry.get(registry)
+        by_prefix = _families_by_registry.setdefault(registry, {})
+        families = by_prefix.get(prefix)
         if families is None:
-            families = _families_by_registry[registry] = _Families(registry)
+            families = by_prefix[prefix] = _Families(registry, prefix)
         return families
 
 
@@ -133,12 +138,15 @@ class PrometheusStatLogger(StatLogger):
         self.registry = REGISTRY if registry is None else registry
         self.model_name = config.model.served_model_name or config.model.path or "unknown"
         self.metrics = _families(self.registry)
+        self.all_metrics = [self.metrics]
+        if config.observability.metrics_name_compat == "vllm":
+            self.all_metrics.append(_families(self.registry, VLLM_PREFIX))
         self.speculative = config.speculative.enabled
-        self._labels(engine_index)  # the series exist (at 0) before the first step
+        for m in self.all_metrics:
+            self._labels(m, engine_index)  # the series exist (at 0) before the first step
 
-    def _labels(self, engine_index: int) -> dict[str, str]:
+    def _labels(self, m: _Families, engine_index: int) -> dict[str, str]:
         labels = {"model_name": self.model_name, "engine": str(engine_index)}
-        m = self.metrics
         for metric in (
             m.num_requests_running,
             m.num_requests_waiting,
@@ -168,30 +176,39 @@ class PrometheusStatLogger(StatLogger):
             "model_name": self.model_name,
             "engine": str(engine_index or self.engine_index),
         }
-        m = self.metrics
-        if scheduler_stats is not None:
-            m.num_requests_running.labels(**labels).set(scheduler_stats.num_running_reqs)
-            m.num_requests_waiting.labels(**labels).set(scheduler_stats.num_waiting_reqs)
-            m.kv_cache_usage_perc.labels(**labels).set(scheduler_stats.kv_cache_usage)
-            m.prefix_cache_queries.labels(**labels).inc(scheduler_stats.prefix_cache_queries)
-            m.prefix_cache_hits.labels(**labels).inc(scheduler_stats.prefix_cache_hits)
-            m.num_preemptions.labels(**labels).inc(scheduler_stats.num_preemptions)
-            if scheduler_stats.spec_num_drafts:
-                s = scheduler_stats
-                m.spec_decode_num_drafts.labels(**labels).inc(s.spec_num_drafts)
-                m.spec_decode_num_draft_tokens.labels(**labels).inc(s.spec_num_draft_tokens)
-                m.spec_decode_num_accepted_tokens.labels(**labels).inc(s.spec_num_accepted_tokens)
-        if iteration_stats is None:
-            return
-        m.prompt_tokens.labels(**labels).inc(iteration_stats.num_prompt_tokens)
-        m.generation_tokens.labels(**labels).inc(iteration_stats.num_generation_tokens)
-        ttft = m.time_to_first_token.labels(**labels)
-        for value in iteration_stats.time_to_first_tokens:
-            ttft.observe(value)
-        itl = m.inter_token_latency.labels(**labels)
-        for value in iteration_stats.inter_token_latencies:
-            itl.observe(value)
-        for finished in iteration_stats.finished_requests:
-            m.request_success.labels(finished_reason=str(finished.finish_reason), **labels).inc()
-            m.e2e_request_latency.labels(**labels).observe(finished.e2e_latency)
-            m.request_queue_time.labels(**labels).observe(finished.queued_time)
+        for m in self.all_metrics:
+            _record(m, labels, scheduler_stats, iteration_stats)
+
+
+def _record(
+    m: _Families,
+    labels: dict[str, str],
+    scheduler_stats: SchedulerStats | None,
+    iteration_stats: IterationStats | None,
+) -> None:
+    if scheduler_stats is not None:
+        m.num_requests_running.labels(**labels).set(scheduler_stats.num_running_reqs)
+        m.num_requests_waiting.labels(**labels).set(scheduler_stats.num_waiting_reqs)
+        m.kv_cache_usage_perc.labels(**labels).set(scheduler_stats.kv_cache_usage)
+        m.prefix_cache_queries.labels(**labels).inc(scheduler_stats.prefix_cache_queries)
+        m.prefix_cache_hits.labels(**labels).inc(scheduler_stats.prefix_cache_hits)
+        m.num_preemptions.labels(**labels).inc(scheduler_stats.num_preemptions)
+        if scheduler_stats.spec_num_drafts:
+            s = scheduler_stats
+            m.spec_decode_num_drafts.labels(**labels).inc(s.spec_num_drafts)
+            m.spec_decode_num_draft_tokens.labels(**labels).inc(s.spec_num_draft_tokens)
+            m.spec_decode_num_accepted_tokens.labels(**labels).inc(s.spec_num_accepted_tokens)
+    if iteration_stats is None:
+        return
+    m.prompt_tokens.labels(**labels).inc(iteration_stats.num_prompt_tokens)
+    m.generation_tokens.labels(**labels).inc(iteration_stats.num_generation_tokens)
+    ttft = m.time_to_first_token.labels(**labels)
+    for value in iteration_stats.time_to_first_tokens:
+        ttft.observe(value)
+    itl = m.inter_token_latency.labels(**labels)
+    for value in iteration_stats.inter_token_latencies:
+        itl.observe(value)
+    for finished in iteration_stats.finished_requests:
+        m.request_success.labels(finished_reason=str(finished.finish_reason), **labels).inc()
+        m.e2e_request_latency.labels(**labels).observe(finished.e2e_latency)
+        m.request_queue_time.labels(**labels).observe(finished.queued_time)

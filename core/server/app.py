@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
 
 from enginecore.config import EngineConfig
+from enginecore.engine.preflight import check_port_free
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
@@ -128,13 +130,12 @@ async def serve(config: EngineConfig) -> None:
     """Start the engine, then serve HTTP until interrupted; the engine stops with it."""
     import uvicorn
 
-    from enginecore.engine.async_llm import AsyncLLM
-
     config = server_config(config)
     _show_info_logs()
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
-    engine = AsyncLLM(config=config, plugin_host=plugins)
+    check_port_free(config.server.host, config.server.port)
+    engine = _start_engine(config, plugins)
     try:
         app = build_app(config, engine)
         log_startup(app.state.ctx)
@@ -155,6 +156,19 @@ async def serve(config: EngineConfig) -> None:
         await uvicorn.Server(uv_config).serve()
     finally:
         engine.shutdown()
+
+
+def _start_engine(config: EngineConfig, plugins: Any) -> Any:
+    """The AsyncLLM, interruptible by Ctrl-C while it starts: asyncio's own SIGINT handler
+    only cancels the task, which a start-up blocking the loop would notice when done."""
+    from enginecore.engine.async_llm import AsyncLLM
+
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return AsyncLLM(config=config, plugin_host=plugins)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_server(config: EngineConfig) -> None:

@@ -19,7 +19,13 @@ from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
-from enginecore.server.sampling import check_model, check_prompt_logprobs, to_sampling_params
+from enginecore.server.sampling import (
+    check_max_tokens,
+    check_model,
+    check_prompt_logprobs,
+    to_sampling_params,
+    truncate_prompt,
+)
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -68,13 +74,29 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def chat_prompt_ids(
     ctx: ServerContext, body: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
+    """The rendered conversation; ``body`` is a chat or a ``/tokenize`` request."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true: send "
+            "add_generation_prompt false to continue the final message",
+            param="continue_final_message",
+        )
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise APIError(
+            400,
+            "continue_final_message needs the last message to be the assistant's, got "
+            f"role {body.messages[-1].role!r}",
+            param="continue_final_message",
+        )
     kwargs = dict(body.chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
     return ctx.engine.chat_prompt(
         message_dicts(body.messages),
-        chat_template=body.chat_template,
+        chat_template=getattr(body, "chat_template", None),
         add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
         chat_template_kwargs=kwargs or None,
     )
 
@@ -109,9 +131,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     num_top = None
     if body.logprobs:
         num_top = body.top_logprobs or 0
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    requested = body.max_completion_tokens or body.max_tokens
+    defaults = ctx.sampling_defaults
+    # The checkpoint's max_new_tokens is a default: the engine cuts it to what fits.
+    max_tokens = requested if requested is not None else defaults.get("max_tokens")
     params = to_sampling_params(
-        body, ctx.limits, max_tokens=max_tokens, logprobs=num_top, vocab_size=ctx.vocab_size
+        body,
+        ctx.limits,
+        max_tokens=max_tokens,
+        logprobs=num_top,
+        vocab_size=ctx.vocab_size,
+        defaults=defaults,
     )
     if check_prompt_logprobs(body.prompt_logprobs, ctx.limits) is not None:
         params = params.clone(prompt_logprobs=body.prompt_logprobs)
@@ -125,7 +155,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 param="tool_choice",
             )
         params = params.clone(structured_output=plan.structured_output)
-    prompt_ids = chat_prompt_ids(ctx, body, plan.tools)
+    prompt_ids = truncate_prompt(
+        chat_prompt_ids(ctx, body, plan.tools), body.truncate_prompt_tokens, engine.max_model_len
+    )
+    if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(
@@ -173,22 +208,25 @@ def _response(
         completion_tokens += len(completion.token_ids)
         logprobs = None
         if num_top is not None and completion.logprobs is not None:
-            logprobs = chat_logprobs(completion.logprobs, num_top, ctx.engine.tokenizer)
+            logprobs = chat_logprobs(
+                completion.logprobs, num_top, ctx.engine.tokenizer, body.return_tokens_as_token_ids
+            )
         reply, called = message(plan, completion.text)
         if echo and reply["content"] is not None:
             reply["content"] = echo + reply["content"]
         finish_reason = completion.finish_reason
         if called and plan.mode in ("auto", "required") and finish_reason == "stop":
             finish_reason = "tool_calls"
-        choices.append(
-            {
-                "index": completion.index,
-                "message": reply,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": completion.stop_reason,
-            }
-        )
+        choice = {
+            "index": completion.index,
+            "message": reply,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        choices.append(choice)
     prompt_tokens = len(output.prompt_token_ids)
     response = {
         "id": request_id,
@@ -201,6 +239,8 @@ def _response(
     }
     if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
         response["prompt_logprobs"] = raw_prompt_logprobs(output.prompt_logprobs)
+    if body.return_token_ids:
+        response["prompt_token_ids"] = output.prompt_token_ids
     return response
 
 
@@ -213,58 +253,64 @@ async def _stream(
     num_top: int | None,
     plan: ToolPlan,
 ) -> AsyncIterator[str]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     base = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": ctx.model_name,
     }
+    prompt_tokens = completion_tokens = 0
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        data = {**base, "choices": choices}
-        if include_usage:
+    def chunk(choice: dict[str, Any], **extra: Any) -> str:
+        # One choice per chunk, as OpenAI and vLLM stream them.
+        data = {**base, "choices": [choice], **extra}
+        if continuous_usage:
+            data["usage"] = usage(prompt_tokens, completion_tokens)
+        elif include_usage:
             data["usage"] = None
         return sse(data)
 
-    prompt_tokens = completion_tokens = 0
     try:
         # The role comes first, for every choice, before any token is generated.
-        yield chunk(
-            [
+        for i in range(body.n):
+            yield chunk(
                 {
                     "index": i,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                for i in range(body.n)
-            ]
-        )
+            )
         echo = _echo_text(body)
         if echo:
-            yield chunk(
-                [
+            for i in range(body.n):
+                yield chunk(
                     {
                         "index": i,
                         "delta": {"content": echo},
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    for i in range(body.n)
-                ]
-            )
+                )
         tool_streams = {i: plan.stream() for i in range(body.n)}
+        sent_prompt_ids = False
         async for output in ctx.engine.stream(collector):
             prompt_tokens = len(output.prompt_token_ids)
-            choices = []
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
                     continue
                 logprobs = None
                 if num_top is not None and completion.logprobs:
-                    logprobs = chat_logprobs(completion.logprobs, num_top, ctx.engine.tokenizer)
+                    logprobs = chat_logprobs(
+                        completion.logprobs,
+                        num_top,
+                        ctx.engine.tokenizer,
+                        body.return_tokens_as_token_ids,
+                    )
                 tools = tool_streams[completion.index]
                 finished = completion.finish_reason is not None
                 delta = tools.delta(completion.text, finished)
@@ -273,16 +319,19 @@ async def _stream(
                     finish_reason = "tool_calls"
                 if not (delta or logprobs or finish_reason):
                     continue  # text held back (it may begin a tool call)
-                choices.append(
-                    {
-                        "index": completion.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason,
-                    }
-                )
-            if choices:
-                yield chunk(choices)
+                choice = {
+                    "index": completion.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+                extra = {}
+                if body.return_token_ids:
+                    choice["token_ids"] = completion.token_ids
+                    if not sent_prompt_ids:
+                        extra["prompt_token_ids"] = output.prompt_token_ids
+                        sent_prompt_ids = True
+                yield chunk(choice, **extra)
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     except EngineCoreError as exc:

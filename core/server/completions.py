@@ -24,7 +24,13 @@ from enginecore.server.logprobs import (
     raw_prompt_logprobs,
 )
 from enginecore.server.protocol import CompletionRequest, usage
-from enginecore.server.sampling import check_model, check_prompt_logprobs, to_sampling_params
+from enginecore.server.sampling import (
+    check_max_tokens,
+    check_model,
+    check_prompt_logprobs,
+    to_sampling_params,
+    truncate_prompt,
+)
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -47,6 +53,57 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _engine_prompt(
+    ctx: ServerContext, body: CompletionRequest, prompt: str | list[int]
+) -> dict[str, Any]:
+    """Token ids here, not in the engine: ``truncate_prompt_tokens`` and the ``max_tokens``
+    check need them. A truncated prompt's text is decoded from what is left (for ``echo``)."""
+    engine = ctx.engine
+    text = prompt if isinstance(prompt, str) else None
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
+    if len(kept) != len(ids):
+        text = None
+    if 0 < len(kept) < engine.max_model_len:  # else the engine names the prompt's fault
+        check_max_tokens(body.max_tokens, len(kept), engine.max_model_len)
+    return (
+        {"prompt": text, "prompt_token_ids": kept}
+        if text is not None
+        else {"prompt_token_ids": kept}
+    )
+
+
+def _num_candidates(body: CompletionRequest, max_n: int) -> int:
+    """``best_of``: how many samples to draw for each prompt (``n`` without it)."""
+    if body.suffix is not None:
+        raise APIError(
+            400,
+            "suffix is not supported: no model served here fills in the middle",
+            param="suffix",
+        )
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise APIError(400, f"best_of ({best_of}) must be at least n ({body.n})", param="best_of")
+    if best_of > max_n:
+        raise APIError(400, f"best_of must be at most {max_n}, got {best_of}", param="best_of")
+    if body.stream and best_of != body.n:
+        raise APIError(
+            400,
+            "best_of must equal n when streaming (the best are known only at the end)",
+            param="best_of",
+        )
+    return best_of
+
+
+def _best(output: RequestOutput, n: int) -> list[Any]:
+    """The ``n`` candidates with the highest cumulative logprob, re-indexed from 0."""
+    ranked = sorted(output.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
+    ranked.sort(key=lambda c: c.index)
+    for index, completion in enumerate(ranked):
+        completion.index = index
+    return ranked
+
+
 async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     last = None
     async for output in stream:
@@ -66,11 +123,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         max_tokens=body.max_tokens,
         logprobs=body.logprobs,
         vocab_size=ctx.vocab_size,
+        defaults=ctx.sampling_defaults,
     )
+    candidates = _num_candidates(body, ctx.limits.max_n)
+    if candidates != body.n:
+        # Ranking needs each candidate's cumulative logprob, which logprobs=0 yields.
+        logprobs = 0 if body.logprobs is None else body.logprobs
+        params = params.clone(n=candidates, logprobs=logprobs)
     prompt_logprobs = _prompt_logprobs(body, ctx.limits)
     if prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=prompt_logprobs)
-    prompts = _prompts(body.prompt)
+    prompts = [_engine_prompt(ctx, body, p) for p in _prompts(body.prompt)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collectors = []
@@ -121,7 +184,11 @@ def _echo_logprobs(
     if not body.echo or body.logprobs is None or output.prompt_logprobs is None:
         return None
     return echoed_prompt_logprobs(
-        output.prompt_token_ids, output.prompt_logprobs, body.logprobs, ctx.engine.tokenizer
+        output.prompt_token_ids,
+        output.prompt_logprobs,
+        body.logprobs,
+        ctx.engine.tokenizer,
+        body.return_tokens_as_token_ids,
     )
 
 
@@ -144,12 +211,16 @@ def _response(
         prompt_tokens += len(output.prompt_token_ids)
         prefix = _prompt_text(ctx, output) if body.echo else ""
         echoed = _echo_logprobs(ctx, body, output)
-        for completion in output.outputs:
-            completion_tokens += len(completion.token_ids)
+        completion_tokens += sum(len(c.token_ids) for c in output.outputs)  # all candidates
+        for completion in _best(output, body.n):
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
                 logprobs = completion_logprobs(
-                    completion.logprobs, body.logprobs, ctx.engine.tokenizer, len(prefix)
+                    completion.logprobs,
+                    body.logprobs,
+                    ctx.engine.tokenizer,
+                    len(prefix),
+                    body.return_tokens_as_token_ids,
                 )
             if echoed is not None:
                 logprobs = concat_logprobs(echoed, logprobs)
@@ -162,6 +233,9 @@ def _response(
             }
             if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = raw_prompt_logprobs(output.prompt_logprobs)
+            if body.return_token_ids:
+                choice["prompt_token_ids"] = output.prompt_token_ids
+                choice["token_ids"] = completion.token_ids
             choices.append(choice)
     choices.sort(key=lambda c: c["index"])
     return {
@@ -183,7 +257,9 @@ async def _stream(
     created: int,
     collectors: list,
 ) -> AsyncIterator[str]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     engine = ctx.engine
     prompt_tokens: dict[int, int] = {}
     completion_tokens = 0
@@ -194,12 +270,12 @@ async def _stream(
         streams = [engine.stream(c) for c in collectors]
         async for p_index, output in merge_streams(streams):
             prompt_tokens[p_index] = len(output.prompt_token_ids)
-            choices = []
             for completion in output.outputs:
                 index = p_index * body.n + completion.index
                 text = completion.text
                 echoed = None
-                if body.echo and index not in offsets:
+                first = index not in offsets
+                if body.echo and first:
                     text = _prompt_text(ctx, output) + text
                     echoed = _echo_logprobs(ctx, body, output)
                 offset = offsets.get(index, 0)
@@ -211,22 +287,30 @@ async def _stream(
                 if body.logprobs is not None and completion.logprobs is not None:
                     start = offset + (len(text) - len(completion.text))
                     logprobs = completion_logprobs(
-                        completion.logprobs, body.logprobs, engine.tokenizer, start
+                        completion.logprobs,
+                        body.logprobs,
+                        engine.tokenizer,
+                        start,
+                        body.return_tokens_as_token_ids,
                     )
                 if echoed is not None:
                     logprobs = concat_logprobs(echoed, logprobs)
-                choices.append(
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": completion.finish_reason,
-                        "stop_reason": completion.stop_reason,
-                    }
-                )
-            if choices:
-                chunk = {**base, "choices": choices}
-                if include_usage:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+                if body.return_token_ids:
+                    if first:
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                    choice["token_ids"] = completion.token_ids
+                # One choice per chunk, as OpenAI and vLLM stream them.
+                chunk = {**base, "choices": [choice]}
+                if continuous_usage:
+                    chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+                elif include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
         if include_usage:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
 from enginecore.config import EngineConfig, ServerConfig
+from enginecore.engine.model_defaults import sampling_defaults
+
+logger = logging.getLogger("enginecore.server")
 
 
 @dataclass
@@ -26,6 +31,14 @@ class ServerContext:
     @property
     def model_path(self) -> str:
         return self.config.model.path
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's generation_config.json values for fields a request leaves out."""
+        defaults = sampling_defaults(self.config)
+        if defaults:
+            logger.info("sampling defaults from the checkpoint's generation_config: %s", defaults)
+        return defaults
 
     @property
     def vocab_size(self) -> int:

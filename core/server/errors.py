@@ -76,7 +76,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc)
         param = param or (loc[0] if loc else None)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        msg = err.get("msg")
+        if err.get("type") == "extra_forbidden":
+            # Never silently ignored: the request would succeed without what it asked for.
+            msg = "this server does not support this field (docs/serving.md lists those it does)"
+        parts.append(f"{where}: {msg}" if where else str(msg))
     return "; ".join(parts) or "invalid request", param
 
 

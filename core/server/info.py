@@ -1,16 +1,18 @@
 """Read-only endpoints: ``/health``, ``/metrics``, ``/version``, ``/v1/models``,
-``/tokenize`` and ``/detokenize``."""
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import prometheus_client
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from enginecore.errors import EngineCoreError
-from enginecore.server.chat import message_dicts
+from enginecore.server.chat import chat_prompt_ids
 from enginecore.server.context import context
 from enginecore.server.errors import error_response
 from enginecore.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -78,11 +80,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
     if body.messages is not None:
         tools = [t.model_dump(exclude_unset=True) for t in body.tools or []]
-        tokens = engine.chat_prompt(
-            message_dicts(body.messages),
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template_kwargs={"tools": tools} if tools else None,
-        )
+        tokens = chat_prompt_ids(ctx, body, tools or None)
     else:
         tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return JSONResponse(
@@ -99,3 +97,29 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     if bad:
         return error_response(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})
+
+
+def _json_ready(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's ``/tokenizer_info``: the tokenizer's class, its configuration and the chat
+    template, for clients that tokenize on their side."""
+    ctx = context(request)
+    tokenizer = ctx.engine.tokenizer
+    info: dict[str, Any] = {
+        key: value
+        for key, value in getattr(tokenizer, "init_kwargs", {}).items()
+        if _json_ready(value)
+    }
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["chat_template"] = ctx.engine.chat_template or getattr(tokenizer, "chat_template", None)
+    info["vocab_size"] = ctx.vocab_size
+    info["max_model_len"] = ctx.engine.max_model_len
+    return JSONResponse(info)

@@ -7,7 +7,10 @@ from typing import Any
 from enginecore.engine.output import Logprob
 
 
-def _token(token_id: int, lp: Logprob, tokenizer: Any) -> str:
+def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> str:
+    """The token as text; ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): ``token_id:N``."""
+    if as_ids:
+        return f"token_id:{token_id}"
     if lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id])
@@ -22,22 +25,28 @@ def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple, li
 
 
 def completion_logprobs(
-    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any, text_offset: int = 0
+    entries: list[dict[int, Logprob]],
+    num_top: int,
+    tokenizer: Any,
+    text_offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` shape: parallel lists, ``top_logprobs`` as dicts."""
+    """The ``/v1/completions`` shape: parallel lists, ``top_logprobs`` as dicts. Like
+    OpenAI's, each ``top_logprobs`` dict holds the sampled token too when it is not among
+    the top N (N + 1 entries then)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
         if not entry:
             continue
         (token_id, lp), top = _sampled_and_top(entry, num_top)
-        text = _token(token_id, lp, tokenizer)
+        text = _token(token_id, lp, tokenizer, as_ids)
         tokens.append(text)
         token_logprobs.append(lp.logprob)
-        shown = top or [(token_id, lp)]
-        top_logprobs.append({_token(t, p, tokenizer): p.logprob for t, p in shown})
+        shown = top if any(t == token_id for t, _ in top) else [*top, (token_id, lp)]
+        top_logprobs.append({_token(t, p, tokenizer, as_ids): p.logprob for t, p in shown})
         offsets.append(offset)
-        offset += len(text)
+        offset += len(_token(token_id, lp, tokenizer))  # offsets count the text
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -51,6 +60,7 @@ def echoed_prompt_logprobs(
     entries: list[dict[int, Logprob] | None],
     num_top: int,
     tokenizer: Any,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The prompt part of ``/v1/completions`` logprobs with ``echo``: the first token has
     ``null`` logprob and ``null`` top_logprobs (nothing precedes it), like OpenAI/vLLM."""
@@ -59,12 +69,16 @@ def echoed_prompt_logprobs(
     for token_id, entry in zip(prompt_token_ids, entries, strict=True):
         if entry is None:
             text, value, top = tokenizer.decode([token_id]), None, None
+            shown_text = f"token_id:{token_id}" if as_ids else text
         else:
             lp = entry[token_id]
             text, value = _token(token_id, lp, tokenizer), lp.logprob
+            shown_text = _token(token_id, lp, tokenizer, as_ids)
             _, ranked = _sampled_and_top(entry, num_top)
-            top = {_token(t, p, tokenizer): p.logprob for t, p in (ranked or [(token_id, lp)])}
-        tokens.append(text)
+            if not any(t == token_id for t, _ in ranked):
+                ranked = [*ranked, (token_id, lp)]
+            top = {_token(t, p, tokenizer, as_ids): p.logprob for t, p in ranked}
+        tokens.append(shown_text)
         token_logprobs.append(value)
         top_logprobs.append(top)
         offsets.append(offset)
@@ -98,13 +112,13 @@ def concat_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dic
     return {key: first[key] + second[key] for key in first}
 
 
-def _chat_item(token_id: int, lp: Logprob, tokenizer: Any) -> dict[str, Any]:
-    text = _token(token_id, lp, tokenizer)
+def _chat_item(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool) -> dict[str, Any]:
+    text = _token(token_id, lp, tokenizer, as_ids)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(
-    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any
+    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any, as_ids: bool = False
 ) -> dict[str, Any]:
     """The ``/v1/chat/completions`` shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     content = []
@@ -112,7 +126,7 @@ def chat_logprobs(
         if not entry:
             continue
         (token_id, lp), top = _sampled_and_top(entry, num_top)
-        item = _chat_item(token_id, lp, tokenizer)
-        item["top_logprobs"] = [_chat_item(t, p, tokenizer) for t, p in top]
+        item = _chat_item(token_id, lp, tokenizer, as_ids)
+        item["top_logprobs"] = [_chat_item(t, p, tokenizer, as_ids) for t, p in top]
         content.append(item)
     return {"content": content}

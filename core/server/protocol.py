@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, for the HTTP layer only) and the server's own endpoints'.
 
-Unknown fields are ignored (clients send fields this engine does not implement); a field
-of the wrong type is a 400. Fields after the OpenAI ones are enginecore extensions.
+A field this server does not know is a 400 naming it (a request written for a vLLM feature
+we lack must not succeed without it); a field of the wrong type is a 400 too. Fields after
+the OpenAI ones are vLLM's and enginecore's extensions.
 """
 
 from __future__ import annotations
@@ -15,8 +16,27 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Body):
+class _StrictBody(BaseModel):
+    """A request body whose unknown fields are refused (400 naming each one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_StrictBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM: every chunk carries the running ``usage``."""
+
+
+class StructuredOutputs(_StrictBody):
+    """vLLM's ``structured_outputs`` request field (formerly the ``guided_*`` fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class JSONSchemaFormat(_Body):
@@ -35,7 +55,7 @@ class ResponseFormat(_Body):
     json_schema: JSONSchemaFormat | None = None
 
 
-class SamplingFields(_Body):
+class SamplingFields(_StrictBody):
     """Fields completions and chat share."""
 
     model: str | None = None
@@ -73,6 +93,17 @@ class SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's other extensions.
+    return_token_ids: bool = False
+    """The prompt's and each choice's token ids in the response (``prompt_token_ids``,
+    ``token_ids``)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens as ``"token_id:N"`` (for tokens that are not valid text alone)."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """Keep only the prompt's last N tokens (-1: as many as ``max_model_len`` allows)."""
+    use_beam_search: bool = False
+    """Refused when true: this server has no beam search."""
 
 
 class CompletionRequest(SamplingFields):
@@ -80,6 +111,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    """Sample this many candidates and return the ``n`` with the highest cumulative
+    logprob (not with streaming, where it must equal ``n``)."""
+    suffix: str | None = None
+    """Refused when given: no model served here fills in the middle."""
     # --- enginecore extensions ---
     prompt_logprobs: int | None = None
     """Top-N logprobs of each prompt token (vLLM extension; returned as each choice's
@@ -133,11 +169,14 @@ class ChatCompletionRequest(SamplingFields):
     """Like vLLM: prefix the reply with the last message's content when that message has
     the reply's role (``assistant``): a continued partial assistant turn."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the last (assistant) message as an open turn the reply continues (vLLM);
+    cannot be combined with ``add_generation_prompt``."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_StrictBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -145,9 +184,11 @@ class TokenizeRequest(_Body):
     """Passed to the chat template with ``messages``, as in a chat request."""
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_StrictBody):
     model: str | None = None
     tokens: list[int]
 

@@ -10,12 +10,16 @@ from enginecore.params import SamplingParams, StructuredOutputParams
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import SamplingFields
 
+#: vLLM's seed bounds: any 64-bit signed integer (``-1`` included).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 def check_model(requested: str | None, served: str, path: str) -> None:
-    """A request may name the served model (or its path), or leave ``model`` out."""
+    """A request may name the served model (or its path), or leave ``model`` out; any other
+    name is a 404, as OpenAI and vLLM answer it."""
     if requested is not None and requested not in (served, path):
         raise APIError(
-            400,
+            404,
             f"the model {requested!r} does not exist; this server serves {served!r}",
             param="model",
         )
@@ -51,9 +55,40 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     return bias
 
 
+def _structured_outputs_field(req: SamplingFields) -> dict[str, Any] | None:
+    """vLLM's ``structured_outputs`` object -> the engine's constraint fields."""
+    spec = req.structured_outputs
+    if spec is None:
+        return None
+    if spec.structural_tag is not None:
+        raise APIError(
+            400,
+            "structured_outputs.structural_tag is not supported by this server (supported: "
+            "json, json_object, regex, choice, grammar)",
+            param="structured_outputs",
+        )
+    fields = {
+        key: value
+        for key, value in (
+            ("json", spec.json_),
+            ("regex", spec.regex),
+            ("choice", spec.choice),
+            ("grammar", spec.grammar),
+        )
+        if value is not None
+    }
+    if spec.json_object:
+        fields["json_object"] = True
+    return fields
+
+
 def structured_output(req: SamplingFields) -> StructuredOutputParams | None:
-    """``response_format`` or one of the ``guided_*`` extras -> the engine's constraint."""
+    """``response_format``, ``structured_outputs`` or one of the ``guided_*`` extras -> the
+    engine's constraint."""
     given: dict[str, dict[str, Any]] = {}
+    outputs = _structured_outputs_field(req)
+    if outputs is not None:
+        given["structured_outputs"] = outputs
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         given["response_format"] = {"json_object": True}
@@ -96,10 +131,24 @@ def to_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     vocab_size: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Validate bounds (400 on violation) and build the engine's sampling parameters."""
+    """Validate bounds (400 on violation) and build the engine's sampling parameters;
+    ``defaults`` (the checkpoint's generation_config) fill the fields the request left out."""
+    defaults = defaults or {}
     if req.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    if req.use_beam_search:
+        raise APIError(
+            400,
+            "use_beam_search: beam search is not supported by this server; sample instead "
+            "(n, temperature, best_of on /v1/completions)",
+            param="use_beam_search",
+        )
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     limit = limits.max_tokens_limit
     if limit is not None:
         if max_tokens is not None and max_tokens > limit:
@@ -113,8 +162,8 @@ def to_sampling_params(
             f"logprobs must be at most {limits.max_logprobs}, got {logprobs}",
             param="logprobs",
         )
-    if req.seed is not None and not 0 <= req.seed < 2**63:
-        raise APIError(400, f"seed must be in [0, 2**63), got {req.seed}", param="seed")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
     if req.stop_token_ids:
         _check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
     extra: dict[str, Any] = dict(req.metadata or {})
@@ -123,6 +172,8 @@ def to_sampling_params(
     optional: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             optional[name] = value
     return SamplingParams(
@@ -155,3 +206,34 @@ def check_prompt_logprobs(wanted: int | None, limits: ServerConfig) -> int | Non
             param="prompt_logprobs",
         )
     return wanted
+
+
+def check_max_tokens(
+    max_tokens: int | None, prompt_len: int, max_model_len: int, param: str = "max_tokens"
+) -> None:
+    """vLLM's rule: asking for more tokens than the context leaves after the prompt is a 400
+    (never a silent cut)."""
+    if max_tokens is not None and max_tokens > max_model_len - prompt_len:
+        raise APIError(
+            400,
+            f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_len}).",
+            param=param,
+        )
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as
+    ``max_model_len`` holds)."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    return token_ids[-keep:] if keep else []

@@ -119,23 +119,39 @@ def _describe(choice: Any) -> str:
 
 
 def _required_schema(tools: list[Any], parallel: bool) -> dict[str, Any]:
-    """A JSON array of ``{"name": ..., "parameters": {...}}``, each one of the tools."""
-    items = {
-        "anyOf": [
+    """A JSON array of ``{"name": ..., "parameters": {...}}``, each one of the tools.
+
+    Each tool's ``$defs`` (and ``definitions``) move to the top of the combined schema, where
+    its ``$ref`` pointers (``#/$defs/...``, relative to the document root) find them."""
+    lifted: dict[str, dict[str, Any]] = {}
+    variants = []
+    for t in tools:
+        parameters = dict(_parameters(t))
+        for key in ("$defs", "definitions"):
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                known = lifted.setdefault(key, {})
+                if name in known and known[name] != definition:
+                    raise APIError(
+                        400,
+                        f"tools: {key} {name!r} is defined differently by two tools; "
+                        "tool_choice 'required' combines their schemas, so rename one",
+                        param="tools",
+                    )
+                known[name] = definition
+        variants.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [t.function.name]},
-                    "parameters": _parameters(t),
+                    "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
             }
-            for t in tools
-        ]
-    }
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         schema["maxItems"] = 1
+    schema.update(lifted)
     return schema
 
 

@@ -1,0 +1,48 @@
+"""Checks that run in the frontend before any process starts: a mistake in a name or a
+path fails in a second with one line saying what would be valid, not after the engine
+process has imported torch and reported it from there."""
+
+from __future__ import annotations
+
+import errno
+import pathlib
+import socket
+
+from enginecore.config import EngineConfig
+from enginecore.errors import ConfigError
+
+
+def check_model_path(config: EngineConfig) -> None:
+    """The model is a checkpoint directory (with ``config.json``) or a ``.gguf`` file."""
+    source = config.model.path
+    if not source:
+        raise ConfigError("no model given: pass a checkpoint directory or .gguf file as 'model'")
+    path = pathlib.Path(source)
+    if not path.exists():
+        raise ConfigError(f"model path {source!r} does not exist")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(
+            f"model path {source!r} is a file but not a .gguf file: give a checkpoint "
+            "directory (with config.json) or a .gguf file"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model path {source!r} is not a checkpoint: it has no config.json (give a "
+            "Hugging Face checkpoint directory or a .gguf file)"
+        )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The HTTP port can be bound (checked before the engine starts, not after)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"port {port} on {host} is already in use: stop what listens there or "
+                    "pick another with --port"
+                ) from None
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
