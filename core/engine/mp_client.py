@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from enginecore.config import EngineConfig
+from enginecore.distributed import replica_env
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
 from enginecore.errors import EngineCoreError, EngineDeadError
@@ -86,9 +88,12 @@ class _EngineProcess:
         self.input_socket.bind(input_address)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_address)
+        # A local data-parallel replica learns its index: its ranks take their own devices.
+        env = {**os.environ, **replica_env(config.parallel, engine_index)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,
+            env=env,
         )
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()
