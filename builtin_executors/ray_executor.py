@@ -16,7 +16,7 @@ is configured a private local cluster is started, bound to 127.0.0.1 (never expo
   go out as one ``step`` task per actor, so a step costs one Ray round, not two;
 - death: each actor runs a ``wait_forever`` task in its own concurrency group; when the
   actor dies (or its node does) that task fails, and the monitor thread fails every
-  pending call and reports ``rank N (pid P) died`` through the failure callbacks.
+  pending call and reports ``rank N (pid P, node IP) died`` through the failure callbacks.
 
 Ray is an optional dependency: ``pip install 'enginecore[ray]'``.
 """
@@ -91,6 +91,11 @@ class RayWorkerActor:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def start(self, config_bytes: bytes, spec_bytes: bytes, init_method: str) -> tuple:
         """Build, join the process group, load weights. Returns ``(ok, pid or error)``."""
@@ -169,8 +174,16 @@ def _actor_class(ray: Any) -> Any:
     return ray.remote(concurrency_groups={"monitor": 1})(EngineCoreRankActor)
 
 
+#: Texts of a collective broken by a peer's death: such a rank error waits for the death.
+_BROKEN_COLLECTIVE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _combine(
-    futures: list[Future], reply_rank: int | None, name: str, on_death: Callable
+    futures: list[Future],
+    reply_rank: int | None,
+    name: str,
+    on_death: Callable,
+    on_error: Callable[[int, str, str], BaseException],
 ) -> Future:
     """One Future over every rank's Future: results by rank, or the first rank error."""
     combined: Future = Future()
@@ -188,7 +201,12 @@ def _combine(
             settle(combined.set_exception, on_death(rank, exc))
             return
         if not ok:
-            settle(combined.set_exception, RankError(rank, name, payload))
+            # on_error may wait for a peer's death notice: never on Ray's callback thread.
+            threading.Thread(
+                target=lambda: settle(combined.set_exception, on_error(rank, name, payload)),
+                name="enginecore-ray-rank-error",
+                daemon=True,
+            ).start()
             return
         with lock:
             results[rank] = payload
@@ -217,6 +235,10 @@ def _copy_outcome(source: Future, target: Future) -> None:
 class RayExecutor(Executor):
     """Ranks as Ray actors; the same Worker code as ``mp``."""
 
+    #: Seconds a rank error from a broken collective waits for a peer's death notice
+    #: (Ray's default node health checks declare a lost node dead after ~30 s).
+    DEATH_GRACE_S = 45.0
+
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         ray = self.ray = _import_ray()
@@ -232,6 +254,7 @@ class RayExecutor(Executor):
         self._started_ray = False
         self.actors: list[Any] = []
         self.pids: list[int] = []
+        self.node_ips: list[str] = []
         self.placement: Placement | None = None
         # execute_model's scheduler output and Future, held until sample_tokens sends both.
         self._held_step: tuple[SchedulerOutput, Future] | None = None
@@ -313,6 +336,7 @@ class RayExecutor(Executor):
             if not ok:
                 raise WorkerStartupError(rank, payload)
         self.pids = [ray.get(r)[1] for r in refs]
+        self.node_ips = ray.get([a.node_ip.remote() for a in self.actors], timeout=timeout)
         self._sentinels = [a.wait_forever.remote() for a in self.actors]
 
     # --- calls ------------------------------------------------------------------------------
@@ -350,7 +374,13 @@ class RayExecutor(Executor):
         else:
             data = encode_call(0, method, args, kwargs, unique_reply_rank)
         refs = [getattr(actor, actor_method).remote(data) for actor in self.actors]
-        future = _combine([r.future() for r in refs], unique_reply_rank, name, self._death_error)
+        future = _combine(
+            [r.future() for r in refs],
+            unique_reply_rank,
+            name,
+            self._death_error,
+            self._rank_error,
+        )
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -416,11 +446,26 @@ class RayExecutor(Executor):
         with self._lock:
             self._pending.discard(future)
 
+    def _rank_error(self, rank: int, method: str, text: str) -> BaseException:
+        """A rank raised. When a peer's node or process died and broke the collective,
+        report that death (Ray notices it within its health-check period) instead."""
+        if self.world_size > 1 and any(marker in text for marker in _BROKEN_COLLECTIVE):
+            deadline = time.monotonic() + self.DEATH_GRACE_S
+            while self._dead is None and not self._closing and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._dead is not None:
+                return WorkerDiedError(self._dead, self._dead_rank)
+        return RankError(rank, method, text)
+
     def _death_error(self, rank: int, exc: BaseException) -> BaseException:
-        pid = self.pids[rank] if rank < len(self.pids) else "?"
         return WorkerDiedError(
-            f"rank {rank} (pid {pid}) died: {type(exc).__name__}: {str(exc)[:300]}", rank
+            f"{self._describe_rank(rank)} died: {type(exc).__name__}: {str(exc)[:300]}", rank
         )
+
+    def _describe_rank(self, rank: int) -> str:
+        pid = self.pids[rank] if rank < len(self.pids) else "?"
+        node = f", node {self.node_ips[rank]}" if rank < len(self.node_ips) else ""
+        return f"rank {rank} (pid {pid}{node})"
 
     # --- the death chain --------------------------------------------------------------------
 
@@ -439,10 +484,10 @@ class RayExecutor(Executor):
             try:
                 ray.get(done[0])
                 reason = "its monitor task returned"
-            except Exception as exc:
-                reason = f"{type(exc).__name__}"
-            pid = self.pids[rank] if rank < len(self.pids) else "?"
-            message = f"rank {rank} (pid {pid}) died ({reason})"
+            except Exception as exc:  # ActorDiedError: says whether the node was lost
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+            message = f"{self._describe_rank(rank)} died ({reason})"
             logger.error("%s", message)
             with self._lock:
                 self._dead, self._dead_rank = message, rank

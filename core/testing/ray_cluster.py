@@ -15,6 +15,7 @@ latency or bandwidth limits between nodes), separate GPUs, or separate file syst
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+#: A lost node is declared dead within ~3 s (Ray's defaults take ~30 s on a real cluster).
+HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 
 
 def _free_port(host: str) -> int:
@@ -94,7 +103,12 @@ class SimulatedRayCluster:
         ]
         if head:
             port = _free_port(ip)
-            args += ["--head", f"--port={port}", "--include-dashboard=false"]
+            args += [
+                "--head",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--system-config={json.dumps(HEALTH_CHECKS)}",
+            ]
             self.address = f"{ip}:{port}"
         else:
             args.append(f"--address={self.address}")
