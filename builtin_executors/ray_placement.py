@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,10 +103,9 @@ def place_ranks(ray: Any, bundle: dict[str, float], tp: int, pp: int, timeout: f
     from ray.util.placement_group import placement_group, placement_group_table
 
     check_shape_fits(ray.nodes(), bundle, tp, pp)
+    tag = f"enginecore-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # unique per executor
     groups = [
-        placement_group(
-            [dict(bundle)] * tp, strategy="STRICT_PACK", name=f"enginecore-tp{s}-{os.getpid()}"
-        )
+        placement_group([dict(bundle)] * tp, strategy="STRICT_PACK", name=f"{tag}-stage{s}")
         for s in range(pp)
     ]
     placement = Placement(groups, [], owned=True)
@@ -135,5 +135,5 @@ def remove_groups(placement: Placement) -> None:
     from ray.util.placement_group import remove_placement_group
 
     for group in placement.groups:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the cluster may already be gone
             remove_placement_group(group)
