@@ -1,12 +1,13 @@
 """A Ray cluster of several nodes on one machine, for tests and benchmarks.
 
 Each node is a real ``ray start --block`` (its own raylet, object store and workers) with
-its own node address on the loopback network (``127.0.0.1``, ``127.0.0.2``, ...: Linux
-routes all of 127.0.0.0/8 to ``lo``), its own temporary directory, a logical CPU count and
-a resource naming it (``{"enginecore_node_<name>": 1}``). The node processes live in
-their own session, so :meth:`SimulatedRayCluster.stop` ends exactly them, never another
-Ray on the machine (``ray stop`` would stop every one). :meth:`kill_node` SIGKILLs one
-node's processes, as a machine loss would.
+its own node address on the loopback network (``127.0.0.2``, ``127.0.0.3``, ...: Linux
+routes all of 127.0.0.0/8 to ``lo``; the head, started on ``127.0.0.1``, is given the
+machine's own address by Ray, as a real head would have), its own temporary directory, a
+logical CPU count and a resource naming it (``{"enginecore_node_<name>": 1}``). The node processes live in their own session, so
+:meth:`SimulatedRayCluster.stop` ends exactly them, never another Ray on the machine
+(``ray stop`` would stop every one). :meth:`kill_node` SIGKILLs one node's processes, as
+a machine loss would.
 
 What this does not simulate: separate kernels and network stacks (so no packet loss,
 latency or bandwidth limits between nodes), separate GPUs, or separate file systems.
@@ -68,6 +69,11 @@ class SimulatedRayCluster:
     start_timeout: float = 60.0
     nodes: list[SimulatedNode] = field(default_factory=list)
     address: str = ""
+    #: Ray reads its authentication mode once per process, from the environment, and a
+    #: shared ``~/.ray/auth_token`` would switch new nodes to token mode behind the drivers'
+    #: back: the mode is set explicitly (off: every node and driver is on this machine's
+    #: loopback; a real cluster runs ``RAY_AUTH_MODE=token`` everywhere).
+    auth_env: dict[str, str] = field(default_factory=lambda: {"RAY_AUTH_MODE": "disabled"})
 
     def __enter__(self) -> SimulatedRayCluster:
         try:
@@ -102,7 +108,7 @@ class SimulatedRayCluster:
             "--disable-usage-stats",
         ]
         if head:
-            port = _free_port(ip)
+            port = _free_port("")  # the GCS listens on every interface
             args += [
                 "--head",
                 f"--port={port}",
@@ -112,7 +118,7 @@ class SimulatedRayCluster:
             self.address = f"{ip}:{port}"
         else:
             args.append(f"--address={self.address}")
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**os.environ, **self.auth_env, "RAY_USAGE_STATS_ENABLED": "0"}
         proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
@@ -137,7 +143,11 @@ class SimulatedRayCluster:
             "    time.sleep(0.3)\n"
             "sys.exit(3)\n"
         )
-        waiter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, **self.auth_env},
+        )
         try:
             while waiter.poll() is None:
                 for node in self.nodes:
