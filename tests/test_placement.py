@@ -100,3 +100,15 @@ def test_stages_are_ordered_driver_node_first_then_by_address() -> None:
     # the driver sits on n-c: its stage becomes stage 0; n-b's two stages stay adjacent
     assert order_stages_by_node(stage_nodes, "n-c", addresses) == [3, 1, 0, 2]
     assert order_stages_by_node(stage_nodes, None, addresses) == [1, 0, 2, 3]
+
+
+def test_a_loopback_frontend_is_refused_when_replicas_sit_on_other_machines() -> None:
+    from enginecore.engine.dp_ray import check_frontend_reachable
+
+    # every node on this machine (loopback aliases, or this machine's own address): fine
+    check_frontend_reachable("127.0.0.1", ["192.0.2.2", "127.0.0.2", "127.0.0.3"], "192.0.2.2")
+    check_frontend_reachable("10.0.0.1", ["10.0.0.1", "10.0.0.2"], "10.0.0.1")
+    with pytest.raises(
+        ConfigError, match=r"data_parallel_host='127.0.0.1' .* 10\.0\.0\.2.*10\.0\.0\.1"
+    ):
+        check_frontend_reachable("127.0.0.1", ["10.0.0.1", "10.0.0.2"], "10.0.0.1")
