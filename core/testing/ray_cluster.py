@@ -173,7 +173,11 @@ class SimulatedRayCluster:
     def kill_node(self, name: str) -> None:
         """SIGKILL every process of one node (raylet, object store, its workers)."""
         node = self.node(name)
+        tree = _descendants(node.proc.pid)  # raylet, object store, workers, actors
         _kill_group(node.proc, signal.SIGKILL)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         _kill_stragglers(node.temp_dir)
 
     def restart_node(self, name: str) -> SimulatedNode:
@@ -186,10 +190,14 @@ class SimulatedRayCluster:
     def stop(self) -> None:
         """End every node this cluster started (workers first, the head last)."""
         for node in reversed(self.nodes):
+            tree = _descendants(node.proc.pid)
             _kill_group(node.proc, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(15)
             _kill_group(node.proc, signal.SIGKILL)
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
             _kill_stragglers(node.temp_dir)
             shutil.rmtree(node.temp_dir, ignore_errors=True)
         self.nodes.clear()
@@ -201,6 +209,26 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
     if sig == signal.SIGKILL:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` now (Ray's workers may leave its process group)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 def _kill_stragglers(temp_dir: str) -> None:
