@@ -411,12 +411,13 @@ class RayExecutor(Executor):
         if held is None:
             return super().sample_tokens(grammar_output, non_block)
         scheduler_output, executed = held
+        aggregator = self.kv_output_aggregator  # every rank's KV transfers count
         step = self._submit(
             "step",
             "execute_model+sample_tokens",
             (scheduler_output, grammar_output),
             non_block=True,
-            unique_reply_rank=self.output_rank,
+            unique_reply_rank=None if aggregator else self.output_rank,
         )
         sampled: Future = Future()
 
@@ -426,9 +427,14 @@ class RayExecutor(Executor):
                 if error is not None:
                     executed.set_exception(error)
                     sampled.set_exception(error)
-                else:
+                elif aggregator is None:
                     executed.set_result(done.result()[0])
                     sampled.set_result(done.result()[1])
+                else:
+                    pairs = done.result()
+                    rank = self.output_rank
+                    executed.set_result(aggregator.merge_outputs([p[0] for p in pairs], rank))
+                    sampled.set_result(aggregator.merge_outputs([p[1] for p in pairs], rank))
 
         step.add_done_callback(split)
         return sampled if non_block else sampled.result()
