@@ -15,65 +15,19 @@ but finds the cluster busy waits up to ``engine.ready_timeout``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.errors import EngineCoreError
+from enginecore.placement import check_shape_fits, format_resources
 
 
 def rank_bundle(use_gpu: bool) -> dict[str, float]:
     """One rank's resources."""
     return {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
-
-
-def _fmt(resources: Mapping[str, float]) -> str:
-    return ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items()))
-
-
-def groups_that_fit(node_resources: Mapping[str, float], group: Mapping[str, float]) -> int:
-    """How many whole groups of ``group`` resources one node holds."""
-    counts = [
-        math.floor(node_resources.get(key, 0.0) / need + 1e-9)
-        for key, need in group.items()
-        if need > 0
-    ]
-    return min(counts) if counts else 0
-
-
-def check_shape_fits(
-    nodes: Sequence[Mapping[str, Any]], bundle: Mapping[str, float], tp: int, pp: int
-) -> None:
-    """Raise a ConfigError naming what is missing when no placement can exist.
-
-    ``nodes`` are ``ray.nodes()`` records (``Alive``, ``NodeManagerAddress``, ``Resources``).
-    """
-    group = {key: value * tp for key, value in bundle.items()}
-    alive = [n for n in nodes if n.get("Alive")]
-    fits = {n["NodeManagerAddress"]: groups_that_fit(n.get("Resources", {}), group) for n in alive}
-    held = sum(fits.values())
-    if held >= pp:
-        return
-    per_node = "; ".join(
-        f"{n['NodeManagerAddress']}: {_fmt({k: n.get('Resources', {}).get(k, 0.0) for k in group})}"
-        for n in alive
-    )
-    if held == 0:
-        raise ConfigError(
-            f"the Ray cluster cannot place tensor_parallel_size={tp}: one TP group needs "
-            f"{_fmt(group)} on a single node (a TP group never spans nodes), and no node has "
-            f"that (nodes: {per_node or 'none alive'}). Add a node with {_fmt(group)}, or "
-            "lower tensor_parallel_size"
-        )
-    raise ConfigError(
-        f"the Ray cluster cannot place pipeline_parallel_size={pp} stages of "
-        f"tensor_parallel_size={tp}: each stage needs {_fmt(group)} on one node, and the "
-        f"nodes hold {held} such stage(s) in all (nodes: {per_node}). "
-        f"{pp - held} more stage(s) need room: add nodes, or lower pipeline_parallel_size"
-    )
 
 
 def order_stages_by_node(
@@ -114,8 +68,8 @@ def place_ranks(ray: Any, bundle: dict[str, float], tp: int, pp: int, timeout: f
         if len(ready) < pp:
             raise EngineCoreError(
                 f"the Ray cluster did not free room for {pp - len(ready)} of {pp} pipeline "
-                f"stage(s) of {tp} x {{{_fmt(bundle)}}} on one node within {timeout:.0f} s "
-                f"(engine.ready_timeout); free now: {_fmt(ray.available_resources())}"
+                f"stage(s) of {tp} x {{{format_resources(bundle)}}} on one node within {timeout:.0f} s "
+                f"(engine.ready_timeout); free now: {format_resources(ray.available_resources())}"
             )
         stage_nodes = [placement_group_table(g)["bundles_to_node_id"][0] for g in groups]
     except BaseException:

@@ -10,14 +10,11 @@ from enginecore.builtin_executors.devices import (
     check_accelerator_index,
     replica_cpu_cores,
 )
-from enginecore.builtin_executors.ray_placement import (
-    check_shape_fits,
-    groups_that_fit,
-    order_stages_by_node,
-)
+from enginecore.builtin_executors.ray_placement import order_stages_by_node
 from enginecore.config import ParallelConfig
 from enginecore.distributed import REPLICA_ENV, replica_env
 from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.placement import check_replicas_fit, check_shape_fits, groups_that_fit
 
 
 def test_each_local_replica_owns_its_own_accelerators() -> None:
@@ -112,3 +109,13 @@ def test_a_loopback_frontend_is_refused_when_replicas_sit_on_other_machines() ->
         ConfigError, match=r"data_parallel_host='127.0.0.1' .* 10\.0\.0\.2.*10\.0\.0\.1"
     ):
         check_frontend_reachable("127.0.0.1", ["10.0.0.1", "10.0.0.2"], "10.0.0.1")
+
+
+def test_data_parallel_replicas_that_cannot_fit_are_named() -> None:
+    nodes = [_node("127.0.0.1", 1), _node("127.0.0.2", 3), _node("127.0.0.3", 3)]
+    replica = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]  # engine core + TP=2 ranks
+    check_replicas_fit(nodes, replica, replicas=2)
+    with pytest.raises(
+        ConfigError, match=r"data_parallel_size=3: each replica needs CPU: 3 .* hold 2"
+    ):
+        check_replicas_fit(nodes, replica, replicas=3)

@@ -29,6 +29,7 @@ import zmq
 from enginecore.config import EngineConfig
 from enginecore.engine.mp_client import _EngineProcess
 from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.placement import check_replicas_fit
 from enginecore.protocol import EngineCoreRequestType
 from enginecore.serial import MsgpackEncoder
 
@@ -236,6 +237,9 @@ def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]
     )
     use_gpu = config.model.device == "cuda" or (
         config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+    check_replicas_fit(
+        ray.nodes(), replica_bundles(config, use_gpu=use_gpu), par.data_parallel_size
     )
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     engines: list[RayEngine] = []
