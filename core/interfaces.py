@@ -187,6 +187,10 @@ class Executor(ABC):
 
     #: How many batches may be in flight at once (2 enables async scheduling).
     max_concurrent_batches: int = 1
+    #: Whether the step's results come from every rank of the world (so a KV connector's
+    #: finished transfers are gathered across ranks); False for an executor that holds
+    #: only its own rank, each with its own scheduler (``external_launcher``).
+    gathers_all_ranks: bool = True
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec) -> None:
         self.config = config
@@ -235,7 +239,7 @@ class Executor(ABC):
         if aggregator is False:
             aggregator = None
             world = self.config.parallel.world_size
-            if world > 1 and self.config.kv_transfer.connector:
+            if world > 1 and self.config.kv_transfer.connector and self.gathers_all_ranks:
                 from enginecore.kv_aggregation import KVOutputAggregator
 
                 aggregator = KVOutputAggregator(world)

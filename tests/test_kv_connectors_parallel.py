@@ -102,7 +102,12 @@ def test_zmq_p2p_tp2_prefill_then_tp2_decode(tiny_llama) -> None:
     prompts = _prompts()[:2]
     prefill = LLM(
         str(tiny_llama),
-        kv_transfer={"connector": "zmq_p2p", "role": "kv_producer", "extra_config": {"port": port}},
+        kv_transfer={
+            "connector": "zmq_p2p",
+            "role": "kv_producer",
+            # its own "host": an address of its own on the loopback network
+            "extra_config": {"host": "127.0.0.2", "port": port},
+        },
         **common,
     )
     try:
@@ -116,6 +121,7 @@ def test_zmq_p2p_tp2_prefill_then_tp2_decode(tiny_llama) -> None:
                     max_tokens=1, temperature=0.0, kv_transfer_params={"do_remote_decode": True}
                 ),
             )
+            assert handles[0].kv_transfer_params["remote_host"] == "127.0.0.2"
             outs = [
                 decode.generate(
                     {"prompt_token_ids": p},
