@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -181,13 +182,9 @@ class Worker(WorkerABC):
     def device_assignment(self) -> dict[str, Any]:
         """Where this rank runs: its device, accelerator ordinal, visible devices, cores."""
         node_ip = None
-        try:
-            import ray
-
-            if ray.is_initialized():
-                node_ip = ray.util.get_node_ip_address()
-        except ImportError:
-            pass
+        ray = sys.modules.get("ray")  # only a Ray actor has it loaded: never import it here
+        if ray is not None and ray.is_initialized():
+            node_ip = ray.util.get_node_ip_address()
         return {
             "rank": self.rank,
             "replica": self.replica,
