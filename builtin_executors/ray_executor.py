@@ -5,13 +5,18 @@ cluster (``parallel.ray_address``), each actor hosts the same generic ``Worker``
 ``mp`` executor, and the TP/PP process group rendezvous at rank 0's node. When no address
 is configured a private local cluster is started, bound to 127.0.0.1 (never exposed).
 
-- placement: one bundle per rank (``{"CPU": 1}``, plus ``{"GPU": 1}`` on CUDA), packed
-  onto as few nodes as possible (``STRICT_PACK`` when the ranks must share a host);
+- placement: one bundle per rank (``{"CPU": 1}``, plus ``{"GPU": 1}`` on CUDA); each
+  pipeline stage (one TP group) is its own ``STRICT_PACK`` placement group, so a TP group
+  never spans nodes, and ranks are ordered by node (``ray_placement``). A shape the
+  cluster cannot hold fails at once, naming what is missing. Inside a data-parallel
+  replica on Ray the replica's own placement group (one node) is used instead;
 - calls: the same pickled call record as ``mp`` (one ``call`` task per actor); the
   combined Future settles when every rank answered, or at the first rank error;
+- steps: ``execute_model`` with ``non_block`` is held until ``sample_tokens`` and both
+  go out as one ``step`` task per actor, so a step costs one Ray round, not two;
 - death: each actor runs a ``wait_forever`` task in its own concurrency group; when the
-  actor dies that task fails, and the monitor thread fails every pending call and
-  reports ``rank N (pid P) died`` through the failure callbacks.
+  actor dies (or its node does) that task fails, and the monitor thread fails every
+  pending call and reports ``rank N (pid P, node IP) died`` through the failure callbacks.
 
 Ray is an optional dependency: ``pip install 'enginecore[ray]'``.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +36,12 @@ from typing import Any
 
 import msgspec
 
+from enginecore.builtin_executors.ray_placement import (
+    Placement,
+    place_ranks,
+    rank_bundle,
+    remove_groups,
+)
 from enginecore.builtin_executors.rpc import (
     RankError,
     WorkerDiedError,
@@ -42,6 +54,8 @@ from enginecore.builtin_executors.rpc import (
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError, EngineShutdownError
 from enginecore.interfaces import Executor, WorkerSpec
+from enginecore.runner_output import ModelRunnerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +75,7 @@ class RayWorkerActor:
         self.rank = rank
         self.worker: Any = None
         self._forever = threading.Event()
+        self.tasks_served = {"call": 0, "step": 0}  # how the calls arrived (one round a step)
 
     def node_ip_and_port(self) -> tuple[str, int]:
         """An address the other ranks can reach this node on (rank 0 hosts the rendezvous)."""
@@ -76,6 +91,11 @@ class RayWorkerActor:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def start(self, config_bytes: bytes, spec_bytes: bytes, init_method: str) -> tuple:
         """Build, join the process group, load weights. Returns ``(ok, pid or error)``."""
@@ -104,6 +124,7 @@ class RayWorkerActor:
     def call(self, data: bytes) -> tuple[bool, Any]:
         from enginecore.builtin_executors.mp_worker import _error_text
 
+        self.tasks_served["call"] += 1
         _call_id, method, payload, reply_rank = decode_call(data)
         try:
             method, args, kwargs = load_call(method, payload)
@@ -113,6 +134,25 @@ class RayWorkerActor:
         if reply_rank is not None and reply_rank != self.rank:
             result = None
         return True, result
+
+    def step(self, data: bytes) -> tuple[bool, Any]:
+        """``execute_model`` then ``sample_tokens`` in one task: ``(executed, sampled)``."""
+        from enginecore.builtin_executors.mp_worker import _error_text
+
+        self.tasks_served["step"] += 1
+        scheduler_output, grammar_output, reply_rank = pickle.loads(data)
+        try:
+            executed = self.worker.execute_model(scheduler_output)
+            sampled = self.worker.sample_tokens(grammar_output)
+        except Exception as exc:
+            return False, _error_text(exc)
+        if reply_rank is not None and reply_rank != self.rank:
+            return True, None
+        return True, (executed, sampled)
+
+    def served(self) -> dict[str, int]:
+        """Tasks served so far, by kind (``call``: one method; ``step``: a whole step)."""
+        return dict(self.tasks_served)
 
     def wait_forever(self) -> None:
         """Never returns while the actor lives: its failure is the death notice."""
@@ -134,8 +174,16 @@ def _actor_class(ray: Any) -> Any:
     return ray.remote(concurrency_groups={"monitor": 1})(EngineCoreRankActor)
 
 
+#: Texts of a collective broken by a peer's death: such a rank error waits for the death.
+_BROKEN_COLLECTIVE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _combine(
-    futures: list[Future], reply_rank: int | None, name: str, on_death: Callable
+    futures: list[Future],
+    reply_rank: int | None,
+    name: str,
+    on_death: Callable,
+    on_error: Callable[[int, str, str], BaseException],
 ) -> Future:
     """One Future over every rank's Future: results by rank, or the first rank error."""
     combined: Future = Future()
@@ -153,7 +201,12 @@ def _combine(
             settle(combined.set_exception, on_death(rank, exc))
             return
         if not ok:
-            settle(combined.set_exception, RankError(rank, name, payload))
+            # on_error may wait for a peer's death notice: never on Ray's callback thread.
+            threading.Thread(
+                target=lambda: settle(combined.set_exception, on_error(rank, name, payload)),
+                name="enginecore-ray-rank-error",
+                daemon=True,
+            ).start()
             return
         with lock:
             results[rank] = payload
@@ -171,8 +224,20 @@ def _combine(
     return combined
 
 
+def _copy_outcome(source: Future, target: Future) -> None:
+    with contextlib.suppress(InvalidStateError):
+        if source.exception() is not None:
+            target.set_exception(source.exception())
+        else:
+            target.set_result(source.result())
+
+
 class RayExecutor(Executor):
     """Ranks as Ray actors; the same Worker code as ``mp``."""
+
+    #: Seconds a rank error from a broken collective waits for a peer's death notice
+    #: (Ray's default node health checks declare a lost node dead after ~30 s).
+    DEATH_GRACE_S = 45.0
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
@@ -189,7 +254,10 @@ class RayExecutor(Executor):
         self._started_ray = False
         self.actors: list[Any] = []
         self.pids: list[int] = []
-        self.placement_group: Any = None
+        self.node_ips: list[str] = []
+        self.placement: Placement | None = None
+        # execute_model's scheduler output and Future, held until sample_tokens sends both.
+        self._held_step: tuple[SchedulerOutput, Future] | None = None
         if not ray.is_initialized():
             if par.ray_address:
                 ray.init(address=par.ray_address, log_to_driver=True)
@@ -215,38 +283,28 @@ class RayExecutor(Executor):
 
     def _start_actors(self) -> None:
         ray = self.ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         use_gpu = self.config.model.device == "cuda" or (
             self.config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
-        bundle = {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
+        bundle = rank_bundle(use_gpu)
         timeout = self.config.engine.ready_timeout
-        # Inside a data-parallel replica on Ray, the replica's placement group already
-        # holds one bundle per rank after the engine core's (bundle 0): use those.
+        par = self.config.parallel
+        # Inside a data-parallel replica on Ray, the replica's placement group (one node)
+        # already holds one bundle per rank after the engine core's (bundle 0): use those.
         current = ray.util.get_current_placement_group()
-        first_bundle = 0
         if current is not None and len(current.bundle_specs) >= self.world_size + 1:
-            self._own_placement_group = False
-            self.placement_group, first_bundle = current, 1
+            slots = [(current, 1 + rank) for rank in range(self.world_size)]
+            self.placement = Placement([current], slots, owned=False)
         else:
-            self._own_placement_group = True
-            self.placement_group = placement_group(
-                [dict(bundle)] * self.world_size, strategy="PACK"
-            )
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout)
-        if not ready:
-            raise WorkerStartupError(
-                0,
-                f"the Ray cluster could not place {self.world_size} bundles of {bundle} within "
-                f"{timeout:.0f} s (cluster resources: {ray.cluster_resources()})",
+            self.placement = place_ranks(
+                ray, bundle, par.tensor_parallel_size, par.pipeline_parallel_size, timeout
             )
         actor_cls = _actor_class(ray)
-        for rank in range(self.world_size):
+        for rank, (group, bundle_index) in enumerate(self.placement.slots):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group,
-                placement_group_bundle_index=first_bundle + rank,
+                placement_group=group, placement_group_bundle_index=bundle_index
             )
             self.actors.append(
                 actor_cls.options(
@@ -278,6 +336,7 @@ class RayExecutor(Executor):
             if not ok:
                 raise WorkerStartupError(rank, payload)
         self.pids = [ray.get(r)[1] for r in refs]
+        self.node_ips = ray.get([a.node_ip.remote() for a in self.actors], timeout=timeout)
         self._sentinels = [a.wait_forever.remote() for a in self.actors]
 
     # --- calls ------------------------------------------------------------------------------
@@ -291,14 +350,37 @@ class RayExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Any | Future:
+        self._send_held_step()
+        return self._submit("call", method, args, kwargs, non_block, unique_reply_rank, timeout)
+
+    def _submit(
+        self,
+        actor_method: str,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """One task per actor (``call`` with a call record, or ``step``); one Future."""
         name = method_name(method)
         if self._dead is not None:
             raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
         if self._closing:
             raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
-        data = encode_call(0, method, args, kwargs, unique_reply_rank)
-        refs = [actor.call.remote(data) for actor in self.actors]
-        future = _combine([r.future() for r in refs], unique_reply_rank, name, self._death_error)
+        if actor_method == "step":
+            data = pickle.dumps((*args, unique_reply_rank), protocol=5)
+        else:
+            data = encode_call(0, method, args, kwargs, unique_reply_rank)
+        refs = [getattr(actor, actor_method).remote(data) for actor in self.actors]
+        future = _combine(
+            [r.future() for r in refs],
+            unique_reply_rank,
+            name,
+            self._death_error,
+            self._rank_error,
+        )
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -309,15 +391,87 @@ class RayExecutor(Executor):
         except FutureTimeout:
             raise TimeoutError(f"collective_rpc {name!r} timed out after {timeout} s") from None
 
+    # --- the step: one Ray round -------------------------------------------------------------
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future | None:
+        """Held (non_block) until ``sample_tokens``, which sends both as one ``step``."""
+        self._send_held_step()
+        if not non_block:
+            return super().execute_model(scheduler_output)
+        future: Future = Future()
+        self._held_step = (scheduler_output, future)
+        return future
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        held, self._held_step = self._held_step, None
+        if held is None:
+            return super().sample_tokens(grammar_output, non_block)
+        scheduler_output, executed = held
+        aggregator = self.kv_output_aggregator  # every rank's KV transfers count
+        step = self._submit(
+            "step",
+            "execute_model+sample_tokens",
+            (scheduler_output, grammar_output),
+            non_block=True,
+            unique_reply_rank=None if aggregator else self.output_rank,
+        )
+        sampled: Future = Future()
+
+        def split(done: Future) -> None:
+            error = done.exception()
+            with contextlib.suppress(InvalidStateError):
+                if error is not None:
+                    executed.set_exception(error)
+                    sampled.set_exception(error)
+                elif aggregator is None:
+                    executed.set_result(done.result()[0])
+                    sampled.set_result(done.result()[1])
+                else:
+                    pairs = done.result()
+                    rank = self.output_rank
+                    executed.set_result(aggregator.merge_outputs([p[0] for p in pairs], rank))
+                    sampled.set_result(aggregator.merge_outputs([p[1] for p in pairs], rank))
+
+        step.add_done_callback(split)
+        return sampled if non_block else sampled.result()
+
+    def _send_held_step(self) -> None:
+        """Anything but this step's ``sample_tokens`` comes next: send the held execute."""
+        held, self._held_step = self._held_step, None
+        if held is None:
+            return
+        scheduler_output, executed = held
+        sent = super().execute_model(scheduler_output, non_block=True)
+        sent.add_done_callback(lambda done: _copy_outcome(done, executed))
+
     def _forget(self, future: Future) -> None:
         with self._lock:
             self._pending.discard(future)
 
+    def _rank_error(self, rank: int, method: str, text: str) -> BaseException:
+        """A rank raised. When a peer's node or process died and broke the collective,
+        report that death (Ray notices it within its health-check period) instead."""
+        if self.world_size > 1 and any(marker in text for marker in _BROKEN_COLLECTIVE):
+            deadline = time.monotonic() + self.DEATH_GRACE_S
+            while self._dead is None and not self._closing and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._dead is not None:
+                return WorkerDiedError(self._dead, self._dead_rank)
+        return RankError(rank, method, text)
+
     def _death_error(self, rank: int, exc: BaseException) -> BaseException:
-        pid = self.pids[rank] if rank < len(self.pids) else "?"
         return WorkerDiedError(
-            f"rank {rank} (pid {pid}) died: {type(exc).__name__}: {str(exc)[:300]}", rank
+            f"{self._describe_rank(rank)} died: {type(exc).__name__}: {str(exc)[:300]}", rank
         )
+
+    def _describe_rank(self, rank: int) -> str:
+        pid = self.pids[rank] if rank < len(self.pids) else "?"
+        node = f", node {self.node_ips[rank]}" if rank < len(self.node_ips) else ""
+        return f"rank {rank} (pid {pid}{node})"
 
     # --- the death chain --------------------------------------------------------------------
 
@@ -336,10 +490,10 @@ class RayExecutor(Executor):
             try:
                 ray.get(done[0])
                 reason = "its monitor task returned"
-            except Exception as exc:
-                reason = f"{type(exc).__name__}"
-            pid = self.pids[rank] if rank < len(self.pids) else "?"
-            message = f"rank {rank} (pid {pid}) died ({reason})"
+            except Exception as exc:  # ActorDiedError: says whether the node was lost
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+            message = f"{self._describe_rank(rank)} died ({reason})"
             logger.error("%s", message)
             with self._lock:
                 self._dead, self._dead_rank = message, rank
@@ -364,13 +518,12 @@ class RayExecutor(Executor):
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        if self.placement_group is not None and getattr(self, "_own_placement_group", True):
-            try:
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(self.placement_group)
-            except Exception:
-                pass
+        if self.placement is not None:
+            remove_groups(self.placement)
+        held, self._held_step = self._held_step, None
+        if held is not None:
+            with contextlib.suppress(InvalidStateError):
+                held[1].set_exception(EngineShutdownError("the executor was shut down"))
         with self._lock:
             pending = list(self._pending)
         for future in pending:

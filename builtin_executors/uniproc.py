@@ -21,6 +21,8 @@ class UniProcExecutor(Executor):
     (torch releases the GIL in its kernels), so the engine can schedule the next batch
     while this one computes."""
 
+    gathers_all_ranks = False  # one local worker (external_launcher: one rank of many)
+
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1

@@ -6,19 +6,27 @@ differ in where the worker lives and how calls reach it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from enginecore.builtin_executors.devices import (
+    accelerator_index,
+    check_accelerator_index,
+    replica_cpu_cores,
+)
 from enginecore.config import EngineConfig
 from enginecore.distributed import (
     SINGLE_RANK,
     ParallelContext,
     destroy_distributed,
     init_distributed,
+    local_replica_index,
     resolve_backend,
     resolve_device_type,
 )
@@ -36,12 +44,16 @@ class UnknownWorkerMethodError(EngineCoreError, AttributeError):
     """collective_rpc named a method no worker has and no plugin registered."""
 
 
-def resolve_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
+def resolve_device(config: EngineConfig, local_rank: int = 0, replica: int = 0) -> torch.device:
+    """The rank's device: on CUDA, ordinal ``replica * world_size + local_rank`` (each local
+    data-parallel replica owns its own devices), with a clear error when there are too few."""
     wanted = resolve_device_type(config.model.device)
     if wanted == "cuda":
         if not torch.cuda.is_available():
             raise EngineCoreError("device 'cuda' was requested but torch sees no CUDA device")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        index = accelerator_index(config.parallel, local_rank, replica)
+        check_accelerator_index(config.parallel, index, torch.cuda.device_count(), replica)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -104,11 +116,13 @@ class Worker(WorkerABC):
         self.burst_threads = 0
         # Set by the trace_next_steps worker RPC (a StepTracer) for the next N steps.
         self.step_tracer: Any = None
+        # This rank's local data-parallel replica (its devices and cores are that replica's).
+        self.replica = local_replica_index()
 
     # --- start-up -----------------------------------------------------------------------
 
     def init_device(self) -> None:
-        self.device = resolve_device(self.config, self.local_rank)
+        self.device = resolve_device(self.config, self.local_rank, self.replica)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(self.config.model.seed)
@@ -129,6 +143,8 @@ class Worker(WorkerABC):
                 )
             else:
                 logger.info("rank %d: %d torch threads", self.rank, threads)
+        if self.device.type == "cpu":
+            self._pin_replica_cores(par)  # after sizing the threads on every core
         if par.world_size > 1 and self.parallel.world_size == 1:
             # Join the TP/PP process group (gloo on CPU, NCCL on CUDA); every rank of this
             # executor calls this at the same time with the same init_method.
@@ -144,6 +160,44 @@ class Worker(WorkerABC):
                 init_method=self.distributed_init_method,
                 backend=resolve_backend(par.distributed_backend, self.device.type),
             )
+
+    def _pin_replica_cores(self, par: Any) -> None:
+        """Local replicas get disjoint core sets (their thread counts were sized for that:
+        ``cpu_threads_per_rank`` divides the cores by the local replicas too)."""
+        if not hasattr(os, "sched_setaffinity"):
+            return
+        cores = replica_cpu_cores(list(os.sched_getaffinity(0)), par, self.replica)
+        if cores is not None:
+            # Every thread of the process (affinity is per thread; new ones inherit it).
+            tids = (
+                [int(t) for t in os.listdir("/proc/self/task")]
+                if os.path.isdir("/proc/self/task")
+                else [0]
+            )
+            for tid in tids:
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    os.sched_setaffinity(tid, cores)
+            logger.info("replica %d rank %d: pinned to cores %s", self.replica, self.rank, cores)
+
+    def device_assignment(self) -> dict[str, Any]:
+        """Where this rank runs: its device, accelerator ordinal, visible devices, cores."""
+        node_ip = None
+        ray = sys.modules.get("ray")  # only a Ray actor has it loaded: never import it here
+        if ray is not None and ray.is_initialized():
+            node_ip = ray.util.get_node_ip_address()
+        return {
+            "rank": self.rank,
+            "replica": self.replica,
+            "device": str(self.device),
+            "accelerator_index": accelerator_index(
+                self.config.parallel, self.local_rank, self.replica
+            ),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cpu_cores": sorted(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else [],
+            "node_ip": node_ip,
+        }
 
     def load_model(self) -> None:
         ref = self.worker_spec.model_runner_ref

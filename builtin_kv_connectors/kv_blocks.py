@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from enginecore.config import EngineConfig
-from enginecore.errors import ConfigError
 
 _MAGIC = b"ECKVBLK1"
 _ROOT_KEY = hashlib.sha256(b"enginecore/kv-connector/prefix/v1").digest()
@@ -60,16 +59,6 @@ def model_namespace(config: EngineConfig) -> str:
     shape += [par.tensor_parallel_size, par.pipeline_parallel_size]
     h.update(json.dumps(shape).encode())
     return h.hexdigest()[:16]
-
-
-def require_single_rank(config: EngineConfig, connector: str) -> None:
-    """The built-in connectors report transfers from the output rank only."""
-    if config.parallel.world_size > 1:
-        raise ConfigError(
-            f"kv_transfer.connector={connector!r} supports one worker rank only "
-            f"(tensor_parallel_size=1, pipeline_parallel_size=1); got world size "
-            f"{config.parallel.world_size}"
-        )
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ from enginecore.builtin_kv_connectors.kv_blocks import (
     encode_block,
     model_namespace,
     prefix_keys,
-    require_single_rank,
     scatter_blocks,
 )
 from enginecore.config import EngineConfig
@@ -84,6 +83,7 @@ class BlockDirectory:
                 'directory, e.g. kv_transfer={"connector": "shared_storage", '
                 '"extra_config": {"path": "/tmp/kv"}}'
             )
+        self.world_size = config.parallel.world_size
         self.root = Path(raw).expanduser() / model_namespace(config)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -92,14 +92,17 @@ class BlockDirectory:
                 f"kv_transfer.extra_config.path: cannot create {self.root}: {exc}"
             ) from None
 
-    def path(self, key: str) -> Path:
-        return self.root / key[:2] / f"{key}.kvblock"
+    def path(self, key: str, rank: int = 0) -> Path:
+        """Each rank stores its own shard of a block (its heads, its layers)."""
+        suffix = f".rank{rank}" if self.world_size > 1 else ""
+        return self.root / key[:2] / f"{key}{suffix}.kvblock"
 
     def has(self, key: str) -> bool:
-        return self.path(key).is_file()
+        """The block is stored when every rank's shard is."""
+        return all(self.path(key, rank).is_file() for rank in range(self.world_size))
 
-    def write(self, key: str, data: bytes) -> None:
-        target = self.path(key)
+    def write(self, key: str, data: bytes, rank: int = 0) -> None:
+        target = self.path(key, rank)
         if target.is_file():
             return  # another request or engine saved it already
         target.parent.mkdir(exist_ok=True)
@@ -112,11 +115,11 @@ class BlockDirectory:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def read(self, key: str) -> bytes:
-        return self.path(key).read_bytes()
+    def read(self, key: str, rank: int = 0) -> bytes:
+        return self.path(key, rank).read_bytes()
 
-    def discard(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
+    def discard(self, key: str, rank: int = 0) -> None:
+        self.path(key, rank).unlink(missing_ok=True)
 
 
 # --- scheduler side ------------------------------------------------------------------
@@ -133,7 +136,6 @@ class _Tracked:
 
 class SharedStorageScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig) -> None:
-        require_single_rank(config, NAME)
         self.block_size = config.cache.block_size
         self.loads_enabled = config.kv_transfer.role != "kv_producer"
         self.saves_enabled = config.kv_transfer.role != "kv_consumer"
@@ -276,10 +278,10 @@ class SharedStorageWorker(KVConnectorWorker):
         broken = False
         for block_id, key in zip(job.block_ids, job.keys, strict=True):
             try:
-                block = decode_block(self.layout, self.directory.read(key), dtype)
+                block = decode_block(self.layout, self.directory.read(key, self.rank), dtype)
             except (InvalidBlockError, FileNotFoundError) as exc:
                 logger.warning("shared_storage: block %s… unusable (%s): recomputed", key[:12], exc)
-                self.directory.discard(key)
+                self.directory.discard(key, self.rank)
                 invalid.add(block_id)
                 broken = True
                 continue
@@ -324,7 +326,7 @@ class SharedStorageWorker(KVConnectorWorker):
     def _write(self, keys: list[str], data: torch.Tensor) -> None:
         assert self.layout is not None
         for i, key in enumerate(keys):
-            self.directory.write(key, encode_block(self.layout, data[i]))
+            self.directory.write(key, encode_block(self.layout, data[i]), self.rank)
 
     # --- reporting ----------------------------------------------------------------------
 

@@ -42,7 +42,6 @@ from enginecore.builtin_kv_connectors.kv_blocks import (
     encode_block,
     gather_blocks,
     prefix_keys,
-    require_single_rank,
     scatter_blocks,
 )
 from enginecore.config import EngineConfig
@@ -126,7 +125,6 @@ class _Get(msgspec.Struct, array_like=True):
 
 class ZmqP2PScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig) -> None:
-        require_single_rank(config, NAME)
         self.settings = P2PSettings.of(config)
         self.role = config.kv_transfer.role
         self.block_size = config.cache.block_size

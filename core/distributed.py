@@ -10,9 +10,12 @@ torch is imported lazily: the frontend and the scheduler never need it.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
+
+from enginecore.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,23 @@ def layout(rank: int, tp_size: int, pp_size: int) -> tuple[int, int]:
     if not 0 <= rank < tp_size * pp_size:
         raise ValueError(f"rank {rank} is outside world size {tp_size * pp_size}")
     return rank % tp_size, rank // tp_size
+
+
+#: Set by the frontend in each local data-parallel replica's environment.
+REPLICA_ENV = "ENGINECORE_DATA_PARALLEL_REPLICA"
+
+
+def local_replica_index() -> int:
+    """This process's local data-parallel replica (0 when it is not one of several)."""
+    value = os.environ.get(REPLICA_ENV, "")
+    return int(value) if value.isdigit() else 0
+
+
+def replica_env(par: ParallelConfig, replica: int) -> dict[str, str]:
+    """Environment additions for local replica ``replica``'s engine process."""
+    if par.data_parallel_size <= 1 or par.data_parallel_backend != "mp":
+        return {}
+    return {REPLICA_ENV: str(replica)}
 
 
 def free_loopback_port() -> int:

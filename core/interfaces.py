@@ -181,6 +181,22 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 FailureCallback = Callable[[str], None]
 
 
+def map_future(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A Future of ``fn(result)``, or of the same exception."""
+    mapped: Future = Future()
+
+    def done(source: Future) -> None:
+        try:
+            value = fn(source.result())
+        except BaseException as exc:
+            mapped.set_exception(exc)
+        else:
+            mapped.set_result(value)
+
+    future.add_done_callback(done)
+    return mapped
+
+
 class Executor(ABC):
     """The boundary between the one scheduler and the N ranks that run the model.
 
@@ -189,6 +205,10 @@ class Executor(ABC):
 
     #: How many batches may be in flight at once (2 enables async scheduling).
     max_concurrent_batches: int = 1
+    #: Whether the step's results come from every rank of the world (so a KV connector's
+    #: finished transfers are gathered across ranks); False for an executor that holds
+    #: only its own rank, each with its own scheduler (``external_launcher``).
+    gathers_all_ranks: bool = True
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec) -> None:
         self.config = config
@@ -222,22 +242,39 @@ class Executor(ABC):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future | None:
-        return self.collective_rpc(
-            "execute_model",
-            args=(scheduler_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
+        return self._step_call("execute_model", scheduler_output, non_block)
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
-        return self.collective_rpc(
-            "sample_tokens",
-            args=(grammar_output,),
-            non_block=non_block,
-            unique_reply_rank=self.output_rank,
-        )
+        return self._step_call("sample_tokens", grammar_output, non_block)
+
+    @property
+    def kv_output_aggregator(self) -> Any:
+        """With a KV connector on several ranks: folds every rank's finished transfers
+        into the output rank's output (:class:`enginecore.kv_aggregation.KVOutputAggregator`)."""
+        aggregator = self.__dict__.get("_kv_output_aggregator", False)
+        if aggregator is False:
+            aggregator = None
+            world = self.config.parallel.world_size
+            if world > 1 and self.config.kv_transfer.connector and self.gathers_all_ranks:
+                from enginecore.kv_aggregation import KVOutputAggregator
+
+                aggregator = KVOutputAggregator(world)
+            self.__dict__["_kv_output_aggregator"] = aggregator
+        return aggregator
+
+    def _step_call(self, method: str, arg: Any, non_block: bool) -> Any:
+        aggregator = self.kv_output_aggregator
+        if aggregator is None:
+            return self.collective_rpc(
+                method, args=(arg,), non_block=non_block, unique_reply_rank=self.output_rank
+            )
+        result = self.collective_rpc(method, args=(arg,), non_block=non_block)
+        fold = lambda outputs: aggregator.merge_outputs(outputs, self.output_rank)  # noqa: E731
+        if not non_block:
+            return fold(result)
+        return map_future(result, fold)
 
     def determine_available_memory(self) -> list[int]:
         """Bytes each rank can give the KV cache (after a profiling forward pass)."""

@@ -29,6 +29,7 @@ import zmq
 from enginecore.config import EngineConfig
 from enginecore.engine.mp_client import _EngineProcess
 from enginecore.errors import ConfigError, EngineCoreError
+from enginecore.placement import check_replicas_fit
 from enginecore.protocol import EngineCoreRequestType
 from enginecore.serial import MsgpackEncoder
 
@@ -206,12 +207,39 @@ def _bind_host(host: str) -> str:
     return "*" if host in _ANY_HOST else host
 
 
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def check_frontend_reachable(host: str, node_addresses: list[str], driver_address: str) -> None:
+    """A loopback ``data_parallel_host`` is reachable only from this machine: refuse it
+    when the cluster has nodes elsewhere (their replicas could never connect back)."""
+    if not _is_loopback(host):
+        return
+    remote = sorted(a for a in set(node_addresses) if not _is_loopback(a) and a != driver_address)
+    if remote:
+        raise ConfigError(
+            f"data_parallel_host={host!r} is reachable from this machine only, but the Ray "
+            f"cluster has nodes at {', '.join(remote)} whose replicas must connect back to "
+            f"the frontend: set data_parallel_host to an address of this machine they "
+            f"reach (this node's is {driver_address}), on a private network"
+        )
+
+
 def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]:
     """One placement group and actor per replica, spread over the nodes round-robin."""
     ray = import_ray()
     par = config.parallel
+    check_frontend_reachable(
+        par.data_parallel_host,
+        [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")],
+        ray.util.get_node_ip_address(),
+    )
     use_gpu = config.model.device == "cuda" or (
         config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+    check_replicas_fit(
+        ray.nodes(), replica_bundles(config, use_gpu=use_gpu), par.data_parallel_size
     )
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     engines: list[RayEngine] = []

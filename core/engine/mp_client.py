@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ import zmq.asyncio
 
 from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
+from enginecore.distributed import replica_env
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
 from enginecore.errors import EngineCoreError, EngineDeadError
@@ -94,11 +96,14 @@ class _EngineProcess:
         self.output_socket.bind(output_address)
         # In a process group of its own: a terminal's Ctrl-C goes to the frontend alone,
         # which stops the engine (an interpreter still starting would die of it with a
-        # traceback). The engine exits on its own when the frontend is gone.
+        # traceback). The engine exits on its own when the frontend is gone. A local
+        # data-parallel replica learns its index: its ranks take their own devices.
+        env = {**os.environ, **replica_env(config.parallel, engine_index)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,
             process_group=0,
+            env=env,
         )
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()
