@@ -7,6 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
+# The plugin packages under plugins/ carry their own tests, which need the package
+# installed: the tests that install them run those (test_backend_plugins.py).
+collect_ignore = ["plugins"]
+
 CheckpointFactory = Callable[..., pathlib.Path]
 
 
