@@ -167,6 +167,19 @@ class ServerConfig(_Section):
     max_n: int = 16
     max_tokens_limit: int | None = None
     max_logprobs: int = 20
+    max_json_depth: int = 32
+    """Deepest nesting of objects and arrays a request body may have."""
+    max_field_bytes: int = 262144
+    """Largest JSON size of each free-form field (metadata, kv_transfer_params, a JSON
+    schema, logit_bias, tools, chat_template_kwargs)."""
+    max_logit_bias_entries: int = 1024
+    """Most token ids one request's logit_bias may name."""
+    max_tools: int = 128
+    """Most tools one chat request may declare."""
+    max_prompts_per_request: int = 256
+    """Most prompts in one completions request."""
+    max_prompt_tokens_per_request: int = 262144
+    """Most prompt tokens of one request, all its prompts together."""
     enable_collective_rpc_endpoint: bool = False
     """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
     enable_auto_tool_choice: bool = False
@@ -175,6 +188,18 @@ class ServerConfig(_Section):
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
     built in: "hermes")."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_json_depth",
+            "max_field_bytes",
+            "max_logit_bias_entries",
+            "max_tools",
+            "max_prompts_per_request",
+            "max_prompt_tokens_per_request",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
 
 
 class PluginsConfig(_Section):

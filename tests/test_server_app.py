@@ -44,6 +44,9 @@ def test_requests_to_a_dead_engine_are_503_not_500(config):
         def __len__(self) -> int:
             return 100
 
+        def encode(self, text: str) -> list[int]:
+            return [1] * len(text)
+
     engine = DeadEngine()
     engine.tokenizer = Tok()
     with TestClient(build_app(config, engine)) as client:

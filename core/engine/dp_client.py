@@ -94,8 +94,10 @@ class _DPClientBase(EngineCoreClient):
         self.ctx = ctx
         self.size = par.data_parallel_size
         self.coordinator = DPCoordinator(self.size, external_lb=par.data_parallel_external_lb)
-        self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        # Local replicas talk over owner-only IPC; Ray replicas over TCP: msgpack only.
+        owner_only = par.data_parallel_backend == "mp"
+        self.encoder = MsgpackEncoder(allow_pickle=owner_only)
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, allow_pickle=owner_only)
         self.owner: dict[str, int] = {}  # engine request id -> replica
         self._lock = threading.Lock()
         self._call_ids = itertools.count(1)

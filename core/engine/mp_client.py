@@ -145,8 +145,9 @@ class _MPClientBase(EngineCoreClient):
     ) -> None:
         self.config = config
         self.ctx = ctx
-        self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        # IPC sockets in an owner-only directory: pickled callables may cross.
+        self.encoder = MsgpackEncoder(allow_pickle=True)
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, allow_pickle=True)
         self.engine = _EngineProcess(config, ctx)
         self.proc = self.engine.proc
         self._finalizer = weakref.finalize(

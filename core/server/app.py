@@ -15,13 +15,14 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from enginecore.config import EngineConfig
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
+from enginecore.server.limits import check_body_limits
 from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
 from enginecore.server.tools import check_tool_config
 from enginecore.version import __version__
@@ -75,13 +76,14 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     )
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(info.router)
-    app.include_router(completions.router)
-    app.include_router(chat.router)
-    app.include_router(control.router)
+    limited = [Depends(check_body_limits)]
+    app.include_router(info.router, dependencies=limited)
+    app.include_router(completions.router, dependencies=limited)
+    app.include_router(chat.router, dependencies=limited)
+    app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
-        app.include_router(control.rpc_router)
+        app.include_router(control.rpc_router, dependencies=limited)
     # Outermost first: the size limit, then the key check, then the routes.
     if config.server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)

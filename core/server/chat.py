@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -17,6 +18,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.limits import check_prompt_tokens
 from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
 from enginecore.server.sampling import check_model, check_prompt_logprobs, to_sampling_params
@@ -125,7 +127,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 param="tool_choice",
             )
         params = params.clone(structured_output=plan.structured_output)
-    prompt_ids = chat_prompt_ids(ctx, body, plan.tools)
+    # The chat template and tokenizer run off the event loop (a long conversation takes
+    # seconds); the request's total is bounded like a completion's.
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.tools)
+    check_prompt_tokens([len(prompt_ids)], ctx.limits)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(

@@ -17,6 +17,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.limits import tokenize_prompts
 from enginecore.server.logprobs import (
     completion_logprobs,
     concat_logprobs,
@@ -70,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompt_logprobs = _prompt_logprobs(body, ctx.limits)
     if prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=prompt_logprobs)
-    prompts = _prompts(body.prompt)
+    prompts = await tokenize_prompts(engine.tokenizer, _prompts(body.prompt), ctx.limits)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collectors = []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import prometheus_client
@@ -76,15 +77,19 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine = ctx.engine
     if (body.prompt is None) == (body.messages is None):
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
+    # Off the event loop: a multi-megabyte prompt takes seconds to tokenize.
     if body.messages is not None:
         tools = [t.model_dump(exclude_unset=True) for t in body.tools or []]
-        tokens = engine.chat_prompt(
+        tokens = await asyncio.to_thread(
+            engine.chat_prompt,
             message_dicts(body.messages),
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs={"tools": tools} if tools else None,
         )
     else:
-        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(
+            engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
     return JSONResponse(
         {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
     )
@@ -98,4 +103,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         return error_response(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})
+    text = await asyncio.to_thread(ctx.engine.tokenizer.decode, body.tokens)
+    return JSONResponse({"prompt": text})
