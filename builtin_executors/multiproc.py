@@ -57,7 +57,6 @@ from enginecore.builtin_executors.rpc import (
     method_name,
 )
 from enginecore.config import EngineConfig
-from enginecore.distributed import loopback_init_method
 from enginecore.errors import EngineShutdownError
 from enginecore.interfaces import Executor, WorkerSpec
 
@@ -155,7 +154,9 @@ class MultiprocExecutor(Executor):
     # --- start-up ---------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        init_method = loopback_init_method()
+        # A file store in the owner-only directory: a TCP store would listen on every
+        # interface, unauthenticated, whatever address it is given.
+        init_method = f"file://{self._dir}/rendezvous"
         config_bytes = msgspec.msgpack.encode(self.config)
         spec_bytes = msgspec.msgpack.encode(self.worker_spec)
         for rank in range(self.world_size):

@@ -55,6 +55,18 @@ def test_auto_picks_mp_and_spawns_one_process_per_rank(tp2) -> None:
     assert tp2.collective_rpc("get_rank") == [0, 1]
 
 
+def test_no_process_of_the_engine_listens_on_all_interfaces(tp2) -> None:
+    """The ranks' rendezvous store is a file in the executor's owner-only directory, not a
+    TCP store (which listens on every interface, unauthenticated)."""
+    engine = psutil.Process(tp2.engine_client.proc.pid)
+    wide = []
+    for proc in [engine, *engine.children(recursive=True)]:
+        for conn in proc.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.ip in ("0.0.0.0", "::"):
+                wide.append((proc.pid, conn.laddr))
+    assert not wide, f"listening on all interfaces: {wide}"
+
+
 def test_tp2_greedy_tokens_and_logprobs_match_tp1(tp2, tp1_reference) -> None:
     reference, _ = tp1_reference
     outputs = tp2.generate(PROMPTS, GREEDY)
