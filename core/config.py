@@ -180,6 +180,9 @@ class ServerConfig(_Section):
     """Most prompts in one completions request."""
     max_prompt_tokens_per_request: int = 262144
     """Most prompt tokens of one request, all its prompts together."""
+    max_pending_requests: int = 4096
+    """Most unfinished requests (running or waiting) the server holds; beyond it (or with
+    as many messages still queued for the engine) new requests get 503 with Retry-After."""
     enable_collective_rpc_endpoint: bool = False
     """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
     enable_auto_tool_choice: bool = False
@@ -197,6 +200,7 @@ class ServerConfig(_Section):
             "max_tools",
             "max_prompts_per_request",
             "max_prompt_tokens_per_request",
+            "max_pending_requests",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -13,6 +13,7 @@ import pytest
 from serve_process import serve, stop
 
 MAX_PROMPT_TOKENS = 4000
+MAX_PENDING = 4
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,8 @@ def server(tiny_llama, tmp_path_factory):
         "2048",
         "--max-prompt-tokens-per-request",
         str(MAX_PROMPT_TOKENS),
+        "--max-pending-requests",
+        str(MAX_PENDING),
         "--stat-loggers",
         "",
     )
@@ -177,4 +180,53 @@ def test_a_deep_body_beyond_the_parser_is_still_a_400(http) -> None:
     )
     assert response.status_code == 400
     json.loads(response.text)  # an OpenAI-style JSON error body
+    _ok(http)
+
+
+def test_a_saturated_server_answers_503_with_retry_after(server, http) -> None:
+    started = threading.Barrier(MAX_PENDING + 1)
+    release = threading.Event()
+
+    def hold_a_stream() -> None:
+        body = {"prompt": "go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server, timeout=120) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                next(lines)  # the first chunk: the request is in the engine
+                started.wait(60)
+                release.wait(60)  # leaving the block disconnects: the request is aborted
+
+    holders = [threading.Thread(target=hold_a_stream) for _ in range(MAX_PENDING)]
+    for holder in holders:
+        holder.start()
+    try:
+        started.wait(60)
+        response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1"
+        assert f"max_pending_requests={MAX_PENDING}" in response.json()["error"]["message"]
+    finally:
+        release.set()
+        for holder in holders:
+            holder.join()
+    deadline = time.monotonic() + 30
+    while http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code != 200:
+        assert time.monotonic() < deadline, "the aborted streams never freed their slots"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("stop", "start"), [("/pause?mode=keep", "/resume"), ("/sleep?level=1", "/wake_up")]
+)
+def test_paused_or_asleep_new_requests_get_503_not_a_hang(http, stop, start) -> None:
+    assert http.post(stop).status_code == 200
+    try:
+        for stream in (False, True):
+            body = {"prompt": "hi", "max_tokens": 2, "stream": stream}
+            response = http.post("/v1/completions", json=body, timeout=10)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert "retry after it resumes" in response.json()["error"]["message"]
+    finally:
+        assert http.post(start).status_code == 200
     _ok(http)

@@ -110,6 +110,8 @@ class AsyncLLM:
         self._log_task: asyncio.Task | None = None
         self._dead: EngineCoreError | None = None
         self._closed = False
+        # "paused" or "asleep" while new requests would only wait: they are refused.
+        self._unavailable: str | None = None
         self.stat_loggers.log_engine_initialized()
 
     # --- properties ---------------------------------------------------------------------------
@@ -154,6 +156,10 @@ class AsyncLLM:
         outputs.
         """
         self._check_alive()
+        if self._unavailable is not None:
+            raise RequestRejectedError(
+                f"engine_paused: the engine is {self._unavailable}; retry after it resumes"
+            )
         self._ensure_tasks()
         par = self.config.parallel
         check_data_parallel_rank(
@@ -440,9 +446,11 @@ class AsyncLLM:
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and release device memory (level 1: KV cache; 2: weights too)."""
         await self._utility("sleep", level)
+        self._unavailable = "asleep"
 
     async def wake_up(self) -> None:
         await self._utility("wake_up")
+        self._unavailable = None
 
     async def is_sleeping(self) -> bool:
         return bool(await self._utility("is_sleeping"))
@@ -450,9 +458,11 @@ class AsyncLLM:
     async def pause(self, mode: str = "abort") -> None:
         """Stop scheduling: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them."""
         await self._utility("pause_scheduler", mode)
+        self._unavailable = "paused"
 
     async def resume(self) -> None:
         await self._utility("resume_scheduler")
+        self._unavailable = None
 
     async def is_paused(self) -> bool:
         return bool(await self._utility("is_paused"))

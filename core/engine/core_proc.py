@@ -183,8 +183,9 @@ class EngineCoreProc(EngineCore):
         rejection = None
         if self._shutdown_requested:
             rejection = "the engine is shutting down and admits no new requests"
-        elif self._paused in ("abort", "wait"):
-            rejection = "engine_paused: the engine is paused; retry after resume"
+        elif self._paused is not None:  # "keep" too: a new request would only wait
+            state = "asleep" if self._sleeping else "paused"
+            rejection = f"engine_paused: the engine is {state}; retry after it resumes"
         if rejection is None:
             try:
                 self.add_request(request)

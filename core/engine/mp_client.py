@@ -24,6 +24,7 @@ import zmq.asyncio
 from enginecore.config import EngineConfig
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
+from enginecore.engine.send_queue import SendQueue
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -169,11 +170,16 @@ class _MPClientBase(EngineCoreClient):
         self.output_socket = self.engine.output_socket
         self._call_ids = itertools.count(1)
         self.dead_error: EngineDeadError | None = None
+        self.sends = SendQueue()
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self.dead_error is not None:
             raise self.dead_error
-        self.input_socket.send_multipart([kind.value, *self.encoder.encode(payload)], copy=False)
+        self.sends.track(
+            self.input_socket.send_multipart(
+                [kind.value, *self.encoder.encode(payload)], copy=False
+            )
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)

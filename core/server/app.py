@@ -22,7 +22,7 @@ from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
-from enginecore.server.limits import check_body_limits
+from enginecore.server.limits import check_body_limits, check_capacity
 from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
 from enginecore.server.tools import check_tool_config
 from enginecore.version import __version__
@@ -78,8 +78,9 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     install_error_handlers(app)
     limited = [Depends(check_body_limits)]
     app.include_router(info.router, dependencies=limited)
-    app.include_router(completions.router, dependencies=limited)
-    app.include_router(chat.router, dependencies=limited)
+    generation = [*limited, Depends(check_capacity)]
+    app.include_router(completions.router, dependencies=generation)
+    app.include_router(chat.router, dependencies=generation)
     app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")

@@ -192,3 +192,19 @@ async def tokenize_prompts(
     encoded = await asyncio.to_thread(encode_all)
     check_prompt_tokens([len(p["prompt_token_ids"]) for p in encoded], limits)
     return encoded
+
+
+async def check_capacity(request: Request) -> None:
+    """FastAPI dependency for the generation routes: 503 (with Retry-After) instead of
+    queueing without bound when the engine is not keeping up."""
+    ctx = request.app.state.ctx
+    limit = ctx.limits.max_pending_requests
+    engine = ctx.engine
+    pending = len(getattr(engine, "collectors", ()))
+    sends = getattr(getattr(getattr(engine, "engine_client", None), "sends", None), "pending", 0)
+    if pending >= limit or sends >= limit:
+        raise APIError(
+            503,
+            f"the server is saturated: {pending} requests unfinished, {sends} messages queued "
+            f"for the engine (server limit max_pending_requests={limit}); retry later",
+        )
