@@ -183,6 +183,12 @@ class ServerConfig(_Section):
     max_pending_requests: int = 4096
     """Most unfinished requests (running or waiting) the server holds; beyond it (or with
     as many messages still queued for the engine) new requests get 503 with Retry-After."""
+    allowed_origins: list[str] = []
+    """Web origins (scheme://host[:port]) whose pages may call the server from a browser;
+    "*" admits any. A state-changing request with another Origin gets 403."""
+    allowed_hosts: list[str] | None = None
+    """Host header values the server answers (DNS rebinding); "*" admits any. Null: the
+    bind address and localhost names (any, when bound to all interfaces)."""
     enable_collective_rpc_endpoint: bool = False
     """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
     enable_auto_tool_choice: bool = False

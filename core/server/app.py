@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
 from enginecore.plugins import make_plugin_manager
@@ -23,7 +24,12 @@ from enginecore.server import chat, completions, control, info
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.limits import check_body_limits, check_capacity
-from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
+from enginecore.server.security import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
+    default_allowed_hosts,
+)
 from enginecore.server.tools import check_tool_config
 from enginecore.version import __version__
 
@@ -85,10 +91,27 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
         app.include_router(control.rpc_router, dependencies=limited)
-    # Outermost first: the size limit, then the key check, then the routes.
-    if config.server.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
-    app.add_middleware(BodySizeLimitMiddleware, limit=config.server.max_request_body_bytes)
+    # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
+    # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
+    server = config.server
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=server.max_request_body_bytes)
+    if server.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    allowed_hosts = server.allowed_hosts
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(server.host)
+    app.add_middleware(
+        BrowserGuardMiddleware,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=server.allowed_origins,
+    )
     return app
 
 
