@@ -134,8 +134,10 @@ def model_summary(worker: Any) -> dict[str, Any]:
 def trace_next_steps(worker: Any, n: int, path: str | None = None) -> str:
     """Record the next ``n`` steps this rank runs (SchedulerOutput and timings) as JSON
     lines; returns the file's path. ``path`` may contain ``{rank}``."""
-    from enginecore.builtin_executors.step_trace import StepTracer
+    from enginecore.builtin_executors.step_trace import MAX_TRACE_STEPS, StepTracer
 
+    if not 1 <= n <= MAX_TRACE_STEPS:
+        raise ValueError(f"trace_next_steps: n must be in [1, {MAX_TRACE_STEPS}], got {n}")
     previous = getattr(worker, "step_tracer", None)
     if previous is not None:
         previous.close()

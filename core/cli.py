@@ -82,6 +82,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def cmd_config_show(args: argparse.Namespace) -> int:
     config = _resolve_config(args)
     data = config.to_dict()
+    if data["server"]["api_key"] is not None:  # a secret: shown as set, never printed
+        data["server"]["api_key"] = "********"
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:

@@ -190,7 +190,7 @@ class ServerConfig(_Section):
     """Host header values the server answers (DNS rebinding); "*" admits any. Null: the
     bind address and localhost names (any, when bound to all interfaces)."""
     enable_collective_rpc_endpoint: bool = False
-    """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
+    """Expose POST /collective_rpc (it runs registered worker RPCs by name: off by default)."""
     enable_auto_tool_choice: bool = False
     """Allow tool_choice "auto" in chat requests: the reply is parsed for tool calls by
     tool_call_parser (vLLM's --enable-auto-tool-choice)."""
