@@ -154,8 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
     from enginecore.server.app import run_server
 
-    run_server(config)
-    return 0
+    return run_server(config)
 
 
 # --- benchmarks ----------------------------------------------------------------------

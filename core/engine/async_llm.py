@@ -395,6 +395,23 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(error)
 
+    def start(self) -> None:
+        """Start the output task now rather than at the first request: a server calls it
+        so that an engine that dies is noticed without traffic."""
+        self._ensure_tasks()
+
+    def fail_all_open(self, error: EngineCoreError) -> None:
+        """Abort every open request in the engine and end each one with ``error`` (a
+        draining server's last word to the requests it gives up on)."""
+        ids = list(self.collectors)
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids and self.dead_error is None:
+            with contextlib.suppress(EngineCoreError):
+                self.engine_client.abort_requests(engine_ids)
+        for collector in self.collectors.values():
+            collector.put(error)
+        self.collectors.clear()
+
     def _fail_all(self, error: EngineCoreError) -> None:
         """Raise ``error`` into every open request at once."""
         self._dead = error

@@ -90,6 +90,9 @@ class _EngineProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,
+            # Its own session: a terminal's Ctrl-C reaches the frontend, which drains and
+            # then stops the engine (an orphaned engine stops by itself: it watches its parent).
+            start_new_session=True,
         )
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()

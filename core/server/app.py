@@ -20,7 +20,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
 from enginecore.plugins import make_plugin_manager
-from enginecore.server import chat, completions, control, info
+from enginecore.server import chat, completions, control, info, lifecycle
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.limits import check_body_limits, check_capacity
@@ -150,8 +150,10 @@ def _show_info_logs() -> None:
             named.setLevel(logging.INFO)
 
 
-async def serve(config: EngineConfig) -> None:
-    """Start the engine, then serve HTTP until interrupted; the engine stops with it."""
+async def serve(config: EngineConfig) -> int:
+    """Start the engine, then serve HTTP until SIGTERM/SIGINT (a drain, see
+    :mod:`~enginecore.server.lifecycle`) or the engine's death; the engine stops with it.
+    Returns the exit status: 0, or 1 when the engine died."""
     import uvicorn
 
     from enginecore.engine.async_llm import AsyncLLM
@@ -161,6 +163,7 @@ async def serve(config: EngineConfig) -> None:
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
     engine = AsyncLLM(config=config, plugin_host=plugins)
+    outcome = lifecycle.Outcome()
     try:
         app = build_app(config, engine)
         log_startup(app.state.ctx)
@@ -169,22 +172,33 @@ async def serve(config: EngineConfig) -> None:
             logger.warning(
                 "listening on %s without an API key: anyone who can reach it may use it", host
             )
+        drain_timeout = config.engine.shutdown_timeout
         uv_config = uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level="info",
             access_log=config.observability.log_requests,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=drain_timeout + lifecycle.GRACE_MARGIN_S,
         )
+        server = lifecycle.make_server(uv_config)
+        watcher = asyncio.ensure_future(lifecycle.watch(server, engine, drain_timeout, outcome))
         logger.info("listening on http://%s:%d", host, port)
-        await uvicorn.Server(uv_config).serve()
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
     finally:
         engine.shutdown()
+    if outcome.engine_died:
+        logger.error("exiting: the engine died (%s)", outcome.engine_died)
+        return 1
+    return 0
 
 
-def run_server(config: EngineConfig) -> None:
-    """``enginecore serve``: blocks until the server stops.
+def run_server(config: EngineConfig) -> int:
+    """``enginecore serve``: blocks until the server stops; returns the exit status.
 
     On uvloop when it is installed (a dependency; uvicorn then also picks its httptools
     parser). Streaming 200 requests at once on the tiny model, the API server's CPU time
@@ -192,6 +206,5 @@ def run_server(config: EngineConfig) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))
