@@ -141,6 +141,14 @@ class EngineProcessConfig(_Section):
     """Seconds to drain in-flight requests on shutdown (0: abort them)."""
     ready_timeout: float = 600.0
     """Seconds to wait for the engine process to load the model and answer the handshake."""
+    execute_timeout: float | None = 300.0
+    """Watchdog: seconds one step (execute_model, sample_tokens) may take on worker
+    processes (mp executor); beyond it in-flight requests fail naming the rank and the
+    engine is declared dead. Null: no watchdog."""
+
+    def __post_init__(self) -> None:
+        if self.execute_timeout is not None and self.execute_timeout <= 0:
+            raise ValueError("execute_timeout must be > 0 (or null: no watchdog)")
 
 
 class KVTransferConfig(_Section):

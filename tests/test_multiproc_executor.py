@@ -6,6 +6,7 @@ runs last in the module and kills it with a real SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -183,3 +184,24 @@ def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left_behind(tmp_path
     time.sleep(0.5)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not [p for p in left if _alive(p.pid)], left
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_trips_the_watchdog_naming_it(tiny_llama) -> None:
+    """SIGSTOP leaves the process alive, so only the execute_timeout watchdog notices."""
+    llm = LLM(tiny_llama, executor="mp", execute_timeout=3.0, **COMMON)
+    (pid,) = _worker_pids(llm)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as caught:
+            llm.generate(["hello"], SamplingParams(max_tokens=20, ignore_eos=True))
+        waited = time.monotonic() - started
+        message = str(caught.value)
+        assert f"rank 0 (pid {pid}) is stopped" in message, message
+        assert "execute_timeout" in message
+        assert waited < 30, waited
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        llm.shutdown()
