@@ -76,7 +76,8 @@ async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict:
     engine = context(request).engine
     # Only registered worker RPCs (register_worker_rpcs): never a Worker's own methods,
     # whose lifecycle calls (load_model, initialize_cache, shutdown) would break the engine.
-    registered = sorted(engine.plugins.registry("worker_rpc"))
+    plugins = getattr(engine, "plugins", None)
+    registered = sorted(plugins.registry("worker_rpc")) if plugins is not None else []
     if body.method not in registered:
         raise APIError(
             400,
