@@ -18,7 +18,18 @@ from serve_process import serve
 pytestmark = pytest.mark.slow
 
 
-def _start(tiny_llama, tmp_path, *flags: str):
+@pytest.fixture
+def started():
+    """Processes to kill if a test fails before its server exits."""
+    procs: list = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _start(tiny_llama, tmp_path, started, *flags: str):
     """A server whose temporary files go to a directory of the test's own."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -33,6 +44,7 @@ def _start(tiny_llama, tmp_path, *flags: str):
         *flags,
         env=env,
     )
+    started.append(proc)
     (engine,) = [
         p for p in psutil.Process(proc.pid).children() if "core_proc" in " ".join(p.cmdline())
     ]
@@ -71,8 +83,8 @@ def _assert_clean_exit(proc, engine, tmp, status: int) -> None:
     assert list(tmp.iterdir()) == [], f"left behind: {list(tmp.iterdir())}"
 
 
-def test_sigterm_aborts_streams_with_an_error_event_and_done(tiny_llama, tmp_path) -> None:
-    proc, url, engine, tmp = _start(tiny_llama, tmp_path, "--shutdown-timeout", "0")
+def test_sigterm_aborts_streams_with_an_error_event_and_done(tiny_llama, tmp_path, started) -> None:
+    proc, url, engine, tmp = _start(tiny_llama, tmp_path, started, "--shutdown-timeout", "0")
     body = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True}
     threads, results = _run_streams(url, [body, body])
     proc.send_signal(signal.SIGTERM)
@@ -85,8 +97,10 @@ def test_sigterm_aborts_streams_with_an_error_event_and_done(tiny_llama, tmp_pat
     _assert_clean_exit(proc, engine, tmp, 0)
 
 
-def test_sigterm_lets_in_flight_requests_finish_within_the_timeout(tiny_llama, tmp_path) -> None:
-    proc, url, engine, tmp = _start(tiny_llama, tmp_path, "--shutdown-timeout", "60")
+def test_sigterm_lets_in_flight_requests_finish_within_the_timeout(
+    tiny_llama, tmp_path, started
+) -> None:
+    proc, url, engine, tmp = _start(tiny_llama, tmp_path, started, "--shutdown-timeout", "60")
     body = {"prompt": "go", "max_tokens": 40, "ignore_eos": True}
     threads, results = _run_streams(url, [body])
     proc.send_signal(signal.SIGTERM)
@@ -100,8 +114,8 @@ def test_sigterm_lets_in_flight_requests_finish_within_the_timeout(tiny_llama, t
     _assert_clean_exit(proc, engine, tmp, 0)
 
 
-def test_when_the_engine_dies_the_server_exits_non_zero(tiny_llama, tmp_path) -> None:
-    proc, url, engine, _ = _start(tiny_llama, tmp_path)
+def test_when_the_engine_dies_the_server_exits_non_zero(tiny_llama, tmp_path, started) -> None:
+    proc, url, engine, _ = _start(tiny_llama, tmp_path, started)
     body = {"prompt": "go", "max_tokens": 2000, "ignore_eos": True}
     threads, results = _run_streams(url, [body])
     engine.kill()
