@@ -134,8 +134,10 @@ def model_summary(worker: Any) -> dict[str, Any]:
 def trace_next_steps(worker: Any, n: int, path: str | None = None) -> str:
     """Record the next ``n`` steps this rank runs (SchedulerOutput and timings) as JSON
     lines; returns the file's path. ``path`` may contain ``{rank}``."""
-    from enginecore.builtin_executors.step_trace import StepTracer
+    from enginecore.builtin_executors.step_trace import MAX_TRACE_STEPS, StepTracer
 
+    if isinstance(n, int) and n > MAX_TRACE_STEPS:
+        raise ValueError(f"trace_next_steps traces at most {MAX_TRACE_STEPS} steps, got {n}")
     previous = getattr(worker, "step_tracer", None)
     if previous is not None:
         previous.close()

@@ -57,7 +57,6 @@ from enginecore.builtin_executors.rpc import (
     method_name,
 )
 from enginecore.config import EngineConfig
-from enginecore.distributed import loopback_init_method
 from enginecore.errors import EngineShutdownError
 from enginecore.interfaces import Executor, WorkerSpec
 
@@ -73,6 +72,20 @@ class _PendingCall:
     reply_rank: int | None
     remaining: set[int]
     results: dict[int, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+
+#: Calls the execute_timeout watchdog times: the per-step ones.
+WATCHED_METHODS = frozenset({"execute_model", "sample_tokens"})
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped by a signal (state T in /proc; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -155,7 +168,9 @@ class MultiprocExecutor(Executor):
     # --- start-up ---------------------------------------------------------------------------
 
     def _start_workers(self) -> None:
-        init_method = loopback_init_method()
+        # A file store in the owner-only directory: a TCP store would listen on every
+        # interface, unauthenticated, whatever address it is given.
+        init_method = f"file://{self._dir}/rendezvous"
         config_bytes = msgspec.msgpack.encode(self.config)
         spec_bytes = msgspec.msgpack.encode(self.worker_spec)
         for rank in range(self.world_size):
@@ -329,12 +344,44 @@ class MultiprocExecutor(Executor):
                     if proc.poll() is not None and not self._closing:
                         self._fail(rank, proc)
                         return
+                hung = self._hung_step()
+                if hung is not None and not self._closing:
+                    self._declare_dead(*hung)
+                    return
         finally:
             for fd in fds:
                 os.close(fd)
 
+    def _hung_step(self) -> tuple[str, int] | None:
+        """``(message, rank)`` when a step has waited on a rank past the watchdog."""
+        timeout = self.config.engine.execute_timeout
+        if timeout is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            late = [
+                c
+                for c in self._pending.values()
+                if c.method in WATCHED_METHODS and now - c.started > timeout
+            ]
+        if not late:
+            return None
+        call = late[0]
+        ranks = sorted(call.remaining) or list(range(self.world_size))
+        stopped = [r for r in ranks if _is_stopped(self.procs[r].pid)]
+        rank = (stopped or ranks)[0]
+        pid = self.procs[rank].pid
+        state = "is stopped (SIGSTOP)" if stopped else "did not answer"
+        message = (
+            f"rank {rank} (pid {pid}) {state}: {call.method} took longer than "
+            f"{timeout:g} s (engine.execute_timeout); ranks still running it: {ranks}"
+        )
+        return message, rank
+
     def _fail(self, rank: int, proc: subprocess.Popen) -> None:
-        message = describe_exit(rank, proc.pid, proc.returncode)
+        self._declare_dead(describe_exit(rank, proc.pid, proc.returncode), rank)
+
+    def _declare_dead(self, message: str, rank: int) -> None:
         logger.error("%s", message)
         with self._lock:
             self._dead, self._dead_rank = message, rank

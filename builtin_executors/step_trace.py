@@ -39,6 +39,11 @@ def to_jsonable(obj: Any) -> Any:
     return msgspec.to_builtins(obj, enc_hook=repr, str_keys=True)
 
 
+#: Bounds on one trace: steps, and bytes (a step of a large batch is a long line).
+MAX_TRACE_STEPS = 1000
+MAX_TRACE_BYTES = 64 * 1024 * 1024
+
+
 class StepTracer:
     """Writes one line per traced step::
 
@@ -62,6 +67,7 @@ class StepTracer:
         self._file = open(self.path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._pending: dict[str, Any] | None = None
         self._done = 0
+        self._written = 0
         self._lock = threading.Lock()
 
     def execute_model(self, scheduler_output: Any) -> Any:
@@ -96,7 +102,12 @@ class StepTracer:
             line, self._pending = self._pending, None
             if line is None or self._file is None:
                 return
-            self._file.write(json.dumps(line) + "\n")
+            text = json.dumps(line) + "\n"
+            if self._written + len(text) > MAX_TRACE_BYTES:
+                self.close()  # the trace stops at its size bound
+                return
+            self._file.write(text)
+            self._written += len(text)
             self._done += 1
             if self._done >= self.num_steps:
                 self.close()

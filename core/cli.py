@@ -118,6 +118,8 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     config = _resolve_config(args)
     check_components(config, make_plugin_manager(config.plugins.enabled, config.plugins.disabled))
     data = config.to_dict()
+    if data["server"]["api_key"] is not None:  # a secret: shown as set, never printed
+        data["server"]["api_key"] = "********"
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:
@@ -203,8 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config = config.replace(served_model_name=DEMO_MODEL_NAME)
     from enginecore.server.app import run_server
 
-    run_server(config)
-    return 0
+    return run_server(config)
 
 
 # --- benchmarks ----------------------------------------------------------------------

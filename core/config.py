@@ -152,6 +152,14 @@ class EngineProcessConfig(_Section):
     """Seconds to drain in-flight requests on shutdown (0: abort them)."""
     ready_timeout: float = 600.0
     """Seconds to wait for the engine process to load the model and answer the handshake."""
+    execute_timeout: float | None = 300.0
+    """Watchdog: seconds one step (execute_model, sample_tokens) may take on worker
+    processes (mp executor); beyond it in-flight requests fail naming the rank and the
+    engine is declared dead. Null: no watchdog."""
+
+    def __post_init__(self) -> None:
+        if self.execute_timeout is not None and self.execute_timeout <= 0:
+            raise ValueError("execute_timeout must be > 0 (or null: no watchdog)")
 
 
 class KVTransferConfig(_Section):
@@ -182,14 +190,49 @@ class ServerConfig(_Section):
     max_n: int = 16
     max_tokens_limit: int | None = None
     max_logprobs: int = 20
+    max_json_depth: int = 32
+    """Deepest nesting of objects and arrays a request body may have."""
+    max_field_bytes: int = 262144
+    """Largest JSON size of each free-form field (metadata, kv_transfer_params, a JSON
+    schema, logit_bias, tools, chat_template_kwargs)."""
+    max_logit_bias_entries: int = 1024
+    """Most token ids one request's logit_bias may name."""
+    max_tools: int = 128
+    """Most tools one chat request may declare."""
+    max_prompts_per_request: int = 256
+    """Most prompts in one completions request."""
+    max_prompt_tokens_per_request: int = 262144
+    """Most prompt tokens of one request, all its prompts together."""
+    max_pending_requests: int = 4096
+    """Most unfinished requests (running or waiting) the server holds; beyond it (or with
+    as many messages still queued for the engine) new requests get 503 with Retry-After."""
+    allowed_origins: list[str] = []
+    """Web origins (scheme://host[:port]) whose pages may call the server from a browser;
+    "*" admits any. A state-changing request with another Origin gets 403."""
+    allowed_hosts: list[str] | None = None
+    """Host header values the server answers (DNS rebinding); "*" admits any. Null: the
+    bind address and localhost names (any, when bound to all interfaces)."""
     enable_collective_rpc_endpoint: bool = False
-    """Expose POST /collective_rpc (it runs named worker methods: off by default)."""
+    """Expose POST /collective_rpc (it runs registered worker RPCs by name: off by default)."""
     enable_auto_tool_choice: bool = False
     """Allow tool_choice "auto" in chat requests: the reply is parsed for tool calls by
     tool_call_parser (vLLM's --enable-auto-tool-choice)."""
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
     built in: "hermes")."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_json_depth",
+            "max_field_bytes",
+            "max_logit_bias_entries",
+            "max_tools",
+            "max_prompts_per_request",
+            "max_prompt_tokens_per_request",
+            "max_pending_requests",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
 
 
 class PluginsConfig(_Section):

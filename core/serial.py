@@ -2,9 +2,12 @@
 
 Tensors and ndarrays at or above a size threshold travel as separate ZeroMQ frames
 (zero-copy: the frame is the array's own buffer); smaller ones are inlined. Objects
-msgpack cannot express (a callable for ``collective_rpc``, an arbitrary utility result)
-are cloudpickled into an extension type. These sockets are private to one deployment
-(IPC in a 0700 directory, or loopback TCP), never exposed to API clients.
+msgpack cannot express (a callable for ``collective_rpc`` from the trusted Python API, an
+arbitrary utility result) are cloudpickled into an extension type, but only where both
+ends say ``allow_pickle``: on IPC sockets in an owner-only (0700) directory. On TCP
+sockets (data parallelism on Ray) the wire carries msgpack types only: the encoder
+refuses to pickle and the decoder never unpickles, so whoever can connect to such a
+socket cannot make the other side run code.
 """
 
 from __future__ import annotations
@@ -59,8 +62,11 @@ def find_unpicklable(value: Any, depth: int = 3) -> Unpicklable | None:
 class MsgpackEncoder:
     """Encodes one message into ``[main_frame, *array_frames]``; reuses its main buffer."""
 
-    def __init__(self, frame_threshold: int = DEFAULT_FRAME_THRESHOLD) -> None:
+    def __init__(
+        self, frame_threshold: int = DEFAULT_FRAME_THRESHOLD, *, allow_pickle: bool = False
+    ) -> None:
         self.frame_threshold = frame_threshold
+        self.allow_pickle = allow_pickle
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._buffer = bytearray()
         self._aux: list[Any] | None = None
@@ -95,13 +101,19 @@ class MsgpackEncoder:
                 return msgspec.msgpack.Ext(ext.code, msgspec.msgpack.encode(("bf16", ext.data)))
             ext = self._array_ext(tensor.numpy(), EXT_TENSOR_INLINE, EXT_TENSOR_FRAME)
             return msgspec.msgpack.Ext(ext.code, msgspec.msgpack.encode(("", ext.data)))
+        if not self.allow_pickle:
+            raise TypeError(
+                f"a {type(obj).__name__} cannot be sent on this socket: it carries msgpack "
+                "types only (pickled objects travel only on owner-only IPC sockets)"
+            )
         return msgspec.msgpack.Ext(EXT_PICKLE, cloudpickle.dumps(obj, protocol=5))
 
 
 class MsgpackDecoder:
     """Decodes ``[main_frame, *array_frames]`` into ``type_`` (or plain data)."""
 
-    def __init__(self, type_: Any = Any) -> None:
+    def __init__(self, type_: Any = Any, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
         self._decoder = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook)
         self._frames: Sequence[Any] = ()
 
@@ -127,6 +139,8 @@ class MsgpackDecoder:
             tensor = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
             return tensor.view(torch.bfloat16) if kind == "bf16" else tensor
         if code == EXT_PICKLE:
+            if not self.allow_pickle:  # never unpickle what arrived on an open socket
+                return Unpicklable("pickled objects are refused on this socket")
             try:
                 return pickle.loads(data)
             except Exception as exc:  # keep the rest of the message usable

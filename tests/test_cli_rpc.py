@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 ENGINECORE = Path(sys.executable).parent / "enginecore"
@@ -86,3 +87,24 @@ def test_errors_say_what_to_do(enginecore_server):
     assert bad_json.returncode == 2 and "must be JSON" in bad_json.stderr
     nobody = rpc("memory_snapshot", "--url", "http://127.0.0.1:9")
     assert nobody.returncode == 2 and "cannot reach an enginecore server" in nobody.stderr
+
+
+@pytest.mark.parametrize("method", ["shutdown", "load_model", "initialize_cache", "get_pid"])
+def test_only_registered_rpcs_are_callable_from_outside(enginecore_server, method):
+    refused = rpc(method, "--url", enginecore_server.url)
+    assert refused.returncode == 2
+    assert "not a registered worker RPC" in refused.stderr and "memory_snapshot" in refused.stderr
+    # The engine is untouched: it still generates.
+    import httpx
+
+    response = httpx.post(
+        f"{enginecore_server.url}/v1/completions",
+        json={"model": enginecore_server.model, "prompt": "still here", "max_tokens": 2},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_trace_next_steps_is_bounded(enginecore_server):
+    result = rpc("trace_next_steps", "1000000", "--url", enginecore_server.url)
+    assert result.returncode == 2 and "at most 1000 steps" in result.stderr

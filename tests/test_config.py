@@ -172,3 +172,10 @@ def test_cli_config_show_bad_value_is_a_clear_error() -> None:
 def test_cli_boolean_flags() -> None:
     result = _cli("config", "show", "--no-prefix-caching", "--format", "json")
     assert json.loads(result.stdout)["cache"]["prefix_caching"] is False
+
+
+def test_cli_config_show_masks_the_api_key() -> None:
+    for fmt in ("json", "toml"):
+        result = _cli("config", "show", "--api-key", "s3cret-token", "--format", fmt)
+        assert result.returncode == 0, result.stderr
+        assert "s3cret-token" not in result.stdout and "********" in result.stdout

@@ -6,6 +6,7 @@ runs last in the module and kills it with a real SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -53,6 +54,18 @@ def test_auto_picks_mp_and_spawns_one_process_per_rank(tp2) -> None:
         # spawned fresh (python -m ...), not a fork of the engine
         assert "enginecore.builtin_executors.mp_worker" in " ".join(proc.cmdline())
     assert tp2.collective_rpc("get_rank") == [0, 1]
+
+
+def test_no_process_of_the_engine_listens_on_all_interfaces(tp2) -> None:
+    """The ranks' rendezvous store is a file in the executor's owner-only directory, not a
+    TCP store (which listens on every interface, unauthenticated)."""
+    engine = psutil.Process(tp2.engine_client.proc.pid)
+    wide = []
+    for proc in [engine, *engine.children(recursive=True)]:
+        for conn in proc.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.ip in ("0.0.0.0", "::"):
+                wide.append((proc.pid, conn.laddr))
+    assert not wide, f"listening on all interfaces: {wide}"
 
 
 def test_tp2_greedy_tokens_and_logprobs_match_tp1(tp2, tp1_reference) -> None:
@@ -171,3 +184,24 @@ def test_a_rank_that_fails_to_start_is_named_and_nothing_is_left_behind(tmp_path
     time.sleep(0.5)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not [p for p in left if _alive(p.pid)], left
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_trips_the_watchdog_naming_it(tiny_llama) -> None:
+    """SIGSTOP leaves the process alive, so only the execute_timeout watchdog notices."""
+    llm = LLM(tiny_llama, executor="mp", execute_timeout=3.0, **COMMON)
+    (pid,) = _worker_pids(llm)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError) as caught:
+            llm.generate(["hello"], SamplingParams(max_tokens=20, ignore_eos=True))
+        waited = time.monotonic() - started
+        message = str(caught.value)
+        assert f"rank 0 (pid {pid}) is stopped" in message, message
+        assert "execute_timeout" in message
+        assert waited < 30, waited
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        llm.shutdown()

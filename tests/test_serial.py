@@ -5,6 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import numpy as np
+import pytest
 import torch
 
 from enginecore.params import SamplingParams
@@ -16,7 +17,7 @@ from enginecore.protocol import (
     UtilityOutput,
 )
 from enginecore.request import FinishReason
-from enginecore.serial import MsgpackDecoder, MsgpackEncoder
+from enginecore.serial import MsgpackDecoder, MsgpackEncoder, Unpicklable
 
 
 def test_plain_decode_output_is_a_few_dozen_bytes() -> None:
@@ -70,14 +71,37 @@ def test_callables_and_arbitrary_results_are_pickled() -> None:
     def double(worker, x):
         return 2 * x
 
-    frames = MsgpackEncoder().encode((0, 7, "collective_rpc", (double, None, (21,), None)))
-    _, call_id, method, args = MsgpackDecoder().decode(frames)
+    encoder = MsgpackEncoder(allow_pickle=True)
+    frames = encoder.encode((0, 7, "collective_rpc", (double, None, (21,), None)))
+    _, call_id, method, args = MsgpackDecoder(allow_pickle=True).decode(frames)
     assert call_id == 7 and method == "collective_rpc"
     assert args[0](None, *args[2]) == 42
     result = {"ratio": Fraction(1, 3)}  # not a msgpack type: pickled
     out = EngineCoreOutputs(utility_output=UtilityOutput(call_id=3, result=result))
-    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(out))
+    decoded = MsgpackDecoder(EngineCoreOutputs, allow_pickle=True).decode(encoder.encode(out))
     assert decoded.utility_output.result == result
+
+
+class _TouchOnUnpickle:
+    """Unpickling it creates a file: what an attacker's payload would do."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def test_by_default_nothing_is_pickled_or_unpickled(tmp_path) -> None:
+    marker = tmp_path / "ran"
+    with pytest.raises(TypeError, match="msgpack types only"):
+        MsgpackEncoder().encode({"x": Fraction(1, 3)})
+    frames = MsgpackEncoder(allow_pickle=True).encode([_TouchOnUnpickle(marker)])
+    (decoded,) = MsgpackDecoder().decode(frames)
+    assert isinstance(decoded, Unpicklable) and "refused" in decoded.error
+    assert not marker.exists()
 
 
 def test_encoder_buffer_is_reused_without_corrupting_earlier_messages() -> None:

@@ -29,7 +29,8 @@ class DeadEngine:
 
 @pytest.fixture
 def config(tmp_path):
-    return make_config(model=str(tmp_path), stat_loggers=[])
+    # TestClient sends "Host: testserver".
+    return make_config(model=str(tmp_path), stat_loggers=[], allowed_hosts=["testserver"])
 
 
 def test_health_is_503_once_the_engine_is_dead(config):
@@ -94,3 +95,34 @@ def test_body_limit_counts_streamed_bodies_too(config):
             "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
         )
         assert response.status_code == 413
+
+
+def test_allowed_origins_get_cors_answers_and_others_are_refused(tmp_path):
+    config = make_config(
+        model=str(tmp_path),
+        stat_loggers=[],
+        allowed_hosts=["testserver"],
+        allowed_origins=["https://ui.example"],
+    )
+    engine = DeadEngine()
+    engine.tokenizer = [0] * 100  # a vocabulary size for the route's checks
+    prompt = {"prompt": [1, 2]}
+    with TestClient(build_app(config, engine)) as client:
+        preflight = client.options(
+            "/v1/completions",
+            headers={
+                "origin": "https://ui.example",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "content-type",
+            },
+        )
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
+        allowed = client.post(
+            "/v1/completions", json=prompt, headers={"origin": "https://ui.example"}
+        )
+        assert allowed.status_code == 503  # through the guard, to the (dead) engine
+        refused = client.post(
+            "/v1/completions", json=prompt, headers={"origin": "https://other.example"}
+        )
+        assert refused.status_code == 403

@@ -116,6 +116,8 @@ class AsyncLLM:
         self._log_task: asyncio.Task | None = None
         self._dead: EngineCoreError | None = None
         self._closed = False
+        # "paused" or "asleep" while new requests would only wait: they are refused.
+        self._unavailable: str | None = None
         self.stat_loggers.log_engine_initialized()
 
     # --- properties ---------------------------------------------------------------------------
@@ -160,6 +162,10 @@ class AsyncLLM:
         outputs.
         """
         self._check_alive()
+        if self._unavailable is not None:
+            raise RequestRejectedError(
+                f"engine_paused: the engine is {self._unavailable}; retry after it resumes"
+            )
         self._ensure_tasks()
         par = self.config.parallel
         check_data_parallel_rank(
@@ -385,6 +391,23 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(error)
 
+    def start(self) -> None:
+        """Start the output task now rather than at the first request: a server calls it
+        so that an engine that dies is noticed without traffic."""
+        self._ensure_tasks()
+
+    def fail_all_open(self, error: EngineCoreError) -> None:
+        """Abort every open request in the engine and end each one with ``error`` (a
+        draining server's last word to the requests it gives up on)."""
+        ids = list(self.collectors)
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids and self.dead_error is None:
+            with contextlib.suppress(EngineCoreError):
+                self.engine_client.abort_requests(engine_ids)
+        for collector in self.collectors.values():
+            collector.put(error)
+        self.collectors.clear()
+
     def _fail_all(self, error: EngineCoreError) -> None:
         """Raise ``error`` into every open request at once."""
         self._dead = error
@@ -436,9 +459,11 @@ class AsyncLLM:
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and release device memory (level 1: KV cache; 2: weights too)."""
         await self._utility("sleep", level)
+        self._unavailable = "asleep"
 
     async def wake_up(self) -> None:
         await self._utility("wake_up")
+        self._unavailable = None
 
     async def is_sleeping(self) -> bool:
         return bool(await self._utility("is_sleeping"))
@@ -446,9 +471,11 @@ class AsyncLLM:
     async def pause(self, mode: str = "abort") -> None:
         """Stop scheduling: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them."""
         await self._utility("pause_scheduler", mode)
+        self._unavailable = "paused"
 
     async def resume(self) -> None:
         await self._utility("resume_scheduler")
+        self._unavailable = None
 
     async def is_paused(self) -> bool:
         return bool(await self._utility("is_paused"))

@@ -60,6 +60,8 @@ class EngineCoreProc(EngineCore):
         self.output_socket.connect(output_address)
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
+        # Pickled objects only on IPC sockets (an owner-only directory), never over TCP.
+        self.allow_pickle = input_address.startswith("ipc://")
         super().__init__(config)
         self.executor.register_failure_callback(
             lambda message: self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, message))
@@ -76,7 +78,7 @@ class EngineCoreProc(EngineCore):
 
     def _input_thread(self) -> None:
         add_decoder = MsgpackDecoder(EngineCoreRequest)
-        any_decoder = MsgpackDecoder()
+        any_decoder = MsgpackDecoder(allow_pickle=self.allow_pickle)
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         while True:
@@ -103,13 +105,21 @@ class EngineCoreProc(EngineCore):
             self.input_queue.put((kind, message))
 
     def _output_thread_fn(self) -> None:
-        encoder = MsgpackEncoder()
+        encoder = MsgpackEncoder(allow_pickle=self.allow_pickle)
         while True:
             item = self.output_queue.get()
             if item is _STOP:
                 return
             item.engine_index = self.engine_index  # every output names its replica
-            self.output_socket.send_multipart(encoder.encode(item), copy=False)
+            try:
+                frames = encoder.encode(item)
+            except TypeError as exc:  # a utility result this socket cannot carry
+                if item.utility_output is None:
+                    raise
+                item.utility_output.result = None
+                item.utility_output.failure_message = f"TypeError: {exc}"
+                frames = encoder.encode(item)
+            self.output_socket.send_multipart(frames, copy=False)
 
     # --- the busy loop --------------------------------------------------------------------------
 
@@ -169,8 +179,9 @@ class EngineCoreProc(EngineCore):
         rejection = None
         if self._shutdown_requested:
             rejection = "the engine is shutting down and admits no new requests"
-        elif self._paused in ("abort", "wait"):
-            rejection = "engine_paused: the engine is paused; retry after resume"
+        elif self._paused is not None:  # "keep" too: a new request would only wait
+            state = "asleep" if self._sleeping else "paused"
+            rejection = f"engine_paused: the engine is {state}; retry after it resumes"
         if rejection is None:
             try:
                 self.add_request(request)

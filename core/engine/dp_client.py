@@ -45,6 +45,7 @@ from enginecore.engine.mp_client import (
     take_output,
     take_output_async,
 )
+from enginecore.engine.send_queue import SendQueue
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -94,13 +95,16 @@ class _DPClientBase(EngineCoreClient):
         self.ctx = ctx
         self.size = par.data_parallel_size
         self.coordinator = DPCoordinator(self.size, external_lb=par.data_parallel_external_lb)
-        self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        # Local replicas talk over owner-only IPC; Ray replicas over TCP: msgpack only.
+        owner_only = par.data_parallel_backend == "mp"
+        self.encoder = MsgpackEncoder(allow_pickle=owner_only)
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, allow_pickle=owner_only)
         self.owner: dict[str, int] = {}  # engine request id -> replica
         self._lock = threading.Lock()
         self._call_ids = itertools.count(1)
         self._utility_futures: dict[tuple[int, int], Any] = {}
         self.dead_error: EngineDeadError | None = None
+        self.sends = SendQueue()
         started_ray = False
         if par.data_parallel_backend == "ray":
             from enginecore.engine.dp_ray import ensure_ray, start_ray_engines
@@ -149,7 +153,9 @@ class _DPClientBase(EngineCoreClient):
 
     def _send(self, index: int, kind: EngineCoreRequestType, payload: Any) -> None:
         frames = self.encoder.encode(payload)
-        self.engines[index].input_socket.send_multipart([kind.value, *frames], copy=False)
+        self.sends.track(
+            self.engines[index].input_socket.send_multipart([kind.value, *frames], copy=False)
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if self.dead_error is not None:

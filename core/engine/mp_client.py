@@ -27,6 +27,7 @@ from enginecore.config import EngineConfig
 from enginecore.distributed import replica_env
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
+from enginecore.engine.send_queue import SendQueue
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -160,8 +161,9 @@ class _MPClientBase(EngineCoreClient):
     ) -> None:
         self.config = config
         self.ctx = ctx
-        self.encoder = MsgpackEncoder()
-        self.decoder = MsgpackDecoder(EngineCoreOutputs)
+        # IPC sockets in an owner-only directory: pickled callables may cross.
+        self.encoder = MsgpackEncoder(allow_pickle=True)
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, allow_pickle=True)
         self.engine = _EngineProcess(config, ctx)
         self.proc = self.engine.proc
         self._finalizer = weakref.finalize(
@@ -183,11 +185,16 @@ class _MPClientBase(EngineCoreClient):
         self.output_socket = self.engine.output_socket
         self._call_ids = itertools.count(1)
         self.dead_error: EngineDeadError | None = None
+        self.sends = SendQueue()
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self.dead_error is not None:
             raise self.dead_error
-        self.input_socket.send_multipart([kind.value, *self.encoder.encode(payload)], copy=False)
+        self.sends.track(
+            self.input_socket.send_multipart(
+                [kind.value, *self.encoder.encode(payload)], copy=False
+            )
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)

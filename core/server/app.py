@@ -16,15 +16,22 @@ import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
 from enginecore.engine.preflight import check_port_free
 from enginecore.plugins import make_plugin_manager
-from enginecore.server import chat, completions, control, info
+from enginecore.server import chat, completions, control, info, lifecycle
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
-from enginecore.server.security import APIKeyMiddleware, BodySizeLimitMiddleware
+from enginecore.server.limits import check_body_limits, check_capacity
+from enginecore.server.security import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    BrowserGuardMiddleware,
+    default_allowed_hosts,
+)
 from enginecore.server.tools import check_tool_config
 from enginecore.version import __version__
 
@@ -77,17 +84,36 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     )
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(info.router)
-    app.include_router(completions.router)
-    app.include_router(chat.router)
-    app.include_router(control.router)
+    limited = [Depends(check_body_limits)]
+    app.include_router(info.router, dependencies=limited)
+    generation = [*limited, Depends(check_capacity)]
+    app.include_router(completions.router, dependencies=generation)
+    app.include_router(chat.router, dependencies=generation)
+    app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
-        app.include_router(control.rpc_router)
-    # Outermost first: the size limit, then the key check, then the routes.
-    if config.server.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
-    app.add_middleware(BodySizeLimitMiddleware, limit=config.server.max_request_body_bytes)
+        app.include_router(control.rpc_router, dependencies=limited)
+    # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
+    # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
+    server = config.server
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=server.max_request_body_bytes)
+    if server.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    allowed_hosts = server.allowed_hosts
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(server.host)
+    app.add_middleware(
+        BrowserGuardMiddleware,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=server.allowed_origins,
+    )
     return app
 
 
@@ -126,8 +152,10 @@ def _show_info_logs() -> None:
             named.setLevel(logging.INFO)
 
 
-async def serve(config: EngineConfig) -> None:
-    """Start the engine, then serve HTTP until interrupted; the engine stops with it."""
+async def serve(config: EngineConfig) -> int:
+    """Start the engine, then serve HTTP until SIGTERM/SIGINT (a drain, see
+    :mod:`~enginecore.server.lifecycle`) or the engine's death; the engine stops with it.
+    Returns the exit status: 0, or 1 when the engine died."""
     import uvicorn
 
     config = server_config(config)
@@ -136,6 +164,7 @@ async def serve(config: EngineConfig) -> None:
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
     check_port_free(config.server.host, config.server.port)
     engine = _start_engine(config, plugins)
+    outcome = lifecycle.Outcome()
     try:
         app = build_app(config, engine)
         log_startup(app.state.ctx)
@@ -144,18 +173,29 @@ async def serve(config: EngineConfig) -> None:
             logger.warning(
                 "listening on %s without an API key: anyone who can reach it may use it", host
             )
+        drain_timeout = config.engine.shutdown_timeout
         uv_config = uvicorn.Config(
             app,
             host=host,
             port=port,
             log_level="info",
             access_log=config.observability.log_requests,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=drain_timeout + lifecycle.GRACE_MARGIN_S,
         )
+        server = lifecycle.make_server(uv_config)
+        watcher = asyncio.ensure_future(lifecycle.watch(server, engine, drain_timeout, outcome))
         logger.info("listening on http://%s:%d", host, port)
-        await uvicorn.Server(uv_config).serve()
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
     finally:
         engine.shutdown()
+    if outcome.engine_died:
+        logger.error("exiting: the engine died (%s)", outcome.engine_died)
+        return 1
+    return 0
 
 
 def _start_engine(config: EngineConfig, plugins: Any) -> Any:
@@ -171,8 +211,8 @@ def _start_engine(config: EngineConfig, plugins: Any) -> Any:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_server(config: EngineConfig) -> None:
-    """``enginecore serve``: blocks until the server stops.
+def run_server(config: EngineConfig) -> int:
+    """``enginecore serve``: blocks until the server stops; returns the exit status.
 
     On uvloop when it is installed (a dependency; uvicorn then also picks its httptools
     parser). Streaming 200 requests at once on the tiny model, the API server's CPU time
@@ -180,6 +220,5 @@ def run_server(config: EngineConfig) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -17,6 +18,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.limits import check_prompt_tokens
 from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
 from enginecore.server.sampling import (
@@ -155,9 +157,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 param="tool_choice",
             )
         params = params.clone(structured_output=plan.structured_output)
-    prompt_ids = truncate_prompt(
-        chat_prompt_ids(ctx, body, plan.tools), body.truncate_prompt_tokens, engine.max_model_len
-    )
+    # The chat template and tokenizer run off the event loop (a long conversation takes
+    # seconds); the request's total is bounded like a completion's.
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.tools)
+    check_prompt_tokens([len(prompt_ids)], ctx.limits)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, engine.max_model_len)
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)

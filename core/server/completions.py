@@ -17,6 +17,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.limits import tokenize_prompts
 from enginecore.server.logprobs import (
     completion_logprobs,
     concat_logprobs,
@@ -54,13 +55,13 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _engine_prompt(
-    ctx: ServerContext, body: CompletionRequest, prompt: str | list[int]
+    ctx: ServerContext, body: CompletionRequest, encoded: dict[str, Any]
 ) -> dict[str, Any]:
-    """Token ids here, not in the engine: ``truncate_prompt_tokens`` and the ``max_tokens``
-    check need them. A truncated prompt's text is decoded from what is left (for ``echo``)."""
+    """``truncate_prompt_tokens`` and the ``max_tokens`` check on a tokenized prompt
+    (``tokenize_prompts``); a truncated prompt keeps only its ids (``echo`` decodes them)."""
     engine = ctx.engine
-    text = prompt if isinstance(prompt, str) else None
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    text = encoded.get("prompt")
+    ids = encoded["prompt_token_ids"]
     kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
     if len(kept) != len(ids):
         text = None
@@ -133,7 +134,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompt_logprobs = _prompt_logprobs(body, ctx.limits)
     if prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=prompt_logprobs)
-    prompts = [_engine_prompt(ctx, body, p) for p in _prompts(body.prompt)]
+    encoded = await tokenize_prompts(engine.tokenizer, _prompts(body.prompt), ctx.limits)
+    prompts = [_engine_prompt(ctx, body, p) for p in encoded]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collectors = []

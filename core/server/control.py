@@ -1,8 +1,9 @@
 """Engine control endpoints: sleep / wake up, pause / resume, and (opt-in) collective RPC.
 
-``/collective_rpc`` runs a named method on every worker, so it exists only when
-``server.enable_collective_rpc_endpoint`` is on. It takes a method *name* and JSON
-arguments; nothing a client sends is ever unpickled or executed as code.
+``/collective_rpc`` runs a registered worker RPC on every worker, so it exists only when
+``server.enable_collective_rpc_endpoint`` is on. It takes the *name* of one registered
+through ``register_worker_rpcs`` and JSON arguments; nothing a client sends is ever
+unpickled or executed as code.
 """
 
 from __future__ import annotations
@@ -72,10 +73,20 @@ def _jsonable(value: Any) -> Any:
 
 @rpc_router.post("/collective_rpc")
 async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict:
-    if not body.method.isidentifier():
-        raise APIError(400, f"method must be a plain name, got {body.method!r}", param="method")
+    engine = context(request).engine
+    # Only registered worker RPCs (register_worker_rpcs): never a Worker's own methods,
+    # whose lifecycle calls (load_model, initialize_cache, shutdown) would break the engine.
+    plugins = getattr(engine, "plugins", None)
+    registered = sorted(plugins.registry("worker_rpc")) if plugins is not None else []
+    if body.method not in registered:
+        raise APIError(
+            400,
+            f"{body.method!r} is not a registered worker RPC; callable from outside: "
+            f"{', '.join(registered) or 'none'}",
+            param="method",
+        )
     try:
-        results = await context(request).engine.collective_rpc(
+        results = await engine.collective_rpc(
             body.method, body.timeout, tuple(body.args), body.kwargs
         )
     except UtilityError as exc:

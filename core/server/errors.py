@@ -60,8 +60,13 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
+#: Seconds a client is told to wait before retrying a 503 (saturated, paused, asleep).
+RETRY_AFTER_S = 1
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -78,11 +79,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     engine = ctx.engine
     if (body.prompt is None) == (body.messages is None):
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
+    # Off the event loop: a multi-megabyte prompt takes seconds to tokenize.
     if body.messages is not None:
         tools = [t.model_dump(exclude_unset=True) for t in body.tools or []]
-        tokens = chat_prompt_ids(ctx, body, tools or None)
+        tokens = await asyncio.to_thread(chat_prompt_ids, ctx, body, tools or None)
     else:
-        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(
+            engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+        )
     return JSONResponse(
         {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
     )
@@ -96,7 +100,8 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         return error_response(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    return JSONResponse({"prompt": ctx.engine.tokenizer.decode(body.tokens)})
+    text = await asyncio.to_thread(ctx.engine.tokenizer.decode, body.tokens)
+    return JSONResponse({"prompt": text})
 
 
 def _json_ready(value: Any) -> bool:

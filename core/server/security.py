@@ -103,3 +103,87 @@ class BodySizeLimitMiddleware:
 
     async def _reject(self, send: Any) -> None:
         await _send_error(send, 413, f"request body too large: the limit is {self.limit} bytes")
+
+
+#: Methods that change state: a browser may send them cross-site without asking first.
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def default_allowed_hosts(bind_host: str) -> list[str]:
+    """The bind address and the localhost names; any name when bound to all interfaces."""
+    if bind_host in ANY_ADDRESS:
+        return ["*"]
+    return [bind_host, *(h for h in LOCAL_HOSTS if h != bind_host)]
+
+
+def _host_name(value: str) -> str:
+    """``Host`` header -> the name without the port (``[::1]:8000`` -> ``::1``)."""
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class BrowserGuardMiddleware:
+    """Keeps web pages from driving the server through a visitor's browser.
+
+    - ``Host`` must be one of ``allowed_hosts`` (a page that re-points its own DNS name at
+      127.0.0.1 still sends its own name: DNS rebinding fails here).
+    - A state-changing request that carries an ``Origin`` other than the server's own
+      must come from one of ``allowed_origins`` (browsers always send ``Origin``
+      cross-site; API clients do not).
+    - A state-changing request with a body must declare ``application/json``: the
+      content types a page may send without a CORS preflight (``text/plain``, forms)
+      are refused.
+    """
+
+    def __init__(self, app: Any, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
+        self.app = app
+        self.any_host = "*" in allowed_hosts
+        self.hosts = {h.lower().strip("[]") for h in allowed_hosts}
+        self.any_origin = "*" in allowed_origins
+        self.origins = {o.lower().rstrip("/") for o in allowed_origins}
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+        }
+        host = headers.get("host", "")
+        if not self.any_host and _host_name(host).lower() not in self.hosts:
+            return await _send_error(
+                send, 400, f"Host {host!r} is not served here (server setting allowed_hosts)"
+            )
+        if scope["method"] not in STATE_CHANGING:
+            return await self.app(scope, receive, send)
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin, host):
+            return await _send_error(
+                send,
+                403,
+                f"cross-origin request from {origin!r} refused (server setting allowed_origins)",
+            )
+        content_type = headers.get("content-type")
+        has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+        if (content_type is not None or has_body) and not _is_json(content_type):
+            return await _send_error(
+                send,
+                415,
+                f"Content-Type must be application/json, got {content_type or 'none'}",
+            )
+        return await self.app(scope, receive, send)
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        origin = origin.lower().rstrip("/")
+        if self.any_origin or origin in self.origins:
+            return True
+        return origin in (f"http://{host.lower()}", f"https://{host.lower()}")  # same origin
+
+
+def _is_json(content_type: str | None) -> bool:
+    return content_type is not None and (
+        content_type.split(";", 1)[0].strip().lower() == "application/json"
+    )
