@@ -115,7 +115,9 @@ class ParallelConfig(_Section):
     executor: str = "auto"
     """Executor plugin name (uni, mp, ray, external_launcher); auto picks by world size."""
     tensor_parallel_size: int = 1
+    """Ranks a layer is split over."""
     pipeline_parallel_size: int = 1
+    """Pipeline stages. World size = tensor x pipeline."""
     data_parallel_size: int = 1
     """Engine-core replicas behind one frontend (each with its own TP x PP workers)."""
     data_parallel_backend: Literal["mp", "ray"] = "mp"
@@ -166,6 +168,7 @@ class KVTransferConfig(_Section):
     connector: str | None = None
     """KV connector plugin name."""
     role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    """Whether this engine saves KV, loads it, or both."""
     extra_config: dict[str, Any] = {}
     """Connector-specific settings (for example a storage path)."""
 
@@ -184,12 +187,19 @@ class ObservabilityConfig(_Section):
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
+    """Address the HTTP server binds."""
     port: int = 8000
+    """Its port."""
     api_key: str | None = None
+    """When set, requests must send ``Authorization: Bearer <key>``."""
     max_request_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body."""
     max_n: int = 16
+    """Largest ``n`` (completions per prompt) a request may ask for."""
     max_tokens_limit: int | None = None
+    """Upper bound on a request's ``max_tokens``; null: only ``max_model_len`` bounds it."""
     max_logprobs: int = 20
+    """Largest ``logprobs`` a request may ask for."""
     max_json_depth: int = 32
     """Deepest nesting of objects and arrays a request body may have."""
     max_field_bytes: int = 262144
@@ -275,6 +285,7 @@ class SpeculativeConfig(_Section):
 
 class StructuredOutputConfig(_Section):
     backend: str = "xgrammar"
+    """Grammar backend plugin name for ``SamplingParams(structured_output=...)``."""
     disable_any_whitespace: bool = False
     """JSON output without whitespace between tokens (a model that loops on spaces cannot)."""
 

@@ -179,3 +179,15 @@ def test_cli_config_show_masks_the_api_key() -> None:
         result = _cli("config", "show", "--api-key", "s3cret-token", "--format", fmt)
         assert result.returncode == 0, result.stderr
         assert "s3cret-token" not in result.stdout and "********" in result.stdout
+
+
+def test_every_config_flag_has_help_text() -> None:
+    """``enginecore serve --help`` explains every flag (the text is the field's docstring)."""
+    import argparse
+
+    from enginecore.config import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert bare == [] or bare == ["-h"], f"flags without help: {bare}"
