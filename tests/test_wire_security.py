@@ -3,6 +3,7 @@ engine process unpickles nothing, so whoever can connect cannot make it run code
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import subprocess
 import sys
@@ -77,3 +78,79 @@ def test_a_pickle_sent_over_tcp_is_never_unpickled(tcp_engine, tmp_path) -> None
     assert pull.poll(60_000)
     reply = MsgpackDecoder(EngineCoreOutputs).decode(pull.recv_multipart())
     assert reply.utility_output.call_id == 2 and reply.utility_output.failure_message is None
+
+
+CURVE_ENGINE = (
+    "import sys, msgspec; from enginecore.engine.core_proc import run_engine_core; "
+    "keys = msgspec.msgpack.decode(bytes.fromhex(sys.argv[3])); "
+    "run_engine_core(sys.stdin.buffer.read(), sys.argv[1], sys.argv[2], 0, keys)"
+)
+
+
+def test_tcp_sockets_admit_only_the_replicas_key(tiny_llama) -> None:
+    """The frontend's TCP sockets to a remote replica (data parallelism on Ray) are CURVE
+    servers admitting only the key made for that replica: the real engine, given its
+    keys, serves; a peer without them (or with another key) reads none of the requests
+    and gets nothing into the output stream."""
+    from enginecore.engine.wire_auth import (
+        CurveKeys,
+        authenticator_for,
+        secure_server,
+        stop_authenticator,
+    )
+
+    ctx = zmq.Context()
+    keys = CurveKeys.new()
+    authenticator_for(ctx).allow(keys.client_public)
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    secure_server(push, keys)
+    secure_server(pull, keys)
+    in_port = push.bind_to_random_port("tcp://127.0.0.1")
+    out_port = pull.bind_to_random_port("tcp://127.0.0.1")
+    intruders = zmq.Context()
+    reader = intruders.socket(zmq.PULL)  # would take a share of PUSH's round robin
+    reader.connect(f"tcp://127.0.0.1:{in_port}")
+    forger = intruders.socket(zmq.PUSH)
+    other = CurveKeys.new()  # a valid CURVE client, with a key nobody registered
+    forger.curve_serverkey = keys.server_public
+    forger.curve_publickey, forger.curve_secretkey = other.client_public, other.client_secret
+    forger.connect(f"tcp://127.0.0.1:{out_port}")
+    config = make_config(model=str(tiny_llama), dtype="float32", stat_loggers=[])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            CURVE_ENGINE,
+            f"tcp://127.0.0.1:{in_port}",
+            f"tcp://127.0.0.1:{out_port}",
+            msgspec.msgpack.encode(keys.for_client()).hex(),
+        ],
+        stdin=subprocess.PIPE,
+    )
+    proc.stdin.write(msgspec.msgpack.encode(config))
+    proc.stdin.close()
+    try:
+        assert pull.poll(240_000), "the engine did not answer the handshake"
+        assert pull.recv_multipart()[0] == HANDSHAKE_READY
+        with contextlib.suppress(zmq.Again):  # queued at best: its handshake fails
+            forger.send(b"forged output", flags=zmq.NOBLOCK)
+        for call_id in range(1, 6):
+            frames = MsgpackEncoder().encode((0, call_id, "ping", ()))
+            push.send_multipart([EngineCoreRequestType.UTILITY.value, *frames])
+        answered = set()
+        while pull.poll(3_000 if len(answered) == 5 else 60_000):
+            frames = pull.recv_multipart()
+            assert frames != [b"forged output"], "an unauthenticated peer wrote to the output"
+            answered.add(MsgpackDecoder(EngineCoreOutputs).decode(frames).utility_output.call_id)
+        assert answered == {1, 2, 3, 4, 5}  # every request reached the engine
+        assert not reader.poll(500), "an unauthenticated peer read a request"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        for sock in (push, pull):
+            sock.close(0)
+        for sock in (reader, forger):
+            sock.close(0)
+        stop_authenticator(ctx)
+        ctx.term()
+        intruders.term()

@@ -23,6 +23,7 @@ import zmq
 from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
 from enginecore.engine.core import UTILITY_METHODS, EngineCore
+from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutput,
@@ -48,6 +49,7 @@ class EngineCoreProc(EngineCore):
         input_address: str,
         output_address: str,
         engine_index: int = 0,
+        curve_keys: dict[str, bytes] | None = None,
     ) -> None:
         self.engine_index = engine_index  # this replica's data-parallel rank
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
@@ -57,8 +59,10 @@ class EngineCoreProc(EngineCore):
         self._draining_since: float | None = None
         self.ctx = zmq.Context()
         self.output_socket = self.ctx.socket(zmq.PUSH)
+        secure_client(self.output_socket, curve_keys)
         self.output_socket.connect(output_address)
         self.input_socket = self.ctx.socket(zmq.PULL)
+        secure_client(self.input_socket, curve_keys)
         self.input_socket.connect(input_address)
         # Pickled objects only on IPC sockets (an owner-only directory), never over TCP.
         self.allow_pickle = input_address.startswith("ipc://")
@@ -311,10 +315,15 @@ def _watch_parent(parent_pid: int, get_engine: Any) -> None:
 
 
 def run_engine_core(
-    config_bytes: bytes, input_address: str, output_address: str, engine_index: int = 0
+    config_bytes: bytes,
+    input_address: str,
+    output_address: str,
+    engine_index: int = 0,
+    curve_keys: dict[str, bytes] | None = None,
 ) -> None:
     """Entry point of the engine-core process (or of a Ray actor's thread, for data
-    parallelism on Ray: there signals stay with Ray and shutdown comes as a message)."""
+    parallelism on Ray: there signals stay with Ray and shutdown comes as a message, and
+    ``curve_keys`` authenticate the TCP sockets to the frontend)."""
     logging.basicConfig(
         level=os.environ.get("ENGINECORE_LOG_LEVEL", "WARNING").upper(),
         format=f"%(asctime)s %(levelname)s [engine {engine_index}] %(name)s: %(message)s",
@@ -343,9 +352,9 @@ def run_engine_core(
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
     try:
-        engine = EngineCoreProc(config, input_address, output_address, engine_index)
+        engine = EngineCoreProc(config, input_address, output_address, engine_index, curve_keys)
     except BaseException as exc:
-        _send_startup_failure(output_address, exc)
+        _send_startup_failure(output_address, exc, curve_keys)
         raise SystemExit(1) from None
     encoder = MsgpackEncoder()
     engine.output_socket.send_multipart([HANDSHAKE_READY, *encoder.encode(engine.ready_response())])
@@ -362,11 +371,14 @@ def run_engine_core(
         engine.close(reason)
 
 
-def _send_startup_failure(output_address: str, exc: BaseException) -> None:
+def _send_startup_failure(
+    output_address: str, exc: BaseException, curve_keys: dict[str, bytes] | None = None
+) -> None:
     text = f"{type(exc).__name__}: {exc}"
     logger.error("engine core failed to start: %s\n%s", text, traceback.format_exc())
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
+    secure_client(sock, curve_keys)
     sock.connect(output_address)
     sock.send_multipart([HANDSHAKE_FAILED, text.encode()])
     sock.close(linger=5000)

@@ -46,6 +46,7 @@ from enginecore.engine.mp_client import (
     take_output_async,
 )
 from enginecore.engine.send_queue import SendQueue
+from enginecore.engine.wire_auth import stop_authenticator
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -81,6 +82,7 @@ def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
             engine.close()
         except Exception:
             logger.exception("could not close data-parallel replica %d", engine.engine_index)
+    stop_authenticator(ctx)
     ctx.term()
     if stop_ray:
         import ray

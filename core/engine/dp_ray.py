@@ -28,6 +28,7 @@ import zmq
 
 from enginecore.config import EngineConfig
 from enginecore.engine.mp_client import _EngineProcess
+from enginecore.engine.wire_auth import CurveKeys, authenticator_for, secure_server
 from enginecore.errors import ConfigError, EngineCoreError
 from enginecore.placement import check_replicas_fit
 from enginecore.protocol import EngineCoreRequestType
@@ -92,14 +93,20 @@ class EngineCoreActor:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(
-        self, config_bytes: bytes, input_address: str, output_address: str, engine_index: int
+        self,
+        config_bytes: bytes,
+        input_address: str,
+        output_address: str,
+        engine_index: int,
+        curve_keys: dict[str, bytes] | None = None,
     ) -> None:
-        """Runs the engine core until it stops; returns (or raises) only then."""
+        """Runs the engine core until it stops; returns (or raises) only then.
+        ``curve_keys`` (from the frontend, through Ray) authenticate its TCP sockets."""
         from enginecore.engine.core_proc import run_engine_core
 
         # A startup failure was already reported on the output socket.
         with contextlib.suppress(SystemExit):
-            run_engine_core(config_bytes, input_address, output_address, engine_index)
+            run_engine_core(config_bytes, input_address, output_address, engine_index, curve_keys)
 
 
 class RayEngine(_EngineProcess):
@@ -124,9 +131,14 @@ class RayEngine(_EngineProcess):
         self.actor: Any = None
         host = config.parallel.data_parallel_host
         connect_host = ray.util.get_node_ip_address() if host in _ANY_HOST else host
+        # TCP: CURVE servers that admit only this replica's key (wire_auth.py).
+        keys = CurveKeys.new()
+        authenticator_for(ctx).allow(keys.client_public)
         self.input_socket = ctx.socket(zmq.PUSH)
+        secure_server(self.input_socket, keys)
         input_port = self.input_socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
         self.output_socket = ctx.socket(zmq.PULL)
+        secure_server(self.output_socket, keys)
         output_port = self.output_socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
         bundles = replica_bundles(config, use_gpu=use_gpu)
         self.placement_group = placement_group(
@@ -160,6 +172,7 @@ class RayEngine(_EngineProcess):
             f"tcp://{connect_host}:{input_port}",
             f"tcp://{connect_host}:{output_port}",
             engine_index,
+            keys.for_client(),
         )
 
     def is_alive(self) -> bool:

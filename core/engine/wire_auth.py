@@ -1,0 +1,105 @@
+"""Authenticated, encrypted TCP sockets between the frontend and remote engine cores.
+
+Local engines talk over IPC files in an owner-only directory. Replicas on other nodes
+(data parallelism on Ray) must use TCP; there the frontend's sockets are ZeroMQ CURVE
+servers: traffic is encrypted, and a ZAP handler admits only the client key the
+frontend generated for each replica. The replica receives its keys through Ray's own
+channel (the actor call that starts it), never over the sockets. Anyone else who can
+reach the port gets nothing through: no request is read from an unauthenticated peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One replica's keys: the frontend's (server) pair and the replica's (client) pair,
+    z85-encoded as ZeroMQ takes them."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def new(cls) -> CurveKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+    def for_client(self) -> dict[str, bytes]:
+        """What the replica needs (the server's secret stays with the frontend)."""
+        return {
+            "server_public": self.server_public,
+            "client_public": self.client_public,
+            "client_secret": self.client_secret,
+        }
+
+
+def secure_server(socket: zmq.Socket, keys: CurveKeys) -> None:
+    """Make ``socket`` (before it binds) a CURVE server holding ``keys``' server pair."""
+    socket.curve_secretkey = keys.server_secret
+    socket.curve_publickey = keys.server_public
+    socket.curve_server = True
+
+
+def secure_client(socket: zmq.Socket, client_keys: dict[str, bytes] | None) -> None:
+    """Make ``socket`` (before it connects) a CURVE client with the replica's keys; a
+    no-op without keys (an IPC socket)."""
+    if not client_keys:
+        return
+    socket.curve_serverkey = client_keys["server_public"]
+    socket.curve_publickey = client_keys["client_public"]
+    socket.curve_secretkey = client_keys["client_secret"]
+
+
+class ClientKeyAuthenticator:
+    """The ZAP handler of one ZeroMQ context: admits CURVE clients whose public key was
+    registered (one per replica), refuses every other peer."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self._allowed: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+
+    def allow(self, client_public: bytes) -> None:
+        with self._lock:
+            self._allowed.add(client_public)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """zmq.auth's credentials-provider protocol: is this client key one of ours?"""
+        with self._lock:
+            return key in self._allowed
+
+    def stop(self) -> None:
+        self._auth.stop()
+
+
+_AUTHENTICATORS: weakref.WeakKeyDictionary[Any, ClientKeyAuthenticator] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def authenticator_for(ctx: Any) -> ClientKeyAuthenticator:
+    """The context's authenticator, started on first use (one ZAP handler per context)."""
+    auth = _AUTHENTICATORS.get(ctx)
+    if auth is None:
+        auth = _AUTHENTICATORS[ctx] = ClientKeyAuthenticator(ctx)
+    return auth
+
+
+def stop_authenticator(ctx: Any) -> None:
+    """Stop the context's authenticator, if it has one (before the context terminates)."""
+    auth = _AUTHENTICATORS.pop(ctx, None)
+    if auth is not None:
+        auth.stop()
