@@ -19,12 +19,16 @@ computed and generation continues. ``enginecore disagg-proxy`` does the routing.
 (producer, default 14579), ``send_timeout`` (seconds a producer keeps unclaimed blocks,
 default 120), ``recv_timeout`` (seconds a consumer waits for the producer, default 30),
 ``load_failure_policy`` (``"fail"``, the default: the request fails with the error; or
-``"recompute"``: the decode instance computes the prompt itself).
+``"recompute"``: the decode instance computes the prompt itself), ``secret`` (a shared
+secret both instances are given, or ``$ENGINECORE_KV_SECRET``): the block sockets are
+then ZeroMQ CURVE, encrypted and admitting only peers that derived their keys from it.
+A ``host`` other than loopback needs one: KV blocks never cross a network unauthenticated.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +49,14 @@ from enginecore.builtin_kv_connectors.kv_blocks import (
     scatter_blocks,
 )
 from enginecore.config import EngineConfig
+from enginecore.engine.wire_auth import (
+    CurveKeys,
+    authenticator_for,
+    keys_from_secret,
+    secure_client,
+    secure_server,
+    stop_authenticator,
+)
 from enginecore.errors import ConfigError
 from enginecore.interfaces import KVConnectorFactory, KVConnectorScheduler, KVConnectorWorker
 from enginecore.request import Request, RequestStatus
@@ -53,6 +65,7 @@ from enginecore.scheduler_output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 NAME = "zmq_p2p"
+SECRET_ENV = "ENGINECORE_KV_SECRET"
 _SERVED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
@@ -62,6 +75,7 @@ class P2PSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     send_timeout: float = 120.0
     recv_timeout: float = 30.0
     load_failure_policy: str = "fail"
+    secret: str | None = None
 
     @classmethod
     def of(cls, config: EngineConfig) -> P2PSettings:
@@ -69,6 +83,14 @@ class P2PSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             settings = msgspec.convert(config.kv_transfer.extra_config, cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"kv_transfer.extra_config (zmq_p2p): {exc}") from None
+        if settings.secret is None:
+            settings.secret = os.environ.get(SECRET_ENV) or None
+        if settings.secret is None and not _loopback(settings.host):
+            raise ConfigError(
+                f"kv_transfer.extra_config: zmq_p2p on {settings.host} needs a shared secret "
+                f"('secret', or ${SECRET_ENV}, the same on both instances): KV blocks do not "
+                "cross a network unauthenticated"
+            )
         if settings.load_failure_policy not in ("fail", "recompute"):
             raise ConfigError(
                 "kv_transfer.extra_config.load_failure_policy must be 'fail' or 'recompute', "
@@ -79,6 +101,14 @@ class P2PSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"kv_transfer.extra_config.port must be 1..65535, got {settings.port}"
             )
         return settings
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _curve_keys(settings: P2PSettings) -> CurveKeys | None:
+    return keys_from_secret(settings.secret, NAME) if settings.secret else None
 
 
 class ServeJob(msgspec.Struct, array_like=True):
@@ -220,12 +250,22 @@ class _Held:
 class _BlockServer:
     """The producer's ROUTER socket, on its own thread: answers GETs for held blocks."""
 
-    def __init__(self, worker: ZmqP2PWorker, host: str, port: int, send_timeout: float) -> None:
+    def __init__(
+        self,
+        worker: ZmqP2PWorker,
+        host: str,
+        port: int,
+        send_timeout: float,
+        keys: CurveKeys | None = None,
+    ) -> None:
         self.worker = worker
         self.send_timeout = send_timeout
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            authenticator_for(self.context).allow(keys.client_public)
+            secure_server(self.socket, keys)
         try:
             self.socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
@@ -327,6 +367,7 @@ class _BlockServer:
         self._stop.set()
         self.thread.join(timeout=5)
         self.socket.close()
+        stop_authenticator(self.context)
         self.context.term()
 
 
@@ -339,7 +380,7 @@ class ZmqP2PWorker(KVConnectorWorker):
         self.server: _BlockServer | None = None
         if config.kv_transfer.role != "kv_consumer":
             s = self.settings
-            self.server = _BlockServer(self, s.host, s.port + rank, s.send_timeout)
+            self.server = _BlockServer(self, s.host, s.port + rank, s.send_timeout, _curve_keys(s))
         self.context = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-zmq-p2p-fetch")
         self._fetches: dict[str, Future] = {}
@@ -366,6 +407,8 @@ class ZmqP2PWorker(KVConnectorWorker):
     def _fetch(self, job: FetchJob) -> None:
         socket = self.context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        keys = _curve_keys(self.settings)
+        secure_client(socket, keys.for_client() if keys is not None else None)
         address = f"tcp://{job.remote_host}:{job.remote_port + self.rank}"
         try:
             socket.connect(address)

@@ -292,18 +292,26 @@ def test_zmq_p2p_rejects_unknown_settings(tiny_llama):
 @pytest.mark.slow
 def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
     """Prefill and decode engines in their own processes; the decode engine fetches the
-    prompt KV over ZeroMQ and continues exactly like a single engine."""
+    prompt KV over ZeroMQ (CURVE, keys from the shared secret) and continues exactly like
+    a single engine."""
     common = dict(dtype="float32", block_size=BLOCK, num_blocks_override=128, max_model_len=512)
     port = free_port()
     prompts = _prompts()
+    secret = {"secret": "shared by both instances"}
     prefill = LLM(
         str(tiny_llama),
-        kv_transfer={"connector": "zmq_p2p", "role": "kv_producer", "extra_config": {"port": port}},
+        kv_transfer={
+            "connector": "zmq_p2p",
+            "role": "kv_producer",
+            "extra_config": {"port": port, **secret},
+        },
         **common,
     )
     try:
         decode = LLM(
-            str(tiny_llama), kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}, **common
+            str(tiny_llama),
+            kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer", "extra_config": secret},
+            **common,
         )
         try:
             handles = prefill.generate(
@@ -335,6 +343,45 @@ def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
         reference = greedy_reference(tiny_llama, prompts[i], 8)
         assert_matches_reference(out.outputs[0].token_ids, reference, f"prompt {i}")
     assert [o.num_cached_tokens for o in outs] == [64, 80, 32]
+
+
+def test_zmq_p2p_off_loopback_needs_a_secret():
+    from enginecore.builtin_kv_connectors.zmq_p2p import P2PSettings
+
+    config = make_config(
+        model="unused", kv_transfer={"connector": "zmq_p2p", "extra_config": {"host": "10.1.2.3"}}
+    )
+    with pytest.raises(ConfigError, match="needs a shared secret"):
+        P2PSettings.of(config)
+
+
+def test_zmq_p2p_a_peer_with_another_secret_gets_no_block():
+    """The producer's block socket admits only keys derived from its secret: a consumer
+    with another one (or none) gets no answer, and says so."""
+    from enginecore.builtin_kv_connectors.zmq_p2p import FetchJob, ZmqP2PWorker
+
+    port = free_port()
+
+    def worker(role: str, secret: str | None) -> ZmqP2PWorker:
+        extra = {"port": port, "recv_timeout": 1.0, **({"secret": secret} if secret else {})}
+        config = make_config(
+            model="unused",
+            kv_transfer={"connector": "zmq_p2p", "role": role, "extra_config": extra},
+        )
+        return ZmqP2PWorker(config, 0)
+
+    producer = worker("kv_producer", "the right one")
+    try:
+        for secret in ("a wrong one", None):
+            consumer = worker("kv_consumer", secret)
+            try:
+                job = FetchJob("r", "127.0.0.1", port, "remote", 0, [0], ["k"])
+                with pytest.raises(TimeoutError, match="no answer from the prefill instance"):
+                    consumer._fetch(job)
+            finally:
+                consumer.shutdown()
+    finally:
+        producer.shutdown()
 
 
 def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):

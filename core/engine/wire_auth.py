@@ -103,3 +103,21 @@ def stop_authenticator(ctx: Any) -> None:
     auth = _AUTHENTICATORS.pop(ctx, None)
     if auth is not None:
         auth.stop()
+
+
+def keys_from_secret(secret: str, purpose: str) -> CurveKeys:
+    """A server and a client key pair derived from a secret both ends were configured
+    with (two instances on different hosts, as in disaggregated prefill): whoever holds
+    the secret derives the same keys, nobody else can."""
+    import hashlib
+
+    from zmq.utils import z85
+
+    def pair(role: str) -> tuple[bytes, bytes]:
+        seed = hashlib.sha256(f"enginecore\0{purpose}\0{role}\0{secret}".encode()).digest()
+        secret_key = z85.encode(seed)
+        return zmq.curve_public(secret_key), secret_key
+
+    server_public, server_secret = pair("server")
+    client_public, client_secret = pair("client")
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
