@@ -2,7 +2,9 @@
 
 Both produce the same thing for a model's ``load_weights``: an iterator of
 ``(hf_name, tensor)`` pairs with HF names and HF layouts. GGUF tensors are de-quantized
-at load time and llama.cpp's rope permutation of Q/K is undone.
+at load time, except projections in the block formats a linear method asks for
+(``keep_quantized``), which arrive as :class:`QuantizedTensor`; llama.cpp's rope
+permutation of Q/K is undone either way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from enginecore.errors import ConfigError
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 
@@ -93,9 +96,11 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
                 yield key, f.get_tensor(key)
 
 
-def iter_weights(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
     if is_gguf(path):
-        return iter_gguf(path, hf_config)
+        return iter_gguf(path, hf_config, keep_quantized)
     return iter_safetensors(path)
 
 
@@ -180,8 +185,11 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def iter_gguf(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """De-quantized GGUF tensors under HF llama names."""
+def iter_gguf(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """GGUF tensors under HF llama names: de-quantized, or for the projections of the
+    layers (``blk.*``) whose block format is named in ``keep_quantized``, the blocks."""
     from gguf.quants import dequantize
 
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
@@ -202,6 +210,18 @@ def iter_gguf(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, t
             continue
         # GGUF lists dims fastest-first; the de-quantized array is row-major HF shape.
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        if (
+            tensor.tensor_type.name in keep_quantized
+            and name.startswith("blk.")
+            and len(shape) == 2
+        ):
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(shape[0], -1)
+            if name.endswith("attn_q.weight"):
+                raw = _unpermute_rope(raw, n_heads)
+            elif name.endswith("attn_k.weight"):
+                raw = _unpermute_rope(raw, n_kv)
+            yield hf_name, QuantizedTensor(raw, tensor.tensor_type.name, shape)
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         # np.array copies: de-quantized F32/F16 tensors may be read-only views of the mmap.
         weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
