@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from enginecore import startup_log
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -168,6 +170,7 @@ def build(
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
+    startup_log.logger.info("building %s for %s (once per CPU level; cached)", source.name, isa)
     # Build beside the target and rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)

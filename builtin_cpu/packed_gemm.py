@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from enginecore import startup_log
 from enginecore.builtin_cpu import panel_gemm, probe_cache
 from enginecore.builtin_cpu.cpu_kernels import load as load_cpu_kernels
 from enginecore.builtin_cpu.cpu_kernels import switched_off
@@ -212,6 +213,7 @@ def pack_weights(weights: list[torch.Tensor]) -> int:
         shape = tuple(weight.shape)
         verdict = probe_cache.lookup(shape)
         if verdict is None:
+            startup_log.logger.info("probing MKL's packed GEMM on a %s weight (once)", shape)
             verdict = _same_bits(packed, weight)
             probe_cache.record(shape, verdict)
         if verdict:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from enginecore import startup_log
 from enginecore.builtin_models.block_table import BlockTable
 from enginecore.builtin_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
@@ -180,13 +181,13 @@ class TorchModelRunner(ModelRunner):
         )
         with torch.device(self.device), use_linear_method(method_cls(self.config)):
             model = model_cls(self.hf_config, self.parallel, self.dtype)
-        logger.info("loading weights from %s", path)
+        startup_log.logger.info("loading weights from %s", path)
         started = time.perf_counter()
         keep = tuple(getattr(method_cls, "gguf_formats", ()))
         model.load_weights(iter_weights(path, self.hf_config, keep))
         for layer in self._weighted_layers(model):
             layer.linear_method.process_weights_after_loading(layer)
-        logger.info(
+        startup_log.logger.info(
             "weights loaded and prepared by %s in %.1f s", method_cls.name,
             time.perf_counter() - started,
         )  # fmt: skip
