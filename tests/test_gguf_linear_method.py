@@ -142,3 +142,24 @@ def test_unpacks_the_file_layout_as_gguf_does():
 def test_unknown_format_is_named():
     with pytest.raises(ValueError, match="Q5_K"):
         gguf_blocks.from_gguf(torch.zeros(1, 176, dtype=torch.uint8), "Q5_K", (1, 256))
+
+
+@pytest.mark.slow
+def test_demo_gguf_in_blocks_answers_as_dequantized(model_refs):
+    """The demo GGUF (Q4_1) through the runner's choice of method, end to end: the engine
+    keeps the blocks and answers as the de-quantized model does."""
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import find_demo_gguf
+
+    path = str(find_demo_gguf())
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    answers = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(model=path, quantization=quantization, max_model_len=256)
+        try:
+            out = llm.generate(["The capital of France is"], params)
+            answers[quantization] = out[0].outputs[0].text
+        finally:
+            llm.shutdown()
+    assert "Paris" in answers["auto"], answers
+    assert answers["auto"].split()[:2] == answers["none"].split()[:2], answers
