@@ -11,10 +11,10 @@ float) gets a Q8_0 copy: at 49,152 x 576 it is the largest single read of a smal
 
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
 llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights.
-Measured on a 2-core Sapphire Rapids, a 1,536 x 576 weight at one row: this kernel
-(VNNI) 17 µs in Q4_1 and 23 µs in Q8_0, float32 ``F.linear`` 95 µs, torch's
-``_weight_int4pack_mm_for_cpu`` 840 µs and ``_weight_int8pack_mm`` 539 µs; at 128 rows
-the kernel is still ahead of float32 (see ``benchmarks/quant_gemm.py``).
+Measured on a 2-core Sapphire Rapids, a 1,536 x 576 weight at one row, 2 threads, best
+of 200, weights hot in cache: this kernel (VNNI) 36-38 µs in Q4_1 and 34 µs in Q8_0,
+float32 ``F.linear`` 33-46 µs, torch's ``_weight_int8pack_mm`` 300 µs. In a decode step
+the weights are not in cache, and reading 5 bits a value instead of 32 is the gain.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from enginecore.layers.quantized import QuantizedTensor
 logger = logging.getLogger(__name__)
 
 # More rows than this: de-quantize the weight and run one float32 GEMM. Measured on a
-# 1,536 x 576 Q4_1 weight (2 threads): 4 rows 99 µs in blocks against 361 µs
-# de-quantized; 8 rows 174 against 387; 128 rows 14.5 ms against 1.6 ms.
-DIRECT_MAX_ROWS = 12
+# 1,536 x 576 Q4_1 weight, 2 threads (blocks against de-quantized + GEMM): 1 row 36 against
+# 228 µs, 16 rows 291 against 373, 24 rows 432 against 421, 128 rows 2.2 ms against 0.9.
+DIRECT_MAX_ROWS = 20
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
 
