@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from enginecore import startup_log
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -141,29 +143,40 @@ def _compiler() -> str | None:
     return None
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile the library (if this source, these flags and this CPU have no build yet)
-    and return its path. Raises ``RuntimeError`` with the compiler's output on failure."""
+def build(
+    directory: Path | None = None,
+    *,
+    source: Path = SOURCE,
+    stem: str = "enginecore_cpu_kernels",
+    extra_isa: tuple[str, list[str]] | None = None,
+) -> Path:
+    """Compile ``source`` (if this source, these flags and this CPU have no build yet)
+    and return its path. ``extra_isa`` (a name suffix, compiler flags) adds instructions
+    beyond the x86-64 level. Raises ``RuntimeError`` with the compiler's output on
+    failure."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
     isa = instruction_set()
     flags = [*FLAGS, f"-march={isa}"]
+    if extra_isa is not None:
+        isa, flags = f"{isa}-{extra_isa[0]}", [*flags, *extra_isa[1]]
     host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), host.encode()])
+        b"\0".join([source.read_bytes(), " ".join(flags).encode(), host.encode()])
     ).hexdigest()[:16]
     directory = directory or cache_dir() / "cpu_kernels"
-    target = directory / f"enginecore_cpu_kernels_{isa}_{key}.so"
+    target = directory / f"{stem}_{isa}_{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
+    startup_log.logger.info("building %s for %s (once per CPU level; cached)", source.name, isa)
     # Build beside the target and rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *flags, str(source), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,

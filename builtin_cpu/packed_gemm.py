@@ -11,9 +11,11 @@ most shapes): those keep ``F.linear``.
 
 A packed weight is used only where it gives the same bits as ``F.linear``, so greedy
 outputs stay those of the unpacked model:
-- each weight is probed at pack time, with and without a bias, and left unpacked if any
-  output differs (packed, MKL split K=1024 and 2048 differently, which changes the
-  summation order);
+- each weight shape is probed, with and without a bias, and left unpacked if any output
+  differs (packed, MKL split K=1024 and 2048 differently, which changes the summation
+  order). The summation order depends on the shape, MKL and the CPU, not on the values,
+  so a verdict is kept on disk (``probe_cache``) and later starts skip the probe, which
+  took most of a small model's start-up;
 - a single row keeps ``F.linear``: MKL takes its matrix-vector path there;
 - row-major weights (a head tied to the embedding) are not packed: their packed
   product differed from ``F.linear``'s.
@@ -40,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import panel_gemm
+from enginecore import startup_log
+from enginecore.builtin_cpu import panel_gemm, probe_cache
 from enginecore.builtin_cpu.cpu_kernels import load as load_cpu_kernels
 from enginecore.builtin_cpu.cpu_kernels import switched_off
 
@@ -207,7 +210,13 @@ def pack_weights(weights: list[torch.Tensor]) -> int:
         if lib is None or not eligible(weight):
             continue
         packed = PackedWeight(lib, weight)
-        if _same_bits(packed, weight):
+        shape = tuple(weight.shape)
+        verdict = probe_cache.lookup(shape)
+        if verdict is None:
+            startup_log.logger.info("probing MKL's packed GEMM on a %s weight (once)", shape)
+            verdict = _same_bits(packed, weight)
+            probe_cache.record(shape, verdict)
+        if verdict:
             setattr(weight, _ATTR, packed)
             count += 1
         else:

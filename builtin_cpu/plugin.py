@@ -1,5 +1,6 @@
 """Registers the CPU backend: the ``cpu`` attention backend and the ``cpu_packed`` linear
-method (``auto`` picks both on CPU)."""
+method (``auto`` picks both on CPU), and the ``gguf`` linear method (GGUF files keep their
+quantized blocks, see ``model.quantization``)."""
 
 from __future__ import annotations
 
@@ -23,4 +24,9 @@ def register_linear_methods(registry: Any) -> None:
         "cpu_packed",
         "enginecore.builtin_cpu.linear_method:CpuPackedLinearMethod",
         summary="input-major weights packed for MKL's or enginecore's GEMM (CPU)",
+    )
+    registry.add(
+        "gguf",
+        "enginecore.builtin_cpu.gguf_linear_method:GGUFLinearMethod",
+        summary="GGUF Q8_0/Q4_0/Q4_1 weights kept in their blocks, int8 dot products (CPU)",
     )

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from enginecore import startup_log
 from enginecore.builtin_executors.rpc import (
     CALL_READY,
     CALL_SHUTDOWN,
@@ -121,6 +122,7 @@ def main() -> None:
         level=os.environ.get("ENGINECORE_LOG_LEVEL", "WARNING").upper(),
         format=f"%(asctime)s %(levelname)s [rank {boot['rank']}] %(name)s: %(message)s",
     )
+    startup_log.enable()
     threading.Thread(
         target=_watch_parent, args=(boot["parent_pid"],), name="parent-watch", daemon=True
     ).start()

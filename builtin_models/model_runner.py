@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from enginecore import startup_log
 from enginecore.builtin_models.block_table import BlockTable
 from enginecore.builtin_models.checkpoint_support import (
     check_supported_checkpoint,
@@ -32,6 +34,7 @@ from enginecore.builtin_models.sampler import (
 )
 from enginecore.builtin_models.weight_loader import (
     checkpoint_dtype,
+    is_gguf,
     iter_weights,
     load_hf_config,
     resolve_model_class,
@@ -160,20 +163,29 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        refs = self.worker_spec.linear_method_refs or registered_refs("linear_method")
         method_cls = select_linear_method(
             self.device.type,
             str(self.dtype).removeprefix("torch."),
-            self.worker_spec.linear_method_refs or registered_refs("linear_method"),
-            self.config.model.linear_method,
+            refs,
+            self._linear_method_name(path, refs),
         )
         try:
             with torch.device(self.device), use_linear_method(method_cls(self.config)):
                 model = model_cls(self.hf_config, self.parallel, self.dtype)
         except (NotImplementedError, UnsupportedModelError) as exc:
             raise unsupported_feature(self.hf_config, path, exc) from exc
-        model.load_weights(iter_weights(path, self.hf_config))
+        startup_log.logger.info("loading weights from %s", path)
+        started = time.perf_counter()
+        keep = tuple(getattr(method_cls, "gguf_formats", ()))
+        model.load_weights(iter_weights(path, self.hf_config, keep))
         for layer in self._weighted_layers(model):
             layer.linear_method.process_weights_after_loading(layer)
+        startup_log.logger.info(
+            "weights loaded and prepared by %s in %.1f s",
+            method_cls.name,
+            time.perf_counter() - started,
+        )
         self.model = model.eval()
         self.attn_backend = self._make_attention_backend(model)
         fused = self.attn_backend.fused_ops()
@@ -191,6 +203,19 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.attn_backend.name,
             method_cls.name,
         )
+
+    def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
+        """``model.linear_method``; for ``auto``, a GGUF file keeps its quantized blocks
+        where the ``gguf`` method runs (unless ``model.quantization`` is ``none``)."""
+        wanted = self.config.model.linear_method
+        if wanted != "auto" or self.config.model.quantization == "none" or not is_gguf(path):
+            return wanted
+        if "gguf" not in refs:
+            return wanted
+        dtype = str(self.dtype).removeprefix("torch.")
+        if import_ref(refs["gguf"]).unsupported_reason(self.device.type, dtype) is not None:
+            return wanted
+        return "gguf"
 
     def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The linear layers, and the LM head where this stage computes logits (a head

@@ -2,7 +2,9 @@
 
 Both produce the same thing for a model's ``load_weights``: an iterator of
 ``(hf_name, tensor)`` pairs with HF names and HF layouts. GGUF tensors are de-quantized
-at load time and llama.cpp's conventions undone (``gguf_archs.py``).
+at load time, except projections in the block formats a linear method asks for
+(``keep_quantized``), which arrive as :class:`QuantizedTensor`; llama.cpp's conventions
+are undone either way (``gguf_archs.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
 from enginecore.errors import ConfigError, UnsupportedModelError
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 
@@ -109,9 +113,11 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
                 yield key, tensor
 
 
-def iter_weights(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
     if is_gguf(path):
-        return iter_gguf(path, hf_config)
+        return iter_gguf(path, hf_config, keep_quantized)
     return iter_safetensors(path)
 
 
@@ -161,11 +167,25 @@ def gguf_hf_config(path: str | pathlib.Path) -> Any:
     return gguf_config(arch, lambda key, default: _field(reader, key, default), tensors)
 
 
-def iter_gguf(path: str | pathlib.Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """De-quantized GGUF tensors under HF names and in HF layouts."""
+def iter_gguf(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """GGUF tensors under HF names and in HF layouts: de-quantized, or, for a layer's 2-D
+    projection in a block format named in ``keep_quantized``, its blocks (row order
+    fixed like a float weight's) as a :class:`QuantizedTensor`."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
     arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if (
+            tensor.tensor_type.name in keep_quantized
+            and tensor.name.startswith("blk.")
+            and len(shape) == 2
+        ):
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(shape[0], -1)
+            for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config):
+                yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape)
+            continue
         named = list(hf_tensors(arch, tensor.name, dequantized(tensor), hf_config))
         if not named:
             logger.debug("skipping GGUF tensor %s", tensor.name)

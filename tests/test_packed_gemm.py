@@ -112,6 +112,7 @@ def test_a_changed_weight_drops_its_stale_packed_copy():
 @needs_mkl
 def test_a_weight_that_sums_differently_packed_is_left_unpacked(monkeypatch):
     weight = _input_major(1024, 256)
+    monkeypatch.setenv("ENGINECORE_PROBE_CACHE", "0")  # probe now, not a recorded verdict
     monkeypatch.setattr(packed_gemm, "_same_bits", lambda packed, w: False)
     assert packed_gemm.pack_weights([weight]) == 0
     assert packed_gemm.packed_for(weight, torch.randn(8, 256)) is None

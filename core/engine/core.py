@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
@@ -80,6 +81,7 @@ class EngineCore:
         # Grammars compile off the loop; requests wait there until theirs is ready.
         self.structured_output = StructuredOutputManager(config, self.plugins)
         # 1. executor: workers start and load weights.
+        startup_log.logger.info("starting the executor and loading the model %s", config.model.path)
         self.executor: Executor = build_component(
             self.plugins,
             "executor",
@@ -124,7 +126,7 @@ class EngineCore:
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
         self.startup_seconds = time.monotonic() - started
-        logger.info(
+        startup_log.logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
             self.startup_seconds,
             self.num_blocks,
@@ -149,6 +151,7 @@ class EngineCore:
         if cache.num_blocks_override is not None:
             num_blocks = cache.num_blocks_override
         else:
+            startup_log.logger.info("sizing the KV cache")
             available = min(self.executor.determine_available_memory())
             block_bytes = self.executor.get_kv_cache_block_bytes()
             num_blocks = available // block_bytes
@@ -168,6 +171,9 @@ class EngineCore:
                 capacity,
             )
             max_model_len = capacity
+        startup_log.logger.info(
+            "allocating the KV cache: %d blocks of %d tokens", num_blocks, cache.block_size
+        )
         self.executor.initialize_cache(num_blocks)
         return max_model_len, num_blocks
 

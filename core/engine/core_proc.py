@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from enginecore import startup_log
 from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
 from enginecore.engine.core import UTILITY_METHODS, EngineCore
@@ -328,6 +329,7 @@ def run_engine_core(
         level=os.environ.get("ENGINECORE_LOG_LEVEL", "WARNING").upper(),
         format=f"%(asctime)s %(levelname)s [engine {engine_index}] %(name)s: %(message)s",
     )
+    startup_log.enable()
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     engine: EngineCoreProc | None = None
     ready = False

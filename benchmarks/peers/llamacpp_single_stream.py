@@ -1,0 +1,41 @@
+"""llama.cpp's side of ``single_stream.py``, run by the llama-cpp-python venv's Python:
+prints one JSON line (prefill seconds, decode tokens/s, total tokens/s at each
+concurrency, run one request after another: llama-cpp-python serves one sequence)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from llama_cpp import Llama
+
+
+def main() -> None:
+    path, threads, prompt_len, decode_len = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:5])
+    concurrency = [int(c) for c in sys.argv[5].split(",")]
+    llm = Llama(path, n_threads=threads, n_ctx=1024, verbose=False, seed=0)
+    prompt = [(17 * i) % 20000 + 100 for i in range(prompt_len)]
+
+    def run(max_tokens: int) -> float:
+        llm.reset()
+        started = time.perf_counter()
+        for n, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
+            if n + 1 >= max_tokens:
+                break
+        return time.perf_counter() - started
+
+    run(4)  # warm-up
+    prefill = run(1)
+    total = run(decode_len)
+    result = {"prefill_s": prefill, "decode_tok_s": (decode_len - 1) / (total - prefill)}
+    for c in concurrency:
+        started = time.perf_counter()
+        for _ in range(c):
+            run(32)
+        result[f"throughput_{c}"] = 32 * c / (time.perf_counter() - started)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""One user on a CPU: enginecore against llama.cpp on the same GGUF, alternating.
+
+Per round: prefill time of a ``--prompt-len`` prompt (one output token), single-stream
+decode tokens/s, and total output tokens/s with 1, 4, 16 and 64 concurrent requests of 32
+tokens. Ours runs with the GGUF's blocks kept (``quantization=auto``, the ``gguf``
+method) and, with ``--dequantized``, also de-quantized to float32 (``none``). llama.cpp
+runs through ``--llama-python`` (a venv with llama-cpp-python) when given. Prints each
+round and the medians, the decode step's bound (weight bytes read per step over the
+bandwidth of a large torch copy) and the machine.
+
+    python benchmarks/peers/single_stream.py MODEL.gguf [--llama-python PY] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def bandwidth_gb_s() -> float:
+    """Read + write bytes per second of a 512 MiB copy (best of 5)."""
+    src = torch.ones(128 << 20)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_step(path: str, quantized: bool) -> int:
+    """Bytes of projection and head weights one decode step reads."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    total = 0
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            total += int(t.n_bytes) if quantized else int(t.n_elements) * 4
+        elif t.name in ("output.weight", "token_embd.weight") and (
+            t.name == "output.weight" or not any(x.name == "output.weight" for x in reader.tensors)
+        ):
+            total += int(t.n_elements) * (34 / 32 if quantized else 4)  # head: Q8_0 copy
+    return int(total)
+
+
+def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
+    from enginecore import LLM, SamplingParams
+
+    llm = LLM(model=path, quantization=quantization, max_model_len=1024)
+    try:
+        prompt = {"prompt_token_ids": [(17 * i) % 20000 + 100 for i in range(prompt_len)]}
+
+        def run(max_tokens: int, n: int = 1) -> float:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            started = time.perf_counter()
+            llm.generate([prompt] * n, params, use_tqdm=False)
+            return time.perf_counter() - started
+
+        run(4)
+        prefill = run(1)
+        total = run(decode_len)
+        result = {"prefill_s": prefill, "decode_tok_s": (decode_len - 1) / (total - prefill)}
+        for c in conc:
+            result[f"throughput_{c}"] = 32 * c / run(32, c)
+        return result
+    finally:
+        llm.shutdown()
+
+
+def peer(python: str, path: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
+    done = subprocess.run(
+        [python, str(HERE / "llamacpp_single_stream.py"), path, str(torch.get_num_threads()),
+         str(prompt_len), str(decode_len), ",".join(map(str, conc))],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", help="a .gguf file")
+    parser.add_argument("--llama-python", help="Python of a venv with llama-cpp-python")
+    parser.add_argument("--dequantized", action="store_true", help="also ours in float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-len", type=int, default=128)
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    args = parser.parse_args()
+    conc = [int(c) for c in args.concurrency.split(",")]
+    runs: dict[str, list[dict]] = {}
+    contenders = {"enginecore gguf": lambda: ours(args.model, "auto", args.prompt_len,
+                                                  args.decode_len, conc)}  # fmt: skip
+    if args.dequantized:
+        contenders["enginecore float32"] = lambda: ours(
+            args.model, "none", args.prompt_len, args.decode_len, conc
+        )
+    if args.llama_python:
+        contenders["llama.cpp"] = lambda: peer(
+            args.llama_python, args.model, args.prompt_len, args.decode_len, conc
+        )
+    for round_ in range(args.rounds):
+        for name, fn in contenders.items():
+            runs.setdefault(name, []).append(fn())
+            print(f"round {round_} {name}: {json.dumps(runs[name][-1])}", flush=True)
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
+        platform.processor(),
+    )
+    print(f"\nmachine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads")
+    bw = bandwidth_gb_s()
+    print(f"memory bandwidth (512 MiB torch copy, read + write): {bw:.1f} GB/s")
+    for name, results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        print(
+            f"{name} (median of {len(results)}): "
+            + ", ".join(f"{k} {v:.3g}" for k, v in med.items())
+        )
+        if name.startswith("enginecore"):
+            nbytes = weight_bytes_per_step(args.model, quantized="gguf" in name)
+            bound = nbytes / (bw * 1e9)
+            print(
+                f"  decode step {1000 / med['decode_tok_s']:.1f} ms; weights read "
+                f"{nbytes / 1e6:.0f} MB, bound {1000 * bound:.1f} ms"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""GGUF's 32-element block formats (Q8_0, Q4_0, Q4_1) in the layout ``quant_kernels``
+multiplies: per output row, the quantized values, and each block's scale ``d`` and
+offset ``m`` as float32 (value = q d + m; Q4_0's q - 8 becomes m = -8 d, so one kernel
+serves both 4-bit formats).
+
+GGUF stores a block as float16 ``d`` (and ``m`` for Q4_1) then the values; Q4 packs
+element j in the low nibble of byte j and element j + 16 in its high nibble, which the
+kernel unpacks as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+# format -> (bytes per block, half-precision header values per block)
+_LAYOUT = {"Q8_0": (2 + BLOCK, 1), "Q4_0": (2 + BLOCK // 2, 1), "Q4_1": (4 + BLOCK // 2, 2)}
+FORMATS = tuple(_LAYOUT)
+
+
+@dataclass
+class BlockWeight:
+    """A weight [out, in] in 32-element blocks: ``bits`` 4 (``qs`` [out, in/32, 16]
+    uint8, two values a byte) or 8 (``qs`` [out, in] int8), ``d`` and ``m`` [out, in/32]
+    float32 (``m`` zero for 8 bits)."""
+
+    bits: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+
+def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeight:
+    """Unpack GGUF's raw blocks ``data`` [out, bytes per row] of format ``fmt``."""
+    if fmt not in _LAYOUT:
+        raise ValueError(f"GGUF block format {fmt!r} is not one of {', '.join(FORMATS)}")
+    out, k = shape
+    if k % BLOCK:
+        raise ValueError(f"a {fmt} weight needs a multiple of {BLOCK} inputs, not {k}")
+    size, halves = _LAYOUT[fmt]
+    nb = k // BLOCK
+    blocks = data.reshape(out, nb, size)
+    header = blocks[..., : 2 * halves].contiguous().view(torch.float16).float()
+    d = header[..., 0].contiguous()
+    payload = blocks[..., 2 * halves :]
+    if fmt == "Q8_0":
+        qs = payload.contiguous().view(torch.int8).reshape(out, k)
+        return BlockWeight(8, qs, d, torch.zeros_like(d), shape)
+    m = header[..., 1].contiguous() if fmt == "Q4_1" else -8.0 * d
+    return BlockWeight(4, payload.contiguous(), d, m, shape)
+
+
+def quantize_q8(weight: torch.Tensor) -> BlockWeight:
+    """A float weight [out, in] as Q8_0 blocks (symmetric, scale = max |w| / 127)."""
+    out, k = weight.shape
+    blocks = weight.detach().float().reshape(out, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp(-127, 127)
+    qs = q.to(torch.int8).reshape(out, k).contiguous()
+    return BlockWeight(8, qs, d.contiguous(), torch.zeros_like(d), (out, k))
+
+
+def dequantize(weight: BlockWeight) -> torch.Tensor:
+    """The float32 weight [out, in] the blocks stand for."""
+    out, k = weight.shape
+    if weight.bits == 8:
+        q = weight.qs.reshape(out, k // BLOCK, BLOCK).float()
+    else:
+        low, high = weight.qs & 0x0F, weight.qs >> 4
+        q = torch.cat([low, high], dim=-1).float()
+    values = q * weight.d.unsqueeze(-1) + weight.m.unsqueeze(-1)
+    return values.reshape(out, k)

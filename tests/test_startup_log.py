@@ -1,0 +1,46 @@
+"""Start-up says what it is doing on stderr, at the default log level."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def test_startup_names_its_phases(tiny_llama, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        from enginecore import LLM
+        llm = LLM(model={str(tiny_llama)!r}, max_model_len=64, kv_cache_bytes=1 << 22)
+        print("READY", flush=True)
+        llm.shutdown()
+        """
+    )
+    env = {**os.environ, "ENGINECORE_CACHE_DIR": str(tmp_path)}
+    env.pop("ENGINECORE_LOG_LEVEL", None)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert "READY" in done.stdout, done.stderr[-3000:]
+    log = done.stderr
+    phases = [
+        "loading weights from",
+        "weights loaded and prepared by",
+        "allocating the KV cache",
+        "engine ready in",
+    ]
+    for phase in phases:
+        assert phase in log, f"{phase!r} missing from the start-up log:\n{log[-3000:]}"
+    assert log.index("loading weights from") < log.index("allocating the KV cache")
+    assert log.index("allocating the KV cache") < log.index("engine ready in")
+
+
+def test_startup_log_can_be_silenced(tiny_llama, tmp_path):
+    script = f"from enginecore import LLM; LLM(model={str(tiny_llama)!r}, max_model_len=64, kv_cache_bytes=1 << 22).shutdown()"
+    env = {**os.environ, "ENGINECORE_STARTUP_LOG": "0", "ENGINECORE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loading weights from" not in done.stderr
