@@ -31,13 +31,13 @@ from typing import Any
 import msgspec
 
 from enginecore.builtin_executors.rpc import (
+    CallGate,
     RankError,
     WorkerDiedError,
     WorkerStartupError,
     decode_call,
     encode_call,
     load_call,
-    method_name,
 )
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError, EngineShutdownError
@@ -118,9 +118,6 @@ class RayWorkerActor:
         """Never returns while the actor lives: its failure is the death notice."""
         self._forever.wait()
 
-    def stop_waiting(self) -> None:
-        self._forever.set()
-
 
 def _actor_class(ray: Any) -> Any:
     """The actor class (built lazily: Ray is optional). ``wait_forever`` runs in its own
@@ -171,7 +168,7 @@ def _combine(
     return combined
 
 
-class RayExecutor(Executor):
+class RayExecutor(CallGate, Executor):
     """Ranks as Ray actors; the same Worker code as ``mp``."""
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
@@ -291,11 +288,7 @@ class RayExecutor(Executor):
         unique_reply_rank: int | None = None,
         timeout: float | None = None,
     ) -> list[Any] | Any | Future:
-        name = method_name(method)
-        if self._dead is not None:
-            raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
-        if self._closing:
-            raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
+        name = self._admit_call(method, unique_reply_rank)
         data = encode_call(0, method, args, kwargs, unique_reply_rank)
         refs = [actor.call.remote(data) for actor in self.actors]
         future = _combine([r.future() for r in refs], unique_reply_rank, name, self._death_error)
