@@ -24,6 +24,7 @@ trace_next_steps
 get_pid
 get_rank
 get_supported_tasks
+ping
 
 # Module __getattr__ (PEP 562): lazy public names of enginecore and enginecore.testing.
 __getattr__

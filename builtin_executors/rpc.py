@@ -63,6 +63,14 @@ def method_name(method: str | Callable[..., Any]) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
 
+def check_reply_rank(unique_reply_rank: int | None, world_size: int) -> None:
+    """The one rank asked to reply must exist: a rank outside the world would never answer."""
+    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
+        raise ValueError(
+            f"unique_reply_rank {unique_reply_rank} is outside world size {world_size}"
+        )
+
+
 class CallGate:
     """What every executor checks before it sends a collective_rpc call: the ranks are
     alive, the executor is open, and the one rank asked to reply exists."""
@@ -79,10 +87,7 @@ class CallGate:
             raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
         if self._closing:
             raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank {unique_reply_rank} is outside world size {self.world_size}"
-            )
+        check_reply_rank(unique_reply_rank, self.world_size)
         return name
 
 

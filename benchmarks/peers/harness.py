@@ -5,6 +5,7 @@ A runner is ``PYTHON run_<system>.py SPEC.json RESULT.json``. The spec, written 
 system) and the batch sizes. The runner loads its system once, warms it up on one short
 request, then for each batch size generates ``output_len`` tokens for the first
 ``batch_size`` prompts, ``reps`` times, and writes the wall time of each repetition.
+The warm-up is the largest batch for a few tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def measure(spec: dict[str, Any], load: Load) -> dict[str, Any]:
     version, generate, close = load(spec)
     startup_s = time.perf_counter() - start
     prompts, output_len = spec["prompts"], spec["output_len"]
-    generate(prompts[:1], min(4, output_len))  # warm-up, untimed
+    # Warm-up, untimed: the largest batch for a few tokens, so shapes a system compiles or
+    # caches on first sight (vLLM's compiled graph, allocator pools) are seen before timing.
+    generate(prompts[: max(spec["batch_sizes"])], min(4, output_len))
     points = []
     peak = peak_rss_mib()
     for batch_size in spec["batch_sizes"]:

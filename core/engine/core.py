@@ -408,6 +408,9 @@ class EngineCore:
 
     # --- utility calls (between steps) -----------------------------------------------------
 
+    def ping(self) -> str:
+        return "pong"
+
     def get_supported_tasks(self) -> list[str]:
         return ["generate"]
 
