@@ -536,6 +536,7 @@ def plot_result(result: dict[str, Any], path: str) -> None:
         ax.set_xticks(
             result["settings"]["batch_sizes"], labels=map(str, result["settings"]["batch_sizes"])
         )
+        ax.minorticks_off()
         axes = [ax]
     else:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
