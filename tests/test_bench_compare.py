@@ -259,3 +259,12 @@ def test_compare_runs_ours_and_transformers_alternately(tiny_llama, tmp_path):
     # the second round starts with the system that went last in the first
     assert done.stdout.index("round 2/2: transformers") < done.stdout.index("round 2/2: enginecore")
     assert plot.stat().st_size > 10_000
+
+
+def test_demo_names_the_demo_models_gguf():
+    from enginecore.checkpoints import DEMO_GGUF_NAME
+
+    args = parse("m", "--peers", "llamacpp", "--gguf", "demo")
+    compare.resolve_demo(args)
+    assert pathlib.Path(args.gguf).name == DEMO_GGUF_NAME and pathlib.Path(args.gguf).is_file()
+    assert args.model == "m"

@@ -97,7 +97,9 @@ def _python_override(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="HF checkpoint directory (all systems)")
+    parser.add_argument(
+        "model", nargs="?", help="HF checkpoint directory (all systems); 'demo': the demo model"
+    )
     parser.add_argument("--peers", type=parse_peers, default=["vllm", "transformers"])
     parser.add_argument("--workload", choices=WORKLOADS, default="throughput")
     parser.add_argument(
@@ -114,7 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="turns each system takes")
     parser.add_argument("--reps", type=int, default=1, help="throughput: timed runs per turn")
-    parser.add_argument("--gguf", help="GGUF file of the same model, for llamacpp")
+    parser.add_argument(
+        "--gguf", help="GGUF file of the same model, for llamacpp; 'demo': the demo model's"
+    )
     parser.add_argument(
         "--peers-dir",
         default=os.environ.get("PEERS"),
@@ -155,6 +159,16 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if "llamacpp" in args.peers and args.workload == "throughput" and not args.gguf:
         raise SystemExit("compare: llamacpp reads GGUF files: pass --gguf FILE of the same model")
+
+
+def resolve_demo(args: argparse.Namespace) -> None:
+    """``demo`` names the demo model: its HF checkpoint, and the GGUF file it comes from."""
+    from enginecore import checkpoints
+
+    if args.model == "demo":
+        args.model = str(checkpoints.make_demo_checkpoint())
+    if args.gguf == "demo":
+        args.gguf = str(checkpoints.find_demo_gguf())
 
 
 def interpreter(system: str, args: argparse.Namespace) -> str:
@@ -567,6 +581,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         result = json.loads(pathlib.Path(args.from_json).read_text())
     else:
+        resolve_demo(args)
         systems = [OURS, *args.peers]
         for system in systems:  # every interpreter found before the first turn starts
             interpreter(system, args)
