@@ -145,6 +145,11 @@ def check_args(args: argparse.Namespace) -> None:
         return
     if not args.model:
         raise SystemExit("compare: give the model directory (or --from-json FILE)")
+    if not PEERS_DIR_IN_REPO.is_dir():
+        raise SystemExit(
+            f"compare: the runners are not at {PEERS_DIR_IN_REPO}: run it from a source "
+            "checkout (pip install -e .)"
+        )
     if args.rounds < 1 or args.reps < 1:
         raise SystemExit("compare: --rounds and --reps must be at least 1")
     if args.input_len + args.output_len > args.max_model_len:
@@ -251,11 +256,11 @@ def run_throughput(args: argparse.Namespace, systems: list[str]) -> dict[str, li
                     )
                 with open(out) as f:
                     turns[system].append(json.load(f))
-                _print_turn(system, turns[system][-1], args.output_len)
+                _print_turn(system, turns[system][-1])
     return turns
 
 
-def _print_turn(system: str, turn: dict, output_len: int) -> None:
+def _print_turn(system: str, turn: dict) -> None:
     for point in turn["points"]:
         wall = statistics.median(point["rep_walls_s"])
         print(
