@@ -379,7 +379,10 @@ def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
                         )
                         point = summarize(results, duration, rate)
                         if point["failed"]:
-                            raise RuntimeError(f"{system}: failed requests: {point['errors']}")
+                            raise RuntimeError(
+                                f"{system}: failed requests: {point['errors']}\n"
+                                f"server log:\n{log.read_text()[-3000:]}"
+                            )
                         points.append(point)
                         print(
                             f"  {system:>12} rate {rate:>6}: TTFT p50 {point['p50_ttft_ms']:7.1f} ms"
