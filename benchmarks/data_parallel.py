@@ -7,8 +7,8 @@ process, per OS thread, so the result says where the cores went: the frontend
 (tokenize/detokenize, output processing, the ZeroMQ reader), each engine's busy loop and
 I/O threads, and each engine's torch compute threads.
 
-    python benchmarks/data_parallel.py /tmp/bench-tiny --num-prompts 64 --output-len 64
-    python benchmarks/data_parallel.py /tmp/bench-small --num-prompts 32 --output-len 32
+    python benchmarks/data_parallel.py models/llama-tiny --num-prompts 64 --output-len 64
+    python benchmarks/data_parallel.py models/llama-small --num-prompts 32 --output-len 32
 
 Make the checkpoints with ``enginecore demo-model DIR --random --arch llama --size tiny``.
 """

@@ -1,4 +1,4 @@
-"""KV connector benchmarks (issue 8).
+"""KV connector benchmarks.
 
 1. ``shared_storage`` on a shared-prefix workload: engine A computes a set of documents
    (long prompts) and saves their KV; engine B (a new process on the same directory) gets

@@ -90,8 +90,8 @@ static inline float exp_poly(float x) {
 #ifdef __AVX2__
 #include <immintrin.h>
 /* exp_poly on 8 lanes: the same operations in the same order, so the same bits. Left to
- * itself, GCC vectorized SiLU's clamp as blends around a second division per vector: 2.4x
- * slower on AMD Zen 3. */
+ * itself, GCC vectorizes SiLU's clamp as blends around a second division per vector, 2.4x
+ * slower. */
 static inline __m256 exp_poly8(__m256 x) {
     /* the constant first: a NaN lane passes through, as through the scalar compares */
     x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
@@ -371,7 +371,7 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
         int64_t j = 0;
         for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
             /* This block's V is read once its scores are known: fetch it now. K is not
-             * prefetched ahead: on AMD Zen 3 that was 9-11% slower at 256 rows (on one
+             * prefetched ahead: on AVX2-only CPUs that is 9-11% slower at 256 rows (on one
              * thread or two) than leaving K to the hardware prefetcher. */
             for (int u = 0; u < 4; u++) {
                 const float *vt = V + (t0 + j + u) * NV * 8;
@@ -781,7 +781,7 @@ static void gemm_rows(const float *a, int64_t row_step, const float *panel, int6
  * enough tiles to hide it, each tile first asks for its share of the next panel's k
  * lines (64 bytes each): between a decode step's projections the attention streams the
  * KV cache through L3, so each panel's first tile would otherwise wait on memory (10% of
- * the projections' time at 64-2048 rows on AMD Zen 3). */
+ * the projections' time at 64-2048 rows). */
 static void gemm_panel(const float *a, int64_t lda, int packed, int64_t rows,
                        const float *panel, int64_t k, const float *bias, float *c,
                        int64_t ldc, int64_t width, int64_t up, int silu, const float *next) {
@@ -984,14 +984,14 @@ int ec_gemm(const float *a, int64_t lda, int64_t m, int64_t k, const float *pane
     const int64_t blocks = (tiles + fit - 1) / fit;
     const int64_t block = (tiles + blocks - 1) / blocks * EC_TILE_ROWS;
     /* A wide weight's tiles read the block's rows copied into one stream per tile: a
-     * 2,048 x 256 weight took 6-14% less time so at 256 and 2,048 rows (AMD Zen 3, 2
-     * threads). Narrow weights (16 panels) and a few rows do not repay the copy. Without
+     * 2,048 x 256 weight takes 6-14% less time so at 256 and 2,048 rows (2 threads).
+     * Narrow weights (16 panels) and a few rows do not repay the copy. Without
      * memory for it the rows are read in place. */
     float *packed = NULL;
     if (count >= EC_PACK_MIN_PANELS && tiles >= EC_PACK_MIN_TILES)
         packed = aligned_alloc(64, (block * k * sizeof(float) + 63) / 64 * 64);
     /* A tile's chain costs about k FMA latencies: below ~16k of them (~20 us) over all
-     * tiles, waking the second thread cost more than it saved (AMD Zen 3, 2 threads). */
+     * tiles, waking the second thread costs more than it saves. */
     const int64_t chain = tiles * count * k;
 #pragma omp parallel num_threads(nthreads) if (chain >= 16384)
     for (int64_t r0 = 0; r0 < m; r0 += block) {

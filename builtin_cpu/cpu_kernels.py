@@ -42,8 +42,8 @@ from enginecore import startup_log
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# -fno-trapping-math changes no result; without it GCC 12 kept the exp clamp's compares as
-# branches on AVX2 and left SiLU scalar (3x slower on AMD Zen 3).
+# -fno-trapping-math changes no result; without it GCC 12 keeps the exp clamp's compares as
+# branches on AVX2 and leaves SiLU scalar (3x slower).
 FLAGS = [
     "-O3",
     "-fopenmp",
@@ -521,7 +521,7 @@ def decode_attention_fits(group: int, head_dim: int) -> bool:
 
 
 # The prefill kernel keeps a task's transposed keys and its scores ([48, keys]) per thread;
-# past about L2's size (AMD Zen 3: 512 KiB) SDPA's blocked kernel is as fast or faster. At
+# past about L2's size (512 KiB on the AVX2 CPUs this kernel runs on) SDPA's blocked kernel is as fast or faster. At
 # head dim 64: 1.9-2x SDPA on prompts of 32-128 tokens, 1.75x at 512, 1.27x at 1,024 and
 # 0.98x at 2,048; at head dim 128: 2x at 256, 1.09x at 768, 0.94x at 1,024.
 PREFILL_ATTENTION_BYTES = 512 * 1024

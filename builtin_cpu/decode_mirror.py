@@ -28,8 +28,8 @@ from enginecore.builtin_cpu.host_memory import zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
-# positions put every row's K and V exactly 1 MiB apart, and decode attention over 256 rows
-# ran 7-11% slower in isolation than with these few extra positions (AMD Zen 3).
+# positions puts every row's K and V exactly 1 MiB apart, where they alias in the cache:
+# decode attention over 256 rows runs 7-11% slower than with these few extra positions.
 _T_PAD = 16
 
 

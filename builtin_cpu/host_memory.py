@@ -44,9 +44,9 @@ def keep_freed_memory() -> bool:
 
     By default glibc serves blocks over a moving threshold (128 KiB to 32 MiB) with a
     fresh mmap, unmaps them on free and trims the heap top beyond twice that. A CPU step
-    allocates and frees the same few-MiB activations every layer, so each one was
-    faulted in again: about 2,300 page faults per 2,048-token step on the machine in
-    benchmarks/RESULTS.md, and seven times that once MKL's packed GEMM shared the heap.
+    allocates and frees the same few-MiB activations every layer, so each one would be
+    faulted in again: thousands of page faults per 2,048-token step, several times more
+    once MKL's packed GEMM shares the heap.
     Fixing the mmap threshold at its 32 MiB maximum and the trim threshold at 1 GiB keeps
     those pages mapped; resident memory stays at the step's high-water mark.
     """

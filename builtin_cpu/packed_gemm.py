@@ -3,11 +3,10 @@
 ``F.linear`` hands MKL the plain weight, and sgemm copies it into its internal panel
 layout on every call. With the small K of these models (256-768) and the 2-300 rows of a
 decode step, that copy is a large share of the call. MKL's ``cblas_sgemm_pack`` does it
-once at load time and ``cblas_sgemm_compute`` reuses the packed copy. On the 2-core
-AVX-512 machine in benchmarks/RESULTS.md it was 1.02-1.8x faster than input-major
-``F.linear`` for outputs of 512 or more features at 16-300 rows. Narrower outputs (256
-features) ran up to 1.7x slower, and at 2,048 rows packing gained nothing (0.94-1.0x on
-most shapes): those keep ``F.linear``.
+once at load time and ``cblas_sgemm_compute`` reuses the packed copy: 1.02-1.8x faster
+than input-major ``F.linear`` (AVX-512, float32) for outputs of 512 or more features at
+16-300 rows. Narrower outputs (256 features) run up to 1.7x slower, and at 2,048 rows
+packing gains nothing (0.94-1.0x on most shapes): those keep ``F.linear``.
 
 A packed weight is used only where it gives the same bits as ``F.linear``, so greedy
 outputs stay those of the unpacked model:
@@ -56,9 +55,9 @@ MIN_OUT_FEATURES = 512
 PACK_ROWS = 256
 MAX_ROWS = 512  # more rows: F.linear (see above)
 PROBE_ROWS = (2, 37, 300)
-# Wider weights are packed as blocks of this many output columns, one GEMM each: on AMD
-# Zen 3 an 8,192-wide LM head at 256 rows ran 13% faster in 2,048-wide blocks (1,024:
-# 12%), with the same bits (benchmarks/RESULTS.md, tenth session).
+# Wider weights are packed as blocks of this many output columns, one GEMM each: MKL runs
+# an 8,192-wide LM head at 256 rows 13% faster in 2,048-wide blocks (1,024: 12%), with
+# the same bits.
 MAX_BLOCK_COLUMNS = 2048
 
 # CBLAS enums (mkl_cblas.h); MKL_INT is 32-bit in the LP64 interface torch links.
@@ -131,7 +130,7 @@ class PackedWeight:
             rows = rows.contiguous()
         m = rows.shape[0]
         # With a bias, as torch's addmm: the output starts as the bias and the GEMM adds
-        # to it (beta 1). Adding the bias afterwards rounded differently on AMD Zen 3.
+        # to it (beta 1); adding the bias afterwards can round differently from F.linear.
         if bias is None:
             out, beta = torch.empty((m, n), dtype=torch.float32), 0.0
         else:

@@ -1,9 +1,8 @@
 """CPU projections through enginecore's own AVX2 GEMM (``ec_gemm`` in cpu_kernels.c).
 
-On a CPU with AVX2 and no AVX-512 (the AMD Zen 3 machine in benchmarks/RESULTS.md), MKL
-ran the short-K products of a decode step far below the cores' peak. On 8 rows, a
-2,048 x 256 weight took 0.18 ms packed where ``ec_gemm`` takes 0.09, and the 8,192-wide
-LM head 2.9 ms where ``ec_gemm`` takes 0.36. The kernel copies each weight once into
+On a CPU with AVX2 and no AVX-512, MKL runs the short-K products of a decode step far
+below the cores' peak. On 8 rows, a 2,048 x 256 weight takes 0.18 ms packed where
+``ec_gemm`` takes 0.09, and an 8,192-wide LM head 2.9 ms where ``ec_gemm`` takes 0.36. The kernel copies each weight once into
 panels of 16 output columns, each panel k-major, and runs a 6-row x 16-column tile of
 register accumulators over the whole K.
 

@@ -48,13 +48,13 @@ import zmq
 from enginecore.builtin_executors.rpc import (
     CALL_READY,
     CALL_SHUTDOWN,
+    CallGate,
     RankError,
     WorkerDiedError,
     WorkerStartupError,
     decode_reply,
     describe_exit,
     encode_call,
-    method_name,
 )
 from enginecore.config import EngineConfig
 from enginecore.errors import EngineShutdownError
@@ -115,7 +115,7 @@ def _kill_all(procs: list[subprocess.Popen], grace: float) -> None:
                 proc.wait(2.0)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(CallGate, Executor):
     """One spawned process per rank; collective_rpc is broadcast once and answered by all."""
 
     #: seconds a rank error waits for a peer's death to be noticed (see _on_error)
@@ -244,15 +244,7 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Any | Future:
-        name = method_name(method)
-        if self._dead is not None:
-            raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
-        if self._closing:
-            raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank {unique_reply_rank} is outside world size {self.world_size}"
-            )
+        name = self._admit_call(method, unique_reply_rank)
         future: Future = Future()
         with self._lock:
             call_id = self._next_call_id

@@ -43,13 +43,13 @@ from enginecore.builtin_executors.ray_placement import (
     remove_groups,
 )
 from enginecore.builtin_executors.rpc import (
+    CallGate,
     RankError,
     WorkerDiedError,
     WorkerStartupError,
     decode_call,
     encode_call,
     load_call,
-    method_name,
 )
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError, EngineShutdownError
@@ -158,9 +158,6 @@ class RayWorkerActor:
         """Never returns while the actor lives: its failure is the death notice."""
         self._forever.wait()
 
-    def stop_waiting(self) -> None:
-        self._forever.set()
-
 
 def _actor_class(ray: Any) -> Any:
     """The actor class (built lazily: Ray is optional). ``wait_forever`` runs in its own
@@ -232,7 +229,7 @@ def _copy_outcome(source: Future, target: Future) -> None:
             target.set_result(source.result())
 
 
-class RayExecutor(Executor):
+class RayExecutor(CallGate, Executor):
     """Ranks as Ray actors; the same Worker code as ``mp``."""
 
     #: Seconds a rank error from a broken collective waits for a peer's death notice
@@ -364,11 +361,7 @@ class RayExecutor(Executor):
         timeout: float | None = None,
     ) -> Any:
         """One task per actor (``call`` with a call record, or ``step``); one Future."""
-        name = method_name(method)
-        if self._dead is not None:
-            raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
-        if self._closing:
-            raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
+        name = self._admit_call(method, unique_reply_rank)
         if actor_method == "step":
             data = pickle.dumps((*args, unique_reply_rank), protocol=5)
         else:

@@ -23,7 +23,7 @@ from typing import Any
 
 import cloudpickle
 
-from enginecore.errors import EngineCoreError, EngineDeadError
+from enginecore.errors import EngineCoreError, EngineDeadError, EngineShutdownError
 
 #: call ids below zero are control messages
 CALL_READY = -1
@@ -62,6 +62,34 @@ class WorkerDiedError(EngineDeadError):
 
 def method_name(method: str | Callable[..., Any]) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+
+
+def check_reply_rank(unique_reply_rank: int | None, world_size: int) -> None:
+    """The one rank asked to reply must exist: a rank outside the world would never answer."""
+    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
+        raise ValueError(
+            f"unique_reply_rank {unique_reply_rank} is outside world size {world_size}"
+        )
+
+
+class CallGate:
+    """What every executor checks before it sends a collective_rpc call: the ranks are
+    alive, the executor is open, and the one rank asked to reply exists."""
+
+    world_size: int
+    _dead: str | None
+    _dead_rank: int | None
+    _closing: bool
+
+    def _admit_call(self, method: str | Callable[..., Any], unique_reply_rank: int | None) -> str:
+        """The call's name, once it may be sent; raises the error that says why not."""
+        name = method_name(method)
+        if self._dead is not None:
+            raise WorkerDiedError(f"executor failed: {self._dead}", self._dead_rank)
+        if self._closing:
+            raise EngineShutdownError(f"collective_rpc {name!r}: the executor is shut down")
+        check_reply_rank(unique_reply_rank, self.world_size)
+        return name
 
 
 def describe_exit(rank: int, pid: int, code: int | None) -> str:

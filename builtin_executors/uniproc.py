@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from enginecore.builtin_executors.rpc import RankError, method_name
+from enginecore.builtin_executors.rpc import RankError, check_reply_rank, method_name
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError
 from enginecore.interfaces import Executor, WorkerSpec
@@ -57,6 +57,7 @@ class UniProcExecutor(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Any | Future:
+        check_reply_rank(unique_reply_rank, self.config.parallel.world_size)
         fn = self.worker.resolve_method(method)
         kwargs = kwargs or {}
 

@@ -70,7 +70,7 @@ def cpu_threads_per_rank(par: Any, reserve: bool = True) -> int:
     data-parallel replicas (backend mp) share them too (Ray sizes its actors itself).
     The frontend needs a core of its own while serving: an OpenMP team that shares its
     cores with the HTTP server stalls at every barrier where one of its threads was
-    preempted (``cpu_reserved_cores``; benchmarks/RESULTS.md has the measurements).
+    preempted (``cpu_reserved_cores``).
     """
     local_ranks = par.world_size
     if par.data_parallel_backend == "mp":
@@ -240,9 +240,9 @@ class Worker(WorkerABC):
 
         The reservation keeps decode steps clear of the frontend's bursts (an OpenMP
         barrier waits for a preempted thread). A step prefilling many prompts at once is
-        long and comes when requests arrive together: there the second thread paid off,
-        200 requests at once ran 6-15% faster on the 2-core machine, while at 8 requests
-        a second, one prompt per step, it did not (benchmarks/RESULTS.md)."""
+        long and comes when requests arrive together: there the second thread pays off
+        (200 requests at once run 6-15% faster on two cores), while at 8 requests a
+        second, one prompt per step, it does not (``enginecore bench serve``)."""
         big = prefill_tokens(scheduler_output) >= BURST_MIN_PREFILL_TOKENS
         threads = self.burst_threads if big else self.step_threads
         if threads != torch.get_num_threads():

@@ -81,7 +81,7 @@ class BlockDirectory:
             raise ConfigError(
                 "kv_transfer.extra_config.path: the shared_storage connector needs a "
                 'directory, e.g. kv_transfer={"connector": "shared_storage", '
-                '"extra_config": {"path": "/tmp/kv"}}'
+                '"extra_config": {"path": "kv-cache"}}'
             )
         self.world_size = config.parallel.world_size
         self.root = Path(raw).expanduser() / model_namespace(config)

@@ -712,9 +712,6 @@ class DefaultScheduler(Scheduler):
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting) + len(self._waiting_for_remote)
 
-    def get_kv_cache_usage(self) -> float:
-        return self.kv_cache_manager.usage
-
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Drop every cached hash. Fails while requests hold blocks, unless asked to
         preempt every running request first (they are recomputed later)."""

@@ -215,6 +215,7 @@ BENCHMARKS = {
     "throughput": ("enginecore.bench.throughput", "offline throughput against transformers"),
     "latency": ("enginecore.bench.latency", "end-to-end latency of one batch"),
     "serve": ("enginecore.bench.serving", "load-test a running OpenAI-compatible server"),
+    "compare": ("enginecore.bench.compare", "ours against vLLM, transformers, llama.cpp"),
 }
 
 

@@ -293,7 +293,7 @@ class StructuredOutputConfig(_Section):
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The whole configuration. Build it with :func:`load_config` or :func:`make_config`."""
+    """The whole configuration. Build it with :func:`make_config`."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
@@ -469,10 +469,6 @@ def make_config(
         _merge_into(tree, read_config_file(config_file), f"in config file {str(config_file)!r}")
     _merge_into(tree, {k: v for k, v in overrides.items() if v is not None}, "(not a config field)")
     return _validate(tree)
-
-
-def load_config(config_file: str | pathlib.Path) -> EngineConfig:
-    return make_config(config_file)
 
 
 # --- CLI flags ----------------------------------------------------------------------

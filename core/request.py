@@ -146,9 +146,6 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
-    def get_finished_reason(self) -> FinishReason | None:
-        return RequestStatus.finish_reason(self.status)
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, "

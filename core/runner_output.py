@@ -26,16 +26,6 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     # Requests whose load or save failed: id -> error text (the request fails).
     failures: dict[str, str] = {}
 
-    @property
-    def is_empty(self) -> bool:
-        return not (
-            self.finished_sending
-            or self.finished_recving
-            or self.failed_recving
-            or self.invalid_block_ids
-            or self.failures
-        )
-
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     req_ids: list[str] = []
@@ -45,7 +35,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     sampled_token_ids: list[list[int]] = []
     logprobs: LogprobsLists | None = None
     kv_connector_output: KVConnectorOutput | None = None
-    num_nans_in_logits: dict[str, int] | None = None
     extra: dict[str, Any] | None = None
     # Requests that asked for prompt logprobs, when their prefill completes: one row per
     # prompt token after the first, ``[prompt token, top-1..top-N]`` and its rank.
@@ -54,6 +43,3 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # tokens above), and how many drafts this step verified (accepted = len(sampled) - 1).
     draft_token_ids: list[list[int]] | None = None
     num_draft_tokens: list[int] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput()

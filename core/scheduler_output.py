@@ -60,10 +60,6 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     kv_connector_metadata: Any = None
     step_id: int = 0
 
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
-
 
 class GrammarOutput(msgspec.Struct, kw_only=True):
     """The grammar bitmask for one step, built while the forward pass runs."""

@@ -147,7 +147,7 @@ class EchoExecutor(Executor):
         return [(method, args)]
 
     def shutdown(self) -> None:
-        self.stopped = True
+        """Nothing to stop: it runs no ranks."""
 
 
 def test_hook_register_executors():

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import random
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -13,14 +11,8 @@ import torch
 from enginecore import SamplingParams, make_config
 from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.interfaces import WorkerSpec
-from enginecore.scheduler_output import (
-    CachedRequestData,
-    GrammarOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+from enginecore.scheduler_output import GrammarOutput
+from enginecore.testing.model_runner_contract import RunnerDriver
 
 
 def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
@@ -38,107 +30,9 @@ def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
     return runner
 
 
-@dataclass
-class _Req:
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    outputs: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    sent: bool = False  # the runner holds it
-
-
-class Driver:
-    """A minimal stand-in for the scheduler: token budget, chunked prefill, block tables.
-
-    Blocks come from a shuffled free list so block tables are never contiguous.
-    """
-
-    def __init__(self, runner: TorchModelRunner, budget: int = 16, seed: int = 0) -> None:
-        self.runner = runner
-        self.budget = budget
-        self.bs = runner.block_size
-        self.free = list(range(runner.num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.reqs: dict[str, _Req] = {}
-        self.finished: set[str] = set()
-        self.preempted: set[str] = set()
-        self.step_id = 0
-        self.done: dict[str, list[int]] = {}
-
-    def add(self, req_id, prompt, params=GREEDY, max_tokens=8):
-        self.reqs[req_id] = _Req(list(prompt), params, max_tokens)
-
-    def preempt(self, req_id):
-        req = self.reqs[req_id]
-        self.free.extend(req.blocks)
-        req.blocks, req.computed, req.sent = [], 0, False
-        self.preempted.add(req_id)
-
-    def step(self, grammar=None):
-        budget = self.budget
-        new, cached, num = [], CachedRequestData(), {}
-        for req_id, req in self.reqs.items():
-            total = len(req.prompt) + len(req.outputs)
-            n = min(total - req.computed, budget)
-            if n <= 0:
-                continue
-            need = -(-(req.computed + n) // self.bs) - len(req.blocks)
-            fresh = [self.free.pop() for _ in range(need)]
-            req.blocks += fresh
-            if not req.sent:
-                new.append(
-                    NewRequestData(
-                        req_id=req_id,
-                        prompt_token_ids=req.prompt,
-                        sampling_params=req.params,
-                        block_ids=list(req.blocks),
-                        num_computed_tokens=req.computed,
-                        output_token_ids=list(req.outputs),
-                    )
-                )
-                req.sent = True
-            else:
-                cached.req_ids.append(req_id)
-                cached.new_block_ids.append(fresh or None)
-                cached.num_computed_tokens.append(req.computed)
-            num[req_id] = n
-            req.computed += n
-            budget -= n
-        so = SchedulerOutput(
-            scheduled_new_reqs=new,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num,
-            total_num_scheduled_tokens=sum(num.values()),
-            finished_req_ids=self.finished,
-            preempted_req_ids=self.preempted,
-            structured_output_request_ids=grammar.structured_output_request_ids if grammar else [],
-            step_id=self.step_id,
-        )
-        self.finished, self.preempted = set(), set()
-        self.step_id += 1
-        assert self.runner.execute_model(so) is None
-        out = self.runner.sample_tokens(grammar)
-        assert sorted(out.req_ids) == sorted(num)
-        for req_id, idx in out.req_id_to_index.items():
-            req = self.reqs[req_id]
-            tokens = out.sampled_token_ids[idx]
-            total = len(req.prompt) + len(req.outputs)
-            assert len(tokens) == (1 if req.computed == total else 0)
-            req.outputs += tokens
-            if len(req.outputs) >= req.max_tokens:
-                self.finished.add(req_id)
-                self.free.extend(req.blocks)
-                del self.reqs[req_id]
-                self.done[req_id] = req.outputs
-        return out
-
-    def run(self):
-        while self.reqs:
-            self.step()
-        self.step()  # tells the runner about the last finished requests
-        return self.done
+def driver_for(runner: TorchModelRunner, budget: int) -> RunnerDriver:
+    """The conformance kit's scheduler stand-in over this runner's KV cache."""
+    return RunnerDriver(runner, runner.num_blocks, runner.block_size, budget=budget)
 
 
 @functools.cache
@@ -169,7 +63,7 @@ PROMPTS = {"a": list(range(3, 8)), "b": list(range(100, 117)), "c": [7, 300, 42]
 def test_greedy_batch_with_chunked_prefill_equals_generate(arch, checkpoint_factory, model_refs):
     path = checkpoint_factory(arch)
     runner = make_runner(path, model_refs)
-    driver = Driver(runner, budget=16)
+    driver = driver_for(runner, budget=16)
     for req_id, prompt in PROMPTS.items():
         driver.add(req_id, prompt, max_tokens=6)
     done = driver.run()
@@ -180,7 +74,7 @@ def test_greedy_batch_with_chunked_prefill_equals_generate(arch, checkpoint_fact
 
 def test_preempted_request_resumes_with_same_tokens(tiny_llama, model_refs):
     runner = make_runner(tiny_llama, model_refs, block_size=8)
-    driver = Driver(runner, budget=64)
+    driver = driver_for(runner, budget=64)
     driver.add("p", PROMPTS["c"], max_tokens=8)
     driver.add("q", PROMPTS["b"], max_tokens=8)
     for _ in range(4):
@@ -196,10 +90,10 @@ def test_seeded_request_same_tokens_alone_or_batched(tiny_llama, model_refs):
 
     def run(others):
         runner = make_runner(tiny_llama, model_refs)
-        driver = Driver(runner, budget=64)
+        driver = driver_for(runner, budget=64)
         for i, prompt in enumerate(others):
-            driver.add(f"other{i}", prompt, SamplingParams(temperature=1.0), max_tokens=8)
-        driver.add("seeded", PROMPTS["b"], params, max_tokens=8)
+            driver.add(f"other{i}", prompt, max_tokens=8, params=SamplingParams(temperature=1.0))
+        driver.add("seeded", PROMPTS["b"], max_tokens=8, params=params)
         return driver.run()["seeded"]
 
     alone = run([])
@@ -208,7 +102,7 @@ def test_seeded_request_same_tokens_alone_or_batched(tiny_llama, model_refs):
 
 def test_grammar_bitmask_restricts_tokens(tiny_llama, model_refs):
     runner = make_runner(tiny_llama, model_refs)
-    driver = Driver(runner, budget=64)
+    driver = driver_for(runner, budget=64)
     driver.add("g", PROMPTS["a"], max_tokens=2)
     driver.add("free", PROMPTS["b"], max_tokens=2)
     vocab = runner.hf_config.vocab_size
@@ -222,8 +116,8 @@ def test_grammar_bitmask_restricts_tokens(tiny_llama, model_refs):
 
 def test_logprobs_rows_per_request(tiny_llama, model_refs):
     runner = make_runner(tiny_llama, model_refs)
-    driver = Driver(runner, budget=64)
-    driver.add("lp", PROMPTS["a"], SamplingParams(temperature=0.0, logprobs=2), max_tokens=1)
+    driver = driver_for(runner, budget=64)
+    driver.add("lp", PROMPTS["a"], max_tokens=1, params=SamplingParams(temperature=0.0, logprobs=2))
     driver.add("no", PROMPTS["b"], max_tokens=1)
     out = driver.step()
     i, j = out.req_id_to_index["lp"], out.req_id_to_index["no"]
@@ -241,7 +135,7 @@ def test_memory_sizing_and_sleep(tiny_llama, model_refs):
     runner.sleep(2)
     assert runner.kv_caches is None and runner.model is None
     runner.wake_up()
-    driver = Driver(runner, budget=64)
+    driver = driver_for(runner, budget=64)
     driver.add("a", PROMPTS["a"], max_tokens=3)
     assert driver.run()["a"] == hf_greedy(tiny_llama, PROMPTS["a"], 3)
 

@@ -11,9 +11,9 @@ the batch; only the requested tokens count as output.
 
 Each system is warmed up (enginecore: one short request; transformers: one batch of four
 new tokens), then runs the workload ``--reps`` times in one process and reports the median
-wall time, as the peer harnesses in ``../shared/peers/`` do (the VM this was developed on
-drifts by 5-10% between single runs). enginecore's prefix cache is reset before each
-repetition, so every one computes every prompt.
+wall time: single runs on a shared machine drift by 5-10%. enginecore's prefix cache is
+reset before each repetition, so every one computes every prompt. ``enginecore bench
+compare`` runs the same kind of measurement against vLLM and llama.cpp too.
 """
 
 from __future__ import annotations
@@ -139,8 +139,7 @@ def _hf_child(spec: dict[str, Any]) -> dict[str, Any]:
     pad = model.generation_config.pad_token_id or 0
     load = time.perf_counter() - t0
     workload, batch = spec["workload"], spec["batch"]
-    # One untimed batch first, as the peer harness (../shared/peers/hf/bench_generate.py)
-    # does: a cold first generate ran ~15% slower than the ones after it.
+    # One untimed batch first: a cold first generate runs ~15% slower than the ones after.
     _hf_generate_all(model, [(p, 4) for p, _ in workload[:batch]], batch, pad)
     walls = []
     for _ in range(spec["reps"]):

@@ -22,8 +22,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.client import start_engine
@@ -35,7 +33,6 @@ from enginecore.engine.output import (
     CompletionOutput,
     OutputKind,
     OutputProcessor,
-    ParentRequest,
     RequestOutput,
     RequestState,
 )
@@ -196,33 +193,6 @@ class AsyncLLM:
                     self.output_processor.abort_requests([request_id])
                 )
             raise
-        return collector
-        parent = ParentRequest(request_id, params.n)
-        children = []
-        for index in range(params.n):
-            child_params = ParentRequest.child_params(request.sampling_params, index)
-            child = msgspec.structs.replace(
-                request,
-                request_id=ParentRequest.child_id(request_id, index),
-                sampling_params=child_params,
-            )
-            self.output_processor.add_request(
-                RequestState(
-                    child.request_id,
-                    text,
-                    request.prompt_token_ids,
-                    child_params,
-                    self.tokenizer,
-                    output_kind=kind,
-                    parent=parent,
-                    index=index,
-                    queue=collector,
-                )
-            )
-            children.append(child)
-        self.collectors[request_id] = collector
-        for child in children:
-            self.engine_client.add_request(child)
         return collector
 
     async def generate(

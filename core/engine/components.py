@@ -34,7 +34,7 @@ def pick_executor_name(config: EngineConfig) -> str:
     A CPU forward pass holds the GIL between its ops, so in the engine process it takes
     turns with the scheduler and the output serialization; in a worker process those run
     on the reserved core beside it (TPOT at 8 req/s on the tiny model: ~4 ms against
-    ~7 ms, benchmarks/RESULTS.md). Offline, with no core to spare, the two were even.
+    ~7 ms, ``enginecore bench serve``). Offline, with no core to spare, the two are even.
     """
     name = config.parallel.executor
     if name != "auto":

@@ -29,7 +29,3 @@ def load_tokenizer(config: EngineConfig) -> Any:
             f"The directory needs tokenizer.json (or tokenizer files transformers can read); "
             f"set 'tokenizer' to load one from elsewhere."
         ) from exc
-
-
-def eos_token_id_of(tokenizer: Any) -> int | None:
-    return getattr(tokenizer, "eos_token_id", None)

@@ -215,8 +215,8 @@ def run_server(config: EngineConfig) -> int:
     """``enginecore serve``: blocks until the server stops; returns the exit status.
 
     On uvloop when it is installed (a dependency; uvicorn then also picks its httptools
-    parser). Streaming 200 requests at once on the tiny model, the API server's CPU time
-    went from 1.83 to 1.60 s: CPU the worker shares on a two-core machine."""
+    parser). Streaming 200 requests at once on the tiny model, the API server takes about
+    13% less CPU time on uvloop than on asyncio's own loop: CPU it shares with the worker."""
     try:
         import uvloop
     except ImportError:

@@ -675,7 +675,7 @@ KINDS: dict[str, Kind] = {
         summary="a KV connector for enginecore",
         config_key="kv_connector",
         select_toml='[kv_transfer]\nconnector = "$component"\n'
-        'extra_config = { path = "/tmp/$component-kv" }\n',
+        'extra_config = { path = "$component-kv" }\n',
         component=KV_CONNECTOR,
         test=KV_CONNECTOR_TEST,
     ),

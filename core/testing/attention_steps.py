@@ -46,14 +46,6 @@ def make_batch(
     return AttentionBatch(ids, q, ctx, table, slots, num_decodes)
 
 
-def positions_of(batch: AttentionBatch) -> torch.Tensor:
-    """Each token's position in its request."""
-    q, ctx = batch.query_lens, batch.context_lens
-    req_of_token = np.repeat(np.arange(len(q)), q)
-    offsets = np.cumsum(q) - q
-    return torch.from_numpy(np.arange(int(q.sum())) - offsets[req_of_token] + ctx[req_of_token])
-
-
 def step_context(backend: AttentionBackend, batch: AttentionBatch) -> AttentionContext:
     """What every attention layer gets for this step: the backend's metadata."""
     if batch.num_decodes:

@@ -157,6 +157,12 @@ class ExecutorContract:
         last = self.world_size - 1
         assert contract_executor.collective_rpc(rank_of, unique_reply_rank=last) == last
 
+    def test_unique_reply_rank_outside_the_world_is_refused(self, contract_executor) -> None:
+        for rank in (-1, self.world_size):
+            with pytest.raises(ValueError, match=f"unique_reply_rank {rank} is outside"):
+                contract_executor.collective_rpc(rank_of, unique_reply_rank=rank)
+        assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
+
     def test_args_and_kwargs_reach_every_rank(self, contract_executor) -> None:
         got = contract_executor.collective_rpc(echo_args, args=(1, "two"), kwargs={"k": [3]})
         assert got == [(r, (1, "two"), {"k": [3]}) for r in range(self.world_size)]

@@ -8,7 +8,7 @@ heavy is imported until a test asks for a fixture. Select your plugin by overrid
     def enginecore_config_overrides():
         return {"scheduling_policy": "my-policy"}
 
-The model is a tiny random-weight Llama checkpoint made offline once per session, or
+The model is a tiny random-weight Llama checkpoint made offline once per test run, or
 the checkpoint named by ``--enginecore-model PATH`` (``--enginecore-model demo``: the
 real SmolLM2-135M demo model, converted once into the cache).
 """

@@ -30,7 +30,12 @@ from typing import Any, ClassVar
 import pytest
 
 from enginecore.params import SamplingParams
-from enginecore.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from enginecore.scheduler_output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 TIE_GAP = 1e-4
@@ -40,6 +45,7 @@ TIE_GAP = 1e-4
 class _Req:
     prompt: list[int]
     max_tokens: int
+    params: SamplingParams
     outputs: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
@@ -47,7 +53,11 @@ class _Req:
 
 
 class RunnerDriver:
-    """A minimal scheduler: token budget, chunked prefill, shuffled block tables."""
+    """A minimal scheduler: token budget, chunked prefill, shuffled block tables.
+
+    ``add`` takes each request's sampling parameters (greedy by default); ``step`` takes
+    the step's grammar bitmask, if any, and hands it to ``sample_tokens``.
+    """
 
     def __init__(self, runner: Any, num_blocks: int, block_size: int, budget: int = 16) -> None:
         self.runner = runner
@@ -61,8 +71,14 @@ class RunnerDriver:
         self.done: dict[str, list[int]] = {}
         self.step_id = 0
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 8) -> None:
-        self.reqs[req_id] = _Req(list(prompt), max_tokens)
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int = 8,
+        params: SamplingParams = GREEDY,
+    ) -> None:
+        self.reqs[req_id] = _Req(list(prompt), max_tokens, params)
 
     def preempt(self, req_id: str) -> None:
         req = self.reqs[req_id]
@@ -70,7 +86,7 @@ class RunnerDriver:
         req.blocks, req.computed, req.sent = [], 0, False
         self.preempted.add(req_id)
 
-    def step(self) -> Any:
+    def step(self, grammar: GrammarOutput | None = None) -> Any:
         budget = self.budget
         new: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -87,7 +103,7 @@ class RunnerDriver:
                     NewRequestData(
                         req_id=req_id,
                         prompt_token_ids=req.prompt,
-                        sampling_params=GREEDY,
+                        sampling_params=req.params,
                         block_ids=list(req.blocks),
                         num_computed_tokens=req.computed,
                         output_token_ids=list(req.outputs),
@@ -108,13 +124,14 @@ class RunnerDriver:
             total_num_scheduled_tokens=sum(num.values()),
             finished_req_ids=self.finished,
             preempted_req_ids=self.preempted,
+            structured_output_request_ids=grammar.structured_output_request_ids if grammar else [],
             step_id=self.step_id,
         )
         self.finished, self.preempted = set(), set()
         self.step_id += 1
         result = self.runner.execute_model(out)
         if result is None:
-            result = self.runner.sample_tokens(None)
+            result = self.runner.sample_tokens(grammar)
         assert sorted(result.req_ids) == sorted(num), (
             f"the output lists {sorted(result.req_ids)}, the step scheduled {sorted(num)}"
         )
