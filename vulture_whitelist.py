@@ -11,11 +11,18 @@ ExternalLauncherExecutor
 RayExecutor
 ZmqP2PConnector
 GPT2LMHeadModel
+GemmaForCausalLM
+MixtralForCausalLM
+Phi3ForCausalLM
+Qwen2MoeForCausalLM
+Qwen3ForCausalLM
+Qwen3MoeForCausalLM
 XgrammarBackend
 StubModelRunner  # the executor contract's runner, by reference
 NullRunner  # tests/test_hooks.py registers it by reference
 EchoForCausalLM  # a test plugin's model, by entry point
 NaiveAttentionBackend  # a test plugin's backend, by entry point
+TimingExecutor  # a test plugin's executor, by entry point
 
 # Worker and engine methods called by name (collective_rpc, the utility channel).
 memory_snapshot
@@ -25,6 +32,7 @@ get_pid
 get_rank
 get_supported_tasks
 ping
+device_assignment
 
 # Module __getattr__ (PEP 562): lazy public names of enginecore and enginecore.testing.
 __getattr__
@@ -32,9 +40,15 @@ __getattr__
 # Run by a child interpreter through `python -c` (enginecore bench throughput).
 _hf_child
 
-# Attributes read by libraries: torch's matmul precision, tokenizers' pre-tokenizer.
+# Attributes read by libraries: torch's matmul precision, tokenizers' pre-tokenizer,
+# ZeroMQ's CURVE socket options; pytest's collect_ignore.
 _.allow_tf32
 _.pre_tokenizer
+_.curve_server
+_.curve_serverkey
+_.curve_publickey
+_.curve_secretkey
+collect_ignore
 
 # Wire and API fields: filled here, read by clients and stat-logger plugins.
 prefill_time

@@ -93,10 +93,6 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_init_method() -> str:
-    return f"tcp://127.0.0.1:{free_loopback_port()}"
-
-
 def resolve_device_type(wanted: str) -> str:
     """``"cpu"`` or ``"cuda"`` for a ``model.device`` setting; ``auto`` is CUDA when
     torch sees a device."""

@@ -76,8 +76,9 @@ class ClientKeyAuthenticator:
         with self._lock:
             self._allowed.add(client_public)
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """zmq.auth's credentials-provider protocol: is this client key one of ours?"""
+    def callback(self, _domain: str, key: bytes) -> bool:
+        """zmq.auth's credentials-provider protocol (called with the ZAP domain and the
+        client's key): is this client key one of ours?"""
         with self._lock:
             return key in self._allowed
 
