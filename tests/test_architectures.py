@@ -19,10 +19,10 @@ from test_models_vs_transformers import (
     new_cache,
     reference_logits,
     run_chunks,
+    run_mixed_batch,
 )
 
 from enginecore import LLM, SamplingParams
-from enginecore.testing.attention_steps import make_batch, step_context
 
 ARCHS = ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "gemma3", "phi3", "olmo2"]
 
@@ -47,34 +47,10 @@ def test_mixed_batch_matches_separate_references(arch_path, model_refs):
     """Decodes and prefill chunks of several requests in one forward (the experts of a
     MoE layer see every request's tokens at once)."""
     arch, path = arch_path
-    model = load_ours(path, model_refs)
-    torch.manual_seed(1)
-    prompts = [torch.randint(3, 8000, (n,)) for n in (5, 13, 9, 20)]
-    bs = 4
-    kv = new_cache(model, 40, bs)
-    tables = [[0, 1], [2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13]]
-    steps = [[(0, 4), (0, 12), (0, 8), (0, 6)], [(4, 5), (12, 13), (8, 9), (6, 20)]]
-    got: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for step in steps:
-        order = sorted(range(len(prompts)), key=lambda i: step[i][1] - step[i][0] != 1)
-        num_decodes = sum(1 for i in order if step[i][1] - step[i][0] == 1)
-        ids = torch.cat([prompts[i][step[i][0] : step[i][1]] for i in order])
-        pos = torch.cat([torch.arange(*step[i]) for i in order])
-        rows = torch.cat([torch.full((step[i][1] - step[i][0],), i) for i in order])
-        batch = make_batch(
-            [step[i][1] - step[i][0] for i in order],
-            [step[i][0] for i in order],
-            [tables[i] for i in order],
-            bs,
-        )
-        assert batch.num_decodes == num_decodes
-        with torch.no_grad():
-            logits = model.compute_logits(model(ids, pos, kv[1], step_context(kv[0], batch)))
-        for i in order:
-            got[i].append(logits[rows == i])
-    for i, prompt in enumerate(prompts):
+    prompts, got = run_mixed_batch(load_ours(path, model_refs))
+    for prompt, logits in zip(prompts, got, strict=True):
         want = reference_logits(path, prompt)
-        torch.testing.assert_close(torch.cat(got[i]), want, atol=ATOL, rtol=0, msg=arch)
+        torch.testing.assert_close(logits, want, atol=ATOL, rtol=0, msg=arch)
 
 
 # Through the whole engine: a MoE and an interleaved sliding/global model by default,

@@ -90,17 +90,16 @@ def test_chunked_prefill_then_decode_matches_full_forward(arch_pair):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_mixed_batch_of_decodes_and_prefills(tiny_llama, model_refs):
-    """Several requests in one forward (decodes and prefill chunks) equal separate runs."""
-    model = load_ours(tiny_llama, model_refs)
+def run_mixed_batch(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Four requests through two forwards that mix decodes and prefill chunks: step 1
+    prefills the first 4, 12, 8 and 6 tokens; step 2 decodes the first three (their last
+    prompt token) and runs the fourth's remaining 14 tokens as a chunk. Returns the
+    prompts and each one's logits, gathered across the steps."""
     torch.manual_seed(1)
     prompts = [torch.randint(3, 8000, (n,)) for n in (5, 13, 9, 20)]
-    wants = [reference_logits(tiny_llama, p) for p in prompts]
     bs = 4
     kv = new_cache(model, 40, bs)
     tables = [[0, 1], [2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13]]
-    # Step 1 prefills the first 4, 12, 8 and 6 tokens; step 2 decodes the first three
-    # (their last prompt token) and runs the fourth's remaining 14 tokens as a chunk.
     steps = [[(0, 4), (0, 12), (0, 8), (0, 6)], [(4, 5), (12, 13), (8, 9), (6, 20)]]
     got: list[list[torch.Tensor]] = [[] for _ in prompts]
     for step in steps:
@@ -120,8 +119,15 @@ def test_mixed_batch_of_decodes_and_prefills(tiny_llama, model_refs):
             logits = model.compute_logits(model(ids, pos, kv[1], step_context(kv[0], batch)))
         for i in order:
             got[i].append(logits[rows == i])
-    for i, want in enumerate(wants):
-        torch.testing.assert_close(torch.cat(got[i]), want, atol=ATOL, rtol=0)
+    return prompts, [torch.cat(g) for g in got]
+
+
+def test_mixed_batch_of_decodes_and_prefills(tiny_llama, model_refs):
+    """Several requests in one forward (decodes and prefill chunks) equal separate runs."""
+    prompts, got = run_mixed_batch(load_ours(tiny_llama, model_refs))
+    for prompt, logits in zip(prompts, got, strict=True):
+        want = reference_logits(tiny_llama, prompt)
+        torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
 
 
 def test_missing_weights_are_named(tiny_llama, model_refs):
