@@ -108,9 +108,6 @@ class TritonAttentionBackend(AttentionBackend):
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
         )
 
-    def build_profile_metadata(self, query_lens: list[int]) -> Any:
-        return list(query_lens)
-
     def forward(
         self,
         layer: Attention,
