@@ -75,26 +75,12 @@ class GemmaAttention(LlamaAttention):
             self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor | None,
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        qk = rotary(positions, torch.cat((q, k), dim=1))
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, ctx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor, t: int) -> torch.Tensor | None:
+        if not self.qk_norm:  # Gemma 1 and 2
+            return None
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        return torch.cat((q, k), dim=1)
 
 
 def _activation(cfg: Any) -> str:

@@ -71,6 +71,11 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
         )
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor, t: int) -> torch.Tensor | None:
+        """Q and K ([T, q_size], [T, kv_size]) normalized before rotation, as
+        [T, heads + kv_heads, head_dim]; None: no QK norm (Llama)."""
+        return None
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -82,8 +87,10 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        # Q and K heads are adjacent in the fused projection: rotate them in one pass.
-        qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.norm_qk(qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], t)
+        if qk is None:
+            # Q and K heads are adjacent in the fused projection: rotate them in one pass.
+            qk = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
         qk = rotary(positions, qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)

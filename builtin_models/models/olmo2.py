@@ -82,24 +82,10 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = Olmo2RMSNorm(q_size, eps, dtype, parallel, full_q)
         self.k_norm = Olmo2RMSNorm(kv_size, eps, dtype, parallel, total_kv * self.head_dim)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor | None,
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = self.q_norm(qkv[:, :q_size]).view(t, self.num_heads, self.head_dim)
-        k = self.k_norm(qkv[:, q_size : q_size + kv_size]).view(t, -1, self.head_dim)
-        qk = rotary(positions, torch.cat((q, k), dim=1))
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, ctx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor, t: int) -> torch.Tensor:
+        q = self.q_norm(q).view(t, self.num_heads, self.head_dim)
+        k = self.k_norm(k).view(t, -1, self.head_dim)
+        return torch.cat((q, k), dim=1)
 
 
 class Olmo2DecoderLayer(nn.Module):

@@ -13,7 +13,7 @@ from enginecore.builtin_models.models.llama import (
     LlamaModel,
 )
 from enginecore.distributed import ParallelContext
-from enginecore.layers import AttentionContext, RMSNorm, RotaryEmbedding
+from enginecore.layers import RMSNorm
 
 
 class Qwen3Attention(LlamaAttention):
@@ -29,24 +29,10 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor | None,
-        ctx: AttentionContext,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = self.q_norm(qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(t, -1, self.head_dim))
-        qk = rotary(positions, torch.cat((q, k), dim=1))  # one rotation for both
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, ctx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor, t: int) -> torch.Tensor:
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, -1, self.head_dim))
+        return torch.cat((q, k), dim=1)  # one rotation for both
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
