@@ -83,6 +83,7 @@ def test_beams_match_transformers_generate(llm, tiny_llama, width):
     model = load_reference(str(tiny_llama))
     generated = model.generate(
         torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         num_beams=width,
         num_return_sequences=width,
         do_sample=False,
