@@ -83,6 +83,23 @@ def structural_tag(text: str) -> dict[str, Any]:
     return {"type": "structural_tag", "format": triggered}
 
 
+def compact_json_contents(node: Any) -> Any:
+    """``node`` (a structural tag) with each JSON-schema content (standard JSON style) as
+    the schema's grammar without free whitespace: ``disable_any_whitespace`` holds inside
+    the tags too (xgrammar's structural tags have no whitespace option of their own)."""
+    if isinstance(node, list):
+        return [compact_json_contents(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        if "json_schema" in node:
+            grammar = xgr.Grammar.from_json_schema(
+                _json_text(node["json_schema"]), any_whitespace=False
+            )
+            return {"type": "grammar", "grammar": str(grammar)}
+    return {key: compact_json_contents(value) for key, value in node.items()}
+
+
 def _kind(spec: StructuredOutputParams) -> str:
     if spec.structural_tag is not None:
         return "structural_tag"
@@ -179,7 +196,10 @@ class XgrammarBackend(StructuredOutputBackend):
             if spec.choice is not None:
                 return compiler.compile_grammar(choice_grammar(spec.choice))
             if spec.structural_tag is not None:
-                return compiler.compile_structural_tag(structural_tag(spec.structural_tag))
+                tag = structural_tag(spec.structural_tag)
+                if not self.any_whitespace:
+                    tag = compact_json_contents(tag)
+                return compiler.compile_structural_tag(tag)
             return compiler.compile_grammar(spec.grammar)
         except InvalidRequestError:
             raise
