@@ -91,12 +91,12 @@ def compact_json_contents(node: Any) -> Any:
         return [compact_json_contents(item) for item in node]
     if not isinstance(node, dict):
         return node
-    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
-        if "json_schema" in node:
-            grammar = xgr.Grammar.from_json_schema(
-                _json_text(node["json_schema"]), any_whitespace=False
-            )
-            return {"type": "grammar", "grammar": str(grammar)}
+    json_style = node.get("type") == "json_schema" and node.get("style", "json") == "json"
+    if json_style and "json_schema" in node:
+        grammar = xgr.Grammar.from_json_schema(
+            _json_text(node["json_schema"]), any_whitespace=False
+        )
+        return {"type": "grammar", "grammar": str(grammar)}
     return {key: compact_json_contents(value) for key, value in node.items()}
 
 
