@@ -1,20 +1,17 @@
 """Structural tags (vLLM's ``structural_tag``): text outside the tags is free; inside a tag
 the content follows the tag's JSON schema. Checked on the compiled grammar (vLLM's
-``structures``/``triggers`` form), offline through ``LLM`` and through a real server with
-the ``openai`` client (xgrammar's form with ``at_least_one``, which makes a random model
-write a tag at once)."""
+``structures``/``triggers`` form) and offline through ``LLM`` (xgrammar's form with
+``at_least_one``, which makes a random model write a tag at once); the server's side is
+in test_server_structured.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import jsonschema
-import openai
 import pytest
 import xgrammar as xgr
-from serve_process import serve, stop
 from structured_helpers import PERSON_SCHEMA
 from transformers import AutoTokenizer
 
@@ -115,6 +112,7 @@ def test_bad_structural_tags_name_the_fault(tag, message):
         XgrammarBackend.validate(StructuredOutputParams(structural_tag=text))
 
 
+@pytest.mark.slow
 def test_llm_output_inside_the_tag_follows_its_schema(tiny_llama):
     spec = StructuredOutputParams(structural_tag=json.dumps(FORCED_FORM))
     params = [
@@ -128,52 +126,3 @@ def test_llm_output_inside_the_tag_follows_its_schema(tiny_llama):
         assert completion.finish_reason == "stop", completion
         assert TAG.fullmatch(completion.text), completion.text
         assert_tags_valid(completion.text)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-structural-tag") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    flags = ["--max-model-len", "512", "--num-blocks-override", "100"]
-    proc, url = serve(tiny_llama, log_path, *flags, "--disable-any-whitespace", env=env)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    stop(proc)
-
-
-def test_server_response_format_and_structured_outputs(client):
-    model = client.models.list().data[0].id
-    out = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Call a tool."}],
-        max_tokens=80,
-        response_format=FORCED_FORM,
-    )
-    assert_tags_valid(out.choices[0].message.content)
-    out = client.completions.create(
-        model=model,
-        prompt="Call a tool.",
-        max_tokens=80,
-        extra_body={"structured_outputs": {"structural_tag": json.dumps(FORCED_FORM)}},
-    )
-    assert_tags_valid(out.choices[0].text)
-    # vLLM's structures/triggers form is accepted as response_format too: free text, and
-    # any tag the model opens follows its schema.
-    out = client.completions.create(
-        model=model,
-        prompt="Call a tool.",
-        max_tokens=40,
-        extra_body={"response_format": {"type": "structural_tag", **VLLM_FORM}},
-    )
-    assert_tags_valid(out.choices[0].text, at_least=0)
-    with pytest.raises(openai.BadRequestError, match="starts with none of the triggers"):
-        client.completions.create(
-            model=model,
-            prompt="Call a tool.",
-            extra_body={
-                "response_format": {
-                    "type": "structural_tag",
-                    "structures": [{"begin": "<x>", "schema": {}, "end": "</x>"}],
-                    "triggers": ["<t"],
-                }
-            },
-        )
