@@ -90,8 +90,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
-    app.include_router(responses.router, dependencies=generation)
-    app.include_router(responses.stored_router, dependencies=limited)
+    app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")

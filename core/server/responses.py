@@ -12,15 +12,16 @@ of the API this server does not do are a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from enginecore.engine.output import OutputKind, RequestOutput
@@ -28,7 +29,7 @@ from enginecore.errors import EngineCoreError
 from enginecore.params import SamplingParams
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
-from enginecore.server.limits import check_prompt_tokens
+from enginecore.server.limits import check_capacity, check_prompt_tokens
 from enginecore.server.protocol import ResponsesRequest
 from enginecore.server.sampling import check_max_tokens, check_model
 from enginecore.server.streaming import (
@@ -38,7 +39,6 @@ from enginecore.server.streaming import (
 )
 
 router = APIRouter()
-stored_router = APIRouter()
 
 #: Most responses kept for ``previous_response_id`` (oldest dropped first).
 MAX_STORED_RESPONSES = 1024
@@ -187,15 +187,13 @@ def _sampling_params(ctx: ServerContext, body: ResponsesRequest) -> SamplingPara
         raise APIError(400, str(exc)) from None
 
 
-def _usage(output: RequestOutput) -> dict[str, Any]:
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
+def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
-        "output_tokens": completion,
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
+        "total_tokens": input_tokens + output_tokens,
     }
 
 
@@ -251,7 +249,7 @@ def _response(
     }
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", dependencies=[Depends(check_capacity)])
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
@@ -315,10 +313,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         output = await unless_disconnected(request, final())
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(finish(output.outputs[0].text, output, _usage(output)))
+    usage = _usage(
+        len(output.prompt_token_ids), len(output.outputs[0].token_ids), output.num_cached_tokens
+    )
+    return JSONResponse(finish(output.outputs[0].text, output, usage))
 
 
-@stored_router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> Response:
     response, _ = _store(request).get(response_id)
     return JSONResponse(response)
@@ -336,11 +337,11 @@ async def _stream(
     item_id: str,
     created: int,
     outputs: AsyncIterator[RequestOutput],
-    finish: Any,
+    finish: Callable[[str, RequestOutput, dict[str, Any]], dict[str, Any]],
 ) -> AsyncIterator[str]:
     """OpenAI's event sequence: created, in_progress, the message item and its text part
     opened, text deltas, the text, part and item done, completed."""
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
     where = {"item_id": item_id, "output_index": 0, "content_index": 0}
     started = _response(ctx, body, response_id, created, "in_progress", [], None)
     yield _event("response.created", next(seq), response=started)
@@ -388,11 +389,5 @@ async def _stream(
         item=_message_item(item_id, full, "completed"),
     )
     assert last is not None
-    usage = {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    usage = _usage(prompt_tokens, completion_tokens, cached)
     yield _event("response.completed", next(seq), response=finish(full, last, usage))
