@@ -61,6 +61,9 @@ guided_json
 guided_regex
 guided_choice
 guided_grammar
+truncation  # Responses API fields accepted on requests (pydantic)
+service_tier
+_unknown_fields  # a pydantic model validator: pydantic calls it
 
 # pytest: fixtures imported for their autouse effect, or requested for their side effect.
 leak_check

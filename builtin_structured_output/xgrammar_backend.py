@@ -42,7 +42,67 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def structural_tag(text: str) -> dict[str, Any]:
+    """vLLM's structural tag JSON as xgrammar's: the ``{"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`` form becomes a ``triggered_tags`` format (text is free
+    until a trigger, then one tag whose content follows its schema); the
+    ``{"type": "structural_tag", "format": ...}`` form is xgrammar's own, passed as is."""
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"structural_tag is not valid JSON: {exc}") from None
+    if isinstance(spec, dict) and "format" in spec:
+        return spec
+    if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list):
+        raise InvalidRequestError(
+            'structural_tag needs "structures" (a list of {"begin", "schema", "end"}) and '
+            '"triggers", or xgrammar\'s {"type": "structural_tag", "format": ...}'
+        )
+    triggers = spec.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidRequestError('structural_tag needs "triggers": a list of non-empty strings')
+    tags = []
+    for i, item in enumerate(spec["structures"]):
+        if not isinstance(item, dict) or not all(
+            isinstance(item.get(key), str) for key in ("begin", "end")
+        ):
+            raise InvalidRequestError(f"structural_tag structures[{i}] needs string begin and end")
+        schema = item.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"structural_tag structures[{i}].schema must be an object")
+        if not any(item["begin"].startswith(t) for t in triggers):
+            raise InvalidRequestError(
+                f"structural_tag structures[{i}].begin {item['begin']!r} starts with none of "
+                f"the triggers {triggers}"
+            )
+        content = {"type": "json_schema", "json_schema": schema}
+        tags.append({"type": "tag", "begin": item["begin"], "content": content, "end": item["end"]})
+    if not tags:
+        raise InvalidRequestError("structural_tag needs at least one structure")
+    triggered = {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+    return {"type": "structural_tag", "format": triggered}
+
+
+def compact_json_contents(node: Any) -> Any:
+    """``node`` (a structural tag) with each JSON-schema content (standard JSON style) as
+    the schema's grammar without free whitespace: ``disable_any_whitespace`` holds inside
+    the tags too (xgrammar's structural tags have no whitespace option of their own)."""
+    if isinstance(node, list):
+        return [compact_json_contents(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    json_style = node.get("type") == "json_schema" and node.get("style", "json") == "json"
+    if json_style and "json_schema" in node:
+        grammar = xgr.Grammar.from_json_schema(
+            _json_text(node["json_schema"]), any_whitespace=False
+        )
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: compact_json_contents(value) for key, value in node.items()}
+
+
 def _kind(spec: StructuredOutputParams) -> str:
+    if spec.structural_tag is not None:
+        return "structural_tag"
     if spec.json is not None:
         return "JSON schema"
     if spec.regex is not None:
@@ -80,7 +140,8 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    """JSON schema, any JSON object, regex, choice and EBNF (xgrammar's GBNF dialect)."""
+    """JSON schema, any JSON object, regex, choice, EBNF (xgrammar's GBNF dialect) and
+    structural tags."""
 
     def __init__(
         self,
@@ -112,6 +173,8 @@ class XgrammarBackend(StructuredOutputBackend):
                 xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
             elif spec.grammar is not None:
                 xgr.Grammar.from_ebnf(spec.grammar)
+            elif spec.structural_tag is not None:
+                xgr.Grammar.from_structural_tag(structural_tag(spec.structural_tag))
         except InvalidRequestError:
             raise
         except Exception as exc:
@@ -132,6 +195,11 @@ class XgrammarBackend(StructuredOutputBackend):
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
                 return compiler.compile_grammar(choice_grammar(spec.choice))
+            if spec.structural_tag is not None:
+                tag = structural_tag(spec.structural_tag)
+                if not self.any_whitespace:
+                    tag = compact_json_contents(tag)
+                return compiler.compile_structural_tag(tag)
             return compiler.compile_grammar(spec.grammar)
         except InvalidRequestError:
             raise

@@ -36,6 +36,7 @@ from enginecore.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from enginecore.engine.async_llm import AsyncLLM
+    from enginecore.engine.beam_search import BeamSearchOutput, BeamSearchParams
     from enginecore.engine.llm import LLM
     from enginecore.engine.output import CompletionOutput, OutputKind, RequestOutput
 
@@ -45,6 +46,8 @@ _LAZY = {
     "RequestOutput": "enginecore.engine.output",
     "CompletionOutput": "enginecore.engine.output",
     "OutputKind": "enginecore.engine.output",
+    "BeamSearchParams": "enginecore.engine.beam_search",
+    "BeamSearchOutput": "enginecore.engine.beam_search",
 }
 
 
@@ -60,6 +63,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PLUGIN_API_VERSION",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "OutputKind",
     "ConfigError",

@@ -232,6 +232,9 @@ class ServerConfig(_Section):
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
     built in: "hermes")."""
+    unknown_request_fields: Literal["reject", "warn"] = "reject"
+    """A request field this server does not know: ``reject`` answers 400 naming it;
+    ``warn`` logs it once per field name and serves the request without it (vLLM's way)."""
 
     def __post_init__(self) -> None:
         for name in (

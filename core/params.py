@@ -10,22 +10,29 @@ from enginecore.errors import InvalidRequestError
 
 
 class StructuredOutputParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Constrain the output to a JSON schema, any JSON object, a regex, a choice or a grammar."""
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice, a grammar
+    or structural tags."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
+    """vLLM's structural tags, as JSON text: ``{"structures": [{"begin", "schema", "end"},
+    ...], "triggers": [...]}``. Text outside the tags is free; after a trigger the output
+    is one of the tags, whose content follows its JSON schema."""
 
     def __post_init__(self) -> None:
         given = [
-            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None
+            n
+            for n in ("json", "regex", "choice", "grammar", "structural_tag")
+            if getattr(self, n) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise InvalidRequestError(
                 f"structured_output needs exactly one of json, json_object, regex, choice, "
-                f"grammar; got {given or 'none'}"
+                f"grammar, structural_tag; got {given or 'none'}"
             )
 
 

@@ -1,7 +1,7 @@
 """Structured output over HTTP: a real ``enginecore serve`` driven by the real ``openai`` client.
 
-``response_format`` (``json_schema``, ``json_object``) on chat and completions, and the
-``guided_*`` extras. A bad constraint is a 400 with the compiler's message while other
+``response_format`` (``json_schema``, ``json_object``, ``structural_tag``) on chat and
+completions, and the ``guided_*`` extras. A bad constraint is a 400 with the compiler's message while other
 requests keep running.
 """
 
@@ -17,6 +17,7 @@ import pytest
 from serve_process import serve, stop
 from structured_helpers import CHOICES, CODE_REGEX, PERSON_SCHEMA, check
 from test_server_openai import Server
+from test_structural_tag import FORCED_FORM, VLLM_FORM, assert_tags_valid
 
 from enginecore import StructuredOutputParams
 
@@ -133,3 +134,41 @@ def test_bad_constraint_is_a_400_and_others_keep_running(client, model, extra, m
         assert re.search(message, info.value.message), info.value.message
         for future in running:
             assert future.result().choices[0].text in CHOICES
+
+
+def test_structural_tag(client, model):
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Call a tool."}],
+        max_tokens=80,
+        response_format=FORCED_FORM,
+    )
+    assert_tags_valid(out.choices[0].message.content)
+    out = client.completions.create(
+        model=model,
+        prompt="Call a tool.",
+        max_tokens=80,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(FORCED_FORM)}},
+    )
+    assert_tags_valid(out.choices[0].text)
+    # vLLM's structures/triggers form is accepted as response_format too: free text, and
+    # any tag the model opens follows its schema.
+    out = client.completions.create(
+        model=model,
+        prompt="Call a tool.",
+        max_tokens=40,
+        extra_body={"response_format": {"type": "structural_tag", **VLLM_FORM}},
+    )
+    assert_tags_valid(out.choices[0].text, at_least=0)
+    with pytest.raises(openai.BadRequestError, match="starts with none of the triggers"):
+        client.completions.create(
+            model=model,
+            prompt="Call a tool.",
+            extra_body={
+                "response_format": {
+                    "type": "structural_tag",
+                    "structures": [{"begin": "<x>", "schema": {}, "end": "</x>"}],
+                    "triggers": ["<t"],
+                }
+            },
+        )

@@ -12,6 +12,7 @@ from typing import Any
 
 from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
+from enginecore.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
@@ -112,6 +113,38 @@ class LLM:
             self.engine_client.abort_requests(self.output_processor.abort_requests(all_ids))
             raise
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` beams of each prompt
+        (``BeamSearchOutput.sequences``, best first, each with ``tokens`` (prompt
+        included), ``text`` and ``cum_logprob``). Each step runs every live beam of every
+        prompt as one batch of one-token requests (see :mod:`enginecore.engine.beam_search`)."""
+        token_prompts = []
+        for i, prompt in enumerate(self._as_prompt_list(prompts)):
+            try:
+                _, token_ids = self.input_processor.tokenize(prompt)
+                self.input_processor.validate_tokens(token_ids, SamplingParams())
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"prompt {i}: {exc}") from None
+            token_prompts.append(token_ids)
+        search = BeamSearch(token_prompts, params, self.input_processor.eos_ids, self.max_model_len)
+        progress = _progress(params.max_tokens, desc="Beam search steps") if use_tqdm else None
+        try:
+            while not search.done:
+                step = [{"prompt_token_ids": tokens} for tokens in search.step_prompts()]
+                search.advance(self.generate(step, search.step_params, use_tqdm=False))
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return search.results(self.tokenizer)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses without ``sampling_params``: the checkpoint's
@@ -331,8 +364,9 @@ class LLM:
             self.shutdown()
 
 
-def _progress(total: int) -> Any:
-    """vLLM's progress bar (on stderr): prompts done, and their rate."""
+def _progress(total: int, desc: str = "Processed prompts") -> Any:
+    """vLLM's progress bar (on stderr): prompts (or steps) done, and their rate."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+    unit = "prompt" if desc == "Processed prompts" else "step"
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)

@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from enginecore.config import EngineConfig
 from enginecore.engine.preflight import check_port_free
 from enginecore.plugins import make_plugin_manager
-from enginecore.server import chat, completions, control, info, lifecycle
+from enginecore.server import chat, completions, control, info, lifecycle, responses
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.limits import check_body_limits, check_capacity
@@ -33,6 +33,7 @@ from enginecore.server.security import (
     default_allowed_hosts,
 )
 from enginecore.server.tools import check_tool_config
+from enginecore.server.unknown_fields import UnknownFieldsPolicyMiddleware
 from enginecore.version import __version__
 
 logger = logging.getLogger("enginecore.server")
@@ -89,6 +90,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
+    app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
@@ -96,6 +98,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
     # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
     server = config.server
+    app.add_middleware(UnknownFieldsPolicyMiddleware, policy=server.unknown_request_fields)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
     app.add_middleware(BodySizeLimitMiddleware, limit=server.max_request_body_bytes)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
+from enginecore.server.beam import beam_search_output, beam_search_params, single
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
@@ -166,6 +167,34 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.use_beam_search:
+        room = engine.max_model_len - len(prompt_ids)
+        beam = beam_search_params(
+            body,
+            beam_width=body.n,
+            max_tokens=max(1, room if requested is None else min(requested, room)),
+            logprobs=body.logprobs,
+        )
+        if plan.structured_output is not None:
+            raise APIError(
+                400,
+                f"tool_choice {plan.mode!r} constrains the output: it cannot be combined "
+                "with use_beam_search",
+                param="tool_choice",
+            )
+        search = beam_search_output(engine, request_id, prompt_ids, beam, body.n, body.priority)
+        if body.stream:
+            return StreamingResponse(
+                _stream(ctx, body, request_id, created, single(search), num_top, plan),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        try:
+            output = await unless_disconnected(request, search)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan))
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(
         request_id,
@@ -175,10 +204,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         output_kind=kind,
         data_parallel_rank=requested_rank(body, request),
     )
-    created = int(time.time())
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, body, request_id, created, collector, num_top, plan),
+            _stream(ctx, body, request_id, created, engine.stream(collector), num_top, plan),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
@@ -253,7 +281,7 @@ async def _stream(
     body: ChatCompletionRequest,
     request_id: str,
     created: int,
-    collector: Any,
+    outputs: AsyncIterator[RequestOutput],
     num_top: int | None,
     plan: ToolPlan,
 ) -> AsyncIterator[str]:
@@ -301,7 +329,7 @@ async def _stream(
                 )
         tool_streams = {i: plan.stream() for i in range(body.n)}
         sent_prompt_ids = False
-        async for output in ctx.engine.stream(collector):
+        async for output in outputs:
             prompt_tokens = len(output.prompt_token_ids)
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)

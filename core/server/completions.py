@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from enginecore.config import ServerConfig
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
+from enginecore.server.beam import beam_search_output, beam_search_params, single
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
@@ -137,6 +138,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     encoded = await tokenize_prompts(engine.tokenizer, _prompts(body.prompt), ctx.limits)
     prompts = [_engine_prompt(ctx, body, p) for p in encoded]
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.use_beam_search:
+        return await _beam_search(ctx, body, request, request_id, created, prompts, candidates)
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collectors = []
     rank = requested_rank(body, request)
@@ -156,16 +160,54 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except BaseException:
         engine.abort([c.request_id for c in collectors])
         raise
-    created = int(time.time())
     if body.stream:
+        streams = [engine.stream(c) for c in collectors]
         return StreamingResponse(
-            _stream(ctx, body, request_id, created, collectors),
+            _stream(ctx, body, request_id, created, streams),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     finals = [_final(engine.stream(c)) for c in collectors]
     try:
         outputs = await unless_disconnected(request, asyncio.gather(*finals))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(_response(ctx, body, request_id, created, outputs))
+
+
+async def _beam_search(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    request: Request,
+    request_id: str,
+    created: int,
+    prompts: list[dict[str, Any]],
+    beam_width: int,
+) -> Response:
+    """``use_beam_search``: each prompt's best ``n`` beams are its choices."""
+    engine = ctx.engine
+    searches = []
+    for i, prompt in enumerate(prompts):
+        ids = prompt["prompt_token_ids"]
+        room = engine.max_model_len - len(ids)
+        max_tokens = room if body.max_tokens is None else min(body.max_tokens, room)
+        params = beam_search_params(
+            body,
+            beam_width=beam_width,
+            max_tokens=max(max_tokens, 1),
+            logprobs=body.logprobs is not None,
+        )
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        searches.append(beam_search_output(engine, rid, ids, params, body.n, body.priority))
+    if body.stream:
+        streams = [single(search) for search in searches]
+        return StreamingResponse(
+            _stream(ctx, body, request_id, created, streams),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    try:
+        outputs = await unless_disconnected(request, asyncio.gather(*searches))
     except ClientDisconnected:
         return Response(status_code=499)
     return JSONResponse(_response(ctx, body, request_id, created, outputs))
@@ -257,7 +299,7 @@ async def _stream(
     body: CompletionRequest,
     request_id: str,
     created: int,
-    collectors: list,
+    streams: list[AsyncIterator[RequestOutput]],
 ) -> AsyncIterator[str]:
     options = body.stream_options
     include_usage = bool(options and options.include_usage)
@@ -269,7 +311,6 @@ async def _stream(
     base = {"id": request_id, "object": "text_completion", "created": created}
     base["model"] = ctx.model_name
     try:
-        streams = [engine.stream(c) for c in collectors]
         async for p_index, output in merge_streams(streams):
             prompt_tokens[p_index] = len(output.prompt_token_ids)
             for completion in output.outputs:

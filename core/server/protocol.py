@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, for the HTTP layer only) and the server's own endpoints'.
 
 A field this server does not know is a 400 naming it (a request written for a vLLM feature
-we lack must not succeed without it); a field of the wrong type is a 400 too. Fields after
+we lack must not succeed without it), unless ``server.unknown_request_fields`` is ``warn``;
+a field of the wrong type is a 400 too. Fields after
 the OpenAI ones are vLLM's and enginecore's extensions.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from enginecore.server.unknown_fields import drop_unknown
 
 
 class _Body(BaseModel):
@@ -17,9 +20,15 @@ class _Body(BaseModel):
 
 
 class _StrictBody(BaseModel):
-    """A request body whose unknown fields are refused (400 naming each one)."""
+    """A request body whose unknown fields are refused (400 naming each one), or, with
+    ``server.unknown_request_fields = "warn"``, logged and ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        return drop_unknown(cls, data)
 
 
 class StreamOptions(_StrictBody):
@@ -49,10 +58,15 @@ class JSONSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``; vLLM's
+    ``structural_tag`` (with ``structures`` and ``triggers``, or xgrammar's ``format``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
+    """``structural_tag`` in xgrammar's own form (instead of ``structures``/``triggers``)."""
 
 
 class SamplingFields(_StrictBody):
@@ -103,7 +117,13 @@ class SamplingFields(_StrictBody):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only the prompt's last N tokens (-1: as many as ``max_model_len`` allows)."""
     use_beam_search: bool = False
-    """Refused when true: this server has no beam search."""
+    """Beam search instead of sampling: ``n`` (completions: ``best_of`` when larger) is
+    the beam width, the best ``n`` beams are the choices."""
+    length_penalty: float = 1.0
+    """Beam search: beams are ranked by ``cum_logprob / length ** length_penalty``."""
+    early_stopping: bool = False
+    """Beam search: stop once ``beam width`` beams have finished (else run to
+    ``max_tokens``)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -174,6 +194,36 @@ class ChatCompletionRequest(SamplingFields):
     cannot be combined with ``add_generation_prompt``."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesRequest(_StrictBody):
+    """OpenAI's Responses API (``POST /v1/responses``), text in and text out."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    """Keep the response (bounded, oldest dropped first) for ``previous_response_id`` and
+    ``GET /v1/responses/{id}``."""
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    text: dict[str, Any] | None = None
+    """Only ``{"format": {"type": "text"}}``."""
+    truncation: Literal["disabled"] | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    service_tier: str | None = None
+    # Accepted only empty or false: each names what this server does not do.
+    tools: list[dict[str, Any]] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
 
 
 class TokenizeRequest(_StrictBody):

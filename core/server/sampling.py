@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from enginecore.config import ServerConfig
@@ -60,14 +61,11 @@ def _structured_outputs_field(req: SamplingFields) -> dict[str, Any] | None:
     spec = req.structured_outputs
     if spec is None:
         return None
+    fields: dict[str, Any] = {}
     if spec.structural_tag is not None:
-        raise APIError(
-            400,
-            "structured_outputs.structural_tag is not supported by this server (supported: "
-            "json, json_object, regex, choice, grammar)",
-            param="structured_outputs",
-        )
-    fields = {
+        tag = spec.structural_tag
+        fields["structural_tag"] = tag if isinstance(tag, str) else json.dumps(tag)
+    fields |= {
         key: value
         for key, value in (
             ("json", spec.json_),
@@ -92,6 +90,19 @@ def structured_output(req: SamplingFields) -> StructuredOutputParams | None:
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "structural_tag":
+        if fmt.format is not None:
+            tag: dict[str, Any] = {"type": "structural_tag", "format": fmt.format}
+        elif fmt.structures is not None and fmt.triggers is not None:
+            tag = {"structures": fmt.structures, "triggers": fmt.triggers}
+        else:
+            raise APIError(
+                400,
+                "response_format of type structural_tag needs structures and triggers (or "
+                "xgrammar's format)",
+                param="response_format",
+            )
+        given["response_format"] = {"structural_tag": json.dumps(tag)}
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise APIError(
@@ -138,13 +149,10 @@ def to_sampling_params(
     defaults = defaults or {}
     if req.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {req.n}", param="n")
-    if req.use_beam_search:
-        raise APIError(
-            400,
-            "use_beam_search: beam search is not supported by this server; sample instead "
-            "(n, temperature, best_of on /v1/completions)",
-            param="use_beam_search",
-        )
+    if not req.use_beam_search:
+        for name, unset in (("length_penalty", 1.0), ("early_stopping", False)):
+            if getattr(req, name) != unset:
+                raise APIError(400, f"{name} applies only with use_beam_search: true", param=name)
     if req.stream_options is not None and not req.stream:
         raise APIError(
             400, "stream_options is only allowed when stream is true", param="stream_options"

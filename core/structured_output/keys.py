@@ -18,5 +18,7 @@ def grammar_key(spec: StructuredOutputParams) -> tuple[str, str]:
         return "regex", spec.regex
     if spec.choice is not None:
         return "choice", json.dumps(spec.choice)
+    if spec.structural_tag is not None:
+        return "structural_tag", spec.structural_tag
     assert spec.grammar is not None  # StructuredOutputParams checks exactly one is set
     return "grammar", spec.grammar

@@ -1,0 +1,393 @@
+"""``POST /v1/responses`` (OpenAI's Responses API, text only, as vLLM serves it) and
+``GET /v1/responses/{id}``.
+
+The input (a string, or message items with ``input_text`` / ``output_text`` parts) and the
+``instructions`` (a system message) go through the chat template like a chat request.
+With ``store`` (the default) a response is kept in memory, at most
+:data:`MAX_STORED_RESPONSES` of them, oldest dropped first, so that a later request can
+continue it with ``previous_response_id``. Tools, images, reasoning and the other parts
+of the API this server does not do are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from enginecore.engine.output import OutputKind, RequestOutput
+from enginecore.errors import EngineCoreError
+from enginecore.params import SamplingParams
+from enginecore.server.context import ServerContext, context
+from enginecore.server.errors import APIError, error_body, status_of
+from enginecore.server.limits import check_capacity, check_prompt_tokens
+from enginecore.server.protocol import ResponsesRequest
+from enginecore.server.sampling import check_max_tokens, check_model
+from enginecore.server.streaming import (
+    SSE_HEADERS,
+    ClientDisconnected,
+    unless_disconnected,
+)
+
+router = APIRouter()
+
+#: Most responses kept for ``previous_response_id`` (oldest dropped first).
+MAX_STORED_RESPONSES = 1024
+
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponseStore:
+    """Stored responses and the conversation each one ends, bounded (least recent out)."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, str]]) -> None:
+        with self._lock:
+            self._items[response["id"]] = (response, conversation)
+            self._items.move_to_end(response["id"])
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
+        if item is None:
+            raise APIError(
+                404,
+                f"no stored response with id {response_id!r} (responses are kept only with "
+                f"store: true, the {self.capacity} most recent)",
+                param="previous_response_id",
+            )
+        return item
+
+
+def _store(request: Request) -> ResponseStore:
+    state = request.app.state
+    if not hasattr(state, "response_store"):
+        state.response_store = ResponseStore()
+    return state.response_store
+
+
+def _check_unsupported(body: ResponsesRequest) -> None:
+    given = {
+        "tools": bool(body.tools),
+        "reasoning": body.reasoning is not None,
+        "include": bool(body.include),
+        "background": bool(body.background),
+        "top_logprobs": body.top_logprobs is not None,
+    }
+    for name, set_ in given.items():
+        if set_:
+            raise APIError(
+                400,
+                f"{name} is not supported on /v1/responses by this server (text only)",
+                param=name,
+            )
+    fmt = (body.text or {}).get("format")
+    if body.text is not None and set(body.text) - {"format"}:
+        extra = ", ".join(sorted(set(body.text) - {"format"}))
+        raise APIError(400, f"text.{extra} is not supported", param="text")
+    if fmt is not None and fmt.get("type") != "text":
+        raise APIError(
+            400,
+            f"text.format of type {fmt.get('type')!r} is not supported on /v1/responses "
+            "(only 'text'; use /v1/chat/completions with response_format)",
+            param="text",
+        )
+
+
+def _item_text(index: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"input[{index}].content must be a string or a list", param="input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f"input[{index}].content[{j}]: parts of type {kind!r} are not supported "
+                "(this server serves text: input_text or output_text with a string text)",
+                param="input",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
+    """The request's input as chat messages (without its instructions)."""
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    if not body.input:
+        raise APIError(400, "input must not be empty", param="input")
+    messages = []
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise APIError(
+                400,
+                f"input[{i}]: items of type {kind!r} are not supported (this server takes "
+                "message items: text only, no tools or reasoning)",
+                param="input",
+            )
+        role = item.get("role")
+        if role not in _ROLES:
+            raise APIError(
+                400,
+                f"input[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}",
+                param="input",
+            )
+        messages.append({"role": role, "content": _item_text(i, item.get("content"))})
+    return messages
+
+
+def _sampling_params(ctx: ServerContext, body: ResponsesRequest) -> SamplingParams:
+    defaults = ctx.sampling_defaults
+    max_tokens = body.max_output_tokens
+    limit = ctx.limits.max_tokens_limit
+    if limit is not None:
+        if max_tokens is not None and max_tokens > limit:
+            raise APIError(
+                400,
+                f"max_output_tokens must be at most {limit}, got {max_tokens}",
+                param="max_output_tokens",
+            )
+        max_tokens = limit if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
+    optional = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(body, name, None)
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            optional[name] = value
+    extra = dict(body.metadata or {})
+    if body.user is not None:
+        extra["user"] = body.user
+    try:
+        return SamplingParams(max_tokens=max_tokens, extra=extra or None, **optional)
+    except EngineCoreError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content if text or status == "completed" else [],
+    }
+
+
+def _response(
+    ctx: ServerContext,
+    body: ResponsesRequest,
+    response_id: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    incomplete = None
+    if finish_reason == "length":
+        status = "incomplete"
+        incomplete = {"reason": "max_output_tokens"}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": ctx.model_name,
+        "output": output,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": None,
+        "store": body.store,
+        "temperature": body.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto",
+        "tools": [],
+        "top_p": body.top_p,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": body.user,
+        "metadata": body.metadata or {},
+    }
+
+
+@router.post("/v1/responses", dependencies=[Depends(check_capacity)])
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    ctx = context(request)
+    engine = ctx.engine
+    check_model(body.model, ctx.model_name, ctx.model_path)
+    _check_unsupported(body)
+    history: list[dict[str, str]] = []
+    store = _store(request)
+    if body.previous_response_id is not None:
+        _, history = store.get(body.previous_response_id)
+    conversation = [*history, *input_messages(body)]
+    # Instructions apply to this request only (OpenAI: not carried to the next one).
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    params = _sampling_params(ctx, body)
+    prompt_ids = await asyncio.to_thread(engine.chat_prompt, [*system, *conversation])
+    check_prompt_tokens([len(prompt_ids)], ctx.limits)
+    if 0 < len(prompt_ids) < engine.max_model_len:
+        check_max_tokens(
+            body.max_output_tokens, len(prompt_ids), engine.max_model_len, "max_output_tokens"
+        )
+    response_id = f"resp_{uuid.uuid4().hex}"
+    item_id = f"msg_{uuid.uuid4().hex}"
+    created = int(time.time())
+    collector = engine.add_request(
+        response_id,
+        {"prompt_token_ids": prompt_ids},
+        params,
+        output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY,
+    )
+
+    def finish(text: str, output: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
+        reason = output.outputs[0].finish_reason
+        final = _response(
+            ctx,
+            body,
+            response_id,
+            created,
+            "completed",
+            [_message_item(item_id, text, "completed")],
+            usage,
+            reason,
+        )
+        if body.store:
+            store.put(final, [*conversation, {"role": "assistant", "content": text}])
+        return final
+
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, body, response_id, item_id, created, engine.stream(collector), finish),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def final() -> RequestOutput:
+        last = None
+        async for output in engine.stream(collector):
+            last = output
+        assert last is not None
+        return last
+
+    try:
+        output = await unless_disconnected(request, final())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    usage = _usage(
+        len(output.prompt_token_ids), len(output.outputs[0].token_ids), output.num_cached_tokens
+    )
+    return JSONResponse(finish(output.outputs[0].text, output, usage))
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    response, _ = _store(request).get(response_id)
+    return JSONResponse(response)
+
+
+def _event(kind: str, sequence: int, **data: Any) -> str:
+    payload = {"type": kind, "sequence_number": sequence, **data}
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    ctx: ServerContext,
+    body: ResponsesRequest,
+    response_id: str,
+    item_id: str,
+    created: int,
+    outputs: AsyncIterator[RequestOutput],
+    finish: Callable[[str, RequestOutput, dict[str, Any]], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """OpenAI's event sequence: created, in_progress, the message item and its text part
+    opened, text deltas, the text, part and item done, completed."""
+    seq = itertools.count()
+    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    started = _response(ctx, body, response_id, created, "in_progress", [], None)
+    yield _event("response.created", next(seq), response=started)
+    yield _event("response.in_progress", next(seq), response=started)
+    yield _event(
+        "response.output_item.added",
+        next(seq),
+        output_index=0,
+        item=_message_item(item_id, "", "in_progress"),
+    )
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    yield _event("response.content_part.added", next(seq), part=part, **where)
+    text = []
+    prompt_tokens = completion_tokens = cached = 0
+    last = None
+    try:
+        async for output in outputs:
+            last = output
+            prompt_tokens = len(output.prompt_token_ids)
+            cached = output.num_cached_tokens
+            completion = output.outputs[0]
+            completion_tokens += len(completion.token_ids)
+            if completion.text:
+                text.append(completion.text)
+                yield _event(
+                    "response.output_text.delta",
+                    next(seq),
+                    delta=completion.text,
+                    logprobs=[],
+                    **where,
+                )
+    except EngineCoreError as exc:
+        error = error_body(status_of(exc), str(exc))["error"]
+        yield _event(
+            "error", next(seq), code=str(error["code"]), message=error["message"], param=None
+        )
+        return
+    full = "".join(text)
+    yield _event("response.output_text.done", next(seq), text=full, logprobs=[], **where)
+    yield _event("response.content_part.done", next(seq), part={**part, "text": full}, **where)
+    yield _event(
+        "response.output_item.done",
+        next(seq),
+        output_index=0,
+        item=_message_item(item_id, full, "completed"),
+    )
+    assert last is not None
+    usage = _usage(prompt_tokens, completion_tokens, cached)
+    yield _event("response.completed", next(seq), response=finish(full, last, usage))
