@@ -39,12 +39,13 @@ class StatLoggerManager:
                 self.loggers.append(stat_logger)
                 self.names.append(name)
                 self.engines.append(index if size > 1 else None)
-        if size > 1 and "logging" in config.observability.stat_loggers:
-            from enginecore.metrics.aggregate_logger import AggregatedLoggingStatLogger
-
-            self.loggers.append(AggregatedLoggingStatLogger(config, indexes))
-            self.names.append("logging (all engines)")
-            self.engines.append(None)
+            # A logger class may offer one more logger that sums every replica (the
+            # built-in ``logging`` writes one line for all engines this way).
+            aggregate = getattr(cls, "aggregate_over_engines", None)
+            if size > 1 and callable(aggregate):
+                self.loggers.append(aggregate(config, indexes))
+                self.names.append(f"{name} (all engines)")
+                self.engines.append(None)
         self._warned: set[str] = set()
 
     def _call_all(self, method: str, *args: Any) -> None:
