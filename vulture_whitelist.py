@@ -24,6 +24,9 @@ EchoForCausalLM  # a test plugin's model, by entry point
 NaiveAttentionBackend  # a test plugin's backend, by entry point
 TimingExecutor  # a test plugin's executor, by entry point
 
+# Looked up by name on a stat logger's class (enginecore.metrics.manager).
+aggregate_over_engines
+
 # Worker and engine methods called by name (collective_rpc, the utility channel).
 memory_snapshot
 model_summary

@@ -116,10 +116,12 @@ class DefaultScheduler(Scheduler):
         self._num_preemptions_since_stats = 0
         self._last_num_scheduled_tokens = 0
         # Speculative decoding: draft slots per decode step (0: off), and counters since
-        # the last make_stats(): steps with drafts, draft tokens verified, accepted.
+        # the last make_stats(): steps with drafts, draft tokens verified, accepted (and
+        # accepted by draft position).
         spec = config.speculative
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos: list[int] = []
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -547,6 +549,10 @@ class DefaultScheduler(Scheduler):
                     spec_counts[0] += 1
                     spec_counts[1] += num_verified
                     spec_counts[2] += num_accepted
+                    per_pos = self._spec_accepted_per_pos
+                    per_pos.extend([0] * (num_accepted - len(per_pos)))
+                    for position in range(num_accepted):
+                        per_pos[position] += 1
             if new_drafts is not None:
                 request.spec_token_ids = new_drafts[index]
             params = request.sampling_params
@@ -743,11 +749,13 @@ class DefaultScheduler(Scheduler):
             spec_num_drafts=self._spec_counts[0],
             spec_num_draft_tokens=self._spec_counts[1],
             spec_num_accepted_tokens=self._spec_counts[2],
+            spec_num_accepted_tokens_per_pos=self._spec_accepted_per_pos,
         )
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0
         self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos = []
         return stats
 
     def shutdown(self) -> None:

@@ -632,10 +632,22 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[Any] = field(default_factory=list)  # FinishedRequestStats
+    # One entry per user request whose last sample finished this step: its ``n`` and the
+    # most tokens any of its samples generated.
+    n_params: list[int] = field(default_factory=list)
+    max_num_generation_tokens: list[int] = field(default_factory=list)
 
 
 class StatLogger(ABC):
-    """Receives engine statistics in the frontend. Constructed as ``cls(config, engine_index)``."""
+    """Receives engine statistics in the frontend. Constructed as ``cls(config, engine_index)``.
+
+    Loggers are built before the engine starts (so that a bad one fails in seconds); the
+    frontend sets :attr:`max_model_len` and :attr:`num_kv_blocks` to the engine's resolved
+    values before it calls :meth:`log_engine_initialized`.
+    """
+
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
@@ -655,6 +667,15 @@ class StatLogger(ABC):
 
     def log(self) -> None:
         """Called periodically (``observability.log_stats_interval``)."""
+        return None
+
+    def record_sleep_state(self, asleep: bool, level: int = 0) -> None:
+        """Called when the engine falls asleep (at ``level`` 0, 1 or 2) or wakes up."""
+        return None
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """Called when the server refuses a request before it reaches the engine
+        (``"max_num_queued_reqs"``: its queue is full)."""
         return None
 
 

@@ -47,8 +47,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_cpu.plugin",
     "enginecore.builtin_kv_connectors.plugin",
     "enginecore.builtin_structured_output.plugin",
-    "enginecore.metrics.plugin",
-    "enginecore.tool_parsers.plugin",
+    "enginecore.builtin_stat_loggers.plugin",
+    "enginecore.builtin_tool_parsers.plugin",
 )
 
 # Component kind -> the hook that fills its registry.

@@ -109,6 +109,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Prompt tokens computed by the model since the last stats (cache and KV connector
     # hits excluded): what prefix caching and connectors save.
     num_prompt_tokens_computed: int = 0
+    # Speculative decoding: accepted draft tokens by draft position (0 = the first draft
+    # token) since the last stats; a draft is accepted only after every earlier one.
+    spec_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -73,13 +73,13 @@ def test_lists_builtins_first_with_module_hooks_and_components(env, capsys, monk
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert (
-        "metrics  (builtin)\n"
-        "    module: enginecore.metrics.plugin\n"
+        "builtin_stat_loggers  (builtin)\n"
+        "    module: enginecore.builtin_stat_loggers.plugin\n"
         "    hooks: register_stat_loggers\n"
         "    stat_logger: logging, prometheus\n"
     ) in out
     names = [line.split()[0] for line in out.splitlines() if line and not line.startswith(" ")]
-    assert names == sorted(names) and "metrics" in names
+    assert names == sorted(names) and "builtin_stat_loggers" in names
     assert all("(builtin)" in line for line in out.splitlines() if line and line[0] != " ")
 
 
@@ -124,7 +124,7 @@ def test_strict_mode_lists_every_plugin_and_exits_nonzero(env, broken_site):
     result = run("plugins", env=strict_env)
     assert result.returncode == 1
     assert "exploding  (enginecore-exploding 2.1.0)  [FAILED]" in result.stdout
-    assert "metrics  (builtin)" in result.stdout  # the rest is listed too
+    assert "builtin_stat_loggers  (builtin)" in result.stdout  # the rest is listed too
     assert "strict mode (ENGINECORE_STRICT_PLUGINS=1): a plugin failed" in result.stderr
     assert run("plugins", env={**env, "ENGINECORE_STRICT_PLUGINS": "1"}).returncode == 0
 

@@ -12,7 +12,7 @@ import pytest
 
 from enginecore.builtin_schedulers.policies import FCFSPolicy
 from enginecore.builtin_schedulers.scheduler import DefaultScheduler
-from enginecore.metrics.logging_logger import LoggingStatLogger
+from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
 from enginecore.scheduler_output import SchedulerOutput
 from enginecore.testing import (
     SchedulerContract,

@@ -272,14 +272,16 @@ class CountingStatLogger(StatLogger):
 
 
 def test_hook_register_stat_loggers():
-    host = make_plugin_manager(load_entrypoints=False, builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(
+        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+    )
     host.register_object(
         registering("register_stat_loggers", "counting", CountingStatLogger), "counting"
     )
     registry = host.registry("stat_logger")
     assert {n: registry.entry(n).plugin for n in registry} == {
-        "logging": "metrics",
-        "prometheus": "metrics",
+        "logging": "builtin_stat_loggers",
+        "prometheus": "builtin_stat_loggers",
         "counting": "counting",
     }
     config = make_config(stat_loggers=["logging", "counting"])

@@ -36,7 +36,10 @@ ENV_VARS = (
     "ENGINECORE_STRICT_PLUGINS",
     "ENGINECORE_TRACE_PLUGINS",
 )
-METRICS_AND_SCHEDULERS = ("enginecore.metrics.plugin", "enginecore.builtin_schedulers.plugin")
+METRICS_AND_SCHEDULERS = (
+    "enginecore.builtin_stat_loggers.plugin",
+    "enginecore.builtin_schedulers.plugin",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +115,7 @@ def test_any_exception_at_import_is_contained_and_names_the_distribution(
 ):
     site.plugin("exiting", source, version="0.2.0")
     site.plugin("healthy", GOOD)
-    host = make_plugin_manager(builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(builtins=("enginecore.builtin_stat_loggers.plugin",))
     record = host.records["exiting"]
     assert record.error == f"failed to load: {expected}"
     assert "'exiting' (distribution enginecore-exiting 0.2.0)" in caplog.text
@@ -160,7 +163,7 @@ def test_a_plugin_failing_in_one_hook_is_removed_from_every_registry(first):
     host.registry(first)
     record = host.records["half_broken"]
     assert "raised in register_schedulers: RuntimeError: needs a license server" in record.error
-    assert host.registry("stat_logger").entry("logging").plugin == "metrics"
+    assert host.registry("stat_logger").entry("logging").plugin == "builtin_stat_loggers"
     assert record.registered == {}
     host.request_finished(FinishedRequestStats(request_id="r", finish_reason="stop"))
     assert plugin.finished == []  # its observers are gone too
@@ -177,7 +180,9 @@ def test_a_failure_at_registration_is_fatal_in_strict_mode(monkeypatch):
 
 
 def test_an_override_holds_whichever_hook_ran_first():
-    host = make_plugin_manager(load_entrypoints=False, builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(
+        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+    )
 
     class Better:
         @enginecore.hookimpl(tryfirst=True)  # runs before the built-in registers "logging"
@@ -186,12 +191,14 @@ def test_an_override_holds_whichever_hook_ran_first():
 
     host.register_object(Better(), "better")
     entry = host.registry("stat_logger").entry("logging")
-    assert (entry.plugin, entry.overrides) == ("better", "metrics")
-    assert host.records["better"].loaded and host.records["metrics"].loaded
+    assert (entry.plugin, entry.overrides) == ("better", "builtin_stat_loggers")
+    assert host.records["better"].loaded and host.records["builtin_stat_loggers"].loaded
 
 
 def test_a_duplicate_name_drops_the_later_plugin_not_the_builtin():
-    host = make_plugin_manager(load_entrypoints=False, builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(
+        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+    )
 
     class Clash:
         @enginecore.hookimpl
@@ -199,8 +206,8 @@ def test_a_duplicate_name_drops_the_later_plugin_not_the_builtin():
             registry.add("prometheus", "collections:OrderedDict")
 
     host.register_object(Clash(), "clash")
-    assert host.registry("stat_logger").entry("prometheus").plugin == "metrics"
-    assert host.records["metrics"].loaded
+    assert host.registry("stat_logger").entry("prometheus").plugin == "builtin_stat_loggers"
+    assert host.records["builtin_stat_loggers"].loaded
     assert "registered twice" in host.records["clash"].error
 
 
@@ -208,7 +215,9 @@ def test_a_duplicate_name_drops_the_later_plugin_not_the_builtin():
 
 
 def test_a_new_style_wrapper_sees_and_extends_every_registration():
-    host = make_plugin_manager(load_entrypoints=False, builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(
+        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+    )
 
     class Timing:
         @enginecore.hookimpl(wrapper=True)
@@ -577,12 +586,12 @@ HALF_BROKEN = """
 @pytest.mark.slow
 def test_the_frontend_and_the_engine_process_agree_on_a_failed_plugin(site, tiny_llama):
     from enginecore import LLM
-    from enginecore.metrics.logging_logger import LoggingStatLogger
+    from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
 
     site.plugin("half_broken", HALF_BROKEN)
     with LLM(model=str(tiny_llama), stat_loggers=["logging"]) as llm:
         assert not llm.plugins.records["half_broken"].loaded
         assert type(llm.stat_loggers.loggers[0]) is LoggingStatLogger
         components = llm.engine_client.ready.components
-    assert components["stat_loggers"] == "logging (from metrics)"
+    assert components["stat_loggers"] == "logging (from builtin_stat_loggers)"
     assert components["scheduler"] == "default (from builtin_schedulers)"

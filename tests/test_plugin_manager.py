@@ -39,7 +39,7 @@ ENV_VARS = (
 )
 # Strict-mode tests load only this built-in, so that they do not depend on which other
 # built-in plugin modules exist yet.
-METRICS_ONLY = ("enginecore.metrics.plugin",)
+METRICS_ONLY = ("enginecore.builtin_stat_loggers.plugin",)
 
 
 @pytest.fixture(autouse=True)
@@ -120,13 +120,17 @@ def test_builtins_register_through_the_same_hooks():
     assert {r.module for r in host.records.values()} == set(BUILTIN_PLUGINS)
     assert all(r.builtin and r.distribution == "builtin" for r in host.records.values())
 
-    metrics = host.records["metrics"]
+    metrics = host.records["builtin_stat_loggers"]
     assert metrics.loaded, metrics.error
     assert metrics.hooks == ["register_stat_loggers"]
     # The built-in module is an ordinary pluggy plugin whose impl is marked trylast.
-    assert host.pm.get_plugin("metrics") is importlib.import_module("enginecore.metrics.plugin")
+    assert host.pm.get_plugin("builtin_stat_loggers") is importlib.import_module(
+        "enginecore.builtin_stat_loggers.plugin"
+    )
     [impl] = [
-        i for i in host.pm.hook.register_stat_loggers.get_hookimpls() if i.plugin_name == "metrics"
+        i
+        for i in host.pm.hook.register_stat_loggers.get_hookimpls()
+        if i.plugin_name == "builtin_stat_loggers"
     ]
     assert impl.trylast
 
@@ -138,11 +142,13 @@ def test_builtins_register_through_the_same_hooks():
     host.register_object(ThirdParty(), "thirdparty")
     registry = host.registry("stat_logger")
     assert {n: registry.entry(n).plugin for n in registry} == {
-        "logging": "metrics",
-        "prometheus": "metrics",
+        "logging": "builtin_stat_loggers",
+        "prometheus": "builtin_stat_loggers",
         "mine": "thirdparty",
     }
-    assert host.records["metrics"].registered == {"stat_logger": ["logging", "prometheus"]}
+    assert host.records["builtin_stat_loggers"].registered == {
+        "stat_logger": ["logging", "prometheus"]
+    }
 
 
 @pytest.mark.parametrize("module", BUILTIN_PLUGINS)
@@ -197,7 +203,7 @@ def test_duplicate_name_is_fatal_in_strict_mode(monkeypatch):
     host.register_object(_registers("logging"), "clash")
     with pytest.raises(PluginLoadError) as info:
         host.registry("stat_logger")
-    assert "'metrics'" in str(info.value) and "'clash'" in str(info.value)
+    assert "'builtin_stat_loggers'" in str(info.value) and "'clash'" in str(info.value)
     assert isinstance(info.value.__cause__, DuplicateRegistrationError)
 
 
@@ -207,9 +213,9 @@ def test_override_replaces_and_is_logged(caplog):
     host.register_object(_registers("logging", override=True), "better_logging")
     entry = host.registry("stat_logger").entry("logging")
     assert entry.plugin == "better_logging"
-    assert entry.overrides == "metrics"
+    assert entry.overrides == "builtin_stat_loggers"
     assert entry.factory == "collections:OrderedDict"
-    assert "'better_logging' overrides the one from plugin 'metrics'" in caplog.text
+    assert "'better_logging' overrides the one from plugin 'builtin_stat_loggers'" in caplog.text
 
 
 # --- unknown names ------------------------------------------------------------------
@@ -228,7 +234,10 @@ def test_unknown_name_lists_available_names_providers_and_failed_plugins():
         host.registry("stat_logger").get("fancy")
     message = str(info.value)
     assert "unknown stat logger 'fancy'" in message
-    assert "logging (from metrics)" in message and "prometheus (from metrics)" in message
+    assert (
+        "logging (from builtin_stat_loggers)" in message
+        and "prometheus (from builtin_stat_loggers)" in message
+    )
     assert "failed to load" in message and "'fancy_stats'" in message
 
 
@@ -381,10 +390,10 @@ def test_empty_allow_list_loads_no_third_party_plugin(alpha_beta, monkeypatch):
 
 
 def test_disable_env_var_blocks_third_party_and_builtin_plugins(alpha_beta, monkeypatch):
-    monkeypatch.setenv("ENGINECORE_DISABLE_PLUGINS", "beta, metrics")
+    monkeypatch.setenv("ENGINECORE_DISABLE_PLUGINS", "beta, builtin_stat_loggers")
     host = make_plugin_manager(builtins=METRICS_ONLY)
     assert "alpha" in _third_party(host) and "beta" not in _third_party(host)
-    assert "metrics" not in host.records
+    assert "builtin_stat_loggers" not in host.records
     names = set(host.registry("stat_logger"))
     assert "alpha" in names and not names & {"beta", "logging"}
 
@@ -411,7 +420,7 @@ def test_trace_env_var_prints_hook_calls(alpha_beta, monkeypatch, capsys):
     host.engine_stopped("shutdown")
     err = capsys.readouterr().err
     assert "[enginecore]" in err
-    assert "register_stat_loggers" in err and "'alpha'" in err and "'metrics'" in err
+    assert "register_stat_loggers" in err and "'alpha'" in err and "'builtin_stat_loggers'" in err
     assert "engine_stopped" not in err  # no plugin implements it: nothing to trace
 
     monkeypatch.delenv("ENGINECORE_TRACE_PLUGINS")

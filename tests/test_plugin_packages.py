@@ -130,8 +130,10 @@ def test_plugins_command_shows_both_packages(installed_plugins, clean_env):
     assert jsonl["registered"] == {"stat_logger": ["jsonl"]}
     assert jsonl["error"] is None
     # Built-ins are listed by the same command, marked as such.
-    assert records["metrics"]["builtin"] is True
-    assert records["metrics"]["registered"] == {"stat_logger": ["logging", "prometheus"]}
+    assert records["builtin_stat_loggers"]["builtin"] is True
+    assert records["builtin_stat_loggers"]["registered"] == {
+        "stat_logger": ["logging", "prometheus"]
+    }
 
 
 def test_plugins_command_honours_the_allow_list(installed_plugins, clean_env):
@@ -216,7 +218,7 @@ def test_the_engine_resolves_both_plugins_at_start_up(installed_plugins, clean_e
     assert components.policy_cls is ShortestJobFirstPolicy
     assert components.providers["scheduling_policy"] == "sjf (from sjf)"
     assert components.providers["stat_loggers"] == (
-        "prometheus (from metrics), jsonl (from jsonl_stats)"
+        "prometheus (from builtin_stat_loggers), jsonl (from jsonl_stats)"
     )
 
 

@@ -141,6 +141,9 @@ def drive(scheduler: DefaultScheduler, worker: FakeSpecWorker, depth: int) -> di
             totals[1] + stats.spec_num_draft_tokens,
             totals[2] + stats.spec_num_accepted_tokens,
         ]
+        per_pos = stats.spec_num_accepted_tokens_per_pos
+        assert sum(per_pos) == stats.spec_num_accepted_tokens
+        assert per_pos == sorted(per_pos, reverse=True)  # position k needs 0..k-1 accepted
     else:
         raise AssertionError("requests did not finish")
     return {"outputs": outputs, "reasons": reasons, "spec": totals, "preemptions": preemptions}
@@ -209,7 +212,9 @@ def test_draft_slots_rollback_and_stats_step_by_step() -> None:
     stats = scheduler.make_stats()
     assert (stats.spec_num_drafts, stats.spec_num_draft_tokens) == (1, 3)
     assert stats.spec_num_accepted_tokens == 1
-    assert scheduler.make_stats().spec_num_drafts == 0  # counters reset per stats record
+    assert stats.spec_num_accepted_tokens_per_pos == [1]  # the first draft position only
+    empty = scheduler.make_stats()
+    assert empty.spec_num_drafts == 0 and empty.spec_num_accepted_tokens_per_pos == []
     so = scheduler.schedule()  # no drafts proposed: a plain decode
     assert so.scheduled_spec_decode_tokens == {} and so.num_scheduled_tokens == {"r": 1}
     scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)

@@ -11,6 +11,7 @@ import time
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serve_process import serve, stop
 
 MAX_PROMPT_TOKENS = 4000
@@ -230,6 +231,16 @@ def test_a_saturated_server_answers_503_with_retry_after(served, http) -> None:
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1"
         assert f"max_pending_requests={MAX_PENDING}" in response.json()["error"]["message"]
+        # Counted as vLLM counts a full queue (/metrics answers while the engine is stopped).
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        rejections = [
+            s.value
+            for f in families
+            for s in f.samples
+            if s.name == "enginecore:admission_rejections_total"
+            and s.labels["reason"] == "max_num_queued_reqs"
+        ]
+        assert rejections and rejections[0] >= 1
     finally:
         engine.resume()
         release.set()

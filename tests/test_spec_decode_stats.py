@@ -8,9 +8,9 @@ from prometheus_client import CollectorRegistry
 from test_stat_loggers import FakeClock, exposition, sample
 
 from enginecore import make_config
+from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
+from enginecore.builtin_stat_loggers.prometheus_logger import PrometheusStatLogger
 from enginecore.interfaces import IterationStats
-from enginecore.metrics.logging_logger import LoggingStatLogger
-from enginecore.metrics.prometheus_logger import PrometheusStatLogger
 from enginecore.protocol import SchedulerStats
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
@@ -55,6 +55,11 @@ def test_prometheus_counters():
     assert sample(registry, "enginecore:spec_decode_num_drafts_total", **labels) == 3
     assert sample(registry, "enginecore:spec_decode_num_draft_tokens_total", **labels) == 12
     assert sample(registry, "enginecore:spec_decode_num_accepted_tokens_total", **labels) == 9
+    per_pos = "enginecore:spec_decode_num_accepted_tokens_per_pos_total"
+    assert sample(registry, per_pos, position="3", **labels) == 0  # created for each slot
+    logger.record(SchedulerStats(spec_num_drafts=2, spec_num_accepted_tokens_per_pos=[2, 1]), None)
+    assert sample(registry, per_pos, position="0", **labels) == 2
+    assert sample(registry, per_pos, position="1", **labels) == 1
     # Without speculation the series are not exported.
     plain = CollectorRegistry()
     PrometheusStatLogger(make_config(model="tiny"), 0, registry=plain)

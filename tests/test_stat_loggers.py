@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore import make_config
+from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
+from enginecore.builtin_stat_loggers.prometheus_logger import PrometheusStatLogger
 from enginecore.interfaces import IterationStats, StatLogger
-from enginecore.metrics.logging_logger import LoggingStatLogger
-from enginecore.metrics.prometheus_logger import PrometheusStatLogger
 from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import SchedulerStats
@@ -61,9 +61,13 @@ def test_finished_request_stats_is_plain_json_ready_data():
         "e2e_latency",
         "queued_time",
         "prefill_time",
+        "inference_time",
+        "decode_time",
         "ttft",
         "mean_tpot",
         "num_cached_tokens",
+        "num_preemptions",
+        "max_tokens_param",
         "extra",
     }
 
@@ -72,13 +76,15 @@ def test_finished_request_stats_is_plain_json_ready_data():
 
 
 def test_builtin_loggers_are_registered_lazily():
-    host = make_plugin_manager(load_entrypoints=False, builtins=("enginecore.metrics.plugin",))
+    host = make_plugin_manager(
+        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+    )
     registry = host.registry("stat_logger")
     assert registry.entry("logging").factory == (
-        "enginecore.metrics.logging_logger:LoggingStatLogger"
+        "enginecore.builtin_stat_loggers.logging_logger:LoggingStatLogger"
     )
     assert registry.entry("prometheus").factory == (
-        "enginecore.metrics.prometheus_logger:PrometheusStatLogger"
+        "enginecore.builtin_stat_loggers.prometheus_logger:PrometheusStatLogger"
     )
     assert all(registry.entry(n).summary for n in registry)
     for name, cls in (("logging", LoggingStatLogger), ("prometheus", PrometheusStatLogger)):
@@ -313,10 +319,12 @@ def test_prometheus_metrics_under_vllm_names_with_the_compat_setting():
     for family in text_string_to_metric_families(exposition(registry)):
         for s in family.samples:
             ours[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    # Histogram buckets differ (enginecore's reach lower, vLLM's are vLLM's); every other
+    # sample (counts, sums, counters, gauges) has its vllm: twin.
     enginecore = {
         k: v
         for k, v in ours.items()
-        if k[0].startswith("enginecore:") and not k[0].endswith("_created")  # timestamps
+        if k[0].startswith("enginecore:") and not k[0].endswith(("_created", "_bucket"))
     }
     assert enginecore
     for (name, labels), value in enginecore.items():
@@ -339,3 +347,59 @@ def test_prometheus_metrics_under_vllm_names_with_the_compat_setting():
     plain = CollectorRegistry()
     PrometheusStatLogger(make_config(model="m"), registry=plain)
     assert "vllm:" not in exposition(plain)
+
+
+def test_prometheus_sleep_state_and_admission_rejections():
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(make_config(model="m"), registry=registry)
+    state = {"engine": "0", "model_name": "m"}
+
+    def sleep_states() -> tuple[float, ...]:
+        return tuple(
+            sample(registry, "enginecore:engine_sleep_state", sleep_state=s, **state)
+            for s in ("awake", "weights_offloaded", "discard_all")
+        )
+
+    assert sleep_states() == (1, 0, 0)
+    logger.record_sleep_state(True, 1)
+    assert sleep_states() == (0, 1, 0)
+    logger.record_sleep_state(True, 2)
+    assert sleep_states() == (0, 0, 1)
+    logger.record_sleep_state(False)
+    assert sleep_states() == (1, 0, 0)
+    logger.record_admission_rejection("max_num_queued_reqs")
+    name = "enginecore:admission_rejections_total"
+    assert sample(registry, name, model_name="m", reason="max_num_queued_reqs") == 1
+
+
+def test_prometheus_token_buckets_end_at_the_engines_context_length():
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(make_config(model="m"), registry=registry)
+    logger.max_model_len, logger.num_kv_blocks = 300, 77  # as the frontend sets them
+    logger.log_engine_initialized()
+    bounds = {
+        s.labels["le"]
+        for f in text_string_to_metric_families(exposition(registry))
+        for s in f.samples
+        if s.name == "enginecore:request_prompt_tokens_bucket"
+    }
+    assert bounds == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "+Inf"}
+    info = sample(registry, "enginecore:cache_config_info", num_gpu_blocks="77", block_size="16")
+    assert info == 1
+
+
+def test_a_rejection_is_counted_once_with_data_parallel_replicas():
+    from enginecore.metrics.manager import StatLoggerManager
+
+    config = make_config(model="m", stat_loggers=["prometheus"], data_parallel_size=2)
+    host = make_plugin_manager(load_entrypoints=False)
+    manager = StatLoggerManager(config, host)
+    assert len(manager.loggers) == 2  # one per replica
+    # Rebuilt on a registry of this test's own (the manager builds them on the process's
+    # default one, which other tests share).
+    registry = CollectorRegistry()
+    for stat_logger in manager.loggers:
+        stat_logger.__init__(config, stat_logger.engine_index, registry=registry)
+    manager.record_admission_rejection("max_num_queued_reqs")
+    name = "enginecore:admission_rejections_total"
+    assert sample(registry, name, model_name="m", reason="max_num_queued_reqs") == 1

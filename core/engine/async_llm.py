@@ -115,7 +115,7 @@ class AsyncLLM:
         self._closed = False
         # "paused" or "asleep" while new requests would only wait: they are refused.
         self._unavailable: str | None = None
-        self.stat_loggers.log_engine_initialized()
+        self.stat_loggers.log_engine_initialized(self.ready)
 
     # --- properties ---------------------------------------------------------------------------
 
@@ -310,7 +310,7 @@ class AsyncLLM:
             for state, times in before.values():
                 builder.observe(state, times, now)
                 if state.finish_reason is not None:
-                    builder.finish(finished_request_stats(state, now))
+                    builder.finish(finished_request_stats(state, now), state)
             failed: list[str] = []
             for state, request_output in ready:
                 collector: RequestOutputCollector | None = state.queue
@@ -430,10 +430,12 @@ class AsyncLLM:
         """Pause scheduling and release device memory (level 1: KV cache; 2: weights too)."""
         await self._utility("sleep", level)
         self._unavailable = "asleep"
+        self.stat_loggers.record_sleep_state(True, level)
 
     async def wake_up(self) -> None:
         await self._utility("wake_up")
         self._unavailable = None
+        self.stat_loggers.record_sleep_state(False)
 
     async def is_sleeping(self) -> bool:
         return bool(await self._utility("is_sleeping"))

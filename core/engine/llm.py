@@ -73,7 +73,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self._next_log = time.monotonic() + self.config.observability.log_stats_interval
-        self.stat_loggers.log_engine_initialized()
+        self.stat_loggers.log_engine_initialized(self.engine_client.ready)
 
     # --- generation ------------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ class LLM:
         for state, times in before.values():
             builder.observe(state, times, now)
             if state.finish_reason is not None:
-                builder.finish(finished_request_stats(state, now))
+                builder.finish(finished_request_stats(state, now), state)
         self.stat_loggers.record(
             engine_outputs.scheduler_stats, builder.stats, engine_outputs.engine_index
         )

@@ -1,6 +1,8 @@
-"""Built-in statistics: the per-request record and the ``logging`` and ``prometheus`` loggers.
+"""Statistics plumbing for stat loggers: the per-request record (:mod:`.stats`), the
+per-step stats the frontend builds (:mod:`.iteration`) and the fan-out to the selected
+loggers (:mod:`.manager`).
 
-Stat loggers are plugins like any other: :mod:`enginecore.metrics.plugin` registers the two
-built-in ones through ``register_stat_loggers``; the config list
-``observability.stat_loggers`` selects which run.
+The loggers themselves are plugins: the built-in ``logging`` and ``prometheus`` live in
+``enginecore.builtin_stat_loggers`` and register through ``register_stat_loggers`` like
+any third-party one; the config list ``observability.stat_loggers`` selects which run.
 """

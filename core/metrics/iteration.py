@@ -29,6 +29,7 @@ class IterationStatsBuilder:
 
     def __init__(self, timestamp: float) -> None:
         self.stats = IterationStats(timestamp=timestamp)
+        self._parents_done: set[str] = set()
 
     def observe(self, state: Any, before: TokenTimes, now: float) -> None:
         new_tokens = len(state.token_ids) - before.num_tokens
@@ -42,8 +43,28 @@ class IterationStatsBuilder:
         else:
             stats.inter_token_latencies.append(now - before.last_token)
 
-    def finish(self, stats: FinishedRequestStats) -> None:
+    def finish(self, stats: FinishedRequestStats, state: Any = None) -> None:
         self.stats.finished_requests.append(stats)
+        if state is not None:
+            self.user_request_finished(state)
+
+    def user_request_finished(self, state: Any) -> None:
+        """Records ``n`` and the longest sample once the request's last sample finished."""
+        parent = state.parent
+        if parent is None:
+            self.stats.n_params.append(1)
+            self.stats.max_num_generation_tokens.append(len(state.token_ids))
+            return
+        children = [child for child in parent.children if child is not None]
+        if parent.request_id in self._parents_done or any(
+            child.finish_reason is None for child in children
+        ):
+            return  # a sample is still running (or the request was recorded this step)
+        self._parents_done.add(parent.request_id)
+        self.stats.n_params.append(len(parent.children))
+        self.stats.max_num_generation_tokens.append(
+            max((len(child.token_ids) for child in children), default=0)
+        )
 
 
 def finished_request_stats(state: Any, now: float, reason: Any = None) -> FinishedRequestStats:
@@ -52,10 +73,11 @@ def finished_request_stats(state: Any, now: float, reason: Any = None) -> Finish
     first, last = times.first_token, times.last_token
     finished = times.finished if times.finished is not None else now
     num_tokens = len(state.token_ids)
-    prefill = 0.0
+    prefill = inference = 0.0
     if first is not None and times.scheduled is not None:
         # Both clocks are time.monotonic() on the same host (the engine core is local).
         prefill = max(first - times.scheduled, 0.0)
+        inference = max(last - times.scheduled, 0.0)
     queued = 0.0
     if times.queued is not None and times.scheduled is not None:
         queued = max(times.scheduled - times.queued, 0.0)
@@ -67,8 +89,12 @@ def finished_request_stats(state: Any, now: float, reason: Any = None) -> Finish
         e2e_latency=max(finished - times.arrival, 0.0),
         queued_time=queued,
         prefill_time=prefill,
+        inference_time=inference,
+        decode_time=max(last - first, 0.0) if first is not None else 0.0,
         ttft=(first - times.arrival) if first is not None else 0.0,
         mean_tpot=(last - first) / (num_tokens - 1) if num_tokens > 1 and first else 0.0,
         num_cached_tokens=state.num_cached_tokens,
+        num_preemptions=state.num_preemptions,
+        max_tokens_param=state.params.max_tokens,
         extra=state.params.extra,
     )

@@ -39,18 +39,22 @@ class StatLoggerManager:
                 self.loggers.append(stat_logger)
                 self.names.append(name)
                 self.engines.append(index if size > 1 else None)
-        if size > 1 and "logging" in config.observability.stat_loggers:
-            from enginecore.metrics.aggregate_logger import AggregatedLoggingStatLogger
-
-            self.loggers.append(AggregatedLoggingStatLogger(config, indexes))
-            self.names.append("logging (all engines)")
-            self.engines.append(None)
+            # A logger class may offer one more logger that sums every replica (the
+            # built-in ``logging`` writes one line for all engines this way).
+            aggregate = getattr(cls, "aggregate_over_engines", None)
+            if size > 1 and callable(aggregate):
+                self.loggers.append(aggregate(config, indexes))
+                self.names.append(f"{name} (all engines)")
+                self.engines.append(None)
         self._warned: set[str] = set()
 
     def _call_all(self, method: str, *args: Any) -> None:
         for name, stat_logger in zip(self.names, self.loggers, strict=True):
+            call = getattr(stat_logger, method, None)
+            if call is None:  # a duck-typed logger without the optional method
+                continue
             try:
-                getattr(stat_logger, method)(*args)
+                call(*args)
             except Exception:
                 if f"{name}.{method}" not in self._warned:
                     self._warned.add(f"{name}.{method}")
@@ -80,8 +84,31 @@ class StatLoggerManager:
     def log(self) -> None:
         self._call_all("log")
 
-    def log_engine_initialized(self) -> None:
+    def log_engine_initialized(self, ready: Any = None) -> None:
+        """``ready`` (the engine's :class:`~enginecore.protocol.EngineCoreReadyResponse`)
+        gives every logger the resolved context length and KV block count first."""
+        if ready is not None:
+            for stat_logger in self.loggers:
+                stat_logger.max_model_len = ready.max_model_len
+                stat_logger.num_kv_blocks = ready.num_blocks
         self._call_all("log_engine_initialized")
+
+    def record_sleep_state(self, asleep: bool, level: int = 0) -> None:
+        self._call_all("record_sleep_state", asleep, level)
+
+    def record_admission_rejection(self, reason: str) -> None:
+        # A rejection belongs to no replica: one call per selected logger name, so that
+        # the per-replica copies of a logger do not count it once each.
+        seen: set[str] = set()
+        for name, stat_logger in zip(self.names, self.loggers, strict=True):
+            call = getattr(stat_logger, "record_admission_rejection", None)
+            if name in seen or call is None:
+                continue
+            seen.add(name)
+            try:
+                call(reason)
+            except Exception:
+                logger.exception("stat logger %r raised in record_admission_rejection", name)
 
     def close(self) -> None:
         for stat_logger in self.loggers:

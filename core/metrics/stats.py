@@ -28,12 +28,20 @@ class FinishedRequestStats:
     """Time spent waiting in the scheduler before the first scheduling."""
     prefill_time: float = 0.0
     """First scheduling to the first token."""
+    inference_time: float = 0.0
+    """First scheduling to the last token (prefill and decode, preemptions included)."""
+    decode_time: float = 0.0
+    """First token to the last token."""
     ttft: float = 0.0
     """Time to first token: arrival in the frontend to the first token."""
     mean_tpot: float = 0.0
     """Mean time per output token after the first (0.0 with fewer than two tokens)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    num_preemptions: int = 0
+    """Times the scheduler preempted the request."""
+    max_tokens_param: int | None = None
+    """The request's ``max_tokens`` (``None``: up to the model's context length)."""
     extra: dict[str, Any] | None = None
     """The request's user metadata (``SamplingParams.extra``), passed through untouched."""
 

@@ -203,6 +203,9 @@ async def check_capacity(request: Request) -> None:
     pending = len(getattr(engine, "collectors", ()))
     sends = getattr(getattr(getattr(engine, "engine_client", None), "sends", None), "pending", 0)
     if pending >= limit or sends >= limit:
+        stat_loggers = getattr(engine, "stat_loggers", None)
+        if stat_loggers is not None:  # vLLM's reason for a full queue
+            stat_loggers.record_admission_rejection("max_num_queued_reqs")
         raise APIError(
             503,
             f"the server is saturated: {pending} requests unfinished, {sends} messages queued "

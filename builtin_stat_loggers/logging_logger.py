@@ -78,6 +78,13 @@ class LoggingStatLogger(StatLogger):
             self.spec_num_draft_tokens += scheduler_stats.spec_num_draft_tokens
             self.spec_num_accepted_tokens += scheduler_stats.spec_num_accepted_tokens
 
+    @classmethod
+    def aggregate_over_engines(cls, config: EngineConfig, engine_indexes: list[int]) -> StatLogger:
+        """With data parallelism, the twin that writes one line for every replica."""
+        from enginecore.builtin_stat_loggers.aggregate_logger import AggregatedLoggingStatLogger
+
+        return AggregatedLoggingStatLogger(config, engine_indexes)
+
     def label(self) -> str:
         """What the line is about (the aggregate logger names every engine)."""
         return f"Engine {self.engine_index:03d}"

@@ -11,11 +11,11 @@ def register_stat_loggers(registry: Registry) -> None:
     # Lazy references: prometheus-client is imported only when "prometheus" is selected.
     registry.add(
         "logging",
-        "enginecore.metrics.logging_logger:LoggingStatLogger",
+        "enginecore.builtin_stat_loggers.logging_logger:LoggingStatLogger",
         summary="periodic log line: throughput, queue sizes, KV cache usage, prefix hit rate",
     )
     registry.add(
         "prometheus",
-        "enginecore.metrics.prometheus_logger:PrometheusStatLogger",
+        "enginecore.builtin_stat_loggers.prometheus_logger:PrometheusStatLogger",
         summary="Prometheus gauges, counters and histograms under the 'enginecore:' prefix",
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger, logger
 from enginecore.interfaces import IterationStats
-from enginecore.metrics.logging_logger import LoggingStatLogger, logger
 from enginecore.protocol import SchedulerStats
 
 if TYPE_CHECKING:
