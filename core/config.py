@@ -128,6 +128,9 @@ class ParallelConfig(_Section):
     """Every request names its replica (data_parallel_rank); the frontend does not balance."""
     data_parallel_host: str = "127.0.0.1"
     """Address the frontend binds its ZeroMQ TCP sockets on for Ray replicas to connect to."""
+    data_parallel_failover: Literal["error", "retry"] = "error"
+    """When a replica dies, its in-flight requests fail (error), or those that have produced
+    no output yet are resubmitted once to a live replica (retry); streamed ones still fail."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto is NCCL on CUDA, gloo on CPU."""
     ray_address: str | None = None
