@@ -317,8 +317,12 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
         )[0]
         found["prefill_kill_request_failed_s"] = round(time.perf_counter() - t0, 2)
         found["prefill_kill_error"] = out.error
-        usage = decode.engine_client.call_utility("get_num_unfinished_requests")
-        found["decode_unfinished_after"] = usage
+        # The decode side holds nothing for it: no request left, every block free (a
+        # prefix-cache reset succeeds only then).
+        found["decode_unfinished_after"] = decode.engine_client.call_utility(
+            "get_num_unfinished_requests"
+        )
+        found["decode_blocks_all_free"] = decode.reset_prefix_cache()
     finally:
         decode.shutdown()
         prefill.shutdown()

@@ -25,7 +25,7 @@ from test_data_parallel_server import generation_tokens_by_engine
 
 pytest.importorskip("ray", reason="the ray executor needs enginecore[ray]")
 
-from enginecore.testing.ray_cluster import SimulatedRayCluster, _descendants  # noqa: E402
+from enginecore.testing.ray_cluster import SimulatedRayCluster, _descendants
 
 pytestmark = pytest.mark.slow
 
