@@ -25,7 +25,7 @@ from test_data_parallel_server import generation_tokens_by_engine
 
 pytest.importorskip("ray", reason="the ray executor needs enginecore[ray]")
 
-from enginecore.testing.ray_cluster import SimulatedRayCluster, _descendants
+from enginecore.testing.ray_cluster import SimulatedRayCluster
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def ray_actors_by_node(cluster: SimulatedRayCluster, actor: str) -> dict[str, in
     counts = {}
     for node in cluster.nodes:
         count = 0
-        for pid in _descendants(node.proc.pid):
+        for pid in cluster.node_processes(node.name):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
