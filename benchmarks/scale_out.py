@@ -129,8 +129,8 @@ def tiny_model(directory: str) -> str:
 DP_ENGINE = dict(dtype="float32", max_model_len=256, num_blocks_override=128, ready_timeout=300)
 
 
-def workload(num_prompts: int, prompt_len: int = 64) -> list[dict]:
-    rng = random.Random(0)
+def workload(num_prompts: int, prompt_len: int = 64, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
     return [
         {"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(prompt_len)]}
         for _ in range(num_prompts)
@@ -141,9 +141,9 @@ def dp_run(llm, prompts: list[dict], output_len: int) -> dict:
     from enginecore import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], params)  # warm-up
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     ttft = sorted(o.metrics["time_to_first_token"] * 1e3 for o in outs)
     return {
@@ -174,7 +174,7 @@ def dp_faults(cluster, llm, prompts: list[dict]) -> dict:
     os.kill(client.engines[1].pid, signal.SIGKILL)
     found["replica_kill_detect_s"] = wait_until(lambda: 1 in dead, 120)
     found["replica_kill_recover_s"] = wait_until(lambda: 1 not in dead, 300)
-    llm.generate(prompts[0], params, data_parallel_rank=1)
+    llm.generate(prompts[0], params, data_parallel_rank=1, use_tqdm=False)
     # A node dies: its replica is marked dead, and restarted once the node is back.
     node_ips = [a["node_ip"] for a in llm.collective_rpc("device_assignment")]
     on_c = node_ips.index(cluster.node("c").ip) // (len(node_ips) // 2)
@@ -182,7 +182,7 @@ def dp_faults(cluster, llm, prompts: list[dict]) -> dict:
     found["node_kill_detect_s"] = wait_until(lambda: on_c in dead, 120)
     cluster.restart_node("c")
     found["node_return_recover_s"] = wait_until(lambda: on_c not in dead, 300)
-    llm.generate(prompts[0], params, data_parallel_rank=on_c)
+    llm.generate(prompts[0], params, data_parallel_rank=on_c, use_tqdm=False)
     return found
 
 
@@ -194,9 +194,11 @@ def data_parallel_section(model: str, num_prompts: int, output_len: int, faults:
 
     prompts = workload(num_prompts)
     results: dict = {"num_prompts": num_prompts, "output_len": output_len, "rows": []}
+    # The head runs no replica; each node has room for exactly its replica(s), so a
+    # replica whose node died can only come back when that node does.
     layouts = (
-        ("two nodes", [("head", 1), ("b", 2), ("c", 2)]),
-        ("one node", [("head", 1), ("b", 4)]),
+        ("two nodes", [("head", 0), ("b", 1), ("c", 1)]),
+        ("one node", [("head", 0), ("b", 2)]),
     )
     for label, spec in layouts:
         with SimulatedRayCluster(spec) as cluster:
@@ -269,38 +271,28 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
         max_tokens=1, kv_transfer_params={"do_remote_decode": True}, **greedy
     )
     one = SamplingParams(max_tokens=1, **greedy)
+
+    def connector(role: str, extra: dict) -> dict:
+        return {"connector": "zmq_p2p", "role": role, "extra_config": extra}
+
     found: dict = {"num_prompts": num_prompts, "prompt_len": prompt_len}
-    with LLM(model, **engine) as single:
-        single.generate(prompts[0], one)
-        ttft = [single.generate(p, one)[0].metrics["time_to_first_token"] for p in prompts[1:]]
-        found["single_engine_ttft_ms"] = round(1e3 * statistics.fmean(ttft), 1)
-    prefill = LLM(
-        model,
-        kv_transfer={
-            "connector": "zmq_p2p",
-            "role": "kv_producer",
-            "extra_config": {"port": kv_port},
-        },
-        **engine,
-    )
-    decode = LLM(
-        model,
-        kv_transfer={
-            "connector": "zmq_p2p",
-            "role": "kv_consumer",
-            "extra_config": {"recv_timeout": 5},
-        },
-        **engine,
-    )
+    single = LLM(model, **engine)
+    prefill = LLM(model, kv_transfer=connector("kv_producer", {"port": kv_port}), **engine)
+    decode = LLM(model, kv_transfer=connector("kv_consumer", {"recv_timeout": 5}), **engine)
     try:
-        pd_ttft = []
+        # Each prompt once through one engine, once through prefill -> decode, in turn
+        # (the machine's load drifts); the first of each is a warm-up.
+        single_ttft, pd_ttft = [], []
         for prompt in prompts:
             t0 = time.perf_counter()
-            handoff = prefill.generate(prompt, to_decode)[0].kv_transfer_params
-            decode.generate(
-                prompt, SamplingParams(max_tokens=1, kv_transfer_params=handoff, **greedy)
-            )
+            single.generate(prompt, one, use_tqdm=False)
+            single_ttft.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            handoff = prefill.generate(prompt, to_decode, use_tqdm=False)[0].kv_transfer_params
+            params = SamplingParams(max_tokens=1, kv_transfer_params=handoff, **greedy)
+            decode.generate(prompt, params, use_tqdm=False)
             pd_ttft.append(time.perf_counter() - t0)
+        found["single_engine_ttft_ms"] = round(1e3 * statistics.fmean(single_ttft[1:]), 1)
         found["pd_ttft_ms"] = round(1e3 * statistics.fmean(pd_ttft[1:]), 1)
         moved = decode.collective_rpc(_transfers)[0]
         found["kv_fetches"] = moved["fetches"]
@@ -308,13 +300,14 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
         found["kv_wire_gbps"] = round(moved["bytes"] / moved["wire_s"] / 1e9, 3)
         found["kv_into_cache_gbps"] = round(moved["bytes"] / moved["total_s"] / 1e9, 3)
         found["loopback_tcp_gbps"] = loopback_gbps()
-        # The prefill instance dies after its prefill, before the decode side fetched.
-        handoff = prefill.generate(prompts[0], to_decode)[0].kv_transfer_params
+        # The prefill instance dies after its prefill, before the decode side fetched (a
+        # prompt the decode side has not cached).
+        fresh = workload(1, prompt_len, seed=1)[0]
+        handoff = prefill.generate(fresh, to_decode, use_tqdm=False)[0].kv_transfer_params
         os.kill(prefill.engine_client.proc.pid, signal.SIGKILL)
         t0 = time.perf_counter()
-        out = decode.generate(
-            prompts[0], SamplingParams(max_tokens=1, kv_transfer_params=handoff, **greedy)
-        )[0]
+        params = SamplingParams(max_tokens=1, kv_transfer_params=handoff, **greedy)
+        out = decode.generate(fresh, params, use_tqdm=False)[0]
         found["prefill_kill_request_failed_s"] = round(time.perf_counter() - t0, 2)
         found["prefill_kill_error"] = out.error
         # The decode side holds nothing for it: no request left, every block free (a
@@ -326,6 +319,7 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
     finally:
         decode.shutdown()
         prefill.shutdown()
+        single.shutdown()
     return found
 
 
