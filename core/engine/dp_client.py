@@ -529,7 +529,11 @@ class DPAsyncMPClient(_DPClientBase):
             with contextlib.suppress(Exception):
                 self._swap_in(index, engine).close()
             return
-        self._loop.call_soon_threadsafe(self._install_on_loop, index, engine)
+        try:
+            self._loop.call_soon_threadsafe(self._install_on_loop, index, engine)
+        except RuntimeError:  # the loop is closed: the frontend is going away
+            engine.stop()
+            engine.close()
 
     def _install_on_loop(self, index: int, engine: Any) -> None:
         old = self._swap_in(index, engine)  # its reader ended when it died
