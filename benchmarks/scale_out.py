@@ -15,7 +15,8 @@
    until it serves again (recover: restarted at once for a replica, once the node is back
    for a node).
 5. P/D with ``zmq_p2p``: TTFT of a handed-off request (prefill instance, then the decode
-   instance loading its KV) against one engine computing the prompt; the transfer rate the
+   instance loading its KV) against one engine (the prefill instance, without the
+   handoff) computing a prompt of the same length; the transfer rate the
    decode side measured (bytes / seconds of its fetches) against loopback TCP measured
    with a plain socket; and the loss of the prefill instance after its prefill: the time
    until the decode side fails the request (its ``recv_timeout``), and its KV usage then.
@@ -276,16 +277,16 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
         return {"connector": "zmq_p2p", "role": role, "extra_config": extra}
 
     found: dict = {"num_prompts": num_prompts, "prompt_len": prompt_len}
-    single = LLM(model, **engine)
     prefill = LLM(model, kv_transfer=connector("kv_producer", {"port": kv_port}), **engine)
     decode = LLM(model, kv_transfer=connector("kv_consumer", {"recv_timeout": 5}), **engine)
     try:
-        # Each prompt once through one engine, once through prefill -> decode, in turn
-        # (the machine's load drifts); the first of each is a warm-up.
+        # In turn (the machine's load drifts), the first of each a warm-up: a prompt
+        # computed by the prefill engine alone (the one-engine baseline, in the same
+        # process, so both see the same cores), and another through prefill -> decode.
         single_ttft, pd_ttft = [], []
-        for prompt in prompts:
+        for alone, prompt in zip(workload(num_prompts, prompt_len, seed=2), prompts, strict=True):
             t0 = time.perf_counter()
-            single.generate(prompt, one, use_tqdm=False)
+            prefill.generate(alone, one, use_tqdm=False)
             single_ttft.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             handoff = prefill.generate(prompt, to_decode, use_tqdm=False)[0].kv_transfer_params
@@ -319,7 +320,6 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
     finally:
         decode.shutdown()
         prefill.shutdown()
-        single.shutdown()
     return found
 
 
