@@ -388,6 +388,9 @@ class ZmqP2PWorker(KVConnectorWorker):
         self._invalid_blocks: set[int] = set()
         self._failures: dict[str, str] = {}
         self._first_block: dict[str, int] = {}  # per fetch: where a recompute would start
+        # Measured transfers (consumer): bytes received, seconds from the GET to the last
+        # byte (wire) and to the blocks in the cache (total).
+        self.transfers = {"fetches": 0, "bytes": 0, "wire_s": 0.0, "total_s": 0.0}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = list(kv_caches.values())
@@ -410,6 +413,7 @@ class ZmqP2PWorker(KVConnectorWorker):
         keys = _curve_keys(self.settings)
         secure_client(socket, keys.for_client() if keys is not None else None)
         address = f"tcp://{job.remote_host}:{job.remote_port + self.rank}"
+        started = time.perf_counter()
         try:
             socket.connect(address)
             get = _Get(job.remote_request_id, job.first_block, job.keys)
@@ -420,6 +424,7 @@ class ZmqP2PWorker(KVConnectorWorker):
                     f"{self.settings.recv_timeout:g} s"
                 )
             frames = socket.recv_multipart()
+            received = time.perf_counter()
         finally:
             socket.close()
         status, blocks = frames[1], frames[2:]
@@ -441,6 +446,12 @@ class ZmqP2PWorker(KVConnectorWorker):
                 self._invalid_blocks.add(job.block_ids[len(good)])
         if good:
             scatter_blocks(self.kv_caches, job.block_ids[: len(good)], torch.stack(good))
+        done = time.perf_counter()
+        with self._lock:
+            self.transfers["fetches"] += 1
+            self.transfers["bytes"] += sum(len(raw) for raw in blocks)
+            self.transfers["wire_s"] += received - started
+            self.transfers["total_s"] += done - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # fetches are asynchronous: requests wait until they are reported

@@ -122,12 +122,16 @@ class ParallelConfig(_Section):
     """Pipeline stages. World size = tensor x pipeline."""
     data_parallel_size: int = 1
     """Engine-core replicas behind one frontend (each with its own TP x PP workers)."""
-    data_parallel_backend: Literal["mp", "ray"] = "mp"
-    """How replicas start: mp (local processes) or ray (one placement group per replica)."""
+    data_parallel_backend: Literal["auto", "mp", "ray"] = "auto"
+    """How replicas start: mp (local processes) or ray (one placement group per replica);
+    auto is ray with the ray executor or a ray_address, else mp."""
     data_parallel_external_lb: bool = False
     """Every request names its replica (data_parallel_rank); the frontend does not balance."""
     data_parallel_host: str = "127.0.0.1"
     """Address the frontend binds its ZeroMQ TCP sockets on for Ray replicas to connect to."""
+    data_parallel_failover: Literal["error", "retry"] = "error"
+    """When a replica dies, its in-flight requests fail (error), or those that have produced
+    no output yet are resubmitted once to a live replica (retry); streamed ones still fail."""
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto is NCCL on CUDA, gloo on CPU."""
     ray_address: str | None = None
@@ -143,6 +147,9 @@ class ParallelConfig(_Section):
                 raise ValueError(f"{name} must be >= 1")
         if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
             raise ValueError("cpu_reserved_cores must be >= 0")
+        if self.data_parallel_backend == "auto":
+            on_ray = self.executor == "ray" or self.ray_address is not None
+            self.data_parallel_backend = "ray" if on_ray else "mp"
 
     @property
     def world_size(self) -> int:

@@ -69,6 +69,35 @@ def test_coordinator_explicit_rank_external_lb_and_dead_replicas() -> None:
     assert external.choose(0) == 0
 
 
+def test_coordinator_counts_served_and_takes_a_restarted_replica_back() -> None:
+    coordinator = DPCoordinator(2)
+    coordinator.on_added(1)
+    coordinator.on_served(1)
+    coordinator.on_added(0)
+    coordinator.on_done(0)  # aborted: not served
+    assert coordinator.served == [0, 1] and coordinator.in_flight == [0, 0]
+    coordinator.on_added(1, 3)
+    coordinator.on_dead(1, "node lost")
+    assert {coordinator.choose() for _ in range(3)} == {0}
+    coordinator.on_restarted(1)
+    assert coordinator.alive() == [0, 1] and coordinator.in_flight == [0, 0]
+    assert coordinator.choose(1) == 1
+    assert {coordinator.choose() for _ in range(2)} == {0, 1}  # balanced again
+
+
+def test_data_parallel_backend_auto_and_failover_modes() -> None:
+    def backend(**overrides) -> str:
+        return make_config(model="unused", **overrides).parallel.data_parallel_backend
+
+    assert backend() == "mp"
+    assert backend(executor="ray") == "ray"
+    assert backend(ray_address="auto") == "ray"
+    assert backend(executor="ray", data_parallel_backend="mp") == "mp"
+    assert make_config(model="unused").parallel.data_parallel_failover == "error"
+    with pytest.raises(ConfigError, match="data_parallel_failover"):
+        make_config(model="unused", data_parallel_failover="twice")
+
+
 def test_rank_checks_before_a_request_is_tracked() -> None:
     check_data_parallel_rank(2, False, None)
     check_data_parallel_rank(2, True, 1)

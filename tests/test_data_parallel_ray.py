@@ -3,14 +3,16 @@
 ``ray.cluster_utils.Cluster`` starts a head node and a second node, each a real raylet
 with its own resources. Two replicas must land on different nodes (one placement group
 each), answer greedy prompts exactly like transformers, take requests pinned by rank, and
-survive the SIGKILL of the other replica. With the ``ray`` executor and TP=2 inside each
-replica, a replica's ranks sit in its own placement group, on its node.
+survive the SIGKILL of the other replica, which is then restarted and serves again. With
+the ``ray`` executor and TP=2 inside each replica, a replica's ranks sit in its own
+placement group, on its node.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from hf_reference import assert_matches_reference, greedy_reference
@@ -69,7 +71,8 @@ def test_two_replicas_on_two_nodes_serve_and_survive_a_sigkill(tiny_llama, two_n
         assert pinned[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
         # SIGKILL replica 1's engine process (the actor): only rank 1 is lost.
-        os.kill(engines[1].pid, signal.SIGKILL)
+        killed_pid = engines[1].pid
+        os.kill(killed_pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="replica 1"):
             llm.generate(
                 {"prompt_token_ids": prompts[1]},
@@ -80,7 +83,16 @@ def test_two_replicas_on_two_nodes_serve_and_survive_a_sigkill(tiny_llama, two_n
         assert [o.outputs[0].token_ids for o in survivors] == [
             o.outputs[0].token_ids for o in outputs[:2]
         ]
-        assert list(llm.engine_client.coordinator.dead) == [1]
+        # Its node lives on: the replica is restarted (a new actor and placement group)
+        # and takes pinned requests again.
+        coordinator = llm.engine_client.coordinator
+        deadline = time.monotonic() + 240
+        while 1 in coordinator.dead:
+            assert time.monotonic() < deadline, "replica 1 was not restarted"
+            time.sleep(0.5)
+        assert engines[1].pid != killed_pid
+        again = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, data_parallel_rank=1)
+        assert again[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     finally:
         llm.shutdown()
     # Shutdown removes both replicas' placement groups (and disconnects from the cluster).

@@ -16,7 +16,14 @@ replica has its own input and output socket; the client
   ``EngineCoreOutputs`` with ``engine_dead`` set and their ids in
   ``finished_requests``), and the frontend keeps serving on the others (degraded mode).
   Requests that name the dead rank are refused with ``EngineDeadError``. Only when every
-  replica is dead is the client itself dead.
+  replica is dead is the client itself dead;
+- with ``data_parallel_failover = "retry"``, resubmits once to a live replica each lost
+  request that had produced no output yet (the client has streamed nothing of it, so
+  nothing is duplicated; outputs a dead replica sent but the client had not read are
+  dropped); a request with output, a second loss, or one pinned to the dead rank fails;
+- on Ray, restarts a dead replica: a fresh placement group for it waits until the cluster
+  has room (its node, or another, comes back), and the new engine core rejoins load
+  balancing and utility fan-out under the same index.
 """
 
 from __future__ import annotations
@@ -70,8 +77,12 @@ def combine_utility_results(method: str, results: list[Any]) -> Any:
     return results[0]
 
 
-def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
+def _close_all(
+    engines: list, ctx: zmq.Context, stop_ray: bool, closing: threading.Event | None = None
+) -> None:
     """At shutdown, garbage collection or exit: every replica stops, no zombie is left."""
+    if closing is not None:
+        closing.set()  # replica restarts give up
     for engine in engines:
         try:
             engine.stop()
@@ -88,6 +99,18 @@ def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
         import ray
 
         ray.shutdown()
+
+
+def _handshake_off_loop(engine: Any, timeout: float) -> EngineCoreReadyResponse:
+    """The handshake from a plain thread: an asyncio socket is read through a blocking
+    shadow of itself (its futures need the event loop)."""
+    socket = engine.output_socket
+    if isinstance(socket, zmq.asyncio.Socket):
+        engine.output_socket = zmq.Socket.shadow(socket.underlying)
+    try:
+        return engine.handshake(timeout)
+    finally:
+        engine.output_socket = socket
 
 
 class _DPClientBase(EngineCoreClient):
@@ -107,6 +130,12 @@ class _DPClientBase(EngineCoreClient):
         self._utility_futures: dict[tuple[int, int], Any] = {}
         self.dead_error: EngineDeadError | None = None
         self.sends = SendQueue()
+        self.failover = par.data_parallel_failover
+        # retry: requests that have produced no output yet, and those resubmitted once.
+        self.unanswered: dict[str, EngineCoreRequest] = {}
+        self.retried: set[str] = set()
+        self.restarts = par.data_parallel_backend == "ray"
+        self._closing = threading.Event()
         started_ray = False
         if par.data_parallel_backend == "ray":
             from enginecore.engine.dp_ray import ensure_ray, start_ray_engines
@@ -125,7 +154,10 @@ class _DPClientBase(EngineCoreClient):
             except BaseException:
                 _close_all(self.engines, ctx, False)
                 raise
-        self._finalizer = weakref.finalize(self, _close_all, list(self.engines), ctx, started_ray)
+        # The list itself: a restarted replica replaces its predecessor in it.
+        self._finalizer = weakref.finalize(
+            self, _close_all, self.engines, ctx, started_ray, self._closing
+        )
         # Every replica loads at the same time; the handshakes are awaited in turn.
         self.readies = []
         for engine in self.engines:
@@ -166,12 +198,16 @@ class _DPClientBase(EngineCoreClient):
             index = self.coordinator.choose(request.data_parallel_rank)
             self.owner[request.request_id] = index
             self.coordinator.on_added(index)
+            if self.failover == "retry":
+                self.unanswered[request.request_id] = request
         self._send(index, EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         with self._lock:
             for request_id in request_ids:
+                self.unanswered.pop(request_id, None)
+                self.retried.discard(request_id)
                 index = self.owner.pop(request_id, None)
                 if index is not None:
                     self.coordinator.on_done(index)
@@ -191,6 +227,9 @@ class _DPClientBase(EngineCoreClient):
         """Route one message from replica ``index``; returns outputs for the frontend."""
         outputs = self.decoder.decode(frames)
         outputs.engine_index = index
+        if index in self.coordinator.dead:
+            # Sent before it died, read after: its requests were failed or resubmitted.
+            return None
         if outputs.utility_output is not None:
             future = self._utility_futures.pop((index, outputs.utility_output.call_id), None)
             if future is not None and not future.done():
@@ -201,9 +240,13 @@ class _DPClientBase(EngineCoreClient):
             return None
         finished = [o.request_id for o in outputs.outputs if o.finish_reason is not None]
         with self._lock:
+            if self.unanswered:
+                for output in outputs.outputs:
+                    self.unanswered.pop(output.request_id, None)
             for request_id in finished:
+                self.retried.discard(request_id)
                 if self.owner.pop(request_id, None) is not None:
-                    self.coordinator.on_done(index)
+                    self.coordinator.on_served(index)
             if outputs.scheduler_stats is not None:
                 self.coordinator.on_stats(index, outputs.scheduler_stats)
         return outputs
@@ -222,9 +265,11 @@ class _DPClientBase(EngineCoreClient):
             lost = {rid for rid, owner in self.owner.items() if owner == index}
             for request_id in lost:
                 del self.owner[request_id]
+            resubmit = self._take_retries(lost)
             all_dead = not self.coordinator.alive()
         error = EngineDeadError(f"data-parallel replica {index} died: {reason}")
-        logger.error("%s (%d requests lost)", error, len(lost))
+        failed = lost - {request.request_id for _, request in resubmit}
+        logger.error("%s (%d requests lost, %d resubmitted)", error, len(failed), len(resubmit))
         for key in [k for k in list(self._utility_futures) if k[0] == index]:
             future = self._utility_futures.pop(key, None)
             if future is not None and not future.done():
@@ -232,12 +277,113 @@ class _DPClientBase(EngineCoreClient):
         if all_dead:
             self.dead_error = EngineDeadError(f"every data-parallel replica is dead; last: {error}")
             self._put(self.dead_error)
-        else:
-            self._put(
-                EngineCoreOutputs(
-                    engine_index=index, engine_dead=str(error), finished_requests=lost
-                ).stamp()
+            return
+        self._put(
+            EngineCoreOutputs(
+                engine_index=index, engine_dead=str(error), finished_requests=failed
+            ).stamp()
+        )
+        for target, request in resubmit:
+            self._resubmit(target, request, error)
+        if self.restarts and not self._closing.is_set():
+            threading.Thread(
+                target=self._restart_replica,
+                args=(index,),
+                name=f"enginecore-dp-restart-{index}",
+                daemon=True,
+            ).start()
+
+    def _take_retries(self, lost: set[str]) -> list[tuple[int, EngineCoreRequest]]:
+        """(new replica, request) for each lost request that may be retried (under the
+        lock): no output yet, not retried before, not pinned to a rank."""
+        if self.failover != "retry" or not self.coordinator.alive():
+            return []
+        resubmit = []
+        for request_id in sorted(lost):
+            request = self.unanswered.pop(request_id, None)
+            if (
+                request is None
+                or request_id in self.retried
+                or request.data_parallel_rank is not None
+            ):
+                continue
+            target = self.coordinator.choose()
+            self.owner[request_id] = target
+            self.coordinator.on_added(target)
+            self.retried.add(request_id)
+            self.unanswered[request_id] = request
+            resubmit.append((target, request))
+        return resubmit
+
+    def _resubmit(self, target: int, request: EngineCoreRequest, cause: EngineDeadError) -> None:
+        logger.warning(
+            "request %s resubmitted to data-parallel replica %d after: %s",
+            request.request_id,
+            target,
+            cause,
+        )
+        with contextlib.suppress(EngineDeadError):  # then that replica's death fails it
+            self._send(target, EngineCoreRequestType.ADD, request)
+
+    # --- restarts (Ray) --------------------------------------------------------------------
+
+    def _restart_replica(self, index: int) -> None:
+        """Frees the dead replica's placement group, then starts a new one for it, waiting
+        as long as it takes for a node with room; hands it to :meth:`_install`."""
+        from enginecore.engine.dp_ray import RayEngine, replicas_use_gpu
+
+        old = self.engines[index]
+        with contextlib.suppress(Exception):
+            old.release()
+        attempt = 0
+        while not self._closing.is_set():
+            attempt += 1
+            engine = None
+            try:
+                engine = RayEngine(
+                    self.config,
+                    self.ctx,
+                    index,
+                    None,  # wherever Ray finds room: the returning node
+                    replicas_use_gpu(self.config),
+                    keep_waiting=lambda: not self._closing.is_set(),
+                )
+                ready = _handshake_off_loop(engine, self.config.engine.ready_timeout)
+            except Exception as exc:
+                if engine is not None:
+                    with contextlib.suppress(Exception):
+                        engine.close()
+                if self._closing.is_set():
+                    return
+                logger.warning(
+                    "restart %d of data-parallel replica %d failed: %s", attempt, index, exc
+                )
+                self._closing.wait(min(2.0 * attempt, 30.0))
+                continue
+            if self._closing.is_set():
+                engine.stop()
+                engine.close()
+                return
+            logger.warning(
+                "data-parallel replica %d restarted on node %s (pid %d)",
+                index,
+                engine.node_id[:12],
+                ready.pid,
             )
+            self._install(index, engine)
+            return
+
+    def _install(self, index: int, engine: Any) -> None:
+        """Puts a restarted replica in service (in the thread that reads outputs)."""
+        raise NotImplementedError
+
+    def _swap_in(self, index: int, engine: Any) -> Any:
+        """The replica's new engine replaces the old, which is returned (to be closed)."""
+        old = self.engines[index]
+        self.engines[index] = engine
+        with self._lock:
+            self.coordinator.on_restarted(index)
+        return old
 
     def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         raise NotImplementedError
@@ -263,6 +409,7 @@ class _DPClientBase(EngineCoreClient):
                 future.set_exception(EngineDeadError(f"data-parallel replica {index} is dead"))
 
     def shutdown(self) -> None:
+        self._closing.set()
         self._finalizer()
 
 
@@ -273,6 +420,7 @@ class DPSyncMPClient(_DPClientBase):
         super().__init__(config, zmq.Context())
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._stop = threading.Event()
+        self._installs: queue.Queue[tuple[int, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
 
@@ -294,6 +442,24 @@ class DPSyncMPClient(_DPClientBase):
                     raise EngineDeadError(f"data-parallel replica {index} is dead") from None
                 engine.input_socket.poll(LIVENESS_POLL_MS, zmq.POLLOUT)
 
+    def _install(self, index: int, engine: Any) -> None:
+        self._installs.put((index, engine))
+
+    def _take_installs(self, poller: zmq.Poller, sockets: dict) -> None:
+        """Restarted replicas: their output sockets replace their predecessors'."""
+        while True:
+            try:
+                index, engine = self._installs.get_nowait()
+            except queue.Empty:
+                return
+            old = self._swap_in(index, engine)
+            poller.unregister(old.output_socket)
+            del sockets[old.output_socket]
+            with contextlib.suppress(Exception):
+                old.close()
+            sockets[engine.output_socket] = index
+            poller.register(engine.output_socket, zmq.POLLIN)
+
     def _read_outputs(self) -> None:
         poller = zmq.Poller()
         sockets = {e.output_socket: e.engine_index for e in self.engines}
@@ -301,6 +467,7 @@ class DPSyncMPClient(_DPClientBase):
             poller.register(sock, zmq.POLLIN)
         last_check = time.monotonic()
         while not self._stop.is_set() and self.dead_error is None:
+            self._take_installs(poller, sockets)
             try:
                 ready = dict(poller.poll(LIVENESS_POLL_MS))
             except zmq.ZMQError:
@@ -346,15 +513,35 @@ class DPAsyncMPClient(_DPClientBase):
         super().__init__(config, zmq.asyncio.Context())
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         self._readers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ensure_reader(self) -> None:
         if not self._readers:
             self.outputs = asyncio.Queue()
-            loop = asyncio.get_running_loop()
+            loop = self._loop = asyncio.get_running_loop()
             self._readers = [
                 loop.create_task(self._read_outputs(i), name=f"enginecore-dp-{i}")
                 for i in range(self.size)
             ]
+
+    def _install(self, index: int, engine: Any) -> None:
+        if self._loop is None:  # nothing reads yet: the first reader takes it
+            with contextlib.suppress(Exception):
+                self._swap_in(index, engine).close()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._install_on_loop, index, engine)
+        except RuntimeError:  # the loop is closed: the frontend is going away
+            engine.stop()
+            engine.close()
+
+    def _install_on_loop(self, index: int, engine: Any) -> None:
+        old = self._swap_in(index, engine)  # its reader ended when it died
+        with contextlib.suppress(Exception):
+            old.close()
+        self._readers.append(
+            self._loop.create_task(self._read_outputs(index), name=f"enginecore-dp-{index}")
+        )
 
     def _put(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         if self.outputs is not None:

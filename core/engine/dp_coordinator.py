@@ -41,6 +41,8 @@ class DPCoordinator:
         self.in_flight = [0] * size
         self.running = [0] * size
         self.dead: dict[int, str] = {}
+        #: Requests each replica finished (not aborted, not lost): where traffic went.
+        self.served = [0] * size
         self._next = 0  # round-robin start for ties
 
     def score(self, index: int) -> int:
@@ -82,11 +84,22 @@ class DPCoordinator:
         """Requests that finished or were aborted on replica ``index``."""
         self.in_flight[index] = max(self.in_flight[index] - count, 0)
 
+    def on_served(self, index: int) -> None:
+        """A request finished on replica ``index`` (it is also :meth:`on_done`)."""
+        self.served[index] += 1
+        self.on_done(index)
+
     def on_stats(self, index: int, stats: SchedulerStats) -> None:
         self.running[index] = stats.num_running_reqs
 
     def on_dead(self, index: int, reason: str) -> None:
         self.dead[index] = reason
+        self.in_flight[index] = 0
+        self.running[index] = 0
+
+    def on_restarted(self, index: int) -> None:
+        """Replica ``index`` is back (a fresh engine core): it takes requests again."""
+        self.dead.pop(index, None)
         self.in_flight[index] = 0
         self.running[index] = 0
 

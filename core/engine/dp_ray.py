@@ -19,8 +19,10 @@ replica is gone, even when it died by SIGKILL and could not say so.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -35,6 +37,8 @@ from enginecore.protocol import EngineCoreRequestType
 from enginecore.serial import MsgpackEncoder
 
 logger = logging.getLogger(__name__)
+
+_generations = itertools.count()
 
 _ANY_HOST = ("0.0.0.0", "::", "*", "")
 
@@ -119,12 +123,17 @@ class RayEngine(_EngineProcess):
         engine_index: int,
         target_node: str | None,
         use_gpu: bool,
+        keep_waiting: Callable[[], bool] | None = None,
     ) -> None:
+        """``keep_waiting``: wait for the placement as long as it answers True (a replica
+        restarted after its node died waits for a node with room to come back); without
+        it the wait is bounded by ``ready_timeout``."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self.ray = import_ray()
         self.engine_index = engine_index
+        self.generation = next(_generations)  # a restarted replica gets fresh Ray names
         self.tmpdir = None
         self.proc = None
         self._run_ref: Any = None
@@ -144,17 +153,15 @@ class RayEngine(_EngineProcess):
         self.placement_group = placement_group(
             bundles,
             strategy="STRICT_PACK",
-            name=f"enginecore-dp-{engine_index}-{os.getpid()}",
+            name=f"enginecore-dp-{engine_index}-{os.getpid()}-{self.generation}",
             _soft_target_node_id=target_node,
         )
         timeout = config.engine.ready_timeout
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout)
-        if not ready:
-            raise EngineCoreError(
-                f"data-parallel replica {engine_index}: the Ray cluster could not place "
-                f"{bundles} on one node within {timeout:.0f} s "
-                f"(cluster resources: {ray.cluster_resources()})"
-            )
+        try:
+            self._wait_placed(bundles, timeout, keep_waiting)
+        except BaseException:
+            self.close()
+            raise
         actor_cls = ray.remote(max_concurrency=2)(EngineCoreActor)
         self.actor = actor_cls.options(
             num_cpus=bundles[0]["CPU"],
@@ -164,7 +171,7 @@ class RayEngine(_EngineProcess):
                 placement_group_bundle_index=0,
                 placement_group_capture_child_tasks=True,
             ),
-            name=f"enginecore-dp-engine-{engine_index}-{os.getpid()}",
+            name=f"enginecore-dp-engine-{engine_index}-{os.getpid()}-{self.generation}",
         ).remote()
         self.node_id, self.pid = ray.get(self.actor.info.remote(), timeout=timeout)
         self._run_ref = self.actor.run.remote(
@@ -174,6 +181,28 @@ class RayEngine(_EngineProcess):
             engine_index,
             keys.for_client(),
         )
+
+    def _wait_placed(
+        self,
+        bundles: list[dict[str, float]],
+        timeout: float,
+        keep_waiting: Callable[[], bool] | None,
+    ) -> None:
+        ready_ref = self.placement_group.ready()
+        if keep_waiting is None:
+            ready, _ = self.ray.wait([ready_ref], timeout=timeout)
+        else:
+            ready = []
+            while not ready and keep_waiting():
+                ready, _ = self.ray.wait([ready_ref], timeout=1.0)
+        if not ready:
+            raise EngineCoreError(
+                f"data-parallel replica {self.engine_index}: the Ray cluster could not place "
+                f"{bundles} on one node within {timeout:.0f} s "
+                f"(cluster resources: {self.ray.cluster_resources()})"
+                if keep_waiting is None
+                else f"data-parallel replica {self.engine_index}: restart cancelled"
+            )
 
     def is_alive(self) -> bool:
         if self._run_ref is None:
@@ -203,7 +232,9 @@ class RayEngine(_EngineProcess):
                     [EngineCoreRequestType.WAKEUP.value, *frames], flags=zmq.NOBLOCK
                 )
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Ends the actor and frees its placement group, so that a restarted replica can
+        take the node's resources (a dead node's group would otherwise be re-placed)."""
         from ray.util.placement_group import remove_placement_group
 
         self.wait_exit(10)
@@ -212,6 +243,9 @@ class RayEngine(_EngineProcess):
                 self.ray.kill(self.actor, no_restart=True)
         with contextlib.suppress(Exception):
             remove_placement_group(self.placement_group)
+
+    def close(self) -> None:
+        self.release()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
 
@@ -239,6 +273,14 @@ def check_frontend_reachable(host: str, node_addresses: list[str], driver_addres
         )
 
 
+def replicas_use_gpu(config: EngineConfig) -> bool:
+    """Whether each replica's bundles ask for GPUs (the device, or any GPU in the cluster)."""
+    ray = import_ray()
+    return config.model.device == "cuda" or (
+        config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+
+
 def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]:
     """One placement group and actor per replica, spread over the nodes round-robin."""
     ray = import_ray()
@@ -248,9 +290,7 @@ def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]
         [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")],
         ray.util.get_node_ip_address(),
     )
-    use_gpu = config.model.device == "cuda" or (
-        config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
-    )
+    use_gpu = replicas_use_gpu(config)
     check_replicas_fit(
         ray.nodes(), replica_bundles(config, use_gpu=use_gpu), par.data_parallel_size
     )

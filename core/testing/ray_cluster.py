@@ -170,6 +170,10 @@ class SimulatedRayCluster:
     def node(self, name: str) -> SimulatedNode:
         return next(n for n in self.nodes if n.name == name)
 
+    def node_processes(self, name: str) -> list[int]:
+        """The pids of one node's processes now (raylet, object store, workers, actors)."""
+        return _descendants(self.node(name).proc.pid)
+
     def kill_node(self, name: str) -> None:
         """SIGKILL every process of one node (raylet, object store, its workers)."""
         node = self.node(name)
