@@ -101,7 +101,7 @@ def cmd_rpc(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_rpc_parser(sub: argparse._SubParsersAction) -> None:
+def add_rpc_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "rpc",
         help="call a worker RPC (memory_snapshot, kv_cache_stats, ...) on a running server",

@@ -181,11 +181,11 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 FailureCallback = Callable[[str], None]
 
 
-def map_future(future: Future, fn: Callable[[Any], Any]) -> Future:
+def map_future(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
     """A Future of ``fn(result)``, or of the same exception."""
-    mapped: Future = Future()
+    mapped: Future[Any] = Future()
 
-    def done(source: Future) -> None:
+    def done(source: Future[Any]) -> None:
         try:
             value = fn(source.result())
         except BaseException as exc:
@@ -227,11 +227,11 @@ class Executor(ABC):
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-    ) -> list[Any] | Any | Future:
+    ) -> list[Any] | Any | Future[Any]:
         """Call ``method`` on every rank; one result per rank (or only ``unique_reply_rank``'s).
 
         ``method`` is a Worker method name, a name registered by ``register_worker_rpcs``,
@@ -241,12 +241,12 @@ class Executor(ABC):
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future | None:
+    ) -> ModelRunnerOutput | Future[Any] | None:
         return self._step_call("execute_model", scheduler_output, non_block)
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
+    ) -> ModelRunnerOutput | Future[Any]:
         return self._step_call("sample_tokens", grammar_output, non_block)
 
     @property

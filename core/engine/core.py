@@ -121,7 +121,7 @@ class EngineCore:
             self.scheduler, "supports_async_scheduling", False
         )
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
-        self.batch_queue: deque[tuple[Future, Future, SchedulerOutput]] = deque()
+        self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
@@ -296,14 +296,14 @@ class EngineCore:
             in_flight.update(earlier.structured_output_request_ids)
         return not in_flight.isdisjoint(ids)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future, Future]:
+    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future[Any], Future[Any]]:
         execute = self.executor.execute_model(scheduler_output, non_block=True)
         grammar = self._grammar_output(scheduler_output)
         sample = self.executor.sample_tokens(grammar, non_block=True)
         return execute, sample
 
     @staticmethod
-    def _result(execute: Future, sample: Future) -> ModelRunnerOutput:
+    def _result(execute: Future[Any], sample: Future[Any]) -> ModelRunnerOutput:
         executed = execute.result()
         sampled = sample.result()
         return executed if executed is not None else sampled
@@ -373,7 +373,7 @@ class EngineCore:
         queue = self.batch_queue
         scheduled = False
         failed = self._admit_compiled()
-        deferred: tuple[Future, SchedulerOutput] | None = None
+        deferred: tuple[Future[Any], SchedulerOutput] | None = None
         if (
             self._paused != "keep"
             and len(queue) < self.batch_queue_size
@@ -433,7 +433,7 @@ class EngineCore:
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)

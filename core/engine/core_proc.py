@@ -197,7 +197,9 @@ class EngineCoreProc(EngineCore):
             [request.request_id], FinishReason.ERROR, request.client_index, rejection
         )
 
-    def _handle_utility(self, client_index: int, call_id: int, method: str, args: tuple) -> None:
+    def _handle_utility(
+        self, client_index: int, call_id: int, method: str, args: tuple[Any, ...]
+    ) -> None:
         output = UtilityOutput(call_id=call_id)
         try:
             if method not in UTILITY_METHODS:

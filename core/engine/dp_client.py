@@ -70,7 +70,7 @@ def combine_utility_results(method: str, results: list[Any]) -> Any:
     return results[0]
 
 
-def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
+def _close_all(engines: list[Any], ctx: zmq.Context[Any], stop_ray: bool) -> None:
     """At shutdown, garbage collection or exit: every replica stops, no zombie is left."""
     for engine in engines:
         try:
@@ -91,7 +91,7 @@ def _close_all(engines: list, ctx: zmq.Context, stop_ray: bool) -> None:
 
 
 class _DPClientBase(EngineCoreClient):
-    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context[Any]) -> None:
         par = config.parallel
         self.config = config
         self.ctx = ctx
@@ -187,7 +187,7 @@ class _DPClientBase(EngineCoreClient):
 
     # --- outputs ---------------------------------------------------------------------------
 
-    def _on_frames(self, index: int, frames: list) -> EngineCoreOutputs | None:
+    def _on_frames(self, index: int, frames: list[Any]) -> EngineCoreOutputs | None:
         """Route one message from replica ``index``; returns outputs for the frontend."""
         outputs = self.decoder.decode(frames)
         outputs.engine_index = index
@@ -253,7 +253,7 @@ class _DPClientBase(EngineCoreClient):
             raise EngineDeadError(f"data-parallel replica {engine_index} is dead")
         return [engine_index]
 
-    def _start_utility(self, index: int, method: str, args: tuple, future: Any) -> None:
+    def _start_utility(self, index: int, method: str, args: tuple[Any, ...], future: Any) -> None:
         call_id = next(self._call_ids)
         self._utility_futures[(index, call_id)] = future
         self._send(index, EngineCoreRequestType.UTILITY, (0, call_id, method, args))
@@ -328,7 +328,7 @@ class DPSyncMPClient(_DPClientBase):
         """Runs on every live replica (or only ``engine_index``); answers combined."""
         futures = []
         for index in self._utility_targets(engine_index):
-            future: Future = Future()
+            future: Future[Any] = Future()
             self._start_utility(index, method, args, future)
             futures.append(future)
         results = [f.result() for f in futures]
@@ -345,7 +345,7 @@ class DPAsyncMPClient(_DPClientBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config, zmq.asyncio.Context())
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._readers: list[asyncio.Task] = []
+        self._readers: list[asyncio.Task[Any]] = []
 
     def _ensure_reader(self) -> None:
         if not self._readers:

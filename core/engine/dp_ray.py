@@ -115,7 +115,7 @@ class RayEngine(_EngineProcess):
     def __init__(
         self,
         config: EngineConfig,
-        ctx: zmq.Context,
+        ctx: zmq.Context[Any],
         engine_index: int,
         target_node: str | None,
         use_gpu: bool,
@@ -239,7 +239,7 @@ def check_frontend_reachable(host: str, node_addresses: list[str], driver_addres
         )
 
 
-def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]:
+def start_ray_engines(config: EngineConfig, ctx: zmq.Context[Any]) -> list[RayEngine]:
     """One placement group and actor per replica, spread over the nodes round-robin."""
     ray = import_ray()
     par = config.parallel

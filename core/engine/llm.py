@@ -249,7 +249,7 @@ class LLM:
                 progress.close()
         return [finished[rid] for rid in request_ids if rid in finished]
 
-    def _process_step(self, engine_outputs: Any) -> tuple[list, list[str]]:
+    def _process_step(self, engine_outputs: Any) -> tuple[list[Any], list[str]]:
         """Fold one step's outputs in and feed the stat loggers and ``request_finished``,
         exactly as :class:`~enginecore.AsyncLLM` does."""
         now = time.monotonic()
@@ -300,7 +300,7 @@ class LLM:
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on every worker; one result per rank."""

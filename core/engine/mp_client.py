@@ -54,7 +54,7 @@ class RemoteRankError(UtilityError, RankError):
 ENGINE_ENTRY = "from enginecore.engine.core_proc import main; main()"
 
 
-def _dead_message(proc: subprocess.Popen) -> str:
+def _dead_message(proc: subprocess.Popen[bytes]) -> str:
     return (
         f"the engine core process (pid {proc.pid}) died unexpectedly with exit code {proc.poll()}"
     )
@@ -86,7 +86,7 @@ class _EngineProcess:
     need no ``if __name__ == "__main__"`` guard and nothing of the caller is re-imported.
     """
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context[Any], engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.tmpdir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700
         input_address = f"ipc://{self.tmpdir}/input"
@@ -156,7 +156,7 @@ class _MPClientBase(EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig,
-        ctx: zmq.Context,
+        ctx: zmq.Context[Any],
         while_starting: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
@@ -221,7 +221,7 @@ class SyncMPClient(_MPClientBase):
     ) -> None:
         super().__init__(config, zmq.Context(), while_starting)
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        self._utility_futures: dict[int, Future] = {}
+        self._utility_futures: dict[int, Future[Any]] = {}
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
@@ -265,7 +265,7 @@ class SyncMPClient(_MPClientBase):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._utility_futures[call_id] = future
         self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
         return future.result()
@@ -283,8 +283,8 @@ class AsyncMPClient(_MPClientBase):
     ) -> None:
         super().__init__(config, zmq.asyncio.Context(), while_starting)
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._utility_futures: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._utility_futures: dict[int, asyncio.Future[Any]] = {}
+        self._reader: asyncio.Task[Any] | None = None
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
@@ -357,7 +357,7 @@ def _resolve(future: Any, utility_output: Any) -> None:
         future.set_result(utility_output.result)
 
 
-def take_output(outputs: queue.Queue) -> EngineCoreOutputs:
+def take_output(outputs: queue.Queue[Any]) -> EngineCoreOutputs:
     """The next output; a dead-engine error stays queued so every later call raises it."""
     item = outputs.get()
     if isinstance(item, EngineDeadError):
@@ -366,7 +366,7 @@ def take_output(outputs: queue.Queue) -> EngineCoreOutputs:
     return item
 
 
-async def take_output_async(outputs: asyncio.Queue) -> EngineCoreOutputs:
+async def take_output_async(outputs: asyncio.Queue[Any]) -> EngineCoreOutputs:
     """:func:`take_output` for an asyncio queue."""
     item = await outputs.get()
     if isinstance(item, EngineDeadError):

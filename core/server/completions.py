@@ -257,7 +257,7 @@ async def _stream(
     body: CompletionRequest,
     request_id: str,
     created: int,
-    collectors: list,
+    collectors: list[Any],
 ) -> AsyncIterator[str]:
     options = body.stream_options
     include_usage = bool(options and options.include_usage)

@@ -81,7 +81,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
         decode = dict(body, kv_transfer_params=answer.json().get("kv_transfer_params"))
         return await forward(next(decode_cycle), path, decode, headers)
 
-    async def forward(decode_url: str, path: str, decode: dict, headers: dict) -> Response:
+    async def forward(
+        decode_url: str, path: str, decode: dict[str, Any], headers: dict[str, Any]
+    ) -> Response:
         """The decode instance's answer, streamed or not, as the client's answer."""
         if decode.get("stream"):
             upstream = client.build_request("POST", decode_url + path, json=decode, headers=headers)

@@ -84,7 +84,7 @@ class BodySizeLimitMiddleware:
         received = 0
         rejected = False
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> dict[str, Any]:
             nonlocal received, rejected
             message = await receive()
             if message["type"] == "http.request":
@@ -95,7 +95,7 @@ class BodySizeLimitMiddleware:
                     return {"type": "http.disconnect"}
             return message
 
-        async def guarded_send(message: dict) -> None:
+        async def guarded_send(message: dict[str, Any]) -> None:
             if not rejected:
                 await send(message)
 

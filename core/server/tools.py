@@ -48,9 +48,9 @@ def plan_tools(
     body: ChatCompletionRequest,
     *,
     enable_auto_tool_choice: bool,
-    parser_registry: Registry | None,
+    parser_registry: Registry[Any] | None,
     parser_name: str | None,
-    backend_registry: Registry | None,
+    backend_registry: Registry[Any] | None,
     backend_name: str,
     tokenizer: Any,
 ) -> ToolPlan:

@@ -72,7 +72,7 @@ def rank_of(worker: Any) -> int:
     return worker.rank
 
 
-def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple:
+def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     return worker.rank, args, kwargs
 
 

@@ -98,7 +98,7 @@ class RunningServer:
     """A live ``enginecore serve``: ``url`` for any HTTP or OpenAI client."""
 
     url: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
     model: str
 

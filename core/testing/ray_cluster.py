@@ -52,7 +52,7 @@ class SimulatedNode:
     name: str
     ip: str
     num_cpus: float
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     temp_dir: str
 
     @property
@@ -203,7 +203,7 @@ class SimulatedRayCluster:
         self.nodes.clear()
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
     if sig == signal.SIGKILL:

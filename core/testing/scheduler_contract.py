@@ -262,7 +262,7 @@ class SchedulerContract:
     # --- drivers -----------------------------------------------------------------------
 
     @staticmethod
-    def _collect(engine_outputs: dict, result: RunResult) -> None:
+    def _collect(engine_outputs: dict[str, Any], result: RunResult) -> None:
         for outs in engine_outputs.values():
             for o in outs.outputs:
                 result.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -282,7 +282,7 @@ class SchedulerContract:
     ) -> RunResult:
         """Step until no request is left, with ``in_flight`` batches scheduled ahead."""
         result = RunResult({}, {}, [])
-        queue: deque = deque()
+        queue: deque[Any] = deque()
         for _ in range(max_steps):
             if not scheduler.has_requests() and not queue:
                 return result
@@ -459,7 +459,7 @@ class SchedulingPolicyContract(SchedulerContract):
         return policy
 
     @staticmethod
-    def _snapshot(request: Request) -> tuple:
+    def _snapshot(request: Request) -> tuple[Any, ...]:
         return (
             request.num_computed_tokens,
             list(request.output_token_ids),
