@@ -222,7 +222,8 @@ BENCHMARKS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(BENCHMARKS[args.bench_command][0]).run(args)
+    code: int = importlib.import_module(BENCHMARKS[args.bench_command][0]).run(args)
+    return code
 
 
 # --- entry point ----------------------------------------------------------------------

@@ -298,7 +298,8 @@ def summarize_throughput(turns: dict[str, list[dict[str, Any]]]) -> dict[str, li
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def server_command(system: str, args: argparse.Namespace, port: int) -> list[str]:

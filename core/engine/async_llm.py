@@ -421,10 +421,14 @@ class AsyncLLM:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return await self._utility("collective_rpc", method, timeout, tuple(args), kwargs)
+        results: list[Any] = await self._utility(
+            "collective_rpc", method, timeout, tuple(args), kwargs
+        )
+        return results
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._utility("reset_prefix_cache")
+        reset: bool = await self._utility("reset_prefix_cache")
+        return reset
 
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and release device memory (level 1: KV cache; 2: weights too)."""

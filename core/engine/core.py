@@ -143,7 +143,8 @@ class EngineCore:
         ref = self.components.worker_spec.kv_connector_ref
         if ref is None:
             return None
-        return import_ref(ref)().scheduler_side(self.config)
+        connector: KVConnectorScheduler = import_ref(ref)().scheduler_side(self.config)
+        return connector
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
@@ -304,8 +305,8 @@ class EngineCore:
 
     @staticmethod
     def _result(execute: Future[Any], sample: Future[Any]) -> ModelRunnerOutput:
-        executed = execute.result()
-        sampled = sample.result()
+        executed: ModelRunnerOutput | None = execute.result()
+        sampled: ModelRunnerOutput = sample.result()
         return executed if executed is not None else sampled
 
     def _update(
@@ -436,7 +437,10 @@ class EngineCore:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+        results: list[Any] = self.executor.collective_rpc(
+            method, args=args, kwargs=kwargs, timeout=timeout
+        )
+        return results
 
     def drain_batch_queue(self) -> list[dict[int, EngineCoreOutputs]]:
         """Finish every in-flight batch (before sleeping, pausing or shutting down)."""

@@ -74,4 +74,5 @@ class IncrementalDetokenizer:
         return max(self._max_stop_len - 1, 0)
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text: str = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

@@ -370,13 +370,14 @@ class DPAsyncMPClient(_DPClientBase):
             frames = await engine.output_socket.recv_multipart(copy=False)
             outputs = self._on_frames(index, frames)
             if outputs is not None:
-                self.outputs.put_nowait(outputs)
+                self._put(outputs)
 
     def get_output(self) -> EngineCoreOutputs:
         raise TypeError("DPAsyncMPClient: use 'await get_output_async()'")
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
+        assert self.outputs is not None  # made by _ensure_reader
         return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:

@@ -125,8 +125,6 @@ class RayEngine(_EngineProcess):
 
         ray = self.ray = import_ray()
         self.engine_index = engine_index
-        self.tmpdir = None
-        self.proc = None
         self._run_ref: Any = None
         self.actor: Any = None
         host = config.parallel.data_parallel_host
@@ -189,6 +187,9 @@ class RayEngine(_EngineProcess):
             except Exception as exc:  # RayActorError when the process was killed
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return f"the engine core actor (pid {self.pid}, node {self.node_id[:12]}) ended: {reason}"
+
+    def early_exit_text(self) -> str:
+        return self.exit_text()
 
     def wait_exit(self, timeout: float) -> None:
         if self._run_ref is not None:

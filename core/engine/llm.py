@@ -304,10 +304,14 @@ class LLM:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on every worker; one result per rank."""
-        return self.engine_client.call_utility("collective_rpc", method, timeout, args, kwargs)
+        results: list[Any] = self.engine_client.call_utility(
+            "collective_rpc", method, timeout, args, kwargs
+        )
+        return results
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_client.call_utility("reset_prefix_cache")
+        reset: bool = self.engine_client.call_utility("reset_prefix_cache")
+        return reset
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

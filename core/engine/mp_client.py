@@ -60,13 +60,20 @@ def _dead_message(proc: subprocess.Popen[bytes]) -> str:
     )
 
 
-def _cleanup(proc, ctx, sockets, tmpdir: str) -> None:
+def _cleanup(
+    proc: subprocess.Popen[bytes],
+    ctx: zmq.Context[Any],
+    sockets: list[zmq.Socket[Any]],
+    tmpdir: str,
+) -> None:
     """Runs at shutdown, garbage collection or interpreter exit: no zombie is left."""
     _cleanup_engine(proc, sockets, tmpdir)
     ctx.term()
 
 
-def _cleanup_engine(proc, sockets, tmpdir: str) -> None:
+def _cleanup_engine(
+    proc: subprocess.Popen[bytes], sockets: list[zmq.Socket[Any]], tmpdir: str
+) -> None:
     if proc.poll() is None:
         proc.terminate()
     try:
@@ -106,6 +113,7 @@ class _EngineProcess:
             process_group=0,
             env=env,
         )
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()
 
@@ -125,7 +133,7 @@ class _EngineProcess:
                 break
             waited += LIVENESS_POLL_MS / 1000
             if not self.is_alive():
-                raise EngineDeadError(_describe_early_exit(self.proc.returncode))
+                raise EngineDeadError(self.early_exit_text())
             if waited > timeout:
                 raise EngineCoreError(f"the engine core was not ready within {timeout:.0f} s")
         frames = self.output_socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -136,7 +144,12 @@ class _EngineProcess:
             raise EngineCoreError(f"the engine core failed to start: {bytes(frames[1]).decode()}")
         if bytes(frames[0]) != HANDSHAKE_READY:
             raise EngineCoreError("unexpected first message from the engine core")
-        return MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+        ready: EngineCoreReadyResponse = MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+        return ready
+
+    def early_exit_text(self) -> str:
+        """Why the engine is gone before its handshake."""
+        return _describe_early_exit(self.proc.returncode)
 
     def wait_exit(self, timeout: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -309,9 +322,11 @@ class AsyncMPClient(_MPClientBase):
             if outputs.engine_dead is not None:
                 self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
                 return
+            assert self.outputs is not None  # made by _ensure_reader, which started this task
             self.outputs.put_nowait(outputs)
 
     def _fail(self, error: EngineDeadError) -> None:
+        assert self.outputs is not None  # made by _ensure_reader, which started the reader
         self.outputs.put_nowait(error)
         for future in self._utility_futures.values():
             if not future.done():
@@ -323,6 +338,7 @@ class AsyncMPClient(_MPClientBase):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
+        assert self.outputs is not None  # made by _ensure_reader
         return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -357,7 +373,7 @@ def _resolve(future: Any, utility_output: Any) -> None:
         future.set_result(utility_output.result)
 
 
-def take_output(outputs: queue.Queue[Any]) -> EngineCoreOutputs:
+def take_output(outputs: queue.Queue[EngineCoreOutputs | EngineDeadError]) -> EngineCoreOutputs:
     """The next output; a dead-engine error stays queued so every later call raises it."""
     item = outputs.get()
     if isinstance(item, EngineDeadError):
@@ -366,7 +382,9 @@ def take_output(outputs: queue.Queue[Any]) -> EngineCoreOutputs:
     return item
 
 
-async def take_output_async(outputs: asyncio.Queue[Any]) -> EngineCoreOutputs:
+async def take_output_async(
+    outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError],
+) -> EngineCoreOutputs:
     """:func:`take_output` for an asyncio queue."""
     item = await outputs.get()
     if isinstance(item, EngineDeadError):

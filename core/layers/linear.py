@@ -90,7 +90,8 @@ class LinearBase(nn.Module):
         self.weight_loader(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+        output: torch.Tensor = self.linear_method.apply(self, x, self.bias)
+        return output
 
 
 class ColumnParallelLinear(LinearBase):
@@ -214,7 +215,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """``silu(gate) * up`` of this gated projection of ``x`` in one pass, where the
         linear method computes the activation as it stores; None elsewhere (project,
         then apply :class:`enginecore.layers.SiluAndMul`)."""
-        return self.linear_method.apply_silu_and_mul(self, x, self.bias)
+        output: torch.Tensor | None = self.linear_method.apply_silu_and_mul(self, x, self.bias)
+        return output
 
 
 def _cumsum(values: Sequence[int]) -> list[int]:

@@ -205,4 +205,5 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        output: torch.Tensor = self.experts(x, self.gate(x))
+        return output

@@ -81,4 +81,5 @@ def select_linear_method(
     ]
     if not candidates:
         raise ConfigError(f"no linear method supports {dtype} on {device}")
-    return max(candidates, key=lambda c: c[0])[2]
+    best_class: type[LinearMethod] = max(candidates, key=lambda c: c[0])[2]
+    return best_class

@@ -13,7 +13,8 @@ def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> 
         return f"token_id:{token_id}"
     if lp.decoded_token is not None:
         return lp.decoded_token
-    return tokenizer.decode([token_id])
+    text: str = tokenizer.decode([token_id])
+    return text
 
 
 def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple[Any, ...], list[Any]]:

@@ -69,7 +69,8 @@ class StubModelRunner(ModelRunner):
 
 
 def rank_of(worker: Any) -> int:
-    return worker.rank
+    rank: int = worker.rank
+    return rank
 
 
 def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
@@ -79,7 +80,8 @@ def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
 def raise_on_rank(worker: Any, rank: int) -> int:
     if worker.rank == rank:
         raise ValueError(f"contract failure on purpose (rank {worker.rank})")
-    return worker.rank
+    rank: int = worker.rank
+    return rank
 
 
 def record(worker: Any, value: int) -> None:
@@ -92,7 +94,8 @@ def read_log(worker: Any) -> list[int]:
 
 def sleep_for(worker: Any, seconds: float) -> int:
     time.sleep(seconds)
-    return worker.rank
+    rank: int = worker.rank
+    return rank
 
 
 def pid_of(worker: Any) -> int:

@@ -114,7 +114,8 @@ class RunningServer:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _wait_healthy(server: RunningServer) -> None:

@@ -60,7 +60,8 @@ def free_port() -> int:
     """A free TCP port on loopback (for connectors that listen)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass

@@ -58,7 +58,8 @@ class SpecDecodeProposerContract:
 
     def make(self) -> SpecDecodeProposer:
         _, cls = self._name_and_class()
-        return cls(self.make_config())
+        proposer: SpecDecodeProposer = cls(self.make_config())
+        return proposer
 
     @staticmethod
     def contexts() -> list[np.ndarray]:

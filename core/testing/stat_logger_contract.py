@@ -83,11 +83,15 @@ class StatLoggerContract:
             return self.stat_logger
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager(strict=False).registry("stat_logger").get(self.stat_logger)
+        logger_class: type = (
+            make_plugin_manager(strict=False).registry("stat_logger").get(self.stat_logger)
+        )
+        return logger_class
 
     def make_logger(self, engine_index: int = 0) -> StatLogger:
         """Build it the way the engine does; override to add set-up."""
-        return self.logger_class()(self.make_config(), engine_index)
+        stat_logger: StatLogger = self.logger_class()(self.make_config(), engine_index)
+        return stat_logger
 
     def close_logger(self, logger: StatLogger) -> None:
         """Release files or sockets; calls ``close()`` when the logger has one."""
