@@ -189,7 +189,7 @@ class _DPClientBase(EngineCoreClient):
 
     def _on_frames(self, index: int, frames: list[Any]) -> EngineCoreOutputs | None:
         """Route one message from replica ``index``; returns outputs for the frontend."""
-        outputs = self.decoder.decode(frames)
+        outputs: EngineCoreOutputs = self.decoder.decode(frames)
         outputs.engine_index = index
         if outputs.utility_output is not None:
             future = self._utility_futures.pop((index, outputs.utility_output.call_id), None)

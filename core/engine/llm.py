@@ -185,12 +185,12 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
-        params = list(params)
-        if len(params) != n:
+        params_list: list[SamplingParams] = list(params)
+        if len(params_list) != n:
             raise InvalidRequestError(
-                f"got {len(params)} SamplingParams for {n} prompts: give one or one per prompt"
+                f"got {len(params_list)} SamplingParams for {n} prompts: give one or one per prompt"
             )
-        return params
+        return params_list
 
     def _validate_all(
         self,
@@ -215,7 +215,8 @@ class LLM:
             request, text, output_kind=OutputKind.FINAL_ONLY
         ):
             self.engine_client.add_request(engine_request)
-        return request.request_id
+        request_id: str = request.request_id
+        return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

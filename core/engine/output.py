@@ -191,6 +191,7 @@ class RequestState:
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
         entries: list[dict[int, Logprob] | None] = [None]
         scored = out.prompt_logprobs
+        assert scored is not None  # called only for an output that carries them
         for ids, lps, rank in zip(scored.token_ids, scored.logprobs, scored.ranks, strict=True):
             entry: dict[int, Logprob] = {}
             for pos, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
@@ -351,7 +352,7 @@ class OutputProcessor:
             parent = self.parents.pop(rid, None)
             if parent is not None:
                 for child in parent.children:
-                    if child is not None and self.states.pop(child.request_id, None):
+                    if child is not None and self.states.pop(child.request_id, None) is not None:
                         engine_ids.append(child.request_id)
             elif self.states.pop(rid, None) is not None:
                 engine_ids.append(rid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -47,7 +48,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
     client = httpx.AsyncClient(timeout=timeout)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         await client.aclose()
 
@@ -92,7 +93,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
             except httpx.HTTPError as exc:
                 return _error(502, f"decode instance {decode_url} unreachable: {exc}")
 
-            async def relay():
+            async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in response.aiter_raw():
                         yield chunk

@@ -67,7 +67,7 @@ def _structured_outputs_field(req: SamplingFields) -> dict[str, Any] | None:
             "json, json_object, regex, choice, grammar)",
             param="structured_outputs",
         )
-    fields = {
+    fields: dict[str, Any] = {
         key: value
         for key, value in (
             ("json", spec.json_),

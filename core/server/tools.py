@@ -200,7 +200,10 @@ class ChoiceToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.called = False
-        self._auto = ToolCallStream(plan.parser) if plan.mode == "auto" else None
+        self._auto: ToolCallStream | None = None
+        if plan.mode == "auto":
+            assert plan.parser is not None  # an "auto" plan always has its parser
+            self._auto = ToolCallStream(plan.parser)
         self._buffer = ""
         self._named_id: str | None = None
 

@@ -80,8 +80,8 @@ def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
 def raise_on_rank(worker: Any, rank: int) -> int:
     if worker.rank == rank:
         raise ValueError(f"contract failure on purpose (rank {worker.rank})")
-    rank: int = worker.rank
-    return rank
+    own_rank: int = worker.rank
+    return own_rank
 
 
 def record(worker: Any, value: int) -> None:
