@@ -115,7 +115,7 @@ class Attention(nn.Module):
         connector = ctx.kv_connector
         if connector is not None and kv_cache is not None:
             connector.wait_for_layer_load(kv_cache)
-            out = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+            out: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
             connector.save_layer(kv_cache)
             return out
         output: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
