@@ -177,7 +177,7 @@ def resolve_demo(args: argparse.Namespace) -> None:
 
 
 def interpreter(system: str, args: argparse.Namespace) -> str:
-    overrides = dict(args.python)
+    overrides: dict[str, str] = dict(args.python)
     if system in overrides:
         return overrides[system]
     if system == OURS:

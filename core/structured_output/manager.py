@@ -78,6 +78,7 @@ class StructuredOutputManager:
 
     def _compile(self, request: Request) -> Future[Any]:
         spec = request.sampling_params.structured_output
+        assert spec is not None  # only requests with a constraint are compiled
         key = grammar_key(spec)
         future = self._cache.get(key)
         if future is not None:
@@ -224,5 +225,7 @@ def compile_error_message(request: Request, exc: BaseException) -> str:
     """What the user sees when a grammar cannot be built: the backend's own message."""
     if isinstance(exc, InvalidRequestError):
         return str(exc)
-    kind = grammar_key(request.sampling_params.structured_output)[0]
+    spec = request.sampling_params.structured_output
+    assert spec is not None  # only requests with a constraint are compiled
+    kind = grammar_key(spec)[0]
     return f"the {kind} constraint could not be compiled: {type(exc).__name__}: {exc}"
