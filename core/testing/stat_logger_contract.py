@@ -29,7 +29,7 @@ def finished_request(request_id: str, **extra: Any) -> Any:
 
     return FinishedRequestStats(
         request_id=request_id,
-        finish_reason=FinishReason.STOP,
+        finish_reason=str(FinishReason.STOP),
         num_prompt_tokens=7,
         num_generation_tokens=3,
         e2e_latency=0.5,
@@ -69,7 +69,7 @@ def sample_steps() -> list[tuple[SchedulerStats | None, IterationStats | None]]:
 class StatLoggerContract:
     """Subclass and set ``stat_logger`` (a registered name or the class)."""
 
-    stat_logger: ClassVar[Any] = "logging"
+    stat_logger: ClassVar[str | type] = "logging"
     #: flat config keys to set
     config_overrides: ClassVar[dict[str, Any]] = {}
 
