@@ -172,6 +172,8 @@ class RequestState:
         return None, len(new_ids)
 
     def _add_logprobs(self, out: EngineCoreOutput, num_tokens: int) -> None:
+        # Called only for a request that asked for logprobs: both are set.
+        assert self.logprobs is not None and self.cumulative_logprob is not None
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
         for ids, lps, rank in zip(
             (out.new_logprob_token_ids or [])[:num_tokens],
@@ -184,8 +186,8 @@ class RequestState:
                 if token_id in entry:
                     continue
                 entry[token_id] = Logprob(lp, rank if pos == 0 else pos, decode(token_id))
-            self.logprobs.append(entry)  # type: ignore[union-attr]
-            self.cumulative_logprob += lps[0] if lps else 0.0  # type: ignore[operator]
+            self.logprobs.append(entry)
+            self.cumulative_logprob += lps[0] if lps else 0.0
 
     def _set_prompt_logprobs(self, out: EngineCoreOutput) -> None:
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
