@@ -31,9 +31,9 @@ from enginecore.layers import (
     load_params,
     pp_layer_range,
     rope_parameters,
-    set_weight_attrs,
     vocab_parallel_logits,
 )
+from enginecore.layers.weights import set_weight_attrs
 
 _SLIDING = "sliding_attention"
 

@@ -21,9 +21,9 @@ from enginecore.layers import (
     AttentionContext,
     RotaryEmbedding,
     default_weight_loader,
-    set_weight_attrs,
     tp_all_reduce,
 )
+from enginecore.layers.weights import set_weight_attrs
 
 
 class Olmo2RMSNorm(nn.Module):

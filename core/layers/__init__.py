@@ -32,12 +32,7 @@ from enginecore.layers.norm import LayerNorm, RMSNorm
 from enginecore.layers.parallel import divide, tp_all_gather_last_dim, tp_all_reduce
 from enginecore.layers.pipeline import PPMissingLayer, pp_layer_range
 from enginecore.layers.rotary import RotaryEmbedding, rope_parameters
-from enginecore.layers.weights import (
-    MissingWeightsError,
-    default_weight_loader,
-    load_params,
-    set_weight_attrs,
-)
+from enginecore.layers.weights import MissingWeightsError, default_weight_loader, load_params
 
 __all__ = [
     "Attention",
@@ -65,7 +60,6 @@ __all__ = [
     "load_params",
     "pp_layer_range",
     "rope_parameters",
-    "set_weight_attrs",
     "tp_all_gather_last_dim",
     "tp_all_reduce",
     "use_linear_method",
