@@ -108,6 +108,7 @@ class Worker(WorkerABC):
         self.plugin_host = plugin_host
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
+        # The interface's Worker always has a runner; this one has it after load_model.
         self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
         # CPU torch threads (set by init_device): per step, and for large prefill steps,

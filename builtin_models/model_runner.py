@@ -455,6 +455,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 sample_rows.extend(range(cu, cu + n))
                 cu += n
                 sample_req_ids.append(state.req_id)
+                # Drafts come only from a drafter, which makes verify a list.
                 verify.append(drafts)  # type: ignore[union-attr]
                 continue
             if end > len(state.token_ids):

@@ -8,6 +8,7 @@ state. A mixin of :class:`TorchModelRunner`, kept apart so each file reads on it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +162,7 @@ class SamplingPhase:
                 for state, d in zip(states, drafts, strict=True):
                     first_rows[row] = state.req_id
                     row += len(d) + 1
-                self._apply_grammar(logits, first_rows, grammar_output)  # type: ignore[arg-type]
+                self._apply_grammar(logits, first_rows, grammar_output)
             generators = [s.generator for s in states]
             streams = SeededStreams(generators, drafts)
             meta = build_sampling_metadata(
@@ -239,7 +240,7 @@ class SamplingPhase:
         )
 
     def _apply_grammar(
-        self, logits: torch.Tensor, sample_req_ids: list[str], grammar: GrammarOutput
+        self, logits: torch.Tensor, sample_req_ids: Sequence[str | None], grammar: GrammarOutput
     ) -> None:
         row_of = {r: i for i, r in enumerate(sample_req_ids)}
         mask_rows, logit_rows = [], []

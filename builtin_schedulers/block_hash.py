@@ -50,6 +50,8 @@ def builtin_block_hash(
     return hash((NONE_HASH_BUILTIN if parent is None else parent, tuple(token_ids), extra))
 
 
+# BlockHash is bytes or int; each function takes and returns one kind, which the
+# Callable type cannot say.
 HASH_FUNCTIONS: dict[str, BlockHashFn] = {
     "sha256": sha256_block_hash,  # type: ignore[dict-item]
     "builtin": builtin_block_hash,  # type: ignore[dict-item]

@@ -131,13 +131,14 @@ class KVCacheManager:
             pool = self.block_pool
             # Free hit blocks leave the free list when touched, so they count against it.
             num_free = pool.free_queue.num_free
+            # num_hits > 0: new_computed_blocks is a non-empty list.
             if num_hits:
                 num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # type: ignore[union-attr]
             if num_new_blocks > num_free:
                 if not blocks:
                     del self._reqs[request.request_id]
                 return None
-            if num_hits:
+            if num_hits:  # new_computed_blocks is a non-empty list (as above)
                 pool.touch(new_computed_blocks)  # type: ignore[arg-type]
                 blocks.extend(new_computed_blocks)  # type: ignore[arg-type]
                 state.num_cached = max(state.num_cached, len(blocks))

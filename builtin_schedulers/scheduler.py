@@ -271,7 +271,7 @@ class DefaultScheduler(Scheduler):
             scheduled_running.append(request)
             running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
             if drafts:
-                spec_tokens[request.request_id] = drafts  # type: ignore[assignment]
+                spec_tokens[request.request_id] = drafts
                 num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -472,6 +472,7 @@ class DefaultScheduler(Scheduler):
             return False
         self.waiting.pop()
         request.num_computed_tokens = num_hit
+        # Remote KV is only loaded with a connector.
         self.connector.update_state_after_alloc(  # type: ignore[union-attr]
             request, kv.get_block_ids(request.request_id), num_external
         )
@@ -603,6 +604,7 @@ class DefaultScheduler(Scheduler):
                     from_running = True
                 else:
                     from_waiting = True  # preempted: an in-flight output stopped it
+                # status is 0 (none) or a finished RequestStatus: here the latter.
                 request.status = status  # type: ignore[assignment]
                 output.finish_reason = _FINISH_REASON[status]
                 output.stop_reason = request.stop_reason
@@ -632,6 +634,7 @@ class DefaultScheduler(Scheduler):
         """Failed transfers fail their request; finished loads resume theirs, recomputing
         from the first invalid block. Returns running requests that must be recomputed
         (a synchronous load into them was invalid)."""
+        # A KVConnectorOutput comes only from a connector.
         self.connector.update_connector_output(out)  # type: ignore[union-attr]
         kv = self.kv_cache_manager
         bs = self.block_size

@@ -66,7 +66,7 @@ class _HeapView(Sequence):
     def __len__(self) -> int:
         return len(self._heap)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [entry[2] for entry in self._heap[index]]
         return self._heap[index][2]

@@ -4,7 +4,7 @@ replica's latest step; KV cache usage averaged), beside each replica's own line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger, logger
 from enginecore.interfaces import IterationStats
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class AggregatedLoggingStatLogger(LoggingStatLogger):
     """Records every replica's stats; ``log()`` writes ``Engines 000-00N: ...``."""
 
-    def __init__(self, config: EngineConfig, engine_indexes: list[int], **kwargs) -> None:
+    def __init__(self, config: EngineConfig, engine_indexes: list[int], **kwargs: Any) -> None:
         super().__init__(config, 0, **kwargs)
         self.engine_indexes = list(engine_indexes)
         self.latest: dict[int, SchedulerStats] = {}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from enginecore.hookspecs import hookimpl
 from enginecore.registry import Registry
 
 
 @hookimpl(trylast=True)
-def register_stat_loggers(registry: Registry) -> None:
+def register_stat_loggers(registry: Registry[Any]) -> None:
     # Lazy references: prometheus-client is imported only when "prometheus" is selected.
     registry.add(
         "logging",

@@ -75,7 +75,7 @@ _GEMMA: dict[str, Any] = dict(
 def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
     import transformers as tf
 
-    base = {**_SMALL_ARCH, **common}
+    base: dict[str, Any] = {**_SMALL_ARCH, **common}
     if arch == "qwen3":
         return tf.Qwen3Config(**base, tie_word_embeddings=False)
     if arch == "qwen3_moe":
@@ -105,7 +105,7 @@ def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
             "short_factor": [1.0 + i / half for i in range(half)],
             "long_factor": [2.0 + i / half for i in range(half)],
         }
-        rope = {} if "rope_parameters" in base else {"rope_scaling": longrope}
+        rope: dict[str, Any] = {} if "rope_parameters" in base else {"rope_scaling": longrope}
         return tf.Phi3Config(
             **base, **rope, original_max_position_embeddings=512, tie_word_embeddings=False
         )

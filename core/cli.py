@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import get_args
 
-from enginecore.config import add_config_flags, config_from_args
+from enginecore.config import EngineConfig, add_config_flags, config_from_args
 from enginecore.errors import EngineCoreError
 
 
@@ -24,7 +24,7 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool)
     add_config_flags(parser)
 
 
-def _resolve_config(args: argparse.Namespace):
+def _resolve_config(args: argparse.Namespace) -> EngineConfig:
     if getattr(args, "model_path", None):
         args.model = args.model_path
     return config_from_args(args)
@@ -222,7 +222,8 @@ BENCHMARKS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(BENCHMARKS[args.bench_command][0]).run(args)
+    code: int = importlib.import_module(BENCHMARKS[args.bench_command][0]).run(args)
+    return code
 
 
 # --- entry point ----------------------------------------------------------------------

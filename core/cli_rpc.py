@@ -48,7 +48,8 @@ def call_rpc(
     )
     try:
         with urllib.request.urlopen(request, timeout=(timeout or 60) + 10) as response:
-            return json.loads(response.read())["results"]
+            results: list[Any] = json.loads(response.read())["results"]
+            return results
     except urllib.error.HTTPError as exc:
         detail = _error_message(exc)
         if exc.code == 404:
@@ -72,7 +73,8 @@ def call_rpc(
 def _error_message(exc: urllib.error.HTTPError) -> str:
     raw = exc.read().decode(errors="replace")
     try:
-        return json.loads(raw)["error"]["message"]
+        message: str = json.loads(raw)["error"]["message"]
+        return message
     except (ValueError, KeyError, TypeError):
         return raw.strip() or exc.reason
 
@@ -101,7 +103,7 @@ def cmd_rpc(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_rpc_parser(sub: argparse._SubParsersAction) -> None:
+def add_rpc_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "rpc",
         help="call a worker RPC (memory_snapshot, kv_cache_stats, ...) on a running server",

@@ -320,7 +320,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
+        data: dict[str, Any] = msgspec.to_builtins(self)
+        return data
 
     def replace(self, **flat: Any) -> EngineConfig:
         """A copy with some flat-named fields changed (validated like any other input)."""

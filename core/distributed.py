@@ -90,7 +90,8 @@ def free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the rendezvous of one executor's ranks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def resolve_device_type(wanted: str) -> str:

@@ -28,6 +28,8 @@ class PluginLoadError(PluginError):
 class DuplicateRegistrationError(PluginError):
     """Two plugins registered the same component name without ``override=True``."""
 
+    plugin: str  # the plugin whose registration was refused
+
 
 class UnknownComponentError(PluginError, ConfigError):
     """The config selects a component name that no loaded plugin registered."""

@@ -65,7 +65,7 @@ def plugin_api_versions() -> str | None:
 
 
 @hookspec
-def register_schedulers(registry: Registry) -> None:
+def register_schedulers(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.Scheduler` implementations.
 
     Call ``registry.add(name, factory, summary="...")`` where ``factory`` is the class or a
@@ -79,7 +79,7 @@ def register_schedulers(registry: Registry) -> None:
 
 
 @hookspec
-def register_scheduling_policies(registry: Registry) -> None:
+def register_scheduling_policies(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.SchedulingPolicy` implementations.
 
     A policy decides the order of the waiting queue (``sort_key``), whether a request may
@@ -91,7 +91,7 @@ def register_scheduling_policies(registry: Registry) -> None:
 
 
 @hookspec
-def register_executors(registry: Registry) -> None:
+def register_executors(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.Executor` implementations.
 
     Selected by ``parallel.executor`` (flat name ``executor``). Built in: ``"uni"``,
@@ -102,7 +102,7 @@ def register_executors(registry: Registry) -> None:
 
 
 @hookspec
-def register_model_runners(registry: Registry) -> None:
+def register_model_runners(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.ModelRunner` implementations.
 
     Selected by ``model.runner`` (flat name ``runner``; default ``"torch"``). The runner is
@@ -111,7 +111,7 @@ def register_model_runners(registry: Registry) -> None:
 
 
 @hookspec
-def register_models(registry: Registry) -> None:
+def register_models(registry: Registry[Any]) -> None:
     """Register model classes by Hugging Face architecture name.
 
     The name is the string in the checkpoint's ``config.json`` ``architectures`` list, for
@@ -128,7 +128,7 @@ def register_models(registry: Registry) -> None:
 
 
 @hookspec
-def register_attention_backends(registry: Registry) -> None:
+def register_attention_backends(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.AttentionBackend` classes by name.
 
     A backend owns the KV cache layout, builds its per-step metadata from the runner's
@@ -150,7 +150,7 @@ def register_attention_backends(registry: Registry) -> None:
 
 
 @hookspec
-def register_linear_methods(registry: Registry) -> None:
+def register_linear_methods(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.LinearMethod` classes by name.
 
     A linear method owns how a projection's weights are stored and multiplied:
@@ -168,7 +168,7 @@ def register_linear_methods(registry: Registry) -> None:
 
 
 @hookspec
-def register_kv_connectors(registry: Registry) -> None:
+def register_kv_connectors(registry: Registry[Any]) -> None:
     """Register KV connectors by name.
 
     The factory (:class:`enginecore.interfaces.KVConnectorFactory`) returns an object
@@ -184,7 +184,7 @@ def register_kv_connectors(registry: Registry) -> None:
 
 
 @hookspec
-def register_stat_loggers(registry: Registry) -> None:
+def register_stat_loggers(registry: Registry[Any]) -> None:
     """Register :class:`enginecore.interfaces.StatLogger` implementations.
 
     Selected by the list ``observability.stat_loggers`` (built in: ``"logging"``,
@@ -194,7 +194,7 @@ def register_stat_loggers(registry: Registry) -> None:
 
 
 @hookspec
-def register_worker_rpcs(registry: Registry) -> None:
+def register_worker_rpcs(registry: Registry[Any]) -> None:
     """Register named functions callable on every worker through ``collective_rpc(name)``.
 
     The factory is a function ``fn(worker, *args, **kwargs)``; it runs inside each worker
@@ -207,7 +207,7 @@ def register_worker_rpcs(registry: Registry) -> None:
 
 
 @hookspec
-def register_structured_output_backends(registry: Registry) -> None:
+def register_structured_output_backends(registry: Registry[Any]) -> None:
     """Register grammar backends for constrained decoding.
 
     The factory is a :class:`enginecore.interfaces.StructuredOutputBackend` subclass,
@@ -220,7 +220,7 @@ def register_structured_output_backends(registry: Registry) -> None:
 
 
 @hookspec
-def register_spec_decode_proposers(registry: Registry) -> None:
+def register_spec_decode_proposers(registry: Registry[Any]) -> None:
     """Register draft-token proposers for speculative decoding.
 
     The factory is a :class:`enginecore.interfaces.SpecDecodeProposer` subclass (or a lazy
@@ -235,7 +235,7 @@ def register_spec_decode_proposers(registry: Registry) -> None:
 
 
 @hookspec
-def register_tool_parsers(registry: Registry) -> None:
+def register_tool_parsers(registry: Registry[Any]) -> None:
     """Register tool-call parsers for ``/v1/chat/completions`` by name.
 
     The factory is called as ``factory(tokenizer)`` once per request and returns an

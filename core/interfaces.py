@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 import msgspec
 
@@ -181,11 +181,11 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
 FailureCallback = Callable[[str], None]
 
 
-def map_future(future: Future, fn: Callable[[Any], Any]) -> Future:
+def map_future(future: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
     """A Future of ``fn(result)``, or of the same exception."""
-    mapped: Future = Future()
+    mapped: Future[Any] = Future()
 
-    def done(source: Future) -> None:
+    def done(source: Future[Any]) -> None:
         try:
             value = fn(source.result())
         except BaseException as exc:
@@ -227,11 +227,11 @@ class Executor(ABC):
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-    ) -> list[Any] | Any | Future:
+    ) -> Any:
         """Call ``method`` on every rank; one result per rank (or only ``unique_reply_rank``'s).
 
         ``method`` is a Worker method name, a name registered by ``register_worker_rpcs``,
@@ -239,15 +239,41 @@ class Executor(ABC):
         call raise an error that names the rank. ``non_block`` returns a Future.
         """
 
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[Any]: ...
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput | None: ...
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future | None:
-        return self._step_call("execute_model", scheduler_output, non_block)
+    ) -> ModelRunnerOutput | Future[Any] | None:
+        output: ModelRunnerOutput | Future[Any] | None = self._step_call(
+            "execute_model", scheduler_output, non_block
+        )
+        return output
+
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[True]
+    ) -> Future[Any]: ...
+
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput: ...
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        return self._step_call("sample_tokens", grammar_output, non_block)
+    ) -> ModelRunnerOutput | Future[Any]:
+        output: ModelRunnerOutput | Future[Any] = self._step_call(
+            "sample_tokens", grammar_output, non_block
+        )
+        return output
 
     @property
     def kv_output_aggregator(self) -> Any:
@@ -271,21 +297,27 @@ class Executor(ABC):
                 method, args=(arg,), non_block=non_block, unique_reply_rank=self.output_rank
             )
         result = self.collective_rpc(method, args=(arg,), non_block=non_block)
-        fold = lambda outputs: aggregator.merge_outputs(outputs, self.output_rank)  # noqa: E731
+
+        def fold(outputs: list[ModelRunnerOutput]) -> Any:
+            return aggregator.merge_outputs(outputs, self.output_rank)
+
         if not non_block:
             return fold(result)
         return map_future(result, fold)
 
     def determine_available_memory(self) -> list[int]:
         """Bytes each rank can give the KV cache (after a profiling forward pass)."""
-        return self.collective_rpc("determine_available_memory")
+        available: list[int] = self.collective_rpc("determine_available_memory")
+        return available
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes on the rank that needs the most."""
-        return max(self.collective_rpc("get_kv_cache_block_bytes"))
+        block_bytes: list[int] = self.collective_rpc("get_kv_cache_block_bytes")
+        return max(block_bytes)
 
     def get_max_model_len(self) -> int:
-        return self.collective_rpc("get_max_model_len", unique_reply_rank=0)
+        max_model_len: int = self.collective_rpc("get_max_model_len", unique_reply_rank=0)
+        return max_model_len
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_cache", args=(num_blocks,))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from enginecore import interfaces
 from enginecore.plugins import COMPONENT_HOOKS, LIFECYCLE_HOOKS, PluginHost, PluginRecord
@@ -61,7 +61,8 @@ def _check_component(kind: str, name: str, obj: Any) -> str | None:
                 f"enginecore.interfaces.{base.__name__}"
             )
         if inspect.isabstract(obj):
-            missing = ", ".join(sorted(obj.__abstractmethods__))
+            # inspect.isabstract: the class has __abstractmethods__, which `type` lacks.
+            missing = ", ".join(sorted(cast(Any, obj).__abstractmethods__))
             return (
                 f"{kind.replace('_', ' ')} {name!r} ({obj.__qualname__}) does not implement "
                 f"the abstract methods {missing} of {base.__name__}"
@@ -69,10 +70,10 @@ def _check_component(kind: str, name: str, obj: Any) -> str | None:
         return None
     if kind == "kv_connector":
         factory = obj
-        missing = [m for m in ("scheduler_side", "worker_side") if not hasattr(factory, m)]
-        if missing:
+        lacking = [m for m in ("scheduler_side", "worker_side") if not hasattr(factory, m)]
+        if lacking:
             return (
-                f"KV connector {name!r} ({obj!r}) lacks {', '.join(missing)}: its factory "
+                f"KV connector {name!r} ({obj!r}) lacks {', '.join(lacking)}: its factory "
                 "must build the two halves (scheduler_side(config), worker_side(config, rank))"
             )
         return None
@@ -139,7 +140,7 @@ def _post_mortem(host: PluginHost, record: PluginRecord) -> list[str]:
         kind = kinds.get(attr)
         if kind is None:
             continue  # an observer: nothing to run
-        scratch: Registry = Registry(kind=kind.replace("_", " "))
+        scratch: Registry[Any] = Registry(kind=kind.replace("_", " "))
         token = providing_plugin.set(record.name)
         try:
             function(**{a: scratch for a in argnames})

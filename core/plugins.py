@@ -186,7 +186,7 @@ class PluginHost:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
-        self._registries: dict[str, Registry] = {}
+        self._registries: dict[str, Registry[Any]] = {}
         self._blamed: list[tuple[BaseException, str]] = []
         if self.selection.trace:
             self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[enginecore] {msg}"))
@@ -288,14 +288,18 @@ class PluginHost:
             for impl in caller.get_hookimpls():
                 if impl.plugin is not plugin:
                     continue
+                function = impl.function
                 if self.selection.trace:
-                    impl.function = _traced(impl.function, name, caller.name)
+                    function = _traced(function, name, caller.name)
                 if impl.wrapper or impl.hookwrapper:
-                    impl.function = _bound_wrapper(impl.function, name, self._blame)
+                    function = _bound_wrapper(function, name, self._blame)
                 elif caller.name in LIFECYCLE_HOOKS:
-                    impl.function = _bound_observer(impl.function, name, caller.name)
+                    function = _bound_observer(function, name, caller.name)
                 else:
-                    impl.function = _bound_call(impl.function, name, self._blame)
+                    function = _bound_call(function, name, self._blame)
+                # pluggy declares HookImpl.function Final; rebinding it is how every call
+                # of the plugin's hooks learns the plugin's name.
+                impl.function = function  # type: ignore[misc]
 
     def _blame(self, exc: BaseException, plugin: str) -> None:
         """Remember the first plugin ``exc`` passed through (the one that raised it)."""
@@ -380,7 +384,7 @@ class PluginHost:
     def failed(self) -> list[PluginRecord]:
         return [r for r in self.records.values() if not r.loaded]
 
-    def registry(self, kind: str) -> Registry:
+    def registry(self, kind: str) -> Registry[Any]:
         """The registry of one component kind (see :data:`COMPONENT_HOOKS`), built once."""
         registry = self._registries.get(kind)
         if registry is None:
@@ -388,7 +392,7 @@ class PluginHost:
             self._registries[kind] = registry
         return registry
 
-    def _build_registry(self, kind: str) -> Registry:
+    def _build_registry(self, kind: str) -> Registry[Any]:
         self._build_all()
         return self._registries[kind]
 
@@ -400,7 +404,7 @@ class PluginHost:
         """
         load_order = {name: i for i, name in enumerate(self.records)}
         while True:
-            registries = {
+            registries: dict[str, Registry[Any]] = {
                 kind: Registry(kind=kind.replace("_", " "), load_order=load_order)
                 for kind in COMPONENT_HOOKS
             }
@@ -421,21 +425,23 @@ class PluginHost:
                     self._blamed = []
             if failure is None:
                 break
-            culprit, hook_name, exc = failure
-            self._fail(self.records[culprit], f"raised in {hook_name}: {exception_line(exc)}", exc)
+            culprit, hook_name, error = failure
+            self._fail(
+                self.records[culprit], f"raised in {hook_name}: {exception_line(error)}", error
+            )
         for record in self.records.values():
             record.registered = {}
         for kind, registry in registries.items():
             for name, entry in registry.entries.items():
-                record = self.records.get(entry.plugin)
-                if record is not None:
-                    record.registered.setdefault(kind, []).append(name)
+                owner = self.records.get(entry.plugin)
+                if owner is not None:
+                    owner.registered.setdefault(kind, []).append(name)
             registry.failed_plugins = [r.describe() for r in self.failed]
         for record in self.records.values():
             record.registered = {k: sorted(v) for k, v in record.registered.items()}
         self._registries = registries
 
-    def all_registries(self) -> dict[str, Registry]:
+    def all_registries(self) -> dict[str, Registry[Any]]:
         return {kind: self.registry(kind) for kind in COMPONENT_HOOKS}
 
     def settings_type(self, plugin_name: str) -> type | None:

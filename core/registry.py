@@ -6,7 +6,7 @@ import contextvars
 import difflib
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -23,7 +23,7 @@ providing_plugin: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-def did_you_mean(name: str, choices: Iterator[str] | list[str]) -> str:
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """``" Did you mean 'x'?"`` for the closest choices, or ``""``."""
     close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import cloudpickle
@@ -32,7 +33,7 @@ DEFAULT_FRAME_THRESHOLD = 256  # bytes
 Frames = list[Any]  # bytes / memoryview / zmq.Frame
 
 
-def _torch():
+def _torch() -> ModuleType:
     import torch
 
     return torch
@@ -84,7 +85,7 @@ class MsgpackEncoder:
         arr = np.ascontiguousarray(arr)
         meta = (arr.dtype.str, arr.shape)
         if arr.nbytes >= self.frame_threshold and self._aux is not None:
-            self._aux.append(memoryview(arr).cast("B"))
+            self._aux.append(arr.data.cast("B"))
             index = len(self._aux)  # frame index in the multipart message
             return msgspec.msgpack.Ext(frame_code, msgspec.msgpack.encode((*meta, index)))
         return msgspec.msgpack.Ext(inline_code, msgspec.msgpack.encode((*meta, arr.tobytes())))
@@ -124,7 +125,7 @@ class MsgpackDecoder:
         finally:
             self._frames = ()
 
-    def _array(self, data: bytes, framed: bool) -> np.ndarray:
+    def _array(self, data: bytes | memoryview, framed: bool) -> np.ndarray:
         dtype, shape, payload = msgspec.msgpack.decode(data)
         buf = _buffer(self._frames[payload]) if framed else payload
         return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)

@@ -47,7 +47,9 @@ def describe_provider(host: Any, kind: str, name: str) -> tuple[str, str]:
     return f"{kind.replace('_', ' ')} {name!r} from plugin {origin}", entry.plugin
 
 
-def build_component(host: Any, kind: str, name: str, factory: Callable[..., T], *args, **kw) -> T:
+def build_component(
+    host: Any, kind: str, name: str, factory: Callable[..., T], *args: Any, **kw: Any
+) -> T:
     """``factory(*args, **kw)``; a non-enginecore exception becomes a ComponentStartupError.
 
     When the providing plugin declares a settings type, the factory also gets

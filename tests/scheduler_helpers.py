@@ -76,7 +76,7 @@ def make_request(
     return Request(
         request_id,
         list(prompt_token_ids),
-        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]  # any fields
         eos_token_id=EOS_TOKEN_ID,
         arrival_time=0.0,
         seq_no=seq_no,

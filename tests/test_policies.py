@@ -90,5 +90,5 @@ def test_plugin_registers_default_scheduler_and_policies_lazily():
 
 def test_plugin_hooks_are_trylast_hookimpls():
     for fn in (plugin.register_schedulers, plugin.register_scheduling_policies):
-        opts = fn.enginecore_impl  # type: ignore[attr-defined]
+        opts = fn.enginecore_impl  # type: ignore[attr-defined]  # set by the hookimpl marker
         assert opts["trylast"] is True

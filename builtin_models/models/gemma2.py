@@ -33,6 +33,7 @@ from enginecore.layers import (
     rope_parameters,
     vocab_parallel_logits,
 )
+from enginecore.layers.weights import set_weight_attrs
 
 _SLIDING = "sliding_attention"
 
@@ -44,7 +45,7 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)

@@ -23,6 +23,7 @@ from enginecore.layers import (
     default_weight_loader,
     tp_all_reduce,
 )
+from enginecore.layers.weights import set_weight_attrs
 
 
 class Olmo2RMSNorm(nn.Module):
@@ -43,7 +44,7 @@ class Olmo2RMSNorm(nn.Module):
         self.eps, self.parallel = eps, parallel
         self.full_dim = full_dim or dim
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": self._load})
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         if self.full_dim != param.shape[0]:
@@ -124,6 +125,7 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2Model(LlamaModel):
+    # OLMo 2's layer takes the Llama layer's constructor arguments; it is not a subclass.
     decoder_layer_cls = Olmo2DecoderLayer  # type: ignore[assignment]
 
     def __init__(

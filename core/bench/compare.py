@@ -177,7 +177,7 @@ def resolve_demo(args: argparse.Namespace) -> None:
 
 
 def interpreter(system: str, args: argparse.Namespace) -> str:
-    overrides = dict(args.python)
+    overrides: dict[str, str] = dict(args.python)
     if system in overrides:
         return overrides[system]
     if system == OURS:
@@ -222,7 +222,7 @@ def _peer_env() -> dict[str, str]:
 # --- throughput --------------------------------------------------------------------------
 
 
-def run_throughput(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict]]:
+def run_throughput(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict[str, Any]]]:
     prompts = random_prompts(
         max(args.batch_sizes), args.input_len, vocab_size(args.model), args.seed
     )
@@ -236,7 +236,7 @@ def run_throughput(args: argparse.Namespace, systems: list[str]) -> dict[str, li
         "reps": args.reps,
         "max_model_len": args.max_model_len,
     }
-    turns: dict[str, list[dict]] = {s: [] for s in systems}
+    turns: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="enginecore-compare-") as scratch:
         spec_path = os.path.join(scratch, "spec.json")
         with open(spec_path, "w") as f:
@@ -260,7 +260,7 @@ def run_throughput(args: argparse.Namespace, systems: list[str]) -> dict[str, li
     return turns
 
 
-def _print_turn(system: str, turn: dict) -> None:
+def _print_turn(system: str, turn: dict[str, Any]) -> None:
     for point in turn["points"]:
         wall = statistics.median(point["rep_walls_s"])
         print(
@@ -270,9 +270,9 @@ def _print_turn(system: str, turn: dict) -> None:
         )
 
 
-def summarize_throughput(turns: dict[str, list[dict]]) -> dict[str, list[dict]]:
+def summarize_throughput(turns: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Per system and batch size: the median wall time over every timed run of every turn."""
-    summary: dict[str, list[dict]] = {}
+    summary: dict[str, list[dict[str, Any]]] = {}
     for system, system_turns in turns.items():
         by_batch: dict[int, list[float]] = {}
         tokens: dict[int, int] = {}
@@ -298,7 +298,8 @@ def summarize_throughput(turns: dict[str, list[dict]]) -> dict[str, list[dict]]:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def server_command(system: str, args: argparse.Namespace, port: int) -> list[str]:
@@ -312,7 +313,9 @@ def server_command(system: str, args: argparse.Namespace, port: int) -> list[str
             "--max-num-seqs", "256", "--no-enable-prefix-caching", "--seed", "0"]  # fmt: skip
 
 
-def _wait_ready(proc: subprocess.Popen, port: int, log: pathlib.Path, timeout: float) -> float:
+def _wait_ready(
+    proc: subprocess.Popen[bytes], port: int, log: pathlib.Path, timeout: float
+) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
         if proc.poll() is not None:
@@ -325,7 +328,7 @@ def _wait_ready(proc: subprocess.Popen, port: int, log: pathlib.Path, timeout: f
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     """The server and every process it started (its own process group)."""
     if proc.poll() is not None:
         return
@@ -337,7 +340,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict]]:
+def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict[str, Any]]]:
     from enginecore.bench.serving import run_load, summarize
 
     vocab = vocab_size(args.model)
@@ -346,7 +349,7 @@ def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
         rate: random_prompts(args.num_prompts, args.input_len, vocab, args.seed + i)
         for i, rate in enumerate(args.request_rates)
     }
-    turns: dict[str, list[dict]] = {s: [] for s in systems}
+    turns: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     env = {**_peer_env(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     with tempfile.TemporaryDirectory(prefix="enginecore-compare-") as scratch:
         for r in range(args.rounds):
@@ -399,11 +402,11 @@ def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[
 SERVING_METRICS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")
 
 
-def summarize_serving(turns: dict[str, list[dict]]) -> dict[str, list[dict]]:
+def summarize_serving(turns: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Per system and request rate: the median of each metric over the turns."""
-    summary: dict[str, list[dict]] = {}
+    summary: dict[str, list[dict[str, Any]]] = {}
     for system, system_turns in turns.items():
-        by_rate: dict[str, list[dict]] = {}
+        by_rate: dict[str, list[dict[str, Any]]] = {}
         for turn in system_turns:
             for point in turn["points"]:
                 by_rate.setdefault(str(point["request_rate"]), []).append(point)
@@ -438,10 +441,12 @@ def machine_line() -> str:
     return f"{model}, {os.cpu_count()} cores" + (f", {' + '.join(isa)}" if isa else "")
 
 
-def ratios(summary: dict[str, list[dict]], key: str, metric: str) -> dict[str, list[dict]]:
+def ratios(
+    summary: dict[str, list[dict[str, Any]]], key: str, metric: str
+) -> dict[str, list[dict[str, Any]]]:
     """Ours over each peer, point by point (for times, a ratio below 1 means we are faster)."""
     ours = {p[key]: p[metric] for p in summary.get(OURS, [])}
-    out: dict[str, list[dict]] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for system, points in summary.items():
         if system == OURS:
             continue
@@ -453,7 +458,9 @@ def ratios(summary: dict[str, list[dict]], key: str, metric: str) -> dict[str, l
     return out
 
 
-def build_result(args: argparse.Namespace, turns: dict[str, list[dict]]) -> dict[str, Any]:
+def build_result(
+    args: argparse.Namespace, turns: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     if args.workload == "throughput":
         summary = summarize_throughput(turns)
         result_ratios = {"output_tok_s": ratios(summary, "batch_size", "output_tok_s")}

@@ -104,7 +104,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": sum(ordered) / len(ordered), "p50": pct(50), "p99": pct(99)}
 
 
-def summarize(results: list[RequestResult], duration: float, request_rate: float) -> dict:
+def summarize(results: list[RequestResult], duration: float, request_rate: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -207,7 +207,7 @@ async def run_load(
     return list(results), duration
 
 
-def plot_sweep(summaries: list[dict], path: str) -> bool:
+def plot_sweep(summaries: list[dict[str, Any]], path: str) -> bool:
     """TTFT / TPOT p50 and output throughput against request rate; False without matplotlib."""
     try:
         import matplotlib
@@ -239,7 +239,7 @@ def plot_sweep(summaries: list[dict], path: str) -> bool:
     return True
 
 
-def format_summary(s: dict) -> str:
+def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"request rate:        {s['request_rate']}",
         f"completed / failed:  {s['completed']} / {s['failed']}",

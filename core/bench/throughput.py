@@ -205,7 +205,8 @@ def run_transformers(
     )
     if result.returncode != 0:
         raise RuntimeError(f"transformers peer failed:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    measured: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return measured
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -109,8 +109,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.collectors: dict[str, RequestOutputCollector] = {}
         self._request_counter = itertools.count()
-        self._output_task: asyncio.Task | None = None
-        self._log_task: asyncio.Task | None = None
+        self._output_task: asyncio.Task[Any] | None = None
+        self._log_task: asyncio.Task[Any] | None = None
         self._dead: EngineCoreError | None = None
         self._closed = False
         # "paused" or "asleep" while new requests would only wait: they are refused.
@@ -418,13 +418,17 @@ class AsyncLLM:
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return await self._utility("collective_rpc", method, timeout, tuple(args), kwargs)
+        results: list[Any] = await self._utility(
+            "collective_rpc", method, timeout, tuple(args), kwargs
+        )
+        return results
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._utility("reset_prefix_cache")
+        reset: bool = await self._utility("reset_prefix_cache")
+        return reset
 
     async def sleep(self, level: int = 1) -> None:
         """Pause scheduling and release device memory (level 1: KV cache; 2: weights too)."""

@@ -51,7 +51,8 @@ class RequestOutputCollector:
         self._ready.clear()
         if isinstance(item, BaseException):
             raise item
-        return item  # type: ignore[return-value]
+        assert item is not None  # called only when an item is ready
+        return item
 
 
 def _merge(pending: RequestOutput, new: RequestOutput, kind: OutputKind) -> None:

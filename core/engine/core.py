@@ -121,7 +121,7 @@ class EngineCore:
             self.scheduler, "supports_async_scheduling", False
         )
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
-        self.batch_queue: deque[tuple[Future, Future, SchedulerOutput]] = deque()
+        self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
@@ -143,7 +143,8 @@ class EngineCore:
         ref = self.components.worker_spec.kv_connector_ref
         if ref is None:
             return None
-        return import_ref(ref)().scheduler_side(self.config)
+        connector: KVConnectorScheduler = import_ref(ref)().scheduler_side(self.config)
+        return connector
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
@@ -296,16 +297,16 @@ class EngineCore:
             in_flight.update(earlier.structured_output_request_ids)
         return not in_flight.isdisjoint(ids)
 
-    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future, Future]:
+    def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future[Any], Future[Any]]:
         execute = self.executor.execute_model(scheduler_output, non_block=True)
         grammar = self._grammar_output(scheduler_output)
         sample = self.executor.sample_tokens(grammar, non_block=True)
         return execute, sample
 
     @staticmethod
-    def _result(execute: Future, sample: Future) -> ModelRunnerOutput:
-        executed = execute.result()
-        sampled = sample.result()
+    def _result(execute: Future[Any], sample: Future[Any]) -> ModelRunnerOutput:
+        executed: ModelRunnerOutput | None = execute.result()
+        sampled: ModelRunnerOutput = sample.result()
         return executed if executed is not None else sampled
 
     def _update(
@@ -373,7 +374,7 @@ class EngineCore:
         queue = self.batch_queue
         scheduled = False
         failed = self._admit_compiled()
-        deferred: tuple[Future, SchedulerOutput] | None = None
+        deferred: tuple[Future[Any], SchedulerOutput] | None = None
         if (
             self._paused != "keep"
             and len(queue) < self.batch_queue_size
@@ -433,10 +434,13 @@ class EngineCore:
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+        results: list[Any] = self.executor.collective_rpc(
+            method, args=args, kwargs=kwargs, timeout=timeout
+        )
+        return results
 
     def drain_batch_queue(self) -> list[dict[int, EngineCoreOutputs]]:
         """Finish every in-flight batch (before sleeping, pausing or shutting down)."""

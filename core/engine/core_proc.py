@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ import zmq
 from enginecore import startup_log
 from enginecore.builtin_executors.rpc import RankError
 from enginecore.config import EngineConfig
-from enginecore.engine.core import UTILITY_METHODS, EngineCore
+from enginecore.engine.core import UTILITY_METHODS, EngineCore, StepResult
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError
 from enginecore.protocol import (
@@ -148,7 +149,7 @@ class EngineCoreProc(EngineCore):
             except queue.Empty:
                 return
 
-    def _process_engine_step(self, step) -> None:
+    def _process_engine_step(self, step: Callable[[], StepResult]) -> None:
         outputs, model_executed = step()
         for client_outputs in outputs.values():
             self.output_queue.put(client_outputs.stamp())
@@ -197,7 +198,9 @@ class EngineCoreProc(EngineCore):
             [request.request_id], FinishReason.ERROR, request.client_index, rejection
         )
 
-    def _handle_utility(self, client_index: int, call_id: int, method: str, args: tuple) -> None:
+    def _handle_utility(
+        self, client_index: int, call_id: int, method: str, args: tuple[Any, ...]
+    ) -> None:
         output = UtilityOutput(call_id=call_id)
         try:
             if method not in UTILITY_METHODS:

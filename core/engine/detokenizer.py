@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from enginecore.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
@@ -22,8 +25,8 @@ class IncrementalDetokenizer:
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
-        self._stream = None
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: DecodeStream | None = None
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._ids: list[int] = []  # only for the slow path
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
@@ -39,7 +42,7 @@ class IncrementalDetokenizer:
                     pieces.append(piece)
             return "".join(pieces)
         self._ids.extend(token_ids)
-        full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
+        full: str = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
             return ""
         new, self._slow_text = full[len(getattr(self, "_slow_text", "")) :], full
@@ -74,4 +77,5 @@ class IncrementalDetokenizer:
         return max(self._max_stop_len - 1, 0)
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text: str = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

@@ -78,7 +78,10 @@ def combine_utility_results(method: str, results: list[Any]) -> Any:
 
 
 def _close_all(
-    engines: list, ctx: zmq.Context, stop_ray: bool, closing: threading.Event | None = None
+    engines: list[Any],
+    ctx: zmq.Context[Any],
+    stop_ray: bool,
+    closing: threading.Event | None = None,
 ) -> None:
     """At shutdown, garbage collection or exit: every replica stops, no zombie is left."""
     if closing is not None:
@@ -114,7 +117,7 @@ def _handshake_off_loop(engine: Any, timeout: float) -> EngineCoreReadyResponse:
 
 
 class _DPClientBase(EngineCoreClient):
-    def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context[Any]) -> None:
         par = config.parallel
         self.config = config
         self.ctx = ctx
@@ -223,9 +226,9 @@ class _DPClientBase(EngineCoreClient):
 
     # --- outputs ---------------------------------------------------------------------------
 
-    def _on_frames(self, index: int, frames: list) -> EngineCoreOutputs | None:
+    def _on_frames(self, index: int, frames: list[Any]) -> EngineCoreOutputs | None:
         """Route one message from replica ``index``; returns outputs for the frontend."""
-        outputs = self.decoder.decode(frames)
+        outputs: EngineCoreOutputs = self.decoder.decode(frames)
         outputs.engine_index = index
         if index in self.coordinator.dead:
             # Sent before it died, read after: its requests were failed or resubmitted.
@@ -399,7 +402,7 @@ class _DPClientBase(EngineCoreClient):
             raise EngineDeadError(f"data-parallel replica {engine_index} is dead")
         return [engine_index]
 
-    def _start_utility(self, index: int, method: str, args: tuple, future: Any) -> None:
+    def _start_utility(self, index: int, method: str, args: tuple[Any, ...], future: Any) -> None:
         call_id = next(self._call_ids)
         self._utility_futures[(index, call_id)] = future
         self._send(index, EngineCoreRequestType.UTILITY, (0, call_id, method, args))
@@ -495,7 +498,7 @@ class DPSyncMPClient(_DPClientBase):
         """Runs on every live replica (or only ``engine_index``); answers combined."""
         futures = []
         for index in self._utility_targets(engine_index):
-            future: Future = Future()
+            future: Future[Any] = Future()
             self._start_utility(index, method, args, future)
             futures.append(future)
         results = [f.result() for f in futures]
@@ -512,7 +515,7 @@ class DPAsyncMPClient(_DPClientBase):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config, zmq.asyncio.Context())
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._readers: list[asyncio.Task] = []
+        self._readers: list[asyncio.Task[Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _ensure_reader(self) -> None:
@@ -557,13 +560,14 @@ class DPAsyncMPClient(_DPClientBase):
             frames = await engine.output_socket.recv_multipart(copy=False)
             outputs = self._on_frames(index, frames)
             if outputs is not None:
-                self.outputs.put_nowait(outputs)
+                self._put(outputs)
 
     def get_output(self) -> EngineCoreOutputs:
         raise TypeError("DPAsyncMPClient: use 'await get_output_async()'")
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
+        assert self.outputs is not None  # made by _ensure_reader
         return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:

@@ -119,7 +119,7 @@ class RayEngine(_EngineProcess):
     def __init__(
         self,
         config: EngineConfig,
-        ctx: zmq.Context,
+        ctx: zmq.Context[Any],
         engine_index: int,
         target_node: str | None,
         use_gpu: bool,
@@ -134,8 +134,6 @@ class RayEngine(_EngineProcess):
         ray = self.ray = import_ray()
         self.engine_index = engine_index
         self.generation = next(_generations)  # a restarted replica gets fresh Ray names
-        self.tmpdir = None
-        self.proc = None
         self._run_ref: Any = None
         self.actor: Any = None
         host = config.parallel.data_parallel_host
@@ -219,6 +217,9 @@ class RayEngine(_EngineProcess):
                 reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return f"the engine core actor (pid {self.pid}, node {self.node_id[:12]}) ended: {reason}"
 
+    def early_exit_text(self) -> str:
+        return self.exit_text()
+
     def wait_exit(self, timeout: float) -> None:
         if self._run_ref is not None:
             self.ray.wait([self._run_ref], timeout=timeout)
@@ -281,7 +282,7 @@ def replicas_use_gpu(config: EngineConfig) -> bool:
     )
 
 
-def start_ray_engines(config: EngineConfig, ctx: zmq.Context) -> list[RayEngine]:
+def start_ray_engines(config: EngineConfig, ctx: zmq.Context[Any]) -> list[RayEngine]:
     """One placement group and actor per replica, spread over the nodes round-robin."""
     ray = import_ray()
     par = config.parallel

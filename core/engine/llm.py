@@ -218,12 +218,12 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
-        params = list(params)
-        if len(params) != n:
+        params_list: list[SamplingParams] = list(params)
+        if len(params_list) != n:
             raise InvalidRequestError(
-                f"got {len(params)} SamplingParams for {n} prompts: give one or one per prompt"
+                f"got {len(params_list)} SamplingParams for {n} prompts: give one or one per prompt"
             )
-        return params
+        return params_list
 
     def _validate_all(
         self,
@@ -248,7 +248,8 @@ class LLM:
             request, text, output_kind=OutputKind.FINAL_ONLY
         ):
             self.engine_client.add_request(engine_request)
-        return request.request_id
+        request_id: str = request.request_id
+        return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -282,7 +283,7 @@ class LLM:
                 progress.close()
         return [finished[rid] for rid in request_ids if rid in finished]
 
-    def _process_step(self, engine_outputs: Any) -> tuple[list, list[str]]:
+    def _process_step(self, engine_outputs: Any) -> tuple[list[Any], list[str]]:
         """Fold one step's outputs in and feed the stat loggers and ``request_finished``,
         exactly as :class:`~enginecore.AsyncLLM` does."""
         now = time.monotonic()
@@ -333,14 +334,18 @@ class LLM:
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on every worker; one result per rank."""
-        return self.engine_client.call_utility("collective_rpc", method, timeout, args, kwargs)
+        results: list[Any] = self.engine_client.call_utility(
+            "collective_rpc", method, timeout, args, kwargs
+        )
+        return results
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_client.call_utility("reset_prefix_cache")
+        reset: bool = self.engine_client.call_utility("reset_prefix_cache")
+        return reset
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -54,19 +54,26 @@ class RemoteRankError(UtilityError, RankError):
 ENGINE_ENTRY = "from enginecore.engine.core_proc import main; main()"
 
 
-def _dead_message(proc: subprocess.Popen) -> str:
+def _dead_message(proc: subprocess.Popen[bytes]) -> str:
     return (
         f"the engine core process (pid {proc.pid}) died unexpectedly with exit code {proc.poll()}"
     )
 
 
-def _cleanup(proc, ctx, sockets, tmpdir: str) -> None:
+def _cleanup(
+    proc: subprocess.Popen[bytes],
+    ctx: zmq.Context[Any],
+    sockets: list[zmq.Socket[Any]],
+    tmpdir: str,
+) -> None:
     """Runs at shutdown, garbage collection or interpreter exit: no zombie is left."""
     _cleanup_engine(proc, sockets, tmpdir)
     ctx.term()
 
 
-def _cleanup_engine(proc, sockets, tmpdir: str) -> None:
+def _cleanup_engine(
+    proc: subprocess.Popen[bytes], sockets: list[zmq.Socket[Any]], tmpdir: str
+) -> None:
     if proc.poll() is None:
         proc.terminate()
     try:
@@ -86,7 +93,7 @@ class _EngineProcess:
     need no ``if __name__ == "__main__"`` guard and nothing of the caller is re-imported.
     """
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context[Any], engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.tmpdir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700
         input_address = f"ipc://{self.tmpdir}/input"
@@ -106,6 +113,7 @@ class _EngineProcess:
             process_group=0,
             env=env,
         )
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.write(msgspec.msgpack.encode(config))
         self.proc.stdin.close()
 
@@ -125,7 +133,7 @@ class _EngineProcess:
                 break
             waited += LIVENESS_POLL_MS / 1000
             if not self.is_alive():
-                raise EngineDeadError(_describe_early_exit(self.proc.returncode))
+                raise EngineDeadError(self.early_exit_text())
             if waited > timeout:
                 raise EngineCoreError(f"the engine core was not ready within {timeout:.0f} s")
         frames = self.output_socket.recv_multipart(flags=zmq.NOBLOCK)
@@ -136,7 +144,12 @@ class _EngineProcess:
             raise EngineCoreError(f"the engine core failed to start: {bytes(frames[1]).decode()}")
         if bytes(frames[0]) != HANDSHAKE_READY:
             raise EngineCoreError("unexpected first message from the engine core")
-        return MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+        ready: EngineCoreReadyResponse = MsgpackDecoder(EngineCoreReadyResponse).decode(frames[1:])
+        return ready
+
+    def early_exit_text(self) -> str:
+        """Why the engine is gone before its handshake."""
+        return _describe_early_exit(self.proc.returncode)
 
     def wait_exit(self, timeout: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -156,7 +169,7 @@ class _MPClientBase(EngineCoreClient):
     def __init__(
         self,
         config: EngineConfig,
-        ctx: zmq.Context,
+        ctx: zmq.Context[Any],
         while_starting: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
@@ -221,7 +234,7 @@ class SyncMPClient(_MPClientBase):
     ) -> None:
         super().__init__(config, zmq.Context(), while_starting)
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        self._utility_futures: dict[int, Future] = {}
+        self._utility_futures: dict[int, Future[Any]] = {}
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
@@ -265,7 +278,7 @@ class SyncMPClient(_MPClientBase):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._utility_futures[call_id] = future
         self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
         return future.result()
@@ -283,8 +296,8 @@ class AsyncMPClient(_MPClientBase):
     ) -> None:
         super().__init__(config, zmq.asyncio.Context(), while_starting)
         self.outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._utility_futures: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._utility_futures: dict[int, asyncio.Future[Any]] = {}
+        self._reader: asyncio.Task[Any] | None = None
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
@@ -309,9 +322,11 @@ class AsyncMPClient(_MPClientBase):
             if outputs.engine_dead is not None:
                 self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
                 return
+            assert self.outputs is not None  # made by _ensure_reader, which started this task
             self.outputs.put_nowait(outputs)
 
     def _fail(self, error: EngineDeadError) -> None:
+        assert self.outputs is not None  # made by _ensure_reader, which started the reader
         self.outputs.put_nowait(error)
         for future in self._utility_futures.values():
             if not future.done():
@@ -323,6 +338,7 @@ class AsyncMPClient(_MPClientBase):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
+        assert self.outputs is not None  # made by _ensure_reader
         return await take_output_async(self.outputs)
 
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -357,7 +373,7 @@ def _resolve(future: Any, utility_output: Any) -> None:
         future.set_result(utility_output.result)
 
 
-def take_output(outputs: queue.Queue) -> EngineCoreOutputs:
+def take_output(outputs: queue.Queue[EngineCoreOutputs | EngineDeadError]) -> EngineCoreOutputs:
     """The next output; a dead-engine error stays queued so every later call raises it."""
     item = outputs.get()
     if isinstance(item, EngineDeadError):
@@ -366,7 +382,9 @@ def take_output(outputs: queue.Queue) -> EngineCoreOutputs:
     return item
 
 
-async def take_output_async(outputs: asyncio.Queue) -> EngineCoreOutputs:
+async def take_output_async(
+    outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError],
+) -> EngineCoreOutputs:
     """:func:`take_output` for an asyncio queue."""
     item = await outputs.get()
     if isinstance(item, EngineDeadError):

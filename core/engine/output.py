@@ -172,6 +172,8 @@ class RequestState:
         return None, len(new_ids)
 
     def _add_logprobs(self, out: EngineCoreOutput, num_tokens: int) -> None:
+        # Called only for a request that asked for logprobs: both are set.
+        assert self.logprobs is not None and self.cumulative_logprob is not None
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
         for ids, lps, rank in zip(
             (out.new_logprob_token_ids or [])[:num_tokens],
@@ -184,13 +186,14 @@ class RequestState:
                 if token_id in entry:
                     continue
                 entry[token_id] = Logprob(lp, rank if pos == 0 else pos, decode(token_id))
-            self.logprobs.append(entry)  # type: ignore[union-attr]
-            self.cumulative_logprob += lps[0] if lps else 0.0  # type: ignore[operator]
+            self.logprobs.append(entry)
+            self.cumulative_logprob += lps[0] if lps else 0.0
 
     def _set_prompt_logprobs(self, out: EngineCoreOutput) -> None:
         decode = self.detokenizer.decode_token if self.detokenizer else (lambda _: None)
         entries: list[dict[int, Logprob] | None] = [None]
         scored = out.prompt_logprobs
+        assert scored is not None  # called only for an output that carries them
         for ids, lps, rank in zip(scored.token_ids, scored.logprobs, scored.ranks, strict=True):
             entry: dict[int, Logprob] = {}
             for pos, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
@@ -351,7 +354,7 @@ class OutputProcessor:
             parent = self.parents.pop(rid, None)
             if parent is not None:
                 for child in parent.children:
-                    if child is not None and self.states.pop(child.request_id, None):
+                    if child is not None and self.states.pop(child.request_id, None) is not None:
                         engine_ids.append(child.request_id)
             elif self.states.pop(rid, None) is not None:
                 engine_ids.append(rid)

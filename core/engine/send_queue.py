@@ -32,11 +32,11 @@ class SendQueue:
         self.pending += 1
         sent.add_done_callback(self._done)
 
-    def _done(self, future: asyncio.Future) -> None:
+    def _done(self, future: asyncio.Future[Any]) -> None:
         self.pending -= 1
         self._log_failure(future)
 
     @staticmethod
-    def _log_failure(future: asyncio.Future) -> None:
+    def _log_failure(future: asyncio.Future[Any]) -> None:
         if not future.cancelled() and future.exception() is not None:
             logger.error("a message to the engine core was not sent: %s", future.exception())

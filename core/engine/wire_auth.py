@@ -44,14 +44,14 @@ class CurveKeys:
         }
 
 
-def secure_server(socket: zmq.Socket, keys: CurveKeys) -> None:
+def secure_server(socket: zmq.Socket[bytes], keys: CurveKeys) -> None:
     """Make ``socket`` (before it binds) a CURVE server holding ``keys``' server pair."""
     socket.curve_secretkey = keys.server_secret
     socket.curve_publickey = keys.server_public
     socket.curve_server = True
 
 
-def secure_client(socket: zmq.Socket, client_keys: dict[str, bytes] | None) -> None:
+def secure_client(socket: zmq.Socket[bytes], client_keys: dict[str, bytes] | None) -> None:
     """Make ``socket`` (before it connects) a CURVE client with the replica's keys; a
     no-op without keys (an IPC socket)."""
     if not client_keys:
@@ -65,7 +65,7 @@ class ClientKeyAuthenticator:
     """The ZAP handler of one ZeroMQ context: admits CURVE clients whose public key was
     registered (one per replica), refuses every other peer."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
         self._allowed: set[bytes] = set()
         self._lock = threading.Lock()
         self._auth = ThreadAuthenticator(ctx)

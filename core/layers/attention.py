@@ -44,7 +44,8 @@ class AttentionBatch:
 
     @property
     def seq_lens(self) -> np.ndarray:
-        return self.context_lens + self.query_lens
+        seq_lens: np.ndarray = self.context_lens + self.query_lens
+        return seq_lens
 
     @property
     def query_start_loc(self) -> np.ndarray:
@@ -114,10 +115,11 @@ class Attention(nn.Module):
         connector = ctx.kv_connector
         if connector is not None and kv_cache is not None:
             connector.wait_for_layer_load(kv_cache)
-            out = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+            out: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
             connector.save_layer(kv_cache)
             return out
-        return ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+        output: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+        return output
 
 
 def layer_sliding_windows(hf_config: Any) -> list[int | None]:

@@ -18,7 +18,7 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 from enginecore.layers.linear import current_linear_method
 from enginecore.layers.parallel import tp_all_gather_last_dim, tp_all_reduce
-from enginecore.layers.weights import default_weight_loader, make_param
+from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = parallel.tp_rank * self.per_rank
         self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
         self.weight = make_param((self.per_rank, dim), dtype)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         # Computes the logits where this table serves as the LM head.
         self.linear_method = current_linear_method()
 
@@ -63,13 +63,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection (vocab-parallel); may share its weight with the embedding."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(hidden, self)
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """Full-vocabulary logits from a vocab-parallel weight: local slice, then all-gather."""
-    logits = head.linear_method.apply(head, hidden)
+    logits: torch.Tensor = head.linear_method.apply(head, hidden)
     if head.parallel.tp_size == 1:
         return logits
     return tp_all_gather_last_dim(logits, head.parallel)[..., : head.num_embeddings]

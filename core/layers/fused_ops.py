@@ -11,6 +11,8 @@ The runner installs the backend's ops on every layer after loading
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
@@ -51,5 +53,12 @@ NO_FUSED_OPS = FusedOps()
 def install_fused_ops(model: nn.Module, ops: FusedOps) -> None:
     """Give every layer of ``model`` that can use fused ops (an ``ops`` attribute) these."""
     for module in model.modules():
-        if hasattr(module, "fused_ops"):
+        if isinstance(module, _UsesFusedOps):
             module.fused_ops = ops
+
+
+@runtime_checkable
+class _UsesFusedOps(Protocol):
+    """A layer with a ``fused_ops`` attribute (the check is ``hasattr``)."""
+
+    fused_ops: FusedOps

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 from enginecore.interfaces import LinearMethod
 from enginecore.layers.parallel import divide, tp_all_reduce
-from enginecore.layers.weights import default_weight_loader, make_param
+from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -39,13 +39,14 @@ class UnquantizedLinearMethod(LinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
-        layer.weight = make_param((output_size, input_size), dtype)
-        layer.weight.weight_loader = layer.weight_loader
+        weight = make_param((output_size, input_size), dtype)
+        set_weight_attrs(weight, {"weight_loader": layer.weight_loader})
+        layer.weight = weight
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, cast(torch.Tensor, layer.weight), bias)
 
 
 _CURRENT: contextvars.ContextVar[LinearMethod | None] = contextvars.ContextVar(
@@ -71,6 +72,9 @@ def current_linear_method() -> LinearMethod:
 class LinearBase(nn.Module):
     """``y = x W^T + b`` on this rank's shard of W; subclasses decide the sharding."""
 
+    weight: torch.Tensor  # made by the linear method's create_weights
+    bias: nn.Parameter | None
+
     def __init__(
         self, input_size: int, output_size: int, *, bias_size: int | None, dtype: torch.dtype
     ) -> None:
@@ -81,7 +85,7 @@ class LinearBase(nn.Module):
         self.bias = None
         if bias_size is not None:
             self.bias = make_param((bias_size,), dtype)
-            self.bias.weight_loader = self.bias_loader
+            set_weight_attrs(self.bias, {"weight_loader": self.bias_loader})
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         raise NotImplementedError
@@ -90,7 +94,8 @@ class LinearBase(nn.Module):
         self.weight_loader(param, loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x, self.bias)
+        output: torch.Tensor = self.linear_method.apply(self, x, self.bias)
+        return output
 
 
 class ColumnParallelLinear(LinearBase):
@@ -195,7 +200,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         # load_params checks that every shard of a fused parameter was loaded.
         for p in (self.weight, self.bias):
             if p is not None:
-                p.num_shards = len(output_sizes)
+                set_weight_attrs(p, {"num_shards": len(output_sizes)})
 
     def shard_start(self, shard: int) -> int:
         """Where this rank's rows of projection ``shard`` start in the full tensor."""
@@ -214,7 +219,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """``silu(gate) * up`` of this gated projection of ``x`` in one pass, where the
         linear method computes the activation as it stores; None elsewhere (project,
         then apply :class:`enginecore.layers.SiluAndMul`)."""
-        return self.linear_method.apply_silu_and_mul(self, x, self.bias)
+        output: torch.Tensor | None = self.linear_method.apply_silu_and_mul(self, x, self.bias)
+        return output
 
 
 def _cumsum(values: Sequence[int]) -> list[int]:

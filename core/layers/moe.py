@@ -27,7 +27,7 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 from enginecore.layers.activation import act_and_mul, get_activation
 from enginecore.layers.parallel import divide, tp_all_reduce
-from enginecore.layers.weights import default_weight_loader
+from enginecore.layers.weights import default_weight_loader, set_weight_attrs
 
 # checkpoint projection of one expert -> (fused parameter, part)
 _EXPERT_PROJECTIONS = {
@@ -77,7 +77,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False
         )
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -112,10 +112,12 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, self.local, dtype=dtype), requires_grad=False
         )
         # load_params checks that every expert's every part was loaded.
-        self.w13_weight.num_shards = 2 * num_experts  # type: ignore[attr-defined]
-        self.w2_weight.num_shards = num_experts  # type: ignore[attr-defined]
-        self.w13_weight.weight_loader = self._load_w13  # type: ignore[attr-defined]
-        self.w2_weight.weight_loader = self._load_w2  # type: ignore[attr-defined]
+        set_weight_attrs(
+            self.w13_weight, {"num_shards": 2 * num_experts, "weight_loader": self._load_w13}
+        )
+        set_weight_attrs(
+            self.w2_weight, {"num_shards": num_experts, "weight_loader": self._load_w2}
+        )
 
     # --- loading ------------------------------------------------------------------------
 
@@ -131,7 +133,7 @@ class FusedMoE(nn.Module):
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         if shard is None:  # [E, 2I, H]: every expert's gate then up
             for e in range(self.num_experts):
-                gate, up = loaded[e].split(self.intermediate, dim=0)
+                gate, up = torch.split(loaded[e], self.intermediate, dim=0)
                 self._load_w13(param, gate, (e, "gate"))
                 self._load_w13(param, up, (e, "up"))
             return
@@ -205,4 +207,5 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        output: torch.Tensor = self.experts(x, self.gate(x))
+        return output

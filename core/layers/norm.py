@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.layers.fused_ops import NO_FUSED_OPS
-from enginecore.layers.weights import default_weight_loader, make_param
+from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = make_param((dim,), dtype)
-        self.weight.weight_loader = default_weight_loader
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
         self.fused_ops = NO_FUSED_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ class LayerNorm(nn.Module):
         self.weight = make_param((dim,), dtype)
         self.bias = make_param((dim,), dtype)
         for p in (self.weight, self.bias):
-            p.weight_loader = default_weight_loader
+            set_weight_attrs(p, {"weight_loader": default_weight_loader})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)

@@ -190,6 +190,9 @@ class RotaryEmbedding(nn.Module):
     only the first ``rot_dim`` dimensions of each head turn.
     """
 
+    cos: torch.Tensor  # registered buffers
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim

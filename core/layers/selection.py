@@ -36,7 +36,7 @@ def select_attention_backend(
                 f"attention_backend {selected!r} is not registered "
                 f"(registered: {', '.join(sorted(refs)) or 'none'})"
             )
-        cls = import_ref(refs[selected])
+        cls: type[AttentionBackend] = import_ref(refs[selected])
         reason = cls.unsupported_reason(spec, by_name=True)
         if reason is None:
             return cls
@@ -46,7 +46,7 @@ def select_attention_backend(
             f"(backends that can: {', '.join(sorted(able)) or 'none'})"
         )
     reasons: dict[str, str] = {}
-    best: tuple[int, str, Any] | None = None
+    best: tuple[int, str, type[AttentionBackend]] | None = None
     for name, cls in _classes(refs).items():
         reason = cls.unsupported_reason(spec)
         if reason is not None:
@@ -69,7 +69,7 @@ def select_linear_method(
                 f"linear_method {selected!r} is not registered "
                 f"(registered: {', '.join(sorted(refs)) or 'none'})"
             )
-        cls = import_ref(refs[selected])
+        cls: type[LinearMethod] = import_ref(refs[selected])
         reason = cls.unsupported_reason(device, dtype)
         if reason is not None:
             raise ConfigError(f"linear_method {selected!r} cannot run here: {reason}")
@@ -81,4 +81,5 @@ def select_linear_method(
     ]
     if not candidates:
         raise ConfigError(f"no linear method supports {dtype} on {device}")
-    return max(candidates, key=lambda c: c[0])[2]
+    best_class: type[LinearMethod] = max(candidates, key=lambda c: c[0])[2]
+    return best_class

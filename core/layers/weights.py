@@ -28,6 +28,12 @@ def make_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loading metadata (``weight_loader``, ``num_shards``) to a parameter."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
@@ -91,6 +97,7 @@ def load_params(
             }
             absent = [ckpt for shard, ckpt in expected.items() if shard not in shards]
             if absent:
+                assert stacked is not None  # expected came from its entries
                 for ckpt in absent:
                     fused = stacked[ckpt][0]
                     missing.append(name.replace(f".{fused}.", f".{ckpt}."))

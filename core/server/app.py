@@ -183,7 +183,8 @@ async def serve(config: EngineConfig) -> int:
             port=port,
             log_level="info",
             access_log=config.observability.log_requests,
-            timeout_graceful_shutdown=drain_timeout + lifecycle.GRACE_MARGIN_S,
+            # uvicorn annotates whole seconds but waits with asyncio (fractions work).
+            timeout_graceful_shutdown=drain_timeout + lifecycle.GRACE_MARGIN_S,  # type: ignore[arg-type]
         )
         server = lifecycle.make_server(uv_config)
         watcher = asyncio.ensure_future(lifecycle.watch(server, engine, drain_timeout, outcome))

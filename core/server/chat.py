@@ -95,13 +95,14 @@ def chat_prompt_ids(
     kwargs = dict(body.chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    return ctx.engine.chat_prompt(
+    prompt_token_ids: list[int] = ctx.engine.chat_prompt(
         message_dicts(body.messages),
         chat_template=getattr(body, "chat_template", None),
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template_kwargs=kwargs or None,
     )
+    return prompt_token_ids
 
 
 def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest) -> ToolPlan:
@@ -212,9 +213,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
 
     async def final() -> RequestOutput:
-        last = None
+        last: RequestOutput | None = None
         async for output in engine.stream(collector):
             last = output
+        assert last is not None  # a stream ends with the request's final output
         return last
 
     try:

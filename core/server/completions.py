@@ -239,7 +239,8 @@ def _echo_logprobs(
 def _prompt_text(ctx: ServerContext, output: RequestOutput) -> str:
     if output.prompt is not None:
         return output.prompt
-    return ctx.engine.tokenizer.decode(output.prompt_token_ids)
+    prompt: str = ctx.engine.tokenizer.decode(output.prompt_token_ids)
+    return prompt
 
 
 def _response(

@@ -46,4 +46,5 @@ class ServerContext:
 
 
 def context(request: Request) -> ServerContext:
-    return request.app.state.ctx
+    ctx: ServerContext = request.app.state.ctx
+    return ctx

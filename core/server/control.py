@@ -22,42 +22,42 @@ rpc_router = APIRouter()
 
 
 @router.post("/sleep")
-async def sleep(request: Request, level: int = Query(1, ge=0, le=2)) -> dict:
+async def sleep(request: Request, level: int = Query(1, ge=0, le=2)) -> dict[str, Any]:
     await context(request).engine.sleep(level)
     return {"status": "sleeping", "level": level}
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request) -> dict:
+async def wake_up(request: Request) -> dict[str, Any]:
     engine = context(request).engine
     await engine.wake_up()
     return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
 
 
 @router.get("/is_sleeping")
-async def is_sleeping(request: Request) -> dict:
+async def is_sleeping(request: Request) -> dict[str, Any]:
     return {"is_sleeping": await context(request).engine.is_sleeping()}
 
 
 @router.post("/pause")
-async def pause(request: Request, mode: PauseMode = "abort") -> dict:
+async def pause(request: Request, mode: PauseMode = "abort") -> dict[str, Any]:
     await context(request).engine.pause(mode)
     return {"status": "paused", "mode": mode}
 
 
 @router.post("/resume")
-async def resume(request: Request) -> dict:
+async def resume(request: Request) -> dict[str, Any]:
     await context(request).engine.resume()
     return {"status": "resumed"}
 
 
 @router.get("/is_paused")
-async def is_paused(request: Request) -> dict:
+async def is_paused(request: Request) -> dict[str, Any]:
     return {"is_paused": await context(request).engine.is_paused()}
 
 
 @router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request) -> dict:
+async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     return {"reset": bool(await context(request).engine.reset_prefix_cache())}
 
 
@@ -72,7 +72,7 @@ def _jsonable(value: Any) -> Any:
 
 
 @rpc_router.post("/collective_rpc")
-async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict:
+async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict[str, Any]:
     engine = context(request).engine
     # Only registered worker RPCs (register_worker_rpcs): never a Worker's own methods,
     # whose lifecycle calls (load_model, initialize_cache, shutdown) would break the engine.

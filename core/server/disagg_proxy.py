@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -47,7 +48,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
     client = httpx.AsyncClient(timeout=timeout)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
         await client.aclose()
 
@@ -81,7 +82,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
         decode = dict(body, kv_transfer_params=answer.json().get("kv_transfer_params"))
         return await forward(next(decode_cycle), path, decode, headers)
 
-    async def forward(decode_url: str, path: str, decode: dict, headers: dict) -> Response:
+    async def forward(
+        decode_url: str, path: str, decode: dict[str, Any], headers: dict[str, Any]
+    ) -> Response:
         """The decode instance's answer, streamed or not, as the client's answer."""
         if decode.get("stream"):
             upstream = client.build_request("POST", decode_url + path, json=decode, headers=headers)
@@ -90,7 +93,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float = 
             except httpx.HTTPError as exc:
                 return _error(502, f"decode instance {decode_url} unreachable: {exc}")
 
-            async def relay():
+            async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in response.aiter_raw():
                         yield chunk

@@ -18,7 +18,8 @@ HEADER = "X-data-parallel-rank"
 
 def requested_rank(body: Any, request: Request) -> int | None:
     if body.data_parallel_rank is not None:
-        return body.data_parallel_rank
+        rank: int | None = body.data_parallel_rank
+        return rank
     raw = request.headers.get(HEADER)
     if raw is None:
         return None

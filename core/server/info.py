@@ -50,12 +50,12 @@ async def metrics() -> Response:
 
 
 @router.get("/version")
-async def version() -> dict:
+async def version() -> dict[str, Any]:
     return {"version": __version__, "plugin_api_version": PLUGIN_API_VERSION}
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request) -> dict[str, Any]:
     ctx = context(request)
     return {
         "object": "list",

@@ -140,7 +140,7 @@ def check_limits(body: Any, limits: ServerConfig) -> None:
         )
     prompt = body.get("prompt")
     many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-    if many and len(prompt) > limits.max_prompts_per_request:
+    if many and isinstance(prompt, list) and len(prompt) > limits.max_prompts_per_request:
         raise APIError(
             400,
             f"{len(prompt)} prompts in one request; the limit is max_prompts_per_request="

@@ -13,10 +13,11 @@ def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> 
         return f"token_id:{token_id}"
     if lp.decoded_token is not None:
         return lp.decoded_token
-    return tokenizer.decode([token_id])
+    text: str = tokenizer.decode([token_id])
+    return text
 
 
-def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple, list]:
+def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple[Any, ...], list[Any]]:
     # The engine lists the sampled token first, then the top-N by rank.
     items = list(entry.items())
     sampled = items[0]
@@ -91,7 +92,7 @@ def echoed_prompt_logprobs(
     }
 
 
-def raw_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
+def raw_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs`` choice field: per prompt token ``None`` (the first) or
     ``{token_id: {"logprob", "rank", "decoded_token"}}``."""
     return [

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Iterable
 from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Send
 
 from enginecore.server.errors import error_body
 
@@ -18,7 +21,9 @@ Scope = dict[str, Any]
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
-async def _send_error(send: Any, status: int, message: str, headers=()) -> None:
+async def _send_error(
+    send: Send, status: int, message: str, headers: Iterable[tuple[bytes, bytes]] = ()
+) -> None:
     body = json.dumps(error_body(status, message)).encode()
     await send(
         {
@@ -41,11 +46,11 @@ class APIKeyMiddleware:
     ``/collective_rpc``, ...). The comparison is constant-time.
     """
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         given = b""
@@ -66,11 +71,11 @@ class APIKeyMiddleware:
 class BodySizeLimitMiddleware:
     """Answers 413 to a request whose body exceeds ``limit`` bytes, declared or streamed."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         for name, value in scope.get("headers", ()):
@@ -84,7 +89,7 @@ class BodySizeLimitMiddleware:
         received = 0
         rejected = False
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             nonlocal received, rejected
             message = await receive()
             if message["type"] == "http.request":
@@ -95,13 +100,13 @@ class BodySizeLimitMiddleware:
                     return {"type": "http.disconnect"}
             return message
 
-        async def guarded_send(message: dict) -> None:
+        async def guarded_send(message: Message) -> None:
             if not rejected:
                 await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
 
-    async def _reject(self, send: Any) -> None:
+    async def _reject(self, send: Send) -> None:
         await _send_error(send, 413, f"request body too large: the limit is {self.limit} bytes")
 
 
@@ -138,14 +143,14 @@ class BrowserGuardMiddleware:
       are refused.
     """
 
-    def __init__(self, app: Any, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str], allowed_origins: list[str]) -> None:
         self.app = app
         self.any_host = "*" in allowed_hosts
         self.hosts = {h.lower().strip("[]") for h in allowed_hosts}
         self.any_origin = "*" in allowed_origins
         self.origins = {o.lower().rstrip("/") for o in allowed_origins}
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {

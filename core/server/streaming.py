@@ -33,7 +33,7 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         async for item in streams[0]:
             yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
     end = object()
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:

@@ -48,9 +48,9 @@ def plan_tools(
     body: ChatCompletionRequest,
     *,
     enable_auto_tool_choice: bool,
-    parser_registry: Registry | None,
+    parser_registry: Registry[Any] | None,
     parser_name: str | None,
-    backend_registry: Registry | None,
+    backend_registry: Registry[Any] | None,
     backend_name: str,
     tokenizer: Any,
 ) -> ToolPlan:
@@ -200,7 +200,10 @@ class ChoiceToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.called = False
-        self._auto = ToolCallStream(plan.parser) if plan.mode == "auto" else None
+        self._auto: ToolCallStream | None = None
+        if plan.mode == "auto":
+            assert plan.parser is not None  # an "auto" plan always has its parser
+            self._auto = ToolCallStream(plan.parser)
         self._buffer = ""
         self._named_id: str | None = None
 

@@ -156,7 +156,7 @@ def cmd_plugin_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plugin_new_parser(sub: argparse._SubParsersAction) -> None:
+def add_plugin_new_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("plugin", help="plugin author tools (plugin new)")
     plugin_sub = p.add_subparsers(dest="plugin_command", required=True)
     new = plugin_sub.add_parser(

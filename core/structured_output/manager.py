@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,8 +49,8 @@ class StructuredOutputManager:
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._waiting: dict[str, tuple[Request, Future]] = {}
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._waiting: dict[str, tuple[Request, Future[Any]]] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
         self._words = 0  # bitmask width in int32 words, known once the backend is built
 
@@ -76,8 +76,9 @@ class StructuredOutputManager:
                 self._words = (vocab_size + 31) // 32
             return self._backend
 
-    def _compile(self, request: Request) -> Future:
+    def _compile(self, request: Request) -> Future[Any]:
         spec = request.sampling_params.structured_output
+        assert spec is not None  # only requests with a constraint are compiled
         key = grammar_key(spec)
         future = self._cache.get(key)
         if future is not None:
@@ -224,5 +225,7 @@ def compile_error_message(request: Request, exc: BaseException) -> str:
     """What the user sees when a grammar cannot be built: the backend's own message."""
     if isinstance(exc, InvalidRequestError):
         return str(exc)
-    kind = grammar_key(request.sampling_params.structured_output)[0]
+    spec = request.sampling_params.structured_output
+    assert spec is not None  # only requests with a constraint are compiled
+    kind = grammar_key(spec)[0]
     return f"the {kind} constraint could not be compiled: {type(exc).__name__}: {exc}"

@@ -9,6 +9,7 @@ from enginecore.structured_output.keys import grammar_key
 
 if TYPE_CHECKING:
     from enginecore.config import EngineConfig
+    from enginecore.interfaces import StructuredOutputBackend
     from enginecore.plugins import PluginHost
 
 
@@ -18,7 +19,7 @@ class StructuredOutputValidator:
     def __init__(self, config: EngineConfig, plugins: PluginHost | None = None) -> None:
         self.config = config
         self._plugins = plugins
-        self._backend_cls: type | None = None
+        self._backend_cls: type[StructuredOutputBackend] | None = None
         self._valid: set[tuple[str, str]] = set()  # keys already validated (bounded below)
 
     def validate(self, spec: StructuredOutputParams) -> None:

@@ -62,7 +62,10 @@ class AttentionBackendContract:
             pytest.fail("set `backend` (a registered name) or `backend_cls` on the subclass")
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager().registry("attention_backend").get(self.backend)
+        backend_class: type[AttentionBackend] = (
+            make_plugin_manager().registry("attention_backend").get(self.backend)
+        )
+        return backend_class
 
     def make_backend(self, spec: AttentionSpec) -> AttentionBackend:
         return self.backend_class()(spec)

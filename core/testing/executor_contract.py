@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import msgspec
 import pytest
 
-from enginecore.interfaces import ModelRunner
+from enginecore.interfaces import Executor, ModelRunner
 from enginecore.runner_output import ModelRunnerOutput
 
 STUB_RUNNER_REF = "enginecore.testing.executor_contract:StubModelRunner"
@@ -69,17 +69,19 @@ class StubModelRunner(ModelRunner):
 
 
 def rank_of(worker: Any) -> int:
-    return worker.rank
+    rank: int = worker.rank
+    return rank
 
 
-def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple:
+def echo_args(worker: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     return worker.rank, args, kwargs
 
 
 def raise_on_rank(worker: Any, rank: int) -> int:
     if worker.rank == rank:
         raise ValueError(f"contract failure on purpose (rank {worker.rank})")
-    return worker.rank
+    own_rank: int = worker.rank
+    return own_rank
 
 
 def record(worker: Any, value: int) -> None:
@@ -92,7 +94,8 @@ def read_log(worker: Any) -> list[int]:
 
 def sleep_for(worker: Any, seconds: float) -> int:
     time.sleep(seconds)
-    return worker.rank
+    rank: int = worker.rank
+    return rank
 
 
 def pid_of(worker: Any) -> int:
@@ -149,21 +152,25 @@ class ExecutorContract:
 
     # --- the contract ------------------------------------------------------------------------
 
-    def test_one_result_per_rank_in_rank_order(self, contract_executor) -> None:
+    def test_one_result_per_rank_in_rank_order(self, contract_executor: Executor) -> None:
         assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
         assert contract_executor.collective_rpc("get_rank") == list(range(self.world_size))
 
-    def test_unique_reply_rank_returns_that_ranks_result_alone(self, contract_executor) -> None:
+    def test_unique_reply_rank_returns_that_ranks_result_alone(
+        self, contract_executor: Executor
+    ) -> None:
         last = self.world_size - 1
         assert contract_executor.collective_rpc(rank_of, unique_reply_rank=last) == last
 
-    def test_unique_reply_rank_outside_the_world_is_refused(self, contract_executor) -> None:
+    def test_unique_reply_rank_outside_the_world_is_refused(
+        self, contract_executor: Executor
+    ) -> None:
         for rank in (-1, self.world_size):
             with pytest.raises(ValueError, match=f"unique_reply_rank {rank} is outside"):
                 contract_executor.collective_rpc(rank_of, unique_reply_rank=rank)
         assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
 
-    def test_args_and_kwargs_reach_every_rank(self, contract_executor) -> None:
+    def test_args_and_kwargs_reach_every_rank(self, contract_executor: Executor) -> None:
         got = contract_executor.collective_rpc(echo_args, args=(1, "two"), kwargs={"k": [3]})
         assert got == [(r, (1, "two"), {"k": [3]}) for r in range(self.world_size)]
         assert (
@@ -171,7 +178,7 @@ class ExecutorContract:
             == [42] * self.world_size
         )
 
-    def test_a_ranks_exception_comes_back_with_its_rank(self, contract_executor) -> None:
+    def test_a_ranks_exception_comes_back_with_its_rank(self, contract_executor: Executor) -> None:
         last = self.world_size - 1
         with pytest.raises(Exception, match=rf"rank {last}\b") as info:
             contract_executor.collective_rpc(raise_on_rank, args=(last,))
@@ -180,17 +187,17 @@ class ExecutorContract:
         # The executor stays usable.
         assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
 
-    def test_unknown_method_is_a_clear_error(self, contract_executor) -> None:
+    def test_unknown_method_is_a_clear_error(self, contract_executor: Executor) -> None:
         with pytest.raises(Exception, match="no_such_worker_method"):
             contract_executor.collective_rpc("no_such_worker_method")
         assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
 
-    def test_non_block_returns_a_future(self, contract_executor) -> None:
+    def test_non_block_returns_a_future(self, contract_executor: Executor) -> None:
         future = contract_executor.collective_rpc(rank_of, non_block=True)
         assert isinstance(future, Future)
         assert future.result(timeout=30) == list(range(self.world_size))
 
-    def test_calls_are_applied_in_order(self, contract_executor) -> None:
+    def test_calls_are_applied_in_order(self, contract_executor: Executor) -> None:
         futures = [
             contract_executor.collective_rpc(record, args=(i,), non_block=True) for i in range(20)
         ]
@@ -199,7 +206,7 @@ class ExecutorContract:
         logs = contract_executor.collective_rpc(read_log)
         assert all(log[-20:] == list(range(20)) for log in logs)
 
-    def test_timeout_is_honoured(self, contract_executor) -> None:
+    def test_timeout_is_honoured(self, contract_executor: Executor) -> None:
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             contract_executor.collective_rpc(sleep_for, args=(1.5,), timeout=0.2)
@@ -207,7 +214,7 @@ class ExecutorContract:
         time.sleep(1.5)  # the slow call finishes; later calls are answered normally
         assert contract_executor.collective_rpc(rank_of) == list(range(self.world_size))
 
-    def test_execute_model_and_sample_tokens_defaults(self, contract_executor) -> None:
+    def test_execute_model_and_sample_tokens_defaults(self, contract_executor: Executor) -> None:
         from enginecore.scheduler_output import SchedulerOutput
 
         execute = contract_executor.execute_model(SchedulerOutput(), non_block=True)

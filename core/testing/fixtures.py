@@ -45,7 +45,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="session")
-def enginecore_model(request: pytest.FixtureRequest, tmp_path_factory) -> Path:
+def enginecore_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """Path of the checkpoint the engine fixtures serve."""
     from enginecore import checkpoints
 
@@ -67,14 +69,16 @@ def enginecore_config_overrides() -> dict[str, Any]:
 def _engine_config(model: Path, overrides: dict[str, Any], **defaults: Any) -> Any:
     from enginecore import make_config
 
-    flat = {"model": str(model), "num_blocks_override": 256, "max_model_len": 1024}
+    flat: dict[str, Any] = {"model": str(model), "num_blocks_override": 256, "max_model_len": 1024}
     flat.update(defaults)
     flat.update(overrides)
     return make_config(**flat)
 
 
 @pytest.fixture(scope="module")
-def enginecore_llm(enginecore_model, enginecore_config_overrides) -> Iterator[Any]:
+def enginecore_llm(
+    enginecore_model: Path, enginecore_config_overrides: dict[str, Any]
+) -> Iterator[Any]:
     """An in-process ``LLM`` (engine core in this process: easy to debug and inspect)."""
     from enginecore import LLM
 
@@ -84,7 +88,9 @@ def enginecore_llm(enginecore_model, enginecore_config_overrides) -> Iterator[An
 
 
 @pytest.fixture(scope="module")
-def enginecore_engine_process(enginecore_model, enginecore_config_overrides) -> Iterator[Any]:
+def enginecore_engine_process(
+    enginecore_model: Path, enginecore_config_overrides: dict[str, Any]
+) -> Iterator[Any]:
     """An ``LLM`` whose engine core runs in its own process, over ZeroMQ (the default)."""
     from enginecore import LLM
 
@@ -98,7 +104,7 @@ class RunningServer:
     """A live ``enginecore serve``: ``url`` for any HTTP or OpenAI client."""
 
     url: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
     model: str
 
@@ -114,7 +120,8 @@ class RunningServer:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _wait_healthy(server: RunningServer) -> None:
@@ -139,7 +146,9 @@ def _wait_healthy(server: RunningServer) -> None:
 
 @pytest.fixture(scope="module")
 def enginecore_server(
-    enginecore_model, enginecore_config_overrides, tmp_path_factory
+    enginecore_model: Path,
+    enginecore_config_overrides: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RunningServer]:
     """A real ``enginecore serve`` subprocess on a free loopback port, with
     ``/collective_rpc`` enabled (so ``enginecore rpc`` works against it)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import pickle
 import random
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,7 +50,9 @@ from enginecore.config import make_config
 from enginecore.engine.core import EngineCore
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreRequest
-from enginecore.request import RequestStatus
+from enginecore.request import Request, RequestStatus
+from enginecore.runner_output import KVConnectorOutput
+from enginecore.scheduler_output import SchedulerOutput
 
 PROMPT_LENGTHS = (70, 64, 57, 10, 90)
 SHARED_PREFIX = 40  # prompts 0 and 2 share this many tokens
@@ -60,7 +63,8 @@ def free_port() -> int:
     """A free TCP port on loopback (for connectors that listen)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -76,14 +80,22 @@ class Trace:
     parked: set[str] = field(default_factory=set)  # ever WAITING_FOR_REMOTE_KVS
 
 
+# The trace of each engine whose connector halves are wrapped.
+_TRACES: weakref.WeakKeyDictionary[EngineCore, Trace] = weakref.WeakKeyDictionary()
+
+
 class _SchedulerRecorder:
     """Delegates to the real scheduler half and records every call."""
 
     def __init__(self, inner: Any, trace: Trace) -> None:
         self.inner, self.trace = inner, trace
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        first = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        first: tuple[int | None, bool] = self.inner.get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
         again = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
         assert first == again, (
             f"get_num_new_matched_tokens is not free of side effects: {first} then {again}"
@@ -94,25 +106,29 @@ class _SchedulerRecorder:
         )
         return first
 
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         self.trace.allocs.append((request.request_id, len(block_ids), num_external_tokens))
-        return self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         meta = self.inner.build_connector_meta(scheduler_output)
         self.trace.metadata.append(meta)
         return meta
 
-    def request_finished(self, request, block_ids):
-        result = self.inner.request_finished(request, block_ids)
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        result: tuple[bool, dict[str, Any] | None] = self.inner.request_finished(request, block_ids)
         self.trace.finished.setdefault(request.request_id, []).append(bool(result[0]))
         return result
 
-    def update_connector_output(self, output):
-        return self.inner.update_connector_output(output)
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.inner.update_connector_output(output)
 
-    def shutdown(self):
-        return self.inner.shutdown()
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
 
 class _WorkerRecorder:
@@ -122,7 +138,7 @@ class _WorkerRecorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.inner.get_finished(finished_req_ids)
         self.trace.done_sending.extend(sending or ())
         self.trace.done_recving.extend(recving or ())
@@ -176,7 +192,7 @@ class KVConnectorContract:
         tmp = tmp_path_factory.mktemp("kv-contract")
         checkpoint = make_random_checkpoint(tmp / "llama", arch="llama", size="tiny", seed=0)
         prompts = _prompts()
-        common = dict(
+        common: dict[str, Any] = dict(
             model=str(checkpoint),
             dtype="float32",
             block_size=self.block_size,
@@ -216,8 +232,8 @@ class KVConnectorContract:
             )
             _drain(producer, consumer)
             leaks = {
-                "producer": producer.scheduler.leak_report(),
-                "consumer": consumer.scheduler.leak_report(),
+                "producer": _scheduler(producer).leak_report(),
+                "consumer": _scheduler(consumer).leak_report(),
             }
         finally:
             producer.shutdown()
@@ -234,7 +250,9 @@ class KVConnectorContract:
 
     # --- the contract -------------------------------------------------------------------------
 
-    def test_matched_tokens_are_aligned_and_leave_the_last_token(self, contract_run):
+    def test_matched_tokens_are_aligned_and_leave_the_last_token(
+        self, contract_run: dict[str, Any]
+    ) -> None:
         bs = self.block_size
         seen = contract_run["consumer"].matched + contract_run["producer"].matched
         assert seen, "get_num_new_matched_tokens was never called"
@@ -248,19 +266,21 @@ class KVConnectorContract:
                 "prompt token must always be computed"
             )
 
-    def test_consumer_output_matches_a_plain_engine(self, contract_run):
+    def test_consumer_output_matches_a_plain_engine(self, contract_run: dict[str, Any]) -> None:
         for i, expected in enumerate(contract_run["expected"]):
             got = contract_run["consumed"][i]
             assert got["error"] is None, got["error"]
             assert got["token_ids"] == expected["token_ids"], f"prompt {i}"
 
-    def test_consumer_loaded_external_kv(self, contract_run):
+    def test_consumer_loaded_external_kv(self, contract_run: dict[str, Any]) -> None:
         external = [m for m in contract_run["consumer"].matched if m[3]]
         assert external, "the consumer never matched external tokens"
         cached = [r["num_cached_tokens"] for r in contract_run["consumed"]]
         assert max(cached) >= self.block_size, cached
 
-    def test_delay_free_holds_blocks_until_finished_sending(self, contract_run):
+    def test_delay_free_holds_blocks_until_finished_sending(
+        self, contract_run: dict[str, Any]
+    ) -> None:
         for trace in (contract_run["producer"], contract_run["consumer"]):
             held = {r for r, calls in trace.finished.items() if any(calls)}
             # A request whose KV a step was saving may still be read by that save.
@@ -278,12 +298,12 @@ class KVConnectorContract:
                 f"delay_free requests never reported finished_sending: {held - set(trace.done_sending)}"
             )
 
-    def test_request_finished_is_called_once(self, contract_run):
+    def test_request_finished_is_called_once(self, contract_run: dict[str, Any]) -> None:
         for trace in (contract_run["producer"], contract_run["consumer"]):
             twice = {r: calls for r, calls in trace.finished.items() if len(calls) != 1}
             assert twice == {}
 
-    def test_every_async_load_reported_once(self, contract_run):
+    def test_every_async_load_reported_once(self, contract_run: dict[str, Any]) -> None:
         trace = contract_run["consumer"]
         loads = {m[0] for m in trace.matched if m[3] and m[4]}
         assert sorted(trace.done_recving) == sorted(set(trace.done_recving)), (
@@ -293,17 +313,17 @@ class KVConnectorContract:
             f"loads never reported finished_recving: {loads - set(trace.done_recving)}"
         )
 
-    def test_abort_while_loading_frees_blocks(self, contract_run):
+    def test_abort_while_loading_frees_blocks(self, contract_run: dict[str, Any]) -> None:
         trace = contract_run["consumer"]
         if ABORTED not in trace.parked:
             pytest.skip("the request never waited for remote KV (a synchronous connector)")
         assert ABORTED in trace.done_recving
         assert contract_run["leaks"]["consumer"] == []
 
-    def test_no_leaks(self, contract_run):
+    def test_no_leaks(self, contract_run: dict[str, Any]) -> None:
         assert contract_run["leaks"] == {"producer": [], "consumer": []}
 
-    def test_metadata_round_trips(self, contract_run):
+    def test_metadata_round_trips(self, contract_run: dict[str, Any]) -> None:
         metas = [m for t in ("producer", "consumer") for m in contract_run[t].metadata]
         assert metas, "build_connector_meta was never called"
         for meta in metas:
@@ -317,20 +337,27 @@ class KVConnectorContract:
 # --- driving engines -------------------------------------------------------------------------
 
 
+def _scheduler(engine: EngineCore) -> Any:
+    """The built-in scheduler, whose internals (``requests``, ``connector``,
+    ``leak_report``) the contract reads: the ``Scheduler`` interface has none of them."""
+    return engine.scheduler
+
+
 def _wrap(engine: EngineCore, trace: Trace) -> None:
-    scheduler = engine.scheduler
+    scheduler = _scheduler(engine)
     if getattr(scheduler, "connector", None) is None:
         raise AssertionError("the engine built no KV connector: check kv_transfer")
     scheduler.connector = _SchedulerRecorder(scheduler.connector, trace)
-    runner = engine.executor.worker.model_runner
+    executor: Any = engine.executor  # the in-process executor: it holds the one worker
+    runner = executor.worker.model_runner
     runner.kv_connector.connector = _WorkerRecorder(runner.kv_connector.connector, trace)
-    engine._contract_trace = trace  # type: ignore[attr-defined]
+    _TRACES[engine] = trace
 
 
 def _step(engine: EngineCore, results: dict[str, dict[str, Any]]) -> None:
-    trace = getattr(engine, "_contract_trace", None)
+    trace = _TRACES.get(engine)
     if trace is not None:
-        for req_id, request in engine.scheduler.requests.items():
+        for req_id, request in _scheduler(engine).requests.items():
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 trace.parked.add(req_id)
     outputs, _ = engine.step()
@@ -378,11 +405,12 @@ def _generate(
         def abort_while_loading() -> None:
             # Runs where the engine applies aborts that arrived during the forward pass,
             # i.e. while the step that started the load is in flight.
-            request = engine.scheduler.requests.get(ABORTED)
+            request = _scheduler(engine).requests.get(ABORTED)
             if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                engine._contract_trace.parked.add(ABORTED)  # type: ignore[attr-defined]
+                _TRACES[engine].parked.add(ABORTED)
                 engine.abort_requests([ABORTED])
 
+        # This engine's hook for aborts that arrive mid-step, replaced to abort mid-load.
         engine._apply_pending_aborts = abort_while_loading  # type: ignore[method-assign]
     for _ in range(100_000):
         if all(results.get(r, {}).get("finished") for r in ids) and aborted:
@@ -390,7 +418,7 @@ def _generate(
         _step(engine, results)
         if peer is not None and peer.has_work():
             _step(peer, {})
-        if not aborted and ABORTED not in engine.scheduler.requests:
+        if not aborted and ABORTED not in _scheduler(engine).requests:
             aborted = True  # aborted mid-load (below), or it never waited and finished
     else:
         raise AssertionError("the requests did not finish")

@@ -51,7 +51,10 @@ class LinearMethodContract:
             pytest.fail("set `method` (a registered name) or `method_cls` on the subclass")
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager().registry("linear_method").get(self.method)
+        method_class: type[LinearMethod] = (
+            make_plugin_manager().registry("linear_method").get(self.method)
+        )
+        return method_class
 
     def build(self, factory: Any, dtype: str) -> Any:
         with torch.device(self.device), use_linear_method(self.method_class()(None)):

@@ -25,7 +25,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -36,6 +36,9 @@ from enginecore.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from enginecore.checkpoints import Arch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 TIE_GAP = 1e-4
@@ -169,7 +172,7 @@ class ModelRunnerContract:
     #: relabel the test checkpoint's ``architectures`` (a model plugin's registered name)
     architecture: ClassVar[str | None] = None
     #: the HF model type of the tiny checkpoint ("llama", "qwen2", "mistral", "gpt2")
-    base_arch: ClassVar[str] = "llama"
+    base_arch: ClassVar[Arch] = "llama"
     #: a checkpoint of your own instead of the tiny random one
     checkpoint: ClassVar[str | None] = None
     #: compare greedy tokens with transformers (needs a transformers-loadable checkpoint)
@@ -180,7 +183,7 @@ class ModelRunnerContract:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def contract_checkpoint(cls, tmp_path_factory) -> Path:
+    def contract_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if cls.checkpoint:
             return Path(cls.checkpoint)
         from enginecore.checkpoints import make_random_checkpoint
@@ -225,7 +228,7 @@ class ModelRunnerContract:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def contract_runner(cls, contract_checkpoint) -> Any:
+    def contract_runner(cls, contract_checkpoint: Path) -> Any:
         return cls.make_runner(contract_checkpoint)
 
     def driver(self, runner: Any, budget: int = 16) -> RunnerDriver:
@@ -241,15 +244,17 @@ class ModelRunnerContract:
 
     # --- the contract ------------------------------------------------------------------
 
-    def test_reports_its_sizes(self, contract_runner) -> None:
+    def test_reports_its_sizes(self, contract_runner: Any) -> None:
         assert contract_runner.get_max_model_len() > 0
         assert contract_runner.get_kv_cache_block_bytes() > 0
 
-    def test_determine_available_memory_is_positive(self, contract_checkpoint) -> None:
+    def test_determine_available_memory_is_positive(self, contract_checkpoint: Path) -> None:
         runner = self.make_runner(contract_checkpoint)
         assert runner.determine_available_memory() > 0
 
-    def test_one_token_per_complete_request_none_for_a_partial_chunk(self, contract_runner):
+    def test_one_token_per_complete_request_none_for_a_partial_chunk(
+        self, contract_runner: Any
+    ) -> None:
         driver = self.driver(contract_runner, budget=8)  # the 21-token prompt is chunked
         for req_id, prompt in self.prompts().items():
             driver.add(req_id, prompt, max_tokens=4)
@@ -257,7 +262,9 @@ class ModelRunnerContract:
         assert sorted(done) == sorted(self.prompts())
         assert all(len(tokens) == 4 for tokens in done.values())
 
-    def test_greedy_matches_transformers(self, contract_runner, contract_checkpoint) -> None:
+    def test_greedy_matches_transformers(
+        self, contract_runner: Any, contract_checkpoint: Path
+    ) -> None:
         if not self.compare_with_transformers:
             pytest.skip("compare_with_transformers = False")
         import torch
@@ -293,7 +300,7 @@ class ModelRunnerContract:
                 f"{req_id}: runner {ours[req_id]} != transformers {expected}"
             )
 
-    def test_batching_does_not_change_greedy_tokens(self, contract_runner) -> None:
+    def test_batching_does_not_change_greedy_tokens(self, contract_runner: Any) -> None:
         batched = self.driver(contract_runner)
         for req_id, prompt in self.prompts().items():
             batched.add(req_id, prompt, max_tokens=5)
@@ -303,7 +310,7 @@ class ModelRunnerContract:
             alone.add(req_id, prompt, max_tokens=5)
             assert alone.run()[req_id] == together[req_id], req_id
 
-    def test_preempted_request_resumes_where_it_was(self, contract_runner) -> None:
+    def test_preempted_request_resumes_where_it_was(self, contract_runner: Any) -> None:
         prompt = self.prompts()["p1"]
         plain = self.driver(contract_runner)
         plain.add("r", prompt, max_tokens=6)
@@ -315,7 +322,7 @@ class ModelRunnerContract:
         driver.preempt("r")  # dropped by the runner, re-sent with its outputs so far
         assert driver.run()["r"] == expected
 
-    def test_finished_request_ids_can_be_reused(self, contract_runner) -> None:
+    def test_finished_request_ids_can_be_reused(self, contract_runner: Any) -> None:
         prompt = self.prompts()["p0"]
         first = self.driver(contract_runner)
         first.add("same-id", prompt, max_tokens=3)

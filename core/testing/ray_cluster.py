@@ -40,7 +40,8 @@ HEALTH_CHECKS = {
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _ray_cli() -> str:
@@ -52,7 +53,7 @@ class SimulatedNode:
     name: str
     ip: str
     num_cpus: float
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     temp_dir: str
 
     @property
@@ -207,7 +208,7 @@ class SimulatedRayCluster:
         self.nodes.clear()
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
     if sig == signal.SIGKILL:

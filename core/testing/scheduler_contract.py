@@ -33,6 +33,7 @@ import pytest
 
 from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
 from enginecore.params import SamplingParams
+from enginecore.protocol import EngineCoreOutputs
 from enginecore.request import FinishReason, Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
@@ -213,7 +214,9 @@ class SchedulerContract:
         assert isinstance(scheduler, Scheduler), "schedulers subclass interfaces.Scheduler"
         return scheduler
 
-    def make_worker(self, scheduler: Scheduler, num_blocks: int | None = None, **kw: Any):
+    def make_worker(
+        self, scheduler: Scheduler, num_blocks: int | None = None, **kw: Any
+    ) -> FakeWorker:
         config = getattr(scheduler, "config", None)
         budget = getattr(scheduler, "max_num_batched_tokens", self.max_num_batched_tokens)
         return FakeWorker(
@@ -262,7 +265,7 @@ class SchedulerContract:
     # --- drivers -----------------------------------------------------------------------
 
     @staticmethod
-    def _collect(engine_outputs: dict, result: RunResult) -> None:
+    def _collect(engine_outputs: dict[int, EngineCoreOutputs], result: RunResult) -> None:
         for outs in engine_outputs.values():
             for o in outs.outputs:
                 result.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -282,7 +285,7 @@ class SchedulerContract:
     ) -> RunResult:
         """Step until no request is left, with ``in_flight`` batches scheduled ahead."""
         result = RunResult({}, {}, [])
-        queue: deque = deque()
+        queue: deque[Any] = deque()
         for _ in range(max_steps):
             if not scheduler.has_requests() and not queue:
                 return result
@@ -330,6 +333,7 @@ class SchedulerContract:
         result = self.run(scheduler, worker)
         assert {r.request_id for r in requests} == set(result.finish_reasons)
         for r in requests:
+            assert r.max_tokens is not None  # mixed_requests sets every length
             expected = [sampled_token(r.request_id, i) for i in range(r.max_tokens)]
             assert result.tokens[r.request_id] == expected, r.request_id
             assert result.finish_reasons[r.request_id] == FinishReason.LENGTH
@@ -459,7 +463,7 @@ class SchedulingPolicyContract(SchedulerContract):
         return policy
 
     @staticmethod
-    def _snapshot(request: Request) -> tuple:
+    def _snapshot(request: Request) -> tuple[Any, ...]:
         return (
             request.num_computed_tokens,
             list(request.output_token_ids),

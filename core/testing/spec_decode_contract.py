@@ -58,7 +58,8 @@ class SpecDecodeProposerContract:
 
     def make(self) -> SpecDecodeProposer:
         _, cls = self._name_and_class()
-        return cls(self.make_config())
+        proposer: SpecDecodeProposer = cls(self.make_config())
+        return proposer
 
     @staticmethod
     def contexts() -> list[np.ndarray]:
@@ -119,7 +120,7 @@ class SpecDecodeProposerContract:
             unit = [rng.randrange(10, 8000) for _ in range(3 + i)]
             prompts.append(unit * 3 if i % 2 == 0 else unit)
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        common = dict(model=str(path), dtype="float32", num_blocks_override=128)
+        common: dict[str, Any] = dict(model=str(path), dtype="float32", num_blocks_override=128)
         results = []
         for spec in (False, True):
             config = self.make_config(**common) if spec else make_config(**common)

@@ -29,7 +29,7 @@ def finished_request(request_id: str, **extra: Any) -> Any:
 
     return FinishedRequestStats(
         request_id=request_id,
-        finish_reason=FinishReason.STOP,
+        finish_reason=str(FinishReason.STOP),
         num_prompt_tokens=7,
         num_generation_tokens=3,
         e2e_latency=0.5,
@@ -69,7 +69,7 @@ def sample_steps() -> list[tuple[SchedulerStats | None, IterationStats | None]]:
 class StatLoggerContract:
     """Subclass and set ``stat_logger`` (a registered name or the class)."""
 
-    stat_logger: ClassVar[Any] = "logging"
+    stat_logger: ClassVar[str | type] = "logging"
     #: flat config keys to set
     config_overrides: ClassVar[dict[str, Any]] = {}
 
@@ -83,11 +83,15 @@ class StatLoggerContract:
             return self.stat_logger
         from enginecore.plugins import make_plugin_manager
 
-        return make_plugin_manager(strict=False).registry("stat_logger").get(self.stat_logger)
+        logger_class: type = (
+            make_plugin_manager(strict=False).registry("stat_logger").get(self.stat_logger)
+        )
+        return logger_class
 
     def make_logger(self, engine_index: int = 0) -> StatLogger:
         """Build it the way the engine does; override to add set-up."""
-        return self.logger_class()(self.make_config(), engine_index)
+        stat_logger: StatLogger = self.logger_class()(self.make_config(), engine_index)
+        return stat_logger
 
     def close_logger(self, logger: StatLogger) -> None:
         """Release files or sockets; calls ``close()`` when the logger has one."""

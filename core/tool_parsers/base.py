@@ -78,7 +78,7 @@ class ToolParser(abc.ABC):
         parsed = self.parse(text, final=True)
         if not parsed.calls or any(c.invalid or c.name is None for c in parsed.calls):
             return ExtractedToolCalls(content=text, tool_calls=[])
-        calls = [ToolCall(c.name, c.arguments or "{}") for c in parsed.calls]  # type: ignore[arg-type]
+        calls = [ToolCall(c.name, c.arguments or "{}") for c in parsed.calls if c.name is not None]
         return ExtractedToolCalls(content=parsed.content or None, tool_calls=calls)
 
 
