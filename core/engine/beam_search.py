@@ -88,7 +88,7 @@ def beam_search_score(
     length = len(tokens)
     if tokens and tokens[-1] in eos_ids:
         length -= 1
-    return cum_logprob / (length**length_penalty)
+    return cum_logprob / float(length**length_penalty)
 
 
 @dataclass
@@ -243,7 +243,7 @@ async def beam_search_async(
             priority=priority,
             output_kind=OutputKind.FINAL_ONLY,
         )
-        last = None
+        last: RequestOutput | None = None
         async for output in engine.stream(collector):
             last = output
         assert last is not None

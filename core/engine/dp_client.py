@@ -111,7 +111,8 @@ def _handshake_off_loop(engine: Any, timeout: float) -> EngineCoreReadyResponse:
     if isinstance(socket, zmq.asyncio.Socket):
         engine.output_socket = zmq.Socket.shadow(socket.underlying)
     try:
-        return engine.handshake(timeout)
+        ready: EngineCoreReadyResponse = engine.handshake(timeout)
+        return ready
     finally:
         engine.output_socket = socket
 
@@ -448,7 +449,7 @@ class DPSyncMPClient(_DPClientBase):
     def _install(self, index: int, engine: Any) -> None:
         self._installs.put((index, engine))
 
-    def _take_installs(self, poller: zmq.Poller, sockets: dict) -> None:
+    def _take_installs(self, poller: zmq.Poller, sockets: dict[Any, int]) -> None:
         """Restarted replicas: their output sockets replace their predecessors'."""
         while True:
             try:
@@ -542,6 +543,7 @@ class DPAsyncMPClient(_DPClientBase):
         old = self._swap_in(index, engine)  # its reader ended when it died
         with contextlib.suppress(Exception):
             old.close()
+        assert self._loop is not None  # set when the first reader started
         self._readers.append(
             self._loop.create_task(self._read_outputs(index), name=f"enginecore-dp-{index}")
         )

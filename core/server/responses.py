@@ -81,7 +81,8 @@ def _store(request: Request) -> ResponseStore:
     state = request.app.state
     if not hasattr(state, "response_store"):
         state.response_store = ResponseStore()
-    return state.response_store
+    store: ResponseStore = state.response_store
+    return store
 
 
 def _check_unsupported(body: ResponsesRequest) -> None:
@@ -303,7 +304,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         )
 
     async def final() -> RequestOutput:
-        last = None
+        last: RequestOutput | None = None
         async for output in engine.stream(collector):
             last = output
         assert last is not None
