@@ -55,6 +55,13 @@ UTILITY_METHODS = frozenset(
 )
 
 
+def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] | None:
+    """Run on each rank: lay its KV cache out in groups (``allow_hybrid``) or as one, and
+    return each group's sliding window. None from a runner that does not group layers."""
+    method = getattr(worker.model_runner, "get_kv_cache_groups", None)
+    return method(allow_hybrid) if method is not None else None
+
+
 def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
     """An empty batch still matters when it carries ids the workers must drop."""
     return bool(
@@ -92,6 +99,7 @@ class EngineCore:
         )
         try:
             # 2. profile memory and size the KV cache; 3. the scheduler knows its blocks.
+            self.kv_cache_groups = self._kv_cache_groups(kv_connector)
             self.max_model_len, self.num_blocks = self._initialize_kv_cache()
             policy = build_component(
                 self.plugins,
@@ -111,6 +119,7 @@ class EngineCore:
                 policy=policy,
                 kv_connector=kv_connector,
                 log_stats=True,
+                **({"kv_cache_groups": self.kv_cache_groups} if self.kv_cache_groups else {}),
             )
         except BaseException:
             self.executor.shutdown()
@@ -144,6 +153,21 @@ class EngineCore:
         if ref is None:
             return None
         return import_ref(ref)().scheduler_side(self.config)
+
+    def _kv_cache_groups(self, kv_connector: Any) -> list[int | None] | None:
+        """The sliding window of each KV cache group, as the model runners lay the cache
+        out (None: one group, every position kept). Sliding layers keep only their window
+        where the scheduler manages groups and no KV connector moves blocks (a connector
+        sees one block table); otherwise the runners keep one group, the window a mask."""
+        allow = kv_connector is None and getattr(
+            self.components.scheduler_cls, "supports_kv_cache_groups", False
+        )
+        groups = self.executor.collective_rpc(
+            runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
+        )
+        if not groups or groups == [None]:
+            return None
+        return list(groups)
 
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
