@@ -119,8 +119,8 @@ class KVCacheManager:
         cached = self.block_pool.cached_blocks
         num_hit = max_blocks
         per_group: list[list[KVCacheBlock]] = []
-        if self.num_groups == 1:
-            hits: list[KVCacheBlock] = []
+        hits: list[KVCacheBlock] = []
+        if self.group_windows == [None]:
             for block_hash in hashes[:max_blocks]:
                 block = cached.get(block_hash)
                 if block is None:
@@ -157,7 +157,9 @@ class KVCacheManager:
         stats.requests += 1
         stats.queries += num_tokens
         stats.hits += num_hit_tokens
-        return (hits if self.num_groups == 1 else per_group), num_hit_tokens
+        if self.group_windows == [None]:
+            return hits, num_hit_tokens
+        return (per_group[0] if self.num_groups == 1 else per_group), num_hit_tokens
 
     def _sliding_hit(self, group: int, window: int, hashes: list, limit: int) -> int:
         """The most leading blocks (at most ``limit``) after which this sliding group has

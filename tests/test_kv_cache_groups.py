@@ -160,3 +160,19 @@ def test_more_long_requests_fit_in_a_fixed_budget(
     fewest, preemptions = results["all positions"]
     assert fewest <= 4 and preemptions > 0
     assert results["window"] == (8, 0)
+
+
+def test_sliding_only_prefix_hit_takes_only_the_window() -> None:
+    kv = KVCacheManager(64, BS, max_model_len=1024, kv_cache_groups=[WINDOW])
+    prompt = list(range(100, 141))  # 41 tokens: 10 full blocks
+    first = make_request("a", prompt, max_tokens=4)
+    _prefill(kv, first, chunk=8)
+    kv.free(first)
+    second = make_request("b", [*prompt, 5], max_tokens=4)
+    hits, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 40
+    assert [b.block_id for b in hits[:8]] == [0] * 8
+    assert kv.allocate_slots(second, 2, num_hit, hits) is not None
+    assert kv.num_held_blocks("b") == [3]
+    kv.free(second)
+    assert kv.leak_report() == []

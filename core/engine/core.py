@@ -169,6 +169,29 @@ class EngineCore:
             return None
         return list(groups)
 
+    def _longest_request_tokens(self, usable_blocks: int, max_model_len: int) -> int:
+        """The longest request the cache holds alone. A sliding group holds at most its
+        window and one step's tokens; a full-attention group every position."""
+        bs = self.config.cache.block_size
+        groups = self.kv_cache_groups or [None]
+        sched = self.config.scheduler
+        step_tokens = sched.max_num_batched_tokens or (
+            2048 if sched.chunked_prefill else max_model_len
+        )
+        step_tokens = max(step_tokens, sched.max_num_seqs) + (
+            self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
+        )
+        sliding = sum(
+            min(-(-max_model_len // bs), -(-(w + step_tokens) // bs) + 1)
+            for w in groups
+            if w is not None
+        )
+        num_full = sum(1 for w in groups if w is None)
+        left = max(usable_blocks - sliding, 0)
+        if not num_full:
+            return max_model_len if left else 0
+        return left // num_full * bs
+
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
         max_model_len = self.executor.get_max_model_len()
@@ -185,7 +208,13 @@ class EngineCore:
                     f"block takes {block_bytes}. Give it more with --kv-cache-bytes, "
                     f"--cpu-kv-cache-fraction or --gpu-memory-utilization."
                 )
-        capacity = (num_blocks - 1) * cache.block_size  # block 0 is the null block
+        capacity = self._longest_request_tokens(num_blocks - 1, max_model_len)
+        if capacity <= 0:
+            raise EngineCoreError(
+                f"a KV cache of {num_blocks} blocks cannot hold one step of a request: the "
+                f"sliding windows {self.kv_cache_groups} need more. Give the cache more "
+                "memory, or lower max_num_batched_tokens."
+            )
         if capacity < max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len %d: "
