@@ -119,6 +119,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # KV cache groups (see get_kv_cache_groups): each group's sliding window, and
         # per layer its group and the cache tensor it uses. One group until grouped.
         self.kv_cache_group_windows: list[int | None] = [None]
+        self._hybrid_kv_cache = False  # groups asked for (kept across a reload on wake-up)
         self._layer_groups: list[int] = []
         self._layer_slots: list[int] = []
         self.block_tables = [BlockTable()]
@@ -194,12 +195,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             time.perf_counter() - started,
         )
         self.model = model.eval()
-        self._group_layers(hybrid=self._hybrid_kv_cache_possible())
-        self.attn_backend = self._make_attention_backend(model)
-        fused = self.attn_backend.fused_ops()
-        if fused is not None:
-            install_fused_ops(model, fused)
-            self.sampler.fused_ops = fused
+        # One group until the engine asks for groups (get_kv_cache_groups).
+        self._group_layers(self._hybrid_kv_cache)
+        self._set_attention_backend()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         logger.info(
@@ -277,12 +275,23 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.block_table = self.block_tables[0]
 
     def get_kv_cache_groups(self, allow_hybrid: bool = True) -> list[int | None] | None:
+        if self.kv_caches is not None:
+            raise EngineCoreError("KV cache groups are laid out before the cache is allocated")
         hybrid = allow_hybrid and self._hybrid_kv_cache_possible()
-        if hybrid != (self.kv_cache_group_windows != [None]):
-            self._group_layers(hybrid)
-            self.attn_backend = self._make_attention_backend(self.model)
+        self._hybrid_kv_cache = hybrid
+        before = self.kv_cache_group_windows
+        self._group_layers(hybrid)
+        if self.kv_cache_group_windows != before:
+            self._set_attention_backend()  # its spec counts cache tensors and groups
         windows = self.kv_cache_group_windows
         return None if windows == [None] else list(windows)
+
+    def _set_attention_backend(self) -> None:
+        self.attn_backend = self._make_attention_backend(self.model)
+        fused = self.attn_backend.fused_ops()
+        if fused is not None:
+            install_fused_ops(self.model, fused)
+            self.sampler.fused_ops = fused
 
     def _make_attention_backend(self, model: torch.nn.Module) -> AttentionBackend:
         layers = [m for m in model.modules() if isinstance(m, Attention)]

@@ -16,6 +16,9 @@ from hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, SamplingParams
 
+# Each test runs the engine and transformers' generate over long prompts: 20-120 s.
+pytestmark = pytest.mark.slow
+
 CHUNK = 20  # max_num_batched_tokens: prompts split across steps, decodes mix with chunks
 MAX_TOKENS = 24
 
@@ -143,4 +146,53 @@ def test_preempted_and_recomputed_past_the_window(
     for prompt, out in zip(prompts, outputs, strict=True):
         assert_matches_reference(
             out.outputs[0].token_ids, greedy_reference(path, prompt, 40), f"{arch} preempted"
+        )
+
+
+def test_gemma3_pattern_groups_share_one_tensor_and_size_the_cache(tmp_path) -> None:
+    """Gemma 3's five sliding layers per global one: six groups of one layer, all on one
+    cache tensor, so a block costs one layer's K/V and the same bytes give six times the
+    blocks of a cache that keeps every layer's every position."""
+    from enginecore.checkpoints import make_random_checkpoint
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    path = make_random_checkpoint(
+        tmp_path / "gemma3-6",
+        arch="gemma3",
+        config_overrides={"num_hidden_layers": 6, "layer_types": types},
+    )
+    block_size, kv_heads, head_dim = 4, 2, 32
+    layer_block_bytes = 2 * block_size * kv_heads * head_dim * 4  # K and V, float32
+    kv_bytes = 400 * layer_block_bytes
+    prompts = _prompts(7, [45, 30, 38], shared=16)
+    with LLM(
+        path,
+        dtype="float32",
+        multiprocessing=False,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        block_size=block_size,
+        prefix_caching=True,
+        kv_cache_bytes=kv_bytes,
+    ) as llm:
+        watch = _GroupWatch(llm)
+        [(slots, tensors)] = llm.collective_rpc(
+            lambda w: (
+                w.model_runner._layer_slots,
+                len({c.data_ptr() for c in w.model_runner.kv_caches}),
+            )
+        )
+        num_blocks = llm.engine_client.engine.num_blocks
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1))
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        )
+    assert watch.windows == [None, 8, 8, 8, 8, 8]
+    assert slots == [0] * 6 and tensors == 1
+    assert num_blocks == 400
+    assert any(o.num_cached_tokens > 0 for o in outputs), "no prefix-cache hit"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_matches_reference(
+            out.outputs[0].token_ids, greedy_reference(path, prompt, MAX_TOKENS), "gemma3 5:1"
         )
