@@ -44,6 +44,7 @@ class _GroupWatch:
         self.block_size = self.kv.block_size
         self.steps = 0
         self.preemptions = 0
+        self.draft_steps = 0
         self.max_sliding_held = 0
         schedule = self.scheduler.schedule
 
@@ -57,6 +58,7 @@ class _GroupWatch:
     def _check(self, out) -> None:
         self.steps += 1
         self.preemptions += len(out.preempted_req_ids)
+        self.draft_steps += bool(out.scheduled_spec_decode_tokens)
         bs = self.block_size
         for request in self.scheduler.running:
             held = self.kv.num_held_blocks(request.request_id)
@@ -65,8 +67,10 @@ class _GroupWatch:
                 if window is None:
                     assert n == -(-computed // bs), (request.request_id, held, computed)
                 else:
-                    # This step's tokens and the window of the first of them.
-                    assert n <= -(-(CHUNK + window) // bs) + 1, (request.request_id, held)
+                    # This step's tokens and the window of the first of them (of the
+                    # earliest position a rollback of draft tokens may restart at).
+                    limit = CHUNK + window + self.kv.num_rollback_tokens
+                    assert n <= -(-limit // bs) + 1, (request.request_id, held)
                     self.max_sliding_held = max(self.max_sliding_held, n)
 
 
@@ -195,4 +199,31 @@ def test_gemma3_pattern_groups_share_one_tensor_and_size_the_cache(tmp_path) -> 
     for prompt, out in zip(prompts, outputs, strict=True):
         assert_matches_reference(
             out.outputs[0].token_ids, greedy_reference(path, prompt, MAX_TOKENS), "gemma3 5:1"
+        )
+
+
+def test_speculative_rollback_keeps_the_window(checkpoint_factory) -> None:
+    """n-gram drafts on repetitive prompts: rejected drafts roll ``num_computed_tokens``
+    back, and the sliding group still holds the window of where it restarts."""
+    path = checkpoint_factory("mistral", sliding_window=16)
+    prompts = [list(range(100, 120)) * 3, list(range(300, 310)) * 4]
+    with LLM(
+        path,
+        dtype="float32",
+        multiprocessing=False,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        block_size=4,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    ) as llm:
+        watch = _GroupWatch(llm)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        )
+    assert watch.draft_steps > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_matches_reference(
+            out.outputs[0].token_ids, greedy_reference(path, prompt, 40), "mistral ngram"
         )
