@@ -90,7 +90,9 @@ class Scheduler(ABC):
     """Decides, each step, how many tokens of which requests run.
 
     Constructed by the engine as ``cls(config, num_blocks=..., max_model_len=...,
-    policy=..., kv_connector=...)`` once the KV cache size is known.
+    policy=..., kv_connector=...)`` once the KV cache size is known (plus
+    ``kv_cache_groups=...`` where ``supports_kv_cache_groups`` is set and the model has
+    sliding-window layers).
     """
 
     #: Whether this scheduler supports async scheduling (placeholders for tokens not yet
