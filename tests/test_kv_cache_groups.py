@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import create_scheduler, make_output, make_request, run_to_completion
+from scheduler_helpers import (  # leak_check: autouse, no block left held after a test
+    create_scheduler,
+    leak_check,  # noqa: F401
+    make_output,
+    make_request,
+    run_async,
+    run_to_completion,
+)
 
 from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
@@ -50,6 +57,7 @@ def test_sliding_only_request_holds_its_window() -> None:
         (held,) = kv.num_held_blocks("a")
         assert held <= WINDOW_BLOCKS
         assert kv.get_num_free_blocks() == usable - held
+        assert kv.usage == pytest.approx(held / usable)  # the kv_cache_usage metric
 
     _decode(kv, request, 40, check)
     ids = kv.get_block_ids("a")
@@ -176,3 +184,37 @@ def test_sliding_only_prefix_hit_takes_only_the_window() -> None:
     assert kv.num_held_blocks("b") == [3]
     kv.free(second)
     assert kv.leak_report() == []
+
+
+@pytest.mark.parametrize(
+    ("groups", "num_blocks"), [([16], 16), ([None, 16], 40), ([None, 16, 16], 48)]
+)
+def test_async_preempted_prefix_cached_groups_leave_no_blocks(groups, num_blocks) -> None:
+    """Async steps (two in flight), a shared prefix and a budget that forces preemption:
+    every request finishes with its tokens, prefix hits happen, and no block leaks
+    (checked after the test by the helpers' leak check)."""
+    scheduler = create_scheduler(
+        num_blocks=num_blocks,
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        prefix_caching=True,
+        kv_cache_groups=groups,
+    )
+    shared = list(range(1000, 1064))
+    for i in range(8):
+        prompt = [*shared, *range(i * 100, i * 100 + 40)]
+        scheduler.add_request(
+            make_request(str(i), prompt, max_tokens=120, seq_no=i, ignore_eos=True)
+        )
+    finished, preemptions, hits = set(), 0, 0
+    for out, engine_outputs in run_async(scheduler):
+        preemptions += len(out.preempted_req_ids)
+        for outs in engine_outputs.values():
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    finished.add(o.request_id)
+        stats = scheduler.make_stats()
+        hits += stats.prefix_cache_hits
+    assert finished == {str(i) for i in range(8)}
+    assert preemptions > 0 and hits > 0
