@@ -167,6 +167,12 @@ class EngineCore:
         )
         if not groups or groups == [None]:
             return None
+        if not all(w is None or (isinstance(w, int) and w > 0) for w in groups):
+            raise EngineCoreError(
+                f"model runner {self.components.worker_spec.model_runner_ref}: "
+                f"get_kv_cache_groups returned {groups!r}; expected a list with each group's "
+                "sliding window (a positive int) or None for full attention"
+            )
         return list(groups)
 
     def _longest_request_tokens(self, usable_blocks: int, max_model_len: int) -> int:
