@@ -4,8 +4,9 @@ Convention (transformers' ``sliding_window_overlay``): a query at absolute posit
 sees key ``k`` iff ``q - window < k <= q``, i.e. the last ``window`` positions including
 its own.
 
-The paged cache still holds every position (prefix caching and preemption stay as they
-are); the window is a mask over the gathered keys.
+The window is a mask over the gathered keys. Where sliding layers keep only their window
+in the KV cache, the block-table entries before it are stale or block 0: the mask is
+what keeps them out.
 """
 
 from __future__ import annotations

@@ -92,18 +92,26 @@ class TritonAttentionBackend(AttentionBackend):
         dev = torch.device(spec.device)
         max_tokens = max(spec.max_num_batched_tokens, spec.max_num_seqs)
         max_blocks = -(-spec.max_model_len // spec.block_size) + 1
-        self._slots = _Staging((max_tokens,), torch.int64, dev)
         self._qsl = _Staging((spec.max_num_seqs + 1,), torch.int32, dev)
         self._seq_lens = _Staging((spec.max_num_seqs,), torch.int32, dev)
-        self._table = _Staging((spec.max_num_seqs, max_blocks), torch.int32, dev)
+        # One slot mapping and block table per KV cache group: a step's groups' metadata
+        # are all alive during its forward.
+        self._slots = [
+            _Staging((max_tokens,), torch.int64, dev) for _ in range(spec.num_kv_cache_groups)
+        ]
+        self._tables = [
+            _Staging((spec.max_num_seqs, max_blocks), torch.int32, dev)
+            for _ in range(spec.num_kv_cache_groups)
+        ]
 
     def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
         seq_lens = batch.seq_lens
+        group = batch.kv_cache_group
         return TritonMetadata(
-            slot_mapping=self._slots.fill(batch.slot_mapping),
+            slot_mapping=self._slots[group].fill(batch.slot_mapping),
             query_start_loc=self._qsl.fill(batch.query_start_loc.astype(np.int32)),
             seq_lens=self._seq_lens.fill(seq_lens.astype(np.int32)),
-            block_table=self._table.fill(batch.block_table.astype(np.int32)),
+            block_table=self._tables[group].fill(batch.block_table.astype(np.int32)),
             max_query_len=int(batch.query_lens.max()) if len(seq_lens) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
         )

@@ -82,7 +82,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
         for cache in caches:
             cache[:, :first].zero_()  # zeros over zeros: only the faults happen
-        self.mirror.prefault(PREFAULT_BYTES)
+        if s.num_kv_cache_groups > 1:
+            self.mirror = None  # see order_decodes
+        else:
+            self.mirror.prefault(PREFAULT_BYTES)
         self._caches = caches
         return caches
 
@@ -97,7 +100,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, req_ids: list[str], batch_view: Mapping[str, tuple[int, list[int]]]
     ) -> list[str]:
         self._mirrored = False
-        if self.mirror is None or not req_ids:
+        # The mirror fills from one block table and keys layers by their cache tensor,
+        # which KV cache groups share: grouped models decode from the paged cache.
+        if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
             return req_ids
         order = self.mirror.plan(
             req_ids,

@@ -26,7 +26,9 @@ def _parallel_info(worker: Any) -> dict[str, int]:
 
 def _kv_cache_bytes(runner: Any) -> int:
     caches = getattr(runner, "kv_caches", None) or []
-    return int(sum(c.numel() * c.element_size() for c in caches))
+    # Layers of different KV cache groups share a tensor: count each tensor once.
+    unique = {c.data_ptr(): c for c in caches}.values()
+    return int(sum(c.numel() * c.element_size() for c in unique))
 
 
 def memory_snapshot(worker: Any) -> dict[str, Any]:

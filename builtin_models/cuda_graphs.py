@@ -42,6 +42,8 @@ def graphs_apply(runner: Any) -> bool:
         and runner.attn_backend.capabilities.cuda_graphs
         and runner.parallel.world_size == 1
         and not runner.worker_spec.kv_connector_ref
+        # Graphs replay one block table; KV cache groups have one per group.
+        and len(runner.kv_cache_group_windows) == 1
     )
 
 

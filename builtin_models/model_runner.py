@@ -9,6 +9,7 @@ N's tokens (async scheduling).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -115,7 +116,14 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
-        self.block_table = BlockTable()
+        # KV cache groups (see get_kv_cache_groups): each group's sliding window, and
+        # per layer its group and the cache tensor it uses. One group until grouped.
+        self.kv_cache_group_windows: list[int | None] = [None]
+        self._hybrid_kv_cache = False  # groups asked for (kept across a reload on wake-up)
+        self._layer_groups: list[int] = []
+        self._layer_slots: list[int] = []
+        self.block_tables = [BlockTable()]
+        self.block_table = self.block_tables[0]
         self._step: StepState | None = None
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
@@ -187,11 +195,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             time.perf_counter() - started,
         )
         self.model = model.eval()
-        self.attn_backend = self._make_attention_backend(model)
-        fused = self.attn_backend.fused_ops()
-        if fused is not None:
-            install_fused_ops(model, fused)
-            self.sampler.fused_ops = fused
+        # One group until the engine asks for groups (get_kv_cache_groups).
+        self._group_layers(self._hybrid_kv_cache)
+        self._set_attention_backend()
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         logger.info(
@@ -227,12 +233,74 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 layers.append(head)
         return layers
 
+    def _hybrid_kv_cache_possible(self) -> bool:
+        # A pipeline stage holds only some layers, and a KV connector moves one table.
+        return self.parallel.pp_size == 1 and not self.worker_spec.kv_connector_ref
+
+    def _group_layers(self, hybrid: bool) -> None:
+        """Split the attention layers into KV cache groups, as vLLM's hybrid allocator.
+
+        Without sliding layers (or ``hybrid`` off) there is one group of every layer,
+        each with its own cache tensor, the window a mask. Otherwise layers with the same
+        window form groups of ``n`` layers, ``n`` the fewest layers of any window: a
+        block then holds ``n`` layers' K/V, and layer ``i`` of every group shares cache
+        tensor ``i``. A block belongs to one group at a time, so sharing is safe, and
+        a sliding group needs only its window's blocks.
+        """
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        windows = [a.sliding_window for a in layers]
+        if not hybrid or all(w is None for w in windows):
+            self.kv_cache_group_windows = [None]
+            self._layer_groups = [0] * len(layers)
+            self._layer_slots = list(range(len(layers)))
+        else:
+            # Full attention first: group 0 is then the one that holds every block.
+            kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+            by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+            size = min(len(v) for v in by_kind.values())
+            self.kv_cache_group_windows = []
+            self._layer_groups = [0] * len(layers)
+            self._layer_slots = [0] * len(layers)
+            for w in kinds:
+                members = by_kind[w]
+                for start in range(0, len(members), size):
+                    group = len(self.kv_cache_group_windows)
+                    self.kv_cache_group_windows.append(w)
+                    for slot, i in enumerate(members[start : start + size]):
+                        self._layer_groups[i] = group
+                        self._layer_slots[i] = slot
+        for layer, group in zip(layers, self._layer_groups, strict=True):
+            layer.kv_cache_group = group
+        self.block_tables = [BlockTable() for _ in self.kv_cache_group_windows]
+        self.block_table = self.block_tables[0]
+
+    def get_kv_cache_groups(self, allow_hybrid: bool = True) -> list[int | None] | None:
+        if self.kv_caches is not None:
+            raise EngineCoreError("KV cache groups are laid out before the cache is allocated")
+        hybrid = allow_hybrid and self._hybrid_kv_cache_possible()
+        self._hybrid_kv_cache = hybrid
+        before = self.kv_cache_group_windows
+        self._group_layers(hybrid)
+        if self.kv_cache_group_windows != before:
+            self._set_attention_backend()  # its spec counts cache tensors and groups
+        windows = self.kv_cache_group_windows
+        return None if windows == [None] else list(windows)
+
+    def _set_attention_backend(self) -> None:
+        self.attn_backend = self._make_attention_backend(self.model)
+        fused = self.attn_backend.fused_ops()
+        if fused is not None:
+            install_fused_ops(self.model, fused)
+            self.sampler.fused_ops = fused
+
     def _make_attention_backend(self, model: torch.nn.Module) -> AttentionBackend:
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not layers:
             raise ConfigError(f"{type(model).__name__} has no enginecore.layers.Attention layer")
         spec = AttentionSpec(
-            num_layers=len(layers),
+            # Cache tensors: layers of different KV cache groups share them.
+            num_layers=max(self._layer_slots, default=len(layers) - 1) + 1,
+            num_kv_cache_groups=len(self.kv_cache_group_windows),
             num_heads=layers[0].num_heads,
             num_kv_heads=layers[0].num_kv_heads,
             head_dim=layers[0].head_dim,
@@ -323,7 +391,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         del hidden
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.attn_backend.allocate_kv_cache(num_blocks)
+        tensors = self.attn_backend.allocate_kv_cache(num_blocks)
+        if len(self.kv_cache_group_windows) > 1:
+            tensors = [tensors[slot] for slot in self._layer_slots]  # one entry per layer
+        self.kv_caches = tensors
         self.num_blocks = num_blocks
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
@@ -338,9 +409,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     # --- request state --------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        tables = self.block_tables
         for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
             self.requests.pop(req_id, None)
-            self.block_table.remove(req_id)
+            for table in tables:
+                table.remove(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -350,7 +423,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 vocab = self.hf_config.vocab_size
                 for _ in new.output_token_ids:
                     torch.empty(vocab, device=self.device).exponential_(generator=gen)
-            self.block_table.add(new.req_id, new.block_ids)
+            if new.group_block_ids is not None and len(tables) > 1:
+                for table, ids in zip(tables, new.group_block_ids, strict=True):
+                    table.add(new.req_id, ids)
+            else:
+                self.block_table.add(new.req_id, new.block_ids)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -381,7 +458,12 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                     f"scheduler sent cached request {req_id!r} that this model runner does "
                     "not hold (it was never added, or was finished/preempted)"
                 )
-            if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
+            if len(tables) > 1 and i < len(cached.new_group_block_ids):
+                by_group = cached.new_group_block_ids[i]
+                if by_group:
+                    for table, ids in zip(tables, by_group, strict=True):
+                        table.append(req_id, ids)
+            elif i < len(cached.new_block_ids) and cached.new_block_ids[i]:
                 self.block_table.append(req_id, cached.new_block_ids[i])
             if i < len(cached.num_computed_tokens) and self.drafter is None:
                 # With speculation the scheduler counts draft slots optimistically until
@@ -502,6 +584,13 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         else:
             meta = self.attn_backend.build_metadata(batch)
             ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
+            if len(self.block_tables) > 1:
+                ctx.group_metadata = [meta] + [
+                    self.attn_backend.build_metadata(
+                        self._group_batch(batch, g, order, req_of_token, positions)
+                    )
+                    for g in range(1, len(self.block_tables))
+                ]
             hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
         logits = None
         if sample_rows and self.parallel.is_last_pp_rank:
@@ -514,6 +603,22 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             order, sample_req_ids, logits, drafts=verify, kv_connector_output=kv_out
         )
         return None
+
+    def _group_batch(
+        self,
+        batch: AttentionBatch,
+        group: int,
+        order: list[str],
+        req_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> AttentionBatch:
+        """The step's batch as KV cache group ``group`` sees it: its own block table."""
+        table = self.block_tables[group].gather(order)
+        bs = self.block_size
+        slots = table[req_of_token, positions // bs] * bs + positions % bs
+        return dataclasses.replace(
+            batch, block_table=table, slot_mapping=slots, kv_cache_group=group
+        )
 
     def _gather_prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
@@ -54,6 +54,7 @@ class DefaultScheduler(Scheduler):
     """Continuous batching, chunked prefill, preemption by recompute, prefix caching."""
 
     supports_async_scheduling = True
+    supports_kv_cache_groups = True
 
     def __init__(
         self,
@@ -64,6 +65,7 @@ class DefaultScheduler(Scheduler):
         policy: SchedulingPolicy,
         kv_connector: KVConnectorScheduler | None = None,
         log_stats: bool = True,
+        kv_cache_groups: Sequence[int | None] | None = None,
     ) -> None:
         sched = config.scheduler
         cache = config.cache
@@ -84,13 +86,23 @@ class DefaultScheduler(Scheduler):
         self.policy = policy
         self.connector = kv_connector
         self.log_stats = log_stats
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache.block_size,
             max_model_len,
             enable_caching=cache.prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
+            kv_cache_groups=kv_cache_groups,
+            num_rollback_tokens=self.num_spec_tokens,
         )
+        self._grouped = self.kv_cache_manager.num_groups > 1
+        if self._grouped and kv_connector is not None:
+            raise ValueError(
+                "a KV connector sees one block table: it cannot run with several KV cache "
+                f"groups (sliding windows {list(kv_cache_groups or [])})"
+            )
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = WaitingQueue(policy.sort_key)
@@ -118,8 +130,6 @@ class DefaultScheduler(Scheduler):
         # Speculative decoding: draft slots per decode step (0: off), and counters since
         # the last make_stats(): steps with drafts, draft tokens verified, accepted (and
         # accepted by draft position).
-        spec = config.speculative
-        self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self._spec_counts = [0, 0, 0]
         self._spec_accepted_per_pos: list[int] = []
 
@@ -220,7 +230,7 @@ class DefaultScheduler(Scheduler):
             threshold = 0  # a lone prefill is never capped: nothing competes with it
         num_scheduled: dict[str, int] = {}
         scheduled_running: list[Request] = []
-        running_new_blocks: list[list[int] | None] = []
+        running_new_blocks: list[Any] = []  # per request: ids, per-group ids, or None
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
 
@@ -269,7 +279,11 @@ class DefaultScheduler(Scheduler):
             if new_blocks is None:
                 continue  # the request itself was the victim
             scheduled_running.append(request)
-            running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
+            if self._grouped:
+                by_group = [[b.block_id for b in blocks] for blocks in new_blocks]
+                running_new_blocks.append(by_group if any(by_group) else None)
+            else:
+                running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
             if drafts:
                 spec_tokens[request.request_id] = drafts
                 num_new += len(drafts)
@@ -303,7 +317,12 @@ class DefaultScheduler(Scheduler):
                 request.num_output_placeholders += 1 + len(drafts) if drafts else 1
             if request.sampling_params.structured_output is not None:
                 structured.append(request_id)
-        cached.new_block_ids = running_new_blocks
+        if self._grouped:
+            # The first group's ids where a single table is read; every group's beside.
+            cached.new_block_ids = [(ids[0] or None) if ids else None for ids in running_new_blocks]
+            cached.new_group_block_ids = running_new_blocks
+        else:
+            cached.new_block_ids = running_new_blocks
 
         new_reqs: list[NewRequestData] = []
         now = time.monotonic() if self.log_stats else 0.0
@@ -317,6 +336,7 @@ class DefaultScheduler(Scheduler):
                     block_ids=kv.get_block_ids(request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
+                    group_block_ids=kv.get_group_block_ids(request_id) if self._grouped else None,
                 )
             )
             self._count_prompt_tokens(

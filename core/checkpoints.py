@@ -92,10 +92,11 @@ def _small_arch_config(arch: str, common: dict[str, Any]) -> Any:
         return tf.GemmaConfig(**base)
     if arch == "gemma2":
         return tf.Gemma2Config(
-            **base, **_GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+            **{**_GEMMA, **base}, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
         )
     if arch == "gemma3":
-        config = tf.Gemma3TextConfig(**base, **_GEMMA)
+        # Overrides (layer_types for more layers) win over the small defaults.
+        config = tf.Gemma3TextConfig(**{**_GEMMA, **base})
         config.architectures = ["Gemma3ForCausalLM"]
         return config
     if arch == "phi3":

@@ -90,12 +90,18 @@ class Scheduler(ABC):
     """Decides, each step, how many tokens of which requests run.
 
     Constructed by the engine as ``cls(config, num_blocks=..., max_model_len=...,
-    policy=..., kv_connector=...)`` once the KV cache size is known.
+    policy=..., kv_connector=...)`` once the KV cache size is known (plus
+    ``kv_cache_groups=...`` where ``supports_kv_cache_groups`` is set and the model has
+    sliding-window layers).
     """
 
     #: Whether this scheduler supports async scheduling (placeholders for tokens not yet
     #: sampled, so ``schedule`` may run again before ``update_from_output``).
     supports_async_scheduling: ClassVar[bool] = False
+    #: Whether this scheduler manages KV cache groups: then, for a model with sliding
+    #: window layers, it is also constructed with ``kv_cache_groups=`` (each group's
+    #: window, None for full attention) and sends per-group block ids.
+    supports_kv_cache_groups: ClassVar[bool] = False
 
     @abstractmethod
     def add_request(self, request: Request) -> None:
@@ -387,6 +393,17 @@ class ModelRunner(ABC):
     @abstractmethod
     def get_max_model_len(self) -> int:
         """The effective max_model_len (config value, else the checkpoint's)."""
+
+    def get_kv_cache_groups(self, allow_hybrid: bool = True) -> list[int | None] | None:
+        """Group the attention layers for the KV cache; called once, before sizing it.
+
+        Returns the sliding window of each group (None: full attention), in the order
+        of the scheduler's per-group block ids (``NewRequestData.group_block_ids``), or
+        None for one group that keeps every position (the default). With
+        ``allow_hybrid`` False the runner must keep one group: the scheduler or a KV
+        connector manages a single block table.
+        """
+        return None
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
@@ -730,6 +747,10 @@ class AttentionSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
     sliding_window: bool = False  # some layer has a window
+    # KV cache groups (sliding and full layers with their own block tables): with more
+    # than one, layers of different groups share cache tensors and the runner builds
+    # metadata per group (AttentionBatch.kv_cache_group).
+    num_kv_cache_groups: int = 1
     logits_soft_cap: bool = False  # some layer caps its scores
 
     @property

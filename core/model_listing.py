@@ -22,7 +22,8 @@ only); `tests/test_models_listing.py` checks that this page matches it. Run
 `enginecore models` to see what is registered in your installation, plugins included.
 
 Each architecture is the name in a checkpoint's `config.json` `architectures` list.
-Features: **sliding window** (layers that attend to the last W positions), **MoE**
+Features: **sliding window** (layers that attend to the last W positions and keep only
+those W in the KV cache), **MoE**
 (mixture of experts: tokens grouped by expert, one GEMM pair per expert per step),
 **GGUF** (loads from a `.gguf` file), **TP** / **PP** (tensor / pipeline parallelism).
 

@@ -25,6 +25,10 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # Tokens generated before a preemption (empty for a fresh request): the worker
     # recomputes their KV and needs them for penalties and seeded sampling.
     output_token_ids: list[int] = []
+    # Models with several KV cache groups (sliding-window and full-attention layers):
+    # every group's block ids, in group order; ``block_ids`` is then the first group's.
+    # None with a single group. A released (out-of-window) block reads as block 0.
+    group_block_ids: list[list[int]] | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -32,6 +36,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
 
     req_ids: list[str] = []
     new_block_ids: list[list[int] | None] = []  # appended to the request's block table
+    # Several KV cache groups: each request's new ids per group (None: none this step);
+    # ``new_block_ids`` then holds the first group's. Empty with a single group.
+    new_group_block_ids: list[list[list[int]] | None] = []
     num_computed_tokens: list[int] = []
     # Filled only when workers do not sample themselves (pipeline parallelism).
     new_token_ids: list[list[int]] = []

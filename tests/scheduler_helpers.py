@@ -38,6 +38,7 @@ def create_scheduler(
     policy: str = "fcfs",
     hash_algo: str = "sha256",
     log_stats: bool = True,
+    kv_cache_groups: list[int | None] | None = None,
 ) -> DefaultScheduler:
     config = make_config(
         model="fake",
@@ -57,6 +58,7 @@ def create_scheduler(
         max_model_len=max_model_len or max_num_batched_tokens or 8192,
         policy=policy_cls(config),
         log_stats=log_stats,
+        kv_cache_groups=kv_cache_groups,
     )
     _created.append(scheduler)
     return scheduler

@@ -454,3 +454,39 @@ def test_a_decode_batch_padded_for_a_cuda_graph_changes_no_real_row():
         caches.append(cache.clone())
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "window", "num_blocks"), [("mistral", 8, 20), ("gemma3", None, 40)]
+)
+def test_sliding_window_groups_on_the_triton_backend(checkpoint_factory, arch, window, num_blocks):
+    """KV cache groups under the interpreter: Mistral's one sliding group, Gemma 3's full
+    and sliding groups sharing cache tensors, each group's metadata staged apart; prompts
+    and outputs past the 8-token window, chunked and prefix-cached."""
+    from hf_reference import greedy_reference
+
+    from enginecore import LLM, SamplingParams
+
+    path = checkpoint_factory(arch, sliding_window=window)
+    shared = list(range(40, 56))
+    prompts = [[*shared, 5, 6, 7, 8], list(range(100, 124)), [*shared, 9, 10]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(
+        path,
+        attention_backend="triton",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=4,
+        num_blocks_override=num_blocks,
+    ) as llm:
+        [(backend, groups)] = llm.collective_rpc(
+            lambda w: (w.model_runner.attn_backend.name, w.model_runner.kv_cache_group_windows)
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert backend == "triton"
+    assert groups == ([8] if arch == "mistral" else [None, 8])
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy_reference(path, prompt, 12)[0]
+    assert any(o.num_cached_tokens > 0 for o in outs), "no prefix-cache hit"

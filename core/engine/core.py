@@ -55,6 +55,13 @@ UTILITY_METHODS = frozenset(
 )
 
 
+def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] | None:
+    """Run on each rank: lay its KV cache out in groups (``allow_hybrid``) or as one, and
+    return each group's sliding window. None from a runner that does not group layers."""
+    method = getattr(worker.model_runner, "get_kv_cache_groups", None)
+    return method(allow_hybrid) if method is not None else None
+
+
 def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
     """An empty batch still matters when it carries ids the workers must drop."""
     return bool(
@@ -92,6 +99,7 @@ class EngineCore:
         )
         try:
             # 2. profile memory and size the KV cache; 3. the scheduler knows its blocks.
+            self.kv_cache_groups = self._kv_cache_groups(kv_connector)
             self.max_model_len, self.num_blocks = self._initialize_kv_cache()
             policy = build_component(
                 self.plugins,
@@ -111,6 +119,7 @@ class EngineCore:
                 policy=policy,
                 kv_connector=kv_connector,
                 log_stats=True,
+                **({"kv_cache_groups": self.kv_cache_groups} if self.kv_cache_groups else {}),
             )
         except BaseException:
             self.executor.shutdown()
@@ -146,6 +155,50 @@ class EngineCore:
         connector: KVConnectorScheduler = import_ref(ref)().scheduler_side(self.config)
         return connector
 
+    def _kv_cache_groups(self, kv_connector: Any) -> list[int | None] | None:
+        """The sliding window of each KV cache group, as the model runners lay the cache
+        out (None: one group, every position kept). Sliding layers keep only their window
+        where the scheduler manages groups and no KV connector moves blocks (a connector
+        sees one block table); otherwise the runners keep one group, the window a mask."""
+        allow = kv_connector is None and getattr(
+            self.components.scheduler_cls, "supports_kv_cache_groups", False
+        )
+        groups = self.executor.collective_rpc(
+            runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
+        )
+        if not groups or groups == [None]:
+            return None
+        if not all(w is None or (isinstance(w, int) and w > 0) for w in groups):
+            raise EngineCoreError(
+                f"model runner {self.components.worker_spec.model_runner_ref}: "
+                f"get_kv_cache_groups returned {groups!r}; expected a list with each group's "
+                "sliding window (a positive int) or None for full attention"
+            )
+        return list(groups)
+
+    def _longest_request_tokens(self, usable_blocks: int, max_model_len: int) -> int:
+        """The longest request the cache holds alone. A sliding group holds at most its
+        window and one step's tokens; a full-attention group every position."""
+        bs = self.config.cache.block_size
+        groups = self.kv_cache_groups or [None]
+        sched = self.config.scheduler
+        step_tokens = sched.max_num_batched_tokens or (
+            2048 if sched.chunked_prefill else max_model_len
+        )
+        step_tokens = max(step_tokens, sched.max_num_seqs) + (
+            self.config.speculative.num_speculative_tokens if self.config.speculative.enabled else 0
+        )
+        sliding = sum(
+            min(-(-max_model_len // bs), -(-(w + step_tokens) // bs) + 1)
+            for w in groups
+            if w is not None
+        )
+        num_full = sum(1 for w in groups if w is None)
+        left = max(usable_blocks - sliding, 0)
+        if not num_full:
+            return max_model_len if left else 0
+        return left // num_full * bs
+
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
         max_model_len = self.executor.get_max_model_len()
@@ -162,7 +215,13 @@ class EngineCore:
                     f"block takes {block_bytes}. Give it more with --kv-cache-bytes, "
                     f"--cpu-kv-cache-fraction or --gpu-memory-utilization."
                 )
-        capacity = (num_blocks - 1) * cache.block_size  # block 0 is the null block
+        capacity = self._longest_request_tokens(num_blocks - 1, max_model_len)
+        if capacity <= 0:
+            raise EngineCoreError(
+                f"a KV cache of {num_blocks} blocks cannot hold one step of a request: the "
+                f"sliding windows {self.kv_cache_groups} need more. Give the cache more "
+                "memory, or lower max_num_batched_tokens."
+            )
         if capacity < max_model_len:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len %d: "

@@ -9,6 +9,9 @@ attending are both the backend's, so a model never depends on a device.
 
 Sliding windows follow transformers' convention: a query at absolute position ``q`` sees
 key ``k`` iff ``q - window < k <= q`` (the last ``window`` positions including its own).
+Where the scheduler manages KV cache groups, sliding layers keep only their window: the
+blocks before it are released, and their block-table entries (stale ids or block 0)
+are masked out, never read as context.
 Soft-capping (Gemma 2) applies ``cap * tanh(score / cap)`` to the scaled scores before
 the mask.
 """
@@ -41,6 +44,9 @@ class AttentionBatch:
     block_table: np.ndarray  # [R, max_blocks] int64, rows padded with 0
     slot_mapping: np.ndarray  # [T] int64: cache slot of each new token
     num_decodes: int
+    # Which KV cache group's block table this is (several with sliding-window layers,
+    # one batch per group, each with that group's block_table and slot_mapping).
+    kv_cache_group: int = 0
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -71,6 +77,9 @@ class AttentionContext:
     # The step's batch as the runner laid it out (None in the profiling pass), for a
     # model that needs per-request facts beyond its attention layers.
     batch: AttentionBatch | None = None
+    # Several KV cache groups: the backend's metadata for each group's batch (layer
+    # ``kv_cache_group`` reads its own); None with one group (``metadata`` serves all).
+    group_metadata: list[Any] | None = None
 
 
 class Attention(nn.Module):
@@ -101,6 +110,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # Set by the model runner: the KV cache group whose block table this layer reads.
+        self.kv_cache_group = 0
 
     def forward(
         self,
@@ -113,12 +124,15 @@ class Attention(nn.Module):
         """``query`` [T, num_heads, head_dim], ``key``/``value`` [T, num_kv_heads,
         head_dim] -> [T, num_heads, head_dim]."""
         connector = ctx.kv_connector
+        metadata = ctx.metadata
+        if ctx.group_metadata is not None:
+            metadata = ctx.group_metadata[self.kv_cache_group]
         if connector is not None and kv_cache is not None:
             connector.wait_for_layer_load(kv_cache)
-            out: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+            out: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, metadata)
             connector.save_layer(kv_cache)
             return out
-        output: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, ctx.metadata)
+        output: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, metadata)
         return output
 
 
