@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_cpu import gguf_blocks, quant_kernels
+from enginecore.builtin_cpu import gguf_blocks, kquant_blocks, kquant_kernels, quant_kernels
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
 from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
@@ -35,7 +36,7 @@ from enginecore.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from enginecore.layers.quantized import QuantizedTensor
+from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     name = "gguf"
     priority = 0  # chosen for GGUF files (model.quantization), never for float checkpoints
     devices = ("cpu",)
-    gguf_formats = gguf_blocks.FORMATS
+    gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
 
     @classmethod
     def unsupported_reason(cls, device: str, dtype: str) -> str | None:
@@ -109,17 +110,19 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 f"shape mismatch: parameter has {layer.input_size} inputs, checkpoint "
                 f"{piece.shape[1]}"
             )
-        parts[first] = gguf_blocks.from_gguf(piece.data, piece.format, piece.shape)
+        parts[first] = unpacked(piece)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[int, BlockWeight] = layer.__dict__.pop(_PARTS, {})
+        parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
         kernels = quant_kernels.load()
         covered = sum(p.shape[0] for p in parts.values())
         if parts and (kernels is None or covered != layer.weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float.
             for first, part in parts.items():
-                layer.weight.data[first : first + part.shape[0]] = gguf_blocks.dequantize(part)
+                layer.weight.data[first : first + part.shape[0]] = dequantized_part(part)
             parts = {}
+        if not parts and self._int8_wanted(layer, kernels):
+            parts = {0: per_channel_q8(layer.weight.data)}
         if parts:
             setattr(layer, _BLOCKS, _merged(parts))
             layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
@@ -133,6 +136,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
             setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+
+    def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
+        """``model.quantization: int8``: a float projection becomes int8 per channel."""
+        return (
+            self.config is not None
+            and self.config.model.quantization == "int8"
+            and kernels is not None
+            and isinstance(layer, ColumnParallelLinear | RowParallelLinear)
+            and layer.weight.dtype == torch.float32
+            and layer.weight.dim() == 2
+            and layer.weight.shape[1] % gguf_blocks.BLOCK == 0
+        )
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -150,8 +165,42 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         return super().apply_silu_and_mul(layer, x, bias)
 
 
+Part = BlockWeight | SubBlockWeight
+
+
+def unpacked(tensor: QuantizedTensor) -> Part:
+    """A checkpoint's quantized tensor in the layout the kernels multiply."""
+    if tensor.format in kquant_blocks.FORMATS:
+        return kquant_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+    return gguf_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+
+
+def dequantized_part(part: Part) -> torch.Tensor:
+    """The float32 weight of ``part``, in torch (any device, no kernels needed)."""
+    if isinstance(part, SubBlockWeight):
+        return kquant_blocks.dequantize(part)
+    return gguf_blocks.dequantize(part)
+
+
+def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
+    """``weight`` [out, in] as signed bytes with one scale per output row (max |w| / 127),
+    held as Q8_0 blocks whose scales repeat along the row."""
+    out, k = weight.shape
+    scale = weight.detach().float().abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    qs = torch.round(weight.float() / safe).clamp(-127, 127).to(torch.int8).contiguous()
+    d = scale.unsqueeze(1).expand(out, k // gguf_blocks.BLOCK).contiguous()
+    return BlockWeight(8, qs, d, torch.zeros_like(d), (out, k))
+
+
+def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
+    if isinstance(part, SubBlockWeight):
+        return kquant_kernels.load().dequantize_s16(part.qs, part.d, part.m)
+    return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+
+
 def blocks_linear(
-    blocks: list[tuple[int, BlockWeight]], x: torch.Tensor, bias: torch.Tensor | None = None
+    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x W^T + b`` for W given as row ranges of blocks."""
     kernels = quant_kernels.load()
@@ -162,7 +211,7 @@ def blocks_linear(
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
     if rows.shape[0] > DIRECT_MAX_ROWS:
-        weight = torch.cat([kernels.dequantize(p.bits, p.qs, p.d, p.m) for _, p in blocks])
+        weight = torch.cat([_dequantize_with(kernels, p) for _, p in blocks])
         out = F.linear(rows, weight, bias)
         return out.to(dtype).view(*x.shape[:-1], n)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
@@ -170,7 +219,9 @@ def blocks_linear(
         acts = kernels.quantize_rows(rows)
         for first, part in blocks:
             target = out[:, first:]
-            if part.bits == 4:
+            if isinstance(part, SubBlockWeight):
+                kquant_kernels.load().gemm_s16(acts, part.qs, part.d, part.m, target)
+            elif part.bits == 4:
                 kernels.gemm_q4(acts, part.qs, part.d, part.m, target)
             else:
                 kernels.gemm_q8(acts, part.qs, part.d, target)
@@ -179,12 +230,32 @@ def blocks_linear(
     return out.to(dtype).view(*x.shape[:-1], n)
 
 
-def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
-    """Adjacent row ranges of one bit width joined, so the kernel runs once for them."""
-    merged: list[tuple[int, BlockWeight]] = []
+def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
+    """Adjacent row ranges of one layout joined, so the kernel runs once for them."""
+    merged: list[tuple[int, Part]] = []
     for first in sorted(parts):
         part = parts[first]
-        if merged and merged[-1][1].bits == part.bits:
+        if (
+            merged
+            and isinstance(part, SubBlockWeight)
+            and isinstance(merged[-1][1], SubBlockWeight)
+        ):
+            start, prev = merged[-1]
+            merged[-1] = (
+                start,
+                SubBlockWeight(
+                    torch.cat([prev.qs, part.qs]),
+                    torch.cat([prev.d, part.d]),
+                    torch.cat([prev.m, part.m]),
+                    (prev.shape[0] + part.shape[0], part.shape[1]),
+                ),
+            )
+        elif (
+            merged
+            and isinstance(part, BlockWeight)
+            and isinstance(merged[-1][1], BlockWeight)
+            and merged[-1][1].bits == part.bits
+        ):
             start, prev = merged[-1]
             rows = prev.shape[0] + part.shape[0]
             merged[-1] = (
@@ -203,4 +274,4 @@ def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
 
 
 def _dequantized(loaded: QuantizedTensor) -> torch.Tensor:
-    return gguf_blocks.dequantize(gguf_blocks.from_gguf(loaded.data, loaded.format, loaded.shape))
+    return dequantized_part(unpacked(loaded))
