@@ -1,20 +1,21 @@
-"""The ``gguf`` linear method: GGUF's Q8_0 / Q4_0 / Q4_1 projections kept in their blocks
-on CPU and multiplied by ``quant_kernels``.
+"""The ``gguf`` linear method: quantized projections kept quantized on CPU and multiplied
+by ``quant_kernels`` / ``kquant_kernels``.
 
 A decode step reads every weight once, so its time is the weights' bytes over memory
 bandwidth: a Q4_1 weight is 5 bits a value against float32's 32. The weight loader hands
 tensors in the formats this method names (``gguf_formats``) over as
-:class:`enginecore.layers.quantized.QuantizedTensor`; other formats (K-quants, F16)
-arrive de-quantized and take the ``cpu_packed`` path, as does a layer whose shards came
-in mixed forms. The LM head (often tied to the embedding, which the lookup needs in
-float) gets a Q8_0 copy: at 49,152 x 576 it is the largest single read of a small model.
+:class:`enginecore.layers.quantized.QuantizedTensor`: GGUF's Q8_0, Q4_0, Q4_1 (32-value
+blocks), Q4_K (as 4-bit blocks of 32), Q5_K and Q6_K (a byte a value, a scale per 16),
+and the 4-bit groups of AWQ / GPTQ checkpoints (as 4-bit blocks of 32). Other formats
+(F16, other GGUF types) arrive de-quantized and take the ``cpu_packed`` path, as does a
+layer whose shards came in mixed forms. With ``model.quantization: int8`` a float
+projection is quantized here to int8 per output channel. The LM head (often tied to the
+embedding, which the lookup needs in float) gets a Q8_0 copy: at 49,152 x 576 it is the
+largest single read of a small model.
 
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
-llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights.
-Measured on a 2-core Sapphire Rapids, a 1,536 x 576 weight at one row, 2 threads, best
-of 200, weights hot in cache: this kernel (VNNI) 36-38 µs in Q4_1 and 34 µs in Q8_0,
-float32 ``F.linear`` 33-46 µs, torch's ``_weight_int8pack_mm`` 300 µs. In a decode step
-the weights are not in cache, and reading 5 bits a value instead of 32 is the gain.
+llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
+and the kernels' timings.
 """
 
 from __future__ import annotations
@@ -115,6 +116,11 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
         kernels = quant_kernels.load()
+        if (
+            any(isinstance(p, SubBlockWeight) for p in parts.values())
+            and kquant_kernels.load() is None
+        ):
+            kernels = None
         covered = sum(p.shape[0] for p in parts.values())
         if parts and (kernels is None or covered != layer.weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float.
