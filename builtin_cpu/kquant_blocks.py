@@ -37,10 +37,6 @@ class SubBlockWeight:
     m: torch.Tensor
     shape: tuple[int, int]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
-
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()

@@ -108,10 +108,11 @@ def _values(name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig):
         zeros = _unpack(parts["qzeros"], tuple(range(8))) + qc.zero_offset
     k = q.shape[0]
     groups = scales.shape[0]
-    if k % groups or (k // groups) % BLOCK:
+    expected = 1 if qc.group_size == -1 else k // qc.group_size
+    if groups != expected or k % groups or (k // groups) % BLOCK:
         raise UnsupportedModelError(
-            f"{qc.method.upper()} weight {name}: {k} inputs in {groups} groups, not groups of "
-            f"a multiple of {BLOCK}"
+            f"{qc.method.upper()} weight {name}: {k} inputs in {groups} groups of scales, not "
+            f"groups of group_size={qc.group_size} (a multiple of {BLOCK})"
         )
     g_idx = parts.get("g_idx")
     if g_idx is not None:

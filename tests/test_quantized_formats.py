@@ -358,3 +358,14 @@ def test_int8_quantization_of_a_float_checkpoint(tiny_llama, monkeypatch):
     llm = LLM(str(tiny_llama), multiprocessing=False)
     llm.shutdown()
     assert kinds == set()  # auto: float checkpoints stay float (cpu_packed)
+
+
+def test_scales_not_matching_the_configured_group_size_are_refused():
+    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
+    from enginecore.errors import UnsupportedModelError
+    from enginecore.testing.quantizers import awq_tensors
+
+    parts = awq_tensors(*quantize_groups(torch.randn(16, 256), 64, False))
+    tensors = [(f"proj.{leaf}", t) for leaf, t in parts.items()]
+    with pytest.raises(UnsupportedModelError, match=r"proj.*group_size=128"):
+        list(iter_group_quantized(iter(tensors), GroupQuantConfig("awq", 128, 0), True))
