@@ -51,7 +51,8 @@ _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
 
 class GGUFLinearMethod(CpuPackedLinearMethod):
     name = "gguf"
-    priority = 0  # chosen for GGUF files (model.quantization), never for float checkpoints
+    # Chosen through model.quantization (GGUF files, AWQ / GPTQ, int8), never by default.
+    priority = 0
     devices = ("cpu",)
     gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
 
