@@ -1,20 +1,28 @@
-"""Accuracy of the ``gguf`` linear method against the same blocks de-quantized to float32.
+"""Accuracy of the ``gguf`` linear method against the same quantized weights de-quantized
+to float32.
 
-For each checkpoint and block format: the model's logits over a few prompts (teacher
-forced: one forward over each prompt), computed with the projections in blocks and the
+For each checkpoint and method: the model's logits over a few prompts (teacher forced:
+one forward over each prompt), computed with the projections kept quantized and the
 integer kernels that decode steps use, against the de-quantized weights in float32.
 Prints the share of positions whose greedy (argmax) token agrees and the largest logit
 difference. The demo GGUF is used as the file stores it (Q4_1 layers, a Q8_0 copy of the
-tied head); a random ``small`` checkpoint (``enginecore demo-model DIR --random --arch
-llama --size small``) is quantized here to each format by gguf's reference code.
+tied head), then its de-quantized weights are quantized again to each method; a random
+``small`` checkpoint (``enginecore demo-model DIR --random --arch llama --size small``)
+is quantized to each method. GGUF's 32-element formats by gguf's reference code, the
+K-quants, AWQ and GPTQ (groups of 64, with zero points) by ``enginecore.testing.
+quantizers``, int8 by the method itself. A K-quant needs rows of a multiple of 256
+inputs: projections with other widths (the demo model's 576) stay in Q8_0 then, as
+llama.cpp falls back to another type for them.
 
-    python benchmarks/quant_accuracy.py [--small DIR]
+    python benchmarks/quant_accuracy.py [--small DIR] [--methods Q4_K,AWQ,...]
+        [--prompts 4] [--no-demo]
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -23,6 +31,7 @@ import torch
 from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
 from enginecore.builtin_cpu import gguf_linear_method
 from enginecore.builtin_cpu.gguf_linear_method import GGUFLinearMethod
+from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
 from enginecore.builtin_models.weight_loader import (
     iter_weights,
     load_hf_config,
@@ -33,6 +42,7 @@ from enginecore.layers import LinearBase, use_linear_method
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.plugins import make_plugin_manager
+from enginecore.testing import quantizers
 from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,8 +53,15 @@ def model_refs() -> dict[str, str]:
     return {name: registry.entry(name).ref for name in registry.names()}
 
 
-def build(cfg: Any, weights: Iterator[tuple[str, Any]], quantized: bool) -> torch.nn.Module:
-    method = GGUFLinearMethod(None) if quantized else None
+METHODS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "AWQ", "GPTQ", "int8")
+GROUP = 64
+INT8 = SimpleNamespace(model=SimpleNamespace(quantization="int8"))
+
+
+def build(
+    cfg: Any, weights: Iterator[tuple[str, Any]], quantized: bool, config: Any = None
+) -> torch.nn.Module:
+    method = GGUFLinearMethod(config) if quantized else None
     cls = resolve_model_class(cfg, model_refs())
     if method is None:
         model = cls(cfg)
@@ -72,23 +89,68 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, torch.arange(len(ids)), kv, ctx))
 
 
-def requantized(weights: Iterator[tuple[str, torch.Tensor]], fmt: str, reference: bool):
-    """Projections quantized to ``fmt``: as blocks, or (``reference``) de-quantized."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+def _is_projection(name: str, tensor: torch.Tensor) -> bool:
+    return name.endswith(".weight") and any(f".{p}." in name for p in PROJECTIONS)
 
-    qtype = GGMLQuantizationType[fmt]
+
+def _gguf_raw(tensor: torch.Tensor, fmt: str) -> tuple[np.ndarray, str]:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if fmt.endswith("_K"):
+        if tensor.shape[1] % quantizers.SUPER == 0:
+            return quantizers.quantize_k(tensor, fmt), fmt
+        fmt = "Q8_0"  # rows not of whole super-blocks
+    return quantize(tensor.float().numpy(), GGMLQuantizationType[fmt]), fmt
+
+
+def requantized(weights: Iterator[tuple[str, torch.Tensor]], method: str, reference: bool):
+    """Projections quantized by ``method``: kept quantized, or (``reference``) as the
+    float32 weights they stand for."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if method in ("AWQ", "GPTQ"):
+        yield from _group_quantized(weights, method, reference)
+        return
     for name, tensor in weights:
-        if name.endswith(".weight") and any(f".{p}." in name for p in PROJECTIONS):
-            raw = quantize(tensor.float().numpy(), qtype)
+        if not _is_projection(name, tensor):
+            yield name, tensor
+        elif method == "int8":  # the method quantizes float weights itself
+            yield name, _int8_reference(tensor) if reference else tensor
+        else:
+            raw, fmt = _gguf_raw(tensor, method)
             if reference:
-                array = np.array(dequantize(raw, qtype), np.float32)
+                array = np.array(dequantize(raw, GGMLQuantizationType[fmt]), np.float32)
                 yield name, torch.from_numpy(array).reshape(tensor.shape)
             else:
                 data = torch.from_numpy(np.ascontiguousarray(raw)).reshape(tensor.shape[0], -1)
                 yield name, QuantizedTensor(data, fmt, tuple(tensor.shape))
-        else:
+
+
+def _int8_reference(tensor: torch.Tensor) -> torch.Tensor:
+    scale = tensor.float().abs().amax(1, keepdim=True) / 127
+    return torch.round(tensor.float() / torch.where(scale > 0, scale, 1)).clamp(-127, 127) * scale
+
+
+def _group_quantized(weights, method: str, reference: bool):
+    packed = []
+    for name, tensor in weights:
+        if not _is_projection(name, tensor):
             yield name, tensor
+            continue
+        q, scales, zeros = quantizers.quantize_groups(tensor, GROUP, symmetric=False)
+        if method == "GPTQ":
+            zeros = zeros.clamp(min=1)  # GPTQ's format stores zero - 1
+        if reference:
+            yield name, quantizers.dequantize_groups(q, scales, zeros)
+            continue
+        layout = quantizers.awq_tensors if method == "AWQ" else quantizers.gptq_tensors
+        module = name.removesuffix(".weight")
+        packed += [(f"{module}.{leaf}", t) for leaf, t in layout(q, scales, zeros).items()]
+    if not reference:
+        qc = GroupQuantConfig(method.lower(), GROUP, 1 if method == "GPTQ" else 0)
+        yield from iter_group_quantized(iter(packed), qc, blocks=True)
 
 
 def compare(label: str, reference: torch.nn.Module, quantized: torch.nn.Module, prompts) -> str:
@@ -105,6 +167,9 @@ def compare(label: str, reference: torch.nn.Module, quantized: torch.nn.Module, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", help="a random small llama checkpoint directory")
+    parser.add_argument("--methods", default=",".join(METHODS), type=lambda v: v.split(","))
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of 64 random tokens")
+    parser.add_argument("--no-demo", action="store_true", help="only the --small checkpoint")
     args = parser.parse_args()
     # Every row through the integer kernels, as a decode step computes it.
     gguf_linear_method.DIRECT_MAX_ROWS = 1 << 30
@@ -116,22 +181,29 @@ def main() -> None:
 
     path = find_demo_gguf()
     cfg = load_hf_config(path)
-    prompts = [torch.randint(0, cfg.vocab_size, (64,), generator=gen) for _ in range(4)]
-    reference = build(cfg, iter_weights(path, cfg), quantized=False)
-    blocks = build(cfg, iter_weights(path, cfg, GGUFLinearMethod.gguf_formats), quantized=True)
-    rows.append(compare("demo GGUF, Q4_1 (head Q8_0)", reference, blocks, prompts))
-    print(rows[-1], flush=True)
-    del reference, blocks
-
+    prompts = [torch.randint(0, cfg.vocab_size, (64,), generator=gen) for _ in range(args.prompts)]
+    if "Q4_1" in args.methods and not args.no_demo:
+        reference = build(cfg, iter_weights(path, cfg), quantized=False)
+        blocks = build(cfg, iter_weights(path, cfg, GGUFLinearMethod.gguf_formats), True)
+        rows.append(compare("demo GGUF as stored, Q4_1 (head Q8_0)", reference, blocks, prompts))
+        print(rows[-1], flush=True)
+        del reference, blocks
+    checkpoints = [] if args.no_demo else [("demo, re-quantized", path, cfg, prompts)]
     if args.small:
         cfg = load_hf_config(args.small)
-        prompts = [torch.randint(0, cfg.vocab_size, (64,), generator=gen) for _ in range(4)]
-        for fmt in ("Q8_0", "Q4_0", "Q4_1"):
-            ref_weights = requantized(iter_weights(args.small, cfg), fmt, True)
-            reference = build(cfg, ref_weights, quantized=False)
-            blocks = build(cfg, requantized(iter_weights(args.small, cfg), fmt, False), True)
-            rows.append(compare(f"random small, {fmt} (head Q8_0)", reference, blocks, prompts))
+        prompts = [
+            torch.randint(0, cfg.vocab_size, (64,), generator=gen) for _ in range(args.prompts)
+        ]
+        checkpoints.append(("random small", args.small, cfg, prompts))
+    for label, source, cfg, prompts in checkpoints:
+        for method in args.methods:
+            reference = build(cfg, requantized(iter_weights(source, cfg), method, True), False)
+            config = INT8 if method == "int8" else None
+            weights = requantized(iter_weights(source, cfg), method, False)
+            blocks = build(cfg, weights, True, config)
+            rows.append(compare(f"{label}, {method} (head Q8_0)", reference, blocks, prompts))
             print(rows[-1], flush=True)
+            del reference, blocks
     print("\n".join(rows))
 
 

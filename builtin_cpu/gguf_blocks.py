@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from enginecore.layers.quantized import INT4_BLOCKS, int4_block_parts
+
 BLOCK = 32
 # format -> (bytes per block, half-precision header values per block)
 _LAYOUT = {"Q8_0": (2 + BLOCK, 1), "Q4_0": (2 + BLOCK // 2, 1), "Q4_1": (4 + BLOCK // 2, 2)}
@@ -38,7 +40,10 @@ class BlockWeight:
 
 
 def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeight:
-    """Unpack GGUF's raw blocks ``data`` [out, bytes per row] of format ``fmt``."""
+    """Unpack GGUF's raw blocks ``data`` [out, bytes per row] of format ``fmt`` (or of
+    ``INT4_BLOCKS``, a group-wise 4-bit checkpoint's weight)."""
+    if fmt == INT4_BLOCKS:
+        return BlockWeight(4, *int4_block_parts(data, shape), shape)
     if fmt not in _LAYOUT:
         raise ValueError(f"GGUF block format {fmt!r} is not one of {', '.join(FORMATS)}")
     out, k = shape

@@ -1,20 +1,21 @@
-"""The ``gguf`` linear method: GGUF's Q8_0 / Q4_0 / Q4_1 projections kept in their blocks
-on CPU and multiplied by ``quant_kernels``.
+"""The ``gguf`` linear method: quantized projections kept quantized on CPU and multiplied
+by ``quant_kernels`` / ``kquant_kernels``.
 
 A decode step reads every weight once, so its time is the weights' bytes over memory
 bandwidth: a Q4_1 weight is 5 bits a value against float32's 32. The weight loader hands
 tensors in the formats this method names (``gguf_formats``) over as
-:class:`enginecore.layers.quantized.QuantizedTensor`; other formats (K-quants, F16)
-arrive de-quantized and take the ``cpu_packed`` path, as does a layer whose shards came
-in mixed forms. The LM head (often tied to the embedding, which the lookup needs in
-float) gets a Q8_0 copy: at 49,152 x 576 it is the largest single read of a small model.
+:class:`enginecore.layers.quantized.QuantizedTensor`: GGUF's Q8_0, Q4_0, Q4_1 (32-value
+blocks), Q4_K (as 4-bit blocks of 32), Q5_K and Q6_K (a byte a value, a scale per 16),
+and the 4-bit groups of AWQ / GPTQ checkpoints (as 4-bit blocks of 32). Other formats
+(F16, other GGUF types) arrive de-quantized and take the ``cpu_packed`` path, as does a
+layer whose shards came in mixed forms. With ``model.quantization: int8`` a float
+projection is quantized here to int8 per output channel. The LM head (often tied to the
+embedding, which the lookup needs in float) gets a Q8_0 copy: at 49,152 x 576 it is the
+largest single read of a small model.
 
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
-llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights.
-Measured on a 2-core Sapphire Rapids, a 1,536 x 576 weight at one row, 2 threads, best
-of 200, weights hot in cache: this kernel (VNNI) 36-38 µs in Q4_1 and 34 µs in Q8_0,
-float32 ``F.linear`` 33-46 µs, torch's ``_weight_int8pack_mm`` 300 µs. In a decode step
-the weights are not in cache, and reading 5 bits a value instead of 32 is the gain.
+llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
+and the kernels' timings.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_cpu import gguf_blocks, quant_kernels
+from enginecore.builtin_cpu import gguf_blocks, kquant_blocks, kquant_kernels, quant_kernels
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
 from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
@@ -35,7 +37,7 @@ from enginecore.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from enginecore.layers.quantized import QuantizedTensor
+from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +51,10 @@ _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
 
 class GGUFLinearMethod(CpuPackedLinearMethod):
     name = "gguf"
-    priority = 0  # chosen for GGUF files (model.quantization), never for float checkpoints
+    # Chosen through model.quantization (GGUF files, AWQ / GPTQ, int8), never by default.
+    priority = 0
     devices = ("cpu",)
-    gguf_formats = gguf_blocks.FORMATS
+    gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
 
     @classmethod
     def unsupported_reason(cls, device: str, dtype: str) -> str | None:
@@ -109,17 +112,24 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 f"shape mismatch: parameter has {layer.input_size} inputs, checkpoint "
                 f"{piece.shape[1]}"
             )
-        parts[first] = gguf_blocks.from_gguf(piece.data, piece.format, piece.shape)
+        parts[first] = unpacked(piece)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[int, BlockWeight] = layer.__dict__.pop(_PARTS, {})
+        parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
         kernels = quant_kernels.load()
+        if (
+            any(isinstance(p, SubBlockWeight) for p in parts.values())
+            and kquant_kernels.load() is None
+        ):
+            kernels = None
         covered = sum(p.shape[0] for p in parts.values())
         if parts and (kernels is None or covered != layer.weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float.
             for first, part in parts.items():
-                layer.weight.data[first : first + part.shape[0]] = gguf_blocks.dequantize(part)
+                layer.weight.data[first : first + part.shape[0]] = dequantized_part(part)
             parts = {}
+        if not parts and self._int8_wanted(layer, kernels):
+            parts = {0: per_channel_q8(layer.weight.data)}
         if parts:
             setattr(layer, _BLOCKS, _merged(parts))
             layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
@@ -133,6 +143,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
             setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+
+    def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
+        """``model.quantization: int8``: a float projection becomes int8 per channel."""
+        return (
+            self.config is not None
+            and self.config.model.quantization == "int8"
+            and kernels is not None
+            and isinstance(layer, ColumnParallelLinear | RowParallelLinear)
+            and layer.weight.dtype == torch.float32
+            and layer.weight.dim() == 2
+            and layer.weight.shape[1] % gguf_blocks.BLOCK == 0
+        )
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -150,8 +172,42 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         return super().apply_silu_and_mul(layer, x, bias)
 
 
+Part = BlockWeight | SubBlockWeight
+
+
+def unpacked(tensor: QuantizedTensor) -> Part:
+    """A checkpoint's quantized tensor in the layout the kernels multiply."""
+    if tensor.format in kquant_blocks.FORMATS:
+        return kquant_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+    return gguf_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+
+
+def dequantized_part(part: Part) -> torch.Tensor:
+    """The float32 weight of ``part``, in torch (any device, no kernels needed)."""
+    if isinstance(part, SubBlockWeight):
+        return kquant_blocks.dequantize(part)
+    return gguf_blocks.dequantize(part)
+
+
+def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
+    """``weight`` [out, in] as signed bytes with one scale per output row (max |w| / 127),
+    held as Q8_0 blocks whose scales repeat along the row."""
+    out, k = weight.shape
+    scale = weight.detach().float().abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    qs = torch.round(weight.float() / safe).clamp(-127, 127).to(torch.int8).contiguous()
+    d = scale.unsqueeze(1).expand(out, k // gguf_blocks.BLOCK).contiguous()
+    return BlockWeight(8, qs, d, torch.zeros_like(d), (out, k))
+
+
+def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
+    if isinstance(part, SubBlockWeight):
+        return kquant_kernels.load().dequantize_s16(part.qs, part.d, part.m)
+    return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+
+
 def blocks_linear(
-    blocks: list[tuple[int, BlockWeight]], x: torch.Tensor, bias: torch.Tensor | None = None
+    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x W^T + b`` for W given as row ranges of blocks."""
     kernels = quant_kernels.load()
@@ -162,7 +218,7 @@ def blocks_linear(
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
     if rows.shape[0] > DIRECT_MAX_ROWS:
-        weight = torch.cat([kernels.dequantize(p.bits, p.qs, p.d, p.m) for _, p in blocks])
+        weight = torch.cat([_dequantize_with(kernels, p) for _, p in blocks])
         out = F.linear(rows, weight, bias)
         return out.to(dtype).view(*x.shape[:-1], n)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
@@ -170,7 +226,9 @@ def blocks_linear(
         acts = kernels.quantize_rows(rows)
         for first, part in blocks:
             target = out[:, first:]
-            if part.bits == 4:
+            if isinstance(part, SubBlockWeight):
+                kquant_kernels.load().gemm_s16(acts, part.qs, part.d, part.m, target)
+            elif part.bits == 4:
                 kernels.gemm_q4(acts, part.qs, part.d, part.m, target)
             else:
                 kernels.gemm_q8(acts, part.qs, part.d, target)
@@ -179,12 +237,32 @@ def blocks_linear(
     return out.to(dtype).view(*x.shape[:-1], n)
 
 
-def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
-    """Adjacent row ranges of one bit width joined, so the kernel runs once for them."""
-    merged: list[tuple[int, BlockWeight]] = []
+def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
+    """Adjacent row ranges of one layout joined, so the kernel runs once for them."""
+    merged: list[tuple[int, Part]] = []
     for first in sorted(parts):
         part = parts[first]
-        if merged and merged[-1][1].bits == part.bits:
+        if (
+            merged
+            and isinstance(part, SubBlockWeight)
+            and isinstance(merged[-1][1], SubBlockWeight)
+        ):
+            start, prev = merged[-1]
+            merged[-1] = (
+                start,
+                SubBlockWeight(
+                    torch.cat([prev.qs, part.qs]),
+                    torch.cat([prev.d, part.d]),
+                    torch.cat([prev.m, part.m]),
+                    (prev.shape[0] + part.shape[0], part.shape[1]),
+                ),
+            )
+        elif (
+            merged
+            and isinstance(part, BlockWeight)
+            and isinstance(merged[-1][1], BlockWeight)
+            and merged[-1][1].bits == part.bits
+        ):
             start, prev = merged[-1]
             rows = prev.shape[0] + part.shape[0]
             merged[-1] = (
@@ -203,4 +281,4 @@ def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
 
 
 def _dequantized(loaded: QuantizedTensor) -> torch.Tensor:
-    return gguf_blocks.dequantize(gguf_blocks.from_gguf(loaded.data, loaded.format, loaded.shape))
+    return dequantized_part(unpacked(loaded))

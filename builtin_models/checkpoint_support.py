@@ -13,11 +13,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from enginecore.builtin_models.group_quant import group_quant_config
 from enginecore.errors import UnsupportedModelError
 
 SUPPORTED_WEIGHTS = (
-    "unquantized safetensors (float32, bfloat16, float16) and GGUF files "
-    "(F32, F16, BF16 and the llama.cpp block types, de-quantized at load)"
+    "unquantized safetensors (float32, bfloat16, float16), 4-bit group-wise AWQ and GPTQ "
+    "checkpoints, and GGUF files (F32, F16, BF16 and the llama.cpp block types)"
 )
 
 
@@ -38,7 +39,7 @@ def quantization_method(hf_config: Any) -> str | None:
 
 def check_supported_checkpoint(hf_config: Any, path: str | pathlib.Path) -> None:
     method = quantization_method(hf_config)
-    if method is None:
+    if method is None or group_quant_config(hf_config) is not None:
         return
     raise UnsupportedModelError(
         f"{architecture_name(hf_config)} checkpoint {str(path)!r} is quantized with "

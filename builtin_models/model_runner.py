@@ -27,6 +27,7 @@ from enginecore.builtin_models.checkpoint_support import (
 )
 from enginecore.builtin_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
 from enginecore.builtin_models.drafter import Drafter, TokenBuffer
+from enginecore.builtin_models.group_quant import group_quant_config
 from enginecore.builtin_models.kv_connector_bridge import KVConnectorBridge
 from enginecore.builtin_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore.builtin_models.runner_sampling import SamplingPhase, StepState
@@ -211,17 +212,28 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         )
 
     def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
-        """``model.linear_method``; for ``auto``, a GGUF file keeps its quantized blocks
-        where the ``gguf`` method runs (unless ``model.quantization`` is ``none``)."""
+        """``model.linear_method``; for ``auto``, a GGUF file, an AWQ / GPTQ checkpoint
+        and ``model.quantization: int8`` keep their weights quantized where the ``gguf``
+        method runs (unless ``model.quantization`` is ``none``)."""
         wanted = self.config.model.linear_method
-        if wanted != "auto" or self.config.model.quantization == "none" or not is_gguf(path):
-            return wanted
-        if "gguf" not in refs:
+        quantization = self.config.model.quantization
+        quantized = is_gguf(path) or quantization == "int8" or group_quant_config(self.hf_config)
+        if wanted != "auto" or quantization == "none" or not quantized:
             return wanted
         dtype = str(self.dtype).removeprefix("torch.")
-        if import_ref(refs["gguf"]).unsupported_reason(self.device.type, dtype) is not None:
-            return wanted
-        return "gguf"
+        reason = (
+            "no 'gguf' linear method is registered"
+            if "gguf" not in refs
+            else import_ref(refs["gguf"]).unsupported_reason(self.device.type, dtype)
+        )
+        if reason is None:
+            return "gguf"
+        if quantization == "int8":
+            raise ConfigError(
+                f"quantization 'int8' runs through the 'gguf' linear method, which does not "
+                f"serve {self.device.type} / {dtype} here: {reason}"
+            )
+        return wanted
 
     def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The linear layers, and the LM head where this stage computes logits (a head

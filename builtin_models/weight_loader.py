@@ -22,8 +22,9 @@ from torch import nn
 
 from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
+from enginecore.builtin_models.group_quant import group_quant_config, iter_group_quantized
 from enginecore.errors import ConfigError, UnsupportedModelError
-from enginecore.layers.quantized import QuantizedTensor
+from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 
@@ -116,8 +117,16 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
 def iter_weights(
     path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors under HF names. A linear method that keeps quantized blocks
+    names their formats in ``keep_quantized``: GGUF block types, and ``INT4_BLOCKS`` for
+    AWQ / GPTQ weights (de-quantized to float32 otherwise)."""
     if is_gguf(path):
         return iter_gguf(path, hf_config, keep_quantized)
+    group_quant = group_quant_config(hf_config)
+    if group_quant is not None:
+        return iter_group_quantized(
+            iter_safetensors(path), group_quant, INT4_BLOCKS in keep_quantized
+        )
     return iter_safetensors(path)
 
 

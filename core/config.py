@@ -48,8 +48,8 @@ class ModelConfig(_Section):
     """Attention backend plugin name; ``auto`` takes the best one that supports the device, dtype and model."""
     linear_method: str = "auto"
     """Linear method plugin name (how projection weights are stored and multiplied); ``auto`` takes the best for the device."""
-    quantization: Literal["auto", "none"] = "auto"
-    """``auto``: with ``linear_method`` ``auto``, a GGUF file's Q8_0/Q4_0/Q4_1 projections stay in their blocks where the ``gguf`` method runs (CPU, float32); ``none``: every weight is de-quantized at load."""
+    quantization: Literal["auto", "none", "int8"] = "auto"
+    """``auto``: with ``linear_method`` ``auto``, a GGUF file's block-quantized projections (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and an AWQ / GPTQ checkpoint's 4-bit weights stay quantized where the ``gguf`` method runs (CPU, float32), and float checkpoints stay float; ``int8``: a float checkpoint's projections are quantized to int8 per output channel (weight-only; CPU, float32); ``none``: every weight is de-quantized at load."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (the GPU runner captures decode batches otherwise)."""
     generation_config: Literal["auto", "vllm"] = "auto"

@@ -28,7 +28,7 @@ those W in the KV cache), **MoE**
 **GGUF** (loads from a `.gguf` file), **TP** / **PP** (tensor / pipeline parallelism).
 
 Checkpoints that need what enginecore does not implement are refused at load with the
-model and the feature named: a `quantization_config` (FP8, AWQ, GPTQ, bitsandbytes...),
+model and the feature named: a `quantization_config` other than 4-bit AWQ / GPTQ (FP8, bitsandbytes...),
 a GGUF tensor type that cannot be de-quantized, a `rope_scaling` type other than
 `default`, `linear`, `llama3`, `yarn`, `dynamic` and `longrope`, or an unknown activation.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -57,7 +58,14 @@ def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def write_gguf(checkpoint: pathlib.Path, out: pathlib.Path, quantize: bool = False) -> pathlib.Path:
+def write_gguf(
+    checkpoint: pathlib.Path,
+    out: pathlib.Path,
+    quantize: bool = False,
+    types: Callable[[str], str | None] | None = None,
+) -> pathlib.Path:
+    """``types``, where given, names each 2-D tensor's GGUF type (``Q4_K``...; None:
+    as ``quantize`` says) by its GGUF name."""
     import gguf
     from safetensors.torch import load_file
 
@@ -120,7 +128,7 @@ def write_gguf(checkpoint: pathlib.Path, out: pathlib.Path, quantize: bool = Fal
             }[name]
             if gemma and gg == "output_norm.weight":
                 w = w + 1
-            _add(writer, gg, w, quantize)
+            _add(writer, gg, w, quantize, types)
             continue
         match = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", name)
         if match:
@@ -134,7 +142,7 @@ def write_gguf(checkpoint: pathlib.Path, out: pathlib.Path, quantize: bool = Fal
             w = w + 1
         if arch == "llama" and kind in ("attn_q", "attn_k") and suffix == "weight":
             w = _permute(w, heads if kind == "attn_q" else kv_heads)
-        _add(writer, f"blk.{layer}.{kind}.{suffix}", w, quantize and w.dim() == 2)
+        _add(writer, f"blk.{layer}.{kind}.{suffix}", w, quantize and w.dim() == 2, types)
     for (layer, proj), by_expert in experts.items():
         stacked = torch.stack([by_expert[e] for e in sorted(by_expert)])
         kind = {
@@ -150,12 +158,19 @@ def write_gguf(checkpoint: pathlib.Path, out: pathlib.Path, quantize: bool = Fal
     return out
 
 
-def _add(writer, name: str, w: torch.Tensor, quantize: bool) -> None:
+def _add(writer, name: str, w: torch.Tensor, quantize: bool, types=None) -> None:
     import gguf
     from gguf.quants import quantize as q
 
+    from enginecore.testing.quantizers import quantize_k
+
     array = w.numpy().astype(np.float32)
-    if quantize and w.dim() >= 2 and w.shape[-1] % 32 == 0:
+    fmt = types(name) if types is not None and w.dim() == 2 else None
+    if fmt is not None:
+        qtype = gguf.GGMLQuantizationType[fmt]
+        raw = quantize_k(w, fmt) if fmt.endswith("_K") else q(array, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+    elif quantize and w.dim() >= 2 and w.shape[-1] % 32 == 0:
         qtype = gguf.GGMLQuantizationType.Q8_0
         writer.add_tensor(name, q(array, qtype), raw_dtype=qtype)
     else:

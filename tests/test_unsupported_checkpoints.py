@@ -35,8 +35,8 @@ def _load_error(path: pathlib.Path, **kw) -> str:
     "quantization",
     [
         {"quant_method": "fp8", "activation_scheme": "dynamic"},
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"quant_method": "compressed-tensors", "format": "int-quantized"},
     ],
     ids=lambda q: q["quant_method"],
 )

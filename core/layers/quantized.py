@@ -23,3 +23,36 @@ class QuantizedTensor:
         return QuantizedTensor(
             self.data.narrow(0, start, length), self.format, (length, self.shape[1])
         )
+
+
+# 4-bit values in blocks of 32 with a float32 scale d and offset m each (value = q d + m):
+# a group-wise 4-bit checkpoint (AWQ, GPTQ) handed over in one byte layout. A block's 24
+# bytes: 16 of values (byte j: value j in the low nibble, value j + 16 in the high one),
+# then d and m.
+INT4_BLOCKS = "INT4_B32"
+_BLOCK = 32
+
+
+def int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> QuantizedTensor:
+    """``q`` [out, in] values 0..15, ``d`` and ``m`` [out, in/32] as an ``INT4_BLOCKS``
+    tensor."""
+    out, k = q.shape
+    halves = q.reshape(out, k // _BLOCK, 2, _BLOCK // 2).to(torch.uint8)
+    values = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    header = torch.stack([d.float(), m.float()], dim=-1).contiguous().view(torch.uint8)
+    data = torch.cat([values, header], dim=-1).reshape(out, -1)
+    return QuantizedTensor(data, INT4_BLOCKS, (out, k))
+
+
+def int4_block_parts(
+    data: torch.Tensor, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed values [out, in/32, 16] uint8, d, m [out, in/32] float32) of ``data``."""
+    out, k = shape
+    blocks = data.reshape(out, k // _BLOCK, _BLOCK // 2 + 8)
+    header = blocks[..., _BLOCK // 2 :].contiguous().view(torch.float32)
+    return (
+        blocks[..., : _BLOCK // 2].contiguous(),
+        header[..., 0].contiguous(),
+        header[..., 1].contiguous(),
+    )

@@ -1,0 +1,107 @@
+/* Matrix products over weights in signed bytes with a scale per 16 values and an offset
+ * per 32 (value = q d + m), for enginecore's ``gguf`` linear method: GGUF's Q6_K (6-bit
+ * values, a scale per 16, no offset) and Q5_K (5-bit values, a scale and an offset per
+ * 32, the scale given twice) unpacked to one byte a value at load.
+ *
+ * The activations are those of quant_kernels.c: signed bytes per block of 32 with a
+ * scale xd and xs = xd * (sum of the block's bytes). A block's two halves each get their
+ * integer dot product; VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
+ * elsewhere, a plain loop off x86. Each output sums xd (d0 <q0, x0> + d1 <q1, x1>) + m xs.
+ */
+#include <stdint.h>
+#include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define HALF 16
+#define ROWS 4
+
+#if defined(__AVX2__)
+static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k]: wq [N, K] signed bytes, wd
+ * [N, K/16], wm [N, K/32]. */
+void eck_gemm_s16(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float *wd,
+                  const float *wm, const int8_t *xq, const float *xd, const float *xs,
+                  float *out, int64_t ldo) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wrow = wq + n * K;
+        const float *d = wd + n * 2 * nb, *m = wm + n * nb;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
+            float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+            __m256 acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                /* |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0);
+                 * lanes 0-3 of the dot product hold the first half, 4-7 the second. */
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * QK));
+                const __m256i wabs = _mm256_sign_epi8(w, w);
+                const __m256 scales =
+                    _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b]));
+                for (int r = 0; r < rows; r++) {
+                    const int64_t row = r0 + r;
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
+                    const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(wabs, _mm256_sign_epi8(x, w)));
+                    const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(xd[row * nb + b]));
+                    acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+                    offset[r] += m[b] * xs[row * nb + b];
+                }
+            }
+            for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
+#else
+            for (int r = 0; r < rows; r++) {
+                const int64_t row = r0 + r;
+                float total = 0.f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int8_t *q = wrow + b * QK;
+                    const int8_t *x = xq + row * K + b * QK;
+                    int dot0 = 0, dot1 = 0;
+                    for (int i = 0; i < HALF; i++) {
+                        dot0 += q[i] * x[i];
+                        dot1 += q[i + HALF] * x[i + HALF];
+                    }
+                    total += xd[row * nb + b] * (d[2 * b] * (float)dot0 + d[2 * b + 1] * (float)dot1);
+                    offset[r] += m[b] * xs[row * nb + b];
+                }
+                out[row * ldo + n] = total + offset[r];
+            }
+#endif
+        }
+    }
+}
+
+/* The float32 weight [N, K] (for many rows of activations, where one float GEMM beats
+ * the integer dot products). */
+void eck_dequantize_s16(int64_t N, int64_t K, const int8_t *wq, const float *wd,
+                        const float *wm, float *out) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *q = wq + n * K + b * QK;
+            const float m = wm[n * nb + b];
+            float *o = out + n * K + b * QK;
+            for (int i = 0; i < QK; i++) o[i] = (float)q[i] * wd[n * 2 * nb + 2 * b + i / HALF] + m;
+        }
+    }
+}
