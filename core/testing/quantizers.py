@@ -29,7 +29,9 @@ def _pack_scales_mins(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return out
 
 
-def _asymmetric_k(x: np.ndarray, levels: int):
+def _asymmetric_k(
+    x: np.ndarray, levels: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Super-blocks [n, 256] -> (d, dmin float16 [n], 6-bit sc, mn [n, 8], q [n, 8, 32])."""
     sub = x.reshape(-1, 8, 32)
     low = np.minimum(sub.min(-1), 0.0)
@@ -137,7 +139,9 @@ def _as_int32(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
 
 
-def awq_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict:
+def awq_tensors(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """AutoAWQ's GEMM layout: ``qweight`` [in, out/8] and ``qzeros`` [in/group, out/8]
     packed along the outputs in AWQ's interleaved order, ``scales`` [in/group, out]."""
     return {
@@ -149,7 +153,7 @@ def awq_tensors(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> d
 
 def gptq_tensors(
     q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, zero_offset: int = 1
-) -> dict:
+) -> dict[str, torch.Tensor]:
     """AutoGPTQ's layout: ``qweight`` [in/8, out] packed along the inputs (nibble i:
     input 8r + i), ``qzeros`` [in/group, out/8] packed along the outputs in order and
     stored minus ``zero_offset`` (1 in the original format, 0 in ``gptq_v2``),
@@ -207,7 +211,7 @@ def write_group_quantized(
         save_file(
             {k: v.contiguous() for k, v in tensors.items()}, str(target / "model.safetensors")
         )
-    settings: dict = {"quant_method": method, "bits": 4, "group_size": group}
+    settings: dict[str, object] = {"quant_method": method, "bits": 4, "group_size": group}
     if method == "awq":
         settings.update(zero_point=True, version="gemm")
     else:
