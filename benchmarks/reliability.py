@@ -204,7 +204,18 @@ async def _kill_during_streams(server: Server, victim: psutil.Process, n: int) -
         "time_to_error_s": round(to_error, 2),
         "exit_status": status,
         "processes_left": server.left_behind(),
+        "temp_files_left": await _temp_files_left(server),
     }
+
+
+async def _temp_files_left(server: Server) -> int:
+    """Entries left in the server's temp dir once its processes are gone (a killed
+    worker's engine, or a killed engine's workers, exit within a second)."""
+    for _ in range(50):
+        if not server.left_behind() and not any(server.tmp.iterdir()):
+            break
+        await asyncio.sleep(0.1)
+    return len(list(server.tmp.iterdir()))
 
 
 async def sigterm_drain(server: Server, n: int) -> dict:
@@ -220,7 +231,7 @@ async def sigterm_drain(server: Server, n: int) -> dict:
         "ended_with_done": sum(o in ("done", "error") for o in outcomes),
         "exit_status": status,
         "processes_left": server.left_behind(),
-        "temp_files_left": len(list(server.tmp.iterdir())),
+        "temp_files_left": await _temp_files_left(server),
     }
 
 
