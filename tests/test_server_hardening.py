@@ -283,3 +283,16 @@ def test_dns_rebinding_host_is_refused(http) -> None:
     assert response.status_code == 400
     assert "allowed_hosts" in response.json()["error"]["message"]
     assert http.get("/v1/models", headers={"host": "localhost:8000"}).status_code == 200
+
+
+def test_a_request_chat_template_is_refused_unless_trusted(http) -> None:
+    # Two nested loops: 10^10 iterations would hold a server thread for hours.
+    bomb = "{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "chat_template": bomb},
+        timeout=15,
+    )
+    assert response.status_code == 400, response.text
+    assert "--trust-request-chat-template" in response.json()["error"]["message"]
+    _ok(http)

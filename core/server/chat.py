@@ -77,6 +77,15 @@ def chat_prompt_ids(
     ctx: ServerContext, body: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
     """The rendered conversation; ``body`` is a chat or a ``/tokenize`` request."""
+    if getattr(body, "chat_template", None) is not None and not (
+        ctx.limits.trust_request_chat_template
+    ):
+        raise APIError(
+            400,
+            "a chat_template in the request is refused: it would run as a Jinja template in "
+            "the server (start it with --trust-request-chat-template to allow it)",
+            param="chat_template",
+        )
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
             400,
