@@ -1,7 +1,7 @@
 """Reliability run against local ``enginecore serve`` processes (tiny random model unless
 ``--model``), bounded in time, printing one table. Not part of ``make test``.
 
-    python benchmarks/reliability.py [--streams 200] [--requests 2000]
+    python benchmarks/reliability.py [--streams 500] [--disconnects 200] [--requests 2000]
 
 Rows: concurrent streams held with no error; client disconnects with the KV cache back to
 0; the bad-input corpus (4xx / 5xx / dropped connections); server memory growth over
@@ -238,8 +238,8 @@ async def sigterm_drain(server: Server, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint (default: a tiny random Llama)")
-    parser.add_argument("--streams", type=int, default=200)
-    parser.add_argument("--disconnects", type=int, default=100)
+    parser.add_argument("--streams", type=int, default=500)
+    parser.add_argument("--disconnects", type=int, default=200)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     rows: list[tuple[str, dict]] = []
