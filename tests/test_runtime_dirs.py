@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from serve_process import serve
+from serve_process import free_port, serve, start_cli
 
 from enginecore import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from enginecore.runtime_dirs import OWNER_FILE, _owner_record, make_runtime_dir
@@ -160,5 +160,31 @@ def test_serve_leaves_nothing_when_a_process_is_killed(
         if server.poll() is None:
             server.kill()
         server.wait(10)
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_server_killed_while_its_workers_start_leaves_nothing(private_tmp, tiny_llama, tmp_path):
+    log = tmp_path / "server.log"
+    env = {**os.environ, "TMPDIR": str(private_tmp)}
+    server = start_cli(
+        ["serve", str(tiny_llama), "--port", str(free_port()), "--executor", "mp"], log, env
+    )
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 3 and time.monotonic() < deadline:  # server, engine, worker
+            assert server.poll() is None, log.read_text()
+            pids = family(server.pid)
+            time.sleep(0.05)
+        assert len(pids) == 3, log.read_text()
+        assert "listening on" not in log.read_text()  # still starting
+        server.kill()
+        server.wait(10)
+        wait_until_clean(private_tmp, pids, timeout=30.0)
+    finally:
+        if server.poll() is None:
+            server.kill()
         for pid in alive(pids):
             os.kill(pid, signal.SIGKILL)
