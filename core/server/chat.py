@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import time
 import uuid
@@ -73,6 +74,34 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+#: apply_chat_template parameters a client may set through chat_template_kwargs: data the
+#: template renders. The others steer tokenization (padding to max_length=10^8 answered a
+#: 100-byte request with 10^8 tokens; return_tensors gave a 500; sanitize_control_tokens).
+TEMPLATE_DATA_PARAMETERS = frozenset({"tools", "documents"})
+
+
+def _check_template_variables(kwargs: dict[str, Any], tokenizer: Any) -> None:
+    """chat_template_kwargs are template variables only, never apply_chat_template's own
+    parameters."""
+    try:
+        signature = inspect.signature(tokenizer.apply_chat_template)
+    except (TypeError, ValueError, AttributeError):
+        return
+    named = {
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+    }
+    refused = sorted((set(kwargs) & named) - TEMPLATE_DATA_PARAMETERS)
+    if refused:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may only hold template variables; {', '.join(refused)} "
+            "set how the tokenizer renders or encodes the conversation",
+            param="chat_template_kwargs",
+        )
+
+
 def chat_prompt_ids(
     ctx: ServerContext, body: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
@@ -101,6 +130,7 @@ def chat_prompt_ids(
             param="continue_final_message",
         )
     kwargs = dict(body.chat_template_kwargs or {})
+    _check_template_variables(kwargs, ctx.engine.tokenizer)
     if tools:
         kwargs["tools"] = tools
     return ctx.engine.chat_prompt(
