@@ -1,7 +1,7 @@
 """Reliability run against local ``enginecore serve`` processes (tiny random model unless
 ``--model``), bounded in time, printing one table. Not part of ``make test``.
 
-    python benchmarks/reliability.py [--streams 200] [--requests 2000]
+    python benchmarks/reliability.py [--streams 500] [--disconnects 200] [--requests 2000]
 
 Rows: concurrent streams held with no error; client disconnects with the KV cache back to
 0; the bad-input corpus (4xx / 5xx / dropped connections); server memory growth over
@@ -204,7 +204,18 @@ async def _kill_during_streams(server: Server, victim: psutil.Process, n: int) -
         "time_to_error_s": round(to_error, 2),
         "exit_status": status,
         "processes_left": server.left_behind(),
+        "temp_files_left": await _temp_files_left(server),
     }
+
+
+async def _temp_files_left(server: Server) -> int:
+    """Entries left in the server's temp dir once its processes are gone (a killed
+    worker's engine, or a killed engine's workers, exit within a second)."""
+    for _ in range(50):
+        if not server.left_behind() and not any(server.tmp.iterdir()):
+            break
+        await asyncio.sleep(0.1)
+    return len(list(server.tmp.iterdir()))
 
 
 async def sigterm_drain(server: Server, n: int) -> dict:
@@ -220,15 +231,15 @@ async def sigterm_drain(server: Server, n: int) -> dict:
         "ended_with_done": sum(o in ("done", "error") for o in outcomes),
         "exit_status": status,
         "processes_left": server.left_behind(),
-        "temp_files_left": len(list(server.tmp.iterdir())),
+        "temp_files_left": await _temp_files_left(server),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint (default: a tiny random Llama)")
-    parser.add_argument("--streams", type=int, default=200)
-    parser.add_argument("--disconnects", type=int, default=100)
+    parser.add_argument("--streams", type=int, default=500)
+    parser.add_argument("--disconnects", type=int, default=200)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     rows: list[tuple[str, dict]] = []

@@ -30,6 +30,7 @@ from enginecore.builtin_executors.rpc import (
     load_call,
     method_name,
 )
+from enginecore.runtime_dirs import remove_dirs_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != parent_pid:
+            # A killed engine cannot remove its directory (sockets, rendezvous file).
+            remove_dirs_of(parent_pid)
             os._exit(1)
 
 

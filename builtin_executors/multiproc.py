@@ -32,7 +32,6 @@ import select
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -59,6 +58,7 @@ from enginecore.builtin_executors.rpc import (
 from enginecore.config import EngineConfig
 from enginecore.errors import EngineShutdownError
 from enginecore.interfaces import Executor, WorkerSpec
+from enginecore.runtime_dirs import make_runtime_dir
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class MultiprocExecutor(CallGate, Executor):
         self._closing = False
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
-        self._dir = tempfile.mkdtemp(prefix="enginecore-mp-")  # mode 0700
+        self._dir = make_runtime_dir("mp-")  # mode 0700
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)

@@ -231,6 +231,10 @@ class ServerConfig(_Section):
     allowed_hosts: list[str] | None = None
     """Host header values the server answers (DNS rebinding); "*" admits any. Null: the
     bind address and localhost names (any, when bound to all interfaces)."""
+    trust_request_chat_template: bool = False
+    """Accept a ``chat_template`` sent in a chat request. Off (vLLM's default too): a
+    client's Jinja template runs in the server, where two nested loops hold a thread for
+    hours, so such a request gets 400."""
     enable_collective_rpc_endpoint: bool = False
     """Expose POST /collective_rpc (it runs registered worker RPCs by name: off by default)."""
     enable_auto_tool_choice: bool = False

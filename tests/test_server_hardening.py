@@ -294,3 +294,38 @@ def test_dns_rebinding_host_is_refused(http) -> None:
     assert response.status_code == 400
     assert "allowed_hosts" in response.json()["error"]["message"]
     assert http.get("/v1/models", headers={"host": "localhost:8000"}).status_code == 200
+
+
+def test_a_request_chat_template_is_refused_unless_trusted(http) -> None:
+    # Two nested loops: 10^10 iterations would hold a server thread for hours.
+    bomb = "{% for i in range(99999) %}{% for j in range(99999) %}{{ j }}{% endfor %}{% endfor %}"
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "chat_template": bomb},
+        timeout=15,
+    )
+    assert response.status_code == 400, response.text
+    assert "--trust-request-chat-template" in response.json()["error"]["message"]
+    _ok(http)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"return_tensors": "np"},  # was a 500
+        {"padding": "max_length", "max_length": 100_000_000},  # 10^8 tokens for 100 bytes
+        {"sanitize_control_tokens": False},
+        {"tokenize": False},
+    ],
+)
+@pytest.mark.parametrize("route", ["/tokenize", "/v1/chat/completions"])
+def test_chat_template_kwargs_cannot_steer_the_tokenizer(http, kwargs, route) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    extra = {"max_tokens": 2} if route.startswith("/v1") else {}
+    response = http.post(route, json={**body, **extra}, timeout=30)
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and next(iter(kwargs)) in error["message"]
+    # Template variables still reach the template.
+    variables = {**body, "chat_template_kwargs": {"documents": [{"title": "t"}], "x": 1}}
+    assert http.post("/tokenize", json=variables).status_code == 200

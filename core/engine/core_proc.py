@@ -35,6 +35,7 @@ from enginecore.protocol import (
     UtilityOutput,
 )
 from enginecore.request import FinishReason
+from enginecore.runtime_dirs import remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable
 
 logger = logging.getLogger(__name__)
@@ -310,6 +311,7 @@ def _watch_parent(parent_pid: int, get_engine: Any) -> None:
     through an orderly shutdown. The executor's workers watch this process the same way."""
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL)
+    remove_dirs_of(parent_pid)  # its socket directory: nobody else is left to remove it
     engine = get_engine()
     if engine is None:
         logger.warning("the frontend exited during start-up: stopping")

@@ -11,7 +11,6 @@ import queue
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from enginecore.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
 )
+from enginecore.runtime_dirs import make_runtime_dir, remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,14 @@ def _cleanup_engine(
         proc.wait(5)
     for sock in sockets:
         sock.close(linger=0)
+    _remove_files(proc, tmpdir)
+
+
+def _remove_files(proc, tmpdir: str) -> None:
+    """Remove this frontend's socket directory and what the exited engine left behind
+    (its executor's directory, when it was killed before it could remove it)."""
     shutil.rmtree(tmpdir, ignore_errors=True)
+    remove_dirs_of(proc.pid)
 
 
 class _EngineProcess:
@@ -95,7 +102,7 @@ class _EngineProcess:
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context[Any], engine_index: int = 0) -> None:
         self.engine_index = engine_index
-        self.tmpdir = tempfile.mkdtemp(prefix="enginecore-")  # mode 0700
+        self.tmpdir = make_runtime_dir()  # mode 0700
         input_address = f"ipc://{self.tmpdir}/input"
         output_address = f"ipc://{self.tmpdir}/output"
         self.input_socket = ctx.socket(zmq.PUSH)
@@ -163,6 +170,10 @@ class _EngineProcess:
     def close(self) -> None:
         """Wait for the engine to exit (killing it if it lingers) and free its sockets."""
         _cleanup_engine(self.proc, [self.input_socket, self.output_socket], self.tmpdir)
+
+    def remove_files(self) -> None:
+        """After the engine died: nothing will use the socket files any more."""
+        _remove_files(self.proc, self.tmpdir)
 
 
 class _MPClientBase(EngineCoreClient):
@@ -250,6 +261,7 @@ class SyncMPClient(_MPClientBase):
             if not ready:
                 if self.proc.poll() is not None and not self._stop.is_set():
                     self._fail(self._dead(_dead_message(self.proc)))
+                    self.engine.remove_files()
                     return
                 continue
             try:
@@ -264,6 +276,7 @@ class SyncMPClient(_MPClientBase):
                 continue
             if outputs.engine_dead is not None:
                 self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
+                self.engine.remove_files()
                 return
             self.outputs.put(outputs)
 
@@ -310,6 +323,7 @@ class AsyncMPClient(_MPClientBase):
             if not ready:
                 if self.proc.poll() is not None:
                     self._fail(self._dead(_dead_message(self.proc)))
+                    self.engine.remove_files()
                     return
                 continue
             frames = await self.output_socket.recv_multipart(copy=False)
@@ -321,6 +335,7 @@ class AsyncMPClient(_MPClientBase):
                 continue
             if outputs.engine_dead is not None:
                 self._fail(self._dead(f"the engine core died: {outputs.engine_dead}"))
+                self.engine.remove_files()
                 return
             assert self.outputs is not None  # made by _ensure_reader, which started this task
             self.outputs.put_nowait(outputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import time
 import uuid
@@ -74,10 +75,47 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+#: apply_chat_template parameters a client may set through chat_template_kwargs: data the
+#: template renders. The others steer tokenization (padding to max_length=10^8 answered a
+#: 100-byte request with 10^8 tokens; return_tensors gave a 500; sanitize_control_tokens).
+TEMPLATE_DATA_PARAMETERS = frozenset({"tools", "documents"})
+
+
+def _check_template_variables(kwargs: dict[str, Any], tokenizer: Any) -> None:
+    """chat_template_kwargs are template variables only, never apply_chat_template's own
+    parameters."""
+    try:
+        signature = inspect.signature(tokenizer.apply_chat_template)
+    except (TypeError, ValueError, AttributeError):
+        return
+    named = {
+        name
+        for name, parameter in signature.parameters.items()
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+    }
+    refused = sorted((set(kwargs) & named) - TEMPLATE_DATA_PARAMETERS)
+    if refused:
+        raise APIError(
+            400,
+            f"chat_template_kwargs may only hold template variables; {', '.join(refused)} "
+            "set how the tokenizer renders or encodes the conversation",
+            param="chat_template_kwargs",
+        )
+
+
 def chat_prompt_ids(
     ctx: ServerContext, body: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[int]:
     """The rendered conversation; ``body`` is a chat or a ``/tokenize`` request."""
+    if getattr(body, "chat_template", None) is not None and not (
+        ctx.limits.trust_request_chat_template
+    ):
+        raise APIError(
+            400,
+            "a chat_template in the request is refused: it would run as a Jinja template in "
+            "the server (start it with --trust-request-chat-template to allow it)",
+            param="chat_template",
+        )
     if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
             400,
@@ -93,6 +131,7 @@ def chat_prompt_ids(
             param="continue_final_message",
         )
     kwargs = dict(body.chat_template_kwargs or {})
+    _check_template_variables(kwargs, ctx.engine.tokenizer)
     if tools:
         kwargs["tools"] = tools
     prompt_token_ids: list[int] = ctx.engine.chat_prompt(

@@ -10,7 +10,7 @@ from typing import Any
 
 import prometheus_client
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from enginecore.errors import EngineCoreError
 from enginecore.server.chat import chat_prompt_ids
@@ -25,7 +25,14 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/health")
+#: /health and /ping answer 200 with an empty body (what probes expect), as documented.
+_PROBE = dict(
+    response_class=Response,
+    responses={200: {"description": "the engine answers"}, 503: {"description": "it does not"}},
+)
+
+
+@router.get("/health", **_PROBE)
 async def health(request: Request) -> Response:
     """200 while the engine core answers; 503 once it is dead (or does not answer)."""
     try:
@@ -35,12 +42,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/ping")
+@router.get("/ping", **_PROBE)
 async def ping(request: Request) -> Response:
     return await health(request)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics() -> Response:
     """Prometheus text exposition of the ``enginecore:*`` metrics (and process metrics)."""
     return Response(

@@ -74,6 +74,13 @@ def scan_json(value: Any, stop_after: int) -> tuple[int, str | None]:
                     return deepest, "an integer is outside the signed 64-bit range"
                 deepest = max(deepest, depth + 1)
                 continue
+            if node and all(type(x) is str for x in node):  # prompts, stop strings: at once
+                # Joining cannot pair two lone surrogates: a Python str keeps them apart.
+                problem = _bad_scalar("".join(node))
+                if problem:
+                    return deepest, problem
+                deepest = max(deepest, depth + 1)
+                continue
             children = node
         else:
             problem = _bad_scalar(node)

@@ -243,12 +243,17 @@ class DetokenizeRequest(_StrictBody):
     tokens: list[int]
 
 
+#: The longest wait a /collective_rpc client may ask for (one day).
+COLLECTIVE_RPC_MAX_TIMEOUT_S = 86400.0
+
+
 class CollectiveRPCRequest(_Body):
     method: str
     """The name of a worker method or a registered worker RPC (never code)."""
     args: list[Any] = []
     kwargs: dict[str, Any] | None = None
-    timeout: float | None = None
+    timeout: float | None = Field(default=None, gt=0, le=COLLECTIVE_RPC_MAX_TIMEOUT_S)
+    """Seconds to wait for every rank: bounded, since a huge value overflows the wait."""
 
 
 PauseMode = Literal["abort", "wait", "keep"]
