@@ -86,7 +86,7 @@ def _cleanup_engine(
     _remove_files(proc, tmpdir)
 
 
-def _remove_files(proc, tmpdir: str) -> None:
+def _remove_files(proc: subprocess.Popen[bytes], tmpdir: str) -> None:
     """Remove this frontend's socket directory and what the exited engine left behind
     (its executor's directory, when it was killed before it could remove it)."""
     shutil.rmtree(tmpdir, ignore_errors=True)

@@ -26,13 +26,13 @@ _STARTED = int(time.time())
 
 
 #: /health and /ping answer 200 with an empty body (what probes expect), as documented.
-_PROBE = dict(
-    response_class=Response,
-    responses={200: {"description": "the engine answers"}, 503: {"description": "it does not"}},
-)
+_PROBE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the engine answers"},
+    503: {"description": "it does not"},
+}
 
 
-@router.get("/health", **_PROBE)
+@router.get("/health", response_class=Response, responses=_PROBE_RESPONSES)
 async def health(request: Request) -> Response:
     """200 while the engine core answers; 503 once it is dead (or does not answer)."""
     try:
@@ -42,7 +42,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/ping", **_PROBE)
+@router.get("/ping", response_class=Response, responses=_PROBE_RESPONSES)
 async def ping(request: Request) -> Response:
     return await health(request)
 
