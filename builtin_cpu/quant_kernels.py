@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu.gguf_blocks import BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ _SIGNATURES = {
     "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
 }
+_LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
 
 
 def _vnni() -> tuple[str, list[str]] | None:
@@ -52,7 +54,22 @@ class QuantKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        self._linear = self.lib.ecq_linear
+        self._linear.argtypes, self._linear.restype = _LINEAR_SIGNATURE, ctypes.c_int
         self.path = path
+
+    def linear(self, x: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T, ``x`` float32 [M, K] with its
+        innermost dim contiguous: quantizing the activations and the product in one call
+        (the batch-1 decode step makes 120 of these on a 30-layer model, so the Python
+        side is kept to one foreign call)."""
+        qs, d, m = weight.pointers
+        failed = self._linear(
+            weight.bits, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
+            qs, d, m, out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no scratch memory for {x.shape[0]} rows of activations")
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivations:
         """``x`` float32 [M, K], K a multiple of 32, innermost dim contiguous."""
