@@ -129,7 +129,8 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 # Many-row steps (prefill) compute on a float32 copy, packed as a float
                 # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
                 for first, part in merged:
-                    layer.weight.data[first : first + part.shape[0]] = gguf_blocks.dequantize(part)
+                    rows = layer.weight.data[first : first + part.shape[0]]
+                    rows.copy_(kernels.dequantize(part.bits, part.qs, part.d, part.m))
                 super().process_weights_after_loading(layer)
             else:
                 layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
