@@ -185,10 +185,12 @@ def blocks_linear(
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
     if rows.shape[0]:
         for first, part in blocks:
-            kernels.linear(rows, part, out[:, first:])
+            kernels.linear(rows, part, out[:, first:] if first else out)
     if bias is not None:
         out += bias
-    return out.to(dtype).view(*x.shape[:-1], n)
+    if dtype is not torch.float32:
+        out = out.to(dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
