@@ -56,17 +56,25 @@ def weight_bytes_per_step(path: str, quantized: bool) -> int:
     return int(total)
 
 
+def fresh_prompt(length: int, seed: int) -> list[int]:
+    """Token ids of a prompt no earlier seed shares a block with."""
+    return [(17 * i + 7919 * seed) % 20000 + 100 for i in range(length)]
+
+
 def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
     from enginecore import LLM, SamplingParams
 
     llm = LLM(model=path, quantization=quantization, max_model_len=1024)
     try:
-        prompt = {"prompt_token_ids": [(17 * i) % 20000 + 100 for i in range(prompt_len)]}
+        runs = iter(range(1 << 30))
 
         def run(max_tokens: int, n: int = 1) -> float:
+            # Fresh prompts every run and request: the prefix cache must not answer a
+            # prompt it has seen (llama.cpp is reset between its runs).
+            prompts = [{"prompt_token_ids": fresh_prompt(prompt_len, next(runs))} for _ in range(n)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             started = time.perf_counter()
-            llm.generate([prompt] * n, params, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started
 
         run(4)
