@@ -65,3 +65,6 @@ guided_grammar
 # pytest: fixtures imported for their autouse effect, or requested for their side effect.
 leak_check
 alpha_beta
+
+# ctypes structure fields set for the C library to read.
+use_extra_bufts

@@ -25,8 +25,6 @@ BLOCK = 32
 _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
     "ecq_quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
-    "ecq_gemm_q4": [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64],
-    "ecq_gemm_q8": [_I64, _I64, _I64, _P, _P, _P, _P, _P, _I64],
     "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
 }
@@ -82,38 +80,11 @@ class QuantKernels:
         )
         return QuantizedActivations(q, scale, scaled_sum)
 
-    def gemm_q4(
-        self,
-        acts: QuantizedActivations,
-        qs: torch.Tensor,
-        d: torch.Tensor,
-        m: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T for 4-bit ``qs`` [N, K/32, 16]."""
-        rows, k = acts.q.shape
-        n = qs.shape[0]
-        self.lib.ecq_gemm_q4(
-            rows, n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), acts.q.data_ptr(),
-            acts.scale.data_ptr(), acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
-        )  # fmt: skip
-
-    def gemm_q8(
-        self, acts: QuantizedActivations, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """``out`` [M, N] = x W^T for 8-bit ``qs`` [N, K]."""
-        rows, k = acts.q.shape
-        n = qs.shape[0]
-        self.lib.ecq_gemm_q8(
-            rows, n, k, qs.data_ptr(), d.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
-            out.data_ptr(), out.stride(0),
-        )  # fmt: skip
-
     def dequantize(
         self, bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     ) -> torch.Tensor:
-        """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in ``gemm_q4`` /
-        ``gemm_q8``)."""
+        """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in
+        :class:`BlockWeight`)."""
         n, k = d.shape[0], d.shape[1] * BLOCK
         out = torch.empty((n, k), dtype=torch.float32)
         if bits == 4:
