@@ -71,3 +71,6 @@ _unknown_fields  # a pydantic model validator: pydantic calls it
 # pytest: fixtures imported for their autouse effect, or requested for their side effect.
 leak_check
 alpha_beta
+
+# ctypes structure fields set for the C library to read.
+use_extra_bufts

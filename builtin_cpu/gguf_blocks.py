@@ -11,6 +11,7 @@ kernel unpacks as it is.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,6 +34,11 @@ class BlockWeight:
     d: torch.Tensor
     m: torch.Tensor
     shape: tuple[int, int]
+
+    @cached_property
+    def pointers(self) -> tuple[int, int, int]:
+        """The addresses of ``qs``, ``d``, ``m`` (fixed once loaded) for the kernels."""
+        return self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr()
 
     @property
     def nbytes(self) -> int:

@@ -41,10 +41,12 @@ from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-# More rows than this: de-quantize the weight and run one float32 GEMM. Measured on a
-# 1,536 x 576 Q4_1 weight, 2 threads (blocks against de-quantized + GEMM): 1 row 36 against
-# 228 µs, 16 rows 291 against 373, 24 rows 432 against 421, 128 rows 2.2 ms against 0.9.
-DIRECT_MAX_ROWS = 20
+# More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
+# allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
+# Measured on the demo model's 30 layers of Q4_1 projections, weights not in cache, one
+# thread, CPU time (blocks against the packed float32 copy): 1 row 9.6 against 31 ms,
+# 8 rows 28 against 64, 16 rows 46 against 71, 32 rows 87 against 87.
+DIRECT_MAX_ROWS = 32
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
 
@@ -131,8 +133,17 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if not parts and self._int8_wanted(layer, kernels):
             parts = {0: per_channel_q8(layer.weight.data)}
         if parts:
-            setattr(layer, _BLOCKS, _merged(parts))
-            layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+            merged = _merged(parts)
+            setattr(layer, _BLOCKS, merged)
+            if self._afford(layer.weight.numel() * layer.weight.element_size()):
+                # Many-row steps (prefill) compute on a float32 copy, packed as a float
+                # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
+                for first, part in merged:
+                    rows = layer.weight.data[first : first + part.shape[0]]
+                    rows.copy_(_dequantize_with(kernels, part))
+                super().process_weights_after_loading(layer)
+            else:
+                layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
             return
         super().process_weights_after_loading(layer)
         weight = layer.weight
@@ -160,14 +171,16 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
-        if blocks is None:
+        if blocks is None or (_many_rows(x) and layer.weight.numel()):
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        if getattr(layer, _BLOCKS, None) is not None:
+        if getattr(layer, _BLOCKS, None) is not None and not (
+            _many_rows(x) and layer.weight.numel()
+        ):
             return None
         return super().apply_silu_and_mul(layer, x, bias)
 
@@ -206,6 +219,10 @@ def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
     return kernels.dequantize(part.bits, part.qs, part.d, part.m)
 
 
+def _many_rows(x: torch.Tensor) -> bool:
+    return x.numel() > DIRECT_MAX_ROWS * x.shape[-1]
+
+
 def blocks_linear(
     blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -223,18 +240,20 @@ def blocks_linear(
         return out.to(dtype).view(*x.shape[:-1], n)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
     if rows.shape[0]:
-        acts = kernels.quantize_rows(rows)
+        acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
         for first, part in blocks:
-            target = out[:, first:]
+            target = out[:, first:] if first else out
             if isinstance(part, SubBlockWeight):
+                if acts is None:
+                    acts = kernels.quantize_rows(rows)
                 kquant_kernels.load().gemm_s16(acts, part.qs, part.d, part.m, target)
-            elif part.bits == 4:
-                kernels.gemm_q4(acts, part.qs, part.d, part.m, target)
             else:
-                kernels.gemm_q8(acts, part.qs, part.d, target)
+                kernels.linear(rows, part, target)
     if bias is not None:
         out += bias
-    return out.to(dtype).view(*x.shape[:-1], n)
+    if dtype is not torch.float32:
+        out = out.to(dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:

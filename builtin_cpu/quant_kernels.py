@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu.gguf_blocks import BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +25,10 @@ BLOCK = 32
 _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
     "ecq_quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
-    "ecq_gemm_q4": [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64],
-    "ecq_gemm_q8": [_I64, _I64, _I64, _P, _P, _P, _P, _P, _I64],
     "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
 }
+_LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
 
 
 def _vnni() -> tuple[str, list[str]] | None:
@@ -52,7 +52,22 @@ class QuantKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, None
+        self._linear = self.lib.ecq_linear
+        self._linear.argtypes, self._linear.restype = _LINEAR_SIGNATURE, ctypes.c_int
         self.path = path
+
+    def linear(self, x: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T, ``x`` float32 [M, K] with its
+        innermost dim contiguous: quantizing the activations and the product in one call
+        (the batch-1 decode step makes 120 of these on a 30-layer model, so the Python
+        side is kept to one foreign call)."""
+        qs, d, m = weight.pointers
+        failed = self._linear(
+            weight.bits, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
+            qs, d, m, out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no scratch memory for {x.shape[0]} rows of activations")
 
     def quantize_rows(self, x: torch.Tensor) -> QuantizedActivations:
         """``x`` float32 [M, K], K a multiple of 32, innermost dim contiguous."""
@@ -65,38 +80,11 @@ class QuantKernels:
         )
         return QuantizedActivations(q, scale, scaled_sum)
 
-    def gemm_q4(
-        self,
-        acts: QuantizedActivations,
-        qs: torch.Tensor,
-        d: torch.Tensor,
-        m: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T for 4-bit ``qs`` [N, K/32, 16]."""
-        rows, k = acts.q.shape
-        n = qs.shape[0]
-        self.lib.ecq_gemm_q4(
-            rows, n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), acts.q.data_ptr(),
-            acts.scale.data_ptr(), acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
-        )  # fmt: skip
-
-    def gemm_q8(
-        self, acts: QuantizedActivations, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """``out`` [M, N] = x W^T for 8-bit ``qs`` [N, K]."""
-        rows, k = acts.q.shape
-        n = qs.shape[0]
-        self.lib.ecq_gemm_q8(
-            rows, n, k, qs.data_ptr(), d.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
-            out.data_ptr(), out.stride(0),
-        )  # fmt: skip
-
     def dequantize(
         self, bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor
     ) -> torch.Tensor:
-        """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in ``gemm_q4`` /
-        ``gemm_q8``)."""
+        """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in
+        :class:`BlockWeight`)."""
         n, k = d.shape[0], d.shape[1] * BLOCK
         out = torch.empty((n, k), dtype=torch.float32)
         if bits == 4:

@@ -1,6 +1,9 @@
 """llama.cpp's side of ``single_stream.py``, run by the llama-cpp-python venv's Python:
 prints one JSON line (prefill seconds, decode tokens/s, total tokens/s at each
-concurrency, run one request after another: llama-cpp-python serves one sequence)."""
+concurrency, run one request after another: llama-cpp-python serves one sequence).
+
+A sixth argument ``no-repack`` loads the weights without llama.cpp's extra buffer types
+(its repacked and AMX layouts), for builds whose repacking crashes on this CPU."""
 
 from __future__ import annotations
 
@@ -8,12 +11,27 @@ import json
 import sys
 import time
 
+import llama_cpp
 from llama_cpp import Llama
+
+
+def without_repacking() -> None:
+    default_params = llama_cpp.llama_model_default_params
+
+    def params():
+        chosen = default_params()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    llama_cpp.llama_model_default_params = params
+    llama_cpp.llama.llama_cpp.llama_model_default_params = params
 
 
 def main() -> None:
     path, threads, prompt_len, decode_len = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:5])
     concurrency = [int(c) for c in sys.argv[5].split(",")]
+    if sys.argv[6:] == ["no-repack"]:
+        without_repacking()
     llm = Llama(path, n_threads=threads, n_ctx=1024, verbose=False, seed=0)
     prompt = [(17 * i) % 20000 + 100 for i in range(prompt_len)]
 

@@ -5,10 +5,11 @@ decode tokens/s, and total output tokens/s with 1, 4, 16 and 64 concurrent reque
 tokens. Ours runs with the GGUF's blocks kept (``quantization=auto``, the ``gguf``
 method) and, with ``--dequantized``, also de-quantized to float32 (``none``). llama.cpp
 runs through ``--llama-python`` (a venv with llama-cpp-python) when given. Prints each
-round and the medians, the decode step's bound (weight bytes read per step over the
-bandwidth of a large torch copy) and the machine.
+round, then the machine line (with its load average) and one markdown table of the
+medians: enginecore against llama.cpp (x faster), and our decode step against its bound
+(weight bytes read per step over the bandwidth of a large torch copy).
 
-    python benchmarks/peers/single_stream.py MODEL.gguf [--llama-python PY] [--rounds 3]
+    python benchmarks/peers/single_stream.py [MODEL.gguf] [--llama-python PY] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -55,17 +56,25 @@ def weight_bytes_per_step(path: str, quantized: bool) -> int:
     return int(total)
 
 
+def fresh_prompt(length: int, seed: int) -> list[int]:
+    """Token ids of a prompt no earlier seed shares a block with."""
+    return [(17 * i + 7919 * seed) % 20000 + 100 for i in range(length)]
+
+
 def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
     from enginecore import LLM, SamplingParams
 
     llm = LLM(model=path, quantization=quantization, max_model_len=1024)
     try:
-        prompt = {"prompt_token_ids": [(17 * i) % 20000 + 100 for i in range(prompt_len)]}
+        runs = iter(range(1 << 30))
 
         def run(max_tokens: int, n: int = 1) -> float:
+            # Fresh prompts every run and request: the prefix cache must not answer a
+            # prompt it has seen (llama.cpp is reset between its runs).
+            prompts = [{"prompt_token_ids": fresh_prompt(prompt_len, next(runs))} for _ in range(n)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             started = time.perf_counter()
-            llm.generate([prompt] * n, params, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started
 
         run(4)
@@ -80,17 +89,23 @@ def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: l
 
 
 def peer(python: str, path: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
-    done = subprocess.run(
-        [python, str(HERE / "llamacpp_single_stream.py"), path, str(torch.get_num_threads()),
-         str(prompt_len), str(decode_len), ",".join(map(str, conc))],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    """llama.cpp's figures; where its repacked weight layouts crash the process (a
+    segmentation fault in some builds), again without them, saying so."""
+    command = [python, str(HERE / "llamacpp_single_stream.py"), path,
+               str(torch.get_num_threads()), str(prompt_len), str(decode_len),
+               ",".join(map(str, conc))]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode < 0:
+        print(f"llama.cpp died ({done.returncode}); again without weight repacking", flush=True)
+        done = subprocess.run([*command, "no-repack"], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"llama.cpp failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("model", help="a .gguf file")
+    parser.add_argument("model", nargs="?", help="a .gguf file (default: the demo model's)")
     parser.add_argument("--llama-python", help="Python of a venv with llama-cpp-python")
     parser.add_argument("--dequantized", action="store_true", help="also ours in float32")
     parser.add_argument("--rounds", type=int, default=3)
@@ -98,6 +113,10 @@ def main() -> None:
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--concurrency", default="1,4,16,64")
     args = parser.parse_args()
+    if args.model is None:
+        from enginecore.checkpoints import find_demo_gguf
+
+        args.model = str(find_demo_gguf())
     conc = [int(c) for c in args.concurrency.split(",")]
     runs: dict[str, list[dict]] = {}
     contenders = {"enginecore gguf": lambda: ours(args.model, "auto", args.prompt_len,
@@ -110,31 +129,84 @@ def main() -> None:
         contenders["llama.cpp"] = lambda: peer(
             args.llama_python, args.model, args.prompt_len, args.decode_len, conc
         )
+    print(machine_line(), flush=True)
     for round_ in range(args.rounds):
         for name, fn in contenders.items():
             runs.setdefault(name, []).append(fn())
             print(f"round {round_} {name}: {json.dumps(runs[name][-1])}", flush=True)
+    print(f"\n{machine_line()}")
+    bw = bandwidth_gb_s()
+    print(f"memory bandwidth (512 MiB torch copy, read + write): {bw:.1f} GB/s\n")
+    medians = {
+        name: {k: statistics.median(r[k] for r in results) for k in results[0]}
+        for name, results in runs.items()
+    }
+    for line in table(medians, conc, args.model, bw, args.rounds):
+        print(line)
+
+
+def machine_line() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next(
         (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
         platform.processor(),
     )
-    print(f"\nmachine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads")
-    bw = bandwidth_gb_s()
-    print(f"memory bandwidth (512 MiB torch copy, read + write): {bw:.1f} GB/s")
-    for name, results in runs.items():
-        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
-        print(
-            f"{name} (median of {len(results)}): "
-            + ", ".join(f"{k} {v:.3g}" for k, v in med.items())
-        )
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"machine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+        f"load average {load}"
+    )
+
+
+def table(
+    medians: dict[str, dict[str, float]], conc: list[int], model: str, bw: float, rounds: int
+) -> list[str]:
+    """The medians as a markdown table, with enginecore's blocks against llama.cpp (x
+    faster) and each of ours' decode step against the weight-read bound."""
+    names = list(medians)
+    ratio = "enginecore gguf" in medians and "llama.cpp" in medians
+    head = "| | " + " | ".join(names) + (" | gguf vs llama.cpp |" if ratio else " |")
+    lines = [f"medians of {rounds} rounds", "", head, "|---" * (len(names) + 1 + ratio) + "|"]
+
+    def row(label: str, values: dict[str, str], speedup: float | None) -> None:
+        cells = [values.get(name, "") for name in names]
+        extra = [f"{speedup:.2f}x" if speedup else ""] if ratio else []
+        lines.append("| " + " | ".join([label, *cells, *extra]) + " |")
+
+    def speedup(key: str, higher_is_better: bool) -> float | None:
+        if not ratio:
+            return None
+        ours, peer = medians["enginecore gguf"][key], medians["llama.cpp"][key]
+        return ours / peer if higher_is_better else peer / ours
+
+    row(
+        "prefill, ms",
+        {n: f"{1000 * m['prefill_s']:.0f}" for n, m in medians.items()},
+        speedup("prefill_s", False),
+    )
+    row(
+        "single-stream decode, tok/s",
+        {n: f"{m['decode_tok_s']:.1f}" for n, m in medians.items()},
+        speedup("decode_tok_s", True),
+    )
+    bounds = {}
+    for name, m in medians.items():
+        step = 1000 / m["decode_tok_s"]
         if name.startswith("enginecore"):
-            nbytes = weight_bytes_per_step(args.model, quantized="gguf" in name)
-            bound = nbytes / (bw * 1e9)
-            print(
-                f"  decode step {1000 / med['decode_tok_s']:.1f} ms; weights read "
-                f"{nbytes / 1e6:.0f} MB, bound {1000 * bound:.1f} ms"
-            )
+            nbytes = weight_bytes_per_step(model, quantized="gguf" in name)
+            bound = 1000 * nbytes / (bw * 1e9)
+            bounds[name] = f"{step:.1f} / {bound:.1f} ({nbytes / 1e6:.0f} MB)"
+        else:
+            bounds[name] = f"{step:.1f}"
+    row("decode step / weight-read bound, ms", bounds, None)
+    for c in conc:
+        key = f"throughput_{c}"
+        row(
+            f"{c} concurrent, total tok/s",
+            {n: f"{m[key]:.1f}" for n, m in medians.items()},
+            speedup(key, True),
+        )
+    return lines
 
 
 if __name__ == "__main__":

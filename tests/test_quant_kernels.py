@@ -1,0 +1,92 @@
+"""``quant_kernels``: the block products against a float64 sum over the same integers.
+
+Every block count's tail (groups of 4, 2 and 1 blocks in the AVX-512 loop) and several
+row counts; the activations' 8-bit rounding against torch's rounding of the same values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from enginecore.builtin_cpu import gguf_blocks, quant_kernels
+from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+
+pytestmark = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
+
+BLOCK = gguf_blocks.BLOCK
+
+
+def random_q4(n: int, k: int, symmetric: bool) -> BlockWeight:
+    nb = k // BLOCK
+    qs = torch.randint(0, 256, (n, nb, 16), dtype=torch.uint8)
+    d = torch.rand(n, nb) * 0.1 + 0.01
+    m = -8.0 * d if symmetric else torch.randn(n, nb) * 0.1
+    return BlockWeight(4, qs, d, m.contiguous(), (n, k))
+
+
+def random_q8(n: int, k: int) -> BlockWeight:
+    qs = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    d = torch.rand(n, k // BLOCK) * 0.01 + 0.001
+    return BlockWeight(8, qs, d, torch.zeros_like(d), (n, k))
+
+
+def values_of(weight: BlockWeight) -> torch.Tensor:
+    """[n, nb, 32] float64 integers of the weight, in element order."""
+    n, k = weight.shape
+    if weight.bits == 8:
+        return weight.qs.reshape(n, k // BLOCK, BLOCK).double()
+    return torch.cat([weight.qs & 0x0F, weight.qs >> 4], dim=-1).double()
+
+
+def reference(acts: quant_kernels.QuantizedActivations, weight: BlockWeight) -> torch.Tensor:
+    """sum_b d_w d_x <q_w, q_x> + m_w d_x sum(q_x), in float64."""
+    rows, k = acts.q.shape
+    qx = acts.q.reshape(rows, k // BLOCK, BLOCK).double()
+    dots = torch.einsum("rbi,nbi->rnb", qx, values_of(weight))
+    scaled = dots * weight.d.double()[None] * acts.scale.double()[:, None]
+    offsets = weight.m.double()[None] * acts.scaled_sum.double()[:, None]
+    return (scaled + offsets).sum(-1)
+
+
+@pytest.mark.parametrize("k", [32, 64, 96, 128, 160, 224, 576])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8_0"])
+def test_linear_matches_float64(kind: str, rows: int, k: int):
+    torch.manual_seed(k * 100 + rows)
+    n = 37  # not a multiple of any vector width or thread split
+    weight = random_q8(n, k) if kind == "q8_0" else random_q4(n, k, symmetric=kind == "q4_0")
+    kernels = quant_kernels.load()
+    x = torch.randn(rows, k) * 3
+    out = torch.full((rows, n), float("nan"))
+    kernels.linear(x, weight, out)
+    want = reference(kernels.quantize_rows(x), weight)
+    scale = want.abs().max().item()
+    assert (out.double() - want).abs().max().item() <= 1e-5 * scale
+
+
+def test_linear_writes_into_a_strided_output():
+    """A fused projection's part writes its columns of a wider output, nothing else."""
+    torch.manual_seed(0)
+    weight = random_q4(24, 96, symmetric=False)
+    kernels = quant_kernels.load()
+    x = torch.randn(3, 96)
+    out = torch.zeros(3, 40)
+    kernels.linear(x, weight, out[:, 8:])
+    want = reference(kernels.quantize_rows(x), weight)
+    assert torch.allclose(out[:, 8:32].double(), want, rtol=1e-5, atol=1e-5)
+    assert not out[:, :8].any() and not out[:, 32:].any()
+
+
+def test_activations_round_as_torch_does():
+    torch.manual_seed(1)
+    x = torch.randn(7, 576) * torch.rand(7, 1) * 10
+    x[0, :BLOCK] = 0  # an all-zero block: scale 0, bytes 0
+    acts = quant_kernels.load().quantize_rows(x)
+    blocks = x.reshape(7, -1, BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round(blocks * inverse[..., None]).to(torch.int8)
+    assert torch.equal(acts.q.reshape(7, -1, BLOCK), q)
+    assert torch.equal(acts.scale, scale)
+    assert torch.equal(acts.scaled_sum, scale * q.sum(-1).float())
