@@ -74,9 +74,11 @@ def test_a_k_quant_row_not_of_whole_super_blocks_is_refused():
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, DIRECT_MAX_ROWS + 1])
-def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int):
+@pytest.mark.parametrize("float_copy", [True, False])
+def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, float_copy: bool):
     """Few rows: integer dot products (the activations' 8-bit rounding is the only
-    difference); more rows: the kernels' de-quantization and one GEMM (exact)."""
+    difference); more rows: one GEMM on the kernels' de-quantization (exact), kept from
+    load or made per call."""
     torch.manual_seed(1)
     layer = _layer(
         lambda: RowParallelLinear(512, 64, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)
@@ -86,8 +88,11 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int):
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], loaded)
     params["bias"].weight_loader(params["bias"], bias)
+    if not float_copy:
+        layer.linear_method._budget = 0  # no memory to spare for copies
     layer.linear_method.process_weights_after_loading(layer)
-    assert layer.gguf_blocks and layer.weight.numel() == 0
+    assert layer.gguf_blocks
+    assert layer.weight.numel() == (64 * 512 if float_copy else 0)
     x = torch.randn(rows, 512)
     err = relative_error(layer(x), F.linear(x, reference, bias))
     assert err < (1e-5 if rows > DIRECT_MAX_ROWS else 1e-2), err
@@ -311,7 +316,8 @@ def test_group_quantized_checkpoint_decodes_as_transformers(group_checkpoints, n
 
 
 @needs_kernels
-def test_int8_per_channel_of_a_float_layer():
+@pytest.mark.parametrize("float_copy", [True, False])
+def test_int8_per_channel_of_a_float_layer(float_copy: bool):
     from types import SimpleNamespace
 
     torch.manual_seed(4)
@@ -323,9 +329,12 @@ def test_int8_per_channel_of_a_float_layer():
     weight = torch.randn(96, 256) * torch.linspace(0.1, 3, 96).unsqueeze(1)
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], weight)
+    if not float_copy:
+        layer.linear_method._budget = 0  # no memory to spare for copies
     layer.linear_method.process_weights_after_loading(layer)
     ((_, part),) = layer.gguf_blocks
-    assert part.bits == 8 and layer.weight.numel() == 0
+    assert part.bits == 8
+    assert layer.weight.numel() == (96 * 256 if float_copy else 0)
     scale = weight.abs().amax(1, keepdim=True) / 127
     reference = torch.round(weight / scale).clamp(-127, 127) * scale
     torch.testing.assert_close(dequantized_part(part), reference)
