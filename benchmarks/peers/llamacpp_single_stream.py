@@ -11,20 +11,8 @@ import json
 import sys
 import time
 
-import llama_cpp
 from llama_cpp import Llama
-
-
-def without_repacking() -> None:
-    default_params = llama_cpp.llama_model_default_params
-
-    def params():
-        chosen = default_params()
-        chosen.use_extra_bufts = False
-        return chosen
-
-    llama_cpp.llama_model_default_params = params
-    llama_cpp.llama.llama_cpp.llama_model_default_params = params
+from llamacpp_repack import without_repacking
 
 
 def main() -> None:

@@ -16,9 +16,13 @@ from harness import main
 
 def load(spec):
     import llama_cpp
+    from llamacpp_repack import repacking_works, without_repacking
 
     if not spec.get("gguf"):
         raise SystemExit("llamacpp needs a GGUF file: pass --gguf to enginecore bench compare")
+    if not repacking_works(spec["gguf"]):
+        print("llama.cpp: its repacked weight layouts crash here; loading without them")
+        without_repacking()
     llm = llama_cpp.Llama(
         model_path=spec["gguf"],
         n_ctx=spec["max_model_len"],
