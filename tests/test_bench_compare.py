@@ -268,3 +268,14 @@ def test_demo_names_the_demo_models_gguf():
     compare.resolve_demo(args)
     assert pathlib.Path(args.gguf).name == DEMO_GGUF_NAME and pathlib.Path(args.gguf).is_file()
     assert args.model == "m"
+
+
+def test_prompts_for_a_gguf_model_use_its_vocabulary(tiny_llama, tmp_path):
+    """enginecore can run the same GGUF file as llama.cpp: the prompts' vocabulary then
+    comes from the file's tokenizer, as from config.json for a HF checkpoint."""
+    from gguf_writer import write_gguf
+
+    gguf_file = write_gguf(pathlib.Path(tiny_llama), tmp_path / "tiny.gguf")
+    config = json.loads((pathlib.Path(tiny_llama) / "config.json").read_text())
+    assert compare.vocab_size(str(gguf_file)) == config["vocab_size"]
+    assert compare.vocab_size(str(tiny_llama)) == config["vocab_size"]

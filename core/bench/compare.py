@@ -198,6 +198,10 @@ def interpreter(system: str, args: argparse.Namespace) -> str:
 
 
 def vocab_size(model: str) -> int:
+    if model.endswith(".gguf"):  # enginecore on the same GGUF file as llama.cpp
+        from gguf import GGUFReader
+
+        return len(GGUFReader(model).fields["tokenizer.ggml.tokens"].data)
     config = json.loads((pathlib.Path(model) / "config.json").read_text())
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
