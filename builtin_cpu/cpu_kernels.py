@@ -162,8 +162,10 @@ def build(
     if extra_isa is not None:
         isa, flags = f"{isa}-{extra_isa[0]}", [*flags, *extra_isa[1]]
     host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
+    # The headers beside the source are part of what is built (quant_simd.h).
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), " ".join(flags).encode(), host.encode()])
+        b"\0".join([source.read_bytes(), *headers, " ".join(flags).encode(), host.encode()])
     ).hexdigest()[:16]
     directory = directory or cache_dir() / "cpu_kernels"
     target = directory / f"{stem}_{isa}_{key}.so"
