@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
 from enginecore.builtin_schedulers.waiting_queue import WaitingQueue
+from enginecore.errors import KV_TRANSFER_ERROR_PREFIX
 from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
 from enginecore.protocol import (
     EngineCoreEventType,
@@ -678,7 +679,8 @@ class DefaultScheduler(Scheduler):
                     request_id=request_id,
                     new_token_ids=[],
                     finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
-                    error=f"KV connector {self.config.kv_transfer.connector!r}: {message}",
+                    error=f"{KV_TRANSFER_ERROR_PREFIX}{self.config.kv_transfer.connector!r}: "
+                    f"{message}",
                 )
             )
         if failed:

@@ -49,3 +49,8 @@ class EngineDeadError(EngineCoreError):
 
 class EngineShutdownError(EngineCoreError):
     """The engine was shut down before the request finished."""
+
+
+#: How a request's error starts when its KV cache could not be loaded through the KV
+#: connector (the server answers 502: the failure is upstream, not in the request).
+KV_TRANSFER_ERROR_PREFIX = "KV connector "

@@ -115,6 +115,7 @@ def test_prefill_killed_mid_transfer(tiny_llama, tmp_path, policy) -> None:
         if policy == "fail":
             error = outcome.get("error")
             assert isinstance(error, openai.APIStatusError), outcome
+            assert error.status_code == 502, error  # the prefill instance failed
             assert "no answer from the prefill instance" in str(error), error
         else:
             answer = outcome.get("answer")

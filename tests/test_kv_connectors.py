@@ -16,11 +16,13 @@ from enginecore.builtin_kv_connectors.shared_storage import (
     SharedStorageScheduler,
     SharedStorageWorker,
 )
+from enginecore.engine.async_llm import RequestRejectedError
 from enginecore.engine.core import EngineCore
 from enginecore.engine.output import OutputKind
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import EngineCoreRequest
+from enginecore.server.errors import status_of
 from enginecore.testing.kv_connector_contract import free_port
 
 BLOCK = 16
@@ -410,6 +412,9 @@ def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
         )[0]
         assert out.outputs[0].finish_reason == "error"
         assert "no answer from the prefill instance" in out.error
+        # The server answers it with 502: the prefill instance failed, not the request.
+        assert status_of(RequestRejectedError(out.error)) == 502
+        assert status_of(RequestRejectedError("ValueError: not a valid grammar")) == 400
         # Other requests are unaffected.
         ok = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))[0]
         assert ok.error is None and len(ok.outputs[0].token_ids) == 4

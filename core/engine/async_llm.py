@@ -37,6 +37,7 @@ from enginecore.engine.output import (
     RequestState,
 )
 from enginecore.errors import (
+    KV_TRANSFER_ERROR_PREFIX,
     EngineCoreError,
     EngineDeadError,
     EngineShutdownError,
@@ -67,6 +68,12 @@ class RequestRejectedError(EngineCoreError):
     def retryable(self) -> bool:
         text = str(self)
         return text.startswith("engine_paused") or "shutting down" in text
+
+    @property
+    def kv_transfer_failed(self) -> bool:
+        """The request's KV cache could not be loaded from another instance (a prefill
+        instance that died or did not answer): a failure upstream, not the client's."""
+        return str(self).startswith(KV_TRANSFER_ERROR_PREFIX)
 
 
 class AsyncLLM:

@@ -53,6 +53,8 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, APIError):
         return exc.status
     if isinstance(exc, RequestRejectedError):
+        if exc.kv_transfer_failed:
+            return 502
         return 503 if exc.retryable else 400
     if isinstance(exc, EngineDeadError | EngineShutdownError):
         return 503
