@@ -178,6 +178,28 @@ def test_sigkill_of_the_engine_fails_every_request_quickly(tiny_llama) -> None:
         llm.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_a_send_to_a_dead_engine_fails_instead_of_hanging(tiny_llama) -> None:
+    """A call that sends while the engine dies, before the reader thread has noticed: the
+    engine's end of the input socket is gone, where a send would wait for a reader
+    forever. The reader is stopped first so that the send, not the reader, must notice."""
+    llm = LLM(tiny_llama, dtype="float32", num_blocks_override=256, max_model_len=512)
+    client = llm.engine_client
+    try:
+        client._stop.set()
+        client._reader.join(10)
+        os.kill(client.proc.pid, signal.SIGKILL)
+        client.proc.wait(30)
+        time.sleep(1.0)  # the socket has seen the connection close
+        started = time.monotonic()
+        request, _ = llm.input_processor.process("r0", "a b c", SamplingParams())
+        with pytest.raises(EngineDeadError, match=str(client.proc.pid)):
+            client.add_request(request)
+        assert time.monotonic() - started < 5
+    finally:
+        llm.shutdown()
+
+
 def test_engine_loop_error_reaches_the_frontend_with_its_text(tiny_llama) -> None:
     with LLM(tiny_llama, dtype="float32", num_blocks_override=128) as llm:
 

@@ -214,6 +214,14 @@ class _MPClientBase(EngineCoreClient):
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self.dead_error is not None:
             raise self.dead_error
+        if not isinstance(self.input_socket, zmq.asyncio.Socket):
+            # A PUSH socket blocks while no engine is connected to it, for good once the
+            # engine is dead: wait until it can take the message, checking the engine.
+            while not self.input_socket.poll(LIVENESS_POLL_MS, zmq.POLLOUT):
+                if self.dead_error is not None:
+                    raise self.dead_error
+                if self.proc.poll() is not None:
+                    raise self._dead(_dead_message(self.proc))
         self.sends.track(
             self.input_socket.send_multipart(
                 [kind.value, *self.encoder.encode(payload)], copy=False
