@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -143,6 +144,9 @@ def _compiler() -> str | None:
     return None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
+
+
 def build(
     directory: Path | None = None,
     *,
@@ -162,10 +166,12 @@ def build(
     if extra_isa is not None:
         isa, flags = f"{isa}-{extra_isa[0]}", [*flags, *extra_isa[1]]
     host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
-    # The headers beside the source are part of what is built (quant_simd.h).
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    # The local headers the source includes are part of what is built (quant_simd.h);
+    # a source that includes none is not rebuilt when one of them changes.
+    text = source.read_bytes()
+    headers = [source.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text)]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), *headers, " ".join(flags).encode(), host.encode()])
+        b"\0".join([text, *headers, " ".join(flags).encode(), host.encode()])
     ).hexdigest()[:16]
     directory = directory or cache_dir() / "cpu_kernels"
     target = directory / f"{stem}_{isa}_{key}.so"
