@@ -1,7 +1,8 @@
 """GGUF's 32-element block formats (Q8_0, Q4_0, Q4_1) in the layout ``quant_kernels``
 multiplies: per output row, the quantized values, and each block's scale ``d`` and
-offset ``m`` as float32 (value = q d + m; Q4_0's q - 8 becomes m = -8 d, so one kernel
-serves both 4-bit formats).
+offset ``m`` (value = q d + m; Q4_0's q - 8 becomes m = -8 d, so one kernel serves both
+4-bit formats). Q4_0 and Q4_1 keep ``d`` and ``m`` in float16, where the file's values
+are exact: a decode step reads a sixth fewer bytes than with float32 scales.
 
 GGUF stores a block as float16 ``d`` (and ``m`` for Q4_1) then the values; Q4 packs
 element j in the low nibble of byte j and element j + 16 in its high nibble, which the
@@ -18,6 +19,7 @@ import torch
 from enginecore.layers.quantized import INT4_BLOCKS, int4_block_parts
 
 BLOCK = 32
+Q4_HALF_SCALES = 20  # ECQ_Q4_HALF in quant_kernels.c: 4-bit blocks, float16 d and m
 # format -> (bytes per block, half-precision header values per block)
 _LAYOUT = {"Q8_0": (2 + BLOCK, 1), "Q4_0": (2 + BLOCK // 2, 1), "Q4_1": (4 + BLOCK // 2, 2)}
 FORMATS = tuple(_LAYOUT)
@@ -27,7 +29,7 @@ FORMATS = tuple(_LAYOUT)
 class BlockWeight:
     """A weight [out, in] in 32-element blocks: ``bits`` 4 (``qs`` [out, in/32, 16]
     uint8, two values a byte) or 8 (``qs`` [out, in] int8), ``d`` and ``m`` [out, in/32]
-    float32 (``m`` zero for 8 bits)."""
+    float32, or float16 for 4 bits (``m`` zero for 8 bits)."""
 
     bits: int
     qs: torch.Tensor
@@ -39,6 +41,13 @@ class BlockWeight:
     def pointers(self) -> tuple[int, int, int]:
         """The addresses of ``qs``, ``d``, ``m`` (fixed once loaded) for the kernels."""
         return self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr()
+
+    @property
+    def kind(self) -> int:
+        """What ``ecq_linear`` is told: 8, 4, or ``Q4_HALF_SCALES``."""
+        if self.bits == 4 and self.d.dtype == torch.float16:
+            return Q4_HALF_SCALES
+        return self.bits
 
     @property
     def nbytes(self) -> int:
@@ -58,13 +67,19 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeig
     size, halves = _LAYOUT[fmt]
     nb = k // BLOCK
     blocks = data.reshape(out, nb, size)
-    header = blocks[..., : 2 * halves].contiguous().view(torch.float16).float()
+    header = blocks[..., : 2 * halves].contiguous().view(torch.float16)
     d = header[..., 0].contiguous()
     payload = blocks[..., 2 * halves :]
     if fmt == "Q8_0":
         qs = payload.contiguous().view(torch.int8).reshape(out, k)
+        d = d.float()
         return BlockWeight(8, qs, d, torch.zeros_like(d), shape)
-    m = header[..., 1].contiguous() if fmt == "Q4_1" else -8.0 * d
+    if fmt == "Q4_1":
+        m = header[..., 1].contiguous()
+    else:
+        m = (-8.0 * d.float()).half()
+        if not torch.equal(m.float(), -8.0 * d.float()):  # out of float16's range
+            d, m = d.float(), -8.0 * d.float()
     return BlockWeight(4, payload.contiguous(), d, m, shape)
 
 
@@ -86,5 +101,5 @@ def dequantize(weight: BlockWeight) -> torch.Tensor:
     else:
         low, high = weight.qs & 0x0F, weight.qs >> 4
         q = torch.cat([low, high], dim=-1).float()
-    values = q * weight.d.unsqueeze(-1) + weight.m.unsqueeze(-1)
+    values = q * weight.d.float().unsqueeze(-1) + weight.m.float().unsqueeze(-1)
     return values.reshape(out, k)

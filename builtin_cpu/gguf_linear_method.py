@@ -280,7 +280,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
             merged
             and isinstance(part, BlockWeight)
             and isinstance(merged[-1][1], BlockWeight)
-            and merged[-1][1].bits == part.bits
+            and merged[-1][1].kind == part.kind
         ):
             start, prev = merged[-1]
             rows = prev.shape[0] + part.shape[0]

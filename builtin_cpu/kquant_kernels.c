@@ -34,6 +34,7 @@ void eck_gemm_s16(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float
             __m256 acc[ROWS];
             for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
+                _mm_prefetch((const char *)(wrow + b * QK) + PREFETCH_BYTES, _MM_HINT_T0);
                 /* |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0);
                  * lanes 0-3 of the dot product hold the first half, 4-7 the second. */
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * QK));

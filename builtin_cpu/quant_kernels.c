@@ -18,6 +18,7 @@
 #include "quant_simd.h"
 
 #define QK 32
+#define ECQ_Q4_HALF 20 /* ecq_linear's kind for 4-bit blocks with float16 scales */
 
 /* x [M, K] (row stride ldx) -> xq [M, K] int8, xd [M, K/32] scales, xs [M, K/32] =
  * scale * sum of the block's bytes. */
@@ -122,32 +123,41 @@ static inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* One output of 4-bit weights ``wrow`` against one permuted activation row. */
-static inline float dot_row_q4(const uint8_t *wrow, const float *d, const float *m,
-                               const int8_t *xp, const float *xd, const float *xs, int64_t nb) {
+/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
+ * float16 where ``half`` (a constant in each inlined copy). */
+static inline __attribute__((always_inline)) float dot_row_q4(
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, int half) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
+        _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
         const __m512i lo = _mm512_and_si512(v, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         __m512i dot = DOT512(_mm512_setzero_si512(), lo,
                              _mm512_loadu_si512((const void *)(xp + b * QK)));
         dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
-        const __m128 scale = _mm_mul_ps(_mm_loadu_ps(d + b), _mm_loadu_ps(xd + b));
+        const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
+                               : _mm_loadu_ps((const float *)d + b);
+        const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
         const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
     }
     /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
     int64_t i = 0;
-    for (; i + 16 <= nb; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + i), _mm512_loadu_ps(xs + i), acc);
+    for (; i + 16 <= nb; i += 16) {
+        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
+                               : _mm512_loadu_ps((const float *)m + i);
+        acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
+    }
     if (i < nb) {
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(left, m + i), _mm512_maskz_loadu_ps(left, xs + i),
-                              acc);
+        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
+                               : _mm512_maskz_loadu_ps(left, (const float *)m + i);
+        acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
     }
     float total = _mm512_reduce_add_ps(acc);
     if (b + 2 <= nb) {
@@ -158,8 +168,8 @@ static inline float dot_row_q4(const uint8_t *wrow, const float *d, const float 
         __m256i dot = DOT256(_mm256_setzero_si256(), lo,
                              _mm256_loadu_si256((const __m256i *)(xp + b * QK)));
         dot = DOT256(dot, hi, _mm256_loadu_si256((const __m256i *)(xp + b * QK + 32)));
-        const __m256 scales = _mm256_set_m128(_mm_set1_ps(d[b + 1] * xd[b + 1]),
-                                              _mm_set1_ps(d[b] * xd[b]));
+        const __m256 scales = _mm256_set_m128(_mm_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]),
+                                              _mm_set1_ps(scale_at(d, b, half) * xd[b]));
         total += hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), scales));
         b += 2;
     }
@@ -170,18 +180,19 @@ static inline float dot_row_q4(const uint8_t *wrow, const float *d, const float 
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask4);
         __m128i dot = DOT128(_mm_setzero_si128(), lo, _mm_loadu_si128((const __m128i *)(xp + b * QK)));
         dot = DOT128(dot, hi, _mm_loadu_si128((const __m128i *)(xp + b * QK + 16)));
-        total += d[b] * xd[b] * hsum128(_mm_cvtepi32_ps(dot));
+        total += scale_at(d, b, half) * xd[b] * hsum128(_mm_cvtepi32_ps(dot));
     }
     return total;
 }
 #endif
 
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for 4-bit weights: wq [N, nb, 16],
- * wd, wm [N, nb]. */
-void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float *wd,
-                 const float *wm, const int8_t *xq, const float *xd, const float *xs,
+ * wd, wm [N, nb] (float16 where ``half``, else float32). */
+void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void *wd,
+                 const void *wm, int half, const int8_t *xq, const float *xd, const float *xs,
                  float *out, int64_t ldo) {
     const int64_t nb = K / QK;
+    const int64_t scale_bytes = half ? 2 : 4;
 #if defined(ECQ_AVX512)
     int8_t stack_rows[4 * 4096];
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
@@ -190,9 +201,12 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wrow = wq + n * nb * (QK / 2);
+            const char *d = (const char *)wd + n * nb * scale_bytes;
+            const char *m = (const char *)wm + n * nb * scale_bytes;
             for (int64_t r = 0; r < M; r++)
-                out[r * ldo + n] = dot_row_q4(wrow, wd + n * nb, wm + n * nb, xp + r * K,
-                                              xd + r * nb, xs + r * nb, nb);
+                out[r * ldo + n] =
+                    half ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 1)
+                         : dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 0);
         }
         if (xp != stack_rows) free(xp);
         return;
@@ -201,7 +215,8 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * nb * (QK / 2);
-        const float *d = wd + n * nb, *m = wm + n * nb;
+        const char *d = (const char *)wd + n * nb * scale_bytes;
+        const char *m = (const char *)wm + n * nb * scale_bytes;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -209,13 +224,15 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float
             __m256 acc[ROWS];
             for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
+                _mm_prefetch((const char *)(wrow + b * (QK / 2)) + PREFETCH_BYTES, _MM_HINT_T0);
                 const __m256i w = unpack_nibbles(wrow + b * (QK / 2));
                 for (int r = 0; r < rows; r++) {
                     const int64_t row = r0 + r;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
                     const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(w, x));
-                    acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xd[row * nb + b]), acc[r]);
-                    offset[r] += m[b] * xs[row * nb + b];
+                    acc[r] = _mm256_fmadd_ps(
+                        dot, _mm256_set1_ps(scale_at(d, b, half) * xd[row * nb + b]), acc[r]);
+                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
                 }
             }
             for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
@@ -229,8 +246,8 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float
                     int dot = 0;
                     for (int i = 0; i < QK / 2; i++)
                         dot += (q[i] & 0x0F) * x[i] + (q[i] >> 4) * x[i + QK / 2];
-                    total += d[b] * xd[row * nb + b] * (float)dot;
-                    offset[r] += m[b] * xs[row * nb + b];
+                    total += scale_at(d, b, half) * xd[row * nb + b] * (float)dot;
+                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
@@ -253,6 +270,7 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float 
             __m256 acc[ROWS];
             for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
+                _mm_prefetch((const char *)(wrow + b * QK) + PREFETCH_BYTES, _MM_HINT_T0);
                 /* |w| as unsigned bytes times x with w's sign: the product of two signed
                  * bytes through the unsigned-by-signed instruction. */
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * QK));
@@ -314,10 +332,11 @@ void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, 
 }
 
 /* out [M, N] = x [M, K] (row stride ldx) times the blocks' weight, activations quantized
- * here: one call per projection (bits 4: wq, wd, wm as ``ecq_gemm_q4``; 8: ``ecq_gemm_q8``,
- * wm unused). Returns 0, or -1 when the scratch memory cannot be had. */
-int ecq_linear(int bits, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
-               const void *wq, const float *wd, const float *wm, float *out, int64_t ldo) {
+ * here: one call per projection (kind 4: wq, wd, wm as ``ecq_gemm_q4``, ECQ_Q4_HALF the
+ * same with float16 wd, wm; 8: ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the
+ * scratch memory cannot be had. */
+int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
+               const void *wq, const void *wd, const void *wm, float *out, int64_t ldo) {
     const int64_t nb = K / QK;
     int8_t stack_q[4 * 4096];
     float stack_s[2 * 4 * 128];
@@ -330,10 +349,11 @@ int ecq_linear(int bits, const float *x, int64_t ldx, int64_t M, int64_t N, int6
     }
     float *xs = xd + M * nb;
     ecq_quantize_rows(x, ldx, M, K, xq, xd, xs);
-    if (bits == 4)
-        ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm, xq, xd, xs, out, ldo);
+    if (kind == 8)
+        ecq_gemm_q8(M, N, K, (const int8_t *)wq, (const float *)wd, xq, xd, out, ldo);
     else
-        ecq_gemm_q8(M, N, K, (const int8_t *)wq, wd, xq, xd, out, ldo);
+        ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm, kind == ECQ_Q4_HALF, xq, xd, xs, out,
+                    ldo);
     if (!small) free(xq), free(xd);
     return 0;
 }

@@ -63,7 +63,7 @@ class QuantKernels:
         side is kept to one foreign call)."""
         qs, d, m = weight.pointers
         failed = self._linear(
-            weight.bits, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
+            weight.kind, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
             qs, d, m, out.data_ptr(), out.stride(0),
         )  # fmt: skip
         if failed:
@@ -86,6 +86,7 @@ class QuantKernels:
         """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in
         :class:`BlockWeight`)."""
         n, k = d.shape[0], d.shape[1] * BLOCK
+        d, m = d.float(), m.float()  # float16 scales of Q4_0 / Q4_1 blocks
         out = torch.empty((n, k), dtype=torch.float32)
         if bits == 4:
             self.lib.ecq_dequantize_q4(

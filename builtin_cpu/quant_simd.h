@@ -2,6 +2,12 @@
 #ifndef ENGINECORE_QUANT_SIMD_H
 #define ENGINECORE_QUANT_SIMD_H
 
+/* How far ahead of the weight bytes being multiplied to prefetch. A decode step streams
+ * every weight once, and the hardware prefetcher alone leaves the loop waiting on loads:
+ * measured on the demo model's 120 Q4_1 projections (AVX-512, 2 cores), 7.5 -> 3.8 ms on
+ * one thread and 2.9 -> 2.1 ms on two (1,536 bytes: 4.2 ms, 3,072: 3.8 ms on one). */
+#define PREFETCH_BYTES 2048
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -21,5 +27,44 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
+
+/* Block scales and offsets are float32, or float16 where the file's values are exact in
+ * it (Q4_0, Q4_1): ``half`` says which, a constant in each inlined copy of a kernel. */
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do {
+            e++;
+            m <<= 1;
+        } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static inline __attribute__((always_inline)) float scale_at(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 #endif

@@ -90,3 +90,36 @@ def test_activations_round_as_torch_does():
     assert torch.equal(acts.q.reshape(7, -1, BLOCK), q)
     assert torch.equal(acts.scale, scale)
     assert torch.equal(acts.scaled_sum, scale * q.sum(-1).float())
+
+
+@pytest.mark.parametrize("k", [32, 96, 224, 576, 1184])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_float16_scales_give_the_float32_scales_bits(rows: int, k: int):
+    """Q4_0 / Q4_1 blocks keep the file's float16 scales: the product is the one with the
+    same scales widened to float32, bit for bit, at every tail of the block loop."""
+    torch.manual_seed(k + rows)
+    wide = random_q4(41, k, symmetric=False)
+    wide.d, wide.m = wide.d.half().float(), wide.m.half().float()
+    half = BlockWeight(4, wide.qs, wide.d.half(), wide.m.half(), wide.shape)
+    assert (half.kind, wide.kind) == (gguf_blocks.Q4_HALF_SCALES, 4)
+    kernels = quant_kernels.load()
+    x = torch.randn(rows, k)
+    got, want = torch.empty(rows, 41), torch.empty(rows, 41)
+    kernels.linear(x, half, got)
+    kernels.linear(x, wide, want)
+    assert torch.equal(got, want)
+    assert torch.equal(gguf_blocks.dequantize(half), gguf_blocks.dequantize(wide))
+
+
+def test_q4_0_scales_beyond_float16_after_the_offset_stay_float32():
+    """Q4_0's offset is -8 d: where that overflows float16, both stay float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    for scale, dtype in ((1.0, torch.float16), (60000.0, torch.float32)):
+        weight = (torch.randn(4, 64) * scale).numpy()
+        raw = torch.from_numpy(quantize(weight, GGMLQuantizationType.Q4_0))
+        blocks = gguf_blocks.from_gguf(raw, "Q4_0", (4, 64))
+        assert blocks.d.dtype == blocks.m.dtype == dtype
+        assert torch.isfinite(blocks.m).all()
+        assert torch.equal(blocks.m, -8.0 * blocks.d)
