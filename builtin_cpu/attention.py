@@ -123,6 +123,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def fused_ops(self) -> CpuFusedOps:
         return CpuFusedOps()
 
+    def fused_decode(self, model: Any, kv_caches: list[Any]) -> Any:
+        # imported here: the step knows the model classes, which import this package
+        from enginecore.builtin_cpu.decode_step import fused_decode_step
+
+        return fused_decode_step(model, kv_caches, self)
+
+    def decodes_mirrored(self) -> bool:
+        """Whether this step's decodes are served from the mirror (set by
+        ``order_decodes``)."""
+        return self._mirrored
+
     def write_kv(
         self,
         kv_cache: torch.Tensor,

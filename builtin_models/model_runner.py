@@ -115,6 +115,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.kv_caches: list[torch.Tensor] | None = None
         self.attn_backend: AttentionBackend | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
+        self.fused_decode: Any = None  # the backend's whole decode step, where it has one
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
         # KV cache groups (see get_kv_cache_groups): each group's sliding window, and
@@ -411,6 +412,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
+        else:
+            self.fused_decode = self.attn_backend.fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
@@ -593,6 +596,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
+        elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
+            hidden = self.fused_decode.run(ids_t, pos_t, batch)
         else:
             meta = self.attn_backend.build_metadata(batch)
             ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
@@ -697,6 +702,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
         self.decode_graphs = None
+        self.fused_decode = None
         if self.attn_backend is not None:
             self.attn_backend.release_kv_cache()
         if level >= 2:

@@ -891,6 +891,17 @@ class AttentionBackend(ABC):
         model's norms, rotary embedding and activation, or None."""
         return None
 
+    def fused_decode(self, model: Any, kv_caches: list[Any]) -> Any:
+        """Something that runs a whole decode step of ``model`` in fewer calls than its
+        layers make (as CUDA graphs do on a GPU), or None (the default: the layers run).
+        Asked once the KV cache exists (again after a wake-up). It offers
+        ``handles(batch)``: whether it takes this step (an
+        :class:`enginecore.layers.AttentionBatch`, after :meth:`order_decodes`), and
+        ``run(input_ids, positions, batch)``: the hidden states the model's forward would
+        return, K/V written as :meth:`forward` writes them. The CPU backend's runs the
+        decode steps of a Llama-family model with block-quantized weights in one call."""
+        return None
+
 
 class LinearMethod(ABC):
     """How a projection's weights are stored and multiplied.
