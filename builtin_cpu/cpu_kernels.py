@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
@@ -177,6 +178,23 @@ def build(
     target = directory / f"{stem}_{isa}_{key}.so"
     if target.exists():
         return target
+    with _build_lock(target):  # a build started in the background: wait for it
+        if not target.exists():
+            _compile(compiler, flags, source, target, isa)
+    return target
+
+
+def _build_lock(target: Path) -> threading.Lock:
+    with _build_locks_guard:
+        return _build_locks.setdefault(target, threading.Lock())
+
+
+_build_locks: dict[Path, threading.Lock] = {}
+_build_locks_guard = threading.Lock()
+
+
+def _compile(compiler: str, flags: list[str], source: Path, target: Path, isa: str) -> None:
+    directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     startup_log.logger.info("building %s for %s (once per CPU level; cached)", source.name, isa)
     # Build beside the target and rename: concurrent processes never load a partial file.
@@ -195,7 +213,22 @@ def build(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
+
+
+def build_in_background(*builds: Callable[[], Path]) -> None:
+    """Run each build (a function compiling one library into the cache) in its own
+    thread, so a first start compiles while the weights load instead of one library
+    after another when each is first needed; ``build`` waits for a build in progress.
+    A failure is left for the foreground ``load()`` to report."""
+
+    def run(job: Callable[[], Path]) -> None:
+        try:
+            job()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            logger.debug("background kernel build failed: %s", exc)
+
+    for job in builds:
+        threading.Thread(target=run, args=(job,), daemon=True, name="enginecore-cc").start()
 
 
 class CpuKernels:

@@ -18,6 +18,7 @@ import logging
 import subprocess
 import threading
 from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -309,6 +310,11 @@ class FusedDecodeStep:
         return out
 
 
+def build() -> Path:
+    """Compile ``decode_step.c`` into the cache (if not there yet); its path."""
+    return cpu_kernels.build(source=SOURCE, stem="enginecore_decode_step")
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
@@ -318,9 +324,7 @@ def _load() -> ctypes.CDLL:
     with _lock:
         if _lib is None:
             try:
-                lib = ctypes.CDLL(
-                    str(cpu_kernels.build(source=SOURCE, stem="enginecore_decode_step"))
-                )
+                lib = ctypes.CDLL(str(build()))
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 raise Unsupported(f"decode_step.c could not be built: {exc}") from exc
             lib.ecd_decode_step.argtypes = [

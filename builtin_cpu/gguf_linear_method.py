@@ -21,13 +21,21 @@ and the kernels' timings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_cpu import gguf_blocks, kquant_blocks, kquant_kernels, quant_kernels
+from enginecore.builtin_cpu import (
+    cpu_kernels,
+    gguf_blocks,
+    kquant_blocks,
+    kquant_kernels,
+    quant_kernels,
+)
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
 from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
 from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
@@ -64,6 +72,16 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if reason is None and dtype != "float32":
             return f"computes in float32 only, not {dtype}"
         return reason
+
+    def kernel_builds(self) -> list[Callable[[], Path]]:
+        from enginecore.builtin_cpu import decode_step  # it imports this module
+
+        builds = super().kernel_builds()
+        if not cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
+            builds.append(quant_kernels.build)
+            if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
+                builds.append(decode_step.build)
+        return builds
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype

@@ -18,6 +18,8 @@ a quarter of the memory that was free when loading finished.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import torch
@@ -71,6 +73,12 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         super().__init__(config)
         keep_freed_memory()
         self._budget: int | None = None  # bytes of copies still allowed
+        cpu_kernels.build_in_background(*self.kernel_builds())
+
+    def kernel_builds(self) -> list[Callable[[], Path]]:
+        """The C libraries a model under this method will load, compiled while its
+        weights load (the ``cpu`` attention backend's kernels)."""
+        return [] if cpu_kernels.switched_off(cpu_kernels.ENV_SWITCH) else [cpu_kernels.build]
 
     def _afford(self, nbytes: int) -> bool:
         if self._budget is None:

@@ -97,6 +97,11 @@ class QuantKernels:
         return out
 
 
+def build() -> Path:
+    """Compile the library into the cache (if not there yet); its path."""
+    return cpu_kernels.build(source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni())
+
+
 _lock = threading.Lock()
 _loaded: QuantKernels | None = None
 _failed = False
@@ -114,10 +119,7 @@ def load() -> QuantKernels | None:
                 _failed = True
                 return None
             try:
-                path = cpu_kernels.build(
-                    source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni()
-                )
-                _loaded = QuantKernels(path)
+                _loaded = QuantKernels(build())
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failed = True
                 logger.warning("quantized-weight CPU kernels unavailable: %s", exc)

@@ -189,7 +189,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         started = time.perf_counter()
         keep = tuple(getattr(method_cls, "gguf_formats", ()))
         model.load_weights(iter_weights(path, self.hf_config, keep))
-        for layer in self._weighted_layers(model):
+        layers = self._weighted_layers(model)
+        for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
             layer.linear_method.process_weights_after_loading(layer)
         startup_log.logger.info(
             "weights loaded and prepared by %s in %.1f s",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from enginecore import startup_log
 from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
 from enginecore.builtin_models.group_quant import group_quant_config, iter_group_quantized
@@ -100,18 +101,24 @@ def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tens
         files = sorted(f.name for f in p.glob("*.safetensors"))
     if not files:
         raise MissingWeightsError(f"no safetensors weights found in {str(p)!r}")
-    for name in files:
+    counts = []
+    for name in files:  # the headers only: the bar's total
         with safe_open(str(p / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = f.get_tensor(key)
-                if tensor.dtype in _FLOAT8:
-                    # Copied into a float parameter it would load without its scales.
-                    raise UnsupportedModelError(
-                        f"checkpoint {str(p)!r} stores {key} as {tensor.dtype} (quantized "
-                        f"weights), which enginecore does not support. Supported: "
-                        f"{SUPPORTED_WEIGHTS}."
-                    )
-                yield key, tensor
+            counts.append(len(f.keys()))
+    with startup_log.progress_bar(sum(counts), "reading weights") as bar:
+        for name in files:
+            with safe_open(str(p / name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensor = f.get_tensor(key)
+                    if tensor.dtype in _FLOAT8:
+                        # Copied into a float parameter it would load without its scales.
+                        raise UnsupportedModelError(
+                            f"checkpoint {str(p)!r} stores {key} as {tensor.dtype} "
+                            f"(quantized weights), which enginecore does not support. "
+                            f"Supported: {SUPPORTED_WEIGHTS}."
+                        )
+                    yield key, tensor
+                    bar.update()
 
 
 def iter_weights(
@@ -184,7 +191,7 @@ def iter_gguf(
     fixed like a float weight's) as a :class:`QuantizedTensor`."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
     arch = _field(reader, "general.architecture")
-    for tensor in reader.tensors:
+    for tensor in startup_log.progress(reader.tensors, len(reader.tensors), "reading weights"):
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if (
             tensor.tensor_type.name in keep_quantized

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 logger = logging.getLogger("enginecore.startup")
+T = TypeVar("T")
 
 
 def enable() -> None:
@@ -20,3 +24,20 @@ def enable() -> None:
     level = logging.getLevelName(os.environ.get("ENGINECORE_LOG_LEVEL", "").upper())
     quieter = isinstance(level, int) and level > logging.INFO
     logger.setLevel(logging.WARNING if off or quieter else logging.INFO)
+
+
+def progress_bar(total: int, what: str, unit: str = " tensors") -> Any:
+    """A progress bar (``tqdm``: ``update()``, a context manager) on stderr where the
+    start-up lines show: a large checkpoint's tensors take minutes to read."""
+    from tqdm import tqdm
+
+    quiet = not logger.isEnabledFor(logging.INFO)
+    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, disable=quiet)
+
+
+def progress(items: Iterable[T], total: int, what: str, unit: str = " tensors") -> Iterator[T]:
+    """``items``, counted on a :func:`progress_bar`."""
+    with progress_bar(total, what, unit) as bar:
+        for item in items:
+            yield item
+            bar.update()

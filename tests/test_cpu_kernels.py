@@ -359,3 +359,35 @@ def test_the_build_targets_the_cpus_x86_level_not_the_host(flags, level, monkeyp
     # Another CPU of the same level (other flags besides) gets the same file.
     monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : " + flags + " rdrand")
     assert cpu_kernels.build(tmp_path) == target
+
+
+def test_a_build_in_progress_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """A first start compiles in the background while the weights load; a foreground
+    ``build`` of the same library meanwhile waits for that compile instead of running
+    the compiler again."""
+    import shutil
+    import threading
+
+    log = tmp_path / "compiles"
+    wrapper = tmp_path / "cc"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    wrapper.write_text(f'#!/bin/sh\necho run >> {log}\nsleep 1\nexec {compiler} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    source = tmp_path / "tiny.c"
+    source.write_text("int ec_tiny(void) { return 7; }\n")
+    built: list[object] = []
+
+    def build() -> object:
+        path = cpu_kernels.build(tmp_path / "cache", source=source, stem="tiny")
+        built.append(path)
+        return path
+
+    cpu_kernels.build_in_background(build)
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(built) >= 2 and len(set(built)) == 1
+    assert log.read_text().splitlines() == ["run"]  # one compile for three callers

@@ -34,6 +34,8 @@ def test_startup_names_its_phases(tiny_llama, tmp_path):
         assert phase in log, f"{phase!r} missing from the start-up log:\n{log[-3000:]}"
     assert log.index("loading weights from") < log.index("allocating the KV cache")
     assert log.index("allocating the KV cache") < log.index("engine ready in")
+    # the slow parts count their progress: every tensor read, every layer prepared
+    assert "reading weights: 100%" in log and "preparing weights: 100%" in log, log[-3000:]
 
 
 def test_startup_log_can_be_silenced(tiny_llama, tmp_path):
@@ -44,3 +46,4 @@ def test_startup_log_can_be_silenced(tiny_llama, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loading weights from" not in done.stderr
+    assert "reading weights" not in done.stderr
