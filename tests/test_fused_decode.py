@@ -104,3 +104,44 @@ def test_float_weights_run_layer_by_layer(tiny_llama, monkeypatch):
     """Without blocks (float32 weights, ``cpu_packed``) there is no fused step."""
     _, steps = _generate(tiny_llama, True, monkeypatch)
     assert steps is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_preempted_prefix_cached_batch_decodes_fused_as_layer_by_layer(
+    tiny_llama, monkeypatch, async_scheduling: bool
+):
+    """Sixteen requests through a KV cache too small for them (preemption drops mirror
+    rows mid-request), shared prefixes (cache hits), chunked prompts beside decodes, and
+    seeded sampling: the same tokens with the fused step as with the layers."""
+    from enginecore import LLM, SamplingParams
+    from tests.test_llm_correctness import mixed_prompts
+
+    prompts = mixed_prompts(4)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1" if fused else "0")
+        with LLM(
+            tiny_llama,
+            quantization="int8",
+            multiprocessing=False,
+            async_scheduling=async_scheduling,
+            max_num_batched_tokens=32,
+            block_size=16,
+            prefix_caching=True,
+            num_blocks_override=24,
+        ) as llm:
+            params = [
+                SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+                if i % 2
+                else SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True)
+                for i in range(len(prompts))
+            ]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            steps = llm.collective_rpc(
+                lambda worker: getattr(worker.model_runner.fused_decode, "steps", None)
+            )[0]
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no preemption forced"
+            assert any(o.num_cached_tokens > 0 for o in outs), "no prefix-cache hit"
+            runs[fused] = ([o.outputs[0].token_ids for o in outs], steps)
+    assert runs[True][1] and runs[False][1] is None
+    assert runs[True][0] == runs[False][0]
