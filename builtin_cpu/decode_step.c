@@ -61,6 +61,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm; /* per-head norms of Q and K (Qwen3), or null */
     ecd_proj qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* the paged cache's halves */
     int64_t cache_slots;      /* slots in each half */
@@ -115,16 +116,21 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     const int64_t widest_in = max_i64(max_i64(h, q_size), m->inter);
     for (int64_t r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= m->vocab) return -1;
-    /* residual, normed, qkv, attention, o / down output, gate_up, activation */
-    const int64_t floats = n * (4 * h + qkv_size + q_size + 3 * m->inter);
     const int64_t blocks = widest_in / 32;
-    char *scratch = malloc(floats * sizeof(float) + n * widest_in + 2 * n * blocks * sizeof(float));
+    /* Each buffer 64-byte aligned, as torch's tensors are: a kernel's vector loop may
+     * split a row by its alignment, and the rows must round as they do in the layers. */
+    const int64_t sizes[] = {n * h,        n * h,          n * qkv_size,  n * (q_size + kv_size),
+                             n * q_size,   n * h,          2 * n * m->inter, n * m->inter,
+                             n * blocks,   n * blocks,     (n * widest_in + 3) / 4};
+    float *buf[11];
+    int64_t total = 0;
+    for (int i = 0; i < 11; i++) total += (sizes[i] + 15) / 16 * 16;
+    float *scratch = aligned_alloc(64, total * sizeof(float));
     if (scratch == NULL) return -2;
-    float *residual = (float *)scratch, *normed = residual + n * h, *qkv = normed + n * h;
-    float *attn = qkv + n * qkv_size, *proj = attn + n * q_size, *gate_up = proj + n * h;
-    float *act = gate_up + 2 * n * m->inter;
-    float *xd = act + n * m->inter, *xs = xd + n * blocks;
-    int8_t *xq = (int8_t *)(xs + n * blocks);
+    for (int i = 0, at = 0; i < 11; at += (sizes[i] + 15) / 16 * 16, i++) buf[i] = scratch + at;
+    float *residual = buf[0], *normed = buf[1], *qkv = buf[2], *qk = buf[3], *attn = buf[4];
+    float *proj = buf[5], *gate_up = buf[6], *act = buf[7], *xd = buf[8], *xs = buf[9];
+    int8_t *xq = (int8_t *)buf[10];
     int status = 0;
     for (int64_t r = 0; r < n; r++)
         memcpy(residual + r * h, m->embed + ids[r] * h, h * sizeof(float));
@@ -134,17 +140,29 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
         k->rms_norm(l ? proj : residual, h, residual, h, l > 0, layer->input_norm, normed, n, h,
                     m->eps, nthreads);
         if ((status = project(k, &layer->qkv, normed, n, qkv, xq, xd, xs))) break;
-        if ((status = k->rotary(qkv, qkv_size, n, m->heads + m->kv_heads, hd, positions, m->cos,
+        /* Q and K heads, side by side: in the fused projection, or normed into qk */
+        float *heads = qkv;
+        int64_t stride = qkv_size;
+        if (layer->q_norm != NULL) {
+            heads = qk, stride = q_size + kv_size;
+            for (int64_t r = 0; r < n; r++) {
+                k->rms_norm(qkv + r * qkv_size, hd, NULL, 0, 0, layer->q_norm, qk + r * stride,
+                            m->heads, hd, m->eps, nthreads);
+                k->rms_norm(qkv + r * qkv_size + q_size, hd, NULL, 0, 0, layer->k_norm,
+                            qk + r * stride + q_size, m->kv_heads, hd, m->eps, nthreads);
+            }
+        }
+        if ((status = k->rotary(heads, stride, n, m->heads + m->kv_heads, hd, positions, m->cos,
                                 m->sin, m->max_pos, nthreads)))
             break;
-        const float *key = qkv + q_size, *value = key + kv_size;
-        if ((status = k->write_kv(layer->k_cache, layer->v_cache, key, qkv_size, value, qkv_size,
+        const float *key = heads + q_size, *value = qkv + q_size + kv_size;
+        if ((status = k->write_kv(layer->k_cache, layer->v_cache, key, stride, value, qkv_size,
                                   slots, n, kv_size, layer->cache_slots, nthreads)))
             break;
-        if ((status = k->mirror_append(mirror[2 * l], mirror[2 * l + 1], key, qkv_size, value,
+        if ((status = k->mirror_append(mirror[2 * l], mirror[2 * l + 1], key, stride, value,
                                        qkv_size, lens, n, m->kv_heads, hd, mirror_cap, nthreads)))
             break;
-        if ((status = k->decode_attention(qkv, qkv_size, mirror[2 * l], mirror[2 * l + 1], lens,
+        if ((status = k->decode_attention(heads, stride, mirror[2 * l], mirror[2 * l + 1], lens,
                                           n, m->kv_heads, m->heads / m->kv_heads, hd, mirror_cap,
                                           layer->window, m->scale, attn, nthreads)))
             break;

@@ -3,8 +3,8 @@
 At batch 1 a step of the demo model is about 4 ms of weight reads, but the layers spend
 as much again between them: some 150 module calls and 300 ``ctypes`` calls of Python. For
 a model whose every layer this module recognizes (the Llama block of ``builtin_models``,
-its projections kept in blocks by the ``gguf`` linear method, float32 on CPU, one rank),
-:class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
+or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
+float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
 tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
 of the same kernels in the same order, so its hidden states are the layers' bit for bit.
 Everything else (prompts, mixed steps, other models and methods) takes the layers.
@@ -34,7 +34,12 @@ from enginecore.builtin_models.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
+from enginecore.builtin_models.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3Model
 from enginecore.layers.attention import AttentionBatch
+
+# The blocks this step computes: Llama's (Mistral, Qwen2), and Qwen3's with QK norm.
+_MODELS = (LlamaModel, Qwen3Model)
+_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: Qwen3Attention}
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,8 @@ class _Layer(Structure):
     _fields_ = [
         ("input_norm", c_void_p),
         ("post_norm", c_void_p),
+        ("q_norm", c_void_p),
+        ("k_norm", c_void_p),
         ("qkv", _Proj),
         ("o", _Proj),
         ("gate_up", _Proj),
@@ -174,8 +181,8 @@ class FusedDecodeStep:
 
     def _record(self, model: Any, kv_caches: list[torch.Tensor]) -> _Model:
         stack = getattr(model, "model", None)
-        if type(stack) is not LlamaModel:
-            raise Unsupported(f"{type(model).__name__} is not the Llama block")
+        if type(stack) not in _MODELS:
+            raise Unsupported(f"{type(model).__name__} is not the Llama or Qwen3 block")
         if stack.parallel.tp_size != 1 or stack.parallel.pp_size != 1:
             raise Unsupported("the model is split over ranks")
         layers = list(stack.layers)
@@ -221,17 +228,17 @@ class FusedDecodeStep:
     ) -> tuple[_Layer, list[_Part]]:
         attn, mlp = layer.self_attn, layer.mlp
         if (
-            type(layer) is not LlamaDecoderLayer
-            or type(attn) is not LlamaAttention
+            _LAYERS.get(type(layer)) is not type(attn)
             or type(mlp) is not LlamaMLP
             or mlp.activation is not None
         ):
             raise Unsupported(f"{type(layer).__name__} is not the Llama block with SiLU")
+        qk_norms = [attn.q_norm, attn.k_norm] if type(attn) is Qwen3Attention else []
         if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.input_size) != sizes:
             raise Unsupported("layers of different sizes")
         if attn.attn.logits_soft_cap is not None:
             raise Unsupported("soft-capped attention scores")
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, *qk_norms):
             if not isinstance(norm.fused_ops, CpuFusedOps) or norm.eps != eps:
                 raise Unsupported("norms without the fused kernel")
         if cache.dtype != torch.float32 or not cache.is_contiguous():
@@ -247,6 +254,7 @@ class FusedDecodeStep:
         record = _Layer(
             _pointer(layer.input_layernorm.weight, "a norm"),
             _pointer(layer.post_attention_layernorm.weight, "a norm"),
+            *([_pointer(norm.weight, "a QK norm") for norm in qk_norms] or [0, 0]),
             *projs,
             cache.data_ptr(),
             cache.data_ptr() + half * cache.element_size(),

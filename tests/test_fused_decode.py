@@ -145,3 +145,9 @@ def test_a_preempted_prefix_cached_batch_decodes_fused_as_layer_by_layer(
             runs[fused] = ([o.outputs[0].token_ids for o in outs], steps)
     assert runs[True][1] and runs[False][1] is None
     assert runs[True][0] == runs[False][0]
+
+
+def test_qwen3_qk_norm_decodes_fused_as_layer_by_layer(checkpoint_factory, tmp_path, monkeypatch):
+    """Qwen3 norms each query and key head before the rotation."""
+    path = write_gguf(checkpoint_factory("qwen3"), tmp_path / "qwen3.gguf", types=lambda n: "Q4_1")
+    _same_as_layers(path, monkeypatch)

@@ -30,9 +30,12 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor, t: int) -> torch.Tensor:
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, -1, self.head_dim))
-        return torch.cat((q, k), dim=1)  # one rotation for both
+        # Heads as rows of a 2-D tensor: the backend's fused norm takes them (the CPU's
+        # fused decode step norms them with the same kernel).
+        q = self.q_norm(q.reshape(t * self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, self.head_dim))
+        qk = (q.view(t, self.num_heads, -1), k.view(t, self.num_kv_heads, -1))
+        return torch.cat(qk, dim=1)  # one rotation for both
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
