@@ -151,3 +151,28 @@ def test_qwen3_qk_norm_decodes_fused_as_layer_by_layer(checkpoint_factory, tmp_p
     """Qwen3 norms each query and key head before the rotation."""
     path = write_gguf(checkpoint_factory("qwen3"), tmp_path / "qwen3.gguf", types=lambda n: "Q4_1")
     _same_as_layers(path, monkeypatch)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_fused_step_is_made_again_after_sleep(tiny_llama, tmp_path, monkeypatch, level):
+    """Sleep frees the KV cache (level 2 the weights too); after the wake-up the step is
+    recorded over the new cache and weights, and decodes as before."""
+    from enginecore import LLM, SamplingParams
+
+    path = write_gguf(tiny_llama, tmp_path / "q4.gguf", types=lambda name: "Q4_1")
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), multiprocessing=False) as llm:
+
+        def steps() -> int:
+            return llm.collective_rpc(lambda w: w.model_runner.fused_decode.steps)[0]
+
+        before = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
+        assert steps() == 11
+        llm.collective_rpc(lambda w: w.sleep(level))
+        assert llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0] is None
+        llm.collective_rpc(lambda w: w.wake_up())
+        llm.reset_prefix_cache()
+        after = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
+        assert steps() == 11  # a new step, used for every decode
+        assert after == before
