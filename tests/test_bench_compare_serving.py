@@ -7,16 +7,17 @@ whatever else holds the port, and the serving rounds run one after the other.
 
 from __future__ import annotations
 
-import http.server
 import json
 import pathlib
 import subprocess
 import sys
 import textwrap
-import threading
+import time
+import urllib.request
 
 import psutil
 import pytest
+from serve_process import free_port
 
 from enginecore.bench import compare
 
@@ -66,34 +67,35 @@ def test_stop_returns_once_every_process_of_the_group_is_gone():
             psutil.Process(child).kill()
 
 
-class _AnyModels(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = json.dumps({"data": [{"id": "someone-else"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_an_answer_from_another_process_on_the_port_is_not_readiness(tmp_path):
-    other = http.server.HTTPServer(("127.0.0.1", 0), _AnyModels)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    port = other.server_address[1]
-    # The "server" of the turn never listens: the port is the other process's.
+    # Another process serves /v1/models on the port (a static file, answered 200).
+    (tmp_path / "site" / "v1").mkdir(parents=True)
+    (tmp_path / "site" / "v1" / "models").write_text('{"data": [{"id": "someone-else"}]}')
+    port = free_port()
+    other = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+         str(tmp_path / "site"), str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    # The turn's "server" never listens: the port is the other process's.
     proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
     log = tmp_path / "server.log"
     log.write_text("")
     try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and other.poll() is None
+                time.sleep(0.1)
         with pytest.raises(RuntimeError, match=f"port {port} was answered by another process"):
             compare._wait_ready(proc, port, log, timeout=20)
     finally:
-        proc.kill()
-        proc.wait()
-        other.shutdown()
-        other.server_close()
+        for p in (proc, other):
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.slow

@@ -341,18 +341,18 @@ def _check_listener(proc: subprocess.Popen[bytes], port: int) -> None:
     another process that took the port before the server could bind it."""
     import psutil
 
-    holders = {
+    holders = sorted(
         c.pid
         for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-    }
-    ours = set()
-    for pid in holders - {None}:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+    )
+    ours = []
+    for pid in holders:
         with contextlib.suppress(ProcessLookupError):
             if os.getpgid(pid) == proc.pid:
-                ours.add(pid)
+                ours.append(pid)
     if not ours:
-        others = ", ".join(str(p) for p in sorted(holders - {None})) or "not visible to us"
+        others = ", ".join(map(str, holders)) or "not visible to us"
         raise RuntimeError(
             f"port {port} was answered by another process (pid {others}), not by the server "
             f"started for this turn (pid {proc.pid})"
