@@ -3,14 +3,16 @@ before any process starts, with one line naming the mistake and what would be va
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
 import sys
 import time
 
+import openai
 import pytest
-from serve_process import free_port
+from serve_process import free_port, start_cli, stop, wait_healthy
 
 
 def _serve(args: list[str], timeout: float = 120) -> tuple[int, str, float]:
@@ -58,6 +60,31 @@ def test_a_port_in_use_is_found_before_the_engine_starts(tiny_llama):
     assert code == 2, output
     assert f"port {port} on 127.0.0.1 is already in use" in output
     assert "listening on" not in output and "Traceback" not in output, output
+
+
+@pytest.mark.slow
+def test_the_port_is_held_while_the_engine_starts(tiny_llama, tmp_path):
+    """Bound before the engine starts, not checked and let go: nothing else can take the
+    port while the model loads, and the server then answers on it."""
+    port, log = free_port(), tmp_path / "server.log"
+    flags = ["--max-model-len", "128", "--num-blocks-override", "64"]
+    proc = start_cli(["serve", str(tiny_llama), "--port", str(port), *flags], log)
+    try:
+        deadline = time.monotonic() + 120
+        while "starting the executor" not in log.read_text():  # the engine is loading
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0.0)
+        assert done.choices[0].text is not None and done.usage.completion_tokens >= 1
+    finally:
+        stop(proc)
 
 
 def test_output_into_a_closed_pipe_is_no_traceback():

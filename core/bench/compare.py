@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -326,22 +327,68 @@ def _wait_ready(
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return time.perf_counter() - start
+                pass
         except OSError:
             time.sleep(0.5)
+            continue
+        _check_listener(proc, port)
+        return time.perf_counter() - start
     raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """The server and every process it started (its own process group)."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
+def _check_listener(proc: subprocess.Popen[bytes], port: int) -> None:
+    """The answer came from the server started for this turn (its process group), not from
+    another process that took the port before the server could bind it."""
+    import psutil
+
+    holders = sorted(
+        c.pid
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+    )
+    ours = []
+    for pid in holders:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(pid) == proc.pid:
+                ours.append(pid)
+    if not ours:
+        others = ", ".join(map(str, holders)) or "not visible to us"
+        raise RuntimeError(
+            f"port {port} was answered by another process (pid {others}), not by the server "
+            f"started for this turn (pid {proc.pid})"
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """The server and every process it started (its own process group), all gone before
+    the next turn: a peer's engine process can outlive its API server by seconds, taking
+    CPU from the next system's turn."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline, killed = time.monotonic() + timeout, False
+    while _group_alive(proc):
+        if not killed and time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            killed = True
+        time.sleep(0.1)
+    proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen[bytes]) -> bool:
+    """Any process of the server's group still running (a zombie, already dead, is not)."""
+    proc.poll()  # reaps the leader, our child
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    import psutil
+
+    for member in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(member.pid) == proc.pid and member.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+    return False
 
 
 def run_serving(args: argparse.Namespace, systems: list[str]) -> dict[str, list[dict[str, Any]]]:

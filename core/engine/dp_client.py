@@ -272,6 +272,8 @@ class _DPClientBase(EngineCoreClient):
             resubmit = self._take_retries(lost)
             all_dead = not self.coordinator.alive()
         error = EngineDeadError(f"data-parallel replica {index} died: {reason}")
+        # Its sockets are never used again: the live replicas' stay, the frontend serves on.
+        self.engines[index].remove_files()
         failed = lost - {request.request_id for _, request in resubmit}
         logger.error("%s (%d requests lost, %d resubmitted)", error, len(failed), len(resubmit))
         for key in [k for k in list(self._utility_futures) if k[0] == index]:

@@ -233,6 +233,10 @@ class RayEngine(_EngineProcess):
                     [EngineCoreRequestType.WAKEUP.value, *frames], flags=zmq.NOBLOCK
                 )
 
+    def remove_files(self) -> None:
+        """Nothing on this machine: the replica talks over TCP, and on its node the
+        executor's workers remove the directories of an engine that is gone."""
+
     def release(self) -> None:
         """Ends the actor and frees its placement group, so that a restarted replica can
         take the node's resources (a dead node's group would otherwise be re-placed)."""

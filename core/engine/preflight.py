@@ -32,17 +32,22 @@ def check_model_path(config: EngineConfig) -> None:
         )
 
 
-def check_port_free(host: str, port: int) -> None:
-    """The HTTP port can be bound (checked before the engine starts, not after)."""
+def reserve_port(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before the engine starts and held while it loads: a port
+    checked and then let go could be taken by another process meanwhile (the server would
+    fail only after loading the model, or a client would reach that other process). Not
+    listening yet: a connection is refused, as before, until the server can answer it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"port {port} on {host} is already in use: stop what listens there or "
-                    "pick another with --port"
-                ) from None
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} on {host} is already in use: stop what listens there or "
+                "pick another with --port"
+            ) from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock

@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
-from enginecore.engine.preflight import check_port_free
+from enginecore.engine.preflight import reserve_port
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import chat, completions, control, info, lifecycle, responses
 from enginecore.server.context import ServerContext
@@ -165,13 +165,17 @@ async def serve(config: EngineConfig) -> int:
     _show_info_logs()
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
-    check_port_free(config.server.host, config.server.port)
-    engine = _start_engine(config, plugins)
+    listener = reserve_port(config.server.host, config.server.port)
+    try:
+        engine = _start_engine(config, plugins)
+    except BaseException:
+        listener.close()
+        raise
     outcome = lifecycle.Outcome()
     try:
         app = build_app(config, engine)
         log_startup(app.state.ctx)
-        host, port = config.server.host, config.server.port
+        host, port = config.server.host, listener.getsockname()[1]  # --port 0: the one bound
         if host not in ("127.0.0.1", "localhost", "::1") and not config.server.api_key:
             logger.warning(
                 "listening on %s without an API key: anyone who can reach it may use it", host
@@ -190,12 +194,13 @@ async def serve(config: EngineConfig) -> int:
         watcher = asyncio.ensure_future(lifecycle.watch(server, engine, drain_timeout, outcome))
         logger.info("listening on http://%s:%d", host, port)
         try:
-            await server.serve()
+            await server.serve(sockets=[listener])
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
     finally:
         engine.shutdown()
+        listener.close()
     if outcome.engine_died:
         logger.error("exiting: the engine died (%s)", outcome.engine_died)
         return 1
