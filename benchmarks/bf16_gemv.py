@@ -1,13 +1,16 @@
 """bfloat16 projections on CPU: enginecore's AVX512-BF16 kernel against torch's bfloat16
 ``F.linear`` (oneDNN, AMX where the CPU has it) and float32 ``F.linear``, per row count.
 
-    python benchmarks/bf16_gemv.py [--repeats 7] [--pool-mb 128] [--decode]
+    python benchmarks/bf16_gemv.py [--repeats 7] [--pool-mb 64] [--decode | --no-sweep]
 
 Each case times one call per weight of a pool of copies (``--pool-mb`` of bfloat16, twice
-that of float32) so the weights come from memory as in a decode step, not from the cache;
+that of float32) so that, as in a decode step, no call finds its weight in the core's own
+caches;
 the candidates alternate within every repeat and the best repeat is kept (the machine may
-be shared). ``--decode`` adds a whole-model line: decode tok/s of a random ``small``
-Llama checkpoint in float32 and in bfloat16, alternating.
+be shared). ``--decode`` adds whole-model lines for a random ``small`` Llama checkpoint:
+single-stream decode tok/s in float32, in bfloat16 and in bfloat16 without the kernel,
+and a bfloat16 prefill with the weights in the kernel's layout and in the one used
+without it; ``--no-sweep`` prints only those.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ def sweep(repeats: int, pool_mb: int) -> None:
 
 
 def decode(repeats: int) -> None:
+    """Engines run in this process (``multiprocessing=False``), so the bfloat16 engine
+    runs with the kernel and, by setting its row limit to 0 around a call, without it."""
     from enginecore import LLM, SamplingParams
     from enginecore.checkpoints import make_random_checkpoint
 
@@ -110,27 +115,65 @@ def decode(repeats: int) -> None:
             dtype: LLM(str(path), dtype=dtype, multiprocessing=False)
             for dtype in ("float32", "bfloat16")
         }
+        runs = {
+            "float32": (engines["float32"], bf16_gemv.KERNEL_MAX_ROWS),
+            "bfloat16": (engines["bfloat16"], bf16_gemv.KERNEL_MAX_ROWS),
+            "bfloat16 without the kernel": (engines["bfloat16"], 0),
+        }
+        best = dict.fromkeys(runs, 0.0)
         try:
             for llm in engines.values():
-                llm.generate(prompt, params)  # warm up
-            best = {dtype: 0.0 for dtype in engines}
+                llm.generate(prompt, params, use_tqdm=False)  # warm up
             for _ in range(repeats):
-                for dtype, llm in engines.items():
+                for name, (llm, limit) in runs.items():
+                    default, bf16_gemv.KERNEL_MAX_ROWS = bf16_gemv.KERNEL_MAX_ROWS, limit
                     start = time.perf_counter()
-                    out = llm.generate(prompt, params)
-                    rate = len(out[0].outputs[0].token_ids) / (time.perf_counter() - start)
-                    best[dtype] = max(best[dtype], rate)
+                    out = llm.generate(prompt, params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    bf16_gemv.KERNEL_MAX_ROWS = default
+                    best[name] = max(best[name], len(out[0].outputs[0].token_ids) / elapsed)
         finally:
             for llm in engines.values():
                 llm.shutdown()
-    figures = ", ".join(f"{dtype} {rate:.1f} tok/s" for dtype, rate in best.items())
+    figures = ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in best.items())
     print(f"decode, random `small` llama, 1 stream, 16-token prompt, 64 tokens: {figures}")
+
+
+def prefill(repeats: int, tokens: int = 512) -> None:
+    """A bfloat16 model keeps its weights row-major for the kernel where it has one, and
+    input-major without it (as float32 ones): oneDNN's prefill GEMM over both layouts."""
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import make_random_checkpoint
+
+    with tempfile.TemporaryDirectory() as root:
+        path = make_random_checkpoint(f"{root}/small", arch="llama", size="small", seed=0)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        prompt = [{"prompt_token_ids": [1 + i % 500 for i in range(tokens)]}]
+        kernel = bf16_gemv.load()
+        row_major = LLM(str(path), dtype="bfloat16", multiprocessing=False, prefix_caching=False)
+        bf16_gemv._loaded, bf16_gemv._failed = None, True  # loads as without the kernel
+        input_major = LLM(str(path), dtype="bfloat16", multiprocessing=False, prefix_caching=False)
+        runs = {"row-major": (row_major, kernel), "input-major": (input_major, None)}
+        best = dict.fromkeys(runs, float("inf"))
+        try:
+            for _ in range(repeats):
+                for name, (llm, loaded) in runs.items():
+                    bf16_gemv._loaded, bf16_gemv._failed = loaded, loaded is None
+                    start = time.perf_counter()
+                    llm.generate(prompt, params, use_tqdm=False)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        finally:
+            bf16_gemv._loaded, bf16_gemv._failed = kernel, kernel is None
+            row_major.shutdown()
+            input_major.shutdown()
+    figures = ", ".join(f"weights {name} {t * 1e3:.0f} ms" for name, t in best.items())
+    print(f"prefill, random `small` llama, bfloat16, {tokens} tokens: {figures}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--pool-mb", type=int, default=128)
+    parser.add_argument("--pool-mb", type=int, default=64)
     parser.add_argument("--decode", action="store_true", help="add the whole-model line")
     parser.add_argument("--no-sweep", action="store_true", help="only the whole-model line")
     args = parser.parse_args()
@@ -140,6 +183,8 @@ def main() -> None:
         if args.no_sweep:
             print(f"# {cpu_line()}")
         decode(args.repeats)
+        if bf16_gemv.load() is not None:
+            prefill(args.repeats)
 
 
 if __name__ == "__main__":
