@@ -20,7 +20,8 @@
 #endif
 
 /* How far ahead of the weight bytes being multiplied to prefetch: the hardware prefetcher
- * alone leaves the loop waiting on loads (as in the block-quantized kernels). */
+ * alone leaves the loop waiting on loads. At 4 and 8 rows of a 1536 x 576 weight, 4 KB
+ * measured 25-30% faster than 2 KB or none; 8 and 16 KB about the same (and a hint to L2 only). */
 #ifndef ECB_PREFETCH_BYTES
 #define ECB_PREFETCH_BYTES 4096
 #endif
@@ -57,7 +58,8 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t *x, in
     for (; k + 32 <= K; k += 32) {
         __m512i wv[RN];
         for (int n = 0; n < rn; n++) {
-            if (prefetch && ECB_PREFETCH) _mm_prefetch((const char *)(w + n * ldw + k + ECB_PREFETCH), _MM_HINT_T0);
+            if (prefetch && ECB_PREFETCH)
+                _mm_prefetch((const char *)(w + n * ldw + k + ECB_PREFETCH), _MM_HINT_T0);
             wv[n] = _mm512_loadu_si512((const void *)(w + n * ldw + k));
         }
         for (int m = 0; m < rm; m++) {
