@@ -5,9 +5,13 @@ After loading, each projection's weight is
   MKL a plain ``x @ W`` instead of ``x @ W^T``, up to 2x faster at decode batch sizes
   (a 16 x 256 x 2048 projection: 63 vs 127 µs) and no slower for prefill chunks. A head
   tied to the embedding keeps the row-major layout the lookup wants;
-- for a bfloat16/float16 model on a CPU without AMX, widened to float32 with the same
-  values (``project`` rounds each output back): torch's half-precision GEMM converts in
-  software there, and a small model's projections ran 1.03-1.64x faster in float32;
+- for a bfloat16 model on a CPU with AVX512-BF16, kept in bfloat16 and row-major: up to
+  ``bf16_gemv.KERNEL_MAX_ROWS`` activation rows (decode steps) enginecore's
+  ``vdpbf16ps`` kernel (``bf16_gemv``) reads it, above that torch's bfloat16 ``F.linear``
+  (oneDNN, AMX where present), each the faster there;
+- for any other bfloat16/float16 model on a CPU without AMX, widened to float32 with the
+  same values (``project`` rounds each output back): torch's half-precision GEMM converts
+  in software there, and a small model's projections ran 1.03-1.64x faster in float32;
 - packed once for MKL's packed GEMM, or for enginecore's own AVX2 GEMM where that is
   preferred (``packed_gemm``), bit-exact with ``F.linear``. A gated gate/up weight packs
   in pairs so the GEMM stores ``silu(gate) * up`` directly.
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_cpu import cpu_kernels, packed_gemm, panel_gemm
+from enginecore.builtin_cpu import bf16_gemv, cpu_kernels, packed_gemm, panel_gemm
 from enginecore.builtin_cpu.host_memory import keep_freed_memory
 from enginecore.config import EngineConfig
 from enginecore.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -41,7 +45,16 @@ def project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x W^T + b``. A weight stored wider than the activations computes in its dtype and
-    rounds the result back once, as a half-precision GEMM with float32 accumulation does."""
+    rounds the result back once, as a half-precision GEMM with float32 accumulation does.
+    A bfloat16 weight with its inputs contiguous meets few bfloat16 rows in ``bf16_gemv``."""
+    if (
+        x.dtype == torch.bfloat16 == weight.dtype
+        and weight.stride(-1) == 1
+        and x.numel() <= bf16_gemv.KERNEL_MAX_ROWS * x.shape[-1]
+    ):
+        kernel = bf16_gemv.load()
+        if kernel is not None:
+            return kernel.linear(x, weight, bias)
     packed = packed_gemm.packed_for(weight, x)  # a packed copy, where one was made
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias) if packed is None else packed.linear(x, bias)
@@ -92,10 +105,12 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight
         if weight.device.type != "cpu":
             return
-        tied_head = isinstance(layer, VocabParallelEmbedding) and not isinstance(
-            layer, ParallelLMHead
-        )
-        if not tied_head:  # the embedding's lookup wants its rows
+        # A head tied to the embedding keeps the rows its lookup wants; a bfloat16 weight
+        # for ``bf16_gemv`` keeps the rows the kernel reads (oneDNN's GEMM is as fast so).
+        keeps_rows = (
+            isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+        ) or (weight.dtype == torch.bfloat16 and bf16_gemv.load() is not None)
+        if not keeps_rows:
             if (
                 weight.dtype in _HALF
                 and not cpu_kernels.cpu_has_amx()

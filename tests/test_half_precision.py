@@ -1,7 +1,8 @@
 """A bfloat16 model on CPU: greedy output equals transformers' bfloat16 generate.
 
-On a CPU without AMX the runner stores the projections in float32 and rounds each output
-back to bfloat16 (the ``cpu_packed`` linear method); with AMX it keeps them in bfloat16. Either
+On a CPU with AVX512-BF16 or AMX the runner keeps the projections in bfloat16 (the
+``cpu_packed`` linear method); elsewhere it stores them in float32 and rounds each output
+back to bfloat16. Either
 way the tokens must be transformers' up to its first near tie: two bfloat16 logits two
 rounding steps apart (``hf_reference.half_precision_tie``).
 """
@@ -14,7 +15,7 @@ from hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_cpu import cpu_kernels
+from enginecore.builtin_cpu import bf16_gemv, cpu_kernels
 from enginecore.builtin_cpu.linear_method import project
 
 PROJECTIONS = {"ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear"}
@@ -33,7 +34,7 @@ def test_bfloat16_batch_matches_transformers(checkpoint_factory, arch: str) -> N
         reference = greedy_reference(path, prompt, 12, torch.bfloat16)
         assert_matches_reference(out.outputs[0].token_ids, reference, f"{arch} prompt {i}")
 
-    widened = not cpu_kernels.cpu_has_amx()
+    widened = not cpu_kernels.cpu_has_amx() and bf16_gemv.load() is None
     for layer in summary["layers"]:
         dtypes = {p["dtype"] for p in layer["parameters"].values()}
         if layer["type"] in PROJECTIONS:
