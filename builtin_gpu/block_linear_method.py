@@ -131,7 +131,7 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
                 weight.data[first : first + part.shape[0]] = dequantized_part(part).to(weight.dtype)
             parts = {}
         if not parts and self._int8_wanted(layer):
-            parts = {0: per_channel_q8(weight.data)}
+            parts = {0: _on(per_channel_q8(weight.data), weight.device)}
         if parts:
             setattr(layer, BLOCKS_ATTR, _merged(parts))
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
@@ -180,11 +180,13 @@ def blocks_linear(
 
 
 def _on(part: BlockWeight, device: torch.device) -> BlockWeight:
+    """``part`` on ``device``; 8-bit blocks keep one zero for their offsets, not one a block."""
+    m = part.m if part.bits == 4 else part.d.new_zeros(())
     return BlockWeight(
         part.bits,
         part.qs.to(device).contiguous(),
         part.d.to(device).contiguous(),
-        part.m.to(device).contiguous(),
+        m.to(device).contiguous(),
         part.shape,
     )
 
@@ -202,7 +204,7 @@ def _merged(parts: dict[int, BlockWeight]) -> list[tuple[int, BlockWeight]]:
                     part.bits,
                     torch.cat([prev.qs, part.qs]),
                     torch.cat([prev.d, part.d]),
-                    torch.cat([prev.m, part.m]),
+                    torch.cat([prev.m, part.m]) if part.bits == 4 else part.m,
                     (prev.shape[0] + part.shape[0], part.shape[1]),
                 ),
             )

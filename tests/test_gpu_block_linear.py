@@ -199,6 +199,7 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
     layer.linear_method.process_weights_after_loading(layer)
     ((first, part),) = layer.gguf_blocks
     assert first == 0 and part.bits == (8 if fmt == "Q8_0" else 4)
+    assert part.m.numel() == (1 if part.bits == 8 else part.d.numel())  # no offsets for 8 bits
     assert layer.weight.numel() == 0
     reference = gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded))
     for rows in (1, 5, FUSED_MAX_ROWS + 1):
