@@ -7,14 +7,18 @@ on a GPU: products are exact in float32, so only the order of the sums and the o
 rounding differ. For bf16 the interpreter's kernel widens its tiles to float32 before the
 product (the interpreter multiplies bf16 operands as their raw bit patterns), so there the
 weight is not rounded; and it rounds float32 to bf16 by truncation, hence bf16's tolerance
-of two units in the last place. Code the interpreter accepts but a GPU compiler would reject is not
-caught here; ``benchmarks/gpu_check.py`` runs the kernels on a GPU.
+of two units in the last place. Code the interpreter accepts but a GPU compiler would reject is
+caught by a slow test that compiles the kernels for NVIDIA sm_90 and AMD gfx942 with the
+compilers shipped in the triton wheel; ``benchmarks/gpu_check.py`` runs them on a GPU.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 from typing import Any
 
@@ -168,6 +172,65 @@ def test_kernel_refuses_what_it_cannot_multiply():
         block_kernels.block_linear(torch.randn(2, 64), 8, part.qs, part.d, part.m)
     with pytest.raises(TypeError, match="float64"):
         block_kernels.block_linear(torch.randn(2, 64).double(), 4, part.qs, part.d, part.m)
+
+
+COMPILE_FOR_GPUS = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from enginecore.builtin_gpu import block_kernels as bk
+
+    def compile_for(kernel, target, constexprs, pointers):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = pointers[name]
+            else:
+                signature[name] = "i32"
+        triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+
+    for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
+        for bits, scales in ((4, "fp16"), (4, "fp32"), (8, "fp32")):
+            weight = {"qs_ptr": "*u8" if bits == 4 else "*i8", "d_ptr": "*" + scales,
+                      "m_ptr": "*" + scales}
+            # Triton turns integer arguments equal to 1 into constants at launch: the bf16
+            # variant compiles a decode step's one row as it would see it.
+            for act, block_m, precision, unit in (("bf16", 16, "tf32", {"M": 1}),
+                                                  ("fp16", 64, "tf32", {}),
+                                                  ("fp32", 32, "ieee", {})):
+                compile_for(
+                    bk._block_linear_kernel,
+                    target,
+                    dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=bk._BLOCK_N, BLOCK_K=bk._BLOCK_K,
+                         DOT_IN_FP32=act == "fp32", DOT_PRECISION=precision, **unit),
+                    {"x_ptr": "*" + act, "out_ptr": "*" + act, **weight},
+                )
+            compile_for(bk._dequantize_kernel, target,
+                        dict(BITS=bits, BLOCK_N=bk._BLOCK_N, BLOCK_K=bk._BLOCK_K),
+                        {"out_ptr": "*bf16", **weight})
+        print("compiled for", target.backend)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_nvidia_and_amd_gpus():
+    # The interpreter accepts code the GPU compiler rejects, so compile the kernels for real
+    # (NVIDIA sm_90 and AMD gfx942) with the compilers bundled in the triton wheel; no GPU needed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_GPUS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split("\n")[:2] == ["compiled for cuda", "compiled for hip"]
 
 
 # --- the linear method -----------------------------------------------------------------
