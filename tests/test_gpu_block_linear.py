@@ -46,10 +46,10 @@ from enginecore.layers.linear import (
     RowParallelLinear,
     use_linear_method,
 )
-from enginecore.layers.quantized import QuantizedTensor, int4_blocks
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.selection import registered_refs, select_linear_method
 from enginecore.testing import LinearMethodContract
-from enginecore.testing.quantizers import dequantize_groups, quantize_groups, quantize_k
+from enginecore.testing.quantizers import quantize_groups, quantize_k
 
 if not block_kernels.is_interpreted():  # imported earlier in this process without the flag
     block_kernels = importlib.reload(block_kernels)
@@ -73,30 +73,34 @@ def gguf_tensor(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
     return QuantizedTensor(data, fmt, tuple(weight.shape))
 
 
-def group_tensor(weight: torch.Tensor, symmetric: bool) -> QuantizedTensor:
-    """``weight`` quantized as an AWQ / GPTQ checkpoint's groups (of 64 where K allows, else
-    32; zero points, or the symmetric 8), handed over as the loader does: 4-bit blocks of
-    32."""
+GROUP_FORMATS = ("awq", "gptq", "gptq-sym")
+
+
+def group_tensor(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """``weight`` as an AWQ or GPTQ checkpoint's packed tensors (groups of 64 where K allows,
+    else 32; zero points, or GPTQ's symmetric 8), read as the loader reads them: 4-bit
+    blocks of 32."""
+    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
+    from enginecore.testing.quantizers import awq_tensors, gptq_tensors
+
+    method = fmt.split("-")[0]
     group = 64 if weight.shape[1] % 64 == 0 else 32
-    q, scales, zeros = quantize_groups(weight, group, symmetric)
-    d = scales.float().t().repeat_interleave(group // 32, dim=1)
-    m = -(scales.float() * zeros.float()).t().repeat_interleave(group // 32, dim=1)
-    assert torch.allclose(dequantize_groups(q, scales, zeros), _q_times(q.t(), d, m))
-    return int4_blocks(q.t(), d, m)
-
-
-def _q_times(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    out, k = q.shape
-    blocks = q.float().reshape(out, k // 32, 32)
-    return (blocks * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(out, k)
+    q, scales, zeros = quantize_groups(weight, group, fmt.endswith("sym"))
+    if method == "gptq":
+        parts = gptq_tensors(q, scales, zeros.clamp(min=1))
+    else:
+        parts = awq_tensors(q, scales, zeros)
+    config = GroupQuantConfig(method, group, 1 if method == "gptq" else 0)
+    tensors = [(f"proj.{leaf}", t) for leaf, t in parts.items()]
+    return dict(iter_group_quantized(iter(tensors), config, blocks=True))["proj.weight"]
 
 
 def blocks_of(fmt: str, out: int, k: int, seed: int = 0) -> BlockWeight:
     weight = torch.randn(out, k, generator=torch.Generator().manual_seed(seed))
     if fmt == "int8":
         return gguf_linear_method.per_channel_q8(weight)
-    if fmt in ("awq", "gptq-sym"):
-        return gguf_linear_method.unpacked(group_tensor(weight, fmt == "gptq-sym"))
+    if fmt in GROUP_FORMATS:
+        return gguf_linear_method.unpacked(group_tensor(weight, fmt))
     return gguf_linear_method.unpacked(gguf_tensor(weight, fmt))
 
 
@@ -127,13 +131,16 @@ def test_kernel_every_row_count(fmt: str, dtype: torch.dtype):
         check_product(block_kernels.block_linear(x, part.bits, part.qs, part.d, part.m), x, weight)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "awq", "gptq-sym", "int8"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "awq", "gptq", "gptq-sym", "int8"])
 @pytest.mark.parametrize("shape", [(1, 96), (33, 32), (64, 224)])
 @pytest.mark.parametrize("rows", [1, 31, 40])
 def test_kernel_shapes_and_formats(fmt: str, shape: tuple[int, int], rows: int):
     """Float16 and float32 scales, with and without offsets; K of 1, 3 and 7 blocks (never
-    a whole tile of 128), one output and an odd number; tiles of 16, 32 and 64 rows."""
+    a whole tile of 128), one output and an odd number (AWQ / GPTQ: a multiple of 8, as
+    their words pack 8 outputs); tiles of 16, 32 and 64 rows."""
     out, k = shape
+    if fmt in GROUP_FORMATS:
+        out = 8 * -(-out // 8)
     part = blocks_of(fmt, out, k, seed=out + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     weight = gguf_blocks.dequantize(part)
@@ -156,7 +163,7 @@ def test_kernel_writes_into_a_column_slice():
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "awq"])
 def test_dequantize_kernel_is_exact(fmt: str):
     k = 256 if fmt == "Q4_K" else 160
-    part = blocks_of(fmt, 37, k)
+    part = blocks_of(fmt, 40 if fmt == "awq" else 37, k)
     want = gguf_blocks.dequantize(part)
     got = block_kernels.dequantize(part.bits, part.qs, part.d, part.m, torch.float32)
     assert torch.equal(got, want)
@@ -241,7 +248,7 @@ def build(factory: Any, config: Any = None) -> Any:
         return factory()
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "awq", "gptq-sym"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", *GROUP_FORMATS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
     """Loaded as a checkpoint hands them over, kept in blocks (the float weight dropped),
@@ -250,11 +257,7 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
     k = 256
     layer = build(lambda: RowParallelLinear(k, 48, bias=True, parallel=SINGLE_RANK, dtype=dtype))
     weight = torch.randn(48, k, generator=torch.Generator().manual_seed(5))
-    loaded = (
-        group_tensor(weight, fmt == "gptq-sym")
-        if fmt in ("awq", "gptq-sym")
-        else gguf_tensor(weight, fmt)
-    )
+    loaded = group_tensor(weight, fmt) if fmt in GROUP_FORMATS else gguf_tensor(weight, fmt)
     bias = torch.randn(48).to(dtype)
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], loaded)
@@ -435,8 +438,22 @@ def _greedy(path: str, **kwargs: Any) -> list[int]:
         llm.shutdown()
 
 
+@pytest.fixture
+def kept_bits(monkeypatch) -> set[int]:
+    """The bit widths of the blocks the layers keep, filled as a model loads."""
+    bits: set[int] = set()
+    original = GGUFTritonLinearMethod.process_weights_after_loading
+
+    def record(self, layer):
+        original(self, layer)
+        bits.update(part.bits for _, part in getattr(layer, "gguf_blocks", None) or [])
+
+    monkeypatch.setattr(GGUFTritonLinearMethod, "process_weights_after_loading", record)
+    return bits
+
+
 @pytest.mark.slow
-def test_a_q4_gguf_decodes_as_dequantized(tiny_llama, tmp_path, monkeypatch):
+def test_a_q4_gguf_decodes_as_dequantized(tiny_llama, tmp_path, kept_bits):
     """A GGUF file of Q4_0 / Q8_0 / Q4_K projections through the method (its kernels on the
     interpreter) decodes greedily as the same file de-quantized at load."""
     from tests.gguf_writer import write_gguf
@@ -445,24 +462,33 @@ def test_a_q4_gguf_decodes_as_dequantized(tiny_llama, tmp_path, monkeypatch):
         return "Q8_0" if "attn_v" in name else "Q4_K" if "ffn_down" in name else "Q4_0"
 
     path = str(write_gguf(tiny_llama, tmp_path / "mixed.gguf", types=mix))
-    kinds: set[int] = set()
-    original = GGUFTritonLinearMethod.process_weights_after_loading
-
-    def record(self, layer):
-        original(self, layer)
-        kinds.update(part.bits for _, part in getattr(layer, "gguf_blocks", None) or [])
-
-    monkeypatch.setattr(GGUFTritonLinearMethod, "process_weights_after_loading", record)
     got = _greedy(path, linear_method="gguf_triton")
-    assert kinds == {4, 8}
+    assert kept_bits == {4, 8}
     assert got == _greedy(path, quantization="none")
 
 
 @pytest.mark.slow
-def test_int8_of_a_float_checkpoint_decodes_as_the_float_model(tiny_llama):
+def test_int8_of_a_float_checkpoint_decodes_as_the_float_model(tiny_llama, kept_bits):
     from tests.hf_reference import greedy_reference
 
     want, first_tie = greedy_reference(tiny_llama, list(range(3, 20)), 6)
     got = _greedy(str(tiny_llama), quantization="int8", linear_method="gguf_triton")
+    assert kept_bits == {8}
     agree = min(first_tie + 1, 3)
     assert got[:agree] == want[:agree]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_group_quantized_checkpoint_decodes_as_its_dequantized_weights(
+    tiny_llama, tmp_path, kept_bits, method
+):
+    """AWQ / GPTQ 4-bit groups through the method decode greedily as the float32 checkpoint
+    of the weights they stand for."""
+    from enginecore.testing.quantizers import write_group_quantized
+
+    quantized, reference = tmp_path / method, tmp_path / f"{method}-dequantized"
+    write_group_quantized(tiny_llama, quantized, reference, method, 64, symmetric=False)
+    got = _greedy(str(quantized), linear_method="gguf_triton")
+    assert kept_bits == {4}
+    assert got == _greedy(str(reference))
