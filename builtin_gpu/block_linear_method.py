@@ -29,6 +29,7 @@ from enginecore.builtin_cpu.gguf_blocks import BlockWeight
 from enginecore.builtin_cpu.gguf_linear_method import dequantized_part, per_channel_q8, unpacked
 from enginecore.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     MergedColumnParallelLinear,
     RowParallelLinear,
     UnquantizedLinearMethod,
@@ -71,18 +72,26 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
-        super().create_weights(layer, input_size, output_size, dtype)
-        float_loader = layer.weight.weight_loader
+        # The float weight is made only when a float shard arrives: a layer loaded as blocks
+        # never holds it, so loading a quantized model does not peak at the float model's
+        # size. Until then the parameter is one element seen at the weight's shape.
+        weight = nn.Parameter(
+            torch.empty(1, dtype=dtype).expand(output_size, input_size), requires_grad=False
+        )
+        layer.weight = weight
+        float_loader = layer.weight_loader
 
         def weight_loader(param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
             if isinstance(loaded, QuantizedTensor):
                 self._load_blocks(layer, param, loaded, shard, float_loader)
-            elif shard is None:
+                return
+            _materialize(layer)
+            if shard is None:
                 float_loader(param, loaded)
             else:
                 float_loader(param, loaded, shard)
 
-        layer.weight.weight_loader = weight_loader
+        weight.weight_loader = weight_loader
 
     def _load_blocks(
         self,
@@ -94,6 +103,7 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
     ) -> None:
         if isinstance(layer, RowParallelLinear) and layer.parallel.tp_size > 1:
             # A split of the input dimension cuts through blocks' rows: keep it in float.
+            _materialize(layer)
             float_loader(param, dequantized_part(unpacked(loaded)))
             return
         if isinstance(layer, MergedColumnParallelLinear):
@@ -122,18 +132,23 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
         layer.__dict__.setdefault(_PARTS, {})[first] = _on(part, param.device)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not isinstance(layer, LinearBase):
+            return  # an LM head (the embedding's table) stays in the model's dtype
         parts: dict[int, BlockWeight] = layer.__dict__.pop(_PARTS, {})
+        layer.__dict__.pop(BLOCKS_ATTR, None)  # blocks of an earlier load
         weight = layer.weight
-        if parts and sum(p.shape[0] for p in parts.values()) != weight.shape[0]:
+        if parts and sum(p.shape[0] for p in parts.values()) == layer.output_size:
+            setattr(layer, BLOCKS_ATTR, _merged(parts))
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            return
+        _materialize(layer)
+        if parts:
             # Some shards came in float (a format kept de-quantized): the layer computes in
             # the model's dtype.
             for first, part in parts.items():
                 weight.data[first : first + part.shape[0]] = dequantized_part(part).to(weight.dtype)
-            parts = {}
-        if not parts and self._int8_wanted(layer):
-            parts = {0: _on(per_channel_q8(weight.data), weight.device)}
-        if parts:
-            setattr(layer, BLOCKS_ATTR, _merged(parts))
+        elif self._int8_wanted(layer):
+            setattr(layer, BLOCKS_ATTR, [(0, _on(per_channel_q8(weight.data), weight.device))])
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def _int8_wanted(self, layer: nn.Module) -> bool:
@@ -177,6 +192,15 @@ def blocks_linear(
         if bias is not None:
             out += bias
     return out.view(*x.shape[:-1], n)
+
+
+def _materialize(layer: nn.Module) -> None:
+    """Give the float weight its own memory where it is still the one-element placeholder
+    (or was dropped for blocks, before a reload)."""
+    weight = layer.weight
+    shape = (layer.output_size, layer.input_size)
+    if tuple(weight.shape) != shape or weight.stride() == (0, 0):
+        weight.data = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
 
 
 def _on(part: BlockWeight, device: torch.device) -> BlockWeight:

@@ -262,6 +262,8 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], loaded)
     params["bias"].weight_loader(params["bias"], bias)
+    # Loaded as blocks, the layer never made its float weight.
+    assert layer.weight.untyped_storage().nbytes() == layer.weight.element_size()
     layer.linear_method.process_weights_after_loading(layer)
     ((first, part),) = layer.gguf_blocks
     assert first == 0 and part.bits == (8 if fmt == "Q8_0" else 4)
@@ -276,6 +278,43 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
         scale = want.abs().max()
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got.double() - want).abs().max() <= tolerance * scale, rows
+
+
+def test_a_reload_replaces_blocks_and_floats():
+    """Weights loaded again (a wake-up after sleep): blocks over blocks, and float weights
+    into a layer that held blocks."""
+    layer = build(
+        lambda: RowParallelLinear(64, 16, bias=False, parallel=SINGLE_RANK, dtype=torch.float32)
+    )
+    params = dict(layer.named_parameters())
+    x = torch.randn(2, 64)
+    for seed in (0, 1):
+        loaded = gguf_tensor(
+            torch.randn(16, 64, generator=torch.Generator().manual_seed(seed)), "Q8_0"
+        )
+        params["weight"].weight_loader(params["weight"], loaded)
+        layer.linear_method.process_weights_after_loading(layer)
+        check_product(
+            layer(x), x, gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded))
+        )
+    dense = torch.randn(16, 64)
+    params["weight"].weight_loader(params["weight"], dense)
+    layer.linear_method.process_weights_after_loading(layer)
+    torch.testing.assert_close(layer(x), F.linear(x, dense))
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_the_lm_head_stays_in_the_model_dtype(quantization: str):
+    from enginecore.layers.embedding import ParallelLMHead, vocab_parallel_logits
+
+    config = SimpleNamespace(model=SimpleNamespace(quantization=quantization))
+    head = build(lambda: ParallelLMHead(50, 64, parallel=SINGLE_RANK, dtype=torch.float32), config)
+    table = torch.randn(50, 64)
+    head.weight.weight_loader(head.weight, table)
+    head.linear_method.process_weights_after_loading(head)
+    assert getattr(head, "gguf_blocks", None) is None
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(vocab_parallel_logits(hidden, head), F.linear(hidden, table))
 
 
 def test_int8_per_channel_of_a_float_layer():
