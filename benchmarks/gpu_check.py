@@ -408,7 +408,9 @@ def markdown(report: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--quick", action="store_true", help="tiny parity only, small batches")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny parity, the block kernels and int8 on tiny only"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one", file=sys.stderr)
