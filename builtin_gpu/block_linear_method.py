@@ -9,7 +9,8 @@ method does not name) and compute in the model's dtype, as does a fused layer wi
 such a format.
 
 Up to ``FUSED_MAX_ROWS`` rows (decode steps, small batches) the kernel de-quantizes the blocks
-in registers: the step reads 4.5 or 8.5 bits a weight instead of 16. More rows (prefill
+in registers: the step reads 5 or 6 bits a weight (4-bit blocks with their scales) or 9
+(8-bit) instead of 16. More rows (prefill
 chunks) are compute-bound: the weight is de-quantized per call into a temporary in the
 activations' dtype and multiplied by ``F.linear`` (cuBLAS), rather than kept as a half copy,
 which would cost more memory than the blocks save.
