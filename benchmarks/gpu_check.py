@@ -12,6 +12,14 @@ is right and how fast it is.
 4. Decode step time at batch 1, 64 and 256 (``small``, bfloat16, 512-token contexts)
    against the bound set by the bytes read per step (weights + the KV read) over the
    GPU's measured copy bandwidth, with CUDA graphs and without (``enforce_eager``).
+5. The ``gguf_triton`` block kernels (``builtin_gpu/block_kernels.py``, also in ``--quick``):
+   Q4_1, Q4_K-style (float32 scales) and Q8_0 blocks of a 4096 x 4096 weight, bf16
+   activations of 1, 16 and 256 rows, against ``F.linear`` on the de-quantized bf16 weight
+   (the largest difference, relative to the largest output) and timed against it: the
+   kernel alone, and the method's path (the kernel up to ``FUSED_MAX_ROWS`` rows, a
+   de-quantized copy and ``F.linear`` above). Then the ``tiny`` checkpoint with
+   ``quantization="int8"`` (which selects ``gguf_triton`` on CUDA), bf16, CUDA graphs on:
+   the layers kept in blocks and greedy agreement with the float model.
 
 Prints a Markdown report and writes the figures as JSON. Needs the wheels in
 ``benchmarks/gpu_requirements.txt`` on top of torch, triton and transformers.
@@ -229,6 +237,116 @@ def decode_steps(root: pathlib.Path, report: dict[str, Any], batches: list[int])
     report["decode"] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
 
 
+def random_blocks(kind: str, n: int, k: int, device: str) -> Any:
+    """A random weight [n, k] in the ``gguf_triton`` method's block layout."""
+    from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    blocks = (n, k // 32)
+    if kind == "Q8_0":
+        qs = torch.randint(-127, 128, (n, k), generator=gen, device=device, dtype=torch.int8)
+        d = torch.rand(blocks, generator=gen, device=device) / 127
+        return BlockWeight(8, qs, d, torch.zeros_like(d), (n, k))
+    scale_dtype = torch.float16 if kind == "Q4_1" else torch.float32
+    qs = torch.randint(0, 256, (n, k // 32, 16), generator=gen, device=device, dtype=torch.uint8)
+    d = (torch.rand(blocks, generator=gen, device=device) / 15).to(scale_dtype)
+    m = (-8 * d.float()).to(scale_dtype)
+    return BlockWeight(4, qs, d, m, (n, k))
+
+
+def _time_us(fn: Any, device: str, reps: int) -> float:
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def block_linear(
+    report: dict[str, Any],
+    device: str = "cuda",
+    shape: tuple[int, int] = (4096, 4096),
+    row_counts: tuple[int, ...] = (1, 16, 256),
+    reps: int = 50,
+) -> None:
+    import torch.nn.functional as F
+
+    from enginecore.builtin_gpu import block_kernels
+    from enginecore.builtin_gpu.block_linear_method import blocks_linear
+
+    n, k = shape
+    rows_out = []
+    for kind in ("Q4_1", "Q4_K", "Q8_0"):
+        part = random_blocks(kind, n, k, device)
+        half = block_kernels.dequantize(part.bits, part.qs, part.d, part.m, torch.bfloat16)
+        for rows in row_counts:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            got = block_kernels.block_linear(x, part.bits, part.qs, part.d, part.m)
+            want = F.linear(x.float(), half.float())
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            rows_out.append(
+                {
+                    "format": kind,
+                    "rows": rows,
+                    "max_rel_diff": err,
+                    "kernel_us": _time_us(
+                        lambda x=x, p=part: block_kernels.block_linear(x, p.bits, p.qs, p.d, p.m),
+                        device,
+                        reps,
+                    ),
+                    "method_us": _time_us(
+                        lambda x=x, p=part: blocks_linear([(0, p)], x), device, reps
+                    ),
+                    "f_linear_us": _time_us(lambda x=x, w=half: F.linear(x, w), device, reps),
+                    "block_mb": part.nbytes / 1e6,
+                }
+            )
+    report["block_linear"] = {"shape": list(shape), "rows": rows_out}
+
+
+def _block_layers(worker: Any) -> list[str]:
+    model = worker.model_runner.model
+    return [type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "gguf_blocks")]
+
+
+def int8_model(root: pathlib.Path, report: dict[str, Any]) -> None:
+    from enginecore import LLM, SamplingParams
+
+    path = make_checkpoint(root, "tiny")
+    prompts = mixed_prompts(8)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs, methods = {}, []
+    for quantization in ("int8", "none"):
+        with LLM(
+            str(path),
+            dtype="bfloat16",
+            quantization=quantization,
+            gpu_memory_utilization=0.3,
+            multiprocessing=False,
+        ) as llm:
+            if quantization == "int8":
+                methods = llm.collective_rpc(_block_layers)[0]
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            outs[quantization] = [o.outputs[0].token_ids for o in got]
+        gc.collect()
+        torch.cuda.empty_cache()
+    diffs = [first_difference(a, b) for a, b in zip(outs["int8"], outs["none"], strict=True)]
+    report["int8_model"] = {
+        "layers_in_blocks": len(methods),
+        "methods": sorted(set(methods)),
+        "equal": sum(d is None for d in diffs),
+        "of": len(diffs),
+        "first_difference": diffs,
+    }
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"GPU: {report['gpu']}; torch {report['torch']}", ""]
     lines += ["| size | dtype | backend | greedy = transformers |", "|---|---|---|---|"]
@@ -261,13 +379,38 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['batch']} | {'on' if r['cuda_graphs'] else 'off'} | "
                 f"{r['step_ms']:.2f} | {r['bound_ms']:.3f} | {share} |"
             )
+    if "block_linear" in report:
+        b = report["block_linear"]
+        n, k = b["shape"]
+        lines += [
+            "",
+            f"gguf_triton block kernels, {n} x {k} weight, bf16 activations (µs a call):",
+            "",
+            "| format | rows | max rel. diff | kernel | method | F.linear (bf16 weight) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in b["rows"]:
+            lines.append(
+                f"| {r['format']} | {r['rows']} | {r['max_rel_diff']:.1e} | "
+                f"{r['kernel_us']:.1f} | {r['method_us']:.1f} | {r['f_linear_us']:.1f} |"
+            )
+    if "int8_model" in report:
+        m = report["int8_model"]
+        lines += [
+            "",
+            f"tiny, int8 on CUDA: {m['layers_in_blocks']} layers in blocks ({m['methods']}); "
+            f"greedy = bf16 model on {m['equal']}/{m['of']} prompts, first differences "
+            f"{m['first_difference']}",
+        ]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--quick", action="store_true", help="tiny parity only, small batches")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny parity, the block kernels and int8 on tiny only"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one", file=sys.stderr)
@@ -282,7 +425,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         stages = [
-            ("parity", lambda: parity(root, ["tiny"] if args.quick else ["tiny", "small"], report))
+            ("parity", lambda: parity(root, ["tiny"] if args.quick else ["tiny", "small"], report)),
+            ("block_linear", lambda: block_linear(report)),
+            ("int8_model", lambda: int8_model(root, report)),
         ]
         if not args.quick:
             stages += [

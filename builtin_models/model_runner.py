@@ -214,28 +214,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         )
 
     def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
-        """``model.linear_method``; for ``auto``, a GGUF file, an AWQ / GPTQ checkpoint
-        and ``model.quantization: int8`` keep their weights quantized where the ``gguf``
-        method runs (unless ``model.quantization`` is ``none``)."""
-        wanted = self.config.model.linear_method
-        quantization = self.config.model.quantization
-        quantized = is_gguf(path) or quantization == "int8" or group_quant_config(self.hf_config)
-        if wanted != "auto" or quantization == "none" or not quantized:
-            return wanted
-        dtype = str(self.dtype).removeprefix("torch.")
-        reason = (
-            "no 'gguf' linear method is registered"
-            if "gguf" not in refs
-            else import_ref(refs["gguf"]).unsupported_reason(self.device.type, dtype)
+        return linear_method_name(
+            self.config, path, self.hf_config, self.device.type, self.dtype, refs
         )
-        if reason is None:
-            return "gguf"
-        if quantization == "int8":
-            raise ConfigError(
-                f"quantization 'int8' runs through the 'gguf' linear method, which does not "
-                f"serve {self.device.type} / {dtype} here: {reason}"
-            )
-        return wanted
 
     def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The linear layers, and the LM head where this stage computes logits (a head
@@ -718,3 +699,41 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.load_model()
         if self.kv_caches is None and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks)
+
+
+# The linear method that keeps quantized weights in their blocks, by device type.
+QUANTIZED_LINEAR_METHODS = {"cpu": "gguf", "cuda": "gguf_triton"}
+
+
+def linear_method_name(
+    config: EngineConfig,
+    path: str,
+    hf_config: Any,
+    device_type: str,
+    dtype: torch.dtype,
+    refs: dict[str, str],
+) -> str:
+    """``model.linear_method``; for ``auto``, a GGUF file, an AWQ / GPTQ checkpoint and
+    ``model.quantization: int8`` keep their weights quantized where the device's quantized
+    method (``QUANTIZED_LINEAR_METHODS``: ``gguf`` on CPU, ``gguf_triton`` on CUDA) runs
+    (unless ``model.quantization`` is ``none``)."""
+    wanted = config.model.linear_method
+    quantization = config.model.quantization
+    quantized = is_gguf(path) or quantization == "int8" or group_quant_config(hf_config)
+    if wanted != "auto" or quantization == "none" or not quantized:
+        return wanted
+    name = QUANTIZED_LINEAR_METHODS.get(device_type, "gguf")
+    dtype_name = str(dtype).removeprefix("torch.")
+    reason = (
+        f"no {name!r} linear method is registered"
+        if name not in refs
+        else import_ref(refs[name]).unsupported_reason(device_type, dtype_name)
+    )
+    if reason is None:
+        return name
+    if quantization == "int8":
+        raise ConfigError(
+            f"quantization 'int8' runs through the {name!r} linear method, which does not "
+            f"serve {device_type} / {dtype_name} here: {reason}"
+        )
+    return wanted

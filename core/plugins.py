@@ -45,6 +45,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "enginecore.builtin_models.plugin",
     "enginecore.builtin_attention.plugin",
     "enginecore.builtin_cpu.plugin",
+    "enginecore.builtin_gpu.plugin",
     "enginecore.builtin_kv_connectors.plugin",
     "enginecore.builtin_structured_output.plugin",
     "enginecore.builtin_stat_loggers.plugin",
