@@ -59,18 +59,64 @@ static inline __m256i or_where(__m256i w, uint32_t bits, char value) {
 #endif
 }
 
-/* The two blocks of the pair ``rec`` as signed bytes (Q6_K centred). */
-static inline void unpack_pair(const uint8_t *rec, int planes, __m256i w[2]) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m256i v = _mm256_loadu_si256((const __m256i *)rec);
-    w[0] = _mm256_and_si256(v, low4);
-    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    for (int j = 0; j < 2; j++) {
-        const uint8_t *high = rec + 2 * HALF + j * 4 * planes;
-        w[j] = or_where(w[j], load_word(high), 16);
-        if (planes == 2)
-            w[j] = _mm256_sub_epi8(or_where(w[j], load_word(high + 4), 32), _mm256_set1_epi8(32));
+/* Block ``j`` (0, 1) of the pair ``rec`` as signed bytes (Q6_K centred), its low 4 bits
+ * given (``low``). */
+static inline __attribute__((always_inline)) __m256i block_values(const uint8_t *rec, int j,
+                                                                   int planes, __m256i low) {
+    const uint8_t *high = rec + 2 * HALF + j * 4 * planes;
+    __m256i w = or_where(low, load_word(high), 16);
+    if (planes == 2) w = _mm256_sub_epi8(or_where(w, load_word(high + 4), 32), _mm256_set1_epi8(32));
+    return w;
+}
+
+/* Block b (values ``w``) against ``rows`` activation rows from ``row0``: the byte-a-value
+ * kernel's steps, in its order. */
+static inline __attribute__((always_inline)) void block_rows(
+    int planes, __m256i w, int64_t b, const float *d, const float *m, int rows, int64_t row0,
+    int64_t K, int64_t nb, const int8_t *xq, const float *xd, const float *xs, __m256 *acc,
+    float *offset) {
+    /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
+    const __m256 scales = planes == 2
+                              ? _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b]))
+                              : _mm256_set1_ps(d[b]);
+    /* Q6_K: |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0); Q5_K's
+     * values are unsigned already */
+    const __m256i wabs = planes == 2 ? _mm256_sign_epi8(w, w) : w;
+    for (int r = 0; r < rows; r++) {
+        const int64_t row = row0 + r;
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
+        const __m256i dot = dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w) : x);
+        const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(xd[row * nb + b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+        if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
     }
+}
+#endif
+
+#if defined(__AVX2__)
+/* Outputs of weight row ``wrow`` for ``rows`` (a constant in each inlined copy, so the
+ * accumulators stay in registers) activation rows from ``row0``. */
+static inline __attribute__((always_inline)) void row_tile(
+    int planes, int rows, const uint8_t *wrow, const float *d, const float *m, int64_t row0,
+    int64_t K, const int8_t *xq, const float *xd, const float *xs, float *out, int64_t ldo) {
+    const int64_t nb = K / QK, rec = record_bytes(planes);
+    const int64_t scales_per_pair = planes == 2 ? 4 : 2;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < nb / 2; p++) {
+        const uint8_t *pair = wrow + p * rec;
+        _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(d + p * scales_per_pair) + PREFETCH_BYTES / 4, _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+        const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+        const __m256i w1 =
+            block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+        block_rows(planes, w0, 2 * p, d, m, rows, row0, K, nb, xq, xd, xs, acc, offset);
+        block_rows(planes, w1, 2 * p + 1, d, m, rows, row0, K, nb, xq, xd, xs, acc, offset);
+    }
+    for (int r = 0; r < rows; r++) out[(row0 + r) * ldo] = hsum(acc[r]) + offset[r];
 }
 #endif
 
@@ -88,38 +134,17 @@ static inline __attribute__((always_inline)) void gemm(
         const float *m = planes == 1 ? wm + n * nb : NULL;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
-            float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
 #if defined(__AVX2__)
-            __m256 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t p = 0; p < nb / 2; p++) {
-                _mm_prefetch((const char *)(wrow + p * rec) + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)(d + 2 * p * scales_per_block) + PREFETCH_BYTES / 4,
-                             _MM_HINT_T0);
-                __m256i w[2];
-                unpack_pair(wrow + p * rec, planes, w);
-                for (int j = 0; j < 2; j++) {
-                    const int64_t b = 2 * p + j;
-                    /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
-                    const __m256 scales =
-                        planes == 2 ? _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b]))
-                                    : _mm256_set1_ps(d[b]);
-                    /* Q6_K: |w| as unsigned bytes times x with w's sign (as quant_kernels'
-                     * Q8_0); Q5_K's values are unsigned already */
-                    const __m256i wabs = planes == 2 ? _mm256_sign_epi8(w[j], w[j]) : w[j];
-                    for (int r = 0; r < rows; r++) {
-                        const int64_t row = r0 + r;
-                        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
-                        const __m256i dot =
-                            dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w[j]) : x);
-                        const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(xd[row * nb + b]));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
-                        if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
-                    }
-                }
-            }
-            for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
+            if (rows == 4)
+                row_tile(planes, 4, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
+            else if (rows == 3)
+                row_tile(planes, 3, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
+            else if (rows == 2)
+                row_tile(planes, 2, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
+            else
+                row_tile(planes, 1, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
 #else
+            float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
                 float total = 0.f;
