@@ -82,6 +82,7 @@ static inline __attribute__((always_inline)) void block_rows(
     /* Q6_K: |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0); Q5_K's
      * values are unsigned already */
     const __m256i wabs = planes == 2 ? _mm256_sign_epi8(w, w) : w;
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++) {
         const int64_t row = row0 + r;
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
@@ -94,11 +95,16 @@ static inline __attribute__((always_inline)) void block_rows(
 #endif
 
 #if defined(__AVX2__)
-/* Outputs of weight row ``wrow`` for ``rows`` (a constant in each inlined copy, so the
- * accumulators stay in registers) activation rows from ``row0``. */
-static inline __attribute__((always_inline)) void row_tile(
-    int planes, int rows, const uint8_t *wrow, const float *d, const float *m, int64_t row0,
-    int64_t K, const int8_t *xq, const float *xd, const float *xs, float *out, int64_t ldo) {
+/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scales
+ * ``dstride`` floats apart, offsets ``nb`` apart) for ``rows`` activation rows from
+ * ``row0``; ``nw`` and ``rows`` are constants in each inlined copy, so the nw * rows <= 4
+ * accumulators stay in registers. Each output's sum runs over its blocks in order, one
+ * dependent FMA a block: several weight rows at once keep the FMA unit busy when there
+ * is one activation row. */
+static inline __attribute__((always_inline)) void tile(
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
     const int64_t scales_per_pair = planes == 2 ? 4 : 2;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -106,17 +112,46 @@ static inline __attribute__((always_inline)) void row_tile(
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t p = 0; p < nb / 2; p++) {
-        const uint8_t *pair = wrow + p * rec;
-        _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(d + p * scales_per_pair) + PREFETCH_BYTES / 4, _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-        const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
-        const __m256i w1 =
-            block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-        block_rows(planes, w0, 2 * p, d, m, rows, row0, K, nb, xq, xd, xs, acc, offset);
-        block_rows(planes, w1, 2 * p + 1, d, m, rows, row0, K, nb, xq, xd, xs, acc, offset);
+#pragma GCC unroll 4
+        for (int i = 0; i < nw; i++) {
+            const uint8_t *pair = wrow + i * wstride + p * rec;
+            const float *di = d + i * dstride;
+            const float *mi = planes == 1 ? m + i * nb : NULL;
+            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(di + p * scales_per_pair) + PREFETCH_BYTES / 4,
+                         _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+            const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+            const __m256i w1 =
+                block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            block_rows(planes, w0, 2 * p, di, mi, rows, row0, K, nb, xq, xd, xs, acc + i * rows,
+                       offset + i * rows);
+            block_rows(planes, w1, 2 * p + 1, di, mi, rows, row0, K, nb, xq, xd, xs,
+                       acc + i * rows, offset + i * rows);
+        }
     }
-    for (int r = 0; r < rows; r++) out[(row0 + r) * ldo] = hsum(acc[r]) + offset[r];
+    for (int i = 0; i < nw; i++)
+        for (int r = 0; r < rows; r++)
+            out[(row0 + r) * ldo + i] = hsum(acc[i * rows + r]) + offset[i * rows + r];
+}
+
+/* ``tile`` for nw, rows known only at run time (nw * rows <= 4). */
+static inline __attribute__((always_inline)) void any_tile(
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
+#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, d, dstride, m, row0, K, xq, xd, xs, out, ldo)
+    switch (nw * 8 + rows) {
+    case 8 + 4: TILE(1, 4); break;
+    case 8 + 3: TILE(1, 3); break;
+    case 8 + 2: TILE(1, 2); break;
+    case 16 + 2: TILE(2, 2); break;
+    case 16 + 1: TILE(2, 1); break;
+    case 24 + 1: TILE(3, 1); break;
+    case 32 + 1: TILE(4, 1); break;
+    default: TILE(1, 1); break;
+    }
+#undef TILE
 }
 #endif
 
@@ -127,6 +162,24 @@ static inline __attribute__((always_inline)) void gemm(
     int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
     const int64_t scales_per_block = planes == 2 ? 2 : 1;
+#if defined(__AVX2__)
+    /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
+    const int64_t nw = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int64_t tiles = (N + nw - 1) / nw;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = t * nw;
+        const int w = (int)(N - n < nw ? N - n : nw);
+        const uint8_t *wrow = wq + n * (nb / 2) * rec;
+        const float *d = wd + n * scales_per_block * nb;
+        const float *m = planes == 1 ? wm + n * nb : NULL;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS / nw) {
+            const int rows = M - r0 < ROWS / nw ? (int)(M - r0) : (int)(ROWS / nw);
+            any_tile(planes, w, rows, wrow, (nb / 2) * rec, d, scales_per_block * nb, m, r0, K,
+                     xq, xd, xs, out + n, ldo);
+        }
+    }
+#else
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
@@ -134,16 +187,6 @@ static inline __attribute__((always_inline)) void gemm(
         const float *m = planes == 1 ? wm + n * nb : NULL;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
-#if defined(__AVX2__)
-            if (rows == 4)
-                row_tile(planes, 4, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
-            else if (rows == 3)
-                row_tile(planes, 3, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
-            else if (rows == 2)
-                row_tile(planes, 2, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
-            else
-                row_tile(planes, 1, wrow, d, m, r0, K, xq, xd, xs, out + n, ldo);
-#else
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
@@ -163,9 +206,9 @@ static inline __attribute__((always_inline)) void gemm(
                 }
                 out[row * ldo + n] = total + offset[r];
             }
-#endif
         }
     }
+#endif
 }
 
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for ``bits`` 5 (Q5_K: wq [N, K/64]
