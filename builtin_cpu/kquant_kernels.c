@@ -69,16 +69,25 @@ static inline __attribute__((always_inline)) __m256i block_values(const uint8_t 
     return w;
 }
 
-/* Block b (values ``w``) against ``rows`` activation rows from ``row0``: the byte-a-value
- * kernel's steps, in its order. */
+/* The scales of a pair's blocks times activation row ``row``'s: lanes 0-1 (Q6_K: each
+ * half of block 2p) or lane 0 (Q5_K) for the first block, lanes 2-3 or 1 for the second. */
+static inline __attribute__((always_inline)) __m128 pair_scales(int planes, const float *d,
+                                                                 int64_t p, const float *xd) {
+    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
+    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d + 4 * p), _mm_unpacklo_ps(x, x));
+    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(d + 2 * p))), x);
+}
+
+/* Block b = 2p + j (values ``w``) against ``rows`` activation rows from ``row0``, with
+ * ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in its order. */
 static inline __attribute__((always_inline)) void block_rows(
-    int planes, __m256i w, int64_t b, const float *d, const float *m, int rows, int64_t row0,
-    int64_t K, int64_t nb, const int8_t *xq, const float *xd, const float *xs, __m256 *acc,
+    int planes, __m256i w, int64_t b, int j, const __m128 *scales, const float *m, int rows,
+    int64_t row0, int64_t K, int64_t nb, const int8_t *xq, const float *xs, __m256 *acc,
     float *offset) {
     /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
-    const __m256 scales = planes == 2
-                              ? _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b]))
-                              : _mm256_set1_ps(d[b]);
+    const __m256i spread = planes == 2 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                                       : _mm256_set1_epi32(0);
+    const __m256i pick = _mm256_add_epi32(spread, _mm256_set1_epi32(j * (planes == 2 ? 2 : 1)));
     /* Q6_K: |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0); Q5_K's
      * values are unsigned already */
     const __m256i wabs = planes == 2 ? _mm256_sign_epi8(w, w) : w;
@@ -87,7 +96,7 @@ static inline __attribute__((always_inline)) void block_rows(
         const int64_t row = row0 + r;
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
         const __m256i dot = dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w) : x);
-        const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(xd[row * nb + b]));
+        const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales[r]), pick);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
         if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
     }
@@ -124,9 +133,13 @@ static inline __attribute__((always_inline)) void tile(
             const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
             const __m256i w1 =
                 block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-            block_rows(planes, w0, 2 * p, di, mi, rows, row0, K, nb, xq, xd, xs, acc + i * rows,
-                       offset + i * rows);
-            block_rows(planes, w1, 2 * p + 1, di, mi, rows, row0, K, nb, xq, xd, xs,
+            __m128 scales[ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++)
+                scales[r] = pair_scales(planes, di, p, xd + (row0 + r) * nb);
+            block_rows(planes, w0, 2 * p, 0, scales, mi, rows, row0, K, nb, xq, xs,
+                       acc + i * rows, offset + i * rows);
+            block_rows(planes, w1, 2 * p + 1, 1, scales, mi, rows, row0, K, nb, xq, xs,
                        acc + i * rows, offset + i * rows);
         }
     }
@@ -164,7 +177,11 @@ static inline __attribute__((always_inline)) void gemm(
     const int64_t scales_per_block = planes == 2 ? 2 : 1;
 #if defined(__AVX2__)
     /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     const int64_t nw = M == 1 ? 4 : M == 2 ? 2 : 1;
+#else
+    const int64_t nw = 1; /* 16 vector registers: more accumulators spill */
+#endif
     const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
