@@ -250,11 +250,19 @@ void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *pair = wq + (n * (nb / 2) + b / 2) * rec;
+            const int j = (int)(b & 1);
+            const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
+            const uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
             float *o = out + n * K + b * QK;
-            for (int i = 0; i < QK; i++) {
-                const float q = (float)value_at(pair, (int)(b & 1), i, planes);
-                o[i] = planes == 2 ? q * wd[n * 2 * nb + 2 * b + i / HALF]
-                                   : q * wd[n * nb + b] + wm[n * nb + b];
+            /* value_at's arithmetic, in loops the compiler vectorizes */
+            for (int half = 0; half < 2; half++) {
+                const float d = planes == 2 ? wd[n * 2 * nb + 2 * b + half] : wd[n * nb + b];
+                const float m = planes == 2 ? 0.f : wm[n * nb + b];
+                for (int i = half * HALF; i < (half + 1) * HALF; i++) {
+                    const int low = j ? pair[i] >> 4 : pair[i] & 15;
+                    const int q = low | (int)((h4 >> i) & 1) << 4 | (int)((h5 >> i) & 1) << 5;
+                    o[i] = planes == 2 ? (float)(q - 32) * d : (float)q * d + m;
+                }
             }
         }
     }
