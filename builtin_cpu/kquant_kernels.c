@@ -115,7 +115,6 @@ static inline __attribute__((always_inline)) void tile(
     int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
     const float *xd, const float *xs, float *out, int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
-    const int64_t scales_per_pair = planes == 2 ? 4 : 2;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
     __m256 acc[ROWS];
@@ -126,9 +125,7 @@ static inline __attribute__((always_inline)) void tile(
             const uint8_t *pair = wrow + i * wstride + p * rec;
             const float *di = d + i * dstride;
             const float *mi = planes == 1 ? m + i * nb : NULL;
-            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)(di + p * scales_per_pair) + PREFETCH_BYTES / 4,
-                         _MM_HINT_T0);
+            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
             const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
             const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
             const __m256i w1 =
