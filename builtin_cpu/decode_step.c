@@ -28,9 +28,9 @@ typedef int (*linear_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t,
                          const void *, const void *, float *, int64_t);
 typedef void (*quantize_rows_fn)(const float *, int64_t, int64_t, int64_t, int8_t *, float *,
                                  float *);
-typedef void (*gemm_s16_fn)(int64_t, int64_t, int64_t, const int8_t *, const float *,
-                            const float *, const int8_t *, const float *, const float *,
-                            float *, int64_t);
+typedef void (*gemm_s16_fn)(int64_t, int64_t, int64_t, int64_t, const uint8_t *,
+                            const float *, const float *, const int8_t *, const float *,
+                            const float *, float *, int64_t);
 
 /* The kernels' addresses (any of the last may be null when no part needs it). */
 typedef struct {
@@ -45,8 +45,8 @@ typedef struct {
     gemm_s16_fn gemm_s16;
 } ecd_kernels;
 
-/* Output rows [first, first + rows) of a projection in one block layout: kind 16 for
- * K-quant sub-blocks (eck_gemm_s16), else ecq_linear's kind. */
+/* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
+ * Q5_K / Q6_K sub-blocks (eck_gemm_s16's bits), else ecq_linear's kind. */
 typedef struct {
     int64_t kind, first, rows;
     const void *qs;
@@ -84,11 +84,12 @@ static int project(const ecd_kernels *k, const ecd_proj *p, const float *x, int6
     for (int64_t i = 0; i < p->num_parts; i++) {
         const ecd_part *part = &p->parts[i];
         float *target = out + part->first;
-        if (part->kind == 16) {
+        if (part->kind == 5 || part->kind == 6) {
             if (!quantized) k->quantize_rows(x, p->in, n, p->in, xq, xd, xs);
             quantized = 1;
-            k->gemm_s16(n, part->rows, p->in, (const int8_t *)part->qs, (const float *)part->d,
-                        (const float *)part->m, xq, xd, xs, target, p->out);
+            k->gemm_s16(n, part->rows, p->in, part->kind, (const uint8_t *)part->qs,
+                        (const float *)part->d, (const float *)part->m, xq, xd, xs, target,
+                        p->out);
         } else if (k->linear((int)part->kind, x, p->in, n, part->rows, p->in, part->qs, part->d,
                              part->m, target, p->out)) {
             return -2;

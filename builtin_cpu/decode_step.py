@@ -27,7 +27,6 @@ import torch
 from enginecore.builtin_cpu import cpu_kernels, kquant_kernels, quant_kernels
 from enginecore.builtin_cpu.fused_ops import CpuFusedOps
 from enginecore.builtin_cpu.gguf_linear_method import DIRECT_MAX_ROWS
-from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
 from enginecore.builtin_models.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -45,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = cpu_kernels.SOURCE.with_name("decode_step.c")
 ENV_SWITCH = "ENGINECORE_FUSED_DECODE"
-_SUBBLOCKS = 16  # ecd_part.kind of K-quant sub-blocks (others: BlockWeight.kind)
+_SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (SubBlockWeight.kind)
 
 
 class _Kernels(Structure):
@@ -201,7 +200,7 @@ class FusedDecodeStep:
             self._layer(layer, cache, (heads, kv_heads, head_dim, inter), stack.norm.eps)
             for layer, cache in zip(layers, kv_caches, strict=True)
         ]
-        needs_subblocks = any(p.kind == _SUBBLOCKS for rec in records for p in rec[1])
+        needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
         array = (_Layer * len(records))(*(rec[0] for rec in records))
         self._keep.append(array)
         return _Model(
@@ -270,9 +269,8 @@ class FusedDecodeStep:
         parts = []
         for first, part in blocks:
             qs, d, m = part.qs, part.d, part.m
-            kind = _SUBBLOCKS if isinstance(part, SubBlockWeight) else part.kind
             parts.append(
-                _Part(kind, first, part.shape[0], qs.data_ptr(), d.data_ptr(), m.data_ptr())
+                _Part(part.kind, first, part.shape[0], qs.data_ptr(), d.data_ptr(), m.data_ptr())
             )
         array = (_Part * len(parts))(*parts)
         self._keep.append(array)

@@ -233,7 +233,7 @@ def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
 
 def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
     if isinstance(part, SubBlockWeight):
-        return kquant_kernels.load().dequantize_s16(part.qs, part.d, part.m)
+        return kquant_kernels.load().dequantize_s16(part)
     return kernels.dequantize(part.bits, part.qs, part.d, part.m)
 
 
@@ -264,7 +264,7 @@ def blocks_linear(
             if isinstance(part, SubBlockWeight):
                 if acts is None:
                     acts = kernels.quantize_rows(rows)
-                kquant_kernels.load().gemm_s16(acts, part.qs, part.d, part.m, target)
+                kquant_kernels.load().gemm_s16(acts, part, target)
             else:
                 kernels.linear(rows, part, target)
     if bias is not None:
@@ -283,6 +283,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
             merged
             and isinstance(part, SubBlockWeight)
             and isinstance(merged[-1][1], SubBlockWeight)
+            and merged[-1][1].bits == part.bits
         ):
             start, prev = merged[-1]
             merged[-1] = (
@@ -292,6 +293,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
                     torch.cat([prev.d, part.d]),
                     torch.cat([prev.m, part.m]),
                     (prev.shape[0] + part.shape[0], part.shape[1]),
+                    part.bits,
                 ),
             )
         elif (

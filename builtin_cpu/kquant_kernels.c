@@ -1,14 +1,23 @@
-/* Matrix products over weights in signed bytes with a scale per 16 values and an offset
- * per 32 (value = q d + m), for enginecore's ``gguf`` linear method: GGUF's Q6_K (6-bit
- * values, a scale per 16, no offset) and Q5_K (5-bit values, a scale and an offset per
- * 32, the scale given twice) unpacked to one byte a value at load.
+/* Matrix products over GGUF's Q5_K and Q6_K weights at close to the file's width, for
+ * enginecore's ``gguf`` linear method (layout: kquant_blocks.py).
+ *
+ * A row's values go by pairs of 32-value blocks, one record of bytes each: 32 bytes of
+ * low 4 bits (byte j: value j of the first block in its low nibble, of the second in its
+ * high one), then each block's high bits as 32-bit words, bit i for value i (Q5_K one
+ * word a block, the 5th bit; Q6_K two, the 5th and the 6th). Scales are float32, one per
+ * 32 values (Q5_K) or 16 (Q6_K); Q5_K adds an offset per 32 (value = q d + m), Q6_K
+ * centres its values (value = (q - 32) d).
  *
  * The activations are those of quant_kernels.c: signed bytes per block of 32 with a
- * scale xd and xs = xd * (sum of the block's bytes). A block's two halves each get their
- * integer dot product; VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
- * elsewhere, a plain loop off x86. Each output sums xd (d0 <q0, x0> + d1 <q1, x1>) + m xs.
+ * scale xd and xs = xd * (sum of the block's bytes). Each block's values are rebuilt in
+ * a register (the high bits by AVX-512 byte masks, or by a shuffle and compare on AVX2),
+ * then its two halves get their integer dot products, VNNI's vpdpbusd where the CPU has
+ * it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each output sums
+ * xd (d0 <q0, x0> + d1 <q1, x1>) + m xs, with the same integer sums per vector lane and
+ * the same float operations in the same order as a product over one byte a value.
  */
 #include <stdint.h>
+#include <string.h>
 #include <math.h>
 #include "quant_simd.h"
 
@@ -16,75 +25,242 @@
 #define HALF 16
 #define ROWS 4
 
+/* Bytes of a pair record with ``planes`` high-bit words a block (1: Q5_K, 2: Q6_K). */
+static inline int64_t record_bytes(int planes) { return 2 * HALF + 2 * 4 * planes; }
 
-/* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k]: wq [N, K] signed bytes, wd
- * [N, K/16], wm [N, K/32]. */
-void eck_gemm_s16(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float *wd,
-                  const float *wm, const int8_t *xq, const float *xd, const float *xs,
-                  float *out, int64_t ldo) {
-    const int64_t nb = K / QK;
+static inline uint32_t load_word(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+/* Value i (0-31) of block ``j`` (0, 1) of the pair ``rec``, centred for Q6_K. */
+static inline int value_at(const uint8_t *rec, int j, int i, int planes) {
+    const uint8_t *high = rec + 2 * HALF + j * 4 * planes;
+    int q = (j ? rec[i] >> 4 : rec[i] & 15) | (((high[i >> 3] >> (i & 7)) & 1) << 4);
+    if (planes == 2) q = (q | (((high[4 + (i >> 3)] >> (i & 7)) & 1) << 5)) - 32;
+    return q;
+}
+
+#if defined(__AVX2__)
+/* ``w`` with ``value`` added to the bytes whose bit is set in ``bits`` (a bit the bytes
+ * do not hold yet, so adding is or-ing). */
+static inline __m256i or_where(__m256i w, uint32_t bits, char value) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(w, _cvtu32_mask32(bits), w, _mm256_set1_epi8(value));
+#else
+    /* byte i takes byte i / 8 of the word, then tests its bit i % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(value)));
+#endif
+}
+
+/* Block ``j`` (0, 1) of the pair ``rec`` as signed bytes (Q6_K centred), its low 4 bits
+ * given (``low``). */
+static inline __attribute__((always_inline)) __m256i block_values(const uint8_t *rec, int j,
+                                                                   int planes, __m256i low) {
+    const uint8_t *high = rec + 2 * HALF + j * 4 * planes;
+    __m256i w = or_where(low, load_word(high), 16);
+    if (planes == 2) w = _mm256_sub_epi8(or_where(w, load_word(high + 4), 32), _mm256_set1_epi8(32));
+    return w;
+}
+
+/* The scales of a pair's blocks times activation row ``row``'s: lanes 0-1 (Q6_K: each
+ * half of block 2p) or lane 0 (Q5_K) for the first block, lanes 2-3 or 1 for the second. */
+static inline __attribute__((always_inline)) __m128 pair_scales(int planes, const float *d,
+                                                                 int64_t p, const float *xd) {
+    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
+    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d + 4 * p), _mm_unpacklo_ps(x, x));
+    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(d + 2 * p))), x);
+}
+
+/* Block b = 2p + j (values ``w``) against ``rows`` activation rows from ``row0``, with
+ * ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in its order. */
+static inline __attribute__((always_inline)) void block_rows(
+    int planes, __m256i w, int64_t b, int j, const __m128 *scales, const float *m, int rows,
+    int64_t row0, int64_t K, int64_t nb, const int8_t *xq, const float *xs, __m256 *acc,
+    float *offset) {
+    /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
+    const __m256i spread = planes == 2 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                                       : _mm256_set1_epi32(0);
+    const __m256i pick = _mm256_add_epi32(spread, _mm256_set1_epi32(j * (planes == 2 ? 2 : 1)));
+    /* Q6_K: |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0); Q5_K's
+     * values are unsigned already */
+    const __m256i wabs = planes == 2 ? _mm256_sign_epi8(w, w) : w;
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) {
+        const int64_t row = row0 + r;
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
+        const __m256i dot = dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w) : x);
+        const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales[r]), pick);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
+        if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
+    }
+}
+#endif
+
+#if defined(__AVX2__)
+/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scales
+ * ``dstride`` floats apart, offsets ``nb`` apart) for ``rows`` activation rows from
+ * ``row0``; ``nw`` and ``rows`` are constants in each inlined copy, so the nw * rows <= 4
+ * accumulators stay in registers. Each output's sum runs over its blocks in order, one
+ * dependent FMA a block: several weight rows at once keep the FMA unit busy when there
+ * is one activation row. */
+static inline __attribute__((always_inline)) void tile(
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
+    const int64_t nb = K / QK, rec = record_bytes(planes);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < nb / 2; p++) {
+#pragma GCC unroll 4
+        for (int i = 0; i < nw; i++) {
+            const uint8_t *pair = wrow + i * wstride + p * rec;
+            const float *di = d + i * dstride;
+            const float *mi = planes == 1 ? m + i * nb : NULL;
+            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+            const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+            const __m256i w1 =
+                block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            __m128 scales[ROWS];
+#pragma GCC unroll 4
+            for (int r = 0; r < rows; r++)
+                scales[r] = pair_scales(planes, di, p, xd + (row0 + r) * nb);
+            block_rows(planes, w0, 2 * p, 0, scales, mi, rows, row0, K, nb, xq, xs,
+                       acc + i * rows, offset + i * rows);
+            block_rows(planes, w1, 2 * p + 1, 1, scales, mi, rows, row0, K, nb, xq, xs,
+                       acc + i * rows, offset + i * rows);
+        }
+    }
+    for (int i = 0; i < nw; i++)
+        for (int r = 0; r < rows; r++)
+            out[(row0 + r) * ldo + i] = hsum(acc[i * rows + r]) + offset[i * rows + r];
+}
+
+/* ``tile`` for nw, rows known only at run time (nw * rows <= 4). */
+static inline __attribute__((always_inline)) void any_tile(
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
+#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, d, dstride, m, row0, K, xq, xd, xs, out, ldo)
+    switch (nw * 8 + rows) {
+    case 8 + 4: TILE(1, 4); break;
+    case 8 + 3: TILE(1, 3); break;
+    case 8 + 2: TILE(1, 2); break;
+    case 16 + 2: TILE(2, 2); break;
+    case 16 + 1: TILE(2, 1); break;
+    case 24 + 1: TILE(3, 1); break;
+    case 32 + 1: TILE(4, 1); break;
+    default: TILE(1, 1); break;
+    }
+#undef TILE
+}
+#endif
+
+/* The product for one layout (``planes`` a constant in each inlined copy). */
+static inline __attribute__((always_inline)) void gemm(
+    int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float *wd,
+    const float *wm, const int8_t *xq, const float *xd, const float *xs, float *out,
+    int64_t ldo) {
+    const int64_t nb = K / QK, rec = record_bytes(planes);
+    const int64_t scales_per_block = planes == 2 ? 2 : 1;
+#if defined(__AVX2__)
+    /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const int64_t nw = M == 1 ? 4 : M == 2 ? 2 : 1;
+#else
+    const int64_t nw = 1; /* 16 vector registers: more accumulators spill */
+#endif
+    const int64_t tiles = (N + nw - 1) / nw;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = t * nw;
+        const int w = (int)(N - n < nw ? N - n : nw);
+        const uint8_t *wrow = wq + n * (nb / 2) * rec;
+        const float *d = wd + n * scales_per_block * nb;
+        const float *m = planes == 1 ? wm + n * nb : NULL;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS / nw) {
+            const int rows = M - r0 < ROWS / nw ? (int)(M - r0) : (int)(ROWS / nw);
+            any_tile(planes, w, rows, wrow, (nb / 2) * rec, d, scales_per_block * nb, m, r0, K,
+                     xq, xd, xs, out + n, ldo);
+        }
+    }
+#else
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const int8_t *wrow = wq + n * K;
-        const float *d = wd + n * 2 * nb, *m = wm + n * nb;
+        const uint8_t *wrow = wq + n * (nb / 2) * rec;
+        const float *d = wd + n * scales_per_block * nb;
+        const float *m = planes == 1 ? wm + n * nb : NULL;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
-#if defined(__AVX2__)
-            __m256 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                _mm_prefetch((const char *)(wrow + b * QK) + PREFETCH_BYTES, _MM_HINT_T0);
-                /* |w| as unsigned bytes times x with w's sign (as quant_kernels' Q8_0);
-                 * lanes 0-3 of the dot product hold the first half, 4-7 the second. */
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wrow + b * QK));
-                const __m256i wabs = _mm256_sign_epi8(w, w);
-                const __m256 scales =
-                    _mm256_set_m128(_mm_set1_ps(d[2 * b + 1]), _mm_set1_ps(d[2 * b]));
-                for (int r = 0; r < rows; r++) {
-                    const int64_t row = r0 + r;
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
-                    const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(wabs, _mm256_sign_epi8(x, w)));
-                    const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(xd[row * nb + b]));
-                    acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-                    offset[r] += m[b] * xs[row * nb + b];
-                }
-            }
-            for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
-#else
             for (int r = 0; r < rows; r++) {
                 const int64_t row = r0 + r;
                 float total = 0.f;
                 for (int64_t b = 0; b < nb; b++) {
-                    const int8_t *q = wrow + b * QK;
+                    const uint8_t *pair = wrow + (b / 2) * rec;
                     const int8_t *x = xq + row * K + b * QK;
                     int dot0 = 0, dot1 = 0;
                     for (int i = 0; i < HALF; i++) {
-                        dot0 += q[i] * x[i];
-                        dot1 += q[i + HALF] * x[i + HALF];
+                        dot0 += value_at(pair, (int)(b & 1), i, planes) * x[i];
+                        dot1 += value_at(pair, (int)(b & 1), i + HALF, planes) * x[i + HALF];
                     }
-                    total += xd[row * nb + b] * (d[2 * b] * (float)dot0 + d[2 * b + 1] * (float)dot1);
-                    offset[r] += m[b] * xs[row * nb + b];
+                    const float d0 = planes == 2 ? d[2 * b] : d[b];
+                    const float d1 = planes == 2 ? d[2 * b + 1] : d[b];
+                    total += xd[row * nb + b] * (d0 * (float)dot0 + d1 * (float)dot1);
+                    if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
-#endif
         }
     }
+#endif
+}
+
+/* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for ``bits`` 5 (Q5_K: wq [N, K/64]
+ * records of 40 bytes, wd and wm [N, K/32]) or 6 (Q6_K: records of 48 bytes, wd
+ * [N, K/16], wm unused). K is a multiple of 64. */
+void eck_gemm_s16(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                  const float *wd, const float *wm, const int8_t *xq, const float *xd,
+                  const float *xs, float *out, int64_t ldo) {
+    if (bits == 6)
+        gemm(2, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
+    else
+        gemm(1, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
 }
 
 /* The float32 weight [N, K] (for many rows of activations, where one float GEMM beats
- * the integer dot products). */
-void eck_dequantize_s16(int64_t N, int64_t K, const int8_t *wq, const float *wd,
-                        const float *wm, float *out) {
-    const int64_t nb = K / QK;
+ * the integer dot products): the file's values, q d + m or (q - 32) d. */
+void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                        const float *wd, const float *wm, float *out) {
+    const int planes = bits == 6 ? 2 : 1;
+    const int64_t nb = K / QK, rec = record_bytes(planes);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nb; b++) {
-            const int8_t *q = wq + n * K + b * QK;
-            const float m = wm[n * nb + b];
+            const uint8_t *pair = wq + (n * (nb / 2) + b / 2) * rec;
+            const int j = (int)(b & 1);
+            const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
+            const uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
             float *o = out + n * K + b * QK;
-            for (int i = 0; i < QK; i++) o[i] = (float)q[i] * wd[n * 2 * nb + 2 * b + i / HALF] + m;
+            /* value_at's arithmetic, in loops the compiler vectorizes */
+            for (int half = 0; half < 2; half++) {
+                const float d = planes == 2 ? wd[n * 2 * nb + 2 * b + half] : wd[n * nb + b];
+                const float m = planes == 2 ? 0.f : wm[n * nb + b];
+                for (int i = half * HALF; i < (half + 1) * HALF; i++) {
+                    const int low = j ? pair[i] >> 4 : pair[i] & 15;
+                    const int q = low | (int)((h4 >> i) & 1) << 4 | (int)((h5 >> i) & 1) << 5;
+                    o[i] = planes == 2 ? (float)(q - 32) * d : (float)q * d + m;
+                }
+            }
         }
     }
 }

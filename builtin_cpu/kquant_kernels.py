@@ -1,6 +1,6 @@
-"""Loader of ``kquant_kernels.c``: products over weights in signed bytes with a scale per
-16 values and an offset per 32 (GGUF's Q5_K and Q6_K as the ``gguf`` linear method keeps
-them), built as ``quant_kernels`` is and taking its quantized activations."""
+"""Loader of ``kquant_kernels.c``: products over GGUF's Q5_K and Q6_K weights as the
+``gguf`` linear method keeps them (:class:`~enginecore.builtin_cpu.kquant_blocks.SubBlockWeight`),
+built as ``quant_kernels`` is and taking its quantized activations."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels, quant_kernels
+from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
 from enginecore.builtin_cpu.quant_kernels import QuantizedActivations
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,8 @@ SOURCE = Path(__file__).with_name("kquant_kernels.c")
 
 _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
-    "eck_gemm_s16": [_I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64],
-    "eck_dequantize_s16": [_I64, _I64, _P, _P, _P, _P],
+    "eck_gemm_s16": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64],
+    "eck_dequantize_s16": [_I64, _I64, _I64, _P, _P, _P, _P],
 }
 
 
@@ -36,26 +37,23 @@ class KQuantKernels:
         self.path = path
 
     def gemm_s16(
-        self,
-        acts: QuantizedActivations,
-        qs: torch.Tensor,
-        d: torch.Tensor,
-        m: torch.Tensor,
-        out: torch.Tensor,
+        self, acts: QuantizedActivations, weight: SubBlockWeight, out: torch.Tensor
     ) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T for ``qs`` [N, K] int8, ``d``
-        [N, K/16] and ``m`` [N, K/32]."""
+        """``out`` [M, N] (innermost contiguous) = x W^T for ``weight`` [N, K]."""
         rows, k = acts.q.shape
-        n = qs.shape[0]
         self.lib.eck_gemm_s16(
-            rows, n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), acts.q.data_ptr(),
-            acts.scale.data_ptr(), acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
+            rows, weight.shape[0], k, weight.bits, weight.qs.data_ptr(), weight.d.data_ptr(),
+            weight.m.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
+            acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
         )  # fmt: skip
 
-    def dequantize_s16(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        n, k = qs.shape
+    def dequantize_s16(self, weight: SubBlockWeight) -> torch.Tensor:
+        n, k = weight.shape
         out = torch.empty((n, k), dtype=torch.float32)
-        self.lib.eck_dequantize_s16(n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), out.data_ptr())
+        self.lib.eck_dequantize_s16(
+            n, k, weight.bits, weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
         return out
 
 

@@ -74,6 +74,18 @@ def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypat
     _same_as_layers(path, monkeypatch)
 
 
+def _q5_k_m(name: str) -> str:
+    """llama.cpp's Q5_K_M mix: V and the down projection in Q6_K, the rest in Q5_K."""
+    return "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q5_K"
+
+
+def test_q5_k_beside_q6_k_decodes_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypatch):
+    """Q and K in Q5_K, V in Q6_K in one fused QKV: two parts of the packed sub-block
+    kernel, one for each bit width."""
+    path = write_gguf(tiny_llama, tmp_path / "q5_k_m.gguf", types=_q5_k_m)
+    _same_as_layers(path, monkeypatch)
+
+
 def test_qwen2_qkv_bias_decodes_fused_as_layer_by_layer(tiny_qwen2, tmp_path, monkeypatch):
     """Random (not zero) Q/K/V biases: the fused step adds them as the layers do."""
     import shutil

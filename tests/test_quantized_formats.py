@@ -4,7 +4,10 @@ linear method: GGUF's K-quants (Q4_K, Q5_K, Q6_K), AWQ and GPTQ 4-bit checkpoint
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
+import platform
+import shutil
 from typing import Any
 
 import numpy as np
@@ -12,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import gguf_blocks, gguf_linear_method, kquant_blocks, quant_kernels
+from enginecore.builtin_cpu import (
+    cpu_kernels,
+    gguf_blocks,
+    gguf_linear_method,
+    kquant_blocks,
+    kquant_kernels,
+    quant_kernels,
+)
 from enginecore.builtin_cpu.gguf_linear_method import (
     DIRECT_MAX_ROWS,
     GGUFLinearMethod,
@@ -62,7 +72,7 @@ def test_k_quants_unpack_as_gguf_dequantizes(fmt: str):
     loaded, reference = k_tensor(torch.randn(48, 512), fmt)
     part = gguf_linear_method.unpacked(loaded)
     assert torch.equal(dequantized_part(part), reference)
-    # Q4_K is 4-bit blocks of 32 (quant_kernels); Q5_K / Q6_K a byte a value.
+    # Q4_K is 4-bit blocks of 32 (quant_kernels); Q5_K / Q6_K the file's bits a value.
     assert isinstance(part, gguf_blocks.BlockWeight if fmt == "Q4_K" else SubBlockWeight)
 
 
@@ -96,6 +106,106 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, 
     x = torch.randn(rows, 512)
     err = relative_error(layer(x), F.linear(x, reference, bias))
     assert err < (1e-5 if rows > DIRECT_MAX_ROWS else 1e-2), err
+
+
+# The packed Q5_K / Q6_K kernel against the byte-a-value one it replaced, built from
+# tests/kquant_byte_reference.c for the same instruction set: equal bit for bit.
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_LEVELS = ["host", *(["x86-64-v3", "x86-64"] if _X86 else [])]
+
+
+def _build_both(level: str, directory: pathlib.Path, monkeypatch) -> tuple[Any, Any]:
+    """(packed kernel, byte-a-value reference) compiled for ``level`` (the x86-64 level,
+    or ``host``: what the engine builds here; ``x86-64`` takes the plain C loops)."""
+    extra_isa = quant_kernels._vnni()
+    if level != "host":
+        monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: level)
+        extra_isa = None
+    source_dir = pathlib.Path(kquant_kernels.SOURCE).parent
+    shutil.copy(source_dir / "quant_simd.h", directory)
+    reference = shutil.copy(pathlib.Path(__file__).with_name("kquant_byte_reference.c"), directory)
+    libs = []
+    for source, stem in ((kquant_kernels.SOURCE, "packed"), (pathlib.Path(reference), "bytes")):
+        path = cpu_kernels.build(directory, source=source, stem=stem, extra_isa=extra_isa)
+        libs.append(ctypes.CDLL(str(path)))
+    return libs[0], libs[1]
+
+
+def _byte_layout(part: SubBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``part`` as the reference takes it: signed bytes, a scale per 16, an offset per 32."""
+    out, k = part.shape
+    q = kquant_blocks.values(part).to(torch.int8).contiguous()
+    if part.bits == 5:
+        return q, part.d.repeat_interleave(2, dim=-1).contiguous(), part.m
+    return q, part.d, torch.zeros(out, k // 32)
+
+
+def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", _LEVELS)
+def test_packed_k_quants_multiply_as_one_byte_a_value_bit_for_bit(level, tmp_path, monkeypatch):
+    packed, reference = _build_both(level, tmp_path, monkeypatch)
+    torch.manual_seed(5)
+    for fmt, (n, k) in (("Q5_K", (13, 512)), ("Q6_K", (13, 512)), ("Q6_K", (3, 256))):
+        part = kquant_blocks.from_gguf(
+            torch.from_numpy(quantize_k(torch.randn(n, k), fmt)), fmt, (n, k)
+        )
+        q, d, m = _byte_layout(part)
+        for rows in range(1, 18):  # every tail of the four-row tiles
+            x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # blocks of unlike scales
+            acts = quant_kernels.load().quantize_rows(x)
+            got = torch.full((rows, n + 3), float("nan"))  # a row stride beyond the outputs
+            want = torch.full((rows, n + 3), float("nan"))
+            common = (_p(acts.q), _p(acts.scale), _p(acts.scaled_sum))
+            i64 = ctypes.c_int64
+            packed.eck_gemm_s16(
+                i64(rows), i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.d), _p(part.m),
+                *common, _p(got), i64(n + 3),
+            )  # fmt: skip
+            reference.eck_gemm_s16_bytes(
+                i64(rows), i64(n), i64(k), _p(q), _p(d), _p(m), *common, _p(want), i64(n + 3)
+            )
+            assert torch.equal(got[:, :n], want[:, :n]), (fmt, rows)
+            assert got[:, n:].isnan().all()  # nothing written past the outputs
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K"])
+def test_packed_k_quants_are_held_at_the_file_width(fmt: str):
+    """The values take 5 / 6 bits (the file's) and de-quantize, in C, to the file's values."""
+    torch.manual_seed(6)
+    loaded, reference = k_tensor(torch.randn(32, 1024), fmt)
+    part = gguf_linear_method.unpacked(loaded)
+    value_bits = 5 if fmt == "Q5_K" else 6
+    assert part.qs.numel() * 8 == value_bits * 32 * 1024
+    held = sum(t.numel() * t.element_size() for t in (part.qs, part.d, part.m))
+    assert held * 8 / (32 * 1024) == (7 if fmt == "Q5_K" else 8)  # float32 scales beside
+    assert torch.equal(kquant_kernels.load().dequantize_s16(part), reference)
+
+
+@needs_kernels
+def test_fused_qkv_of_q5_k_and_q6_k_keeps_each_layout():
+    """Adjacent shards of one layout are multiplied as one part, of two layouts as two."""
+    torch.manual_seed(7)
+    layer = _layer(
+        lambda: QKVParallelLinear(
+            256, 16, 8, 4, bias=False, parallel=SINGLE_RANK, dtype=torch.float32
+        )
+    )
+    params = dict(layer.named_parameters())
+    parts = []
+    for shard, rows, fmt in (("q", 128, "Q5_K"), ("k", 64, "Q5_K"), ("v", 64, "Q6_K")):
+        loaded, reference = k_tensor(torch.randn(rows, 256), fmt)
+        params["weight"].weight_loader(params["weight"], loaded, shard)
+        parts.append(reference)
+    layer.linear_method.process_weights_after_loading(layer)
+    assert [(first, p.bits) for first, p in layer.gguf_blocks] == [(0, 5), (192, 6)]
+    for rows in (2, DIRECT_MAX_ROWS + 3):
+        x = torch.randn(rows, 256)
+        assert relative_error(layer(x), F.linear(x, torch.cat(parts))) < 1e-2
 
 
 @needs_kernels
