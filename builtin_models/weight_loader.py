@@ -146,7 +146,9 @@ def _gguf_reader(path: str) -> Any:
     and then the tensors share one memory-mapped reader."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    from enginecore.builtin_models.gguf_reader import fast_reader_class
+
+    return (fast_reader_class() or gguf.GGUFReader)(str(path))
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
