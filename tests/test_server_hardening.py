@@ -203,6 +203,8 @@ def test_a_saturated_server_answers_503_with_retry_after(served, http) -> None:
     server_proc, url = served
     engine = _engine_process(server_proc)
     release = threading.Event()
+    statuses: list[int] = []
+    opened = threading.Semaphore(0)
 
     def hold_a_stream() -> None:
         body = {"prompt": "go", "max_tokens": 50, "stream": True}
@@ -210,8 +212,9 @@ def test_a_saturated_server_answers_503_with_retry_after(served, http) -> None:
             httpx.Client(base_url=url, timeout=120) as client,
             client.stream("POST", "/v1/completions", json=body) as response,
         ):
+            statuses.append(response.status_code)
+            opened.release()
             release.wait(60)  # leaving the block disconnects: the request is aborted
-            assert response.status_code == 200
 
     # A stopped engine makes no progress: the streams stay unfinished however fast the
     # model, and the server must refuse more instead of queueing them.
@@ -220,6 +223,9 @@ def test_a_saturated_server_answers_503_with_retry_after(served, http) -> None:
     for holder in holders:
         holder.start()
     try:
+        for _ in holders:  # every stream admitted before the one that must be refused
+            assert opened.acquire(timeout=30), "a stream was never answered"
+        assert statuses == [200] * MAX_PENDING, statuses
         deadline = time.monotonic() + 30
         while True:
             assert time.monotonic() < deadline, "the server never refused a request"
