@@ -42,8 +42,8 @@ from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     RowParallelLinear,
+    quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
@@ -112,27 +112,8 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             float_loader(param, _dequantized(loaded))
             return
         parts = layer.__dict__.setdefault(_PARTS, {})
-        if isinstance(layer, MergedColumnParallelLinear):
-            if shard is None:
-                start = 0
-                for index, size in enumerate(layer.output_sizes):
-                    self._load_blocks(layer, param, loaded.rows(start, size), index, float_loader)
-                    start += size
-                return
-            index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
-            first = layer.output_offsets[index]
-            length = layer.output_offsets[index + 1] - first
-            piece = loaded.rows(layer.shard_start(index), length)
-        elif isinstance(layer, ColumnParallelLinear):
-            first, piece = 0, loaded.rows(layer.parallel.tp_rank * layer.out_local, layer.out_local)
-        else:
-            first, piece = 0, loaded
-        if piece.shape[1] != layer.input_size:
-            raise ValueError(
-                f"shape mismatch: parameter has {layer.input_size} inputs, checkpoint "
-                f"{piece.shape[1]}"
-            )
-        parts[first] = unpacked(piece)
+        for first, piece in quantized_shard_rows(layer, loaded, shard):
+            parts[first] = unpacked(piece)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})

@@ -31,9 +31,9 @@ from enginecore.builtin_cpu.gguf_linear_method import dequantized_part, per_chan
 from enginecore.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
-    MergedColumnParallelLinear,
     RowParallelLinear,
     UnquantizedLinearMethod,
+    quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
@@ -107,30 +107,11 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
             _materialize(layer)
             float_loader(param, dequantized_part(unpacked(loaded)))
             return
-        if isinstance(layer, MergedColumnParallelLinear):
-            if shard is None:
-                start = 0
-                for index, size in enumerate(layer.output_sizes):
-                    self._load_blocks(layer, param, loaded.rows(start, size), index, float_loader)
-                    start += size
-                return
-            index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
-            first = layer.output_offsets[index]
-            length = layer.output_offsets[index + 1] - first
-            piece = loaded.rows(layer.shard_start(index), length)
-        elif isinstance(layer, ColumnParallelLinear):
-            first, piece = 0, loaded.rows(layer.parallel.tp_rank * layer.out_local, layer.out_local)
-        else:
-            first, piece = 0, loaded
-        if piece.shape[1] != layer.input_size:
-            raise ValueError(
-                f"shape mismatch: parameter has {layer.input_size} inputs, checkpoint "
-                f"{piece.shape[1]}"
-            )
-        part = unpacked(piece)
-        if not isinstance(part, BlockWeight):
-            raise ValueError(f"{piece.format} blocks are not multiplied by {self.name}")
-        layer.__dict__.setdefault(_PARTS, {})[first] = _on(part, param.device)
+        for first, piece in quantized_shard_rows(layer, loaded, shard):
+            part = unpacked(piece)
+            if not isinstance(part, BlockWeight):
+                raise ValueError(f"{piece.format} blocks are not multiplied by {self.name}")
+            layer.__dict__.setdefault(_PARTS, {})[first] = _on(part, param.device)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not isinstance(layer, LinearBase):

@@ -27,6 +27,7 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 from enginecore.interfaces import LinearMethod
 from enginecore.layers.parallel import divide, tp_all_reduce
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
 
 
@@ -274,3 +275,36 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
         super().weight_loader(param, loaded, index)
+
+
+def quantized_shard_rows(
+    layer: LinearBase, loaded: QuantizedTensor, shard: Any = None
+) -> list[tuple[int, QuantizedTensor]]:
+    """The rows of a checkpoint's quantized tensor ``loaded`` (or of its ``shard`` of a
+    fused layer) that this rank's ``layer`` holds, each with the first output row it
+    fills: a linear method that keeps blocks places them as ``weight_loader`` places a
+    float tensor's rows. Raises ``ValueError`` when the inputs do not match."""
+    if isinstance(layer, MergedColumnParallelLinear):
+        if shard is None:  # the whole fused tensor: each shard in turn
+            pieces: list[tuple[int, QuantizedTensor]] = []
+            start = 0
+            for index, size in enumerate(layer.output_sizes):
+                pieces += quantized_shard_rows(layer, loaded.rows(start, size), index)
+                start += size
+            return pieces
+        index = {"q": 0, "k": 1, "v": 2}.get(shard, shard)
+        first = layer.output_offsets[index]
+        length = layer.output_offsets[index + 1] - first
+        pieces = [(first, loaded.rows(layer.shard_start(index), length))]
+    elif isinstance(layer, ColumnParallelLinear):
+        tp_rank = layer.parallel.tp_rank
+        pieces = [(0, loaded.rows(tp_rank * layer.out_local, layer.out_local))]
+    else:
+        pieces = [(0, loaded)]
+    for _, piece in pieces:
+        if piece.shape[1] != layer.input_size:
+            raise ValueError(
+                f"shape mismatch: parameter has {layer.input_size} inputs, checkpoint "
+                f"{piece.shape[1]}"
+            )
+    return pieces
