@@ -210,12 +210,4 @@ def iter_gguf(
         yield from named
 
 
-def load_gguf_tokenizer(path: str | pathlib.Path) -> Any:
-    """The tokenizer stored in a GGUF file (through transformers)."""
-    from transformers import AutoTokenizer
-
-    p = pathlib.Path(path)
-    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-
-
 __all__ = ["MissingWeightsError", "load_params"]

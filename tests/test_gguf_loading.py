@@ -30,11 +30,11 @@ def test_demo_gguf_logits_equal_transformers(model_refs):
     from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
     from enginecore.builtin_models.weight_loader import (
         iter_weights,
-        load_gguf_tokenizer,
         load_hf_config,
         resolve_model_class,
     )
     from enginecore.checkpoints import find_demo_gguf
+    from enginecore.engine.tokenizer import gguf_tokenizer
     from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
     path = find_demo_gguf()
@@ -42,7 +42,7 @@ def test_demo_gguf_logits_equal_transformers(model_refs):
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
     model = resolve_model_class(cfg, model_refs)(cfg)
     model.load_weights(iter_weights(path, cfg))
-    tok = load_gguf_tokenizer(path)
+    tok = gguf_tokenizer(path)
     ids = torch.tensor(tok("The capital of France is")["input_ids"])
 
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
