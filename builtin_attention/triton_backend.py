@@ -74,14 +74,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec, *, by_name: bool = False) -> str | None:
+        device = getattr(spec.device, "type", str(spec.device))
+        interpreted = device == "cpu" and by_name and os.environ.get("TRITON_INTERPRET") == "1"
+        if device == "cpu" and not interpreted:  # told before importing triton (0.1 s)
+            return "runs on cuda (on CPU only by name, under TRITON_INTERPRET=1)"
         missing = _triton_importable()
         if missing is not None:
             return missing
-        device = getattr(spec.device, "type", str(spec.device))
-        if device == "cpu" and by_name and os.environ.get("TRITON_INTERPRET") == "1":
+        if interpreted:
             return None  # Triton's interpreter: only when asked for by name
-        if device == "cpu":
-            return "runs on cuda (on CPU only by name, under TRITON_INTERPRET=1)"
         return super().unsupported_reason(spec, by_name=by_name)
 
     def __init__(self, spec: AttentionSpec) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import json
 import pathlib
 import re
@@ -366,16 +367,25 @@ FLAT_NAMES: dict[str, tuple[str, str]] = _build_flat_names()
 
 
 def field_docs() -> dict[str, str]:
-    """Flat name -> the field's docstring (read from this module's source)."""
-    import inspect
+    """Flat name -> the field's docstring (the string under it in this module's source,
+    which is parsed once: ``inspect.getsource`` would parse it once per section)."""
+    import ast
 
+    tree = ast.parse(pathlib.Path(__file__).read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     docs: dict[str, str] = {}
     for section, cls in SECTIONS.items():
-        src = inspect.getsource(cls)
-        for match in re.finditer(r"^\s+(\w+): [^\n]+\n\s+\"\"\"(.+?)\"\"\"", src, re.M | re.S):
-            field_name, doc = match.groups()
-            flat = FLAT_NAME_OVERRIDES.get((section, field_name), field_name)
-            docs[flat] = " ".join(doc.split())
+        body = getattr(classes.get(cls.__name__), "body", [])
+        for field, doc in itertools.pairwise(body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
+                flat = FLAT_NAME_OVERRIDES.get((section, field.target.id), field.target.id)
+                docs[flat] = " ".join(doc.value.value.split())
     return docs
 
 

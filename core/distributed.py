@@ -10,8 +10,12 @@ torch is imported lazily: the frontend and the scheduler never need it.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import pathlib
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,12 +100,40 @@ def free_loopback_port() -> int:
 
 def resolve_device_type(wanted: str) -> str:
     """``"cpu"`` or ``"cuda"`` for a ``model.device`` setting; ``auto`` is CUDA when
-    torch sees a device."""
+    torch sees a device. A CPU-only torch build is told from its version file, so the
+    engine process of a CPU server never imports torch (over a second of its start)."""
     if wanted != "auto":
         return wanted
+    if "torch" not in sys.modules and not torch_built_for_gpu():
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_built_for_gpu() -> bool:
+    """Whether the installed torch was built with CUDA or ROCm, read from
+    ``torch/version.py`` without importing torch; True when that cannot be told."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    version_file = pathlib.Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        tree = ast.parse(version_file.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    built: dict[str, object] = {}
+    for node in tree.body:
+        targets: list[ast.expr] = [node.target] if isinstance(node, ast.AnnAssign) else []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        value = getattr(node, "value", None)
+        for target in targets:
+            if isinstance(target, ast.Name) and isinstance(value, ast.Constant):
+                built[target.id] = value.value
+    if "cuda" not in built or "hip" not in built:
+        return True
+    return built["cuda"] is not None or built["hip"] is not None
 
 
 def resolve_backend(wanted: str, device_type: str) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
+import json
 import os
 import pathlib
 import shutil
@@ -22,12 +24,10 @@ def load_tokenizer(config: EngineConfig) -> Any:
     path = pathlib.Path(source)
     if not path.exists():
         raise ConfigError(f"model path {source!r} does not exist")
-    from transformers import AutoTokenizer
-
     try:
         if path.is_file() and path.suffix == ".gguf":
             return gguf_tokenizer(path)
-        return AutoTokenizer.from_pretrained(str(path))
+        return checkpoint_tokenizer(path)
     except Exception as exc:
         raise ConfigError(
             f"could not load a tokenizer from {source!r}: {type(exc).__name__}: {exc}. "
@@ -41,13 +41,13 @@ def gguf_tokenizer(path: pathlib.Path) -> Any:
     tables, which takes seconds (4.2 s for the demo model on 2 cores): the converted
     tokenizer is saved once per file (its path, size and modification time) under the
     cache directory and read back from there (0.4 s)."""
-    from transformers import AutoTokenizer
-
     stat = path.resolve().stat()
     key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
     saved = cache_dir() / "gguf-tokenizers" / hashlib.sha256(key).hexdigest()[:16]
     if (saved / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(saved))
+        return checkpoint_tokenizer(saved)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     saved.parent.mkdir(parents=True, exist_ok=True)
     # Written beside its place and renamed: a concurrent start never reads half of it.
@@ -60,3 +60,57 @@ def gguf_tokenizer(path: pathlib.Path) -> Any:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+# Weights and other large files say nothing about the tokenizer and are not stat'ed.
+_NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def checkpoint_tokenizer(directory: pathlib.Path) -> Any:
+    """``AutoTokenizer.from_pretrained(directory)``, without its cost after the first time.
+
+    AutoTokenizer picks the tokenizer class by loading the model's config, which imports
+    torch and transformers' model stack: about 3 s of a server's start on 2 cores, in the
+    process that only tokenizes. The class it picked is recorded once per directory (the
+    names, sizes and modification times of its files) under the cache directory; later
+    loads call that class's ``from_pretrained``, which is what AutoTokenizer ends with.
+    """
+    record = _tokenizer_class_record(directory)
+    try:
+        module_name, class_name = json.loads(record.read_text())
+        if module_name.startswith("transformers."):
+            tokenizer_class = getattr(importlib.import_module(module_name), class_name)
+            return tokenizer_class.from_pretrained(str(directory))
+    except (OSError, ValueError, ImportError, AttributeError):
+        pass  # no record yet, or one this transformers cannot follow
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    cls = type(tokenizer)
+    _write_atomically(record, json.dumps([cls.__module__, cls.__qualname__]))
+    return tokenizer
+
+
+def _tokenizer_class_record(directory: pathlib.Path) -> pathlib.Path:
+    import transformers
+
+    resolved = directory.resolve()
+    key = [str(resolved), transformers.__version__]
+    for entry in sorted(resolved.iterdir()):
+        if entry.is_file() and not entry.name.endswith(_NOT_TOKENIZER_FILES):
+            stat = entry.stat()
+            key.append(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}")
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    return cache_dir() / "tokenizer-classes" / f"{digest}.json"
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """Write beside the place and rename: a concurrent start never reads half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".record-", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: the next start asks AutoTokenizer again
+        pass
