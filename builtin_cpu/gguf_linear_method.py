@@ -137,9 +137,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             if self._afford(layer.weight.numel() * layer.weight.element_size()):
                 # Many-row steps (prefill) compute on a float32 copy, packed as a float
                 # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
+                # It is written straight into the column-major layout the float path
+                # keeps, which the parent class then finds in place (one copy, not two).
+                out, k = layer.weight.shape
+                dense = torch.empty(k, out, dtype=layer.weight.dtype).t()
                 for first, part in merged:
-                    rows = layer.weight.data[first : first + part.shape[0]]
-                    rows.copy_(_dequantize_with(kernels, part))
+                    values = _dequantize_with(kernels, part)
+                    # 64 rows at a time: torch's transposing copy of a whole matrix runs
+                    # 2-3x slower than of slices whose columns stay in cache.
+                    for row in range(0, part.shape[0], 64):
+                        tile = values[row : row + 64]
+                        dense[first + row : first + row + tile.shape[0]] = tile
+                layer.weight.data = dense
                 super().process_weights_after_loading(layer)
             else:
                 layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
