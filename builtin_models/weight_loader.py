@@ -16,13 +16,13 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from enginecore import startup_log
 from enginecore.builtin_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore.builtin_models.gguf_archs import dequantized, gguf_config, hf_tensors
+from enginecore.builtin_models.gguf_reader import GGUFMetadata
 from enginecore.builtin_models.group_quant import group_quant_config, iter_group_quantized
 from enginecore.errors import ConfigError, UnsupportedModelError
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
@@ -141,22 +141,9 @@ def iter_weights(
 
 
 @functools.lru_cache(maxsize=1)
-def _gguf_reader(path: str) -> Any:
-    """Parsing a GGUF's metadata takes seconds (large token tables); reading the config
-    and then the tensors share one memory-mapped reader."""
-    import gguf
-
-    from enginecore.builtin_models.gguf_reader import fast_reader_class
-
-    return (fast_reader_class() or gguf.GGUFReader)(str(path))
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _gguf_reader(path: str) -> GGUFMetadata:
+    """Reading the config and then the tensors share one reading of the header."""
+    return GGUFMetadata(path)
 
 
 def gguf_tensor_types() -> set[str]:
@@ -180,9 +167,8 @@ def gguf_hf_config(path: str | pathlib.Path) -> Any:
     """The HF-equivalent config of a GGUF file, read from its metadata."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
     check_gguf_tensor_types(reader, path)
-    arch = _field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
-    return gguf_config(arch, lambda key, default: _field(reader, key, default), tensors)
+    return gguf_config(reader.field("general.architecture"), reader.field, tensors)
 
 
 def iter_gguf(
@@ -192,7 +178,7 @@ def iter_gguf(
     projection in a block format named in ``keep_quantized``, its blocks (row order
     fixed like a float weight's) as a :class:`QuantizedTensor`."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     for tensor in startup_log.progress(reader.tensors, len(reader.tensors), "reading weights"):
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if (
@@ -200,7 +186,7 @@ def iter_gguf(
             and tensor.name.startswith("blk.")
             and len(shape) == 2
         ):
-            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(shape[0], -1)
+            raw = torch.from_numpy(tensor.data).reshape(shape[0], -1)
             for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config):
                 yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape)
             continue

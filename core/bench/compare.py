@@ -200,9 +200,9 @@ def interpreter(system: str, args: argparse.Namespace) -> str:
 
 def vocab_size(model: str) -> int:
     if model.endswith(".gguf"):  # enginecore on the same GGUF file as llama.cpp
-        from gguf import GGUFReader
+        from enginecore.builtin_models.gguf_reader import GGUFMetadata
 
-        return len(GGUFReader(model).fields["tokenizer.ggml.tokens"].data)
+        return GGUFMetadata(model).vocab_size()
     config = json.loads((pathlib.Path(model) / "config.json").read_text())
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 

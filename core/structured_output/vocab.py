@@ -17,9 +17,9 @@ def model_vocab_size(config: EngineConfig, tokenizer: Any) -> int:
             hf = json.loads((path / "config.json").read_text())
             size = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
         else:
-            from transformers import AutoConfig
+            from enginecore.builtin_models.gguf_reader import GGUFMetadata
 
-            size = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).vocab_size
+            size = GGUFMetadata(path).vocab_size()
     except (OSError, ValueError, AttributeError):
         size = None
     return int(size) if size else len(tokenizer)
