@@ -6,7 +6,7 @@ run, a GGUF's tokenizer converted). Warm: that cache again. Each warm figure is 
 median of ``--rounds`` runs; the models default to the demo GGUF and the demo HF
 checkpoint (``enginecore demo-model``).
 
-    python benchmarks/startup.py [--rounds 3] [--model PATH ...]
+    python benchmarks/startup.py [--rounds 3] [--model PATH ...] [--make-serve]
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 
 READY = """
 import sys, time
@@ -45,11 +49,26 @@ def to_ready(model: str, cache: str) -> tuple[float, float]:
 
 def to_first_chat(model: str, cache: str, port: int) -> float:
     """Seconds from starting ``enginecore serve`` to the first chat completion's answer."""
-    env = {**os.environ, "ENGINECORE_CACHE_DIR": cache}
     command = [sys.executable, "-m", "enginecore.cli", "serve", model, "--port", str(port)]
+    return _first_chat(command, cache, port, model)
+
+
+def make_serve_first_chat(cache: str) -> float:
+    """Seconds from ``make serve`` (the README's command; the demo model on port 8000)
+    to the first chat completion's answer."""
+    return _first_chat(["make", "-s", "serve"], cache, 8000, "enginecore-demo", cwd=REPOSITORY)
+
+
+def _first_chat(command: list[str], cache: str, port: int, model: str, cwd=None) -> float:
+    env = {**os.environ, "ENGINECORE_CACHE_DIR": cache}
     started = time.perf_counter()
     server = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # make's child too is stopped with the group
     )
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     request = urllib.request.Request(
@@ -67,7 +86,7 @@ def to_first_chat(model: str, cache: str, port: int) -> float:
                 time.sleep(0.05)
         raise TimeoutError("the server did not answer within 300 s")
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
 
 
@@ -76,6 +95,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", action="append", help="default: the demo GGUF and HF model")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--make-serve", action="store_true", help="also time `make serve` (uses port 8000)"
+    )
     args = parser.parse_args()
     if not args.model:
         from enginecore.checkpoints import find_demo_gguf, make_demo_checkpoint
@@ -94,6 +116,15 @@ def main() -> None:
         print(
             f"| {os.path.basename(model)} | {cold[0]:.1f} / {cold[1]:.1f} s | "
             f"{ready:.1f} / {first:.1f} s | {statistics.median(chats):.1f} s |"
+        )
+    if args.make_serve:
+        with tempfile.TemporaryDirectory() as cache:
+            first_run = make_serve_first_chat(cache)
+            chats = [make_serve_first_chat(cache) for _ in range(args.rounds)]
+        print(
+            f"\n`make serve` to its first chat: {first_run:.1f} s the first time (the demo "
+            f"checkpoint made, every C library built), then {statistics.median(chats):.1f} s "
+            f"(median of {args.rounds})"
         )
 
 

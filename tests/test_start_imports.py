@@ -107,10 +107,15 @@ def _mapped_libraries(pid: int) -> str:
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads /proc")
-def test_a_cpu_servers_engine_process_loads_neither_torch_nor_triton(tiny_llama, tmp_path):
+def test_a_cpu_servers_engine_process_loads_neither_torch_nor_triton(
+    tiny_llama, tmp_path, monkeypatch
+):
     """The engine process schedules; with the ``mp`` executor (what ``auto`` picks for a
     CPU server) the model runs in the worker, which loads torch but, on CPU, not triton."""
     import torch
+
+    # The Triton tests' modules turn the interpreter on for the whole test process.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     if torch.version.cuda or torch.version.hip:
         pytest.skip("a GPU build of torch: the engine process asks torch for a device")
