@@ -203,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.replace(model=str(checkpoints.make_demo_checkpoint()))
         if not config.model.served_model_name:  # not its cache path as the model id
             config = config.replace(served_model_name=DEMO_MODEL_NAME)
-    from enginecore.server.app import run_server
+    from enginecore.server.launch import run_server
 
     return run_server(config)
 

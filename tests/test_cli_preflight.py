@@ -139,11 +139,11 @@ def test_output_kind_is_importable_from_the_package():
 
 def test_the_demo_model_is_served_under_a_name_not_its_cache_path(monkeypatch, tiny_llama):
     from enginecore import checkpoints, cli
-    from enginecore.server import app
+    from enginecore.server import launch
 
     served = []
     monkeypatch.setattr(checkpoints, "make_demo_checkpoint", lambda: tiny_llama)
-    monkeypatch.setattr(app, "run_server", served.append)
+    monkeypatch.setattr(launch, "run_server", served.append)
     assert cli.main(["serve"]) == 0
     (config,) = served
     assert config.model.path == str(tiny_llama)

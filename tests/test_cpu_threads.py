@@ -16,7 +16,7 @@ from enginecore import LLM
 from enginecore.builtin_executors.worker import cpu_threads_per_rank
 from enginecore.config import ParallelConfig, make_config
 from enginecore.engine.components import pick_executor_name
-from enginecore.server.app import server_config
+from enginecore.server.launch import server_config
 
 CORES = len(os.sched_getaffinity(0))
 

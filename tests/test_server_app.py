@@ -7,7 +7,8 @@ from fastapi.testclient import TestClient
 
 from enginecore import make_config
 from enginecore.errors import EngineDeadError
-from enginecore.server.app import build_app, server_config
+from enginecore.server.app import build_app
+from enginecore.server.launch import server_config
 
 
 class DeadEngine:

@@ -162,3 +162,64 @@ def test_the_torch_build_is_read_from_its_version_file(tmp_path, monkeypatch):
     assert distributed.torch_built_for_gpu() is True
     build(cuda=None)  # a version file this does not know: torch is asked
     assert distributed.torch_built_for_gpu() is True
+
+
+def _engine_processes() -> list[int]:
+    return [
+        pid
+        for pid in _children(os.getpid())
+        if b"core_proc" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_work_alongside_an_engine_start_runs_while_the_engine_process_boots(tiny_llama):
+    from enginecore import LLM
+    from enginecore.engine.client import alongside_engine_start
+
+    seen: list[list[int]] = []
+    with alongside_engine_start(lambda: seen.append(_engine_processes())):
+        llm = LLM(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
+    try:
+        assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the engine spawned
+        assert _engine_processes() == seen[0]
+    finally:
+        llm.shutdown()
+    with alongside_engine_start(lambda: seen.append(_engine_processes())):
+        pass
+    assert len(seen) == 1  # only starts inside the block run it
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_failure_alongside_an_engine_start_stops_the_engine(tiny_llama):
+    import time
+
+    from enginecore import LLM
+    from enginecore.engine.client import alongside_engine_start
+
+    def fail() -> None:
+        raise RuntimeError("the app could not be imported")
+
+    with (
+        pytest.raises(RuntimeError, match="could not be imported"),
+        alongside_engine_start(fail),
+    ):
+        LLM(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
+    deadline = time.monotonic() + 30
+    while _engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _engine_processes() == []
+
+
+def test_the_server_launcher_leaves_the_http_stack_for_later():
+    """``enginecore serve`` spawns the engine before importing FastAPI and the API's
+    models, which it imports while the engine boots."""
+    code = (
+        "import sys, enginecore.server.launch as launch; "
+        "print(sorted(m for m in ('fastapi', 'pydantic', 'torch', 'transformers', "
+        "launch.APP_MODULE) if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from enginecore.config import EngineConfig
@@ -128,12 +130,32 @@ def start_engine(
     check_components(config, plugins)
 
     loaded: list[Any] = []
-    client = make_client(
-        config,
-        asyncio_mode=asyncio_mode,
-        while_starting=lambda: loaded.append(load_tokenizer(config)),
-    )
+
+    def while_starting() -> None:
+        loaded.append(load_tokenizer(config))
+        for work in _ALONGSIDE.get():
+            work()
+
+    client = make_client(config, asyncio_mode=asyncio_mode, while_starting=while_starting)
     return client, loaded[0]
+
+
+_ALONGSIDE: contextvars.ContextVar[tuple[Callable[[], object], ...]] = contextvars.ContextVar(
+    "enginecore_alongside_engine_start", default=()
+)
+
+
+@contextlib.contextmanager
+def alongside_engine_start(work: Callable[[], object]) -> Iterator[None]:
+    """Run ``work`` in this thread while an engine started inside the block boots (after
+    the tokenizer, before the engine's handshake is awaited). ``enginecore serve`` imports
+    its HTTP app there, in time the frontend would spend waiting. If it raises, the
+    engine is stopped and its error propagates, as a tokenizer's does."""
+    token = _ALONGSIDE.set((*_ALONGSIDE.get(), work))
+    try:
+        yield
+    finally:
+        _ALONGSIDE.reset(token)
 
 
 def _make_dp_client(config: EngineConfig, asyncio_mode: bool) -> EngineCoreClient:

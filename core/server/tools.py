@@ -15,9 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from enginecore.errors import ConfigError
 from enginecore.params import StructuredOutputParams
-from enginecore.plugins import make_plugin_manager
 from enginecore.registry import Registry
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -242,20 +240,3 @@ class ChoiceToolStream:
         self.called = True
         calls = result.tool_calls if self.plan.parallel else result.tool_calls[:1]
         return {"tool_calls": [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]}
-
-
-def check_tool_config(config: Any, plugins: Any) -> None:
-    """Fail at start-up on a tool-calling setting that cannot work."""
-    server = config.server
-    if not (server.enable_auto_tool_choice or server.tool_call_parser):
-        return
-    if plugins is None:
-        plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
-    registry = plugins.registry("tool_parser")
-    if server.enable_auto_tool_choice and not server.tool_call_parser:
-        raise ConfigError(
-            "server.enable_auto_tool_choice needs server.tool_call_parser "
-            f"(--tool-call-parser NAME; available: {', '.join(registry.names()) or 'none'})"
-        )
-    if server.tool_call_parser:
-        registry.get(server.tool_call_parser)  # an unknown name lists the available ones
