@@ -144,18 +144,40 @@ def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
 
+# (format, weight shape, OpenMP threads): odd and even row counts, one and several
+# super-blocks a row, each on one thread and on two.
+def _bit_exact_cases(*formats: str) -> list[tuple[str, tuple[int, int], int]]:
+    return [
+        (fmt, shape, threads)
+        for fmt in formats
+        for shape in ((13, 512), (3, 256), (6, 1280))
+        for threads in (1, 2)
+    ]
+
+
+def _activations(k: int, threads: int):
+    """(rows, activations) for every row count the block kernels serve (every tail of the
+    four-row tiles), blocks of unlike scales, computed on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, DIRECT_MAX_ROWS + 1):
+            yield rows, torch.randn(rows, k) * torch.logspace(-2, 2, k)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("level", _LEVELS)
 def test_packed_k_quants_multiply_as_one_byte_a_value_bit_for_bit(level, tmp_path, monkeypatch):
     packed, reference = _build_both(level, tmp_path, monkeypatch)
     torch.manual_seed(5)
-    for fmt, (n, k) in (("Q5_K", (13, 512)), ("Q6_K", (13, 512)), ("Q6_K", (3, 256))):
+    for fmt, (n, k), threads in _bit_exact_cases("Q5_K", "Q6_K"):
         part = kquant_blocks.from_gguf(
             torch.from_numpy(quantize_k(torch.randn(n, k), fmt)), fmt, (n, k)
         )
         q, d, m = _byte_layout(part)
-        for rows in range(1, 18):  # every tail of the four-row tiles
-            x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # blocks of unlike scales
+        for rows, x in _activations(k, threads):
             acts = quant_kernels.load().quantize_rows(x)
             got = torch.full((rows, n + 3), float("nan"))  # a row stride beyond the outputs
             want = torch.full((rows, n + 3), float("nan"))
