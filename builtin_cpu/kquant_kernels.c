@@ -1,12 +1,16 @@
-/* Matrix products over GGUF's Q5_K and Q6_K weights at close to the file's width, for
+/* Matrix products over GGUF's Q5_K and Q6_K weights at the file's width, for
  * enginecore's ``gguf`` linear method (layout: kquant_blocks.py).
  *
  * A row's values go by pairs of 32-value blocks, one record of bytes each: 32 bytes of
  * low 4 bits (byte j: value j of the first block in its low nibble, of the second in its
  * high one), then each block's high bits as 32-bit words, bit i for value i (Q5_K one
- * word a block, the 5th bit; Q6_K two, the 5th and the 6th). Scales are float32, one per
- * 32 values (Q5_K) or 16 (Q6_K); Q5_K adds an offset per 32 (value = q d + m), Q6_K
- * centres its values (value = (q - 32) d).
+ * word a block, the 5th bit; Q6_K two, the 5th and the 6th). The scales are the file's,
+ * per super-block of 256 values: Q5_K float16 d and dmin and twelve bytes of 6-bit
+ * scales and mins (quant_simd.h), a scale d sc and an offset -(dmin mn) per 32 values
+ * (value = q d sc - dmin mn); Q6_K sixteen signed 8-bit scales and float16 d, a scale
+ * d sc per 16 values (value = (q - 32) d sc). Each super-block's float32 scales are
+ * formed as its values are reached: a float16 times a 6- or 8-bit integer is exact, so
+ * they are the same floats as scales kept in float32.
  *
  * The activations are those of quant_kernels.c: signed bytes per block of 32 with a
  * scale xd and xs = xd * (sum of the block's bytes). Each block's values are rebuilt in
@@ -24,9 +28,35 @@
 #define QK 32
 #define HALF 16
 #define ROWS 4
+#define SUPER_PAIRS 4 /* pairs of blocks a super-block of 256 values */
+#define Q6K_SCALE_BYTES 18
 
 /* Bytes of a pair record with ``planes`` high-bit words a block (1: Q5_K, 2: Q6_K). */
 static inline int64_t record_bytes(int planes) { return 2 * HALF + 2 * 4 * planes; }
+
+/* Bytes of a super-block's scales. */
+static inline int64_t scale_bytes(int planes) {
+    return planes == 2 ? Q6K_SCALE_BYTES : K4_SCALE_BYTES;
+}
+
+/* The float32 scales of super-block ``h`` (its scale bytes): Q6_K d sc for its sixteen
+ * runs of 16 values into ``d``; Q5_K d sc and -(dmin mn) for its eight blocks of 32 into
+ * ``d`` and ``m``. */
+static inline __attribute__((always_inline)) void super_scales(int planes, const uint8_t *h,
+                                                               float *d, float *m) {
+    if (planes == 2) {
+        const float dd = k4_half(h + 16);
+        for (int i = 0; i < 16; i++) d[i] = dd * (float)(int8_t)h[i];
+        return;
+    }
+    uint8_t sm[16];
+    k4_unpack(h + 4, sm);
+    const float dd = k4_half(h), dmin = k4_half(h + 2);
+    for (int i = 0; i < 8; i++) {
+        d[i] = dd * (float)sm[i];
+        m[i] = -(dmin * (float)sm[8 + i]);
+    }
+}
 
 static inline uint32_t load_word(const uint8_t *p) {
     uint32_t w;
@@ -69,19 +99,21 @@ static inline __attribute__((always_inline)) __m256i block_values(const uint8_t 
     return w;
 }
 
-/* The scales of a pair's blocks times activation row ``row``'s: lanes 0-1 (Q6_K: each
- * half of block 2p) or lane 0 (Q5_K) for the first block, lanes 2-3 or 1 for the second. */
+/* The scales of a pair's blocks (``d``: Q6_K four, Q5_K two) times an activation row's
+ * (``xd``, two): lanes 0-1 (Q6_K: each half of the first block) or lane 0 (Q5_K) for the
+ * first block, lanes 2-3 or 1 for the second. */
 static inline __attribute__((always_inline)) __m128 pair_scales(int planes, const float *d,
-                                                                 int64_t p, const float *xd) {
-    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
-    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d + 4 * p), _mm_unpacklo_ps(x, x));
-    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(d + 2 * p))), x);
+                                                                 const float *xd) {
+    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)xd));
+    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d), _mm_unpacklo_ps(x, x));
+    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)d)), x);
 }
 
-/* Block b = 2p + j (values ``w``) against ``rows`` activation rows from ``row0``, with
- * ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in its order. */
+/* Block b = 2p + j (values ``w``, Q5_K offset ``mb``) against ``rows`` activation rows
+ * from ``row0``, with ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in
+ * its order. */
 static inline __attribute__((always_inline)) void block_rows(
-    int planes, __m256i w, int64_t b, int j, const __m128 *scales, const float *m, int rows,
+    int planes, __m256i w, int64_t b, int j, const __m128 *scales, float mb, int rows,
     int64_t row0, int64_t K, int64_t nb, const int8_t *xq, const float *xs, __m256 *acc,
     float *offset) {
     /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
@@ -98,46 +130,53 @@ static inline __attribute__((always_inline)) void block_rows(
         const __m256i dot = dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w) : x);
         const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales[r]), pick);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
-        if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
+        if (planes == 1) offset[r] += mb * xs[row * nb + b];
     }
 }
 #endif
 
 #if defined(__AVX2__)
-/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scales
- * ``dstride`` floats apart, offsets ``nb`` apart) for ``rows`` activation rows from
- * ``row0``; ``nw`` and ``rows`` are constants in each inlined copy, so the nw * rows <= 4
- * accumulators stay in registers. Each output's sum runs over its blocks in order, one
- * dependent FMA a block: several weight rows at once keep the FMA unit busy when there
- * is one activation row. */
+/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scale bytes
+ * ``hstride`` apart) for ``rows`` activation rows from ``row0``; ``nw`` and ``rows`` are
+ * constants in each inlined copy, so the nw * rows <= 4 accumulators stay in registers.
+ * Each output's sum runs over its blocks in order, one dependent FMA a block: several
+ * weight rows at once keep the FMA unit busy when there is one activation row. */
 static inline __attribute__((always_inline)) void tile(
-    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
-    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
-    const float *xd, const float *xs, float *out, int64_t ldo) {
-    const int64_t nb = K / QK, rec = record_bytes(planes);
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const uint8_t *wh,
+    int64_t hstride, int64_t row0, int64_t K, const int8_t *xq, const float *xd,
+    const float *xs, float *out, int64_t ldo) {
+    const int64_t nb = K / QK, rec = record_bytes(planes), hb = scale_bytes(planes);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < nb / 2; p++) {
+    for (int64_t s = 0; s < nb / 8; s++) {
+        /* each weight row's scales for this super-block: Q6_K 16, Q5_K 8 and 8 offsets */
+        float d[ROWS][16], m[ROWS][8];
 #pragma GCC unroll 4
-        for (int i = 0; i < nw; i++) {
-            const uint8_t *pair = wrow + i * wstride + p * rec;
-            const float *di = d + i * dstride;
-            const float *mi = planes == 1 ? m + i * nb : NULL;
-            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
-            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-            const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
-            const __m256i w1 =
-                block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-            __m128 scales[ROWS];
+        for (int i = 0; i < nw; i++) super_scales(planes, wh + i * hstride + s * hb, d[i], m[i]);
+        for (int64_t p = s * SUPER_PAIRS; p < (s + 1) * SUPER_PAIRS; p++) {
+            const int64_t pp = p - s * SUPER_PAIRS;
 #pragma GCC unroll 4
-            for (int r = 0; r < rows; r++)
-                scales[r] = pair_scales(planes, di, p, xd + (row0 + r) * nb);
-            block_rows(planes, w0, 2 * p, 0, scales, mi, rows, row0, K, nb, xq, xs,
-                       acc + i * rows, offset + i * rows);
-            block_rows(planes, w1, 2 * p + 1, 1, scales, mi, rows, row0, K, nb, xq, xs,
-                       acc + i * rows, offset + i * rows);
+            for (int i = 0; i < nw; i++) {
+                const uint8_t *pair = wrow + i * wstride + p * rec;
+                _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+                const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+                const __m256i w1 = block_values(
+                    pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+                const float *dp = d[i] + (planes == 2 ? 4 : 2) * pp;
+                __m128 scales[ROWS];
+#pragma GCC unroll 4
+                for (int r = 0; r < rows; r++)
+                    scales[r] = pair_scales(planes, dp, xd + (row0 + r) * nb + 2 * p);
+                const float m0 = planes == 1 ? m[i][2 * pp] : 0.f;
+                const float m1 = planes == 1 ? m[i][2 * pp + 1] : 0.f;
+                block_rows(planes, w0, 2 * p, 0, scales, m0, rows, row0, K, nb, xq, xs,
+                           acc + i * rows, offset + i * rows);
+                block_rows(planes, w1, 2 * p + 1, 1, scales, m1, rows, row0, K, nb, xq, xs,
+                           acc + i * rows, offset + i * rows);
+            }
         }
     }
     for (int i = 0; i < nw; i++)
@@ -147,10 +186,10 @@ static inline __attribute__((always_inline)) void tile(
 
 /* ``tile`` for nw, rows known only at run time (nw * rows <= 4). */
 static inline __attribute__((always_inline)) void any_tile(
-    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
-    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
-    const float *xd, const float *xs, float *out, int64_t ldo) {
-#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, d, dstride, m, row0, K, xq, xd, xs, out, ldo)
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const uint8_t *wh,
+    int64_t hstride, int64_t row0, int64_t K, const int8_t *xq, const float *xd,
+    const float *xs, float *out, int64_t ldo) {
+#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, wh, hstride, row0, K, xq, xd, xs, out, ldo)
     switch (nw * 8 + rows) {
     case 8 + 4: TILE(1, 4); break;
     case 8 + 3: TILE(1, 3); break;
@@ -165,13 +204,25 @@ static inline __attribute__((always_inline)) void any_tile(
 }
 #endif
 
+/* Block b's scales (Q6_K: of each half, d0 and d1; Q5_K: d0 = d1) and Q5_K's offset, of
+ * the row's scale bytes ``wh``. */
+static inline __attribute__((always_inline)) void block_scales(int planes, const uint8_t *wh,
+                                                                int64_t b, float *d0, float *d1,
+                                                                float *m) {
+    float d[16], mins[8];
+    super_scales(planes, wh + (b / 8) * scale_bytes(planes), d, mins);
+    const int j = (int)(b % 8);
+    *d0 = planes == 2 ? d[2 * j] : d[j];
+    *d1 = planes == 2 ? d[2 * j + 1] : d[j];
+    *m = planes == 2 ? 0.f : mins[j];
+}
+
 /* The product for one layout (``planes`` a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void gemm(
-    int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float *wd,
-    const float *wm, const int8_t *xq, const float *xd, const float *xs, float *out,
-    int64_t ldo) {
+    int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh,
+    const int8_t *xq, const float *xd, const float *xs, float *out, int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
-    const int64_t scales_per_block = planes == 2 ? 2 : 1;
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
 #if defined(__AVX2__)
     /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -185,20 +236,16 @@ static inline __attribute__((always_inline)) void gemm(
         const int64_t n = t * nw;
         const int w = (int)(N - n < nw ? N - n : nw);
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
-        const float *d = wd + n * scales_per_block * nb;
-        const float *m = planes == 1 ? wm + n * nb : NULL;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS / nw) {
             const int rows = M - r0 < ROWS / nw ? (int)(M - r0) : (int)(ROWS / nw);
-            any_tile(planes, w, rows, wrow, (nb / 2) * rec, d, scales_per_block * nb, m, r0, K,
-                     xq, xd, xs, out + n, ldo);
+            any_tile(planes, w, rows, wrow, (nb / 2) * rec, wh + n * hstride, hstride, r0, K, xq,
+                     xd, xs, out + n, ldo);
         }
     }
 #else
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
-        const float *d = wd + n * scales_per_block * nb;
-        const float *m = planes == 1 ? wm + n * nb : NULL;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -213,10 +260,10 @@ static inline __attribute__((always_inline)) void gemm(
                         dot0 += value_at(pair, (int)(b & 1), i, planes) * x[i];
                         dot1 += value_at(pair, (int)(b & 1), i + HALF, planes) * x[i + HALF];
                     }
-                    const float d0 = planes == 2 ? d[2 * b] : d[b];
-                    const float d1 = planes == 2 ? d[2 * b + 1] : d[b];
+                    float d0, d1, mb;
+                    block_scales(planes, wh + n * hstride, b, &d0, &d1, &mb);
                     total += xd[row * nb + b] * (d0 * (float)dot0 + d1 * (float)dot1);
-                    if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
+                    if (planes == 1) offset[r] += mb * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
@@ -226,23 +273,24 @@ static inline __attribute__((always_inline)) void gemm(
 }
 
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for ``bits`` 5 (Q5_K: wq [N, K/64]
- * records of 40 bytes, wd and wm [N, K/32]) or 6 (Q6_K: records of 48 bytes, wd
- * [N, K/16], wm unused). K is a multiple of 64. */
-void eck_gemm_s16(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
-                  const float *wd, const float *wm, const int8_t *xq, const float *xd,
-                  const float *xs, float *out, int64_t ldo) {
+ * records of 40 bytes, wh [N, K/256, 16] scale bytes) or 6 (Q6_K: records of 48 bytes,
+ * wh [N, K/256, 18]). K is a multiple of 256. */
+void eck_gemm_k(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                const uint8_t *wh, const int8_t *xq, const float *xd, const float *xs,
+                float *out, int64_t ldo) {
     if (bits == 6)
-        gemm(2, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
+        gemm(2, M, N, K, wq, wh, xq, xd, xs, out, ldo);
     else
-        gemm(1, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
+        gemm(1, M, N, K, wq, wh, xq, xd, xs, out, ldo);
 }
 
 /* The float32 weight [N, K] (for many rows of activations, where one float GEMM beats
- * the integer dot products): the file's values, q d + m or (q - 32) d. */
-void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
-                        const float *wd, const float *wm, float *out) {
+ * the integer dot products): the file's values, q d sc - dmin mn or (q - 32) d sc. */
+void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                      const uint8_t *wh, float *out) {
     const int planes = bits == 6 ? 2 : 1;
     const int64_t nb = K / QK, rec = record_bytes(planes);
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -251,10 +299,11 @@ void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
             const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
             const uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
             float *o = out + n * K + b * QK;
+            float scale[2], m;
+            block_scales(planes, wh + n * hstride, b, &scale[0], &scale[1], &m);
             /* value_at's arithmetic, in loops the compiler vectorizes */
             for (int half = 0; half < 2; half++) {
-                const float d = planes == 2 ? wd[n * 2 * nb + 2 * b + half] : wd[n * nb + b];
-                const float m = planes == 2 ? 0.f : wm[n * nb + b];
+                const float d = scale[half];
                 for (int i = half * HALF; i < (half + 1) * HALF; i++) {
                     const int low = j ? pair[i] >> 4 : pair[i] & 15;
                     const int q = low | (int)((h4 >> i) & 1) << 4 | (int)((h5 >> i) & 1) << 5;

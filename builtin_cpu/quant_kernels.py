@@ -15,6 +15,7 @@ import torch
 
 from enginecore.builtin_cpu import cpu_kernels
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ _SIGNATURES = {
     "ecq_quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
     "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
+    "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
 }
 _LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
 
@@ -56,7 +58,9 @@ class QuantKernels:
         self._linear.argtypes, self._linear.restype = _LINEAR_SIGNATURE, ctypes.c_int
         self.path = path
 
-    def linear(self, x: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
+    def linear(
+        self, x: torch.Tensor, weight: BlockWeight | KQuantWeight, out: torch.Tensor
+    ) -> None:
         """``out`` [M, N] (innermost contiguous) = x W^T, ``x`` float32 [M, K] with its
         innermost dim contiguous: quantizing the activations and the product in one call
         (the batch-1 decode step makes 120 of these on a 30-layer model, so the Python
@@ -94,6 +98,15 @@ class QuantKernels:
             )
         else:
             self.lib.ecq_dequantize_q8(n, k, qs.data_ptr(), d.data_ptr(), out.data_ptr())
+        return out
+
+    def dequantize_q4_k(self, weight: KQuantWeight) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q4_K ``weight``."""
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.float32)
+        self.lib.ecq_dequantize_q4k(
+            n, k, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        )
         return out
 
 

@@ -67,4 +67,39 @@ static inline __attribute__((always_inline)) float scale_at(const void *p, int64
     return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Q4_K and Q5_K keep a super-block's scales as the file does (kquant_blocks.py): float16
+ * d and dmin, then twelve bytes of 6-bit scales and mins for its eight sub-blocks of 32.
+ * A float16 times a 6-bit integer is exact in float32, so d sc and -(dmin mn) formed here
+ * are the float32 scales and offsets bit for bit. */
+#define K4_SCALE_BYTES 16
+
+static inline float k4_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+/* The eight scales (bytes 0-7 of the result) and eight mins (8-15) of the twelve packed
+ * bytes ``q`` (ggml's get_scale_min_k4, four sub-blocks a word): bytes 0-3 and 4-7 hold
+ * sub-blocks 0-3's scales and mins in their low 6 bits and the top 2 bits of sub-blocks
+ * 4-7's, bytes 8-11 the low 4 bits of those. */
+static inline void k4_unpack(const uint8_t *q, uint8_t out[16]) {
+    uint32_t w[3], u[4];
+    memcpy(w, q, 12);
+    u[0] = w[0] & 0x3F3F3F3Fu;
+    u[1] = (w[2] & 0x0F0F0F0Fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    u[2] = w[1] & 0x3F3F3F3Fu;
+    u[3] = ((w[2] >> 4) & 0x0F0F0F0Fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(out, u, 16);
+}
+
+/* Sub-block ``j`` (0-7) of the super-block scales ``h``: its scale d sc and its offset
+ * -(dmin mn). */
+static inline void k4_scale_offset(const uint8_t *h, int j, float *scale, float *offset) {
+    uint8_t sm[16];
+    k4_unpack(h + 4, sm);
+    *scale = k4_half(h) * (float)sm[j];
+    *offset = -(k4_half(h + 2) * (float)sm[8 + j]);
+}
+
 #endif
