@@ -8,9 +8,10 @@
  * per super-block of 256 values: Q5_K float16 d and dmin and twelve bytes of 6-bit
  * scales and mins (quant_simd.h), a scale d sc and an offset -(dmin mn) per 32 values
  * (value = q d sc - dmin mn); Q6_K sixteen signed 8-bit scales and float16 d, a scale
- * d sc per 16 values (value = (q - 32) d sc). Each super-block's float32 scales are
- * formed as its values are reached: a float16 times a 6- or 8-bit integer is exact, so
- * they are the same floats as scales kept in float32.
+ * d sc per 16 values (value = (q - 32) d sc). Each weight row's scales are expanded to
+ * float32 on the stack as the row is reached, once for all activation rows: a float16
+ * times a 6- or 8-bit integer is exact, so they are the same floats as scales held in
+ * float32, and the product is the one over those bit for bit.
  *
  * The activations are those of quant_kernels.c: signed bytes per block of 32 with a
  * scale xd and xs = xd * (sum of the block's bytes). Each block's values are rebuilt in
@@ -28,7 +29,6 @@
 #define QK 32
 #define HALF 16
 #define ROWS 4
-#define SUPER_PAIRS 4 /* pairs of blocks a super-block of 256 values */
 #define Q6K_SCALE_BYTES 18
 
 /* Bytes of a pair record with ``planes`` high-bit words a block (1: Q5_K, 2: Q6_K). */
@@ -39,23 +39,41 @@ static inline int64_t scale_bytes(int planes) {
     return planes == 2 ? Q6K_SCALE_BYTES : K4_SCALE_BYTES;
 }
 
-/* The float32 scales of super-block ``h`` (its scale bytes): Q6_K d sc for its sixteen
- * runs of 16 values into ``d``; Q5_K d sc and -(dmin mn) for its eight blocks of 32 into
- * ``d`` and ``m``. */
+/* The float32 scales of super-block ``h`` (its scale bytes): Q6_K's d sc of its sixteen
+ * runs of 16 values into ``d``; Q5_K's d sc and -(dmin mn) of its eight blocks into ``d``
+ * and ``m``. */
 static inline __attribute__((always_inline)) void super_scales(int planes, const uint8_t *h,
                                                                float *d, float *m) {
-    if (planes == 2) {
-        const float dd = k4_half(h + 16);
-        for (int i = 0; i < 16; i++) d[i] = dd * (float)(int8_t)h[i];
+    if (planes == 1) {
+        k4_expand(h, d, m);
         return;
     }
-    uint8_t sm[16];
-    k4_unpack(h + 4, sm);
-    const float dd = k4_half(h), dmin = k4_half(h + 2);
-    for (int i = 0; i < 8; i++) {
-        d[i] = dd * (float)sm[i];
-        m[i] = -(dmin * (float)sm[8 + i]);
+#if defined(__AVX2__)
+    const __m256 dd = _mm256_set1_ps(k4_half(h + 16));
+    for (int half = 0; half < 2; half++) {
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(h + 8 * half));
+        _mm256_storeu_ps(d + 8 * half,
+                         _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
     }
+#else
+    const float dd = k4_half(h + 16);
+    for (int i = 0; i < 16; i++) d[i] = dd * (float)(int8_t)h[i];
+#endif
+}
+
+/* The float32 scales of ``rows`` weight rows from ``wh`` (their scale bytes, ``hstride``
+ * apart) with ``nb`` blocks each: d [rows, nb] (Q6_K [rows, 2 nb]), Q5_K's m [rows, nb]. */
+static inline __attribute__((always_inline)) void expand_scales(int planes, const uint8_t *wh,
+                                                                int64_t hstride, int64_t rows,
+                                                                int64_t nb, float *d, float *m) {
+    const int64_t per_block = planes == 2 ? 2 : 1;
+    /* the next rows' scale bytes, so their expansion does not wait on them */
+    for (int64_t at = 0; at < rows * hstride; at += 64)
+        __builtin_prefetch(wh + rows * hstride + at);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < nb / 8; s++)
+            super_scales(planes, wh + r * hstride + s * scale_bytes(planes),
+                         d + (r * nb + 8 * s) * per_block, m + r * nb + 8 * s);
 }
 
 static inline uint32_t load_word(const uint8_t *p) {
@@ -99,21 +117,19 @@ static inline __attribute__((always_inline)) __m256i block_values(const uint8_t 
     return w;
 }
 
-/* The scales of a pair's blocks (``d``: Q6_K four, Q5_K two) times an activation row's
- * (``xd``, two): lanes 0-1 (Q6_K: each half of the first block) or lane 0 (Q5_K) for the
- * first block, lanes 2-3 or 1 for the second. */
+/* The scales of a pair's blocks times activation row ``row``'s: lanes 0-1 (Q6_K: each
+ * half of block 2p) or lane 0 (Q5_K) for the first block, lanes 2-3 or 1 for the second. */
 static inline __attribute__((always_inline)) __m128 pair_scales(int planes, const float *d,
-                                                                 const float *xd) {
-    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)xd));
-    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d), _mm_unpacklo_ps(x, x));
-    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)d)), x);
+                                                                 int64_t p, const float *xd) {
+    const __m128 x = _mm_castpd_ps(_mm_load_sd((const double *)(xd + 2 * p)));
+    if (planes == 2) return _mm_mul_ps(_mm_loadu_ps(d + 4 * p), _mm_unpacklo_ps(x, x));
+    return _mm_mul_ps(_mm_castpd_ps(_mm_load_sd((const double *)(d + 2 * p))), x);
 }
 
-/* Block b = 2p + j (values ``w``, Q5_K offset ``mb``) against ``rows`` activation rows
- * from ``row0``, with ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in
- * its order. */
+/* Block b = 2p + j (values ``w``) against ``rows`` activation rows from ``row0``, with
+ * ``scales[r]`` of pair_scales: the byte-a-value kernel's steps, in its order. */
 static inline __attribute__((always_inline)) void block_rows(
-    int planes, __m256i w, int64_t b, int j, const __m128 *scales, float mb, int rows,
+    int planes, __m256i w, int64_t b, int j, const __m128 *scales, const float *m, int rows,
     int64_t row0, int64_t K, int64_t nb, const int8_t *xq, const float *xs, __m256 *acc,
     float *offset) {
     /* lanes 0-3 of the dot product hold the first half, 4-7 the second */
@@ -130,53 +146,46 @@ static inline __attribute__((always_inline)) void block_rows(
         const __m256i dot = dot_u8_s8(wabs, planes == 2 ? _mm256_sign_epi8(x, w) : x);
         const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales[r]), pick);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
-        if (planes == 1) offset[r] += mb * xs[row * nb + b];
+        if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
     }
 }
 #endif
 
 #if defined(__AVX2__)
-/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scale bytes
- * ``hstride`` apart) for ``rows`` activation rows from ``row0``; ``nw`` and ``rows`` are
- * constants in each inlined copy, so the nw * rows <= 4 accumulators stay in registers.
- * Each output's sum runs over its blocks in order, one dependent FMA a block: several
- * weight rows at once keep the FMA unit busy when there is one activation row. */
+/* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scales
+ * ``dstride`` floats apart, offsets ``nb`` apart) for ``rows`` activation rows from
+ * ``row0``; ``nw`` and ``rows`` are constants in each inlined copy, so the nw * rows <= 4
+ * accumulators stay in registers. Each output's sum runs over its blocks in order, one
+ * dependent FMA a block: several weight rows at once keep the FMA unit busy when there
+ * is one activation row. */
 static inline __attribute__((always_inline)) void tile(
-    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const uint8_t *wh,
-    int64_t hstride, int64_t row0, int64_t K, const int8_t *xq, const float *xd,
-    const float *xs, float *out, int64_t ldo) {
-    const int64_t nb = K / QK, rec = record_bytes(planes), hb = scale_bytes(planes);
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
+    const int64_t nb = K / QK, rec = record_bytes(planes);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
     __m256 acc[ROWS];
     for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < nb / 8; s++) {
-        /* each weight row's scales for this super-block: Q6_K 16, Q5_K 8 and 8 offsets */
-        float d[ROWS][16], m[ROWS][8];
+    for (int64_t p = 0; p < nb / 2; p++) {
 #pragma GCC unroll 4
-        for (int i = 0; i < nw; i++) super_scales(planes, wh + i * hstride + s * hb, d[i], m[i]);
-        for (int64_t p = s * SUPER_PAIRS; p < (s + 1) * SUPER_PAIRS; p++) {
-            const int64_t pp = p - s * SUPER_PAIRS;
+        for (int i = 0; i < nw; i++) {
+            const uint8_t *pair = wrow + i * wstride + p * rec;
+            const float *di = d + i * dstride;
+            const float *mi = planes == 1 ? m + i * nb : NULL;
+            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+            const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+            const __m256i w1 =
+                block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            __m128 scales[ROWS];
 #pragma GCC unroll 4
-            for (int i = 0; i < nw; i++) {
-                const uint8_t *pair = wrow + i * wstride + p * rec;
-                _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-                const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
-                const __m256i w1 = block_values(
-                    pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-                const float *dp = d[i] + (planes == 2 ? 4 : 2) * pp;
-                __m128 scales[ROWS];
-#pragma GCC unroll 4
-                for (int r = 0; r < rows; r++)
-                    scales[r] = pair_scales(planes, dp, xd + (row0 + r) * nb + 2 * p);
-                const float m0 = planes == 1 ? m[i][2 * pp] : 0.f;
-                const float m1 = planes == 1 ? m[i][2 * pp + 1] : 0.f;
-                block_rows(planes, w0, 2 * p, 0, scales, m0, rows, row0, K, nb, xq, xs,
-                           acc + i * rows, offset + i * rows);
-                block_rows(planes, w1, 2 * p + 1, 1, scales, m1, rows, row0, K, nb, xq, xs,
-                           acc + i * rows, offset + i * rows);
-            }
+            for (int r = 0; r < rows; r++)
+                scales[r] = pair_scales(planes, di, p, xd + (row0 + r) * nb);
+            block_rows(planes, w0, 2 * p, 0, scales, mi, rows, row0, K, nb, xq, xs,
+                       acc + i * rows, offset + i * rows);
+            block_rows(planes, w1, 2 * p + 1, 1, scales, mi, rows, row0, K, nb, xq, xs,
+                       acc + i * rows, offset + i * rows);
         }
     }
     for (int i = 0; i < nw; i++)
@@ -186,10 +195,10 @@ static inline __attribute__((always_inline)) void tile(
 
 /* ``tile`` for nw, rows known only at run time (nw * rows <= 4). */
 static inline __attribute__((always_inline)) void any_tile(
-    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const uint8_t *wh,
-    int64_t hstride, int64_t row0, int64_t K, const int8_t *xq, const float *xd,
-    const float *xs, float *out, int64_t ldo) {
-#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, wh, hstride, row0, K, xq, xd, xs, out, ldo)
+    int planes, int nw, int rows, const uint8_t *wrow, int64_t wstride, const float *d,
+    int64_t dstride, const float *m, int64_t row0, int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, float *out, int64_t ldo) {
+#define TILE(NW, R) tile(planes, NW, R, wrow, wstride, d, dstride, m, row0, K, xq, xd, xs, out, ldo)
     switch (nw * 8 + rows) {
     case 8 + 4: TILE(1, 4); break;
     case 8 + 3: TILE(1, 3); break;
@@ -204,24 +213,12 @@ static inline __attribute__((always_inline)) void any_tile(
 }
 #endif
 
-/* Block b's scales (Q6_K: of each half, d0 and d1; Q5_K: d0 = d1) and Q5_K's offset, of
- * the row's scale bytes ``wh``. */
-static inline __attribute__((always_inline)) void block_scales(int planes, const uint8_t *wh,
-                                                                int64_t b, float *d0, float *d1,
-                                                                float *m) {
-    float d[16], mins[8];
-    super_scales(planes, wh + (b / 8) * scale_bytes(planes), d, mins);
-    const int j = (int)(b % 8);
-    *d0 = planes == 2 ? d[2 * j] : d[j];
-    *d1 = planes == 2 ? d[2 * j + 1] : d[j];
-    *m = planes == 2 ? 0.f : mins[j];
-}
-
 /* The product for one layout (``planes`` a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void gemm(
     int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh,
     const int8_t *xq, const float *xd, const float *xs, float *out, int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
+    const int64_t scales_per_block = planes == 2 ? 2 : 1;
     const int64_t hstride = nb / 8 * scale_bytes(planes);
 #if defined(__AVX2__)
     /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
@@ -236,16 +233,20 @@ static inline __attribute__((always_inline)) void gemm(
         const int64_t n = t * nw;
         const int w = (int)(N - n < nw ? N - n : nw);
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
+        float d[w * scales_per_block * nb], m[w * nb];
+        expand_scales(planes, wh + n * hstride, hstride, w, nb, d, m);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS / nw) {
             const int rows = M - r0 < ROWS / nw ? (int)(M - r0) : (int)(ROWS / nw);
-            any_tile(planes, w, rows, wrow, (nb / 2) * rec, wh + n * hstride, hstride, r0, K, xq,
-                     xd, xs, out + n, ldo);
+            any_tile(planes, w, rows, wrow, (nb / 2) * rec, d, scales_per_block * nb, m, r0, K,
+                     xq, xd, xs, out + n, ldo);
         }
     }
 #else
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
+        float d[scales_per_block * nb], m[nb];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -260,10 +261,10 @@ static inline __attribute__((always_inline)) void gemm(
                         dot0 += value_at(pair, (int)(b & 1), i, planes) * x[i];
                         dot1 += value_at(pair, (int)(b & 1), i + HALF, planes) * x[i + HALF];
                     }
-                    float d0, d1, mb;
-                    block_scales(planes, wh + n * hstride, b, &d0, &d1, &mb);
+                    const float d0 = planes == 2 ? d[2 * b] : d[b];
+                    const float d1 = planes == 2 ? d[2 * b + 1] : d[b];
                     total += xd[row * nb + b] * (d0 * (float)dot0 + d1 * (float)dot1);
-                    if (planes == 1) offset[r] += mb * xs[row * nb + b];
+                    if (planes == 1) offset[r] += m[b] * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
@@ -293,17 +294,18 @@ void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
     const int64_t hstride = nb / 8 * scale_bytes(planes);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
+        float wd[(planes == 2 ? 2 : 1) * nb], wm[nb];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, wd, wm);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *pair = wq + (n * (nb / 2) + b / 2) * rec;
             const int j = (int)(b & 1);
             const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
             const uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
             float *o = out + n * K + b * QK;
-            float scale[2], m;
-            block_scales(planes, wh + n * hstride, b, &scale[0], &scale[1], &m);
             /* value_at's arithmetic, in loops the compiler vectorizes */
             for (int half = 0; half < 2; half++) {
-                const float d = scale[half];
+                const float d = planes == 2 ? wd[2 * b + half] : wd[b];
+                const float m = planes == 2 ? 0.f : wm[b];
                 for (int i = half * HALF; i < (half + 1) * HALF; i++) {
                     const int low = j ? pair[i] >> 4 : pair[i] & 15;
                     const int q = low | (int)((h4 >> i) & 1) << 4 | (int)((h5 >> i) & 1) << 5;

@@ -4,12 +4,13 @@
  * Weights stay in 32-element blocks as the file stores them: 4-bit values (two per byte,
  * byte j holds element j in its low nibble and element j + 16 in its high one) with a
  * scale d and an offset m per block (Q4_0 is Q4_1 with m = -8 d), or signed bytes with a
- * scale (Q8_0). Q4_K's blocks take their scale d sc and offset -(dmin mn) from the
- * super-block's scale bytes as the file holds them (quant_simd.h), formed as they are
- * read. Activations are quantized to signed bytes per block of 32 with their own
- * scale, as llama.cpp does, so each block's dot product is an integer one: VNNI's
- * vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop
- * off x86. Each output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for
+ * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
+ * of their super-block of 256 as the file holds them; each weight row's are expanded to
+ * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
+ * multiplied as one with float32 scales. Activations are quantized to signed bytes per
+ * block of 32 with their own scale, as llama.cpp does, so each block's dot product is an
+ * integer one: VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
+ * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for
  * the 4-bit formats. Rows of the activations are taken four at a time, so a weight block
  * read from memory serves all four.
  */
@@ -23,23 +24,24 @@
 #define ECQ_Q4_HALF 20 /* ecq_linear's kind for 4-bit blocks with float16 scales */
 #define ECQ_Q4_K 24    /* ... and for Q4_K's, scales per super-block (kquant_blocks.py) */
 
-/* Where a 4-bit kernel's block scales and offsets come from (a constant in each inlined
- * copy): float32 or float16 arrays, one of each a block, or Q4_K's super-block bytes. */
+/* Where a 4-bit product's block scales and offsets come from: float32 or float16 arrays,
+ * one of each a block, or Q4_K's super-block scale bytes. */
 #define SCALES_F32 0
 #define SCALES_F16 1
 #define SCALES_Q4K 2
 
-/* Block b's scale and offset; for SCALES_Q4K ``wd`` holds the row's super-block scale
- * bytes and ``wm`` is unused. */
-static inline __attribute__((always_inline)) void block_scale(const void *wd, const void *wm,
-                                                              int64_t b, int mode, float *d,
-                                                              float *m) {
-    if (mode == SCALES_Q4K) {
-        k4_scale_offset((const uint8_t *)wd + (b / 8) * K4_SCALE_BYTES, (int)(b % 8), d, m);
-        return;
-    }
-    *d = scale_at(wd, b, mode == SCALES_F16);
-    *m = scale_at(wm, b, mode == SCALES_F16);
+/* The row's scales and offsets as the kernel reads them: ``d`` and ``m`` as given, or for
+ * Q4_K (``d`` the row's scale bytes) expanded into ``d32``, ``m32`` [nb]. */
+static inline __attribute__((always_inline)) int row_scales(int mode, const char **d,
+                                                            const char **m, int64_t nb,
+                                                            float *d32, float *m32) {
+    if (mode != SCALES_Q4K) return mode == SCALES_F16;
+    /* the next row's scale bytes, so its expansion does not wait on them */
+    for (int64_t at = 0; at < nb * 2; at += 64) __builtin_prefetch(*d + nb * 2 + at);
+    for (int64_t s = 0; s < nb / 8; s++)
+        k4_expand((const uint8_t *)*d + s * K4_SCALE_BYTES, d32 + 8 * s, m32 + 8 * s);
+    *d = (const char *)d32, *m = (const char *)m32;
+    return 0;
 }
 
 /* x [M, K] (row stride ldx) -> xq [M, K] int8, xd [M, K/32] scales, xs [M, K/32] =
@@ -145,43 +147,11 @@ static inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* The scales d sc of Q4_K blocks b..b+3 (b a multiple of 4) of the scale bytes ``h``. */
-static inline __m128 q4k_scales4(const uint8_t *h, int64_t b) {
-    const uint8_t *sb = h + (b / 8) * K4_SCALE_BYTES;
-    uint8_t sm[16];
-    int32_t four;
-    k4_unpack(sb + 4, sm);
-    memcpy(&four, sm + (b & 4), sizeof four);
-    const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
-    return _mm_mul_ps(_mm_set1_ps(k4_half(sb)), sc);
-}
-
-/* The offsets -(dmin mn) of Q4_K blocks i..i+15 (i a multiple of 16) of the scale bytes
- * ``h``; only blocks i..i+7 where ``one`` (lanes 8-15 then zero). */
-static inline __m512 q4k_offsets16(const uint8_t *h, int64_t i, int one) {
-    const uint8_t *sb = h + (i / 8) * K4_SCALE_BYTES;
-    uint8_t first[16], second[16] = {0};
-    int64_t mins[2];
-    k4_unpack(sb + 4, first);
-    if (!one) k4_unpack(sb + K4_SCALE_BYTES + 4, second);
-    memcpy(&mins[0], first + 8, 8);
-    memcpy(&mins[1], second + 8, 8);
-    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(mins[1], mins[0])));
-    const __m512 dmin = _mm512_castpd_ps(_mm512_insertf64x4(
-        _mm512_castps_pd(_mm512_set1_ps(k4_half(sb + 2))),
-        _mm256_castps_pd(_mm256_set1_ps(one ? 0.f : k4_half(sb + K4_SCALE_BYTES + 2))), 1));
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-    const __m512 off = _mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, mn)), sign));
-    return one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
-}
-
 /* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
- * as ``mode`` says (a constant in each inlined copy). */
+ * float16 where ``half`` (a constant in each inlined copy). */
 static inline __attribute__((always_inline)) float dot_row_q4(
     const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
-    const float *xs, int64_t nb, int mode) {
-    const int half = mode == SCALES_F16;
+    const float *xs, int64_t nb, int half) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 acc = _mm512_setzero_ps();
@@ -194,9 +164,8 @@ static inline __attribute__((always_inline)) float dot_row_q4(
         __m512i dot = DOT512(_mm512_setzero_si512(), lo,
                              _mm512_loadu_si512((const void *)(xp + b * QK)));
         dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
-        const __m128 wd = mode == SCALES_Q4K ? q4k_scales4((const uint8_t *)d, b)
-                          : half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
-                                 : _mm_loadu_ps((const float *)d + b);
+        const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
+                               : _mm_loadu_ps((const float *)d + b);
         const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
         const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
@@ -204,17 +173,14 @@ static inline __attribute__((always_inline)) float dot_row_q4(
     /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
     int64_t i = 0;
     for (; i + 16 <= nb; i += 16) {
-        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16((const uint8_t *)d, i, 0)
-                          : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
-                                 : _mm512_loadu_ps((const float *)m + i);
+        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
+                               : _mm512_loadu_ps((const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
     }
     if (i < nb) {
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        /* Q4_K: nb is a multiple of 8, so 8 blocks are left */
-        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16((const uint8_t *)d, i, 1)
-                          : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
-                                 : _mm512_maskz_loadu_ps(left, (const float *)m + i);
+        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
+                               : _mm512_maskz_loadu_ps(left, (const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
     }
     float total = _mm512_reduce_add_ps(acc);
@@ -226,10 +192,8 @@ static inline __attribute__((always_inline)) float dot_row_q4(
         __m256i dot = DOT256(_mm256_setzero_si256(), lo,
                              _mm256_loadu_si256((const __m256i *)(xp + b * QK)));
         dot = DOT256(dot, hi, _mm256_loadu_si256((const __m256i *)(xp + b * QK + 32)));
-        float d0, d1, unused;
-        block_scale(d, m, b, mode, &d0, &unused);
-        block_scale(d, m, b + 1, mode, &d1, &unused);
-        const __m256 scales = _mm256_set_m128(_mm_set1_ps(d1 * xd[b + 1]), _mm_set1_ps(d0 * xd[b]));
+        const __m256 scales = _mm256_set_m128(_mm_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]),
+                                              _mm_set1_ps(scale_at(d, b, half) * xd[b]));
         total += hsum(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), scales));
         b += 2;
     }
@@ -240,9 +204,7 @@ static inline __attribute__((always_inline)) float dot_row_q4(
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask4);
         __m128i dot = DOT128(_mm_setzero_si128(), lo, _mm_loadu_si128((const __m128i *)(xp + b * QK)));
         dot = DOT128(dot, hi, _mm_loadu_si128((const __m128i *)(xp + b * QK + 16)));
-        float d0, unused;
-        block_scale(d, m, b, mode, &d0, &unused);
-        total += d0 * xd[b] * hsum128(_mm_cvtepi32_ps(dot));
+        total += scale_at(d, b, half) * xd[b] * hsum128(_mm_cvtepi32_ps(dot));
     }
     return total;
 }
@@ -255,8 +217,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                  const void *wm, int mode, const int8_t *xq, const float *xd, const float *xs,
                  float *out, int64_t ldo) {
     const int64_t nb = K / QK;
-    /* the scale bytes of a row, per block (Q4_K: 16 a super-block of 8 blocks) */
+    /* a row's scale bytes, per block (Q4_K: 16 a super-block of 8 blocks) */
     const int64_t scale_bytes = mode == SCALES_F32 ? 4 : 2;
+    const int64_t expanded = mode == SCALES_Q4K ? nb : 1; /* floats of a row's expansion */
 #if defined(ECQ_AVX512)
     int8_t stack_rows[4 * 4096];
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
@@ -266,14 +229,13 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wrow = wq + n * nb * (QK / 2);
             const char *d = (const char *)wd + n * nb * scale_bytes;
-            const char *m = mode == SCALES_Q4K ? NULL : (const char *)wm + n * nb * scale_bytes;
-            for (int64_t r = 0; r < M; r++) {
-                const int8_t *x = xp + r * K;
-                const float *rd = xd + r * nb, *rs = xs + r * nb;
-                out[r * ldo + n] = mode == SCALES_Q4K ? dot_row_q4(wrow, d, m, x, rd, rs, nb, SCALES_Q4K)
-                                   : mode == SCALES_F16 ? dot_row_q4(wrow, d, m, x, rd, rs, nb, SCALES_F16)
-                                                        : dot_row_q4(wrow, d, m, x, rd, rs, nb, SCALES_F32);
-            }
+            const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
+            float d32[expanded], m32[expanded];
+            const int half = row_scales(mode, &d, &m, nb, d32, m32);
+            for (int64_t r = 0; r < M; r++)
+                out[r * ldo + n] =
+                    half ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 1)
+                         : dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 0);
         }
         if (xp != stack_rows) free(xp);
         return;
@@ -283,7 +245,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * nb * (QK / 2);
         const char *d = (const char *)wd + n * nb * scale_bytes;
-        const char *m = mode == SCALES_Q4K ? NULL : (const char *)wm + n * nb * scale_bytes;
+        const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
+        float d32[expanded], m32[expanded];
+        const int half = row_scales(mode, &d, &m, nb, d32, m32);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -293,14 +257,13 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
             for (int64_t b = 0; b < nb; b++) {
                 _mm_prefetch((const char *)(wrow + b * (QK / 2)) + PREFETCH_BYTES, _MM_HINT_T0);
                 const __m256i w = unpack_nibbles(wrow + b * (QK / 2));
-                float db, mb;
-                block_scale(d, m, b, mode, &db, &mb);
                 for (int r = 0; r < rows; r++) {
                     const int64_t row = r0 + r;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
                     const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(w, x));
-                    acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(db * xd[row * nb + b]), acc[r]);
-                    offset[r] += mb * xs[row * nb + b];
+                    acc[r] = _mm256_fmadd_ps(
+                        dot, _mm256_set1_ps(scale_at(d, b, half) * xd[row * nb + b]), acc[r]);
+                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
                 }
             }
             for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
@@ -314,10 +277,8 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                     int dot = 0;
                     for (int i = 0; i < QK / 2; i++)
                         dot += (q[i] & 0x0F) * x[i] + (q[i] >> 4) * x[i + QK / 2];
-                    float db, mb;
-                    block_scale(d, m, b, mode, &db, &mb);
-                    total += db * xd[row * nb + b] * (float)dot;
-                    offset[r] += mb * xs[row * nb + b];
+                    total += scale_at(d, b, half) * xd[row * nb + b] * (float)dot;
+                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
@@ -396,14 +357,15 @@ void ecq_dequantize_q4k(int64_t N, int64_t K, const uint8_t *wq, const uint8_t *
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
+        const char *dp = (const char *)wh + n * nb * 2, *mp = NULL;
+        float d[nb], m[nb];
+        row_scales(SCALES_Q4K, &dp, &mp, nb, d, m);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *q = wq + (n * nb + b) * (QK / 2);
-            float d, m;
-            block_scale(wh + n * nb * 2, NULL, b, SCALES_Q4K, &d, &m);
             float *o = out + n * K + b * QK;
             for (int i = 0; i < QK / 2; i++) {
-                o[i] = (float)(q[i] & 0x0F) * d + m;
-                o[i + QK / 2] = (float)(q[i] >> 4) * d + m;
+                o[i] = (float)(q[i] & 0x0F) * d[b] + m[b];
+                o[i + QK / 2] = (float)(q[i] >> 4) * d[b] + m[b];
             }
         }
     }
@@ -423,8 +385,7 @@ void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, 
 /* out [M, N] = x [M, K] (row stride ldx) times the blocks' weight, activations quantized
  * here: one call per projection (kind 4: wq, wd, wm as ``ecq_gemm_q4``, ECQ_Q4_HALF the
  * same with float16 wd, wm, ECQ_Q4_K wd Q4_K's scale bytes and wm unused; 8:
- * ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the
- * scratch memory cannot be had. */
+ * ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the scratch memory cannot be had. */
 int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const void *wq, const void *wd, const void *wm, float *out, int64_t ldo) {
     const int64_t nb = K / QK;

@@ -79,27 +79,46 @@ static inline float k4_half(const uint8_t *p) {
     return half_to_float(h);
 }
 
-/* The eight scales (bytes 0-7 of the result) and eight mins (8-15) of the twelve packed
- * bytes ``q`` (ggml's get_scale_min_k4, four sub-blocks a word): bytes 0-3 and 4-7 hold
- * sub-blocks 0-3's scales and mins in their low 6 bits and the top 2 bits of sub-blocks
- * 4-7's, bytes 8-11 the low 4 bits of those. */
-static inline void k4_unpack(const uint8_t *q, uint8_t out[16]) {
-    uint32_t w[3], u[4];
-    memcpy(w, q, 12);
-    u[0] = w[0] & 0x3F3F3F3Fu;
-    u[1] = (w[2] & 0x0F0F0F0Fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-    u[2] = w[1] & 0x3F3F3F3Fu;
-    u[3] = ((w[2] >> 4) & 0x0F0F0F0Fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-    memcpy(out, u, 16);
+/* The eight 6-bit scales of the twelve packed bytes ``q``, scale j in byte j (ggml's
+ * get_scale_min_k4, four sub-blocks a word): bytes 0-3 hold sub-blocks 0-3's scales in
+ * their low 6 bits and the top 2 bits of sub-blocks 4-7's, whose low 4 bits are the low
+ * nibbles of bytes 8-11. */
+static inline uint64_t k4_scales8(const uint8_t *q) {
+    uint32_t w0, w2;
+    memcpy(&w0, q, 4);
+    memcpy(&w2, q + 8, 4);
+    const uint32_t high = (w2 & 0x0F0F0F0Fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    return (uint64_t)high << 32 | (w0 & 0x3F3F3F3Fu);
 }
 
-/* Sub-block ``j`` (0-7) of the super-block scales ``h``: its scale d sc and its offset
- * -(dmin mn). */
-static inline void k4_scale_offset(const uint8_t *h, int j, float *scale, float *offset) {
-    uint8_t sm[16];
-    k4_unpack(h + 4, sm);
-    *scale = k4_half(h) * (float)sm[j];
-    *offset = -(k4_half(h + 2) * (float)sm[8 + j]);
+/* The eight 6-bit mins, the same way: bytes 4-7 and the high nibbles of bytes 8-11. */
+static inline uint64_t k4_mins8(const uint8_t *q) {
+    uint32_t w1, w2;
+    memcpy(&w1, q + 4, 4);
+    memcpy(&w2, q + 8, 4);
+    const uint32_t high = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    return (uint64_t)high << 32 | (w1 & 0x3F3F3F3Fu);
+}
+
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
+static inline void k4_expand(const uint8_t *h, float *d, float *m) {
+    const uint64_t sc = k4_scales8(h + 4), mn = k4_mins8(h + 4);
+#if defined(__AVX2__)
+    const __m128i sc8 = _mm_cvtsi64_si128((long long)sc), mn8 = _mm_cvtsi64_si128((long long)mn);
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8));
+    const __m256 products = _mm256_mul_ps(_mm256_set1_ps(k4_half(h + 2)), mins);
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(k4_half(h)), scales));
+    _mm256_storeu_ps(m, _mm256_castsi256_ps(_mm256_xor_si256(
+                            _mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u))));
+#else
+    const float dd = k4_half(h), dmin = k4_half(h + 2);
+    for (int j = 0; j < 8; j++) {
+        d[j] = dd * (float)((sc >> (8 * j)) & 0xFF);
+        m[j] = -(dmin * (float)((mn >> (8 * j)) & 0xFF));
+    }
+#endif
 }
 
 #endif
