@@ -7,12 +7,13 @@
  * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
  * of their super-block of 256 as the file holds them; each weight row's are expanded to
  * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
- * multiplied as one with float32 scales. Activations are quantized to signed bytes per
+ * multiplied as one with float32 scales (at one activation row on AVX-512 the scales are
+ * formed inside the dot product instead). Activations are quantized to signed bytes per
  * block of 32 with their own scale, as llama.cpp does, so each block's dot product is an
  * integer one: VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
- * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for
- * the 4-bit formats. Rows of the activations are taken four at a time, so a weight block
- * read from memory serves all four.
+ * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks,
+ * plus m_w d_x sum(q_x) for the 4-bit formats. Rows of the activations are taken four at
+ * a time, so a weight block read from memory serves all four.
  */
 #include <stdint.h>
 #include <math.h>
@@ -147,40 +148,88 @@ static inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
- * float16 where ``half`` (a constant in each inlined copy). */
-static inline __attribute__((always_inline)) float dot_row_q4(
-    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
-    const float *xs, int64_t nb, int half) {
+/* The scales d sc of the eight blocks of Q4_K super-block ``sb`` (its scale bytes). */
+static inline __m256 q4k_scales8(const uint8_t *sb) {
+    const __m128i sc = _mm_cvtsi64_si128((long long)k4_scales8(sb + 4));
+    return _mm256_mul_ps(_mm256_set1_ps(k4_half(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+}
+
+/* The offsets -(dmin mn) of the sixteen blocks of Q4_K super-blocks ``sb`` and the next
+ * (lanes 0-7, 8-15); where ``one``, of ``sb`` only (lanes 8-15 zero). */
+static inline __m512 q4k_offsets16(const uint8_t *sb, int one) {
+    const uint8_t *next = sb + K4_SCALE_BYTES;
+    const __m128i mins = _mm_set_epi64x(one ? 0 : (long long)k4_mins8(next + 4),
+                                        (long long)k4_mins8(sb + 4));
+    uint16_t dmin[2] = {0, 0};
+    memcpy(&dmin[0], sb + 2, 2);
+    if (!one) memcpy(&dmin[1], next + 2, 2);
+    const __m512 dmins = _mm512_cvtph_ps(
+        _mm256_set_m128i(_mm_set1_epi16((short)dmin[1]), _mm_set1_epi16((short)dmin[0])));
+    const __m512 products = _mm512_mul_ps(dmins, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
+    const __m512 off = _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(products), _mm512_set1_epi32((int)0x80000000u)));
+    return one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
+}
+
+/* Blocks b..b+3 of ``wrow`` (weight scales ``wd``) against the permuted activations
+ * ``xp`` (scales ``xd``), added to ``acc``. */
+static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uint8_t *wrow,
+                                                           const int8_t *xp, const float *xd,
+                                                           int64_t b, __m128 wd) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
+    const __m512i lo = _mm512_and_si512(v, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    __m512i dot =
+        DOT512(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xp + b * QK)));
+    dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
+    const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
+    const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+}
+
+/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
+ * as ``mode`` says (a constant in each inlined copy). SCALES_Q4K forms each super-block's
+ * scales as its blocks are reached and the offsets 16 blocks at a time, the float32
+ * values of ``row_scales`` in the same operations, so the sum is the same bit for bit
+ * (for one activation row: more share one expansion). Q4_K rows are whole groups of 4,
+ * so the tails below serve the other modes only. */
+static inline __attribute__((always_inline)) float dot_row_q4(
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, int mode) {
+    const int half = mode == SCALES_F16;
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
+    if (mode == SCALES_Q4K) {
+        /* nb is a multiple of 8: a super-block's scales, then its two groups of 4 */
+        for (; b < nb; b += 8) {
+            const __m256 wd = q4k_scales8((const uint8_t *)d + (b / 8) * K4_SCALE_BYTES);
+            acc = group4(acc, wrow, xp, xd, b, _mm256_castps256_ps128(wd));
+            acc = group4(acc, wrow, xp, xd, b + 4, _mm256_extractf128_ps(wd, 1));
+        }
+    }
     for (; b + 4 <= nb; b += 4) {
-        _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
-        const __m512i lo = _mm512_and_si512(v, mask);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        __m512i dot = DOT512(_mm512_setzero_si512(), lo,
-                             _mm512_loadu_si512((const void *)(xp + b * QK)));
-        dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
         const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
                                : _mm_loadu_ps((const float *)d + b);
-        const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
-        const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+        acc = group4(acc, wrow, xp, xd, b, wd);
     }
     /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
     int64_t i = 0;
+    const uint8_t *q4k = (const uint8_t *)d; /* SCALES_Q4K: the row's scale bytes */
     for (; i + 16 <= nb; i += 16) {
-        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
-                               : _mm512_loadu_ps((const float *)m + i);
+        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 0)
+                          : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
+                                 : _mm512_loadu_ps((const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
     }
     if (i < nb) {
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
-                               : _mm512_maskz_loadu_ps(left, (const float *)m + i);
+        /* Q4_K: nb is a multiple of 8, so 8 blocks are left */
+        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 1)
+                          : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
+                                 : _mm512_maskz_loadu_ps(left, (const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
     }
     float total = _mm512_reduce_add_ps(acc);
@@ -230,6 +279,10 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
             const uint8_t *wrow = wq + n * nb * (QK / 2);
             const char *d = (const char *)wd + n * nb * scale_bytes;
             const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
+            if (mode == SCALES_Q4K && M == 1) {
+                out[n] = dot_row_q4(wrow, d, m, xp, xd, xs, nb, SCALES_Q4K);
+                continue;
+            }
             float d32[expanded], m32[expanded];
             const int half = row_scales(mode, &d, &m, nb, d32, m32);
             for (int64_t r = 0; r < M; r++)
