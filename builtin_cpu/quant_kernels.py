@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels
-from enginecore.builtin_cpu.gguf_blocks import BlockWeight
-from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
+from enginecore.builtin_cpu.gguf_blocks import Q4_HALF_SCALES, BlockWeight
+from enginecore.builtin_cpu.kquant_blocks import Q4_K_KIND, KQuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ _SIGNATURES = {
     "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
 }
 _LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
+# What ``ecq_linear`` multiplies: 8-bit blocks, 4-bit ones with float32 or float16 scales,
+# Q4_K's (the others read past a weight's scales)
+_LINEAR_KINDS = frozenset({8, 4, Q4_HALF_SCALES, Q4_K_KIND})
 
 
 def _vnni() -> tuple[str, list[str]] | None:
@@ -61,10 +64,14 @@ class QuantKernels:
     def linear(
         self, x: torch.Tensor, weight: BlockWeight | KQuantWeight, out: torch.Tensor
     ) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T, ``x`` float32 [M, K] with its
-        innermost dim contiguous: quantizing the activations and the product in one call
-        (the batch-1 decode step makes 120 of these on a 30-layer model, so the Python
-        side is kept to one foreign call)."""
+        """``out`` [M, N] (innermost contiguous) = x W^T for blocks or a Q4_K ``weight``,
+        ``x`` float32 [M, K] with its innermost dim contiguous: quantizing the activations
+        and the product in one call (the batch-1 decode step makes 120 of these on a
+        30-layer model, so the Python side is kept to one foreign call)."""
+        if weight.kind not in _LINEAR_KINDS:
+            raise ValueError(
+                f"ecq_linear does not multiply kind {weight.kind} (a Q5_K / Q6_K part?)"
+            )
         qs, d, m = weight.pointers
         failed = self._linear(
             weight.kind, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],

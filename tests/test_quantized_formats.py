@@ -230,6 +230,16 @@ def test_q4_k_multiplies_as_float32_scales_bit_for_bit(level, tmp_path, monkeypa
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K"])
+def test_the_block_kernel_refuses_a_5_or_6_bit_k_quant(fmt: str):
+    """``ecq_linear`` would read a Q5_K / Q6_K part's scale bytes as float32 scales, past
+    their end: the 5- and 6-bit kernel is theirs."""
+    part = _k_part(fmt, 4, 256)
+    with pytest.raises(ValueError, match="Q5_K / Q6_K"):
+        quant_kernels.load().linear(torch.randn(1, 256), part, torch.empty(1, 4))
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_k_quants_are_held_at_the_file_width(fmt: str):
     """Values and scales take the file's bits (4.5, 5.5, 6.5625 a value) and de-quantize,
