@@ -28,9 +28,8 @@ typedef int (*linear_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t,
                          const void *, const void *, float *, int64_t);
 typedef void (*quantize_rows_fn)(const float *, int64_t, int64_t, int64_t, int8_t *, float *,
                                  float *);
-typedef void (*gemm_s16_fn)(int64_t, int64_t, int64_t, int64_t, const uint8_t *,
-                            const float *, const float *, const int8_t *, const float *,
-                            const float *, float *, int64_t);
+typedef void (*gemm_k_fn)(int64_t, int64_t, int64_t, int64_t, const uint8_t *, const uint8_t *,
+                          const int8_t *, const float *, const float *, float *, int64_t);
 
 /* The kernels' addresses (any of the last may be null when no part needs it). */
 typedef struct {
@@ -42,11 +41,12 @@ typedef struct {
     decode_attention_fn decode_attention;
     linear_fn linear;
     quantize_rows_fn quantize_rows;
-    gemm_s16_fn gemm_s16;
+    gemm_k_fn gemm_k;
 } ecd_kernels;
 
 /* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
- * Q5_K / Q6_K sub-blocks (eck_gemm_s16's bits), else ecq_linear's kind. */
+ * Q5_K / Q6_K (eck_gemm_k's bits; d the scale bytes, m unused), else ecq_linear's kind
+ * (Q4_K among them). */
 typedef struct {
     int64_t kind, first, rows;
     const void *qs;
@@ -87,9 +87,8 @@ static int project(const ecd_kernels *k, const ecd_proj *p, const float *x, int6
         if (part->kind == 5 || part->kind == 6) {
             if (!quantized) k->quantize_rows(x, p->in, n, p->in, xq, xd, xs);
             quantized = 1;
-            k->gemm_s16(n, part->rows, p->in, part->kind, (const uint8_t *)part->qs,
-                        (const float *)part->d, (const float *)part->m, xq, xd, xs, target,
-                        p->out);
+            k->gemm_k(n, part->rows, p->in, part->kind, (const uint8_t *)part->qs,
+                      (const uint8_t *)part->d, xq, xd, xs, target, p->out);
         } else if (k->linear((int)part->kind, x, p->in, n, part->rows, p->in, part->qs, part->d,
                              part->m, target, p->out)) {
             return -2;

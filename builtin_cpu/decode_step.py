@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = cpu_kernels.SOURCE.with_name("decode_step.c")
 ENV_SWITCH = "ENGINECORE_FUSED_DECODE"
-_SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (SubBlockWeight.kind)
+_SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (KQuantWeight.kind)
 
 
 class _Kernels(Structure):
@@ -59,7 +59,7 @@ class _Kernels(Structure):
             "decode_attention",
             "linear",
             "quantize_rows",
-            "gemm_s16",
+            "gemm_k",
         )
     ]
 
@@ -152,7 +152,7 @@ def _kernels(needs_subblocks: bool) -> _Kernels:
         decode_attention=_address(cpu.lib, "ec_decode_attention"),
         linear=_address(quant.lib, "ecq_linear"),
         quantize_rows=_address(quant.lib, "ecq_quantize_rows"),
-        gemm_s16=_address(kquant.lib, "eck_gemm_s16") if kquant is not None else 0,
+        gemm_k=_address(kquant.lib, "eck_gemm_k") if kquant is not None else 0,
     )
 
 
@@ -268,10 +268,7 @@ class FusedDecodeStep:
             raise Unsupported("a projection is not kept in blocks (linear method gguf)")
         parts = []
         for first, part in blocks:
-            qs, d, m = part.qs, part.d, part.m
-            parts.append(
-                _Part(part.kind, first, part.shape[0], qs.data_ptr(), d.data_ptr(), m.data_ptr())
-            )
+            parts.append(_Part(part.kind, first, part.shape[0], *part.pointers))
         array = (_Part * len(parts))(*parts)
         self._keep.append(array)
         all_parts.extend(parts)

@@ -5,8 +5,8 @@ A decode step reads every weight once, so its time is the weights' bytes over me
 bandwidth: a Q4_1 weight is 5 bits a value against float32's 32. The weight loader hands
 tensors in the formats this method names (``gguf_formats``) over as
 :class:`enginecore.layers.quantized.QuantizedTensor`: GGUF's Q8_0, Q4_0, Q4_1 (32-value
-blocks), Q4_K (as 4-bit blocks of 32), Q5_K and Q6_K (a byte a value, a scale per 16),
-and the 4-bit groups of AWQ / GPTQ checkpoints (as 4-bit blocks of 32). Other formats
+blocks), Q4_K, Q5_K and Q6_K (at the file's bits a value, its scales per super-block of
+256), and the 4-bit groups of AWQ / GPTQ checkpoints (as 4-bit blocks of 32). Other formats
 (F16, other GGUF types) arrive de-quantized and take the ``cpu_packed`` path, as does a
 layer whose shards came in mixed forms. With ``model.quantization: int8`` a float
 projection is quantized here to int8 per output channel. The LM head (often tied to the
@@ -37,7 +37,7 @@ from enginecore.builtin_cpu import (
     quant_kernels,
 )
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
-from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
+from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
@@ -118,10 +118,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
         kernels = quant_kernels.load()
-        if (
-            any(isinstance(p, SubBlockWeight) for p in parts.values())
-            and kquant_kernels.load() is None
-        ):
+        if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
         covered = sum(p.shape[0] for p in parts.values())
         if parts and (kernels is None or covered != layer.weight.shape[0]):
@@ -193,7 +190,12 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         return super().apply_silu_and_mul(layer, x, bias)
 
 
-Part = BlockWeight | SubBlockWeight
+Part = BlockWeight | KQuantWeight
+
+
+def _needs_kquant(part: Part) -> bool:
+    """Whether ``kquant_kernels`` multiplies ``part`` (Q5_K, Q6_K; Q4_K is ``quant_kernels``')."""
+    return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
 
 
 def unpacked(tensor: QuantizedTensor) -> Part:
@@ -205,7 +207,7 @@ def unpacked(tensor: QuantizedTensor) -> Part:
 
 def dequantized_part(part: Part) -> torch.Tensor:
     """The float32 weight of ``part``, in torch (any device, no kernels needed)."""
-    if isinstance(part, SubBlockWeight):
+    if isinstance(part, KQuantWeight):
         return kquant_blocks.dequantize(part)
     return gguf_blocks.dequantize(part)
 
@@ -222,9 +224,11 @@ def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
 
 
 def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
-    if isinstance(part, SubBlockWeight):
-        return kquant_kernels.load().dequantize_s16(part)
-    return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+    if isinstance(part, BlockWeight):
+        return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+    if part.fmt == "Q4_K":
+        return kernels.dequantize_q4_k(part)
+    return kquant_kernels.load().dequantize_k(part)
 
 
 def _many_rows(x: torch.Tensor) -> bool:
@@ -251,10 +255,10 @@ def blocks_linear(
         acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
         for first, part in blocks:
             target = out[:, first:] if first else out
-            if isinstance(part, SubBlockWeight):
+            if _needs_kquant(part):
                 if acts is None:
                     acts = kernels.quantize_rows(rows)
-                kquant_kernels.load().gemm_s16(acts, part, target)
+                kquant_kernels.load().gemm_k(acts, part, target)
             else:
                 kernels.linear(rows, part, target)
     if bias is not None:
@@ -271,19 +275,18 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
         part = parts[first]
         if (
             merged
-            and isinstance(part, SubBlockWeight)
-            and isinstance(merged[-1][1], SubBlockWeight)
-            and merged[-1][1].bits == part.bits
+            and isinstance(part, KQuantWeight)
+            and isinstance(merged[-1][1], KQuantWeight)
+            and merged[-1][1].fmt == part.fmt
         ):
             start, prev = merged[-1]
             merged[-1] = (
                 start,
-                SubBlockWeight(
+                KQuantWeight(
+                    part.fmt,
                     torch.cat([prev.qs, part.qs]),
-                    torch.cat([prev.d, part.d]),
-                    torch.cat([prev.m, part.m]),
+                    torch.cat([prev.scales, part.scales]),
                     (prev.shape[0] + part.shape[0], part.shape[1]),
-                    part.bits,
                 ),
             )
         elif (

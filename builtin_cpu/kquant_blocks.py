@@ -1,5 +1,5 @@
 """GGUF's K-quant formats (Q4_K, Q5_K, Q6_K) unpacked to the layouts the ``gguf`` linear
-method multiplies, with the same values.
+method multiplies, with the same values and the file's scales.
 
 A K-quant super-block holds 256 values. Q4_K and Q5_K: float16 ``d`` and ``dmin``, twelve
 bytes of 6-bit scales and mins for eight sub-blocks of 32 (value = d sc q - dmin mn),
@@ -7,16 +7,21 @@ then the values (4 bits, Q5_K with a fifth bit in ``qh``). Q6_K: the values' low
 their high 2 bits, sixteen signed 8-bit scales (one per 16 values), float16 ``d``
 (value = d sc (q - 32)). Layouts as ggml's ``block_q4_K``, ``block_q5_K``, ``block_q6_K``.
 
-Q4_K becomes 4-bit :class:`BlockWeight` blocks of 32 (scale d sc, offset -dmin mn; a
-float16 times a 6-bit integer is exact in float32), served by ``quant_kernels``. Q5_K
-and Q6_K become :class:`SubBlockWeight`: their values at the file's width (the low 4
-bits two a byte, the 5th and 6th bits as bit planes) with float32 scales, served by
-``kquant_kernels``.
+A :class:`KQuantWeight` keeps each super-block's scales as the file has them (its
+``scales`` bytes: Q4_K / Q5_K ``d``, ``dmin`` and the twelve packed bytes, Q6_K the sixteen
+scales and ``d``), so it holds the file's bits a value: 4.5 (Q4_K), 5.5 (Q5_K), 6.5625
+(Q6_K). The kernels form d sc and -(dmin mn) in float32 as they read them: a float16
+times a 6- or 8-bit integer is exact in float32, so these are the float32 scales and
+offsets of :func:`float_scales` exactly. Q4_K's values are 4-bit blocks of 32 as
+:class:`BlockWeight`'s, multiplied by ``quant_kernels`` (kind ``Q4_K_KIND``); Q5_K's and
+Q6_K's are at the file's width (the low 4 bits two a byte, the 5th and 6th bits as bit
+planes), multiplied by ``kquant_kernels``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,29 +31,46 @@ SUPER = 256
 HALF = 16
 _BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 FORMATS = tuple(_BYTES)
+# Bytes of scales a super-block: where they lie in the file's, and how many.
+_SCALES_AT = {"Q4_K": (0, 16), "Q5_K": (0, 16), "Q6_K": (192, 18)}
+Q4_K_KIND = 24  # ECQ_Q4_K in quant_kernels.c: 4-bit blocks of 32, scales per super-block
 
 
 @dataclass
-class SubBlockWeight:
-    """A Q5_K (``bits`` 5) or Q6_K (``bits`` 6) weight [out, in] at the file's value width.
+class KQuantWeight:
+    """A Q4_K, Q5_K or Q6_K weight [out, in] with the file's scales.
 
-    ``qs`` [out, in/64 * (32 + 8 (bits - 4))] uint8: per pair of 32-value blocks, 32 bytes
-    of low 4 bits (byte j: value j of the first block low, of the second high), then each
-    block's high bits as little-endian 32-bit words, bit i for value i (the 5th bit; for
-    Q6_K then the 6th). ``d``: a float32 scale per 32 values (Q5_K, [out, in/32]) or per
-    16 (Q6_K, [out, in/16]); ``m``: Q5_K's offset per 32 ([out, in/32]), empty for Q6_K.
-    Value = q d + m (Q5_K), (q - 32) d (Q6_K)."""
+    ``scales`` [out, in/256 * 16 (Q4_K, Q5_K) or 18 (Q6_K)] uint8: each super-block's
+    scale bytes as the file stores them. ``qs``: Q4_K [out, in/32, 16] uint8 (byte j of a
+    block of 32: value j low, value j + 16 high); Q5_K / Q6_K [out, in/64 * (32 +
+    8 (bits - 4))] uint8: per pair of 32-value blocks, 32 bytes of low 4 bits (byte j:
+    value j of the first block low, of the second high), then each block's high bits as
+    little-endian 32-bit words, bit i for value i (the 5th bit; for Q6_K then the 6th)."""
 
+    fmt: str
     qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor
+    scales: torch.Tensor
     shape: tuple[int, int]
-    bits: int
+
+    @property
+    def bits(self) -> int:
+        """Bits of each value (4, 5, 6), the scales aside."""
+        return int(self.fmt[1])
 
     @property
     def kind(self) -> int:
-        """The kernels' name for this layout: the bits a value."""
-        return self.bits
+        """The kernels' name for this layout: ``ecq_linear``'s ``Q4_K_KIND`` for Q4_K,
+        ``eck_gemm_k``'s bits a value for Q5_K and Q6_K."""
+        return Q4_K_KIND if self.fmt == "Q4_K" else self.bits
+
+    @cached_property
+    def pointers(self) -> tuple[int, int, int]:
+        """The addresses the kernels take (values, scales, no offsets) once loaded."""
+        return self.qs.data_ptr(), self.scales.data_ptr(), 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.scales.nbytes
 
 
 def _halves(raw: torch.Tensor) -> torch.Tensor:
@@ -66,6 +88,26 @@ def _scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.float(), mins.float()
 
 
+def _float_scales(fmt: str, header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d sc, -(dmin mn)) in float32 of the scale bytes ``header`` [out, super-blocks,
+    bytes]: [out, in/32] each, or for Q6_K ([out, in/16], empty)."""
+    out = header.shape[0]
+    if fmt == "Q6_K":
+        scales = header[..., :16].contiguous().view(torch.int8).float()
+        d = _halves(header[..., 16:18])
+        return (d * scales).reshape(out, -1), torch.zeros(out, 0)
+    d, dmin = _halves(header[..., 0:2]), _halves(header[..., 2:4])
+    scales, mins = _scales_and_mins(header[..., 4:16])
+    return (d * scales).reshape(out, -1), (-(dmin * mins)).reshape(out, -1)
+
+
+def float_scales(weight: KQuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 scale of each sub-block of ``weight`` (per 32 values, Q6_K per 16) and
+    its offset (per 32; empty for Q6_K), as the kernels form them."""
+    out, k = weight.shape
+    return _float_scales(weight.fmt, weight.scales.reshape(out, k // SUPER, -1))
+
+
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """4-bit values of ``qs`` [..., chunks, 32]: each chunk of 32 bytes holds 64 values,
     the first 32 in the low nibbles -> [..., chunks * 64]."""
@@ -73,47 +115,48 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return pair.flatten(-3)
 
 
-def _k_values(data: torch.Tensor, fmt: str, shape: tuple[int, int]):
-    """(q [out, in] int16 values as stored, d [out, in/16 or in/32], m (Q6_K: empty)) of
-    a K-quant tensor; Q6_K's values stand for q - 32."""
-    out, k = shape
-    if k % SUPER:
-        raise ValueError(f"a {fmt} weight needs a multiple of {SUPER} inputs, not {k}")
-    blocks = data.reshape(out, k // SUPER, _BYTES[fmt])
+def _file_values(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The values [out, in] (int16, as stored: Q6_K's stand for q - 32) of the file's
+    super-blocks ``blocks`` [out, super-blocks, bytes]."""
+    out = blocks.shape[0]
     if fmt == "Q6_K":
         # Each half of 128 values: ql's 64 bytes hold values 0-63 (low nibbles) and 64-127
         # (high), qh's 32 bytes hold the top 2 bits of values l, 32 + l, 64 + l, 96 + l.
         ql = blocks[..., :128].reshape(out, -1, 2, 64).to(torch.int16)
         qh = blocks[..., 128:192].reshape(out, -1, 2, 32).to(torch.int16)
-        scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-        d = _halves(blocks[..., 208:210])
         high = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)
-        q = _nibbles(ql).reshape(out, k) | (high.reshape(out, k) << 4)
-        return q, (d * scales).reshape(out, k // HALF), torch.zeros(out, 0)
-    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])
-    scales, mins = _scales_and_mins(blocks[..., 4:16])
+        return _nibbles(ql).reshape(out, -1) | (high.reshape(out, -1) << 4)
     qs = blocks[..., -128:].reshape(out, -1, 4, 32).to(torch.int16)
     q = _nibbles(qs).reshape(out, -1, 8, 32)
     if fmt == "Q5_K":
         qh = blocks[..., 16:48].to(torch.int16)  # bit i of byte l: sub-block i, value l
         high = torch.stack([(qh >> i) & 1 for i in range(8)], dim=-2)
         q = q | (high << 4)
-    return q.reshape(out, k), (d * scales).reshape(out, -1), (-(dmin * mins)).reshape(out, -1)
+    return q.reshape(out, -1)
 
 
-def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]):
+def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWeight:
     """Unpack GGUF's raw K-quant super-blocks ``data`` [out, bytes per row]."""
     if fmt not in _BYTES:
         raise ValueError(f"GGUF K-quant format {fmt!r} is not one of {', '.join(FORMATS)}")
-    q, d, m = _k_values(data, fmt, shape)
+    out, k = shape
+    if k % SUPER:
+        raise ValueError(f"a {fmt} weight needs a multiple of {SUPER} inputs, not {k}")
+    blocks = data.reshape(out, k // SUPER, _BYTES[fmt])
+    at, size = _SCALES_AT[fmt]
+    scales = blocks[..., at : at + size].reshape(out, -1).contiguous()
+    q = _file_values(blocks, fmt)
     if fmt == "Q4_K":
-        return four_bit_blocks(q, d, m, shape)
-    bits = 6 if fmt == "Q6_K" else 5
-    return SubBlockWeight(_packed(q, bits), d.contiguous(), m.contiguous(), shape, bits)
+        nibbles = q.reshape(out, k // BLOCK, 2, BLOCK // 2).to(torch.uint8)
+        qs = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).contiguous()
+    else:
+        qs = _packed(q, 6 if fmt == "Q6_K" else 5)
+    return KQuantWeight(fmt, qs, scales, shape)
 
 
 def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Values ``q`` [out, in] in 0..2^bits - 1 as :class:`SubBlockWeight`'s ``qs``."""
+    """Values ``q`` [out, in] in 0..2^bits - 1 as :class:`KQuantWeight`'s 5- or 6-bit
+    ``qs``."""
     out, k = q.shape
     pairs = q.reshape(out, k // (2 * BLOCK), 2, BLOCK).to(torch.int32)
     low = ((pairs[..., 0, :] & 15) | ((pairs[..., 1, :] & 15) << 4)).to(torch.uint8)
@@ -128,9 +171,11 @@ def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([low, high], dim=-1).reshape(out, -1).contiguous()
 
 
-def values(weight: SubBlockWeight) -> torch.Tensor:
+def values(weight: KQuantWeight) -> torch.Tensor:
     """The file's values [out, in] (int16) of ``weight``, Q6_K's centred (q - 32)."""
     out, k = weight.shape
+    if weight.bits == 4:
+        return torch.cat([weight.qs & 15, weight.qs >> 4], dim=-1).reshape(out, k).to(torch.int16)
     planes = weight.bits - 4
     records = weight.qs.reshape(out, k // (2 * BLOCK), 2 * HALF + 8 * planes)
     low = records[..., : 2 * HALF].to(torch.int16)
@@ -143,23 +188,22 @@ def values(weight: SubBlockWeight) -> torch.Tensor:
     return q - 32 if weight.bits == 6 else q
 
 
-def four_bit_blocks(
-    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, shape: tuple[int, int]
-) -> BlockWeight:
-    """Values ``q`` [out, in] in 0..15 with a scale ``d`` and offset ``m`` per block of 32
-    as the 4-bit :class:`BlockWeight` layout (byte j: value j low, value j + 16 high)."""
-    out, k = shape
-    blocks = q.reshape(out, k // BLOCK, 2, BLOCK // 2).to(torch.uint8)
-    qs = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).contiguous()
-    return BlockWeight(4, qs, d.float().contiguous(), m.float().contiguous(), shape)
+def four_bit_blocks(weight: KQuantWeight) -> BlockWeight:
+    """A Q4_K ``weight`` as 4-bit :class:`BlockWeight` blocks of 32 with float32 scales and
+    offsets (d sc, -(dmin mn)): the layout of methods without a Q4_K kernel."""
+    if weight.fmt != "Q4_K":
+        raise ValueError(f"only Q4_K has 4-bit blocks of 32, not {weight.fmt}")
+    d, m = float_scales(weight)
+    return BlockWeight(4, weight.qs, d.contiguous(), m.contiguous(), weight.shape)
 
 
-def dequantize(weight: SubBlockWeight) -> torch.Tensor:
-    """The float32 weight [out, in] of :class:`SubBlockWeight` ``weight``."""
+def dequantize(weight: KQuantWeight) -> torch.Tensor:
+    """The float32 weight [out, in] of ``weight``."""
     out, k = weight.shape
-    per_scale = BLOCK if weight.bits == 5 else HALF
+    d, m = float_scales(weight)
+    per_scale = HALF if weight.fmt == "Q6_K" else BLOCK
     values_ = values(weight).float().reshape(out, k // per_scale, per_scale)
-    scaled = (values_ * weight.d.unsqueeze(-1)).reshape(out, k)
-    if weight.bits == 6:
+    scaled = (values_ * d.unsqueeze(-1)).reshape(out, k)
+    if weight.fmt == "Q6_K":
         return scaled
-    return (scaled.reshape(out, k // BLOCK, BLOCK) + weight.m.unsqueeze(-1)).reshape(out, k)
+    return (scaled.reshape(out, k // BLOCK, BLOCK) + m.unsqueeze(-1)).reshape(out, k)

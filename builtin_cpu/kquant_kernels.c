@@ -1,12 +1,17 @@
-/* Matrix products over GGUF's Q5_K and Q6_K weights at close to the file's width, for
+/* Matrix products over GGUF's Q5_K and Q6_K weights at the file's width, for
  * enginecore's ``gguf`` linear method (layout: kquant_blocks.py).
  *
  * A row's values go by pairs of 32-value blocks, one record of bytes each: 32 bytes of
  * low 4 bits (byte j: value j of the first block in its low nibble, of the second in its
  * high one), then each block's high bits as 32-bit words, bit i for value i (Q5_K one
- * word a block, the 5th bit; Q6_K two, the 5th and the 6th). Scales are float32, one per
- * 32 values (Q5_K) or 16 (Q6_K); Q5_K adds an offset per 32 (value = q d + m), Q6_K
- * centres its values (value = (q - 32) d).
+ * word a block, the 5th bit; Q6_K two, the 5th and the 6th). The scales are the file's,
+ * per super-block of 256 values: Q5_K float16 d and dmin and twelve bytes of 6-bit
+ * scales and mins (quant_simd.h), a scale d sc and an offset -(dmin mn) per 32 values
+ * (value = q d sc - dmin mn); Q6_K sixteen signed 8-bit scales and float16 d, a scale
+ * d sc per 16 values (value = (q - 32) d sc). Each weight row's scales are expanded to
+ * float32 on the stack as the row is reached, once for all activation rows: a float16
+ * times a 6- or 8-bit integer is exact, so they are the same floats as scales held in
+ * float32, and the product is the one over those bit for bit.
  *
  * The activations are those of quant_kernels.c: signed bytes per block of 32 with a
  * scale xd and xs = xd * (sum of the block's bytes). Each block's values are rebuilt in
@@ -24,9 +29,52 @@
 #define QK 32
 #define HALF 16
 #define ROWS 4
+#define Q6K_SCALE_BYTES 18
 
 /* Bytes of a pair record with ``planes`` high-bit words a block (1: Q5_K, 2: Q6_K). */
 static inline int64_t record_bytes(int planes) { return 2 * HALF + 2 * 4 * planes; }
+
+/* Bytes of a super-block's scales. */
+static inline int64_t scale_bytes(int planes) {
+    return planes == 2 ? Q6K_SCALE_BYTES : K4_SCALE_BYTES;
+}
+
+/* The float32 scales of super-block ``h`` (its scale bytes): Q6_K's d sc of its sixteen
+ * runs of 16 values into ``d``; Q5_K's d sc and -(dmin mn) of its eight blocks into ``d``
+ * and ``m``. */
+static inline __attribute__((always_inline)) void super_scales(int planes, const uint8_t *h,
+                                                               float *d, float *m) {
+    if (planes == 1) {
+        k4_expand(h, d, m);
+        return;
+    }
+#if defined(__AVX2__)
+    const __m256 dd = _mm256_set1_ps(k4_half(h + 16));
+    for (int half = 0; half < 2; half++) {
+        const __m128i sc = _mm_loadl_epi64((const __m128i *)(h + 8 * half));
+        _mm256_storeu_ps(d + 8 * half,
+                         _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    }
+#else
+    const float dd = k4_half(h + 16);
+    for (int i = 0; i < 16; i++) d[i] = dd * (float)(int8_t)h[i];
+#endif
+}
+
+/* The float32 scales of ``rows`` weight rows from ``wh`` (their scale bytes, ``hstride``
+ * apart) with ``nb`` blocks each: d [rows, nb] (Q6_K [rows, 2 nb]), Q5_K's m [rows, nb]. */
+static inline __attribute__((always_inline)) void expand_scales(int planes, const uint8_t *wh,
+                                                                int64_t hstride, int64_t rows,
+                                                                int64_t nb, float *d, float *m) {
+    const int64_t per_block = planes == 2 ? 2 : 1;
+    /* the next rows' scale bytes, so their expansion does not wait on them */
+    for (int64_t at = 0; at < rows * hstride; at += 64)
+        __builtin_prefetch(wh + rows * hstride + at);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < nb / 8; s++)
+            super_scales(planes, wh + r * hstride + s * scale_bytes(planes),
+                         d + (r * nb + 8 * s) * per_block, m + r * nb + 8 * s);
+}
 
 static inline uint32_t load_word(const uint8_t *p) {
     uint32_t w;
@@ -167,11 +215,11 @@ static inline __attribute__((always_inline)) void any_tile(
 
 /* The product for one layout (``planes`` a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void gemm(
-    int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const float *wd,
-    const float *wm, const int8_t *xq, const float *xd, const float *xs, float *out,
-    int64_t ldo) {
+    int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh,
+    const int8_t *xq, const float *xd, const float *xs, float *out, int64_t ldo) {
     const int64_t nb = K / QK, rec = record_bytes(planes);
     const int64_t scales_per_block = planes == 2 ? 2 : 1;
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
 #if defined(__AVX2__)
     /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -185,8 +233,8 @@ static inline __attribute__((always_inline)) void gemm(
         const int64_t n = t * nw;
         const int w = (int)(N - n < nw ? N - n : nw);
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
-        const float *d = wd + n * scales_per_block * nb;
-        const float *m = planes == 1 ? wm + n * nb : NULL;
+        float d[w * scales_per_block * nb], m[w * nb];
+        expand_scales(planes, wh + n * hstride, hstride, w, nb, d, m);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS / nw) {
             const int rows = M - r0 < ROWS / nw ? (int)(M - r0) : (int)(ROWS / nw);
             any_tile(planes, w, rows, wrow, (nb / 2) * rec, d, scales_per_block * nb, m, r0, K,
@@ -197,8 +245,8 @@ static inline __attribute__((always_inline)) void gemm(
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * (nb / 2) * rec;
-        const float *d = wd + n * scales_per_block * nb;
-        const float *m = planes == 1 ? wm + n * nb : NULL;
+        float d[scales_per_block * nb], m[nb];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -226,25 +274,28 @@ static inline __attribute__((always_inline)) void gemm(
 }
 
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for ``bits`` 5 (Q5_K: wq [N, K/64]
- * records of 40 bytes, wd and wm [N, K/32]) or 6 (Q6_K: records of 48 bytes, wd
- * [N, K/16], wm unused). K is a multiple of 64. */
-void eck_gemm_s16(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
-                  const float *wd, const float *wm, const int8_t *xq, const float *xd,
-                  const float *xs, float *out, int64_t ldo) {
+ * records of 40 bytes, wh [N, K/256, 16] scale bytes) or 6 (Q6_K: records of 48 bytes,
+ * wh [N, K/256, 18]). K is a multiple of 256. */
+void eck_gemm_k(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                const uint8_t *wh, const int8_t *xq, const float *xd, const float *xs,
+                float *out, int64_t ldo) {
     if (bits == 6)
-        gemm(2, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
+        gemm(2, M, N, K, wq, wh, xq, xd, xs, out, ldo);
     else
-        gemm(1, M, N, K, wq, wd, wm, xq, xd, xs, out, ldo);
+        gemm(1, M, N, K, wq, wh, xq, xd, xs, out, ldo);
 }
 
 /* The float32 weight [N, K] (for many rows of activations, where one float GEMM beats
- * the integer dot products): the file's values, q d + m or (q - 32) d. */
-void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
-                        const float *wd, const float *wm, float *out) {
+ * the integer dot products): the file's values, q d sc - dmin mn or (q - 32) d sc. */
+void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
+                      const uint8_t *wh, float *out) {
     const int planes = bits == 6 ? 2 : 1;
     const int64_t nb = K / QK, rec = record_bytes(planes);
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
+        float wd[(planes == 2 ? 2 : 1) * nb], wm[nb];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, wd, wm);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *pair = wq + (n * (nb / 2) + b / 2) * rec;
             const int j = (int)(b & 1);
@@ -253,8 +304,8 @@ void eck_dequantize_s16(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
             float *o = out + n * K + b * QK;
             /* value_at's arithmetic, in loops the compiler vectorizes */
             for (int half = 0; half < 2; half++) {
-                const float d = planes == 2 ? wd[n * 2 * nb + 2 * b + half] : wd[n * nb + b];
-                const float m = planes == 2 ? 0.f : wm[n * nb + b];
+                const float d = planes == 2 ? wd[2 * b + half] : wd[b];
+                const float m = planes == 2 ? 0.f : wm[b];
                 for (int i = half * HALF; i < (half + 1) * HALF; i++) {
                     const int low = j ? pair[i] >> 4 : pair[i] & 15;
                     const int q = low | (int)((h4 >> i) & 1) << 4 | (int)((h5 >> i) & 1) << 5;

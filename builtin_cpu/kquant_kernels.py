@@ -1,5 +1,5 @@
 """Loader of ``kquant_kernels.c``: products over GGUF's Q5_K and Q6_K weights as the
-``gguf`` linear method keeps them (:class:`~enginecore.builtin_cpu.kquant_blocks.SubBlockWeight`),
+``gguf`` linear method keeps them (:class:`~enginecore.builtin_cpu.kquant_blocks.KQuantWeight`),
 built as ``quant_kernels`` is and taking its quantized activations."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels, quant_kernels
-from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
+from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 from enginecore.builtin_cpu.quant_kernels import QuantizedActivations
 
 logger = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ SOURCE = Path(__file__).with_name("kquant_kernels.c")
 
 _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
-    "eck_gemm_s16": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64],
-    "eck_dequantize_s16": [_I64, _I64, _I64, _P, _P, _P, _P],
+    "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
+    "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
 }
 
 
@@ -36,24 +36,23 @@ class KQuantKernels:
             fn.argtypes, fn.restype = argtypes, None
         self.path = path
 
-    def gemm_s16(
-        self, acts: QuantizedActivations, weight: SubBlockWeight, out: torch.Tensor
-    ) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T for ``weight`` [N, K]."""
+    def gemm_k(self, acts: QuantizedActivations, weight: KQuantWeight, out: torch.Tensor) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T for a Q5_K or Q6_K ``weight``
+        [N, K]."""
         rows, k = acts.q.shape
-        self.lib.eck_gemm_s16(
-            rows, weight.shape[0], k, weight.bits, weight.qs.data_ptr(), weight.d.data_ptr(),
-            weight.m.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
+        self.lib.eck_gemm_k(
+            rows, weight.shape[0], k, weight.bits, weight.qs.data_ptr(),
+            weight.scales.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
             acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
         )  # fmt: skip
 
-    def dequantize_s16(self, weight: SubBlockWeight) -> torch.Tensor:
+    def dequantize_k(self, weight: KQuantWeight) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight``."""
         n, k = weight.shape
         out = torch.empty((n, k), dtype=torch.float32)
-        self.lib.eck_dequantize_s16(
-            n, k, weight.bits, weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
-            out.data_ptr(),
-        )  # fmt: skip
+        self.lib.eck_dequantize_k(
+            n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        )
         return out
 
 

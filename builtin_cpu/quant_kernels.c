@@ -1,15 +1,19 @@
-/* Matrix products over block-quantized weights (GGUF's Q8_0, Q4_0 and Q4_1), for
+/* Matrix products over block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1 and Q4_K), for
  * enginecore's ``gguf`` linear method.
  *
  * Weights stay in 32-element blocks as the file stores them: 4-bit values (two per byte,
  * byte j holds element j in its low nibble and element j + 16 in its high one) with a
  * scale d and an offset m per block (Q4_0 is Q4_1 with m = -8 d), or signed bytes with a
- * scale (Q8_0). Activations are quantized to signed bytes per block of 32 with their own
- * scale, as llama.cpp does, so each block's dot product is an integer one: VNNI's
- * vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop
- * off x86. Each output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for
- * the 4-bit formats. Rows of the activations are taken four at a time, so a weight block
- * read from memory serves all four.
+ * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
+ * of their super-block of 256 as the file holds them; each weight row's are expanded to
+ * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
+ * multiplied as one with float32 scales (at one activation row on AVX-512 the scales are
+ * formed inside the dot product instead). Activations are quantized to signed bytes per
+ * block of 32 with their own scale, as llama.cpp does, so each block's dot product is an
+ * integer one: VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
+ * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks,
+ * plus m_w d_x sum(q_x) for the 4-bit formats. Rows of the activations are taken four at
+ * a time, so a weight block read from memory serves all four.
  */
 #include <stdint.h>
 #include <math.h>
@@ -19,6 +23,27 @@
 
 #define QK 32
 #define ECQ_Q4_HALF 20 /* ecq_linear's kind for 4-bit blocks with float16 scales */
+#define ECQ_Q4_K 24    /* ... and for Q4_K's, scales per super-block (kquant_blocks.py) */
+
+/* Where a 4-bit product's block scales and offsets come from: float32 or float16 arrays,
+ * one of each a block, or Q4_K's super-block scale bytes. */
+#define SCALES_F32 0
+#define SCALES_F16 1
+#define SCALES_Q4K 2
+
+/* The row's scales and offsets as the kernel reads them: ``d`` and ``m`` as given, or for
+ * Q4_K (``d`` the row's scale bytes) expanded into ``d32``, ``m32`` [nb]. */
+static inline __attribute__((always_inline)) int row_scales(int mode, const char **d,
+                                                            const char **m, int64_t nb,
+                                                            float *d32, float *m32) {
+    if (mode != SCALES_Q4K) return mode == SCALES_F16;
+    /* the next row's scale bytes, so its expansion does not wait on them */
+    for (int64_t at = 0; at < nb * 2; at += 64) __builtin_prefetch(*d + nb * 2 + at);
+    for (int64_t s = 0; s < nb / 8; s++)
+        k4_expand((const uint8_t *)*d + s * K4_SCALE_BYTES, d32 + 8 * s, m32 + 8 * s);
+    *d = (const char *)d32, *m = (const char *)m32;
+    return 0;
+}
 
 /* x [M, K] (row stride ldx) -> xq [M, K] int8, xd [M, K/32] scales, xs [M, K/32] =
  * scale * sum of the block's bytes. */
@@ -123,40 +148,88 @@ static inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
- * float16 where ``half`` (a constant in each inlined copy). */
-static inline __attribute__((always_inline)) float dot_row_q4(
-    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
-    const float *xs, int64_t nb, int half) {
+/* The scales d sc of the eight blocks of Q4_K super-block ``sb`` (its scale bytes). */
+static inline __m256 q4k_scales8(const uint8_t *sb) {
+    const __m128i sc = _mm_cvtsi64_si128((long long)k4_scales8(sb + 4));
+    return _mm256_mul_ps(_mm256_set1_ps(k4_half(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+}
+
+/* The offsets -(dmin mn) of the sixteen blocks of Q4_K super-blocks ``sb`` and the next
+ * (lanes 0-7, 8-15); where ``one``, of ``sb`` only (lanes 8-15 zero). */
+static inline __m512 q4k_offsets16(const uint8_t *sb, int one) {
+    const uint8_t *next = sb + K4_SCALE_BYTES;
+    const __m128i mins = _mm_set_epi64x(one ? 0 : (long long)k4_mins8(next + 4),
+                                        (long long)k4_mins8(sb + 4));
+    uint16_t dmin[2] = {0, 0};
+    memcpy(&dmin[0], sb + 2, 2);
+    if (!one) memcpy(&dmin[1], next + 2, 2);
+    const __m512 dmins = _mm512_cvtph_ps(
+        _mm256_set_m128i(_mm_set1_epi16((short)dmin[1]), _mm_set1_epi16((short)dmin[0])));
+    const __m512 products = _mm512_mul_ps(dmins, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
+    const __m512 off = _mm512_castsi512_ps(
+        _mm512_xor_si512(_mm512_castps_si512(products), _mm512_set1_epi32((int)0x80000000u)));
+    return one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
+}
+
+/* Blocks b..b+3 of ``wrow`` (weight scales ``wd``) against the permuted activations
+ * ``xp`` (scales ``xd``), added to ``acc``. */
+static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uint8_t *wrow,
+                                                           const int8_t *xp, const float *xd,
+                                                           int64_t b, __m128 wd) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
+    const __m512i lo = _mm512_and_si512(v, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    __m512i dot =
+        DOT512(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xp + b * QK)));
+    dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
+    const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
+    const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+}
+
+/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
+ * as ``mode`` says (a constant in each inlined copy). SCALES_Q4K forms each super-block's
+ * scales as its blocks are reached and the offsets 16 blocks at a time, the float32
+ * values of ``row_scales`` in the same operations, so the sum is the same bit for bit
+ * (for one activation row: more share one expansion). Q4_K rows are whole groups of 4,
+ * so the tails below serve the other modes only. */
+static inline __attribute__((always_inline)) float dot_row_q4(
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, int mode) {
+    const int half = mode == SCALES_F16;
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
+    if (mode == SCALES_Q4K) {
+        /* nb is a multiple of 8: a super-block's scales, then its two groups of 4 */
+        for (; b < nb; b += 8) {
+            const __m256 wd = q4k_scales8((const uint8_t *)d + (b / 8) * K4_SCALE_BYTES);
+            acc = group4(acc, wrow, xp, xd, b, _mm256_castps256_ps128(wd));
+            acc = group4(acc, wrow, xp, xd, b + 4, _mm256_extractf128_ps(wd, 1));
+        }
+    }
     for (; b + 4 <= nb; b += 4) {
-        _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
-        const __m512i lo = _mm512_and_si512(v, mask);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        __m512i dot = DOT512(_mm512_setzero_si512(), lo,
-                             _mm512_loadu_si512((const void *)(xp + b * QK)));
-        dot = DOT512(dot, hi, _mm512_loadu_si512((const void *)(xp + b * QK + 64)));
         const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
                                : _mm_loadu_ps((const float *)d + b);
-        const __m128 scale = _mm_mul_ps(wd, _mm_loadu_ps(xd + b));
-        const __m512 scales = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+        acc = group4(acc, wrow, xp, xd, b, wd);
     }
     /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
     int64_t i = 0;
+    const uint8_t *q4k = (const uint8_t *)d; /* SCALES_Q4K: the row's scale bytes */
     for (; i + 16 <= nb; i += 16) {
-        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
-                               : _mm512_loadu_ps((const float *)m + i);
+        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 0)
+                          : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
+                                 : _mm512_loadu_ps((const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
     }
     if (i < nb) {
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        const __m512 wm = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
-                               : _mm512_maskz_loadu_ps(left, (const float *)m + i);
+        /* Q4_K: nb is a multiple of 8, so 8 blocks are left */
+        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 1)
+                          : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
+                                 : _mm512_maskz_loadu_ps(left, (const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
     }
     float total = _mm512_reduce_add_ps(acc);
@@ -187,12 +260,15 @@ static inline __attribute__((always_inline)) float dot_row_q4(
 #endif
 
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for 4-bit weights: wq [N, nb, 16],
- * wd, wm [N, nb] (float16 where ``half``, else float32). */
+ * wd, wm [N, nb] (float16 or float32 as ``mode`` says), or for SCALES_Q4K wd [N, nb / 8,
+ * K4_SCALE_BYTES] and wm unused. */
 void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void *wd,
-                 const void *wm, int half, const int8_t *xq, const float *xd, const float *xs,
+                 const void *wm, int mode, const int8_t *xq, const float *xd, const float *xs,
                  float *out, int64_t ldo) {
     const int64_t nb = K / QK;
-    const int64_t scale_bytes = half ? 2 : 4;
+    /* a row's scale bytes, per block (Q4_K: 16 a super-block of 8 blocks) */
+    const int64_t scale_bytes = mode == SCALES_F32 ? 4 : 2;
+    const int64_t expanded = mode == SCALES_Q4K ? nb : 1; /* floats of a row's expansion */
 #if defined(ECQ_AVX512)
     int8_t stack_rows[4 * 4096];
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
@@ -202,7 +278,13 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wrow = wq + n * nb * (QK / 2);
             const char *d = (const char *)wd + n * nb * scale_bytes;
-            const char *m = (const char *)wm + n * nb * scale_bytes;
+            const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
+            if (mode == SCALES_Q4K && M == 1) {
+                out[n] = dot_row_q4(wrow, d, m, xp, xd, xs, nb, SCALES_Q4K);
+                continue;
+            }
+            float d32[expanded], m32[expanded];
+            const int half = row_scales(mode, &d, &m, nb, d32, m32);
             for (int64_t r = 0; r < M; r++)
                 out[r * ldo + n] =
                     half ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 1)
@@ -216,7 +298,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * nb * (QK / 2);
         const char *d = (const char *)wd + n * nb * scale_bytes;
-        const char *m = (const char *)wm + n * nb * scale_bytes;
+        const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
+        float d32[expanded], m32[expanded];
+        const int half = row_scales(mode, &d, &m, nb, d32, m32);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -320,6 +404,26 @@ void ecq_dequantize_q4(int64_t N, int64_t K, const uint8_t *wq, const float *wd,
     }
 }
 
+/* The same for Q4_K: wh [N, nb / 8, K4_SCALE_BYTES] the super-blocks' scale bytes. */
+void ecq_dequantize_q4k(int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh,
+                        float *out) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const char *dp = (const char *)wh + n * nb * 2, *mp = NULL;
+        float d[nb], m[nb];
+        row_scales(SCALES_Q4K, &dp, &mp, nb, d, m);
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *q = wq + (n * nb + b) * (QK / 2);
+            float *o = out + n * K + b * QK;
+            for (int i = 0; i < QK / 2; i++) {
+                o[i] = (float)(q[i] & 0x0F) * d[b] + m[b];
+                o[i + QK / 2] = (float)(q[i] >> 4) * d[b] + m[b];
+            }
+        }
+    }
+}
+
 void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, float *out) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
@@ -333,8 +437,8 @@ void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, 
 
 /* out [M, N] = x [M, K] (row stride ldx) times the blocks' weight, activations quantized
  * here: one call per projection (kind 4: wq, wd, wm as ``ecq_gemm_q4``, ECQ_Q4_HALF the
- * same with float16 wd, wm; 8: ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the
- * scratch memory cannot be had. */
+ * same with float16 wd, wm, ECQ_Q4_K wd Q4_K's scale bytes and wm unused; 8:
+ * ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the scratch memory cannot be had. */
 int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const void *wq, const void *wd, const void *wm, float *out, int64_t ldo) {
     const int64_t nb = K / QK;
@@ -352,8 +456,11 @@ int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int6
     if (kind == 8)
         ecq_gemm_q8(M, N, K, (const int8_t *)wq, (const float *)wd, xq, xd, out, ldo);
     else
-        ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm, kind == ECQ_Q4_HALF, xq, xd, xs, out,
-                    ldo);
+        ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm,
+                    kind == ECQ_Q4_K      ? SCALES_Q4K
+                    : kind == ECQ_Q4_HALF ? SCALES_F16
+                                          : SCALES_F32,
+                    xq, xd, xs, out, ldo);
     if (!small) free(xq), free(xd);
     return 0;
 }

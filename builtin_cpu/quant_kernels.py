@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from enginecore.builtin_cpu import cpu_kernels
-from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+from enginecore.builtin_cpu.gguf_blocks import Q4_HALF_SCALES, BlockWeight
+from enginecore.builtin_cpu.kquant_blocks import Q4_K_KIND, KQuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,12 @@ _SIGNATURES = {
     "ecq_quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
     "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
+    "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
 }
 _LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
+# What ``ecq_linear`` multiplies: 8-bit blocks, 4-bit ones with float32 or float16 scales,
+# Q4_K's (the others read past a weight's scales)
+_LINEAR_KINDS = frozenset({8, 4, Q4_HALF_SCALES, Q4_K_KIND})
 
 
 def _vnni() -> tuple[str, list[str]] | None:
@@ -56,11 +61,17 @@ class QuantKernels:
         self._linear.argtypes, self._linear.restype = _LINEAR_SIGNATURE, ctypes.c_int
         self.path = path
 
-    def linear(self, x: torch.Tensor, weight: BlockWeight, out: torch.Tensor) -> None:
-        """``out`` [M, N] (innermost contiguous) = x W^T, ``x`` float32 [M, K] with its
-        innermost dim contiguous: quantizing the activations and the product in one call
-        (the batch-1 decode step makes 120 of these on a 30-layer model, so the Python
-        side is kept to one foreign call)."""
+    def linear(
+        self, x: torch.Tensor, weight: BlockWeight | KQuantWeight, out: torch.Tensor
+    ) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T for blocks or a Q4_K ``weight``,
+        ``x`` float32 [M, K] with its innermost dim contiguous: quantizing the activations
+        and the product in one call (the batch-1 decode step makes 120 of these on a
+        30-layer model, so the Python side is kept to one foreign call)."""
+        if weight.kind not in _LINEAR_KINDS:
+            raise ValueError(
+                f"ecq_linear does not multiply kind {weight.kind} (a Q5_K / Q6_K part?)"
+            )
         qs, d, m = weight.pointers
         failed = self._linear(
             weight.kind, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
@@ -94,6 +105,15 @@ class QuantKernels:
             )
         else:
             self.lib.ecq_dequantize_q8(n, k, qs.data_ptr(), d.data_ptr(), out.data_ptr())
+        return out
+
+    def dequantize_q4_k(self, weight: KQuantWeight) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q4_K ``weight``."""
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.float32)
+        self.lib.ecq_dequantize_q4k(
+            n, k, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        )
         return out
 
 

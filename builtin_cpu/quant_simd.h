@@ -67,4 +67,69 @@ static inline __attribute__((always_inline)) float scale_at(const void *p, int64
     return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Q4_K and Q5_K keep a super-block's scales as the file does (kquant_blocks.py): float16
+ * d and dmin, then twelve bytes of 6-bit scales and mins for its eight sub-blocks of 32.
+ * A float16 times a 6-bit integer is exact in float32, so d sc and -(dmin mn) formed here
+ * are the float32 scales and offsets bit for bit. */
+#define K4_SCALE_BYTES 16
+
+static inline float k4_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return half_to_float(h);
+}
+
+/* The eight 6-bit scales of the twelve packed bytes ``q``, scale j in byte j (ggml's
+ * get_scale_min_k4, four sub-blocks a word): bytes 0-3 hold sub-blocks 0-3's scales in
+ * their low 6 bits and the top 2 bits of sub-blocks 4-7's, whose low 4 bits are the low
+ * nibbles of bytes 8-11. */
+static inline uint64_t k4_scales8(const uint8_t *q) {
+    uint32_t w0, w2;
+    memcpy(&w0, q, 4);
+    memcpy(&w2, q + 8, 4);
+    const uint32_t high = (w2 & 0x0F0F0F0Fu) | (((w0 >> 6) & 0x03030303u) << 4);
+    return (uint64_t)high << 32 | (w0 & 0x3F3F3F3Fu);
+}
+
+/* The eight 6-bit mins, the same way: bytes 4-7 and the high nibbles of bytes 8-11. */
+static inline uint64_t k4_mins8(const uint8_t *q) {
+    uint32_t w1, w2;
+    memcpy(&w1, q + 4, 4);
+    memcpy(&w2, q + 8, 4);
+    const uint32_t high = ((w2 >> 4) & 0x0F0F0F0Fu) | (((w1 >> 6) & 0x03030303u) << 4);
+    return (uint64_t)high << 32 | (w1 & 0x3F3F3F3Fu);
+}
+
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
+static inline void k4_expand(const uint8_t *h, float *d, float *m) {
+#if defined(__AVX2__)
+    /* k4_scales8 and k4_mins8 on the words (d dmin, w0, w1, w2) in four lanes at once */
+    const __m128i v = _mm_loadu_si128((const __m128i *)h);
+    const __m128i t = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1)); /* w0 w0 w1 w1 */
+    const __m128i w2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(3, 3, 3, 3)),
+                                      _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i low = _mm_and_si128(t, _mm_set1_epi32(0x3F3F3F3F));
+    const __m128i top =
+        _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(t, 6), _mm_set1_epi32(0x03030303)), 4);
+    const __m128i high = _mm_or_si128(_mm_and_si128(w2, _mm_set1_epi32(0x0F0F0F0F)), top);
+    const __m128i sm = _mm_blend_epi32(low, high, 0xA); /* 8 scales, then 8 mins */
+    const __m128 dd = _mm_cvtph_ps(v);                   /* d, dmin */
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
+    const __m256 dmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(1));
+    const __m256 products = _mm256_mul_ps(dmin, mins);
+    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_broadcastss_ps(dd), scales));
+    _mm256_storeu_ps(m, _mm256_castsi256_ps(_mm256_xor_si256(
+                            _mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u))));
+#else
+    const uint64_t sc = k4_scales8(h + 4), mn = k4_mins8(h + 4);
+    const float dd = k4_half(h), dmin = k4_half(h + 2);
+    for (int j = 0; j < 8; j++) {
+        d[j] = dd * (float)((sc >> (8 * j)) & 0xFF);
+        m[j] = -(dmin * (float)((mn >> (8 * j)) & 0xFF));
+    }
+#endif
+}
+
 #endif

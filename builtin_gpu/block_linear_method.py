@@ -2,7 +2,8 @@
 multiplied by Triton kernels (``block_kernels``).
 
 It takes what the CPU's ``gguf`` method takes, in the same :class:`BlockWeight` layout:
-GGUF's Q8_0, Q4_0, Q4_1 and Q4_K (as 4-bit blocks of 32), the 4-bit groups of AWQ / GPTQ
+GGUF's Q8_0, Q4_0, Q4_1 and Q4_K (as 4-bit blocks of 32 with float32 scales and offsets,
+where the CPU keeps Q4_K's scales per super-block), the 4-bit groups of AWQ / GPTQ
 checkpoints, and, with ``model.quantization: int8``, a float projection quantized here to int8
 per output channel. Q5_K and Q6_K arrive de-quantized (the weight loader's path for formats a
 method does not name) and compute in the model's dtype, as does a fused layer with a shard in
@@ -25,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.builtin_cpu import gguf_blocks
+from enginecore.builtin_cpu import gguf_blocks, kquant_blocks
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
 from enginecore.builtin_cpu.gguf_linear_method import dequantized_part, per_channel_q8, unpacked
+from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 from enginecore.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -107,8 +109,8 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
             float_loader(param, dequantized_part(unpacked(loaded)))
             return
         for first, piece in quantized_shard_rows(layer, loaded, shard):
-            part = unpacked(piece)
-            if not isinstance(part, BlockWeight):
+            part = block_weight(piece)
+            if part is None:
                 raise ValueError(f"{piece.format} blocks are not multiplied by {self.name}")
             layer.__dict__.setdefault(_PARTS, {})[first] = _on(part, param.device)
 
@@ -150,6 +152,15 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
         if blocks is None:
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)
+
+
+def block_weight(tensor: QuantizedTensor) -> BlockWeight | None:
+    """A checkpoint's quantized tensor as the kernels' :class:`BlockWeight` (Q4_K as 4-bit
+    blocks of 32 with float32 scales), or None for a format they do not multiply."""
+    part = unpacked(tensor)
+    if isinstance(part, KQuantWeight):
+        return kquant_blocks.four_bit_blocks(part) if part.fmt == "Q4_K" else None
+    return part
 
 
 def blocks_linear(

@@ -35,7 +35,7 @@ pytest.importorskip("triton", reason="triton ships wheels for Linux only")
 
 from enginecore.builtin_cpu import gguf_blocks, gguf_linear_method, kquant_blocks
 from enginecore.builtin_cpu.gguf_blocks import BlockWeight
-from enginecore.builtin_gpu import block_kernels
+from enginecore.builtin_gpu import block_kernels, block_linear_method
 from enginecore.builtin_gpu.block_linear_method import FUSED_MAX_ROWS, GGUFTritonLinearMethod
 from enginecore.builtin_models.model_runner import linear_method_name
 from enginecore.distributed import SINGLE_RANK
@@ -101,7 +101,9 @@ def blocks_of(fmt: str, out: int, k: int, seed: int = 0) -> BlockWeight:
         return gguf_linear_method.per_channel_q8(weight)
     if fmt in GROUP_FORMATS:
         return gguf_linear_method.unpacked(group_tensor(weight, fmt))
-    return gguf_linear_method.unpacked(gguf_tensor(weight, fmt))
+    part = block_linear_method.block_weight(gguf_tensor(weight, fmt))
+    assert part is not None
+    return part
 
 
 def check_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:

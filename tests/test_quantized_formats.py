@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from enginecore.builtin_cpu import (
     cpu_kernels,
-    gguf_blocks,
     gguf_linear_method,
     kquant_blocks,
     kquant_kernels,
@@ -28,7 +27,7 @@ from enginecore.builtin_cpu.gguf_linear_method import (
     GGUFLinearMethod,
     dequantized_part,
 )
-from enginecore.builtin_cpu.kquant_blocks import SubBlockWeight
+from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import QKVParallelLinear, RowParallelLinear, use_linear_method
 from enginecore.layers.quantized import QuantizedTensor
@@ -72,8 +71,7 @@ def test_k_quants_unpack_as_gguf_dequantizes(fmt: str):
     loaded, reference = k_tensor(torch.randn(48, 512), fmt)
     part = gguf_linear_method.unpacked(loaded)
     assert torch.equal(dequantized_part(part), reference)
-    # Q4_K is 4-bit blocks of 32 (quant_kernels); Q5_K / Q6_K the file's bits a value.
-    assert isinstance(part, gguf_blocks.BlockWeight if fmt == "Q4_K" else SubBlockWeight)
+    assert isinstance(part, KQuantWeight) and part.fmt == fmt
 
 
 def test_a_k_quant_row_not_of_whole_super_blocks_is_refused():
@@ -108,82 +106,150 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, 
     assert err < (1e-5 if rows > DIRECT_MAX_ROWS else 1e-2), err
 
 
-# The packed Q5_K / Q6_K kernel against the byte-a-value one it replaced, built from
-# tests/kquant_byte_reference.c for the same instruction set: equal bit for bit.
+# The K-quant kernels, which form each sub-block's float32 scale from the file's scales
+# as they go, against products over the same values with float32 scales kept beside them:
+# Q5_K / Q6_K against tests/kquant_byte_reference.c (one byte a value, a scale per 16, an
+# offset per 32), Q4_K against quant_kernels' 4-bit blocks with float32 scales and
+# offsets. Built for the same instruction set: equal bit for bit.
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _LEVELS = ["host", *(["x86-64-v3", "x86-64"] if _X86 else [])]
 
 
-def _build_both(level: str, directory: pathlib.Path, monkeypatch) -> tuple[Any, Any]:
-    """(packed kernel, byte-a-value reference) compiled for ``level`` (the x86-64 level,
-    or ``host``: what the engine builds here; ``x86-64`` takes the plain C loops)."""
+def _build(level: str, directory: pathlib.Path, monkeypatch, *sources: pathlib.Path) -> list:
+    """``sources`` compiled for ``level`` (the x86-64 level, or ``host``: what the engine
+    builds here; ``x86-64`` takes the plain C loops), loaded."""
     extra_isa = quant_kernels._vnni()
     if level != "host":
         monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: level)
         extra_isa = None
-    source_dir = pathlib.Path(kquant_kernels.SOURCE).parent
-    shutil.copy(source_dir / "quant_simd.h", directory)
-    reference = shutil.copy(pathlib.Path(__file__).with_name("kquant_byte_reference.c"), directory)
+    shutil.copy(pathlib.Path(kquant_kernels.SOURCE).with_name("quant_simd.h"), directory)
     libs = []
-    for source, stem in ((kquant_kernels.SOURCE, "packed"), (pathlib.Path(reference), "bytes")):
-        path = cpu_kernels.build(directory, source=source, stem=stem, extra_isa=extra_isa)
+    for source in sources:
+        copy = pathlib.Path(shutil.copy(source, directory))
+        path = cpu_kernels.build(directory, source=copy, stem=copy.stem, extra_isa=extra_isa)
         libs.append(ctypes.CDLL(str(path)))
-    return libs[0], libs[1]
+    return libs
 
 
-def _byte_layout(part: SubBlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _byte_layout(part: KQuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``part`` as the reference takes it: signed bytes, a scale per 16, an offset per 32."""
     out, k = part.shape
     q = kquant_blocks.values(part).to(torch.int8).contiguous()
+    d, m = kquant_blocks.float_scales(part)
     if part.bits == 5:
-        return q, part.d.repeat_interleave(2, dim=-1).contiguous(), part.m
-    return q, part.d, torch.zeros(out, k // 32)
+        return q, d.repeat_interleave(2, dim=-1).contiguous(), m
+    return q, d, torch.zeros(out, k // 32)
 
 
 def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
 
+def _bit_exact_cases(*formats: str) -> list[tuple[str, tuple[int, int], int]]:
+    """(format, weight shape, OpenMP threads): odd and even row counts, one and several
+    super-blocks a row (an odd number: Q4_K's offsets go 16 blocks at a time), each on one
+    thread and on two."""
+    return [
+        (fmt, shape, threads)
+        for fmt in formats
+        for shape in ((13, 512), (3, 256), (6, 1280))
+        for threads in (1, 2)
+    ]
+
+
+def _k_part(fmt: str, n: int, k: int) -> KQuantWeight:
+    raw = torch.from_numpy(quantize_k(torch.randn(n, k), fmt))
+    return kquant_blocks.from_gguf(raw, fmt, (n, k))
+
+
+def _activations(k: int, threads: int):
+    """(rows, activations) for every row count the block kernels serve (every tail of the
+    four-row tiles), blocks of unlike scales, computed on ``threads`` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, DIRECT_MAX_ROWS + 1):
+            yield rows, torch.randn(rows, k) * torch.logspace(-2, 2, k)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _outputs(rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two output buffers of a row stride beyond the outputs, NaN to show what is written."""
+    return torch.full((rows, n + 3), float("nan")), torch.full((rows, n + 3), float("nan"))
+
+
 @needs_kernels
 @pytest.mark.parametrize("level", _LEVELS)
-def test_packed_k_quants_multiply_as_one_byte_a_value_bit_for_bit(level, tmp_path, monkeypatch):
-    packed, reference = _build_both(level, tmp_path, monkeypatch)
+def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path, monkeypatch):
+    reference_source = pathlib.Path(__file__).with_name("kquant_byte_reference.c")
+    kernel, reference = _build(
+        level, tmp_path, monkeypatch, kquant_kernels.SOURCE, reference_source
+    )
     torch.manual_seed(5)
-    for fmt, (n, k) in (("Q5_K", (13, 512)), ("Q6_K", (13, 512)), ("Q6_K", (3, 256))):
-        part = kquant_blocks.from_gguf(
-            torch.from_numpy(quantize_k(torch.randn(n, k), fmt)), fmt, (n, k)
-        )
+    i64 = ctypes.c_int64
+    for fmt, (n, k), threads in _bit_exact_cases("Q5_K", "Q6_K"):
+        part = _k_part(fmt, n, k)
         q, d, m = _byte_layout(part)
-        for rows in range(1, 18):  # every tail of the four-row tiles
-            x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # blocks of unlike scales
+        for rows, x in _activations(k, threads):
             acts = quant_kernels.load().quantize_rows(x)
-            got = torch.full((rows, n + 3), float("nan"))  # a row stride beyond the outputs
-            want = torch.full((rows, n + 3), float("nan"))
+            got, want = _outputs(rows, n)
             common = (_p(acts.q), _p(acts.scale), _p(acts.scaled_sum))
-            i64 = ctypes.c_int64
-            packed.eck_gemm_s16(
-                i64(rows), i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.d), _p(part.m),
+            kernel.eck_gemm_k(
+                i64(rows), i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.scales),
                 *common, _p(got), i64(n + 3),
             )  # fmt: skip
             reference.eck_gemm_s16_bytes(
                 i64(rows), i64(n), i64(k), _p(q), _p(d), _p(m), *common, _p(want), i64(n + 3)
             )
-            assert torch.equal(got[:, :n], want[:, :n]), (fmt, rows)
+            assert torch.equal(got[:, :n], want[:, :n]), (fmt, rows, threads)
             assert got[:, n:].isnan().all()  # nothing written past the outputs
 
 
 @needs_kernels
+@pytest.mark.parametrize("level", _LEVELS)
+def test_q4_k_multiplies_as_float32_scales_bit_for_bit(level, tmp_path, monkeypatch):
+    (kernel,) = _build(level, tmp_path, monkeypatch, quant_kernels.SOURCE)
+    kernel.ecq_linear.restype = ctypes.c_int
+    torch.manual_seed(8)
+    i64 = ctypes.c_int64
+    for _, (n, k), threads in _bit_exact_cases("Q4_K"):
+        part = _k_part("Q4_K", n, k)
+        wide = kquant_blocks.four_bit_blocks(part)  # float32 scales and offsets
+        for rows, x in _activations(k, threads):
+            got, want = _outputs(rows, n)
+            for weight, out in ((part, got), (wide, want)):
+                qs, d, m = (ctypes.c_void_p(a) for a in weight.pointers)
+                status = kernel.ecq_linear(
+                    ctypes.c_int(weight.kind), _p(x), i64(k), i64(rows), i64(n), i64(k),
+                    qs, d, m, _p(out), i64(n + 3),
+                )  # fmt: skip
+                assert status == 0
+            assert torch.equal(got[:, :n], want[:, :n]), (rows, threads)
+            assert got[:, n:].isnan().all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K"])
-def test_packed_k_quants_are_held_at_the_file_width(fmt: str):
-    """The values take 5 / 6 bits (the file's) and de-quantize, in C, to the file's values."""
+def test_the_block_kernel_refuses_a_5_or_6_bit_k_quant(fmt: str):
+    """``ecq_linear`` would read a Q5_K / Q6_K part's scale bytes as float32 scales, past
+    their end: the 5- and 6-bit kernel is theirs."""
+    part = _k_part(fmt, 4, 256)
+    with pytest.raises(ValueError, match="Q5_K / Q6_K"):
+        quant_kernels.load().linear(torch.randn(1, 256), part, torch.empty(1, 4))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_k_quants_are_held_at_the_file_width(fmt: str):
+    """Values and scales take the file's bits (4.5, 5.5, 6.5625 a value) and de-quantize,
+    in C, to the file's values."""
     torch.manual_seed(6)
     loaded, reference = k_tensor(torch.randn(32, 1024), fmt)
     part = gguf_linear_method.unpacked(loaded)
-    value_bits = 5 if fmt == "Q5_K" else 6
-    assert part.qs.numel() * 8 == value_bits * 32 * 1024
-    held = sum(t.numel() * t.element_size() for t in (part.qs, part.d, part.m))
-    assert held * 8 / (32 * 1024) == (7 if fmt == "Q5_K" else 8)  # float32 scales beside
-    assert torch.equal(kquant_kernels.load().dequantize_s16(part), reference)
+    assert part.nbytes * 8 / (32 * 1024) == {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}[fmt]
+    assert part.nbytes == loaded.data.nbytes  # the file's bytes, rearranged
+    assert torch.equal(gguf_linear_method._dequantize_with(quant_kernels.load(), part), reference)
 
 
 @needs_kernels
@@ -224,7 +290,7 @@ def test_fused_qkv_of_q4_k_and_q6_k():
         params["weight"].weight_loader(params["weight"], loaded, shard)
         parts.append(reference)
     layer.linear_method.process_weights_after_loading(layer)
-    assert [type(p).__name__ for _, p in layer.gguf_blocks] == ["BlockWeight", "SubBlockWeight"]
+    assert [(first, p.fmt) for first, p in layer.gguf_blocks] == [(0, "Q4_K"), (192, "Q6_K")]
     for rows in (2, DIRECT_MAX_ROWS + 3):
         x = torch.randn(rows, 256)
         assert relative_error(layer(x), F.linear(x, torch.cat(parts))) < 1e-2
@@ -260,18 +326,19 @@ def test_a_q4_k_m_gguf_answers_as_dequantized(tiny_llama, tmp_path, monkeypatch)
             answers[quantization] = out[0].outputs[0].token_ids
         finally:
             llm.shutdown()
-    assert kept == {"BlockWeight", "SubBlockWeight"}, kept
+    assert kept == {"Q4_K", "Q6_K", "BlockWeight"}, kept  # BlockWeight: the LM head's Q8_0
     assert answers["auto"][:4] == answers["none"][:4], answers
 
 
 def _recording(kinds: set[str]):
-    """``process_weights_after_loading`` that notes the kinds of blocks layers keep."""
+    """``process_weights_after_loading`` that notes the kinds of blocks layers keep (a
+    K-quant's format, else the class)."""
     original = GGUFLinearMethod.process_weights_after_loading
 
     def record(self, layer):
         original(self, layer)
         for _, part in getattr(layer, "gguf_blocks", None) or []:
-            kinds.add(type(part).__name__)
+            kinds.add(getattr(part, "fmt", type(part).__name__))
 
     return record
 
