@@ -78,6 +78,8 @@ def _first_chat(command: list[str], cache: str, port: int, model: str, cwd=None)
     )
     try:
         while time.perf_counter() - started < 300:
+            if server.poll() is not None:
+                raise RuntimeError(f"{' '.join(command)} exited with {server.returncode}")
             try:
                 with urllib.request.urlopen(request, timeout=60) as answer:
                     json.load(answer)
