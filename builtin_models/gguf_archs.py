@@ -200,10 +200,11 @@ def _q8_0(data: Any, shape: tuple[int, ...]) -> torch.Tensor:
     second there, a twentieth of that here)."""
     import numpy as np
 
-    blocks = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(-1, 34)
+    # One new float32 tensor, scaled in place: fresh memory is the cost here (page faults).
+    raw = np.asarray(data, dtype=np.uint8) if data.flags.writeable else np.array(data, np.uint8)
+    blocks = torch.from_numpy(raw).reshape(-1, 34)
     scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    values = blocks[:, 2:].contiguous().view(torch.int8).float()
-    return (values * scale).reshape(shape)
+    return blocks[:, 2:].view(torch.int8).float().mul_(scale).reshape(shape)
 
 
 def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
