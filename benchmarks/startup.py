@@ -3,7 +3,7 @@
 
 Cold: a new ``ENGINECORE_CACHE_DIR`` (every C library built, the packed GEMM's probes
 run, a GGUF's tokenizer converted). Warm: that cache again. Each warm figure is the
-median of ``--rounds`` runs; the models default to the demo GGUF and the demo HF
+median of ``--rounds`` runs (their range in brackets); the models default to the demo GGUF and the demo HF
 checkpoint (``enginecore demo-model``).
 
     python benchmarks/startup.py [--rounds 3] [--model PATH ...] [--make-serve]
@@ -92,6 +92,14 @@ def _first_chat(command: list[str], cache: str, port: int, model: str, cwd=None)
         server.wait(timeout=60)
 
 
+def spread(seconds: list[float]) -> str:
+    """The median, and the range when there are several."""
+    median = f"{statistics.median(seconds):.1f} s"
+    if len(seconds) < 2:
+        return median
+    return f"{median} ({min(seconds):.1f}-{max(seconds):.1f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -113,11 +121,10 @@ def main() -> None:
             cold = to_ready(model, cache)
             warm = [to_ready(model, cache) for _ in range(args.rounds)]
             chats = [to_first_chat(model, cache, args.port) for _ in range(args.rounds)]
-        ready = statistics.median(w[0] for w in warm)
-        first = statistics.median(w[1] for w in warm)
         print(
             f"| {os.path.basename(model)} | {cold[0]:.1f} / {cold[1]:.1f} s | "
-            f"{ready:.1f} / {first:.1f} s | {statistics.median(chats):.1f} s |"
+            f"{spread([w[0] for w in warm])} / {spread([w[1] for w in warm])} | "
+            f"{spread(chats)} |"
         )
     if args.make_serve:
         with tempfile.TemporaryDirectory() as cache:
@@ -125,8 +132,7 @@ def main() -> None:
             chats = [make_serve_first_chat(cache) for _ in range(args.rounds)]
         print(
             f"\n`make serve` to its first chat: {first_run:.1f} s the first time (the demo "
-            f"checkpoint made, every C library built), then {statistics.median(chats):.1f} s "
-            f"(median of {args.rounds})"
+            f"checkpoint made, every C library built), then {spread(chats)}"
         )
 
 
