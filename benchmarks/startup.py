@@ -3,8 +3,8 @@
 
 Cold: a new ``ENGINECORE_CACHE_DIR`` (every C library built, the packed GEMM's probes
 run, a GGUF's tokenizer converted). Warm: that cache again. Each warm figure is the
-median of ``--rounds`` runs (their range in brackets); the models default to the demo GGUF and the demo HF
-checkpoint (``enginecore demo-model``).
+median of ``--rounds`` runs (their range in brackets); the models default to the demo
+GGUF and the demo HF checkpoint (``enginecore demo-model``).
 
     python benchmarks/startup.py [--rounds 3] [--model PATH ...] [--make-serve]
 """
