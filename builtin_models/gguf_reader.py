@@ -5,7 +5,7 @@ tokenizer's tables of strings included: the demo model's two tables of about 49,
 strings took 2.7 s to parse on a 2-core machine (0.5 s through plain array views). The
 engine needs the scalar fields and the tensor table; tokenizers are converted by
 transformers, once per file. This reader walks the same header (the GGUF format, versions
-2 and 3, either byte order) and keeps a string array as its length only: 0.03 s for the
+2 and 3, either byte order) and keeps a string array as its length only: 0.05 s for the
 demo model. Numeric arrays are kept as arrays. A tensor's bytes are read from the file
 when asked for (``GGUFTensor.data``), not through a mapping: the copy is needed anyway
 (the loaded blocks outlive the reader), and touching a mapped file costs a page fault per
