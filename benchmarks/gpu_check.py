@@ -12,7 +12,7 @@ is right and how fast it is.
 4. Decode step time at batch 1, 64 and 256 (``small``, bfloat16, 512-token contexts)
    against the bound set by the bytes read per step (weights + the KV read) over the
    GPU's measured copy bandwidth, with CUDA graphs and without (``enforce_eager``).
-5. The ``gguf_triton`` block kernels (``builtin_gpu/block_kernels.py``, also in ``--quick``):
+5. The ``gguf_triton`` block kernels (``builtin_gpu/enginecore_gpu/block_kernels.py``, also in ``--quick``):
    Q4_1, Q4_K-style (float32 scales) and Q8_0 blocks of a 4096 x 4096 weight, bf16
    activations of 1, 16 and 256 rows, against ``F.linear`` on the de-quantized bf16 weight
    (the largest difference, relative to the largest output) and timed against it: the
@@ -239,7 +239,7 @@ def decode_steps(root: pathlib.Path, report: dict[str, Any], batches: list[int])
 
 def random_blocks(kind: str, n: int, k: int, device: str) -> Any:
     """A random weight [n, k] in the ``gguf_triton`` method's block layout."""
-    from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+    from enginecore_cpu.gguf_blocks import BlockWeight
 
     gen = torch.Generator(device=device).manual_seed(0)
     blocks = (n, k // 32)
@@ -278,8 +278,8 @@ def block_linear(
 ) -> None:
     import torch.nn.functional as F
 
-    from enginecore.builtin_gpu import block_kernels
-    from enginecore.builtin_gpu.block_linear_method import blocks_linear
+    from enginecore_gpu import block_kernels
+    from enginecore_gpu.block_linear_method import blocks_linear
 
     n, k = shape
     rows_out = []

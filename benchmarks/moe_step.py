@@ -62,10 +62,10 @@ def enginecore_steps(path: pathlib.Path, prompt: int, batch: int, context: int, 
     """The model as the engine runs it (the runner's attention backend and linear method),
     one prefill step and one decode step driven directly."""
     from enginecore import make_config
-    from enginecore.builtin_models.model_runner import TorchModelRunner
     from enginecore.engine.components import resolve_components
     from enginecore.plugins import make_plugin_manager
     from enginecore.testing.attention_steps import make_batch, step_context
+    from enginecore_models.model_runner import TorchModelRunner
 
     config = make_config(model=str(path), dtype="float32", max_num_seqs=max(batch, 1))
     runner = TorchModelRunner(config, resolve_components(config, make_plugin_manager()).worker_spec)

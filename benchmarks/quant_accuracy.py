@@ -28,15 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
-from enginecore.builtin_cpu import gguf_linear_method
-from enginecore.builtin_cpu.gguf_linear_method import GGUFLinearMethod
-from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
-from enginecore.builtin_models.weight_loader import (
-    iter_weights,
-    load_hf_config,
-    resolve_model_class,
-)
 from enginecore.checkpoints import find_demo_gguf
 from enginecore.layers import LinearBase, use_linear_method
 from enginecore.layers.embedding import VocabParallelEmbedding
@@ -44,6 +35,15 @@ from enginecore.layers.quantized import QuantizedTensor
 from enginecore.plugins import make_plugin_manager
 from enginecore.testing import quantizers
 from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
+from enginecore_attention.torch_backend import TorchAttentionBackend
+from enginecore_cpu import gguf_linear_method
+from enginecore_cpu.gguf_linear_method import GGUFLinearMethod
+from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
+from enginecore_models.weight_loader import (
+    iter_weights,
+    load_hf_config,
+    resolve_model_class,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -24,14 +24,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import gguf_linear_method
-from enginecore.builtin_cpu.gguf_linear_method import (
+from enginecore.layers.quantized import QuantizedTensor
+from enginecore.testing import quantizers
+from enginecore_cpu import gguf_linear_method
+from enginecore_cpu.gguf_linear_method import (
     blocks_linear,
     per_channel_q8,
     unpacked,
 )
-from enginecore.layers.quantized import QuantizedTensor
-from enginecore.testing import quantizers
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "INT4 groups (AWQ/GPTQ)", "int8")
 
@@ -43,7 +43,7 @@ def _part(weight: torch.Tensor, fmt: str):
     if fmt == "int8":
         return per_channel_q8(weight)
     if fmt.startswith("INT4"):
-        from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
+        from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
 
         q, scales, zeros = quantizers.quantize_groups(weight, 64, symmetric=False)
         parts = [(f"w.{k}", v) for k, v in quantizers.awq_tensors(q, scales, zeros).items()]

@@ -15,8 +15,8 @@ import torch
 
 
 def measure(worker, rows_list: list[int], rounds: int) -> list[str]:
-    from enginecore.builtin_cpu import quant_kernels
-    from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod
+    from enginecore_cpu import quant_kernels
+    from enginecore_cpu.linear_method import CpuPackedLinearMethod
 
     model = worker.model_runner.model
     kernels = quant_kernels.load()

@@ -246,7 +246,7 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
 
-    from enginecore.builtin_attention import triton_kernels
+    from enginecore_attention import triton_kernels
 
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pytest
 
 from enginecore import SamplingParams, make_config
-from enginecore.builtin_schedulers.policies import FCFSPolicy, PriorityPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
 from enginecore.request import Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
+from enginecore_schedulers.policies import FCFSPolicy, PriorityPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 EOS_TOKEN_ID = 50_000
 SAMPLED_TOKEN = 1000  # what the fake runner samples unless told otherwise

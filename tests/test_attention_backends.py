@@ -29,7 +29,7 @@ class TestCpuBackendWithoutKernels(AttentionBackendContract):
 
     @pytest.fixture(autouse=True)
     def _kernels_off(self, monkeypatch):
-        from enginecore.builtin_cpu import cpu_kernels
+        from enginecore_cpu import cpu_kernels
 
         monkeypatch.setattr(cpu_kernels, "_loaded", None)
         monkeypatch.setattr(cpu_kernels, "_failed", True)

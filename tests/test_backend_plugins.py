@@ -25,11 +25,11 @@ from hf_reference import greedy_reference
 
 import enginecore
 from enginecore import make_config
-from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.engine.components import resolve_components
 from enginecore.errors import ConfigError
 from enginecore.layers import UnquantizedLinearMethod
 from enginecore.plugins import make_plugin_manager
+from enginecore_models.model_runner import TorchModelRunner
 
 NAIVE_PLUGIN = Path(__file__).parent / "plugins" / "enginecore-naive-attention"
 

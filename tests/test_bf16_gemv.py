@@ -11,10 +11,10 @@ from hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_cpu import bf16_gemv, cpu_kernels
-from enginecore.builtin_cpu.linear_method import CpuPackedLinearMethod, project
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import ColumnParallelLinear, use_linear_method
+from enginecore_cpu import bf16_gemv, cpu_kernels
+from enginecore_cpu.linear_method import CpuPackedLinearMethod, project
 
 needs_bf16 = pytest.mark.skipif(
     not bf16_gemv.cpu_has_avx512_bf16() or bf16_gemv.load() is None,

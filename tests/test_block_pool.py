@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.builtin_schedulers.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from enginecore_schedulers.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def ids(blocks) -> list[int]:

@@ -74,7 +74,7 @@ def test_lists_builtins_first_with_module_hooks_and_components(env, capsys, monk
     out = capsys.readouterr().out
     assert (
         "builtin_stat_loggers  (builtin)\n"
-        "    module: enginecore.builtin_stat_loggers.plugin\n"
+        "    module: enginecore_stat_loggers.plugin\n"
         "    hooks: register_stat_loggers\n"
         "    stat_logger: logging, prometheus\n"
     ) in out

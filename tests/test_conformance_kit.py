@@ -10,9 +10,6 @@ import textwrap
 
 import pytest
 
-from enginecore.builtin_schedulers.policies import FCFSPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
-from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
 from enginecore.scheduler_output import SchedulerOutput
 from enginecore.testing import (
     SchedulerContract,
@@ -20,6 +17,9 @@ from enginecore.testing import (
     StatLoggerContract,
 )
 from enginecore.testing.scheduler_contract import FakeWorker
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
+from enginecore_stat_loggers.logging_logger import LoggingStatLogger
 
 
 class LeakyScheduler(DefaultScheduler):

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import cpu_kernels
-from enginecore.builtin_cpu.fused_ops import CpuFusedOps
 from enginecore.layers import RMSNorm, RotaryEmbedding
 from enginecore.layers.fused_ops import NO_FUSED_OPS
+from enginecore_cpu import cpu_kernels
+from enginecore_cpu.fused_ops import CpuFusedOps
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler: kernels unavailable")
@@ -291,7 +291,7 @@ def test_only_float32_cpu_tensors_get_kernels():
 def _load_in_child(tmp_path, **env) -> str:
     code = (
         "import torch\n"
-        "from enginecore.builtin_cpu import cpu_kernels\n"
+        "from enginecore_cpu import cpu_kernels\n"
         "print('loaded' if cpu_kernels.kernels_for(torch.zeros(1)) else 'fallback')\n"
     )
     done = subprocess.run(

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from enginecore import LLM
-from enginecore.builtin_executors.worker import cpu_threads_per_rank
 from enginecore.config import ParallelConfig, make_config
 from enginecore.engine.components import pick_executor_name
 from enginecore.server.launch import server_config
+from enginecore_executors.worker import cpu_threads_per_rank
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -79,7 +79,7 @@ def test_large_prefill_steps_borrow_the_reserved_cores(tiny_llama) -> None:
     def threads_per_step(worker) -> list[int]:  # nested: sent by value to the worker
         from types import SimpleNamespace
 
-        from enginecore.builtin_executors.worker import BURST_MIN_PREFILL_TOKENS
+        from enginecore_executors.worker import BURST_MIN_PREFILL_TOKENS
 
         seen = []
         for scheduled in (

@@ -11,9 +11,9 @@ from test_docs import HOOKS
 
 import enginecore.testing
 from enginecore import interfaces
-from enginecore.builtin_executors.debug_rpcs import DEBUG_RPCS
 from enginecore.starter.templates import KINDS
 from enginecore.version import PLUGIN_API_VERSION
+from enginecore_executors.debug_rpcs import DEBUG_RPCS
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "plugins.md").read_text()

@@ -1,4 +1,4 @@
-"""The CPU backend's fused decode step (``builtin_cpu/decode_step.py``): a whole decode
+"""The CPU backend's fused decode step (``builtin_cpu/enginecore_cpu/decode_step.py``): a whole decode
 step of a Llama-family model with block-quantized weights in one foreign call, whose
 tokens and log-probabilities are the layer-by-layer path's bit for bit."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from enginecore.builtin_cpu import cpu_kernels, quant_kernels
+from enginecore_cpu import cpu_kernels, quant_kernels
 from tests.gguf_writer import write_gguf
 
 needs_kernels = pytest.mark.skipif(

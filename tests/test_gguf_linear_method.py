@@ -9,8 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import gguf_blocks, quant_kernels
-from enginecore.builtin_cpu.gguf_linear_method import DIRECT_MAX_ROWS
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import (
     MergedColumnParallelLinear,
@@ -20,6 +18,8 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.testing import LinearMethodContract
+from enginecore_cpu import gguf_blocks, quant_kernels
+from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -37,7 +37,7 @@ def gguf_tensor(weight: torch.Tensor, fmt: str) -> tuple[QuantizedTensor, torch.
 
 
 def build(factory: Any) -> Any:
-    from enginecore.builtin_cpu.gguf_linear_method import GGUFLinearMethod
+    from enginecore_cpu.gguf_linear_method import GGUFLinearMethod
 
     with use_linear_method(GGUFLinearMethod(None)):
         return factory()

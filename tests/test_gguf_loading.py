@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_models.gguf_archs import unpermute_rope as _unpermute_rope
+from enginecore_models.gguf_archs import unpermute_rope as _unpermute_rope
 
 
 def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -27,15 +27,15 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_demo_gguf_logits_equal_transformers(model_refs):
     from transformers import AutoModelForCausalLM
 
-    from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
-    from enginecore.builtin_models.weight_loader import (
+    from enginecore.checkpoints import find_demo_gguf
+    from enginecore.engine.tokenizer import gguf_tokenizer
+    from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
+    from enginecore_attention.torch_backend import TorchAttentionBackend
+    from enginecore_models.weight_loader import (
         iter_weights,
         load_hf_config,
         resolve_model_class,
     )
-    from enginecore.checkpoints import find_demo_gguf
-    from enginecore.engine.tokenizer import gguf_tokenizer
-    from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
     path = find_demo_gguf()
     cfg = load_hf_config(path)

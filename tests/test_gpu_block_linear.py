@@ -33,11 +33,6 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton ships wheels for Linux only")
 
-from enginecore.builtin_cpu import gguf_blocks, gguf_linear_method, kquant_blocks
-from enginecore.builtin_cpu.gguf_blocks import BlockWeight
-from enginecore.builtin_gpu import block_kernels, block_linear_method
-from enginecore.builtin_gpu.block_linear_method import FUSED_MAX_ROWS, GGUFTritonLinearMethod
-from enginecore.builtin_models.model_runner import linear_method_name
 from enginecore.distributed import SINGLE_RANK
 from enginecore.errors import ConfigError
 from enginecore.layers.linear import (
@@ -50,6 +45,11 @@ from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.selection import registered_refs, select_linear_method
 from enginecore.testing import LinearMethodContract
 from enginecore.testing.quantizers import quantize_groups, quantize_k
+from enginecore_cpu import gguf_blocks, gguf_linear_method, kquant_blocks
+from enginecore_cpu.gguf_blocks import BlockWeight
+from enginecore_gpu import block_kernels, block_linear_method
+from enginecore_gpu.block_linear_method import FUSED_MAX_ROWS, GGUFTritonLinearMethod
+from enginecore_models.model_runner import linear_method_name
 
 if not block_kernels.is_interpreted():  # imported earlier in this process without the flag
     block_kernels = importlib.reload(block_kernels)
@@ -80,8 +80,8 @@ def group_tensor(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
     """``weight`` as an AWQ or GPTQ checkpoint's packed tensors (groups of 64 where K allows,
     else 32; zero points, or GPTQ's symmetric 8), read as the loader reads them: 4-bit
     blocks of 32."""
-    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
     from enginecore.testing.quantizers import awq_tensors, gptq_tensors
+    from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
 
     method = fmt.split("-")[0]
     group = 64 if weight.shape[1] % 64 == 0 else 32
@@ -189,7 +189,7 @@ COMPILE_FOR_GPUS = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from enginecore.builtin_gpu import block_kernels as bk
+    from enginecore_gpu import block_kernels as bk
 
     def compile_for(kernel, target, constexprs, pointers):
         signature = {}

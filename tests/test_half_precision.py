@@ -15,8 +15,8 @@ from hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_cpu import bf16_gemv, cpu_kernels
-from enginecore.builtin_cpu.linear_method import project
+from enginecore_cpu import bf16_gemv, cpu_kernels
+from enginecore_cpu.linear_method import project
 
 PROJECTIONS = {"ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear"}
 PROJECTIONS |= {"QKVParallelLinear", "ParallelLMHead"}

@@ -15,7 +15,6 @@ import pytest
 
 import enginecore
 from enginecore import SamplingParams, make_config
-from enginecore.builtin_models.models.llama import LlamaForCausalLM
 from enginecore.errors import IncompatiblePluginError, PluginLoadError, UnknownComponentError
 from enginecore.interfaces import (
     Executor,
@@ -32,6 +31,7 @@ from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import SchedulerStats
 from enginecore.request import FinishReason, Request
+from enginecore_models.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def clean_plugin_env(monkeypatch):
 
 def bare_host(*plugins: tuple[str, Any]) -> PluginHost:
     """A host with no built-ins and no entry points, plus the given in-process plugins."""
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     for name, plugin in plugins:
         record = host.register_object(plugin, name)
         assert record.loaded, record.error
@@ -99,7 +99,7 @@ def test_hook_plugin_api_versions_rejects_a_malformed_range(monkeypatch):
             return "one point oh"
 
     monkeypatch.setenv("ENGINECORE_STRICT_PLUGINS", "1")
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     with pytest.raises(PluginLoadError, match="not a version specifier") as info:
         host.register_object(Garbled(), "garbled")
     assert isinstance(info.value.__cause__, IncompatiblePluginError)
@@ -204,8 +204,8 @@ def test_hook_register_models(tiny_llama):
     ``factory(hf_config, parallel, dtype)``."""
     import torch
 
-    from enginecore.builtin_models.model_runner import TorchModelRunner
     from enginecore.engine.components import resolve_components
+    from enginecore_models.model_runner import TorchModelRunner
 
     host = make_plugin_manager(load_entrypoints=False)
     plugin = registering("register_models", "LlamaForCausalLM", ToyForCausalLM, override=True)
@@ -273,7 +273,7 @@ class CountingStatLogger(StatLogger):
 
 def test_hook_register_stat_loggers():
     host = make_plugin_manager(
-        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+        load_entrypoints=False, builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
     )
     host.register_object(
         registering("register_stat_loggers", "counting", CountingStatLogger), "counting"
@@ -328,8 +328,8 @@ class RepeatLastToken(SpecDecodeProposer):
 
 
 def test_hook_register_spec_decode_proposers():
-    from enginecore.builtin_models.drafter import Drafter, TokenBuffer
     from enginecore.engine.components import resolve_components
+    from enginecore_models.drafter import Drafter, TokenBuffer
 
     host = make_plugin_manager(load_entrypoints=False)
     host.register_object(
@@ -477,7 +477,7 @@ def test_a_raising_registration_hook_only_drops_its_own_plugin(monkeypatch):
         host.records["exploding"].error
     )
     monkeypatch.setenv("ENGINECORE_STRICT_PLUGINS", "1")
-    strict = make_plugin_manager(load_entrypoints=False, builtins=())
+    strict = make_plugin_manager(load_entrypoints=False, builtins={})
     strict.register_object(Exploding(), "exploding")
     with pytest.raises(PluginLoadError, match="config file missing"):
         strict.registry("executor")

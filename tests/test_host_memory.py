@@ -1,4 +1,4 @@
-"""Host memory of a CPU runner (builtin_cpu/host_memory.py): the malloc setting that
+"""Host memory of a CPU runner (builtin_cpu/enginecore_cpu/host_memory.py): the malloc setting that
 keeps a step's freed activations mapped, and the start of the KV cache and of the decode
 mirror faulted in at start-up rather than in the first batch's steps."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from enginecore import make_config
-from enginecore.builtin_cpu.decode_mirror import _T_PAD
-from enginecore.builtin_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory
-from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.interfaces import WorkerSpec
+from enginecore_cpu.decode_mirror import _T_PAD
+from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory
+from enginecore_models.model_runner import TorchModelRunner
 
 
 def _faults_while(fn) -> int:
@@ -28,8 +28,8 @@ def _faults_while(fn) -> int:
 @pytest.fixture(scope="module")
 def runner(tiny_llama, model_refs):
     spec = WorkerSpec(
-        worker_ref="enginecore.builtin_executors.worker:Worker",
-        model_runner_ref="enginecore.builtin_models.model_runner:TorchModelRunner",
+        worker_ref="enginecore_executors.worker:Worker",
+        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
     )
     config = make_config(model=str(tiny_llama), dtype="float32", max_model_len=512)
@@ -63,7 +63,7 @@ def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runne
 
 MALLOC_STATE = """
     import ctypes, sys, torch
-    from enginecore.builtin_cpu.host_memory import keep_freed_memory
+    from enginecore_cpu.host_memory import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -12,8 +12,8 @@ from scheduler_helpers import (  # leak_check: autouse, no block left held after
     run_to_completion,
 )
 
-from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
 from enginecore.request import Request
+from enginecore_schedulers.kv_cache_manager import KVCacheManager
 
 BS = 4
 WINDOW = 8

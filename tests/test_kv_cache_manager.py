@@ -12,14 +12,14 @@ import pytest
 from scheduler_helpers import make_request
 
 from enginecore import SamplingParams
-from enginecore.builtin_schedulers.block_hash import (
+from enginecore.request import Request
+from enginecore_schedulers.block_hash import (
     NONE_HASH_SHA256,
     BlockHasher,
     builtin_block_hash,
     sha256_block_hash,
 )
-from enginecore.builtin_schedulers.kv_cache_manager import KVCacheManager
-from enginecore.request import Request
+from enginecore_schedulers.kv_cache_manager import KVCacheManager
 
 BS = 4  # small blocks keep the arithmetic readable
 
@@ -73,7 +73,7 @@ def test_sha256_encoding_is_fixed_and_stable_across_processes():
     expected.update(b"\x01" + struct.pack("<I", 4) + b"salt")
     assert h == expected.digest()
     code = (
-        "from enginecore.builtin_schedulers.block_hash import sha256_block_hash as f;"
+        "from enginecore_schedulers.block_hash import sha256_block_hash as f;"
         "print(f(None, [1, 2, 3, 4], 'salt').hex())"
     )
     other = subprocess.run(

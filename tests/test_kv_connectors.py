@@ -11,11 +11,6 @@ import pytest
 from hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, AsyncLLM, SamplingParams, make_config
-from enginecore.builtin_kv_connectors.shared_storage import (
-    SharedStorageConnector,
-    SharedStorageScheduler,
-    SharedStorageWorker,
-)
 from enginecore.engine.async_llm import RequestRejectedError
 from enginecore.engine.core import EngineCore
 from enginecore.engine.output import OutputKind
@@ -24,6 +19,11 @@ from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import EngineCoreRequest
 from enginecore.server.errors import status_of
 from enginecore.testing.kv_connector_contract import free_port
+from enginecore_kv_connectors.shared_storage import (
+    SharedStorageConnector,
+    SharedStorageScheduler,
+    SharedStorageWorker,
+)
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -140,7 +140,7 @@ def test_corrupted_or_truncated_blocks_are_recomputed(tiny_llama, tmp_path):
     kwargs = _engine_kwargs(store) | {"multiprocessing": False, "stat_loggers": []}
     with LLM(str(tiny_llama), **kwargs) as llm:
         expected = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
-    from enginecore.builtin_kv_connectors.kv_blocks import prefix_keys
+    from enginecore_kv_connectors.kv_blocks import prefix_keys
 
     keys = prefix_keys(prompt, BLOCK)
     files = {p.stem: p for p in store.rglob("*.kvblock")}
@@ -348,7 +348,7 @@ def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
 
 
 def test_zmq_p2p_off_loopback_needs_a_secret():
-    from enginecore.builtin_kv_connectors.zmq_p2p import P2PSettings
+    from enginecore_kv_connectors.zmq_p2p import P2PSettings
 
     config = make_config(
         model="unused", kv_transfer={"connector": "zmq_p2p", "extra_config": {"host": "10.1.2.3"}}
@@ -360,7 +360,7 @@ def test_zmq_p2p_off_loopback_needs_a_secret():
 def test_zmq_p2p_a_peer_with_another_secret_gets_no_block():
     """The producer's block socket admits only keys derived from its secret: a consumer
     with another one (or none) gets no answer, and says so."""
-    from enginecore.builtin_kv_connectors.zmq_p2p import FetchJob, ZmqP2PWorker
+    from enginecore_kv_connectors.zmq_p2p import FetchJob, ZmqP2PWorker
 
     port = free_port()
 
@@ -470,7 +470,7 @@ def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tin
     rng = random.Random(9)
     prompt = [rng.randrange(10, 8000) for _ in range(65)]
     other = [rng.randrange(10, 8000) for _ in range(30)]
-    from enginecore.builtin_kv_connectors.kv_blocks import prefix_keys
+    from enginecore_kv_connectors.kv_blocks import prefix_keys
 
     runs = []
     for engine_run in range(2):
@@ -505,8 +505,8 @@ def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tin
 def test_zmq_p2p_fetches_once_per_request():
     """A decode request preempted after its fetch recomputes: the producer sent its
     blocks once and freed them."""
-    from enginecore.builtin_kv_connectors.zmq_p2p import ZmqP2PScheduler
     from enginecore.request import Request
+    from enginecore_kv_connectors.zmq_p2p import ZmqP2PScheduler
 
     config = make_config(
         model="x", block_size=BLOCK, kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from enginecore import SamplingParams, make_config
-from enginecore.builtin_models.model_runner import TorchModelRunner
 from enginecore.interfaces import WorkerSpec
 from enginecore.scheduler_output import GrammarOutput
 from enginecore.testing.model_runner_contract import RunnerDriver
+from enginecore_models.model_runner import TorchModelRunner
 
 
 def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
@@ -20,8 +20,8 @@ def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
         model=str(path), dtype="float32", block_size=block_size, max_model_len=512, **overrides
     )
     spec = WorkerSpec(
-        worker_ref="enginecore.builtin_executors.worker:Worker",
-        model_runner_ref="enginecore.builtin_models.model_runner:TorchModelRunner",
+        worker_ref="enginecore_executors.worker:Worker",
+        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
     )
     runner = TorchModelRunner(config, spec, torch.device("cpu"))

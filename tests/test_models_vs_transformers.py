@@ -7,15 +7,15 @@ import pathlib
 import pytest
 import torch
 
-from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
-from enginecore.builtin_models.weight_loader import (
+from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
+from enginecore_attention.torch_backend import TorchAttentionBackend
+from enginecore_models.weight_loader import (
     MissingWeightsError,
     UnknownArchitectureError,
     iter_weights,
     load_hf_config,
     resolve_model_class,
 )
-from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
 ATOL = 2e-5

@@ -52,7 +52,7 @@ def test_auto_picks_mp_and_spawns_one_process_per_rank(tp2) -> None:
         proc = psutil.Process(pid)
         assert proc.ppid() == engine
         # spawned fresh (python -m ...), not a fork of the engine
-        assert "enginecore.builtin_executors.mp_worker" in " ".join(proc.cmdline())
+        assert "enginecore_executors.mp_worker" in " ".join(proc.cmdline())
     assert tp2.collective_rpc("get_rank") == [0, 1]
 
 

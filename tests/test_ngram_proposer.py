@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from enginecore import make_config
-from enginecore.builtin_models.drafter import Drafter, TokenBuffer
-from enginecore.builtin_models.ngram_proposer import NgramProposer
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
 from enginecore.testing import SpecDecodeProposerContract
+from enginecore_models.drafter import Drafter, TokenBuffer
+from enginecore_models.ngram_proposer import NgramProposer
 
 
 def proposer(lo: int = 1, hi: int = 4) -> NgramProposer:

@@ -1,4 +1,4 @@
-"""MKL's packed GEMM for CPU projections (builtin_cpu/packed_gemm.py).
+"""MKL's packed GEMM for CPU projections (builtin_cpu/enginecore_cpu/packed_gemm.py).
 
 Greedy equality with transformers through the packed projections is covered by the
 model suites (test_llm_correctness, test_models_vs_transformers, ...), which load float32
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import packed_gemm
-from enginecore.builtin_cpu.linear_method import project
+from enginecore_cpu import packed_gemm
+from enginecore_cpu.linear_method import project
 
 MKL = packed_gemm.mkl()
 needs_mkl = pytest.mark.skipif(MKL is None, reason="torch without MKL: nothing is packed")
@@ -133,14 +133,14 @@ def _run(code: str, **env: str) -> str:
 LOADED_MODEL = """
     import torch
     from enginecore import make_config
-    from enginecore.builtin_cpu import packed_gemm
-    from enginecore.builtin_models.model_runner import TorchModelRunner
+    from enginecore_cpu import packed_gemm
+    from enginecore_models.model_runner import TorchModelRunner
     from enginecore.interfaces import WorkerSpec
 
     spec = WorkerSpec(
-        worker_ref="enginecore.builtin_executors.worker:Worker",
-        model_runner_ref="enginecore.builtin_models.model_runner:TorchModelRunner",
-        model_refs={{"LlamaForCausalLM": "enginecore.builtin_models.models.llama:LlamaForCausalLM"}},
+        worker_ref="enginecore_executors.worker:Worker",
+        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
+        model_refs={{"LlamaForCausalLM": "enginecore_models.models.llama:LlamaForCausalLM"}},
     )
     runner = TorchModelRunner(make_config(model="{path}", dtype="float32"), spec)
     runner.load_model()

@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_attention.torch_backend import prefill_runs, write_kv
-from enginecore.builtin_cpu import cpu_kernels, panel_gemm
-from enginecore.builtin_cpu.attention import CpuAttentionBackend
 from enginecore.interfaces import AttentionSpec
 from enginecore.layers import Attention
 from enginecore.testing.attention_steps import make_batch
+from enginecore_attention.torch_backend import prefill_runs, write_kv
+from enginecore_cpu import cpu_kernels, panel_gemm
+from enginecore_cpu.attention import CpuAttentionBackend
 
 BLOCK = 4
 HQ, HKV = 4, 2

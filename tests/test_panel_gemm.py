@@ -1,4 +1,4 @@
-"""enginecore's own AVX2 GEMM for CPU projections (builtin_cpu/panel_gemm.py, ec_gemm).
+"""enginecore's own AVX2 GEMM for CPU projections (builtin_cpu/enginecore_cpu/panel_gemm.py, ec_gemm).
 
 The kernel tests run wherever it is built (AVX2 and FMA), whether or not this CPU prefers
 it; the model runner's choice is tested on the CPUs that prefer it. Greedy equality with
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from test_packed_gemm import LOADED_MODEL, _run
 
-from enginecore.builtin_cpu import cpu_kernels, packed_gemm, panel_gemm
-from enginecore.builtin_cpu.linear_method import project, project_silu_and_mul
+from enginecore_cpu import cpu_kernels, packed_gemm, panel_gemm
+from enginecore_cpu.linear_method import project, project_silu_and_mul
 
 KERNELS = cpu_kernels.load()
 needs_gemm = pytest.mark.skipif(

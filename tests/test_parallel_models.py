@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from enginecore.builtin_models.weight_loader import (
+from enginecore.distributed import SINGLE_RANK
+from enginecore.testing.executor_contract import STUB_RUNNER_REF
+from enginecore_models.weight_loader import (
     iter_weights,
     load_hf_config,
     resolve_model_class,
 )
-from enginecore.distributed import SINGLE_RANK
-from enginecore.testing.executor_contract import STUB_RUNNER_REF
 
 # The ranks cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -32,9 +32,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def no_cache_context(model, n: int):
     """The reference backend's context for one fresh prompt of ``n`` tokens, no cache."""
-    from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
     from enginecore.layers import AttentionContext
     from enginecore.testing.attention_steps import spec_for_model
+    from enginecore_attention.torch_backend import TorchAttentionBackend
 
     backend = TorchAttentionBackend(spec_for_model(model, block_size=16))
     return AttentionContext(backend, backend.build_profile_metadata([n]))
@@ -49,12 +49,12 @@ def forward_logits(worker, path: str, ids: list[int], layout: str) -> np.ndarray
     import torch
     import torch.distributed as dist
 
-    from enginecore.builtin_models.weight_loader import (
+    from enginecore.distributed import ParallelContext
+    from enginecore_models.weight_loader import (
         iter_weights,
         load_hf_config,
         resolve_model_class,
     )
-    from enginecore.distributed import ParallelContext
 
     parallel = worker.parallel
     if layout == "pp":
@@ -84,10 +84,10 @@ def forward_logits(worker, path: str, ids: list[int], layout: str) -> np.ndarray
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    from enginecore.builtin_executors.multiproc import MultiprocExecutor
     from enginecore.config import make_config
     from enginecore.engine.components import resolve_components
     from enginecore.plugins import make_plugin_manager
+    from enginecore_executors.multiproc import MultiprocExecutor
 
     config = make_config(model="stub", executor="mp", tensor_parallel_size=2)
     spec = resolve_components(config, make_plugin_manager()).worker_spec
@@ -164,9 +164,9 @@ def test_pp2_logits_match_single_stage(two_ranks, tiny_llama, tied_llama, model_
 
 
 def test_pp_stage_holds_only_its_layers(tiny_llama) -> None:
-    from enginecore.builtin_models.models.llama import LlamaForCausalLM
     from enginecore.distributed import ParallelContext
     from enginecore.layers import Attention, PPMissingLayer, pp_layer_range
+    from enginecore_models.models.llama import LlamaForCausalLM
 
     cfg = load_hf_config(tiny_llama)  # 4 layers
     stage1 = ParallelContext(rank=1, world_size=2, pp_rank=1, pp_size=2)
@@ -188,8 +188,8 @@ def test_pp_stage_holds_only_its_layers(tiny_llama) -> None:
 
 
 def test_tp_that_does_not_divide_the_heads_is_a_clear_error(tiny_llama) -> None:
-    from enginecore.builtin_models.models.llama import LlamaForCausalLM
     from enginecore.distributed import ParallelContext
+    from enginecore_models.models.llama import LlamaForCausalLM
 
     cfg = load_hf_config(tiny_llama)  # 4 heads
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by .*3"):

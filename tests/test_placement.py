@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from enginecore.builtin_executors.devices import (
-    accelerator_index,
-    check_accelerator_index,
-    replica_cpu_cores,
-)
-from enginecore.builtin_executors.ray_placement import order_stages_by_node
 from enginecore.config import ParallelConfig
 from enginecore.distributed import REPLICA_ENV, replica_env
 from enginecore.errors import ConfigError, EngineCoreError
 from enginecore.placement import check_replicas_fit, check_shape_fits, groups_that_fit
+from enginecore_executors.devices import (
+    accelerator_index,
+    check_accelerator_index,
+    replica_cpu_cores,
+)
+from enginecore_executors.ray_placement import order_stages_by_node
 
 
 def test_each_local_replica_owns_its_own_accelerators() -> None:

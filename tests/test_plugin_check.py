@@ -196,7 +196,7 @@ def test_api_versions_may_be_a_plain_attribute(monkeypatch):
         def register_stat_loggers(self, registry):
             pass
 
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     record = host.register_object(Declares(), "declares")
     assert not record.loaded
     assert "supports plugin API >=99" in record.error

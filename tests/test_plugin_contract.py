@@ -36,10 +36,10 @@ ENV_VARS = (
     "ENGINECORE_STRICT_PLUGINS",
     "ENGINECORE_TRACE_PLUGINS",
 )
-METRICS_AND_SCHEDULERS = (
-    "enginecore.builtin_stat_loggers.plugin",
-    "enginecore.builtin_schedulers.plugin",
-)
+METRICS_AND_SCHEDULERS = {
+    "builtin_stat_loggers": "enginecore_stat_loggers.plugin",
+    "builtin_schedulers": "enginecore_schedulers.plugin",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +115,7 @@ def test_any_exception_at_import_is_contained_and_names_the_distribution(
 ):
     site.plugin("exiting", source, version="0.2.0")
     site.plugin("healthy", GOOD)
-    host = make_plugin_manager(builtins=("enginecore.builtin_stat_loggers.plugin",))
+    host = make_plugin_manager(builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"})
     record = host.records["exiting"]
     assert record.error == f"failed to load: {expected}"
     assert "'exiting' (distribution enginecore-exiting 0.2.0)" in caplog.text
@@ -181,7 +181,7 @@ def test_a_failure_at_registration_is_fatal_in_strict_mode(monkeypatch):
 
 def test_an_override_holds_whichever_hook_ran_first():
     host = make_plugin_manager(
-        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+        load_entrypoints=False, builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
     )
 
     class Better:
@@ -197,7 +197,7 @@ def test_an_override_holds_whichever_hook_ran_first():
 
 def test_a_duplicate_name_drops_the_later_plugin_not_the_builtin():
     host = make_plugin_manager(
-        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+        load_entrypoints=False, builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
     )
 
     class Clash:
@@ -216,7 +216,7 @@ def test_a_duplicate_name_drops_the_later_plugin_not_the_builtin():
 
 def test_a_new_style_wrapper_sees_and_extends_every_registration():
     host = make_plugin_manager(
-        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+        load_entrypoints=False, builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
     )
 
     class Timing:
@@ -237,7 +237,7 @@ def test_a_new_style_wrapper_sees_and_extends_every_registration():
 
 
 def test_an_old_style_hookwrapper_observes_lifecycle_calls():
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     seen: list[tuple[str, str]] = []
 
     class Observer:
@@ -260,7 +260,7 @@ def test_an_old_style_hookwrapper_observes_lifecycle_calls():
 
 
 def test_a_raising_observer_does_not_silence_a_wrapper_or_the_others(caplog):
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     seen: list[str] = []
 
     class Raises:
@@ -396,7 +396,7 @@ class NotAStatLogger:
 
 
 def test_a_stat_logger_factory_building_the_wrong_thing_fails_at_start_up():
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
 
     class Wrong:
         @enginecore.hookimpl
@@ -411,7 +411,7 @@ def test_a_stat_logger_factory_building_the_wrong_thing_fails_at_start_up():
 def test_a_misspelt_allow_list_warns_with_did_you_mean(site, monkeypatch, caplog):
     site.plugin("healthy", GOOD)
     monkeypatch.setenv("ENGINECORE_PLUGINS", "healthyy")
-    host = make_plugin_manager(builtins=())
+    host = make_plugin_manager(builtins={})
     assert "healthy" not in host.records
     assert "'healthyy', which no installed plugin or distribution is called" in caplog.text
     assert "Did you mean 'healthy'" in caplog.text
@@ -425,7 +425,7 @@ def test_two_distributions_with_one_entry_point_name_both_named(site, caplog):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-twin\nVersion: 2.0\n")
     (info / "entry_points.txt").write_text(f"[enginecore]\ntwin = {module}\n")
-    make_plugin_manager(builtins=())
+    make_plugin_manager(builtins={})
     warning = next(r.getMessage() for r in caplog.records if "two installed" in r.getMessage())
     assert "enginecore-twin" in warning and "other-twin" in warning
 
@@ -485,11 +485,11 @@ def test_collective_rpc_takes_its_arguments_in_one_order_everywhere():
     import inspect
 
     from enginecore import LLM, AsyncLLM
-    from enginecore.builtin_executors.multiproc import MultiprocExecutor
-    from enginecore.builtin_executors.ray_executor import RayExecutor
-    from enginecore.builtin_executors.uniproc import UniProcExecutor
     from enginecore.engine.core import EngineCore
     from enginecore.interfaces import Executor
+    from enginecore_executors.multiproc import MultiprocExecutor
+    from enginecore_executors.ray_executor import RayExecutor
+    from enginecore_executors.uniproc import UniProcExecutor
 
     for owner in (
         LLM,
@@ -586,7 +586,7 @@ HALF_BROKEN = """
 @pytest.mark.slow
 def test_the_frontend_and_the_engine_process_agree_on_a_failed_plugin(site, tiny_llama):
     from enginecore import LLM
-    from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
+    from enginecore_stat_loggers.logging_logger import LoggingStatLogger
 
     site.plugin("half_broken", HALF_BROKEN)
     with LLM(model=str(tiny_llama), stat_loggers=["logging"]) as llm:

@@ -39,7 +39,7 @@ ENV_VARS = (
 )
 # Strict-mode tests load only this built-in, so that they do not depend on which other
 # built-in plugin modules exist yet.
-METRICS_ONLY = ("enginecore.builtin_stat_loggers.plugin",)
+METRICS_ONLY = {"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,7 @@ def test_every_registration_hook_has_a_registry():
 
 def test_builtins_register_through_the_same_hooks():
     host = make_plugin_manager(load_entrypoints=False)
-    assert {r.module for r in host.records.values()} == set(BUILTIN_PLUGINS)
+    assert {r.module for r in host.records.values()} == set(BUILTIN_PLUGINS.values())
     assert all(r.builtin and r.distribution == "builtin" for r in host.records.values())
 
     metrics = host.records["builtin_stat_loggers"]
@@ -125,7 +125,7 @@ def test_builtins_register_through_the_same_hooks():
     assert metrics.hooks == ["register_stat_loggers"]
     # The built-in module is an ordinary pluggy plugin whose impl is marked trylast.
     assert host.pm.get_plugin("builtin_stat_loggers") is importlib.import_module(
-        "enginecore.builtin_stat_loggers.plugin"
+        "enginecore_stat_loggers.plugin"
     )
     [impl] = [
         i
@@ -151,9 +151,10 @@ def test_builtins_register_through_the_same_hooks():
     }
 
 
-@pytest.mark.parametrize("module", BUILTIN_PLUGINS)
-def test_each_existing_builtin_loads_and_registers_something(module):
-    host = make_plugin_manager(load_entrypoints=False, builtins=(module,))
+@pytest.mark.parametrize("name", BUILTIN_PLUGINS)
+def test_each_existing_builtin_loads_and_registers_something(name):
+    module = BUILTIN_PLUGINS[name]
+    host = make_plugin_manager(load_entrypoints=False, builtins={name: module})
     [record] = host.records.values()
     assert record.loaded, record.traceback
     host.all_registries()
@@ -345,7 +346,7 @@ def test_a_subset_of_the_hook_arguments_is_accepted():
         def engine_started(self, info):
             self.seen.append(info)
 
-    host = make_plugin_manager(load_entrypoints=False, builtins=())
+    host = make_plugin_manager(load_entrypoints=False, builtins={})
     host.register_object(Observer(), "observer")
     assert host.records["observer"].loaded
     host.engine_started(make_config(), {"num_blocks": 7})

@@ -5,11 +5,11 @@ from __future__ import annotations
 from scheduler_helpers import make_request
 
 from enginecore import make_config
-from enginecore.builtin_schedulers import plugin
-from enginecore.builtin_schedulers.policies import FCFSPolicy, PriorityPolicy
-from enginecore.builtin_schedulers.waiting_queue import WaitingQueue
 from enginecore.interfaces import SchedulerState, SchedulingPolicy
 from enginecore.registry import Registry
+from enginecore_schedulers import plugin
+from enginecore_schedulers.policies import FCFSPolicy, PriorityPolicy
+from enginecore_schedulers.waiting_queue import WaitingQueue
 
 CONFIG = make_config(model="fake")
 
@@ -77,12 +77,12 @@ def test_plugin_registers_default_scheduler_and_policies_lazily():
     plugin.register_schedulers(schedulers)
     plugin.register_scheduling_policies(policies)
     entry = schedulers.entry("default")
-    assert entry.factory == "enginecore.builtin_schedulers.scheduler:DefaultScheduler"
+    assert entry.factory == "enginecore_schedulers.scheduler:DefaultScheduler"
     assert entry.summary
     assert policies.names() == ["fcfs", "priority"]
     assert policies.get("fcfs") is FCFSPolicy
     assert policies.get("priority") is PriorityPolicy
-    from enginecore.builtin_schedulers.scheduler import DefaultScheduler
+    from enginecore_schedulers.scheduler import DefaultScheduler
 
     assert schedulers.get("default") is DefaultScheduler
     assert DefaultScheduler.supports_async_scheduling

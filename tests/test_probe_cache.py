@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from enginecore.builtin_cpu import packed_gemm, panel_gemm, probe_cache
+from enginecore_cpu import packed_gemm, panel_gemm, probe_cache
 
 
 @pytest.fixture

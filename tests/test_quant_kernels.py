@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore.builtin_cpu import gguf_blocks, quant_kernels
-from enginecore.builtin_cpu.gguf_blocks import BlockWeight
+from enginecore_cpu import gguf_blocks, quant_kernels
+from enginecore_cpu.gguf_blocks import BlockWeight
 
 pytestmark = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
 

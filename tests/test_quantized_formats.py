@@ -15,19 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enginecore.builtin_cpu import (
-    cpu_kernels,
-    gguf_linear_method,
-    kquant_blocks,
-    kquant_kernels,
-    quant_kernels,
-)
-from enginecore.builtin_cpu.gguf_linear_method import (
-    DIRECT_MAX_ROWS,
-    GGUFLinearMethod,
-    dequantized_part,
-)
-from enginecore.builtin_cpu.kquant_blocks import KQuantWeight
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import QKVParallelLinear, RowParallelLinear, use_linear_method
 from enginecore.layers.quantized import QuantizedTensor
@@ -37,6 +24,19 @@ from enginecore.testing.quantizers import (
     quantize_k,
     write_group_quantized,
 )
+from enginecore_cpu import (
+    cpu_kernels,
+    gguf_linear_method,
+    kquant_blocks,
+    kquant_kernels,
+    quant_kernels,
+)
+from enginecore_cpu.gguf_linear_method import (
+    DIRECT_MAX_ROWS,
+    GGUFLinearMethod,
+    dequantized_part,
+)
+from enginecore_cpu.kquant_blocks import KQuantWeight
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -349,8 +349,8 @@ def _recording(kinds: set[str]):
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_group_quantized_tensors_unpack_to_their_weight(method: str, symmetric: bool):
-    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
     from enginecore.testing.quantizers import awq_tensors, gptq_tensors
+    from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
 
     torch.manual_seed(3)
     weight = torch.randn(48, 256)
@@ -373,9 +373,9 @@ def test_group_quantized_tensors_unpack_to_their_weight(method: str, symmetric: 
 
 
 def test_gptq_with_a_reordering_g_idx_is_refused():
-    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
     from enginecore.errors import UnsupportedModelError
     from enginecore.testing.quantizers import gptq_tensors
+    from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
 
     q, scales, zeros = quantize_groups(torch.randn(16, 128), 64, False)
     parts = gptq_tensors(q, scales, zeros.clamp(min=1))
@@ -396,8 +396,8 @@ def test_gptq_with_a_reordering_g_idx_is_refused():
 def test_unsupported_group_settings_are_refused_naming_them(settings, named):
     from types import SimpleNamespace
 
-    from enginecore.builtin_models.group_quant import group_quant_config
     from enginecore.errors import UnsupportedModelError
+    from enginecore_models.group_quant import group_quant_config
 
     with pytest.raises(UnsupportedModelError, match=named):
         group_quant_config(SimpleNamespace(quantization_config=settings))
@@ -421,10 +421,10 @@ def _model_logits(
 ) -> tuple[torch.Tensor, Any]:
     """Logits of one forward over ``ids`` of the checkpoint at ``path``, its projections
     through the ``gguf`` method (``quantized``) or in float32."""
-    from enginecore.builtin_attention.torch_backend import TorchAttentionBackend
-    from enginecore.builtin_models.models.llama import LlamaForCausalLM
-    from enginecore.builtin_models.weight_loader import iter_weights, load_hf_config
     from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
+    from enginecore_attention.torch_backend import TorchAttentionBackend
+    from enginecore_models.models.llama import LlamaForCausalLM
+    from enginecore_models.weight_loader import iter_weights, load_hf_config
 
     cfg = load_hf_config(path)
     keep = GGUFLinearMethod.gguf_formats if quantized else ()
@@ -547,9 +547,9 @@ def test_int8_quantization_of_a_float_checkpoint(tiny_llama, monkeypatch):
 
 
 def test_scales_not_matching_the_configured_group_size_are_refused():
-    from enginecore.builtin_models.group_quant import GroupQuantConfig, iter_group_quantized
     from enginecore.errors import UnsupportedModelError
     from enginecore.testing.quantizers import awq_tensors
+    from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized
 
     parts = awq_tensors(*quantize_groups(torch.randn(16, 256), 64, False))
     tensors = [(f"proj.{leaf}", t) for leaf, t in parts.items()]

@@ -17,7 +17,7 @@ PACKAGES = ["core", *sorted(p.name for p in ROOT.glob("builtin_*") if p.is_dir()
 
 def modules() -> list[str]:
     """Every source module as the layout names it: ``engine/core.py`` under core/,
-    ``builtin_cpu/attention.py`` for a built-in package."""
+    ``builtin_cpu/enginecore_cpu/attention.py`` for a built-in package."""
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*")):
@@ -25,7 +25,7 @@ def modules() -> list[str]:
                 continue
             if "__pycache__" in path.parts:
                 continue
-            rel = path.relative_to(ROOT / package if package == "core" else ROOT)
+            rel = path.relative_to(ROOT / "core" / "enginecore" if package == "core" else ROOT)
             found.append(str(rel))
     return found
 

@@ -18,8 +18,8 @@ import torch
 from spec_decode_helpers import chi_square_critical
 
 from enginecore import SamplingParams
-from enginecore.builtin_models.rejection_sampler import SeededStreams, accept, expand_rows
-from enginecore.builtin_models.sampler import Sampler, build_sampling_metadata
+from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
+from enginecore_models.sampler import Sampler, build_sampling_metadata
 
 VOCAB = 8
 DRAFTS = [3, 5, 3]

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from enginecore.builtin_models.sampler import (
+from enginecore.params import SamplingParams
+from enginecore_models.sampler import (
     Sampler,
     apply_grammar_bitmask,
     apply_top_k_top_p,
     build_sampling_metadata,
 )
-from enginecore.params import SamplingParams
 
 V = 64
 CPU = torch.device("cpu")
@@ -139,7 +139,7 @@ def test_penalties():
         )
     ]
     meta = meta_for(params, outputs=[[0, 0, 2]], prompts=[[3]])
-    from enginecore.builtin_models.sampler import apply_penalties
+    from enginecore_models.sampler import apply_penalties
 
     got = apply_penalties(logits.clone(), meta)[0, :5]
     # token 0: seen (2x in output): 2/2 - 0.25*2 - 0.5 = 0.0

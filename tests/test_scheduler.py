@@ -24,12 +24,12 @@ from scheduler_helpers import (
 )
 
 from enginecore import make_config
-from enginecore.builtin_schedulers.policies import FCFSPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
 from enginecore.interfaces import KVConnectorScheduler, SchedulerState
 from enginecore.protocol import EngineCoreEventType
 from enginecore.request import FinishReason, RequestStatus
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 
 def waiting_ids(scheduler) -> list[str]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from scheduler_helpers import make_output, make_request
 
 from enginecore import make_config
-from enginecore.builtin_schedulers.policies import FCFSPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
 from enginecore.interfaces import KVConnectorScheduler
 from enginecore.request import FinishReason, RequestStatus
 from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 BS = 4
 

@@ -16,13 +16,13 @@ import pytest
 from scheduler_helpers import EOS_TOKEN_ID, assert_no_leaks, make_request
 
 from enginecore import make_config
-from enginecore.builtin_models.ngram_proposer import NgramProposer
-from enginecore.builtin_schedulers.policies import FCFSPolicy
-from enginecore.builtin_schedulers.scheduler import DefaultScheduler
 from enginecore.params import StructuredOutputParams
 from enginecore.request import RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
+from enginecore_models.ngram_proposer import NgramProposer
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 K = 3
 BLOCK = 4

@@ -13,8 +13,8 @@ import torch
 from hf_reference import assert_matches_reference, greedy_reference, load_reference
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_models.weight_loader import load_hf_config
 from enginecore.layers import layer_sliding_windows
+from enginecore_models.weight_loader import load_hf_config
 
 WINDOW = 16
 

@@ -8,10 +8,10 @@ from prometheus_client import CollectorRegistry
 from test_stat_loggers import FakeClock, exposition, sample
 
 from enginecore import make_config
-from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
-from enginecore.builtin_stat_loggers.prometheus_logger import PrometheusStatLogger
 from enginecore.interfaces import IterationStats
 from enginecore.protocol import SchedulerStats
+from enginecore_stat_loggers.logging_logger import LoggingStatLogger
+from enginecore_stat_loggers.prometheus_logger import PrometheusStatLogger
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
 

@@ -10,13 +10,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore import make_config
-from enginecore.builtin_stat_loggers.logging_logger import LoggingStatLogger
-from enginecore.builtin_stat_loggers.prometheus_logger import PrometheusStatLogger
 from enginecore.interfaces import IterationStats, StatLogger
 from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import SchedulerStats
 from enginecore.request import FinishReason
+from enginecore_stat_loggers.logging_logger import LoggingStatLogger
+from enginecore_stat_loggers.prometheus_logger import PrometheusStatLogger
 
 
 class FakeClock:
@@ -77,14 +77,14 @@ def test_finished_request_stats_is_plain_json_ready_data():
 
 def test_builtin_loggers_are_registered_lazily():
     host = make_plugin_manager(
-        load_entrypoints=False, builtins=("enginecore.builtin_stat_loggers.plugin",)
+        load_entrypoints=False, builtins={"builtin_stat_loggers": "enginecore_stat_loggers.plugin"}
     )
     registry = host.registry("stat_logger")
     assert registry.entry("logging").factory == (
-        "enginecore.builtin_stat_loggers.logging_logger:LoggingStatLogger"
+        "enginecore_stat_loggers.logging_logger:LoggingStatLogger"
     )
     assert registry.entry("prometheus").factory == (
-        "enginecore.builtin_stat_loggers.prometheus_logger:PrometheusStatLogger"
+        "enginecore_stat_loggers.prometheus_logger:PrometheusStatLogger"
     )
     assert all(registry.entry(n).summary for n in registry)
     for name, cls in (("logging", LoggingStatLogger), ("prometheus", PrometheusStatLogger)):

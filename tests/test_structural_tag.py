@@ -15,9 +15,9 @@ import xgrammar as xgr
 from structured_helpers import PERSON_SCHEMA
 from transformers import AutoTokenizer
 
-from builtin_structured_output.xgrammar_backend import XgrammarBackend
 from enginecore import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams
 from enginecore.config import make_config
+from enginecore_structured_output.xgrammar_backend import XgrammarBackend
 
 FLAG_SCHEMA = {
     "type": "object",

@@ -26,11 +26,11 @@ from serve_process import free_port, serve, start_cli, stop
 from test_hooks import bare_host, registering
 
 from enginecore import LLM, SamplingParams
-from enginecore.builtin_tool_parsers.hermes import HermesToolParser
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import ChatCompletionRequest
 from enginecore.server.tools import plan_tools
 from enginecore.tool_parsers import ParsedText, PartialToolCall, ToolCallStream, ToolParser
+from enginecore_tool_parsers.hermes import HermesToolParser
 
 ECHO_PLUGIN = Path(__file__).parent / "plugins" / "enginecore-echo-model"
 PAD = "<|pad|>"
@@ -143,7 +143,7 @@ class AnswerTagParser(ToolParser):
 
 def test_hook_register_tool_parsers():
     host = bare_host(
-        ("builtin", __import__("enginecore.builtin_tool_parsers.plugin", fromlist=["_"])),
+        ("builtin", __import__("enginecore_tool_parsers.plugin", fromlist=["_"])),
         ("answers", registering("register_tool_parsers", "answer_tag", AnswerTagParser)),
     )
     registry = host.registry("tool_parser")
@@ -163,7 +163,7 @@ def _plan(body: dict, **kw):
     defaults = dict(
         enable_auto_tool_choice=True,
         parser_registry=bare_host(
-            ("builtin", __import__("enginecore.builtin_tool_parsers.plugin", fromlist=["_"]))
+            ("builtin", __import__("enginecore_tool_parsers.plugin", fromlist=["_"]))
         ).registry("tool_parser"),
         parser_name="hermes",
         backend_registry=None,

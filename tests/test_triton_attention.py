@@ -30,7 +30,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton ships wheels for Linux only")
 
-from enginecore.builtin_attention import triton_kernels
+from enginecore_attention import triton_kernels
 
 if not triton_kernels.is_interpreted():  # imported earlier in this process without the flag
     triton_kernels = importlib.reload(triton_kernels)
@@ -312,7 +312,7 @@ COMPILE_FOR_GPUS = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from enginecore.builtin_attention import triton_kernels as tk
+    from enginecore_attention import triton_kernels as tk
 
     def compile_for(kernel, target, constexprs, pointers):
         signature = {}
@@ -416,11 +416,11 @@ def test_a_decode_batch_padded_for_a_cuda_graph_changes_no_real_row():
     are exactly those of the unpadded step."""
     from types import SimpleNamespace
 
-    from enginecore.builtin_models.cuda_graphs import DecodeGraphs, bucket_sizes
     from enginecore.interfaces import AttentionSpec
     from enginecore.layers import Attention
     from enginecore.plugins import make_plugin_manager
     from enginecore.testing.attention_steps import make_batch, write_sequences
+    from enginecore_models.cuda_graphs import DecodeGraphs, bucket_sizes
 
     assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert bucket_sizes(1) == [1]

@@ -75,10 +75,10 @@ def test_unknown_activation_is_refused_naming_it(tiny_llama, tmp_path):
 def test_not_implemented_in_a_model_class_names_the_model(tmp_path):
     """OLMo 2's whole-projection key norm cannot span replicated KV heads: refused with
     the architecture's name (the check runs while the model is built)."""
-    from enginecore.builtin_models.models.olmo2 import Olmo2ForCausalLM
-    from enginecore.builtin_models.weight_loader import load_hf_config
     from enginecore.distributed import ParallelContext
     from enginecore.errors import UnsupportedModelError
+    from enginecore_models.models.olmo2 import Olmo2ForCausalLM
+    from enginecore_models.weight_loader import load_hf_config
 
     path = make_random_checkpoint(tmp_path / "olmo2", arch="olmo2")
     cfg = load_hf_config(path)

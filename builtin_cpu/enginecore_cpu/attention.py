@@ -1,0 +1,195 @@
+"""The ``cpu`` attention backend: the torch backend with the C kernels and a dense
+decode mirror where they apply.
+
+- K/V are written into the cache by ``ec_write_kv`` (float32).
+- Decodes are served from a :class:`DecodeMirror`: each decoding request's K/V is kept
+  densely, so a steady decode step appends one position instead of gathering the whole
+  context; in float32 the fused decode kernel attends each row over its own length.
+- Fresh prompts go to the fused prefill kernel where enginecore's own GEMM runs (AVX2
+  without AVX-512; ``panel_gemm.preferred``), up to a length (1.7-2x SDPA on prompts of
+  32-512 tokens at head dim 64).
+- Everything else, and every dtype the kernels do not take, runs the torch paths.
+
+The KV cache is an anonymous mapping (pages cost nothing until touched) whose first
+blocks are faulted in at start-up, not inside the first batch's steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from enginecore.interfaces import AttentionCapabilities, AttentionSpec
+from enginecore.layers.attention import Attention, AttentionBatch
+from enginecore_attention.torch_backend import (
+    AttentionGroup,
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+)
+from enginecore_attention.torch_backend import write_kv as torch_write_kv
+from enginecore_cpu import cpu_kernels, panel_gemm
+from enginecore_cpu.decode_mirror import DecodeMirror
+from enginecore_cpu.fused_ops import CpuFusedOps
+from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
+
+
+def fresh_prompts(group: AttentionGroup, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[first token, length] of every prompt of at most ``max_len`` tokens in a run
+    without context, counted from the group's first token."""
+    starts: list[int] = []
+    lens: list[int] = []
+    for run in group.runs:
+        if run.context_len == 0 and run.query_len <= max_len:
+            end = run.token_start + run.num_reqs * run.query_len
+            starts += range(run.token_start, end, run.query_len)
+            lens += [run.query_len] * run.num_reqs
+    return torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+    # Soft-capped scores are not in the kernels: such models take the torch backend.
+    capabilities = AttentionCapabilities(devices=("cpu",), logits_soft_cap=False)
+    priority = 10
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        keep_freed_memory()
+        self.mirror: DecodeMirror | None = None
+        self._caches: list[torch.Tensor] = []
+        self._mirrored = False  # this step's decodes come from the mirror
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[Any]:
+        s = self.spec
+        shape = self.kv_cache_shape(num_blocks)
+        caches = [zeroed(shape, s.dtype, s.device) for _ in range(s.num_layers)]
+        # Mirror the decode batch densely, in at most as much memory as the paged cache.
+        self.mirror = DecodeMirror(
+            s.num_layers,
+            s.num_kv_heads,
+            s.head_dim,
+            s.dtype,
+            s.device,
+            max_bytes=sum(c.numel() * c.element_size() for c in caches),
+            max_len=s.max_model_len,
+            max_rows=s.max_num_seqs,
+        )
+        # Pages are mapped on first touch (1-10 µs per 4 KiB page): fault in the first
+        # blocks, which the pool hands out first, and the mirror's first rows now.
+        block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+        first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
+        for cache in caches:
+            cache[:, :first].zero_()  # zeros over zeros: only the faults happen
+        if s.num_kv_cache_groups > 1:
+            self.mirror = None  # see order_decodes
+        else:
+            self.mirror.prefault(PREFAULT_BYTES)
+        self._caches = caches
+        return caches
+
+    def release_kv_cache(self) -> None:
+        self.mirror = None
+        self._caches = []
+
+    def workspace_bytes(self) -> int:
+        return 0  # decodes read the mirror, whose memory is bounded by the cache's
+
+    def order_decodes(
+        self, req_ids: list[str], batch_view: Mapping[str, tuple[int, list[int]]]
+    ) -> list[str]:
+        self._mirrored = False
+        # The mirror fills from one block table and keys layers by their cache tensor,
+        # which KV cache groups share: grouped models decode from the paged cache.
+        if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
+            return req_ids
+        order = self.mirror.plan(
+            req_ids,
+            {r: batch_view[r][0] for r in req_ids},
+            {r: batch_view[r][1] for r in req_ids},
+            self._caches,
+        )
+        if order is None:  # the mirror cannot hold this batch: plain paged attention
+            return req_ids
+        self._mirrored = True
+        return order
+
+    def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        if not batch.num_decodes:
+            self._mirrored = False
+        return super().build_metadata(batch)
+
+    def fused_ops(self) -> CpuFusedOps:
+        return CpuFusedOps()
+
+    def fused_decode(self, model: Any, kv_caches: list[Any]) -> Any:
+        # imported here: the step knows the model classes, which import this package
+        from enginecore_cpu.decode_step import fused_decode_step
+
+        return fused_decode_step(model, kv_caches, self)
+
+    def decodes_mirrored(self) -> bool:
+        """Whether this step's decodes are served from the mirror (set by
+        ``order_decodes``)."""
+        return self._mirrored
+
+    def write_kv(
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kernels = cpu_kernels.kernels_for(kv_cache, key, value)
+        if (
+            kernels is not None
+            and cpu_kernels.heads_contiguous(key, value)
+            and slot_mapping.dtype == torch.int64
+        ):
+            kernels.write_kv(kv_cache, key, value, slot_mapping)
+        else:
+            torch_write_kv(kv_cache, key, value, slot_mapping)
+
+    def attend_decodes(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        if not self._mirrored:
+            return super().attend_decodes(layer, query, key, value, kv_cache, metadata)
+        return self.mirror.attend(query, key, value, kv_cache, layer.scale, layer.sliding_window)
+
+    def attend_prefills(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: AttentionGroup,
+        skip_fresh_up_to: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        fused_len = 0  # fresh prompts up to this length take the kernel
+        kernels = None
+        if layer.sliding_window is None:
+            kernels = cpu_kernels.kernels_for(query, key, value, out)
+        # Where enginecore's GEMM is preferred: the kernel runs on its tile, measured there.
+        if (
+            kernels is not None
+            and cpu_kernels.heads_contiguous(query, key, value)
+            and panel_gemm.preferred()
+        ):
+            fused_len = cpu_kernels.prefill_attention_max_len(kernels, query.shape[-1])
+            starts, lens = fresh_prompts(group, fused_len)
+            if len(starts):
+                kernels.prefill_attention(query, key, value, starts, lens, layer.scale, out)
+        return super().attend_prefills(
+            layer, query, key, value, kv_cache, group, skip_fresh_up_to=fused_len, out=out
+        )

@@ -1,0 +1,353 @@
+"""A Llama-family decode step in one foreign call (``decode_step.c``).
+
+At batch 1 a step of the demo model is about 4 ms of weight reads, but the layers spend
+as much again between them: some 150 module calls and 300 ``ctypes`` calls of Python. For
+a model whose every layer this module recognizes (the Llama block of ``builtin_models``,
+or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
+float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
+tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
+of the same kernels in the same order, so its hidden states are the layers' bit for bit.
+Everything else (prompts, mixed steps, other models and methods) takes the layers.
+``ENGINECORE_FUSED_DECODE=0`` switches it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from enginecore.layers.attention import AttentionBatch
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from enginecore_cpu.fused_ops import CpuFusedOps
+from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS
+from enginecore_models.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaModel,
+)
+from enginecore_models.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3Model
+
+# The blocks this step computes: Llama's (Mistral, Qwen2), and Qwen3's with QK norm.
+_MODELS = (LlamaModel, Qwen3Model)
+_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: Qwen3Attention}
+
+logger = logging.getLogger(__name__)
+
+SOURCE = cpu_kernels.SOURCE.with_name("decode_step.c")
+ENV_SWITCH = "ENGINECORE_FUSED_DECODE"
+_SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (KQuantWeight.kind)
+
+
+class _Kernels(Structure):
+    _fields_ = [
+        (name, c_void_p)
+        for name in (
+            "rms_norm",
+            "rotary",
+            "silu_and_mul",
+            "write_kv",
+            "mirror_append",
+            "decode_attention",
+            "linear",
+            "quantize_rows",
+            "gemm_k",
+        )
+    ]
+
+
+class _Part(Structure):
+    _fields_ = [
+        ("kind", c_int64),
+        ("first", c_int64),
+        ("rows", c_int64),
+        ("qs", c_void_p),
+        ("d", c_void_p),
+        ("m", c_void_p),
+    ]
+
+
+class _Proj(Structure):
+    _fields_ = [
+        ("input", c_int64),
+        ("out", c_int64),
+        ("num_parts", c_int64),
+        ("parts", POINTER(_Part)),
+        ("bias", c_void_p),
+    ]
+
+
+class _Layer(Structure):
+    _fields_ = [
+        ("input_norm", c_void_p),
+        ("post_norm", c_void_p),
+        ("q_norm", c_void_p),
+        ("k_norm", c_void_p),
+        ("qkv", _Proj),
+        ("o", _Proj),
+        ("gate_up", _Proj),
+        ("down", _Proj),
+        ("k_cache", c_void_p),
+        ("v_cache", c_void_p),
+        ("cache_slots", c_int64),
+        ("window", c_int64),
+    ]
+
+
+class _Model(Structure):
+    _fields_ = [
+        ("k", _Kernels),
+        *[
+            (name, c_int64)
+            for name in (
+                "num_layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "inter",
+                "vocab",
+                "max_pos",
+            )
+        ],
+        ("eps", c_float),
+        ("scale", c_float),
+        ("embed", c_void_p),
+        ("final_norm", c_void_p),
+        ("cos", c_void_p),
+        ("sin", c_void_p),
+        ("layers", POINTER(_Layer)),
+    ]
+
+
+class Unsupported(Exception):
+    """Why a model cannot take the fused step (the layers serve it)."""
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), c_void_p).value or 0
+
+
+def _kernels(needs_subblocks: bool) -> _Kernels:
+    cpu, quant = cpu_kernels.load(), quant_kernels.load()
+    if cpu is None or quant is None:
+        raise Unsupported("the C kernels are off or could not be built")
+    kquant = kquant_kernels.load() if needs_subblocks else None
+    if needs_subblocks and kquant is None:
+        raise Unsupported("the K-quant kernel is off or could not be built")
+    return _Kernels(
+        rms_norm=_address(cpu.lib, "ec_rms_norm"),
+        rotary=_address(cpu.lib, "ec_rotary"),
+        silu_and_mul=_address(cpu.lib, "ec_silu_and_mul"),
+        write_kv=_address(cpu.lib, "ec_write_kv"),
+        mirror_append=_address(cpu.lib, "ec_mirror_append"),
+        decode_attention=_address(cpu.lib, "ec_decode_attention"),
+        linear=_address(quant.lib, "ecq_linear"),
+        quantize_rows=_address(quant.lib, "ecq_quantize_rows"),
+        gemm_k=_address(kquant.lib, "eck_gemm_k") if kquant is not None else 0,
+    )
+
+
+def _pointer(tensor: torch.Tensor | None, what: str) -> int:
+    if tensor is None:
+        return 0
+    if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise Unsupported(f"{what} is not a contiguous float32 CPU tensor")
+    return tensor.data_ptr()
+
+
+class FusedDecodeStep:
+    """The recorded model; :meth:`run` computes one all-decode step."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], backend: Any) -> None:
+        self.backend = backend  # the ``cpu`` attention backend, whose mirror serves decodes
+        self.steps = 0  # steps run fused (the tests check the path is taken)
+        self._keep: list[Any] = []  # ctypes arrays the C structures point into
+        self._mirror_layers: list[torch.Tensor] | None = None
+        self._mirror_ptrs: Any = None
+        self.lib = _load()
+        self.model = self._record(model, kv_caches)
+
+    # --- recording --------------------------------------------------------------------
+
+    def _record(self, model: Any, kv_caches: list[torch.Tensor]) -> _Model:
+        stack = getattr(model, "model", None)
+        if type(stack) not in _MODELS:
+            raise Unsupported(f"{type(model).__name__} is not the Llama or Qwen3 block")
+        if stack.parallel.tp_size != 1 or stack.parallel.pp_size != 1:
+            raise Unsupported("the model is split over ranks")
+        layers = list(stack.layers)
+        if len(kv_caches) != len(layers):
+            raise Unsupported("KV cache groups share layers' caches")
+        rotary = stack.rotary
+        if rotary.rot_dim != rotary.head_dim or not isinstance(rotary.fused_ops, CpuFusedOps):
+            raise Unsupported("partial or unfused rotary embedding")
+        embed = stack.embed_tokens.weight
+        first = layers[0].self_attn
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        if not cpu_kernels.decode_attention_fits(heads // kv_heads, head_dim):
+            raise Unsupported("head sizes beyond the decode attention kernel")
+        inter = layers[0].mlp.down_proj.input_size
+        records = [
+            self._layer(layer, cache, (heads, kv_heads, head_dim, inter), stack.norm.eps)
+            for layer, cache in zip(layers, kv_caches, strict=True)
+        ]
+        needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
+        array = (_Layer * len(records))(*(rec[0] for rec in records))
+        self._keep.append(array)
+        return _Model(
+            k=_kernels(needs_subblocks),
+            num_layers=len(records),
+            hidden=embed.shape[1],
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            inter=inter,
+            vocab=embed.shape[0],
+            max_pos=rotary.cos.shape[0],
+            eps=stack.norm.eps,
+            scale=first.attn.scale,
+            embed=_pointer(embed, "the embedding"),
+            final_norm=_pointer(stack.norm.weight, "the final norm"),
+            cos=_pointer(rotary.cos, "the rotary table"),
+            sin=_pointer(rotary.sin, "the rotary table"),
+            layers=array,
+        )
+
+    def _layer(
+        self, layer: Any, cache: torch.Tensor, sizes: tuple[int, int, int, int], eps: float
+    ) -> tuple[_Layer, list[_Part]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (
+            _LAYERS.get(type(layer)) is not type(attn)
+            or type(mlp) is not LlamaMLP
+            or mlp.activation is not None
+        ):
+            raise Unsupported(f"{type(layer).__name__} is not the Llama block with SiLU")
+        qk_norms = [attn.q_norm, attn.k_norm] if type(attn) is Qwen3Attention else []
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.input_size) != sizes:
+            raise Unsupported("layers of different sizes")
+        if attn.attn.logits_soft_cap is not None:
+            raise Unsupported("soft-capped attention scores")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, *qk_norms):
+            if not isinstance(norm.fused_ops, CpuFusedOps) or norm.eps != eps:
+                raise Unsupported("norms without the fused kernel")
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            raise Unsupported("the KV cache is not float32")
+        parts: list[_Part] = []
+        projs = [
+            self._proj(attn.qkv_proj, parts),
+            self._proj(attn.o_proj, parts),
+            self._proj(mlp.gate_up_proj, parts),
+            self._proj(mlp.down_proj, parts),
+        ]
+        half = cache[0].numel()
+        record = _Layer(
+            _pointer(layer.input_layernorm.weight, "a norm"),
+            _pointer(layer.post_attention_layernorm.weight, "a norm"),
+            *([_pointer(norm.weight, "a QK norm") for norm in qk_norms] or [0, 0]),
+            *projs,
+            cache.data_ptr(),
+            cache.data_ptr() + half * cache.element_size(),
+            half // (attn.num_kv_heads * attn.head_dim),
+            attn.attn.sliding_window or 0,
+        )
+        return record, parts
+
+    def _proj(self, linear: Any, all_parts: list[_Part]) -> _Proj:
+        blocks = getattr(linear, "gguf_blocks", None)
+        if not blocks:
+            raise Unsupported("a projection is not kept in blocks (linear method gguf)")
+        parts = []
+        for first, part in blocks:
+            parts.append(_Part(part.kind, first, part.shape[0], *part.pointers))
+        array = (_Part * len(parts))(*parts)
+        self._keep.append(array)
+        all_parts.extend(parts)
+        k = blocks[0][1].shape[1]
+        n = sum(part.shape[0] for _, part in blocks)
+        return _Proj(k, n, len(parts), array, _pointer(linear.bias, "a bias"))
+
+    # --- per step ---------------------------------------------------------------------
+
+    def handles(self, batch: AttentionBatch) -> bool:
+        """Whether this step is all decodes, served from the mirror, few enough for the
+        blocks' direct kernels (more rows take a float32 GEMM in the layers)."""
+        n = len(batch.req_ids)
+        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """The final normed hidden states [n, hidden] of the step's decode tokens."""
+        mirror = self.backend.mirror
+        step = mirror.step
+        if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
+            ptrs: list[int] = []
+            for layer in mirror.layers:
+                base = layer.data_ptr()
+                ptrs += [base, base + layer[0].numel() * layer.element_size()]
+            self._mirror_ptrs = (c_void_p * len(ptrs))(*ptrs)
+            self._mirror_layers = mirror.layers
+        n = ids.shape[0]
+        out = torch.empty((n, self.model.hidden), dtype=torch.float32)
+        slots = np.ascontiguousarray(batch.slot_mapping, dtype=np.int64)
+        status = self.lib.ecd_decode_step(
+            ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),
+            slots.ctypes.data, step.lens.data_ptr(), self._mirror_ptrs,
+            mirror.layers[0].shape[3], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status == -2:
+            raise MemoryError(f"no scratch memory for a decode step of {n} rows")
+        if status:
+            raise IndexError("fused decode step: a token id, position, slot or length out of range")
+        self.steps += 1
+        return out
+
+
+def build() -> Path:
+    """Compile ``decode_step.c`` into the cache (if not there yet); its path."""
+    return cpu_kernels.build(source=SOURCE, stem="enginecore_decode_step")
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                lib = ctypes.CDLL(str(build()))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                raise Unsupported(f"decode_step.c could not be built: {exc}") from exc
+            lib.ecd_decode_step.argtypes = [
+                c_void_p, c_int64, *[c_void_p] * 5, c_int64, c_void_p, c_int,
+            ]  # fmt: skip
+            lib.ecd_decode_step.restype = c_int
+            _lib = lib
+    return _lib
+
+
+def fused_decode_step(
+    model: Any, kv_caches: list[torch.Tensor], backend: Any
+) -> FusedDecodeStep | None:
+    """The fused step for ``model`` under the ``cpu`` attention ``backend``, or None
+    (saying why at debug level) where the layers must run: switched off, no decode mirror
+    (KV cache groups), or a model this step does not recognize."""
+    if cpu_kernels.switched_off(ENV_SWITCH) or backend.mirror is None:
+        return None
+    try:
+        return FusedDecodeStep(model, kv_caches, backend)
+    except Unsupported as exc:
+        logger.debug("decode steps run layer by layer: %s", exc)
+        return None

@@ -1,0 +1,316 @@
+"""The ``gguf`` linear method: quantized projections kept quantized on CPU and multiplied
+by ``quant_kernels`` / ``kquant_kernels``.
+
+A decode step reads every weight once, so its time is the weights' bytes over memory
+bandwidth: a Q4_1 weight is 5 bits a value against float32's 32. The weight loader hands
+tensors in the formats this method names (``gguf_formats``) over as
+:class:`enginecore.layers.quantized.QuantizedTensor`: GGUF's Q8_0, Q4_0, Q4_1 (32-value
+blocks), Q4_K, Q5_K and Q6_K (at the file's bits a value, its scales per super-block of
+256), and the 4-bit groups of AWQ / GPTQ checkpoints (as 4-bit blocks of 32). Other formats
+(F16, other GGUF types) arrive de-quantized and take the ``cpu_packed`` path, as does a
+layer whose shards came in mixed forms. With ``model.quantization: int8`` a float
+projection is quantized here to int8 per output channel. The LM head (often tied to the
+embedding, which the lookup needs in float) gets a Q8_0 copy: at 49,152 x 576 it is the
+largest single read of a small model.
+
+Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
+llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
+and the kernels' timings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from enginecore.layers.embedding import VocabParallelEmbedding
+from enginecore.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    quantized_shard_rows,
+)
+from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
+from enginecore_cpu import (
+    cpu_kernels,
+    gguf_blocks,
+    kquant_blocks,
+    kquant_kernels,
+    quant_kernels,
+)
+from enginecore_cpu.gguf_blocks import BlockWeight
+from enginecore_cpu.kquant_blocks import KQuantWeight
+from enginecore_cpu.linear_method import CpuPackedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+# More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
+# allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
+# Measured on the demo model's 30 layers of Q4_1 projections, weights not in cache, one
+# thread, CPU time (blocks against the packed float32 copy): 1 row 9.6 against 31 ms,
+# 8 rows 28 against 64, 16 rows 46 against 71, 32 rows 87 against 87.
+DIRECT_MAX_ROWS = 32
+_BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
+_PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
+
+
+class GGUFLinearMethod(CpuPackedLinearMethod):
+    name = "gguf"
+    # Chosen through model.quantization (GGUF files, AWQ / GPTQ, int8), never by default.
+    priority = 0
+    devices = ("cpu",)
+    gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
+
+    @classmethod
+    def unsupported_reason(cls, device: str, dtype: str) -> str | None:
+        reason = super().unsupported_reason(device, dtype)
+        if reason is None and dtype != "float32":
+            return f"computes in float32 only, not {dtype}"
+        return reason
+
+    def kernel_builds(self) -> list[Callable[[], Path]]:
+        from enginecore_cpu import decode_step  # it imports this module
+
+        builds = super().kernel_builds()
+        if not cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
+            builds.append(quant_kernels.build)
+            if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
+                builds.append(decode_step.build)
+        return builds
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        super().create_weights(layer, input_size, output_size, dtype)
+        float_loader = layer.weight.weight_loader
+
+        def weight_loader(param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
+            if isinstance(loaded, QuantizedTensor):
+                self._load_blocks(layer, param, loaded, shard, float_loader)
+            elif shard is None:
+                float_loader(param, loaded)
+            else:
+                float_loader(param, loaded, shard)
+
+        layer.weight.weight_loader = weight_loader
+
+    def _load_blocks(
+        self,
+        layer: nn.Module,
+        param: torch.Tensor,
+        loaded: QuantizedTensor,
+        shard: Any,
+        float_loader,
+    ) -> None:
+        if isinstance(layer, RowParallelLinear) and layer.parallel.tp_size > 1:
+            # A split of the input dimension cuts through blocks' rows: keep it in float.
+            float_loader(param, _dequantized(loaded))
+            return
+        parts = layer.__dict__.setdefault(_PARTS, {})
+        for first, piece in quantized_shard_rows(layer, loaded, shard):
+            parts[first] = unpacked(piece)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
+        kernels = quant_kernels.load()
+        if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
+            kernels = None
+        covered = sum(p.shape[0] for p in parts.values())
+        if parts and (kernels is None or covered != layer.weight.shape[0]):
+            # No kernels, or some shards came in float: the layer computes in float.
+            for first, part in parts.items():
+                layer.weight.data[first : first + part.shape[0]] = dequantized_part(part)
+            parts = {}
+        if not parts and self._int8_wanted(layer, kernels):
+            parts = {0: per_channel_q8(layer.weight.data)}
+        if parts:
+            merged = _merged(parts)
+            setattr(layer, _BLOCKS, merged)
+            if self._afford(layer.weight.numel() * layer.weight.element_size()):
+                # Many-row steps (prefill) compute on a float32 copy, packed as a float
+                # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
+                # It is written straight into the column-major layout the float path
+                # keeps, which the parent class then finds in place (one copy, not two).
+                out, k = layer.weight.shape
+                dense = torch.empty(k, out, dtype=layer.weight.dtype).t()
+                for first, part in merged:
+                    values = _dequantize_with(kernels, part)
+                    # 64 rows at a time: torch's transposing copy of a whole matrix runs
+                    # 2-3x slower than of slices whose columns stay in cache.
+                    for row in range(0, part.shape[0], 64):
+                        tile = values[row : row + 64]
+                        dense[first + row : first + row + tile.shape[0]] = tile
+                layer.weight.data = dense
+                super().process_weights_after_loading(layer)
+            else:
+                layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+            return
+        super().process_weights_after_loading(layer)
+        weight = layer.weight
+        if (
+            isinstance(layer, VocabParallelEmbedding)
+            and kernels is not None
+            and weight.dtype == torch.float32
+            and weight.shape[1] % gguf_blocks.BLOCK == 0
+        ):
+            setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+
+    def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
+        """``model.quantization: int8``: a float projection becomes int8 per channel."""
+        return (
+            self.config is not None
+            and self.config.model.quantization == "int8"
+            and kernels is not None
+            and isinstance(layer, ColumnParallelLinear | RowParallelLinear)
+            and layer.weight.dtype == torch.float32
+            and layer.weight.dim() == 2
+            and layer.weight.shape[1] % gguf_blocks.BLOCK == 0
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        blocks = getattr(layer, _BLOCKS, None)
+        if blocks is None or (_many_rows(x) and layer.weight.numel()):
+            return super().apply(layer, x, bias)
+        return blocks_linear(blocks, x, bias)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if getattr(layer, _BLOCKS, None) is not None and not (
+            _many_rows(x) and layer.weight.numel()
+        ):
+            return None
+        return super().apply_silu_and_mul(layer, x, bias)
+
+
+Part = BlockWeight | KQuantWeight
+
+
+def _needs_kquant(part: Part) -> bool:
+    """Whether ``kquant_kernels`` multiplies ``part`` (Q5_K, Q6_K; Q4_K is ``quant_kernels``')."""
+    return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
+
+
+def unpacked(tensor: QuantizedTensor) -> Part:
+    """A checkpoint's quantized tensor in the layout the kernels multiply."""
+    if tensor.format in kquant_blocks.FORMATS:
+        return kquant_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+    return gguf_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
+
+
+def dequantized_part(part: Part) -> torch.Tensor:
+    """The float32 weight of ``part``, in torch (any device, no kernels needed)."""
+    if isinstance(part, KQuantWeight):
+        return kquant_blocks.dequantize(part)
+    return gguf_blocks.dequantize(part)
+
+
+def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
+    """``weight`` [out, in] as signed bytes with one scale per output row (max |w| / 127),
+    held as Q8_0 blocks whose scales repeat along the row."""
+    out, k = weight.shape
+    scale = weight.detach().float().abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    qs = torch.round(weight.float() / safe).clamp(-127, 127).to(torch.int8).contiguous()
+    d = scale.unsqueeze(1).expand(out, k // gguf_blocks.BLOCK).contiguous()
+    return BlockWeight(8, qs, d, torch.zeros_like(d), (out, k))
+
+
+def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
+    if isinstance(part, BlockWeight):
+        return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+    if part.fmt == "Q4_K":
+        return kernels.dequantize_q4_k(part)
+    return kquant_kernels.load().dequantize_k(part)
+
+
+def _many_rows(x: torch.Tensor) -> bool:
+    return x.numel() > DIRECT_MAX_ROWS * x.shape[-1]
+
+
+def blocks_linear(
+    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` for W given as row ranges of blocks."""
+    kernels = quant_kernels.load()
+    k = blocks[0][1].shape[1]
+    n = sum(part.shape[0] for _, part in blocks)
+    rows = x.reshape(-1, k)
+    dtype = rows.dtype
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.float().contiguous()
+    if rows.shape[0] > DIRECT_MAX_ROWS:
+        weight = torch.cat([_dequantize_with(kernels, p) for _, p in blocks])
+        out = F.linear(rows, weight, bias)
+        return out.to(dtype).view(*x.shape[:-1], n)
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    if rows.shape[0]:
+        acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
+        for first, part in blocks:
+            target = out[:, first:] if first else out
+            if _needs_kquant(part):
+                if acts is None:
+                    acts = kernels.quantize_rows(rows)
+                kquant_kernels.load().gemm_k(acts, part, target)
+            else:
+                kernels.linear(rows, part, target)
+    if bias is not None:
+        out += bias
+    if dtype is not torch.float32:
+        out = out.to(dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
+    """Adjacent row ranges of one layout joined, so the kernel runs once for them."""
+    merged: list[tuple[int, Part]] = []
+    for first in sorted(parts):
+        part = parts[first]
+        if (
+            merged
+            and isinstance(part, KQuantWeight)
+            and isinstance(merged[-1][1], KQuantWeight)
+            and merged[-1][1].fmt == part.fmt
+        ):
+            start, prev = merged[-1]
+            merged[-1] = (
+                start,
+                KQuantWeight(
+                    part.fmt,
+                    torch.cat([prev.qs, part.qs]),
+                    torch.cat([prev.scales, part.scales]),
+                    (prev.shape[0] + part.shape[0], part.shape[1]),
+                ),
+            )
+        elif (
+            merged
+            and isinstance(part, BlockWeight)
+            and isinstance(merged[-1][1], BlockWeight)
+            and merged[-1][1].kind == part.kind
+        ):
+            start, prev = merged[-1]
+            rows = prev.shape[0] + part.shape[0]
+            merged[-1] = (
+                start,
+                BlockWeight(
+                    part.bits,
+                    torch.cat([prev.qs, part.qs]),
+                    torch.cat([prev.d, part.d]),
+                    torch.cat([prev.m, part.m]),
+                    (rows, part.shape[1]),
+                ),
+            )
+        else:
+            merged.append((first, part))
+    return merged
+
+
+def _dequantized(loaded: QuantizedTensor) -> torch.Tensor:
+    return dequantized_part(unpacked(loaded))

@@ -1,0 +1,83 @@
+"""Loader of ``kquant_kernels.c``: products over GGUF's Q5_K and Q6_K weights as the
+``gguf`` linear method keeps them (:class:`~enginecore_cpu.kquant_blocks.KQuantWeight`),
+built as ``quant_kernels`` is and taking its quantized activations."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from ctypes import c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+from enginecore_cpu import cpu_kernels, quant_kernels
+from enginecore_cpu.kquant_blocks import KQuantWeight
+from enginecore_cpu.quant_kernels import QuantizedActivations
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kquant_kernels.c")
+
+_P, _I64 = c_void_p, c_int64
+_SIGNATURES = {
+    "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
+    "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
+}
+
+
+class KQuantKernels:
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self.path = path
+
+    def gemm_k(self, acts: QuantizedActivations, weight: KQuantWeight, out: torch.Tensor) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T for a Q5_K or Q6_K ``weight``
+        [N, K]."""
+        rows, k = acts.q.shape
+        self.lib.eck_gemm_k(
+            rows, weight.shape[0], k, weight.bits, weight.qs.data_ptr(),
+            weight.scales.data_ptr(), acts.q.data_ptr(), acts.scale.data_ptr(),
+            acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+
+    def dequantize_k(self, weight: KQuantWeight) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight``."""
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.float32)
+        self.lib.eck_dequantize_k(
+            n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        )
+        return out
+
+
+_lock = threading.Lock()
+_loaded: KQuantKernels | None = None
+_failed = False
+
+
+def load() -> KQuantKernels | None:
+    """The kernels, built on first call; None when switched off (the switch of
+    ``quant_kernels``) or unbuildable."""
+    global _loaded, _failed
+    if _loaded is not None or _failed:
+        return _loaded
+    with _lock:
+        if _loaded is None and not _failed:
+            if cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
+                _failed = True
+                return None
+            try:
+                path = cpu_kernels.build(
+                    source=SOURCE, stem="enginecore_kquant_kernels", extra_isa=quant_kernels._vnni()
+                )
+                _loaded = KQuantKernels(path)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _failed = True
+                logger.warning("K-quant CPU kernels unavailable: %s", exc)
+    return _loaded

@@ -1,0 +1,146 @@
+"""Loader of ``quant_kernels.c``: products over block-quantized weights (the ``gguf``
+linear method), built per x86-64 level as ``cpu_kernels`` is, with VNNI where the CPU has
+it (the file name says so)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import threading
+from ctypes import c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+from enginecore_cpu import cpu_kernels
+from enginecore_cpu.gguf_blocks import Q4_HALF_SCALES, BlockWeight
+from enginecore_cpu.kquant_blocks import Q4_K_KIND, KQuantWeight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_kernels.c")
+ENV_SWITCH = "ENGINECORE_QUANT_KERNELS"
+BLOCK = 32
+
+_P, _I64 = c_void_p, c_int64
+_SIGNATURES = {
+    "ecq_quantize_rows": [_P, _I64, _I64, _I64, _P, _P, _P],
+    "ecq_dequantize_q4": [_I64, _I64, _P, _P, _P, _P],
+    "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
+    "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
+}
+_LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
+# What ``ecq_linear`` multiplies: 8-bit blocks, 4-bit ones with float32 or float16 scales,
+# Q4_K's (the others read past a weight's scales)
+_LINEAR_KINDS = frozenset({8, 4, Q4_HALF_SCALES, Q4_K_KIND})
+
+
+def _vnni() -> tuple[str, list[str]] | None:
+    flags = set(cpu_kernels._cpu_signature().split())
+    if cpu_kernels.instruction_set() == "x86-64-v4" and "avx512_vnni" in flags:
+        return "vnni", ["-mavx512vnni"]
+    return None
+
+
+class QuantizedActivations:
+    """Activations [M, K] as signed bytes per block of 32, with each block's scale and
+    scale times the sum of its bytes."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, scaled_sum: torch.Tensor) -> None:
+        self.q, self.scale, self.scaled_sum = q, scale, scaled_sum
+
+
+class QuantKernels:
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._linear = self.lib.ecq_linear
+        self._linear.argtypes, self._linear.restype = _LINEAR_SIGNATURE, ctypes.c_int
+        self.path = path
+
+    def linear(
+        self, x: torch.Tensor, weight: BlockWeight | KQuantWeight, out: torch.Tensor
+    ) -> None:
+        """``out`` [M, N] (innermost contiguous) = x W^T for blocks or a Q4_K ``weight``,
+        ``x`` float32 [M, K] with its innermost dim contiguous: quantizing the activations
+        and the product in one call (the batch-1 decode step makes 120 of these on a
+        30-layer model, so the Python side is kept to one foreign call)."""
+        if weight.kind not in _LINEAR_KINDS:
+            raise ValueError(
+                f"ecq_linear does not multiply kind {weight.kind} (a Q5_K / Q6_K part?)"
+            )
+        qs, d, m = weight.pointers
+        failed = self._linear(
+            weight.kind, x.data_ptr(), x.stride(0), x.shape[0], weight.shape[0], x.shape[1],
+            qs, d, m, out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no scratch memory for {x.shape[0]} rows of activations")
+
+    def quantize_rows(self, x: torch.Tensor) -> QuantizedActivations:
+        """``x`` float32 [M, K], K a multiple of 32, innermost dim contiguous."""
+        m, k = x.shape
+        q = torch.empty((m, k), dtype=torch.int8)
+        scale = torch.empty((m, k // BLOCK), dtype=torch.float32)
+        scaled_sum = torch.empty_like(scale)
+        self.lib.ecq_quantize_rows(
+            x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), scaled_sum.data_ptr()
+        )
+        return QuantizedActivations(q, scale, scaled_sum)
+
+    def dequantize(
+        self, bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+    ) -> torch.Tensor:
+        """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in
+        :class:`BlockWeight`)."""
+        n, k = d.shape[0], d.shape[1] * BLOCK
+        d, m = d.float(), m.float()  # float16 scales of Q4_0 / Q4_1 blocks
+        out = torch.empty((n, k), dtype=torch.float32)
+        if bits == 4:
+            self.lib.ecq_dequantize_q4(
+                n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), out.data_ptr()
+            )
+        else:
+            self.lib.ecq_dequantize_q8(n, k, qs.data_ptr(), d.data_ptr(), out.data_ptr())
+        return out
+
+    def dequantize_q4_k(self, weight: KQuantWeight) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q4_K ``weight``."""
+        n, k = weight.shape
+        out = torch.empty((n, k), dtype=torch.float32)
+        self.lib.ecq_dequantize_q4k(
+            n, k, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
+        )
+        return out
+
+
+def build() -> Path:
+    """Compile the library into the cache (if not there yet); its path."""
+    return cpu_kernels.build(source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni())
+
+
+_lock = threading.Lock()
+_loaded: QuantKernels | None = None
+_failed = False
+
+
+def load() -> QuantKernels | None:
+    """The kernels, built on first call; None when switched off or unbuildable (the
+    ``gguf`` method then de-quantizes and uses ``F.linear``)."""
+    global _loaded, _failed
+    if _loaded is not None or _failed:
+        return _loaded
+    with _lock:
+        if _loaded is None and not _failed:
+            if cpu_kernels.switched_off(ENV_SWITCH):
+                _failed = True
+                return None
+            try:
+                _loaded = QuantKernels(build())
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _failed = True
+                logger.warning("quantized-weight CPU kernels unavailable: %s", exc)
+    return _loaded

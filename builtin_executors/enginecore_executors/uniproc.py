@@ -1,0 +1,88 @@
+"""The ``uni`` executor: one worker inside the engine-core process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from enginecore.config import EngineConfig
+from enginecore.errors import ConfigError
+from enginecore.interfaces import Executor, WorkerSpec
+from enginecore.registry import import_ref
+from enginecore_executors.rpc import RankError, check_reply_rank, method_name
+
+__all__ = ["RankError", "UniProcExecutor", "method_name"]
+
+
+class UniProcExecutor(Executor):
+    """Runs the worker in this process. ``non_block`` calls run on one background thread
+    (torch releases the GIL in its kernels), so the engine can schedule the next batch
+    while this one computes."""
+
+    gathers_all_ranks = False  # one local worker (external_launcher: one rank of many)
+
+    def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
+        super().__init__(config, worker_spec)
+        self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+        self.worker = self._build_worker(plugin_host)
+        # Every torch call runs on the one worker thread, loading included: with libgomp,
+        # a second thread that has ever run an OpenMP region keeps its own thread team,
+        # and two teams on the same cores make every later parallel region sleep and wake
+        # instead of spinning (small ops in a decode step ran up to 10x slower).
+        self._thread.submit(self._start_worker).result()
+
+    def _start_worker(self) -> None:
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def _build_worker(self, plugin_host: Any) -> Any:
+        if self.config.parallel.world_size != 1:
+            raise ConfigError(
+                f"executor 'uni' runs one worker, but tensor_parallel_size * "
+                f"pipeline_parallel_size = {self.config.parallel.world_size}; use executor "
+                "'mp' (or 'ray', or 'external_launcher' under torchrun)"
+            )
+        worker_cls = import_ref(self.worker_spec.worker_ref)
+        return worker_cls(self.config, self.worker_spec, plugin_host=plugin_host)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any] | Any | Future:
+        check_reply_rank(unique_reply_rank, self.config.parallel.world_size)
+        fn = self.worker.resolve_method(method)
+        kwargs = kwargs or {}
+
+        def call() -> Any:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                raise RankError(self.worker.rank, method_name(method), exc) from exc
+            return result if unique_reply_rank is not None else [result]
+
+        if non_block:
+            return self._thread.submit(call)
+        # Blocking calls still go through the thread, so they queue behind in-flight work
+        # in order instead of racing it.
+        future = self._thread.submit(call)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"collective_rpc {method_name(method)!r} timed out after {timeout} s "
+                f"on rank {self.worker.rank}"
+            ) from None
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        shutdown = getattr(self.worker, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

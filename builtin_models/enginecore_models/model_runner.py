@@ -1,0 +1,739 @@
+"""The torch model runner: scheduler deltas in, sampled tokens out.
+
+The runner keeps each request's state (tokens, block table, sampling params, seeded
+generator) across steps; the scheduler sends only what changed. The runner is the
+authority on sampled tokens: a request's next input token is the last token this runner
+sampled for it, which is what lets the scheduler plan step N+1 before it has seen step
+N's tokens (async scheduling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from enginecore import startup_log
+from enginecore.config import EngineConfig
+from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
+from enginecore.interfaces import AttentionBackend, AttentionSpec, ModelRunner, WorkerSpec
+from enginecore.layers import (
+    Attention,
+    AttentionBatch,
+    AttentionContext,
+    LinearBase,
+    VocabParallelEmbedding,
+    install_fused_ops,
+    use_linear_method,
+)
+from enginecore.layers.selection import (
+    registered_refs,
+    select_attention_backend,
+    select_linear_method,
+)
+from enginecore.params import SamplingParams
+from enginecore.registry import import_ref
+from enginecore.runner_output import ModelRunnerOutput
+from enginecore.scheduler_output import SchedulerOutput
+from enginecore_models.block_table import BlockTable
+from enginecore_models.checkpoint_support import (
+    check_supported_checkpoint,
+    unsupported_feature,
+)
+from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
+from enginecore_models.drafter import Drafter, TokenBuffer
+from enginecore_models.group_quant import group_quant_config
+from enginecore_models.kv_connector_bridge import KVConnectorBridge
+from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
+from enginecore_models.runner_sampling import SamplingPhase, StepState
+from enginecore_models.sampler import (
+    Sampler,
+)
+from enginecore_models.weight_loader import (
+    checkpoint_dtype,
+    is_gguf,
+    iter_weights,
+    load_hf_config,
+    resolve_model_class,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs
+    generator: torch.Generator | None = None
+    # Set while prompt logprobs are being gathered (requests that asked for them).
+    prompt_logprobs: PromptLogprobsAccumulator | None = None
+    # Speculative decoding: drafts proposed after the last step, and the token array
+    # the proposer searches.
+    drafts: list[int] = field(default_factory=list)
+    token_buffer: TokenBuffer | None = None
+
+
+class _BatchView:
+    """Request id -> (context length, block ids), for a backend ordering its decodes."""
+
+    def __init__(self, requests: dict[str, RequestState], table: BlockTable) -> None:
+        self.requests, self.table = requests, table
+
+    def __getitem__(self, req_id: str) -> tuple[int, np.ndarray]:
+        return self.requests[req_id].num_computed_tokens, self.table.block_ids(req_id)
+
+
+class TorchModelRunner(SamplingPhase, ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        worker_spec: WorkerSpec,
+        device: torch.device | str | None = None,
+        parallel: ParallelContext = SINGLE_RANK,
+    ) -> None:
+        self.config = config
+        self.worker_spec = worker_spec
+        self.device = torch.device(device if device is not None else "cpu")
+        self.parallel = parallel
+        self.block_size = config.cache.block_size
+        self.model: Any = None
+        self.hf_config: Any = None
+        self.dtype = torch.float32
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.attn_backend: AttentionBackend | None = None
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
+        self.fused_decode: Any = None  # the backend's whole decode step, where it has one
+        self.num_blocks = 0
+        self.requests: dict[str, RequestState] = {}
+        # KV cache groups (see get_kv_cache_groups): each group's sliding window, and
+        # per layer its group and the cache tensor it uses. One group until grouped.
+        self.kv_cache_group_windows: list[int | None] = [None]
+        self._hybrid_kv_cache = False  # groups asked for (kept across a reload on wake-up)
+        self._layer_groups: list[int] = []
+        self._layer_slots: list[int] = []
+        self.block_tables = [BlockTable()]
+        self.block_table = self.block_tables[0]
+        self._step: StepState | None = None
+        self.sampler = Sampler(self._make_generator(config.model.seed))
+        self.eos_token_ids: list[int] = []
+        self.kv_connector: KVConnectorBridge | None = None
+        self.drafter: Drafter | None = None
+        if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
+            self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref)
+
+    # --- loading --------------------------------------------------------------------
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _resolve_dtype(self) -> torch.dtype:
+        wanted = self.config.model.dtype
+        if wanted != "auto":
+            return _DTYPES[wanted]
+        if self.device.type == "cpu":
+            return torch.float32  # CPU matmuls in half precision are slow and lossy
+        native = checkpoint_dtype(self.hf_config)
+        if native in (torch.bfloat16, torch.float16):
+            return native
+        # float32 checkpoints and GGUF files: a GPU serves them in half precision.
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def load_model(self) -> None:
+        path = self.config.model.path
+        if not path:
+            raise ConfigError(
+                "model path is empty: set 'model' to a checkpoint directory or .gguf file"
+            )
+        self.hf_config = load_hf_config(path)
+        check_supported_checkpoint(self.hf_config, path)
+        model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+        self.dtype = self._resolve_dtype()
+        configured = self.config.model.max_model_len
+        native = self._checkpoint_max_len()
+        if configured is not None and native is not None and configured > native:
+            raise ConfigError(
+                f"max_model_len={configured} exceeds the checkpoint's limit of {native} "
+                "positions (max_position_embeddings / n_positions)"
+            )
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        refs = self.worker_spec.linear_method_refs or registered_refs("linear_method")
+        method_cls = select_linear_method(
+            self.device.type,
+            str(self.dtype).removeprefix("torch."),
+            refs,
+            self._linear_method_name(path, refs),
+        )
+        try:
+            with torch.device(self.device), use_linear_method(method_cls(self.config)):
+                model = model_cls(self.hf_config, self.parallel, self.dtype)
+        except (NotImplementedError, UnsupportedModelError) as exc:
+            raise unsupported_feature(self.hf_config, path, exc) from exc
+        startup_log.logger.info("loading weights from %s", path)
+        started = time.perf_counter()
+        keep = tuple(getattr(method_cls, "gguf_formats", ()))
+        model.load_weights(iter_weights(path, self.hf_config, keep))
+        layers = self._weighted_layers(model)
+        for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
+            layer.linear_method.process_weights_after_loading(layer)
+        startup_log.logger.info(
+            "weights loaded and prepared by %s in %.1f s",
+            method_cls.name,
+            time.perf_counter() - started,
+        )
+        self.model = model.eval()
+        # One group until the engine asks for groups (get_kv_cache_groups).
+        self._group_layers(self._hybrid_kv_cache)
+        self._set_attention_backend()
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        logger.info(
+            "loaded %s (%s) on %s as %s; attention: %s, linear method: %s",
+            type(model).__name__,
+            path,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.attn_backend.name,
+            method_cls.name,
+        )
+
+    def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
+        return linear_method_name(
+            self.config, path, self.hf_config, self.device.type, self.dtype, refs
+        )
+
+    def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The linear layers, and the LM head where this stage computes logits (a head
+        tied to the embedding is the embedding)."""
+        layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+        if self.parallel.is_last_pp_rank and hasattr(model, "logits_head"):
+            head = model.logits_head()
+            if isinstance(head, VocabParallelEmbedding):
+                layers.append(head)
+        return layers
+
+    def _hybrid_kv_cache_possible(self) -> bool:
+        # A pipeline stage holds only some layers, and a KV connector moves one table.
+        return self.parallel.pp_size == 1 and not self.worker_spec.kv_connector_ref
+
+    def _group_layers(self, hybrid: bool) -> None:
+        """Split the attention layers into KV cache groups, as vLLM's hybrid allocator.
+
+        Without sliding layers (or ``hybrid`` off) there is one group of every layer,
+        each with its own cache tensor, the window a mask. Otherwise layers with the same
+        window form groups of ``n`` layers, ``n`` the fewest layers of any window: a
+        block then holds ``n`` layers' K/V, and layer ``i`` of every group shares cache
+        tensor ``i``. A block belongs to one group at a time, so sharing is safe, and
+        a sliding group needs only its window's blocks.
+        """
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        windows = [a.sliding_window for a in layers]
+        if not hybrid or all(w is None for w in windows):
+            self.kv_cache_group_windows = [None]
+            self._layer_groups = [0] * len(layers)
+            self._layer_slots = list(range(len(layers)))
+        else:
+            # Full attention first: group 0 is then the one that holds every block.
+            kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+            by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+            size = min(len(v) for v in by_kind.values())
+            self.kv_cache_group_windows = []
+            self._layer_groups = [0] * len(layers)
+            self._layer_slots = [0] * len(layers)
+            for w in kinds:
+                members = by_kind[w]
+                for start in range(0, len(members), size):
+                    group = len(self.kv_cache_group_windows)
+                    self.kv_cache_group_windows.append(w)
+                    for slot, i in enumerate(members[start : start + size]):
+                        self._layer_groups[i] = group
+                        self._layer_slots[i] = slot
+        for layer, group in zip(layers, self._layer_groups, strict=True):
+            layer.kv_cache_group = group
+        self.block_tables = [BlockTable() for _ in self.kv_cache_group_windows]
+        self.block_table = self.block_tables[0]
+
+    def get_kv_cache_groups(self, allow_hybrid: bool = True) -> list[int | None] | None:
+        if self.kv_caches is not None:
+            raise EngineCoreError("KV cache groups are laid out before the cache is allocated")
+        hybrid = allow_hybrid and self._hybrid_kv_cache_possible()
+        self._hybrid_kv_cache = hybrid
+        before = self.kv_cache_group_windows
+        self._group_layers(hybrid)
+        if self.kv_cache_group_windows != before:
+            self._set_attention_backend()  # its spec counts cache tensors and groups
+        windows = self.kv_cache_group_windows
+        return None if windows == [None] else list(windows)
+
+    def _set_attention_backend(self) -> None:
+        self.attn_backend = self._make_attention_backend(self.model)
+        fused = self.attn_backend.fused_ops()
+        if fused is not None:
+            install_fused_ops(self.model, fused)
+            self.sampler.fused_ops = fused
+
+    def _make_attention_backend(self, model: torch.nn.Module) -> AttentionBackend:
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not layers:
+            raise ConfigError(f"{type(model).__name__} has no enginecore.layers.Attention layer")
+        spec = AttentionSpec(
+            # Cache tensors: layers of different KV cache groups share them.
+            num_layers=max(self._layer_slots, default=len(layers) - 1) + 1,
+            num_kv_cache_groups=len(self.kv_cache_group_windows),
+            num_heads=layers[0].num_heads,
+            num_kv_heads=layers[0].num_kv_heads,
+            head_dim=layers[0].head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            max_model_len=self.get_max_model_len(),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            max_num_batched_tokens=self._max_num_batched_tokens(),
+            sliding_window=any(a.sliding_window is not None for a in layers),
+            logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
+        )
+        backend_cls = select_attention_backend(
+            spec,
+            self.worker_spec.attention_backend_refs or registered_refs("attention_backend"),
+            self.config.model.attention_backend,
+        )
+        return backend_cls(spec)
+
+    def _checkpoint_max_len(self) -> int | None:
+        for name in ("max_position_embeddings", "n_positions"):
+            value = getattr(self.hf_config, name, None)
+            if value:
+                return int(value)
+        return None
+
+    def get_max_model_len(self) -> int:
+        return self.config.model.max_model_len or self._checkpoint_max_len() or 2048
+
+    def _max_num_batched_tokens(self) -> int:
+        sched = self.config.scheduler
+        if sched.max_num_batched_tokens is not None:
+            return sched.max_num_batched_tokens
+        return 2048 if sched.chunked_prefill else self.get_max_model_len()
+
+    # --- memory and KV cache ----------------------------------------------------------
+
+    def get_kv_cache_block_bytes(self) -> int:
+        spec = self.attn_backend.spec
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        shape = self.attn_backend.kv_cache_shape(1)
+        return int(np.prod(shape)) * elem * spec.num_layers
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        cache_cfg = self.config.cache
+        if self.device.type != "cuda":
+            if cache_cfg.kv_cache_bytes is not None:
+                return cache_cfg.kv_cache_bytes
+            import psutil
+
+            # On CPU the ranks share the host's RAM: each takes its share of the fraction.
+            # Nothing is profiled: the fraction does not depend on activation memory.
+            share = cache_cfg.cpu_kv_cache_fraction / self.parallel.world_size
+            return int(psutil.virtual_memory().available * share)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        if cache_cfg.kv_cache_bytes is not None:
+            return cache_cfg.kv_cache_bytes
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) + self.attn_backend.workspace_bytes()
+        if graphs_apply(self):
+            peak += measure_graph_memory(self)
+        # Memory used outside this process's torch allocator (other processes, NCCL).
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return max(int(total * cache_cfg.gpu_memory_utilization) - peak - non_torch, 0)
+
+    def _profile_run(self) -> None:
+        """A forward at the largest batch (no KV cache), then sampling at the largest
+        batch, to measure peak activation memory."""
+        total = self._max_num_batched_tokens()
+        per_req = max(1, min(total, self.get_max_model_len()))
+        lens = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
+        ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        ctx = AttentionContext(self.attn_backend, self.attn_backend.build_profile_metadata(lens))
+        hidden = self._forward(ids, positions, None, ctx)
+        if self.parallel.is_last_pp_rank:
+            # Every verified draft position needs its own row of logits.
+            spec = self.config.speculative
+            per_seq = 1 + (spec.num_speculative_tokens if spec.enabled else 0)
+            rows = min(self.config.scheduler.max_num_seqs * per_seq, total)
+            logits = self.model.compute_logits(hidden[:rows])
+            # The sampler's softmax and sort over the vocabulary at the largest batch.
+            logits.float().softmax(dim=-1).sort(dim=-1)
+        del hidden
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        tensors = self.attn_backend.allocate_kv_cache(num_blocks)
+        if len(self.kv_cache_group_windows) > 1:
+            tensors = [tensors[slot] for slot in self._layer_slots]  # one entry per layer
+        self.kv_caches = tensors
+        self.num_blocks = num_blocks
+        if graphs_apply(self):
+            self.decode_graphs = DecodeGraphs(self, self.kv_caches)
+            self.decode_graphs.capture()
+        else:
+            self.fused_decode = self.attn_backend.fused_decode(self.model, self.kv_caches)
+        if self.kv_connector is not None:
+            self.kv_connector.bind_caches(self.kv_caches)
+        elif self.worker_spec.kv_connector_ref:
+            factory = import_ref(self.worker_spec.kv_connector_ref)()
+            connector = factory.worker_side(self.config, self.parallel.rank)
+            self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
+
+    # --- request state --------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        tables = self.block_tables
+        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+            self.requests.pop(req_id, None)
+            for table in tables:
+                table.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params.seed is not None and not params.greedy:
+                gen = self._make_generator(params.seed)
+                # A request resumed after preemption continues its random stream.
+                vocab = self.hf_config.vocab_size
+                for _ in new.output_token_ids:
+                    torch.empty(vocab, device=self.device).exponential_(generator=gen)
+            if new.group_block_ids is not None and len(tables) > 1:
+                for table, ids in zip(tables, new.group_block_ids, strict=True):
+                    table.add(new.req_id, ids)
+            else:
+                self.block_table.add(new.req_id, new.block_ids)
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                generator=gen,
+            )
+            if params.prompt_logprobs is not None and not new.output_token_ids:
+                # Not on resumption after preemption: they were sent with the first token.
+                if new.num_computed_tokens == 0:
+                    self.requests[new.req_id].prompt_logprobs = PromptLogprobsAccumulator(
+                        params.prompt_logprobs, len(new.prompt_token_ids)
+                    )
+                else:  # KV loaded from elsewhere (a connector): those positions have no logits
+                    logger.warning(
+                        "request %s: no prompt logprobs, its first %d prompt tokens were "
+                        "not computed here",
+                        new.req_id,
+                        new.num_computed_tokens,
+                    )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise EngineCoreError(
+                    f"scheduler sent cached request {req_id!r} that this model runner does "
+                    "not hold (it was never added, or was finished/preempted)"
+                )
+            if len(tables) > 1 and i < len(cached.new_group_block_ids):
+                by_group = cached.new_group_block_ids[i]
+                if by_group:
+                    for table, ids in zip(tables, by_group, strict=True):
+                        table.append(req_id, ids)
+            elif i < len(cached.new_block_ids) and cached.new_block_ids[i]:
+                self.block_table.append(req_id, cached.new_block_ids[i])
+            if i < len(cached.num_computed_tokens) and self.drafter is None:
+                # With speculation the scheduler counts draft slots optimistically until
+                # it sees how many were accepted: this runner's own count is exact.
+                state.num_computed_tokens = cached.num_computed_tokens[i]
+            if i < len(cached.new_token_ids) and cached.new_token_ids[i]:
+                # Only when this rank does not sample (pipeline parallelism).
+                state.output_token_ids.extend(cached.new_token_ids[i])
+                state.token_ids.extend(cached.new_token_ids[i])
+
+    # --- the step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        so = scheduler_output
+        self._update_states(so)
+        bridge = self.kv_connector
+        if bridge is not None:
+            bridge.begin_step(so)
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            kv_out = bridge.end_step(so) if bridge is not None else None
+            self._step = StepState([], [], None, kv_connector_output=kv_out)
+            return None
+        if self.kv_caches is None:
+            raise EngineCoreError("KV cache is not initialized (initialize_kv_cache, or wake_up)")
+
+        # Single-token queries first: attention batches them as one decode group.
+        scheduled = so.num_scheduled_tokens
+        drafts_of: dict[str, list[int]] = {}
+        if so.scheduled_spec_decode_tokens:
+            scheduled, drafts_of = self._drafts_to_verify(so)
+        decodes = [r for r, n in scheduled.items() if n == 1]
+        prefills = [r for r, n in scheduled.items() if n != 1]
+        if bridge is not None and so.scheduled_new_reqs:
+            # A request's first step may read KV a connector loads during this very
+            # forward: keep it out of the decode group (a backend may serve decodes from
+            # state it fills before the forward, like the CPU's dense mirror).
+            fresh = {new.req_id for new in so.scheduled_new_reqs}
+            prefills = [r for r in decodes if r in fresh] + prefills
+            decodes = [r for r in decodes if r not in fresh]
+        if decodes:
+            view = _BatchView(self.requests, self.block_table)
+            decodes = self.attn_backend.order_decodes(decodes, view)
+        order = decodes + prefills
+        num_reqs = len(order)
+
+        states = [self.requests[r] for r in order]
+        q_lens = np.fromiter((scheduled[r] for r in order), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_reqs)
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
+        verify: list[list[int]] | None = [] if self.drafter is not None else None
+        block_table = self.block_table.gather(order)
+        cu = 0
+        for i, state in enumerate(states):
+            start, n = int(starts[i]), int(q_lens[i])
+            end = start + n
+            drafts = drafts_of.get(state.req_id) if drafts_of else None
+            if drafts:
+                # Verify: the last known token, then the drafts; every position samples.
+                if start != len(state.token_ids) - 1:
+                    raise EngineCoreError(
+                        f"request {state.req_id!r}: drafts scheduled at position {start}, "
+                        f"but the model runner knows {len(state.token_ids)} tokens"
+                    )
+                input_ids.append(state.token_ids[start])
+                input_ids.extend(drafts)
+                state.num_computed_tokens = end
+                sample_rows.extend(range(cu, cu + n))
+                cu += n
+                sample_req_ids.append(state.req_id)
+                # Drafts come only from a drafter, which makes verify a list.
+                verify.append(drafts)  # type: ignore[union-attr]
+                continue
+            if end > len(state.token_ids):
+                raise EngineCoreError(
+                    f"request {state.req_id!r}: scheduled tokens {start}..{end} but only "
+                    f"{len(state.token_ids)} are known to the model runner"
+                )
+            if n == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:end])
+            if state.prompt_logprobs is not None:
+                rows = state.prompt_logprobs.wants(start, end)
+                if rows is not None:
+                    prompt_lp_rows.append((state, cu + rows[0], rows[1] - rows[0], start + rows[0]))
+            state.num_computed_tokens = end
+            cu += n
+            if end == len(state.token_ids):  # prefill complete: a new token is due
+                sample_rows.append(cu - 1)
+                sample_req_ids.append(state.req_id)
+                if verify is not None:
+                    verify.append([])
+
+        total = int(q_lens.sum())
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        offsets = np.cumsum(q_lens) - q_lens
+        positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
+        bs = self.block_size
+        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+
+        dev = self.device
+        batch = AttentionBatch(
+            req_ids=order,
+            query_lens=q_lens,
+            context_lens=starts,
+            block_table=block_table,
+            slot_mapping=slots,
+            num_decodes=len(decodes),
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        if self.decode_graphs is not None and self.decode_graphs.handles(batch):
+            hidden = self.decode_graphs.run(ids_t, pos_t, batch)
+        elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
+            hidden = self.fused_decode.run(ids_t, pos_t, batch)
+        else:
+            meta = self.attn_backend.build_metadata(batch)
+            ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
+            if len(self.block_tables) > 1:
+                ctx.group_metadata = [meta] + [
+                    self.attn_backend.build_metadata(
+                        self._group_batch(batch, g, order, req_of_token, positions)
+                    )
+                    for g in range(1, len(self.block_tables))
+                ]
+            hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
+        logits = None
+        if sample_rows and self.parallel.is_last_pp_rank:
+            rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if prompt_lp_rows and self.parallel.is_last_pp_rank:
+            self._gather_prompt_logprobs(hidden, prompt_lp_rows)
+        kv_out = bridge.end_step(so) if bridge is not None else None
+        self._step = StepState(
+            order, sample_req_ids, logits, drafts=verify, kv_connector_output=kv_out
+        )
+        return None
+
+    def _group_batch(
+        self,
+        batch: AttentionBatch,
+        group: int,
+        order: list[str],
+        req_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> AttentionBatch:
+        """The step's batch as KV cache group ``group`` sees it: its own block table."""
+        table = self.block_tables[group].gather(order)
+        bs = self.block_size
+        slots = table[req_of_token, positions // bs] * bs + positions % bs
+        return dataclasses.replace(
+            batch, block_table=table, slot_mapping=slots, kv_cache_group=group
+        )
+
+    def _gather_prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
+    ) -> None:
+        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``)."""
+        for state, row, count, pos in rows:
+            logits = self.model.compute_logits(hidden[row : row + count])
+            targets = torch.tensor(
+                state.prompt_token_ids[pos + 1 : pos + 1 + count], device=self.device
+            )
+            state.prompt_logprobs.add(logits, targets)
+
+    def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """Each request's drafts this step and its query length (1 + drafts).
+
+        Slots the scheduler filled with real ids are verified as given; ``-1``
+        placeholders (async scheduling) take the drafts this runner proposed after the
+        previous step, up to the number of slots. Unused slots are simply not run.
+        """
+        if self.drafter is None:
+            raise EngineCoreError(
+                "the scheduler sent draft tokens, but speculative decoding is off in this "
+                "model runner (set speculative_method and num_speculative_tokens)"
+            )
+        scheduled = dict(so.num_scheduled_tokens)
+        drafts_of: dict[str, list[int]] = {}
+        for req_id, slots in so.scheduled_spec_decode_tokens.items():
+            if not slots or req_id not in scheduled:
+                continue
+            if min(slots) >= 0:
+                drafts = list(slots)
+            else:
+                drafts = self.requests[req_id].drafts[: len(slots)]
+            drafts_of[req_id] = drafts
+            scheduled[req_id] += len(drafts) - len(slots)
+        return scheduled, drafts_of
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """The model's forward on this rank; pipeline stages receive the previous stage's
+        hidden states and send theirs on (torch.distributed point-to-point)."""
+        par = self.parallel
+        if par.pp_size == 1:
+            return self.model(ids, positions, kv_caches, ctx)
+        import torch.distributed as dist
+
+        received = None
+        if not par.is_first_pp_rank:
+            received = torch.empty(
+                ids.shape[0], self.model.hidden_size, dtype=self.dtype, device=self.device
+            )
+            dist.recv(received, src=par.prev_pp_rank)
+        hidden = self.model(ids, positions, kv_caches, ctx, received)
+        if not par.is_last_pp_rank:
+            dist.send(hidden.contiguous(), dst=par.next_pp_rank)
+        return hidden
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
+        self.kv_caches = None
+        self.decode_graphs = None
+        self.fused_decode = None
+        if self.attn_backend is not None:
+            self.attn_backend.release_kv_cache()
+        if level >= 2:
+            self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` freed. KV contents are lost: the prefix cache must be reset."""
+        if self.model is None:
+            self.load_model()
+        if self.kv_caches is None and self.num_blocks:
+            self.initialize_kv_cache(self.num_blocks)
+
+
+# The linear method that keeps quantized weights in their blocks, by device type.
+QUANTIZED_LINEAR_METHODS = {"cpu": "gguf", "cuda": "gguf_triton"}
+
+
+def linear_method_name(
+    config: EngineConfig,
+    path: str,
+    hf_config: Any,
+    device_type: str,
+    dtype: torch.dtype,
+    refs: dict[str, str],
+) -> str:
+    """``model.linear_method``; for ``auto``, a GGUF file, an AWQ / GPTQ checkpoint and
+    ``model.quantization: int8`` keep their weights quantized where the device's quantized
+    method (``QUANTIZED_LINEAR_METHODS``: ``gguf`` on CPU, ``gguf_triton`` on CUDA) runs
+    (unless ``model.quantization`` is ``none``)."""
+    wanted = config.model.linear_method
+    quantization = config.model.quantization
+    quantized = is_gguf(path) or quantization == "int8" or group_quant_config(hf_config)
+    if wanted != "auto" or quantization == "none" or not quantized:
+        return wanted
+    name = QUANTIZED_LINEAR_METHODS.get(device_type, "gguf")
+    dtype_name = str(dtype).removeprefix("torch.")
+    reason = (
+        f"no {name!r} linear method is registered"
+        if name not in refs
+        else import_ref(refs[name]).unsupported_reason(device_type, dtype_name)
+    )
+    if reason is None:
+        return name
+    if quantization == "int8":
+        raise ConfigError(
+            f"quantization 'int8' runs through the {name!r} linear method, which does not "
+            f"serve {device_type} / {dtype_name} here: {reason}"
+        )
+    return wanted

@@ -1,0 +1,280 @@
+"""The sampling half of a step: logits in, tokens and logprobs out.
+
+``execute_model`` leaves the step's logits (one row per request whose next token is due,
+plus one per draft under speculative decoding); ``sample_tokens`` applies the grammar
+bitmask, samples or verifies, shares the tokens across ranks and updates each request's
+state. A mixin of :class:`TorchModelRunner`, kept apart so each file reads on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
+from enginecore.scheduler_output import GrammarOutput
+from enginecore_models.drafter import TokenBuffer
+from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
+from enginecore_models.sampler import apply_grammar_bitmask, build_sampling_metadata
+
+
+@dataclass
+class StepState:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    req_ids: list[str]  # every scheduled request, in batch order
+    sample_req_ids: list[str]  # those whose next token is due (prefill complete)
+    logits: torch.Tensor | None  # [rows, vocab]: one row per sample request and draft
+    # Per sample request: the drafts verified this step (None: no speculative decoding).
+    drafts: list[list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+class SamplingPhase:
+    """Needs the runner's ``requests``, ``sampler``, ``drafter``, ``parallel``, ``device``,
+    ``eos_token_ids`` and the ``_step`` that ``execute_model`` left."""
+
+    requests: dict[str, Any]
+    sampler: Any
+    drafter: Any
+    parallel: Any
+    device: torch.device
+    eos_token_ids: list[int]
+    _step: Any
+
+    def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
+        """Finished prompt logprobs of requests whose first token is sampled this step."""
+        taken = {}
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            if state.prompt_logprobs is not None and state.prompt_logprobs.complete:
+                taken[req_id] = state.prompt_logprobs.result()
+                state.prompt_logprobs = None
+        return taken or None
+
+    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> list[int]:
+        """Every rank learns the output rank's sampled tokens (broadcast over the world).
+
+        Ranks that sampled the same logits would agree anyway; the broadcast makes it a
+        guarantee, and gives earlier pipeline stages the tokens they embed next step.
+        """
+        import torch.distributed as dist
+
+        buf = torch.empty(count, dtype=torch.int64, device=self.device)
+        if tokens is not None:
+            buf.copy_(tokens)
+        dist.broadcast(buf, src=self.parallel.output_rank)
+        return buf.tolist()
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample one token for each request whose prefill is complete.
+
+        Output rows follow ``req_ids`` (every scheduled request); a partial prefill chunk
+        gets ``[]``. ``logprobs`` (when any request asked) has a row per request too,
+        empty with rank -1 for requests that did not ask or sampled nothing.
+        """
+        step, self._step = self._step, None
+        if step is None or not step.req_ids:
+            return ModelRunnerOutput(
+                kv_connector_output=step.kv_connector_output if step is not None else None
+            )
+        index = {r: i for i, r in enumerate(step.req_ids)}
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        if not step.sample_req_ids:
+            return ModelRunnerOutput(
+                req_ids=step.req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=sampled,
+                kv_connector_output=step.kv_connector_output,
+            )
+        if self.drafter is not None:
+            return self._sample_speculative(step, grammar_output, index)
+        if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
+            tokens = self._share_sampled(None, len(step.sample_req_ids))
+            for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
+                state = self.requests[req_id]
+                state.output_token_ids.append(token)
+                state.token_ids.append(token)
+                sampled[index[req_id]] = [token]
+            return ModelRunnerOutput(
+                req_ids=step.req_ids,
+                req_id_to_index=index,
+                sampled_token_ids=sampled,
+                kv_connector_output=step.kv_connector_output,
+            )
+        logits = step.logits
+        if grammar_output is not None and grammar_output.structured_output_request_ids:
+            self._apply_grammar(logits, step.sample_req_ids, grammar_output)
+        states = [self.requests[r] for r in step.sample_req_ids]
+        meta = build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            self.eos_token_ids,
+            logits.shape[-1],
+            self.device,
+        )
+        out = self.sampler(logits, meta)
+        if self.parallel.world_size > 1:
+            tokens = self._share_sampled(out.token_ids, len(states))
+        else:
+            tokens = out.token_ids.tolist()
+        for state, token in zip(states, tokens, strict=True):
+            state.output_token_ids.append(token)
+            state.token_ids.append(token)
+            sampled[index[state.req_id]] = [token]
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=sampled,
+            logprobs=self._full_logprobs(out.logprobs, step, index),
+            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            kv_connector_output=step.kv_connector_output,
+        )
+
+    def _sample_speculative(
+        self, step: StepState, grammar_output: GrammarOutput | None, index: dict[str, int]
+    ) -> ModelRunnerOutput:
+        """Verify this step's drafts (rejection_sampler.py), then propose the next ones."""
+        assert self.drafter is not None and step.drafts is not None
+        states = [self.requests[r] for r in step.sample_req_ids]
+        drafts = step.drafts
+        num_rows = len(states) + sum(len(d) for d in drafts)
+        logprobs = None
+        if step.logits is None:  # an earlier pipeline stage: learn the targets
+            targets = self._share_sampled(None, num_rows)
+            accepted = accept(targets, drafts)
+        else:
+            logits = step.logits
+            owner, outputs = expand_rows(
+                [s.sampling_params for s in states], [s.output_token_ids for s in states], drafts
+            )
+            if grammar_output is not None and grammar_output.structured_output_request_ids:
+                # Requests under a grammar have no drafts: name each request's first row.
+                first_rows: list[str | None] = [None] * num_rows
+                row = 0
+                for state, d in zip(states, drafts, strict=True):
+                    first_rows[row] = state.req_id
+                    row += len(d) + 1
+                self._apply_grammar(logits, first_rows, grammar_output)
+            generators = [s.generator for s in states]
+            streams = SeededStreams(generators, drafts)
+            meta = build_sampling_metadata(
+                [states[i].sampling_params for i in owner],
+                [states[i].prompt_token_ids for i in owner],
+                outputs,
+                [generators[i] for i in owner],
+                self.eos_token_ids,
+                logits.shape[-1],
+                self.device,
+            )
+            out = self.sampler(logits, meta)
+            if self.parallel.world_size > 1:
+                targets = self._share_sampled(out.token_ids, num_rows)
+            else:
+                targets = out.token_ids.tolist()
+            accepted = accept(targets, drafts)
+            streams.rewind(accepted, drafts, logits.shape[-1])
+            if out.logprobs is not None:
+                logprobs = self._spec_logprobs(out.logprobs, step, accepted, index)
+        n = len(step.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        num_drafts = [0] * n
+        next_drafts: list[list[int]] = [[] for _ in range(n)]
+        for state, d, tokens in zip(states, drafts, accepted, strict=True):
+            state.output_token_ids.extend(tokens)
+            state.token_ids.extend(tokens)
+            state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
+            i = index[state.req_id]
+            sampled[i] = tokens
+            num_drafts[i] = len(d)
+            if state.sampling_params.structured_output is None:
+                if state.token_buffer is None:
+                    state.token_buffer = TokenBuffer()
+                state.drafts = self.drafter.propose(state.token_buffer, state.token_ids)
+                next_drafts[i] = state.drafts
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            kv_connector_output=step.kv_connector_output,
+            draft_token_ids=next_drafts,
+            num_draft_tokens=num_drafts,
+        )
+
+    @staticmethod
+    def _spec_logprobs(
+        lp: LogprobsLists, step: StepState, accepted: list[list[int]], index: dict[str, int]
+    ) -> LogprobsLists:
+        """Sampler rows cover every verified position; keep the accepted ones, grouped by
+        request in ``req_ids`` order (``cu_num_generated_tokens`` delimits them)."""
+        assert step.drafts is not None
+        rows_of: list[range] = [range(0) for _ in step.req_ids]
+        row = 0
+        for req_id, d, tokens in zip(step.sample_req_ids, step.drafts, accepted, strict=True):
+            rows_of[index[req_id]] = range(row, row + len(tokens))
+            row += len(d) + 1
+        ids: list[list[int]] = []
+        vals: list[list[float]] = []
+        ranks: list[int] = []
+        cu = [0]
+        for rows in rows_of:
+            for r in rows:
+                ids.append(lp.logprob_token_ids[r])
+                vals.append(lp.logprobs[r])
+                ranks.append(lp.sampled_token_ranks[r])
+            cu.append(len(ids))
+        return LogprobsLists(
+            logprob_token_ids=ids,
+            logprobs=vals,
+            sampled_token_ranks=ranks,
+            cu_num_generated_tokens=cu,
+        )
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, sample_req_ids: Sequence[str | None], grammar: GrammarOutput
+    ) -> None:
+        row_of = {r: i for i, r in enumerate(sample_req_ids)}
+        mask_rows, logit_rows = [], []
+        for j, req_id in enumerate(grammar.structured_output_request_ids):
+            if req_id in row_of:  # a partial prefill chunk samples nothing
+                mask_rows.append(j)
+                logit_rows.append(row_of[req_id])
+        if not logit_rows:
+            return
+        bitmask = np.asarray(grammar.grammar_bitmask, dtype=np.int32)
+        if len(mask_rows) != len(bitmask):  # some rows are partial prefills: drop theirs
+            bitmask = bitmask[mask_rows]
+        bitmask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        apply_grammar_bitmask(logits, rows, bitmask)
+
+    @staticmethod
+    def _full_logprobs(
+        lp: LogprobsLists | None, step: StepState, index: dict[str, int]
+    ) -> LogprobsLists | None:
+        """Sampler rows cover sampling requests only; give every scheduled request a row."""
+        if lp is None:
+            return None
+        n = len(step.req_ids)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        vals: list[list[float]] = [[] for _ in range(n)]
+        ranks = [-1] * n
+        for k, req_id in enumerate(step.sample_req_ids):
+            i = index[req_id]
+            ids[i], vals[i], ranks[i] = (
+                lp.logprob_token_ids[k],
+                lp.logprobs[k],
+                lp.sampled_token_ranks[k],
+            )
+        return LogprobsLists(logprob_token_ids=ids, logprobs=vals, sampled_token_ranks=ranks)
+
+    # --- sleep mode -----------------------------------------------------------------

@@ -1,0 +1,199 @@
+"""Read checkpoints: HF directories (config.json + safetensors) and GGUF files.
+
+Both produce the same thing for a model's ``load_weights``: an iterator of
+``(hf_name, tensor)`` pairs with HF names and HF layouts. GGUF tensors are de-quantized
+at load time, except projections in the block formats a linear method asks for
+(``keep_quantized``), which arrive as :class:`QuantizedTensor`; llama.cpp's conventions
+are undone either way (``gguf_archs.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from enginecore import startup_log
+from enginecore.errors import ConfigError, UnsupportedModelError
+from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
+from enginecore.layers.weights import MissingWeightsError, load_params
+from enginecore.registry import import_ref
+from enginecore_models.checkpoint_support import SUPPORTED_WEIGHTS
+from enginecore_models.gguf_archs import dequantized, gguf_config, hf_tensors
+from enginecore_models.gguf_reader import GGUFMetadata
+from enginecore_models.group_quant import group_quant_config, iter_group_quantized
+
+logger = logging.getLogger(__name__)
+
+
+_FLOAT8 = {
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+}
+
+
+class UnknownArchitectureError(ConfigError):
+    """No registered model class serves the checkpoint's architecture."""
+
+
+# --- configs --------------------------------------------------------------------------
+
+
+def is_gguf(path: str | pathlib.Path) -> bool:
+    return str(path).endswith(".gguf") and pathlib.Path(path).is_file()
+
+
+def load_hf_config(path: str | pathlib.Path) -> Any:
+    """The transformers config of a checkpoint directory or a GGUF file."""
+    from transformers import AutoConfig
+
+    p = pathlib.Path(path)
+    if is_gguf(p):
+        return gguf_hf_config(p)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model path {str(p)!r} has no config.json and is not a .gguf file")
+    return AutoConfig.from_pretrained(p)
+
+
+def resolve_model_class(hf_config: Any, model_refs: dict[str, str]) -> type[nn.Module]:
+    """The registered model class for the first of the checkpoint's architectures we know."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in model_refs:
+            return import_ref(model_refs[arch])
+    raise UnknownArchitectureError(
+        f"no model registered for architecture(s) {archs or '[none in config.json]'}. "
+        f"Registered: {', '.join(sorted(model_refs)) or 'none'}. A plugin can add one "
+        "with the register_models hook."
+    )
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and hasattr(torch, value):
+        return getattr(torch, value)
+    return None
+
+
+# --- safetensors ----------------------------------------------------------------------
+
+
+def iter_safetensors(path: str | pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of ``model.safetensors`` or of the shards listed in its index file."""
+    from safetensors import safe_open
+
+    p = pathlib.Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (p / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f.name for f in p.glob("*.safetensors"))
+    if not files:
+        raise MissingWeightsError(f"no safetensors weights found in {str(p)!r}")
+    counts = []
+    for name in files:  # the headers only: the bar's total
+        with safe_open(str(p / name), framework="pt") as f:
+            counts.append(len(f.keys()))
+    with startup_log.progress_bar(sum(counts), "reading weights") as bar:
+        for name in files:
+            with safe_open(str(p / name), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensor = f.get_tensor(key)
+                    if tensor.dtype in _FLOAT8:
+                        # Copied into a float parameter it would load without its scales.
+                        raise UnsupportedModelError(
+                            f"checkpoint {str(p)!r} stores {key} as {tensor.dtype} "
+                            f"(quantized weights), which enginecore does not support. "
+                            f"Supported: {SUPPORTED_WEIGHTS}."
+                        )
+                    yield key, tensor
+                    bar.update()
+
+
+def iter_weights(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors under HF names. A linear method that keeps quantized blocks
+    names their formats in ``keep_quantized``: GGUF block types, and ``INT4_BLOCKS`` for
+    AWQ / GPTQ weights (de-quantized to float32 otherwise)."""
+    if is_gguf(path):
+        return iter_gguf(path, hf_config, keep_quantized)
+    group_quant = group_quant_config(hf_config)
+    if group_quant is not None:
+        return iter_group_quantized(
+            iter_safetensors(path), group_quant, INT4_BLOCKS in keep_quantized
+        )
+    return iter_safetensors(path)
+
+
+# --- GGUF -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str) -> GGUFMetadata:
+    """Reading the config and then the tensors share one reading of the header."""
+    return GGUFMetadata(path)
+
+
+def gguf_tensor_types() -> set[str]:
+    """The GGUF tensor types the loader de-quantizes (through the ``gguf`` package)."""
+    from gguf.quants import _type_traits
+
+    return {"F32", "F16"} | {t.name for t in _type_traits}
+
+
+def check_gguf_tensor_types(reader: Any, path: str | pathlib.Path) -> None:
+    supported = gguf_tensor_types()
+    found = sorted({t.tensor_type.name for t in reader.tensors} - supported)
+    if found:
+        raise UnsupportedModelError(
+            f"GGUF file {str(path)!r} holds tensors of type {', '.join(found)}, which "
+            f"enginecore cannot de-quantize (supported: {', '.join(sorted(supported))})"
+        )
+
+
+def gguf_hf_config(path: str | pathlib.Path) -> Any:
+    """The HF-equivalent config of a GGUF file, read from its metadata."""
+    reader = _gguf_reader(str(pathlib.Path(path).resolve()))
+    check_gguf_tensor_types(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    return gguf_config(reader.field("general.architecture"), reader.field, tensors)
+
+
+def iter_gguf(
+    path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """GGUF tensors under HF names and in HF layouts: de-quantized, or, for a layer's 2-D
+    projection in a block format named in ``keep_quantized``, its blocks (row order
+    fixed like a float weight's) as a :class:`QuantizedTensor`."""
+    reader = _gguf_reader(str(pathlib.Path(path).resolve()))
+    arch = reader.field("general.architecture")
+    for tensor in startup_log.progress(reader.tensors, len(reader.tensors), "reading weights"):
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if (
+            tensor.tensor_type.name in keep_quantized
+            and tensor.name.startswith("blk.")
+            and len(shape) == 2
+        ):
+            raw = torch.from_numpy(tensor.data).reshape(shape[0], -1)
+            for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config):
+                yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape)
+            continue
+        named = list(hf_tensors(arch, tensor.name, dequantized(tensor), hf_config))
+        if not named:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+        yield from named
+
+
+__all__ = ["MissingWeightsError", "load_params"]

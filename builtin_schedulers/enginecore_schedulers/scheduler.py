@@ -1,0 +1,811 @@
+"""The default scheduler: continuous batching over a paged KV cache.
+
+Each step closes, per request, the gap between ``num_computed_tokens`` and the tokens it
+has (prompt + sampled + not-yet-sampled placeholders), within a token budget and a cap
+on running requests. Running requests are served first so decodes never starve; waiting
+requests are admitted in policy order. When the KV cache is full a running request is
+preempted (freed and recomputed later).
+
+Async scheduling needs no separate class: a step that will sample a token adds an
+output *placeholder*, and the next ``schedule()`` already feeds that (unknown to us,
+known to the worker) token back in. When the output arrives the placeholder is replaced
+by the real token. In synchronous use outputs always arrive before the next step, so the
+placeholders are back at zero and the behaviour is the plain one.
+
+Decisions depend only on ``seq_no``/``priority`` and token counts, never on wall-clock
+time or hash iteration order, so identical engines produce identical outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from enginecore.errors import KV_TRANSFER_ERROR_PREFIX
+from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
+from enginecore.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    PromptLogprobs,
+    SchedulerStats,
+)
+from enginecore.request import Request, RequestStatus
+from enginecore.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from enginecore_schedulers.kv_cache_manager import KVCacheManager
+from enginecore_schedulers.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from enginecore.config import EngineConfig
+    from enginecore.interfaces import KVConnectorScheduler
+    from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
+_FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in RequestStatus}
+
+
+class DefaultScheduler(Scheduler):
+    """Continuous batching, chunked prefill, preemption by recompute, prefix caching."""
+
+    supports_async_scheduling = True
+    supports_kv_cache_groups = True
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        policy: SchedulingPolicy,
+        kv_connector: KVConnectorScheduler | None = None,
+        log_stats: bool = True,
+        kv_cache_groups: Sequence[int | None] | None = None,
+    ) -> None:
+        sched = config.scheduler
+        cache = config.cache
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = cache.block_size
+        self.max_num_seqs = sched.max_num_seqs
+        self.chunked_prefill = sched.chunked_prefill
+        budget = sched.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if sched.chunked_prefill else max_model_len
+        # Every running request must be able to decode one token per step.
+        self.max_num_batched_tokens = max(budget, self.max_num_seqs)
+        # A cap on a prefill chunk only makes sense when prompts may be chunked.
+        self.long_prefill_token_threshold = (
+            sched.long_prefill_token_threshold if sched.chunked_prefill else 0
+        )
+        self.policy = policy
+        self.connector = kv_connector
+        self.log_stats = log_stats
+        spec = config.speculative
+        self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            max_model_len,
+            enable_caching=cache.prefix_caching,
+            hash_algo=cache.prefix_caching_hash_algo,
+            kv_cache_groups=kv_cache_groups,
+            num_rollback_tokens=self.num_spec_tokens,
+        )
+        self._grouped = self.kv_cache_manager.num_groups > 1
+        if self._grouped and kv_connector is not None:
+            raise ValueError(
+                "a KV connector sees one block table: it cannot run with several KV cache "
+                f"groups (sliding windows {list(kv_cache_groups or [])})"
+            )
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = WaitingQueue(policy.sort_key)
+        # Finished since the last schedule(): the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+        # Preempted outside schedule() (reset_prefix_cache): reported by the next step.
+        self._pending_preempted: set[str] = set()
+        # Finished requests whose blocks a KV connector is still saving.
+        self._delayed_free: dict[str, Request] = {}
+        # KV connector loads in flight (WAITING_FOR_REMOTE_KVS): id -> (request, tokens
+        # computed once the load lands); finished ones go back to the waiting queue and
+        # are admitted with their blocks (``_remote_ready``).
+        self._waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        self._remote_ready: set[str] = set()
+        # Finished (aborted, failed) while a load was writing their blocks.
+        self._aborted_loading: dict[str, Request] = {}
+        # Invalid blocks reported for loads not yet reported finished.
+        self._load_errors: dict[str, set[int]] = {}
+        self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
+        self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
+        self._step_id = 0
+        self._num_preemptions_since_stats = 0
+        self._last_num_scheduled_tokens = 0
+        # Speculative decoding: draft slots per decode step (0: off), and counters since
+        # the last make_stats(): steps with drafts, draft tokens verified, accepted (and
+        # accepted by draft position).
+        self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos: list[int] = []
+
+    # --- requests in and out ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens > self.max_model_len:
+            # The frontend rejects these; a scheduler must never allocate past the end.
+            raise ValueError(
+                f"request {request.request_id!r} has a {request.num_prompt_tokens}-token "
+                f"prompt, longer than max_model_len={self.max_model_len}"
+            )
+        # Resolve max_tokens against max_model_len once, so the per-step cap on
+        # scheduled tokens is a single addition.
+        room = max(self.max_model_len - request.num_prompt_tokens, 1)
+        if request.max_tokens is None or request.max_tokens > room:
+            request.max_tokens = room
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+        if self.log_stats:
+            request.events.append((EngineCoreEventType.QUEUED, time.monotonic()))
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if request_ids is None:
+            ids: Iterable[str] = list(self.requests)
+        elif isinstance(request_ids, str):
+            ids = (request_ids,)
+        else:
+            ids = request_ids
+        finished: list[Request] = []
+        from_running = from_waiting = False
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # unknown or already finished: idempotent
+            if request.status == _RUNNING:
+                from_running = True
+            else:
+                from_waiting = True
+            request.status = finished_status
+            self._release(request)
+            finished.append(request)
+        if finished:
+            self._drop_finished(finished, from_running, from_waiting)
+        return finished
+
+    def _release(self, request: Request, *, force_free: bool = False) -> None:
+        """Forget a finished request: free its blocks unless a connector still saves
+        them, or still loads into them (then they are freed when the load reports)."""
+        request_id = request.request_id
+        del self.requests[request_id]
+        self.finished_req_ids.add(request_id)
+        self._remote_ready.discard(request_id)
+        loading = self._waiting_for_remote.pop(request_id, None) is not None
+        self._load_errors.pop(request_id, None)
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request_id)
+            delay_free, params = self.connector.request_finished(request, block_ids)
+            if params is not None:
+                request.kv_transfer_params = params
+        if loading and not force_free:
+            self._aborted_loading[request_id] = request
+        elif delay_free and not force_free:
+            self._delayed_free[request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+
+    def _drop_finished(
+        self, finished: list[Request], from_running: bool, from_waiting: bool
+    ) -> None:
+        """Remove finished requests from the running list and the waiting queue at once."""
+        # Identity, not ids: a finished id may already be reused by a new request.
+        gone = {id(r) for r in finished}
+        if from_running:
+            self.running = [r for r in self.running if id(r) not in gone]
+        if from_waiting:
+            self.waiting.remove_many(gone)
+
+    # --- scheduling ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        kv = self.kv_cache_manager
+        allocate = kv.allocate_slots
+        policy = self.policy
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+        running = self.running
+        if threshold and len(running) + len(self.waiting) <= 1:
+            threshold = 0  # a lone prefill is never capped: nothing competes with it
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        running_new_blocks: list[Any] = []  # per request: ids, per-group ids, or None
+        preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
+
+        # 1. Running requests first, in running order.
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) + request.num_output_placeholders - computed
+            # Never compute the last output token: prompt + max_tokens - 1 in total.
+            limit = request.num_prompt_tokens + request.max_tokens - 1 - computed
+            if num_new > limit:
+                num_new = limit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                continue  # waiting for outputs of batches in flight
+            drafts = (
+                self._draft_slots(request, num_new, min(limit, budget) - num_new)
+                if self.num_spec_tokens
+                else ()
+            )
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=len(drafts))
+            while new_blocks is None:
+                # Out of blocks: preempt the policy's victim and retry.
+                victim = policy.pick_preemption_victim(running)
+                index = running.index(victim)
+                del running[index]
+                if index < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:
+                    # Already scheduled this step: take its tokens back.
+                    budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
+                    j = scheduled_running.index(victim)
+                    del scheduled_running[j]
+                    del running_new_blocks[j]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = allocate(request, num_new, num_lookahead_tokens=len(drafts))
+            if new_blocks is None:
+                continue  # the request itself was the victim
+            scheduled_running.append(request)
+            if self._grouped:
+                by_group = [[b.block_id for b in blocks] for blocks in new_blocks]
+                running_new_blocks.append(by_group if any(by_group) else None)
+            else:
+                running_new_blocks.append([b.block_id for b in new_blocks] if new_blocks else None)
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 2. Waiting requests in policy order; none in a step that had to preempt.
+        scheduled_new: list[Request] = []
+        if not preempted and self.waiting:
+            scheduled_new = self._admit_waiting(budget, threshold, num_scheduled)
+            for request in scheduled_new:
+                budget -= num_scheduled[request.request_id]
+
+        # 3. Build the output and advance the counters.
+        cached = CachedRequestData()
+        cached_ids = cached.req_ids
+        cached_computed = cached.num_computed_tokens
+        structured: list[str] = []
+        for request in scheduled_running:
+            request_id = request.request_id
+            computed = request.num_computed_tokens
+            cached_ids.append(request_id)
+            cached_computed.append(computed)
+            if computed < request.num_prompt_tokens:
+                self._count_prompt_tokens(request, computed, num_scheduled[request_id])
+            computed += num_scheduled[request_id]
+            request.num_computed_tokens = computed
+            if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+                # This step samples a token, plus one per draft it may accept.
+                drafts = spec_tokens.get(request_id)
+                request.num_output_placeholders += 1 + len(drafts) if drafts else 1
+            if request.sampling_params.structured_output is not None:
+                structured.append(request_id)
+        if self._grouped:
+            # The first group's ids where a single table is read; every group's beside.
+            cached.new_block_ids = [(ids[0] or None) if ids else None for ids in running_new_blocks]
+            cached.new_group_block_ids = running_new_blocks
+        else:
+            cached.new_block_ids = running_new_blocks
+
+        new_reqs: list[NewRequestData] = []
+        now = time.monotonic() if self.log_stats else 0.0
+        for request in scheduled_new:
+            request_id = request.request_id
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                    group_block_ids=kv.get_group_block_ids(request_id) if self._grouped else None,
+                )
+            )
+            self._count_prompt_tokens(
+                request, request.num_computed_tokens, num_scheduled[request_id]
+            )
+            computed = request.num_computed_tokens + num_scheduled[request_id]
+            request.num_computed_tokens = computed
+            if computed >= len(request.all_token_ids) + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+            if request.sampling_params.structured_output is not None:
+                structured.append(request_id)
+            if self.log_stats:
+                request.events.append((EngineCoreEventType.SCHEDULED, now))
+
+        preempted_ids = {r.request_id for r in preempted}
+        if self._pending_preempted:
+            preempted_ids |= self._pending_preempted
+            self._pending_preempted = set()
+        finished_ids, self.finished_req_ids = self.finished_req_ids, set()
+        total = self.max_num_batched_tokens - budget
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=finished_ids,
+            preempted_req_ids=preempted_ids,
+            structured_output_request_ids=structured,
+            step_id=self._step_id,
+        )
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._last_num_scheduled_tokens = total
+        self._num_preemptions_since_stats += len(preempted)
+        return out
+
+    def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
+        """Prompt tokens this step computes (not taken from a cache or a connector)."""
+        end = min(computed + num_new, request.num_prompt_tokens)
+        if end > computed:
+            self._num_prompt_tokens_computed_since_stats += end - computed
+
+    def _draft_slots(self, request: Request, num_new: int, room: int) -> list[int]:
+        """Draft tokens to verify after a decode step's one token, at most ``room``.
+
+        With no batch of the request in flight we know its latest drafts (sent back with
+        its last output). Otherwise its newest tokens are still unknown to us, and so are
+        the drafts the worker proposed from them: we send ``-1`` placeholders for
+        ``num_speculative_tokens`` drafts, and the worker fills in its own (it may verify
+        fewer; ``update_from_output`` rolls back what was not accepted).
+        """
+        if room <= 0 or num_new != 1 or request.sampling_params.structured_output is not None:
+            return []
+        placeholders = request.num_output_placeholders
+        if request.num_output_tokens + placeholders == 0:
+            return []  # the prompt's last token: nothing was sampled yet to draft from
+        if request.num_computed_tokens + 1 != len(request.all_token_ids) + placeholders:
+            return []  # recomputing after a preemption: not a decode step
+        if placeholders:
+            return [-1] * min(self.num_spec_tokens, room)
+        return request.spec_token_ids[: min(self.num_spec_tokens, room)]
+
+    def _admit_waiting(
+        self, budget: int, threshold: int, num_scheduled: dict[str, int]
+    ) -> list[Request]:
+        """Admit waiting requests while budget, ``max_num_seqs`` and blocks allow."""
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        admitted: list[Request] = []
+        skipped: list[Request] = []
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            request = waiting.peek()
+            if request.num_output_placeholders:
+                # Preempted while a batch holding it was in flight: resume only once that
+                # output has arrived, or the same position would be sampled twice.
+                break
+            if self._policy_admits and not self.policy.admit(request, self._state(budget)):
+                skipped.append(waiting.pop())
+                continue
+            if request.request_id in self._remote_ready:
+                # Its external KV has landed in the blocks it holds: compute the rest.
+                num_new = request.num_tokens - request.num_computed_tokens
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    if not self.chunked_prefill:
+                        break
+                    num_new = budget
+                if kv.allocate_slots(request, num_new) is None:
+                    break
+                waiting.pop()
+                self._remote_ready.discard(request.request_id)
+                request.status = _RUNNING
+                running.append(request)
+                admitted.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_external = 0
+            if self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit
+                )
+                if num_external is None:
+                    break  # the connector asks us to retry later; keep the order strict
+            if num_hit + num_external >= request.num_tokens:
+                # Like a local hit: the last token is always computed, for its logits.
+                num_external = max(request.num_tokens - 1 - num_hit, 0)
+            if num_external and load_async:
+                if not self._start_remote_load(request, num_hit, hit_blocks, num_external):
+                    break  # no blocks for it yet
+                continue
+            num_new = request.num_tokens - num_hit - num_external
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break  # it does not fit whole: it blocks the queue (strict order)
+                num_new = budget
+            new_blocks = kv.allocate_slots(request, num_new + num_external, num_hit, hit_blocks)
+            if new_blocks is None:
+                break  # no preemption for admission: wait for blocks to free up
+            waiting.pop()
+            if self.connector is not None:
+                request.num_computed_tokens = num_hit
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external
+                )
+                self._num_kv_loaded_tokens_since_stats += num_external
+            request.status = _RUNNING
+            request.num_computed_tokens = num_hit + num_external
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit + num_external
+            running.append(request)
+            admitted.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        for request in skipped:
+            waiting.push(request)
+        return admitted
+
+    def _start_remote_load(
+        self, request: Request, num_hit: int, hit_blocks: list, num_external: int
+    ) -> bool:
+        """Give the request blocks for its prefix hit and the external tokens, then park
+        it in WAITING_FOR_REMOTE_KVS until the worker reports the load finished."""
+        kv = self.kv_cache_manager
+        # Unhashed until the load lands: nobody may share blocks still being written.
+        if kv.allocate_slots(request, num_external, num_hit, hit_blocks, cache=False) is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit
+        # Remote KV is only loaded with a connector.
+        self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+            request, kv.get_block_ids(request.request_id), num_external
+        )
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._waiting_for_remote[request.request_id] = (request, num_hit + num_external)
+        return True
+
+    def _state(self, budget: int) -> SchedulerState:
+        kv = self.kv_cache_manager
+        return SchedulerState(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.block_pool.num_usable_blocks,
+            token_budget_left=budget,
+            step=self._step_id,
+            running=tuple(self.running),
+            waiting=self.waiting.view(),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and queue it for recomputation."""
+        self.kv_cache_manager.free(request)
+        request.status = _PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.push(request)
+        if self.log_stats:
+            request.events.append((EngineCoreEventType.PREEMPTED, time.monotonic()))
+
+    # --- outputs ---------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        requests = self.requests
+        sampled_rows = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        max_model_len = self.max_model_len
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        finished: list[Request] = []
+        from_running = from_waiting = False
+        connector_output = runner_output.kv_connector_output
+        recomputed: set[str] = set()
+        if connector_output is not None and self.connector is not None:
+            recomputed = self._apply_connector_output(connector_output, per_client)
+        spec_slots = scheduler_output.scheduled_spec_decode_tokens
+        new_drafts = runner_output.draft_token_ids
+        spec_counts = self._spec_counts
+        for index, request_id in enumerate(runner_output.req_ids):
+            sampled = sampled_rows[index]
+            if not sampled:
+                continue  # a partial prefill chunk samples nothing
+            request = requests.get(request_id)
+            if request is None or request.num_output_placeholders <= 0:
+                continue  # finished or aborted while its batch was in flight
+            slots = spec_slots.get(request_id) if spec_slots else None
+            num_slots = len(slots) if slots else 0
+            if request_id in recomputed:
+                # Its step read KV that failed validation: drop the token, recompute.
+                request.num_output_placeholders = max(
+                    request.num_output_placeholders - 1 - num_slots, 0
+                )
+                continue
+            placeholders = request.num_output_placeholders - 1 - num_slots
+            request.num_output_placeholders = placeholders if placeholders > 0 else 0
+            if num_slots:
+                num_accepted = len(sampled) - 1
+                if request.status == _RUNNING:
+                    # Roll back the rejected draft slots (their KV is overwritten later).
+                    request.num_computed_tokens -= num_slots - num_accepted
+                verified = runner_output.num_draft_tokens
+                num_verified = verified[index] if verified is not None else num_slots
+                if num_verified:
+                    spec_counts[0] += 1
+                    spec_counts[1] += num_verified
+                    spec_counts[2] += num_accepted
+                    per_pos = self._spec_accepted_per_pos
+                    per_pos.extend([0] * (num_accepted - len(per_pos)))
+                    for position in range(num_accepted):
+                        per_pos[position] += 1
+            if new_drafts is not None:
+                request.spec_token_ids = new_drafts[index]
+            params = request.sampling_params
+            output_ids = request.output_token_ids
+            all_ids = request.all_token_ids
+            eos = None if params.ignore_eos else request.eos_token_id
+            stop_ids = params.stop_token_ids
+            max_tokens = request.max_tokens
+            status = 0
+            num_taken = 0
+            # Stop checks in order: EOS, stop token, length. EOS and stop tokens win even
+            # below min_tokens: a logits mask upstream keeps them from being sampled.
+            for token in sampled:
+                output_ids.append(token)
+                all_ids.append(token)
+                num_taken += 1
+                if token == eos:
+                    status = _STOPPED
+                    break
+                if stop_ids and token in stop_ids:
+                    status = _STOPPED
+                    request.stop_reason = token
+                    break
+                if len(all_ids) >= max_model_len or len(output_ids) >= max_tokens:
+                    status = _LENGTH_CAPPED
+                    break
+            output = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=sampled if num_taken == len(sampled) else sampled[:num_taken],
+                num_cached_tokens=request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+            )
+            if logprobs is not None and params.logprobs is not None:
+                cu = logprobs.cu_num_generated_tokens
+                rows = slice(cu[index], cu[index] + num_taken) if cu else slice(index, index + 1)
+                output.new_logprob_token_ids = logprobs.logprob_token_ids[rows]
+                output.new_logprobs = logprobs.logprobs[rows]
+                output.new_sampled_ranks = logprobs.sampled_token_ranks[rows]
+            if runner_output.prompt_logprobs and request_id in runner_output.prompt_logprobs:
+                lp = runner_output.prompt_logprobs[request_id]
+                output.prompt_logprobs = PromptLogprobs(
+                    lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
+                )
+            if request.events:
+                output.events = request.events
+                request.events = []
+            if status:
+                if request.status == _RUNNING:
+                    from_running = True
+                else:
+                    from_waiting = True  # preempted: an in-flight output stopped it
+                # status is 0 (none) or a finished RequestStatus: here the latter.
+                request.status = status  # type: ignore[assignment]
+                output.finish_reason = _FINISH_REASON[status]
+                output.stop_reason = request.stop_reason
+                self._release(request)
+                if request.kv_transfer_params is not None:
+                    output.kv_transfer_params = request.kv_transfer_params
+                finished.append(request)
+            client_outputs = per_client.get(request.client_index)
+            if client_outputs is None:
+                per_client[request.client_index] = [output]
+            else:
+                client_outputs.append(output)
+        if finished:
+            self._drop_finished(finished, from_running, from_waiting)
+        if connector_output is not None and self._delayed_free:
+            for request_id in sorted(connector_output.finished_sending):
+                request = self._delayed_free.pop(request_id, None)
+                if request is not None:
+                    self.kv_cache_manager.free(request)
+        return {
+            client: EngineCoreOutputs(outputs=outputs) for client, outputs in per_client.items()
+        }
+
+    def _apply_connector_output(
+        self, out: KVConnectorOutput, per_client: dict[int, list[EngineCoreOutput]]
+    ) -> set[str]:
+        """Failed transfers fail their request; finished loads resume theirs, recomputing
+        from the first invalid block. Returns running requests that must be recomputed
+        (a synchronous load into them was invalid)."""
+        # A KVConnectorOutput comes only from a connector.
+        self.connector.update_connector_output(out)  # type: ignore[union-attr]
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        invalid = out.invalid_block_ids
+        if invalid:
+            kv.uncache_blocks(invalid)
+        failed: list[Request] = []
+        for request_id, message in sorted(out.failures.items()):
+            request = self.requests.get(request_id)
+            if request is None:
+                aborted = self._aborted_loading.pop(request_id, None)
+                if aborted is not None:
+                    kv.free(aborted)
+                continue
+            logger.error("request %s failed in the KV connector: %s", request_id, message)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._release(request, force_free=True)
+            failed.append(request)
+            per_client.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
+                    error=f"{KV_TRANSFER_ERROR_PREFIX}{self.config.kv_transfer.connector!r}: "
+                    f"{message}",
+                )
+            )
+        if failed:
+            self._drop_finished(failed, True, True)
+        if invalid:
+            for request_id in self._waiting_for_remote:
+                bad = invalid.intersection(kv.get_block_ids(request_id))
+                if bad:
+                    self._load_errors.setdefault(request_id, set()).update(bad)
+        for request_id in sorted(out.finished_recving | out.failed_recving):
+            aborted = self._aborted_loading.pop(request_id, None)
+            if aborted is not None:
+                kv.free(aborted)
+                continue
+            entry = self._waiting_for_remote.pop(request_id, None)
+            if entry is None:
+                continue
+            request, num_loaded = entry
+            bad = self._load_errors.pop(request_id, None)
+            if request_id in out.failed_recving:
+                num_loaded = request.num_computed_tokens  # nothing landed: recompute
+            elif bad:
+                block_ids = kv.get_block_ids(request_id)
+                for i in range(request.num_computed_tokens // bs, num_loaded // bs):
+                    if block_ids[i] in bad:
+                        num_loaded = i * bs  # recompute from the first invalid block
+                        break
+            self._num_kv_loaded_tokens_since_stats += num_loaded - request.num_computed_tokens
+            request.num_computed_tokens = num_loaded
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_loaded
+            kv.cache_blocks(request, num_loaded)
+            request.status = RequestStatus.WAITING
+            self._remote_ready.add(request_id)
+            self.waiting.push(request)
+        recomputed: set[str] = set()
+        if invalid:
+            for request in list(self.running):
+                if invalid.intersection(kv.get_block_ids(request.request_id)):
+                    self.running.remove(request)
+                    self._preempt(request)
+                    self._pending_preempted.add(request.request_id)
+                    recomputed.add(request.request_id)
+        return recomputed
+
+    # --- queries and maintenance -----------------------------------------------------
+
+    def has_requests(self) -> bool:
+        # Blocks still held for a connector need steps: the workers report their end.
+        return bool(
+            self.requests or self.finished_req_ids or self._delayed_free or self._aborted_loading
+        )
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting) + len(self._waiting_for_remote)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached hash. Fails while requests hold blocks, unless asked to
+        preempt every running request first (they are recomputed later)."""
+        if reset_running_requests and self.running:
+            for request in reversed(self.running):
+                self._preempt(request)
+                self._pending_preempted.add(request.request_id)
+            self._num_preemptions_since_stats += len(self.running)
+            self.running = []
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        kv = self.kv_cache_manager
+        prefix = kv.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self._waiting_for_remote),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_since_stats,
+            step_counter=self._step_id,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_kv_loaded_tokens=self._num_kv_loaded_tokens_since_stats,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed_since_stats,
+            num_waiting_for_remote_kvs=len(self._waiting_for_remote),
+            spec_num_drafts=self._spec_counts[0],
+            spec_num_draft_tokens=self._spec_counts[1],
+            spec_num_accepted_tokens=self._spec_counts[2],
+            spec_num_accepted_tokens_per_pos=self._spec_accepted_per_pos,
+        )
+        self._num_preemptions_since_stats = 0
+        self._num_kv_loaded_tokens_since_stats = 0
+        self._num_prompt_tokens_computed_since_stats = 0
+        self._spec_counts = [0, 0, 0]
+        self._spec_accepted_per_pos = []
+        return stats
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def leak_report(self) -> list[str]:
+        """Empty when no request state is left and every KV block is free or cached."""
+        problems: list[str] = []
+        for name, value in (
+            ("requests", self.requests),
+            ("running", self.running),
+            ("waiting", list(self.waiting)),
+            ("unreported finished ids", self.finished_req_ids),
+            ("delayed frees", self._delayed_free),
+            ("waiting for remote KV", self._waiting_for_remote),
+            ("aborted while loading", self._aborted_loading),
+            ("load errors", self._load_errors),
+        ):
+            if value:
+                problems.append(f"{name} not empty: {sorted(_ids(value))[:20]}")
+        return problems + self.kv_cache_manager.leak_report()
+
+
+def _ids(items: Any) -> list[str]:
+    if isinstance(items, dict):
+        return list(items)
+    return [getattr(x, "request_id", x) for x in items]
