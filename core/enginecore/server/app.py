@@ -14,11 +14,12 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
-from enginecore.server import chat, completions, control, info, responses
+from enginecore.server import chat, completions, control, info, lora_models, responses
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
 from enginecore.server.limits import check_body_limits, check_capacity
+from enginecore.server.lora_models import LoRAModels, runtime_updating_allowed
 from enginecore.server.security import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -34,7 +35,7 @@ logger = logging.getLogger("enginecore.server")
 def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     """The ASGI app. Without ``engine``, its lifespan starts (and stops) an AsyncLLM."""
     config = server_config(config)
-    ctx = ServerContext(config=config, engine=engine)
+    ctx = ServerContext(config=config, engine=engine, loras=LoRAModels(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -68,6 +69,9 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     app.include_router(chat.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     app.include_router(control.router, dependencies=limited)
+    if runtime_updating_allowed(config):
+        logger.warning("LoRA adapters may be loaded and unloaded at run time")
+        app.include_router(lora_models.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
         app.include_router(control.rpc_router, dependencies=limited)

@@ -25,7 +25,6 @@ from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
 from enginecore.server.sampling import (
     check_max_tokens,
-    check_model,
     check_prompt_logprobs,
     to_sampling_params,
     truncate_prompt,
@@ -170,7 +169,9 @@ def _echo_text(body: ChatCompletionRequest) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    lora = ctx.resolve_model(body.model)
+    if lora is not None and body.use_beam_search:
+        raise APIError(400, "beam search is not served with LoRA adapters", param="model")
     num_top = None
     if body.logprobs:
         num_top = body.top_logprobs or 0
@@ -243,6 +244,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         priority=body.priority,
         output_kind=kind,
         data_parallel_rank=requested_rank(body, request),
+        lora_request=lora,
     )
     if body.stream:
         return StreamingResponse(

@@ -28,7 +28,6 @@ from enginecore.server.logprobs import (
 from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import (
     check_max_tokens,
-    check_model,
     check_prompt_logprobs,
     to_sampling_params,
     truncate_prompt,
@@ -118,7 +117,9 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    lora = ctx.resolve_model(body.model)
+    if lora is not None and body.use_beam_search:
+        raise APIError(400, "beam search is not served with LoRA adapters", param="model")
     params = to_sampling_params(
         body,
         ctx.limits,
@@ -155,6 +156,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                     priority=body.priority,
                     output_kind=kind,
                     data_parallel_rank=rank,
+                    lora_request=lora,
                 )
             )
     except BaseException:
