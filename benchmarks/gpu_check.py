@@ -20,6 +20,10 @@ is right and how fast it is.
    de-quantized copy and ``F.linear`` above). Then the ``tiny`` checkpoint with
    ``quantization="int8"`` (which selects ``gguf_triton`` on CUDA), bf16, CUDA graphs on:
    the layers kept in blocks and greedy agreement with the float model.
+6. LoRA (also in ``--quick``): three PEFT adapters of different ranks and targets plus the
+   base model in one batch on ``tiny``, float32, through the ``triton`` backend (its
+   Triton shrink/expand kernels) and the ``torch`` backend (the torch kernels): greedy
+   agreement with transformers + PEFT per adapter.
 
 Prints a Markdown report and writes the figures as JSON. Needs the wheels in
 ``benchmarks/gpu_requirements.txt`` on top of torch, triton and transformers.
@@ -347,6 +351,59 @@ def int8_model(root: pathlib.Path, report: dict[str, Any]) -> None:
     }
 
 
+def lora(root: pathlib.Path, report: dict[str, Any]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from enginecore import LLM, SamplingParams
+    from enginecore.lora import LoRARequest
+    from enginecore.lora.random_adapter import make_random_adapter
+
+    path = make_checkpoint(root, "tiny")
+    shapes = [(8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "o_proj", "up_proj")),
+              (4, ("gate_proj", "down_proj"))]  # fmt: skip
+    loras: list[LoRARequest | None] = [None]
+    for i, (r, targets) in enumerate(shapes):
+        adapter = make_random_adapter(path, root / f"lora{i}", r=r, target_modules=targets, seed=i)
+        loras.append(LoRARequest(f"lora{i}", i + 1, str(adapter)))
+    prompts = mixed_prompts(8)
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    n = 16
+    want = []
+    for prompt, lora_request in zip(prompts, per_prompt, strict=True):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if lora_request is not None:
+            model = PeftModel.from_pretrained(model, lora_request.lora_path)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device="cuda")
+            out = (
+                model.cuda()
+                .eval()
+                .generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+            )
+        want.append(out[0, len(prompt) :].tolist())
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    report["lora"] = []
+    for backend in ("triton", "torch"):
+        with LLM(
+            str(path), dtype="float32", attention_backend=backend, enable_lora=True,
+            max_loras=3, max_lora_rank=16, max_num_batched_tokens=256,
+            gpu_memory_utilization=0.3, multiprocessing=False,
+        ) as llm:  # fmt: skip
+            got = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, lora_request=per_prompt
+            )
+        diffs = [
+            first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)
+        ]
+        report["lora"].append(
+            {"backend": backend, "equal": sum(d is None for d in diffs), "of": len(diffs),
+             "first_difference": diffs}
+        )  # fmt: skip
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"GPU: {report['gpu']}; torch {report['torch']}", ""]
     lines += ["| size | dtype | backend | greedy = transformers |", "|---|---|---|---|"]
@@ -402,6 +459,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"greedy = bf16 model on {m['equal']}/{m['of']} prompts, first differences "
             f"{m['first_difference']}",
         ]
+    for r in report.get("lora", []):
+        lines.append(
+            f"LoRA (tiny, fp32, 3 adapters + base, {r['backend']}): greedy = transformers + "
+            f"PEFT on {r['equal']}/{r['of']} prompts, first differences {r['first_difference']}"
+        )
     return "\n".join(lines)
 
 
@@ -428,6 +490,7 @@ def main() -> int:
             ("parity", lambda: parity(root, ["tiny"] if args.quick else ["tiny", "small"], report)),
             ("block_linear", lambda: block_linear(report)),
             ("int8_model", lambda: int8_model(root, report)),
+            ("lora", lambda: lora(root, report)),
         ]
         if not args.quick:
             stages += [

@@ -6,6 +6,7 @@ adapter at run time without a restart, and exports ``vllm:lora_requests_info``."
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import random
 
 import httpx
@@ -20,15 +21,21 @@ pytest.importorskip("peft")
 MAX_TOKENS = 6
 
 
-def peft_tokens(base, adapter: str | None, prompt: list[int]) -> list[int]:
+@functools.lru_cache(maxsize=4)
+def peft_model(base: str, adapter: str | None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+def peft_tokens(base, adapter: str | None, prompt: list[int]) -> list[int]:
+    model = peft_model(str(base), adapter)
     with torch.inference_mode():
-        out = model.eval().generate(
+        out = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=MAX_TOKENS,
             do_sample=False,
