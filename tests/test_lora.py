@@ -238,3 +238,30 @@ def test_scheduler_admits_at_most_max_loras_adapters_per_step() -> None:
     stats = sched.make_stats()
     assert stats.running_lora_adapters == {"a0": 2, "a1": 2}
     assert stats.waiting_lora_adapters == {"a2": 1}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_the_delta_as_the_base_layer(tiny_llama, adapters) -> None:
+    """TP=2 (two mp ranks joined by gloo): each rank holds its shard of every adapter's
+    B rows (column-parallel, fused QKV and gate/up) and A columns (row-parallel, the
+    partial delta summed by the all-reduce); tokens still equal PEFT's."""
+    loras = [None, *adapters.values()]
+    batch = prompts(4, seed=5)
+    per_prompt = [loras[i % len(loras)] for i in range(len(batch))]
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        tensor_parallel_size=2,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        num_blocks_override=64,
+    ) as llm:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            lora_request=per_prompt,
+            use_tqdm=False,
+        )
+    for prompt, lora, out in zip(batch, per_prompt, outputs, strict=True):
+        assert out.outputs[0].token_ids == reference(tiny_llama, lora, prompt)

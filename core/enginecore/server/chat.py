@@ -307,7 +307,7 @@ def _response(
         "id": request_id,
         "object": "chat.completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
         "kv_transfer_params": output.kv_transfer_params,
@@ -335,7 +335,7 @@ async def _stream(
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
     }
     prompt_tokens = completion_tokens = 0
 

@@ -289,7 +289,7 @@ def _response(
         "id": request_id,
         "object": "text_completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens),
         # Disaggregated prefill: the handle the decode instance needs (one prompt only).
@@ -312,7 +312,7 @@ async def _stream(
     completion_tokens = 0
     offsets: dict[int, int] = {}
     base = {"id": request_id, "object": "text_completion", "created": created}
-    base["model"] = ctx.model_name
+    base["model"] = ctx.response_model(body.model)
     try:
         async for p_index, output in merge_streams(streams):
             prompt_tokens[p_index] = len(output.prompt_token_ids)

@@ -33,6 +33,12 @@ class ServerContext:
         check_model(requested, self.model_name, self.model_path)
         return None
 
+    def response_model(self, requested: str | None) -> str:
+        """The ``model`` a response names: the adapter the request chose, or the base."""
+        if requested is not None and self.loras is not None and requested in self.loras.adapters:
+            return requested
+        return self.model_name
+
     @property
     def limits(self) -> ServerConfig:
         return self.config.server
