@@ -265,3 +265,41 @@ def test_tensor_parallel_shards_the_delta_as_the_base_layer(tiny_llama, adapters
         )
     for prompt, lora, out in zip(batch, per_prompt, outputs, strict=True):
         assert out.outputs[0].token_ids == reference(tiny_llama, lora, prompt)
+
+
+def test_preempted_requests_resume_with_their_adapter(tiny_llama, adapters) -> None:
+    """A KV cache too small for the batch: requests are preempted and recomputed, and come
+    back to the runner with their adapter (async scheduling on)."""
+    loras = [None, *adapters.values()]
+    batch = prompts(8, seed=7)
+    per_prompt = [loras[i % len(loras)] for i in range(len(batch))]
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        multiprocessing=False,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=16,
+        block_size=8,
+        num_blocks_override=14,  # 13 usable blocks; the longest request needs 11
+        max_num_batched_tokens=32,  # several prompts admitted at once, then they run out
+        async_scheduling=True,
+    ) as llm:
+        scheduler = llm.engine_client.engine.scheduler
+        preempted: list[str] = []
+        preempt = scheduler._preempt
+
+        def counting(request):
+            preempted.append(request.request_id)
+            preempt(request)
+
+        scheduler._preempt = counting
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in batch],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            lora_request=per_prompt,
+            use_tqdm=False,
+        )
+    assert preempted, "the KV cache was meant to force preemption"
+    for prompt, lora, out in zip(batch, per_prompt, outputs, strict=True):
+        assert out.outputs[0].token_ids == reference(tiny_llama, lora, prompt)
