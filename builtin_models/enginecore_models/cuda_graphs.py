@@ -9,7 +9,10 @@ refilling the static inputs in place: token ids, positions and the attention bac
 metadata, which a graph-capable backend keeps in persistent buffers.
 
 Graphs are used only with a backend that declares ``cuda_graphs``, one rank (no
-collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off.
+collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off. A
+module that cannot be captured says why through ``cuda_graph_blocker()`` (an MoE layer
+whose experts group tokens on the host, ``layers/moe.py``): then the model runs eager and
+the reason is logged.
 Their memory is measured by a capture over a one-block cache while the KV cache is
 sized, and counted there.
 """
@@ -34,8 +37,24 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
+def capture_blockers(model: torch.nn.Module) -> list[str]:
+    """Why modules of ``model`` cannot be captured (``cuda_graph_blocker()``), each once."""
+    reasons: list[str] = []
+    for module in model.modules():
+        blocker = getattr(module, "cuda_graph_blocker", None)
+        reason = blocker() if callable(blocker) else None
+        if reason and reason not in reasons:
+            reasons.append(reason)
+    return reasons
+
+
 def graphs_apply(runner: Any) -> bool:
-    """Whether this runner's steps may be captured."""
+    """Whether this runner's steps may be captured (a module that cannot be is logged)."""
+    if runner.device.type == "cuda" and not runner.config.model.enforce_eager:
+        blockers = capture_blockers(runner.model)
+        if blockers:
+            logger.warning("CUDA graphs are off, the model runs eager: %s", "; ".join(blockers))
+            return False
     return (
         runner.device.type == "cuda"
         and not runner.config.model.enforce_eager
