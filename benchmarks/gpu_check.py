@@ -23,8 +23,12 @@ is right and how fast it is.
    with CUDA events: the kernel, and ``F.linear`` on a bf16 weight. Then the ``tiny``
    checkpoint with ``quantization="int8"`` (which selects ``gguf_triton`` on CUDA), bf16,
    CUDA graphs on: the layers kept in blocks and greedy agreement with the float model.
+6. A random tiny Mixtral (also in ``--quick``), float32, CUDA graphs on: its experts on the
+   capture-safe device path, greedy agreement with transformers, and how many steps
+   replayed a graph. The decode stage reports the same counts (steps replayed, and those
+   run eager by reason).
 
-``--cpu-smoke`` runs stages 1 to 5 on the CPU with small shapes (the ``torch`` attention
+``--cpu-smoke`` runs every stage on the CPU with small shapes (the ``torch`` attention
 backend, the kernels under ``TRITON_INTERPRET=1``, a scaled-down copy of the 1B shape), so
 the script is known to run before a GPU is at hand; its figures mean nothing.
 
@@ -319,6 +323,45 @@ def throughput(setup: Setup, root: pathlib.Path, report: dict[str, Any], num: in
     }
 
 
+def _graph_counts(worker: Any) -> dict[str, int]:
+    """Steps that replayed a CUDA graph, and those that ran eager by reason."""
+    graphs = worker.model_runner.decode_graphs
+    return dict(graphs.counts) if graphs is not None else {}
+
+
+def _moe_groupings(worker: Any) -> list[str]:
+    from enginecore.layers.moe import FusedMoE
+
+    model = worker.model_runner.model
+    return sorted({m.grouping for m in model.modules() if isinstance(m, FusedMoE)})
+
+
+def moe_graphs(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
+    """A random tiny Mixtral, float32, CUDA graphs on: the experts on their device path
+    (captured in the graphs), greedy tokens against transformers, steps replayed."""
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import make_random_checkpoint
+
+    path = make_random_checkpoint(root / "mixtral-tiny", "mixtral", "tiny")
+    prompts = mixed_prompts(setup.prompts)
+    n = setup.new_tokens
+    want = hf_greedy(setup, path, prompts, torch.float32, n)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), dtype="float32", multiprocessing=False, **setup.engine_args()) as llm:
+        groupings = llm.collective_rpc(_moe_groupings)[0]
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        counts = llm.collective_rpc(_graph_counts)[0]
+    setup.free()
+    diffs = [first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)]
+    report["moe"] = {
+        "groupings": groupings,
+        "equal": sum(d is None for d in diffs),
+        "of": len(diffs),
+        "first_difference": diffs,
+        "graph_steps": counts,
+    }
+
+
 def _weight_bytes(worker: Any) -> int:
     model = worker.model_runner.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -342,6 +385,7 @@ def decode_steps(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> No
     rng = random.Random(2)
     rows = []
     parameters = 0
+    graph_steps: dict[str, int] = {}
     for eager in (False, True):
         with LLM(
             str(path),
@@ -381,12 +425,15 @@ def decode_steps(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> No
                         "of_bound": bound / step if step > 0 else None,
                     }
                 )
+            if not eager:
+                graph_steps = llm.collective_rpc(_graph_counts)[0]
         setup.free()
     report["decode"] = {
         "parameters": parameters,
         "context": context,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "rows": rows,
+        "graph_steps": graph_steps,
     }
 
 
@@ -519,6 +566,16 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['batch']} | {'on' if r['cuda_graphs'] else 'off'} | "
                 f"{r['step_ms']:.2f} | {r['bound_ms']:.3f} | {share} |"
             )
+    if "decode" in report:
+        lines += ["", f"Steps with CUDA graphs on: {report['decode']['graph_steps'] or 'none'}"]
+    if "moe" in report:
+        m = report["moe"]
+        lines += [
+            "",
+            f"tiny Mixtral, fp32 (experts grouped: {m['groupings']}): greedy = transformers on "
+            f"{m['equal']}/{m['of']} prompts, first differences {m['first_difference']}; "
+            f"steps: {m['graph_steps'] or 'no CUDA graphs'}",
+        ]
     if "block_linear" in report:
         b = report["block_linear"]
         n, k = b["shape"]
@@ -579,6 +636,7 @@ def main() -> int:
             ("parity", lambda: parity(setup, root, sizes, report)),
             ("block_linear", lambda: block_linear(setup, report)),
             ("int8_model", lambda: int8_model(setup, root, report)),
+            ("moe", lambda: moe_graphs(setup, root, report)),
         ]
         if not args.quick:
             stages += [

@@ -68,6 +68,7 @@ def test_cpu_smoke_runs_every_stage(tmp_path):
         "int8_model",
         "throughput",
         "decode",
+        "moe",
     }
     assert all(r["equal"] == r["of"] for r in report["parity"])
     assert [(r["batch"], r["cuda_graphs"]) for r in report["decode"]["rows"]] == [
@@ -79,4 +80,6 @@ def test_cpu_smoke_runs_every_stage(tmp_path):
     assert all(r["bound_ms"] > 0 and r["step_ms"] > 0 for r in report["decode"]["rows"])
     assert all(r["max_rel_diff"] < 1e-2 for r in report["block_linear"]["rows"])
     assert report["int8_model"]["layers_in_blocks"] > 0
+    moe = report["moe"]
+    assert moe["groupings"] == ["loop"] and moe["equal"] == moe["of"]
     assert "Decode steps (Llama-3.2-1B shape" in result.stdout

@@ -15,11 +15,26 @@ whose experts group tokens on the host, ``layers/moe.py``): then the model runs 
 the reason is logged.
 Their memory is measured by a capture over a one-block cache while the KV cache is
 sized, and counted there.
+
+Which steps replay a graph and why the others run eager (``step_graph_plan``; each
+replica counts them in ``DecodeGraphs.counts``, which ``benchmarks/gpu_check.py``
+reports):
+
+- a decode-only step of at most ``max_num_seqs`` rows: the graph of the next bucket;
+- a step with a row of several query tokens (a prefill, a chunk of one, or a speculative
+  verification): eager. Its token count and attention shapes vary step to step; a graph
+  would have to be piecewise (attention eager between captured pieces, per token-count
+  bucket), and such a step's GEMMs over hundreds of tokens are compute-bound, so launch
+  overhead is a small share of it. Not done;
+- whole runners run eager with several KV cache groups (a graph replays one block
+  table), TP/PP > 1 (collectives are not captured), a KV connector (its per-layer hooks
+  run on the host) or a module that says it cannot be captured (``graphs_apply``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -35,6 +50,22 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     sizes = [n for n in (1, 2, 4, 8) if n < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return [*sizes, max_num_seqs]
+
+
+REPLAYED = "replayed"
+MULTI_TOKEN_ROWS = "eager: a row with several query tokens (prefill, chunk or verification)"
+TOO_MANY_ROWS = "eager: more rows than the largest captured batch"
+
+
+def step_graph_plan(batch: AttentionBatch, sizes: list[int]) -> tuple[int | None, str]:
+    """``(captured batch size, REPLAYED)`` for a step a graph replays, else ``(None, why
+    it runs eager)``. ``sizes`` are the captured batch sizes, ascending."""
+    n = len(batch.query_lens)
+    if batch.num_decodes != n:
+        return None, MULTI_TOKEN_ROWS
+    if not 0 < n <= sizes[-1]:
+        return None, TOO_MANY_ROWS
+    return next(s for s in sizes if s >= n), REPLAYED
 
 
 def capture_blockers(model: torch.nn.Module) -> list[str]:
@@ -77,6 +108,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.counts: Counter[str] = Counter()  # steps replayed, and eager by reason
 
     def _padded(self, batch: AttentionBatch | None, size: int) -> AttentionBatch:
         """``batch`` padded with rows that write nothing (slot -1) and read block 0; with
@@ -121,12 +153,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(runner.device)
 
     def handles(self, batch: AttentionBatch) -> bool:
-        n = len(batch.query_lens)
-        return batch.num_decodes == n and 0 < n <= self.sizes[-1]
+        size, outcome = step_graph_plan(batch, self.sizes)
+        self.counts[outcome] += 1
+        return size is not None
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> Any:
         n = len(batch.query_lens)
-        size = next(s for s in self.sizes if s >= n)
+        size, _ = step_graph_plan(batch, self.sizes)
+        assert size is not None, "run() follows handles()"
         self.runner.attn_backend.build_metadata(self._padded(batch, size))  # in place
         self.ids[:n].copy_(ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

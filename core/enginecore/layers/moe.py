@@ -10,7 +10,8 @@ That loop needs each expert's token count on the host (one sync per layer), whic
 graph cannot capture and which stalls a GPU's queue. On a GPU (``grouping == "device"``,
 chosen where the layer is built on CUDA with Triton importable) the experts run from
 ``moe_grouped``: tokens grouped on the device in fixed-shape tiles and multiplied by a
-Triton grouped GEMM (``enginecore_gpu.moe_kernels``), with no host sync. The CPU keeps the loop, which is faster there.
+Triton grouped GEMM (``enginecore_gpu.moe_kernels``), with no host sync. The CPU keeps
+the loop, which is faster there.
 
 Tensor parallelism shards every expert's intermediate dimension across the TP ranks (as
 the dense MLP's column/row split): each rank holds ``[E, 2 * I / tp, H]`` and
