@@ -124,6 +124,23 @@ def test_empty_step():
         assert layer(torch.zeros(0, H), torch.zeros(0, E)).shape == (0, H)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_a_moe_model_on_the_device_path_matches_transformers(arch, checkpoint_factory, model_refs):
+    """Decodes and prefill chunks of several requests in one forward, every MoE layer on
+    the device path: the logits transformers gives each request alone."""
+    from test_models_vs_transformers import ATOL, load_ours, reference_logits, run_mixed_batch
+
+    path = checkpoint_factory(arch)
+    model = load_ours(path, model_refs)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers
+    for layer in layers:
+        layer.grouping = "device"
+    prompts, got = run_mixed_batch(model)
+    for prompt, logits in zip(prompts, got, strict=True):
+        torch.testing.assert_close(logits, reference_logits(path, prompt), atol=ATOL, rtol=0)
+
+
 def test_cuda_graphs_capture_moe_only_on_the_device_path(caplog):
     """The loop cannot be captured: the runner runs such a model eager and logs why."""
     assert default_grouping(torch.device("cpu")) == "loop"
