@@ -84,7 +84,10 @@ def graphs_apply(runner: Any) -> bool:
     if runner.device.type == "cuda" and not runner.config.model.enforce_eager:
         blockers = capture_blockers(runner.model)
         if blockers:
-            logger.warning("CUDA graphs are off, the model runs eager: %s", "; ".join(blockers))
+            # Asked at sizing and again at capture: said once per model.
+            if not getattr(runner.model, "_graph_blockers_logged", False):
+                logger.warning("CUDA graphs are off, the model runs eager: %s", "; ".join(blockers))
+                runner.model._graph_blockers_logged = True
             return False
     return (
         runner.device.type == "cuda"

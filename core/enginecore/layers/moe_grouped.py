@@ -3,8 +3,9 @@ never waits on the device and can be captured in a CUDA graph.
 
 Every shape here depends on the step's token count only, never on the routing:
 
-1. ``align_by_expert`` sorts the step's (token, k) pairs by expert on the device and lays
-   them out in tiles of ``block_m`` rows, each tile holding one expert's pairs (an
+1. ``align_by_expert`` groups the step's (token, k) pairs by expert on the device (each
+   pair's rank among its expert's from a running count, no sort) and lays them out in
+   tiles of ``block_m`` rows, each tile holding one expert's pairs (an
    expert's last tile padded with a sentinel pair). The buffer has room for the worst case
    (every expert with a part-filled tile), so its size is fixed; tiles past the last used
    one carry expert -1.
@@ -39,17 +40,16 @@ def align_by_expert(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     capacity = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    # A pair's rank among its expert's pairs, in pair order, from a running count per
+    # expert: no sort, no value-dependent shape.
+    hits = flat[:, None] == torch.arange(num_experts, device=flat.device)
+    counts = hits.sum(0)
+    rank = hits.cumsum(0, dtype=torch.int32).gather(1, flat[:, None]).squeeze(1) - 1
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat.index_select(0, order)
-    first = torch.cumsum(counts, 0) - counts  # where each expert's pairs start, sorted
-    rank = torch.arange(n, device=flat.device) - first.index_select(0, expert_of)
-    dest = (padded_end - padded).index_select(0, expert_of) + rank
+    dest = (padded_end - padded).index_select(0, flat) + rank
     pairs = torch.full((capacity,), n, dtype=torch.int64, device=flat.device)
-    pairs.scatter_(0, dest, order)
+    pairs.scatter_(0, dest, torch.arange(n, device=flat.device))
     tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
     tile_experts = torch.searchsorted(padded_end, tile_starts, right=True)
     tile_experts = torch.where(tile_experts < num_experts, tile_experts, -1)
