@@ -557,7 +557,7 @@ def lora(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
     n = setup.new_tokens
     want = []
     for prompt, lora_request in zip(prompts, per_prompt, strict=True):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, **hf_dtype(torch.float32))
         if lora_request is not None:
             model = PeftModel.from_pretrained(model, lora_request.lora_path)
         with torch.inference_mode():
