@@ -11,6 +11,9 @@ import socket
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError
 
+#: uvicorn's default backlog.
+LISTEN_BACKLOG = 2048
+
 
 def check_model_path(config: EngineConfig) -> None:
     """The model is a checkpoint directory (with ``config.json``) or a ``.gguf`` file."""
@@ -33,15 +36,21 @@ def check_model_path(config: EngineConfig) -> None:
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """The HTTP port, bound before the engine starts and held while it loads: a port
-    checked and then let go could be taken by another process meanwhile (the server would
-    fail only after loading the model, or a client would reach that other process). Not
-    listening yet: a connection is refused, as before, until the server can answer it."""
+    """The HTTP port, bound and listening before the engine starts and held while it loads:
+    a port checked and then let go could be taken by another process meanwhile (the server
+    would fail only after loading the model, or a client would reach that other process).
+
+    It listens at once because on Linux two sockets with ``SO_REUSEADDR`` may both bind a
+    port while neither listens: a second server started during the first one's start-up
+    would bind too, load its model, and never serve. Listening claims the port for good;
+    connections made while the engine loads wait in the backlog and are answered once the
+    server runs."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
     try:
         sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
