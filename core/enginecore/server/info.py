@@ -18,7 +18,7 @@ from enginecore.server.context import context
 from enginecore.server.errors import error_response
 from enginecore.server.protocol import DetokenizeRequest, TokenizeRequest
 from enginecore.server.sampling import check_model
-from enginecore.version import PLUGIN_API_VERSION, __version__
+from enginecore.version import __version__
 
 router = APIRouter()
 
@@ -58,7 +58,9 @@ async def metrics() -> Response:
 
 @router.get("/version")
 async def version() -> dict[str, Any]:
-    return {"version": __version__, "plugin_api_version": PLUGIN_API_VERSION}
+    """vLLM's shape exactly (clients parse it); ``enginecore plugins`` prints the plugin API
+    version."""
+    return {"version": __version__}
 
 
 @router.get("/v1/models")

@@ -259,10 +259,12 @@ class CollectiveRPCRequest(_Body):
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens served from the prefix cache (or a KV transfer) rather than computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

@@ -164,12 +164,7 @@ def to_sampling_params(
                 400, f"max_tokens must be at most {limit}, got {max_tokens}", param="max_tokens"
             )
         max_tokens = limit if max_tokens is None else max_tokens
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise APIError(
-            400,
-            f"logprobs must be at most {limits.max_logprobs}, got {logprobs}",
-            param="logprobs",
-        )
+    logprobs = resolve_logprobs(logprobs, limits, vocab_size, "logprobs")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
     if req.stop_token_ids:
@@ -205,15 +200,42 @@ def to_sampling_params(
     )
 
 
-def check_prompt_logprobs(wanted: int | None, limits: ServerConfig) -> int | None:
-    """The ``prompt_logprobs`` extension field, bounded like ``logprobs``."""
-    if wanted is not None and not 0 <= wanted <= limits.max_logprobs:
+def resolve_logprobs(
+    wanted: int | None, limits: ServerConfig, vocab_size: int, param: str
+) -> int | None:
+    """A request's ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` count, as vLLM reads
+    it: ``-1`` asks for the whole vocabulary; more than ``max_logprobs`` (``-1``: the
+    vocabulary) is a 400 in vLLM's words."""
+    if wanted is None:
+        return None
+    if wanted < -1:
         raise APIError(
             400,
-            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {wanted}",
-            param="prompt_logprobs",
+            f"{param} must be a non-negative integer, or -1 for the whole vocabulary; got {wanted}",
+            param=param,
         )
-    return wanted
+    allowed = vocab_size if limits.max_logprobs == -1 else limits.max_logprobs
+    count = vocab_size if wanted == -1 else wanted
+    if count > allowed:
+        kind = "prompt" if param == "prompt_logprobs" else "sample"
+        raise APIError(
+            400,
+            f"{param} must be at most {allowed}: Requested {kind} logprobs of {count}, which "
+            f"is greater than max allowed: {allowed} (the server's max_logprobs; -1 admits "
+            "the whole vocabulary)",
+            param=param,
+        )
+    return count
+
+
+def resolve_logprob_fields(req: SamplingFields, limits: ServerConfig, vocab_size: int) -> None:
+    """Each logprob count a request names (``logprobs``, ``top_logprobs``,
+    ``prompt_logprobs``) checked and resolved in place (``-1``: the vocabulary's size), so
+    that every later use of the request reads a plain count."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(req, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(req, name, resolve_logprobs(value, limits, vocab_size, name))
 
 
 def check_max_tokens(
