@@ -174,3 +174,26 @@ def test_load_counts_a_request_until_its_last_byte():
 
 def test_version_is_vllms_shape(server):
     assert set(httpx.get(f"{server}/version").json()) == {"version"}
+
+
+# --- 8. error messages vLLM's clients match on ---------------------------------------------
+
+
+def _error(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]["message"]
+
+
+def test_errors_use_vllms_words(server, model):
+    post = lambda body: httpx.post(f"{server}/v1/completions", json={"model": model, **body})  # noqa: E731
+    assert "Either prompt or prompt_embeds must be provided and non-empty." in _error(
+        post({"prompt": ""})
+    )
+    assert "out of vocabulary" in _error(post({"prompt": [1, 2, 99_999_999]}))
+    too_big = _error(post({"prompt": "hi", "seed": 2**64}))
+    assert "seed" in too_big and "less_than_equal" in too_big
+    assert "greater_than_equal" in _error(post({"prompt": "hi", "seed": -(2**64)}))
+    keys = _error(post({"prompt": "hi", "logit_bias": {"a": 1, "b": 2, "3": 1}}))
+    assert "'a'" in keys and "'b'" in keys
+    vocab = _error(post({"prompt": "hi", "logit_bias": {"99999999": 1, "99999998": 1}}))
+    assert "99999999" in vocab and "99999998" in vocab and "out-of-vocab" in vocab

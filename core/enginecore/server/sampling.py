@@ -37,22 +37,32 @@ def _check_token_ids(ids: Any, vocab_size: int, param: str) -> None:
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """Token id -> bias; every bad key is named at once (vLLM's out-of-vocabulary words)."""
     if not raw:
         return None
-    bias = {}
-    for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise APIError(
-                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
-        _check_token_ids([token_id], vocab_size, "logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise APIError(
-                400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
-            )
-        bias[token_id] = value
+    not_ids = [key for key in raw if not key.strip().lstrip("-").isdigit()]
+    if not_ids:
+        raise APIError(
+            400,
+            f"logit_bias keys must be token ids, got {', '.join(map(repr, not_ids[:20]))}",
+            param="logit_bias",
+        )
+    bias = {int(key): value for key, value in raw.items()}
+    outside = [t for t in bias if not 0 <= t < vocab_size]
+    if outside:
+        raise APIError(
+            400,
+            f"token_id(s) {outside[:20]} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            param="logit_bias",
+        )
+    out_of_range = [f"{key}: {value}" for key, value in raw.items() if not -100 <= value <= 100]
+    if out_of_range:
+        raise APIError(
+            400,
+            f"logit_bias values must be in [-100, 100], got {', '.join(out_of_range[:20])}",
+            param="logit_bias",
+        )
     return bias
 
 
