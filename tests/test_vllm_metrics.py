@@ -73,6 +73,7 @@ def served(tiny_llama, tmp_path_factory):
     completion and a streamed completion its client abandons."""
     log_path = tmp_path_factory.mktemp("vllm_metrics") / "server.log"
     flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", str(NUM_BLOCKS)]
+    flags += ["--enable-sleep-mode"]
     proc, url = serve(tiny_llama, log_path, *flags, "--metrics-name-compat", "vllm")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -7,11 +7,44 @@ import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from typing import get_args
 
 from enginecore.config import EngineConfig, add_config_flags, config_from_args
 from enginecore.errors import EngineCoreError
+from enginecore.registry import did_you_mean
+from enginecore.vllm_flags import translate as translate_vllm_flags
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--max-num-s 32`` is an error, not ``--max-num-seqs``), and an
+    unknown flag gets the closest known ones."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _all_flags(self) -> list[str]:
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += sub._all_flags() if isinstance(sub, _Parser) else []
+        return flags
+
+    def error(self, message: str) -> typing.NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = sorted(set(self._all_flags()))
+            hints = [
+                f"{arg}:{did_you_mean(arg.partition('=')[0], flags) or ' no such flag.'}"
+                for arg in message.removeprefix(prefix).split()
+                if arg.startswith("--")
+            ]
+            if hints:
+                message += " (" + " ".join(hints) + ")"
+        super().error(message)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:
@@ -244,9 +277,7 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="enginecore", description="LLM inference engine core with plugins"
-    )
+    parser = _Parser(prog="enginecore", description="LLM inference engine core with plugins")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument(
         "--log-level",
@@ -335,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = translate_vllm_flags(sys.argv[1:] if argv is None else argv)
+    except EngineCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),

@@ -245,6 +245,13 @@ class ServerConfig(_Section):
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
     built in: "hermes")."""
+    enable_sleep_mode: bool = False
+    """Serve POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's --enable-sleep-mode);
+    off, they do not exist."""
+    enable_dev_endpoints: bool = False
+    """Serve POST /pause, POST /resume, GET /is_paused and POST /reset_prefix_cache (vLLM
+    serves them with VLLM_SERVER_DEV_MODE=1, which turns this on too); off, they do not
+    exist."""
     enable_force_include_usage: bool = False
     """Send ``usage`` in every streamed response, as if each asked for
     ``stream_options.include_usage`` (vLLM's --enable-force-include-usage)."""

@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
 from enginecore.server import chat, completions, control, info, load, responses
+from enginecore.server.absent import absent_router, dev_endpoints_on
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
@@ -69,7 +70,11 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
-    app.include_router(control.router, dependencies=limited)
+    if config.server.enable_sleep_mode:
+        app.include_router(control.sleep_router, dependencies=limited)
+    if dev_endpoints_on(config.server):
+        app.include_router(control.dev_router, dependencies=limited)
+    app.include_router(absent_router(config.server), dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
         app.include_router(control.rpc_router, dependencies=limited)
