@@ -5,14 +5,17 @@ flag gets the closest ones, and the control routes are opt-in as vLLM's are."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from test_server_app import DeadEngine
 
-from enginecore import make_config
+from enginecore import make_config, vllm_flags
+from enginecore.cli import build_parser
 from enginecore.server.app import build_app
 
 
@@ -51,6 +54,23 @@ def test_vllm_flag_spellings_set_our_settings(tiny_llama):
     assert config["model"]["served_model_name"] == "mine"
     assert config["server"]["enable_sleep_mode"] is True
     assert _config_show(tiny_llama, "--enable-prefix-caching")["cache"]["prefix_caching"] is True
+    kv = {"kv_connector": "shared_storage", "kv_role": "kv_both"}
+    kv["kv_connector_extra_config"] = {"path": "/kv"}
+    more = _config_show(
+        tiny_llama, "-tp", "2", "--max-model-len", "1K", "--kv-cache-memory-bytes", "1000000",
+        "--num-gpu-blocks-override", "64", "--kv-transfer-config", json.dumps(kv),
+    )  # fmt: skip
+    assert more["parallel"]["tensor_parallel_size"] == 2
+    assert more["model"]["max_model_len"] == 1024
+    assert more["cache"]["kv_cache_bytes"] == 1_000_000
+    assert more["cache"]["num_blocks_override"] == 64
+    assert more["kv_transfer"] == {
+        "connector": "shared_storage",
+        "role": "kv_both",
+        "extra_config": {"path": "/kv"},
+    }
+    fitted = _config_show(tiny_llama, "--max-model-len", "auto")
+    assert fitted["model"]["max_model_len"] is None
 
 
 @pytest.mark.parametrize(
@@ -59,6 +79,7 @@ def test_vllm_flag_spellings_set_our_settings(tiny_llama):
         (["--kv-cache-dtype", "fp8"], "--dtype"),
         (["--speculative-config", '{"model": "draft", "num_speculative_tokens": 2}'], "ngram"),
         (["--served-model-name", "a", "b"], "--served-model-name a"),
+        (["--scheduler-cls", "pkg.MyScheduler"], "--scheduler-name"),
     ],
 )
 def test_vllm_flags_without_an_equivalent_are_refused_naming_ours(tiny_llama, flags, named):
@@ -108,3 +129,20 @@ def test_audio_routes_say_what_is_missing(config):
             response = client.post(path, json={})
             assert response.status_code == 501
             assert "audio models are not supported" in response.json()["error"]["message"]
+
+
+MIGRATION = Path(__file__).resolve().parents[1] / "docs" / "vllm_migration.md"
+
+
+def test_the_migration_page_names_every_vllm_spelling_and_only_real_flags():
+    text = MIGRATION.read_text()
+    spellings = [
+        *vllm_flags.SWITCHES, *vllm_flags.ACCEPTED_AS_IS, *vllm_flags.WITH_VALUE,
+        *vllm_flags.REFUSED,
+    ]  # fmt: skip
+    assert [s for s in spellings if f"`{s}" not in text] == []
+    alike = text.split("Spelled alike (same meaning):", 1)[1].split("\n\n", 1)[0]
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    ours = {flag for action in serve._actions for flag in action.option_strings}
+    claimed = re.findall(r"`(--[a-z-]+)", alike)
+    assert claimed and [flag for flag in claimed if flag not in ours] == []

@@ -323,8 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     from enginecore.cli_rpc import add_rpc_parser
     from enginecore.starter.cli import add_plugin_new_parser
 
-    add_rpc_parser(sub)
-    add_plugin_new_parser(sub)
+    # Those modules add plain argparse parsers; ours subclass it (the subparser type is
+    # invariant in typeshed, not at run time).
+    plain = typing.cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub)
+    add_rpc_parser(plain)
+    add_plugin_new_parser(plain)
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)

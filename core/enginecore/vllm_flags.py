@@ -5,6 +5,7 @@ docs/vllm_migration.md lists them all."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -34,6 +35,35 @@ ACCEPTED_AS_IS: dict[str, str] = {
     "--enable-prompt-tokens-details": (
         "usage.prompt_tokens_details.cached_tokens is always sent here"
     ),
+    "--enable-tokenizer-info-endpoint": "GET /tokenizer_info is always served here",
+    "--disable-uvicorn-access-log": "the access log is off unless --log-requests",
+}
+
+#: vLLM value flags spelled otherwise here (the value passes unchanged).
+RENAMED: dict[str, str] = {
+    "-tp": "--tensor-parallel-size",
+    "-pp": "--pipeline-parallel-size",
+    "-dp": "--data-parallel-size",
+    "--kv-cache-memory-bytes": "--kv-cache-bytes",
+    "--num-gpu-blocks-override": "--num-blocks-override",
+}
+
+#: vLLM flags with no equivalent here -> what to use instead.
+REFUSED: dict[str, str] = {
+    "--scheduler-cls": (
+        "schedulers are plugins chosen by name here: --scheduler-name NAME (a plugin's "
+        "register_schedulers hook adds one)"
+    ),
+    "--worker-cls": (
+        "the worker is the executor plugin's (--executor NAME); methods to call on workers "
+        "are worker RPC plugins (register_worker_rpcs)"
+    ),
+    "--worker-extension-cls": (
+        "methods to call on workers are worker RPC plugins here (register_worker_rpcs), "
+        "called with collective_rpc or enginecore rpc"
+    ),
+    "--logits-processors": "custom logits processors are not supported",
+    "--headless": "engines without an API server are not supported; see --data-parallel-size",
 }
 
 
@@ -55,13 +85,55 @@ def _kv_cache_dtype(value: str) -> list[str]:
     )
 
 
-def _speculative_config(value: str) -> list[str]:
+def _renamed(ours: str, value: str) -> list[str]:
+    return [ours, value]
+
+
+def _max_model_len(value: str) -> list[str]:
+    """vLLM's forms: an int, ``32k`` / ``1m`` (powers of 1024 for ``K``/``M``, of 1000 for
+    ``k``/``m``), or ``auto`` / ``-1`` (the longest the memory holds: unset here)."""
+    if value in ("auto", "-1"):
+        return []
+    scale = {"k": 1000, "m": 1000**2, "K": 1024, "M": 1024**2}
+    number, unit = (value[:-1], value[-1]) if value and value[-1] in scale else (value, "")
+    try:
+        tokens = int(float(number) * scale.get(unit, 1))
+    except ValueError:
+        raise ConfigError(
+            f"--max-model-len {value!r}: give a number of tokens (2048, 32k, 32K) or auto"
+        ) from None
+    return ["--max-model-len", str(tokens)]
+
+
+def _kv_transfer_config(value: str) -> list[str]:
+    spec = _json_object("--kv-transfer-config", value)
+    flags: list[str] = []
+    for key, flag in (("kv_connector", "--kv-connector"), ("kv_role", "--kv-role")):
+        if key in spec:
+            flags += [flag, str(spec.pop(key))]
+    if "kv_connector_extra_config" in spec:
+        extra = spec.pop("kv_connector_extra_config")
+        flags += ["--kv-connector-extra-config", json.dumps(extra)]
+    if spec:
+        raise ConfigError(
+            f"--kv-transfer-config: {', '.join(sorted(spec))} not supported here; the keys "
+            "read are kv_connector, kv_role and kv_connector_extra_config"
+        )
+    return flags
+
+
+def _json_object(flag: str, value: str) -> dict[str, object]:
     try:
         spec = json.loads(value)
     except ValueError as exc:
-        raise ConfigError(f"--speculative-config is not valid JSON ({exc}): {value!r}") from None
+        raise ConfigError(f"{flag} is not valid JSON ({exc}): {value!r}") from None
     if not isinstance(spec, dict):
-        raise ConfigError("--speculative-config takes a JSON object")
+        raise ConfigError(f"{flag} takes a JSON object")
+    return spec
+
+
+def _speculative_config(value: str) -> list[str]:
+    spec = _json_object("--speculative-config", value)
     if spec.get("model") is not None:
         raise ConfigError(
             "--speculative-config with a draft 'model': speculative decoding with a draft "
@@ -93,6 +165,9 @@ WITH_VALUE: dict[str, Callable[[str], list[str]]] = {
     "--guided-decoding-backend": _structured_output_backend,
     "--kv-cache-dtype": _kv_cache_dtype,
     "--speculative-config": _speculative_config,
+    "--max-model-len": _max_model_len,
+    "--kv-transfer-config": _kv_transfer_config,
+    **{flag: functools.partial(_renamed, ours) for flag, ours in RENAMED.items()},
 }
 
 
@@ -118,6 +193,8 @@ def translate(argv: Sequence[str]) -> list[str]:
             out += SWITCHES[arg]
         elif arg in ACCEPTED_AS_IS:
             logger.warning("%s: accepted and ignored: %s", arg, ACCEPTED_AS_IS[arg])
+        elif name in REFUSED:
+            raise ConfigError(f"{name} (vLLM's) has no equivalent here: {REFUSED[name]}")
         elif name in WITH_VALUE:
             if eq:
                 value = inline

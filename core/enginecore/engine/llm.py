@@ -347,6 +347,18 @@ class LLM:
         reset: bool = self.engine_client.call_utility("reset_prefix_cache")
         return reset
 
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between batches (vLLM's ``LLM.sleep``): level 1 frees the
+        KV cache, level 2 the weights too. :meth:`wake_up` restores them."""
+        self.engine_client.call_utility("sleep", level)
+
+    def wake_up(self) -> None:
+        self.engine_client.call_utility("wake_up")
+
+    def is_sleeping(self) -> bool:
+        asleep: bool = self.engine_client.call_utility("is_sleeping")
+        return asleep
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
