@@ -197,3 +197,43 @@ def test_errors_use_vllms_words(server, model):
     assert "'a'" in keys and "'b'" in keys
     vocab = _error(post({"prompt": "hi", "logit_bias": {"99999999": 1, "99999998": 1}}))
     assert "99999999" in vocab and "99999998" in vocab and "out-of-vocab" in vocab
+
+
+def test_sagemaker_invocations_serve_chat_and_completions(server, model):
+    chat = httpx.post(
+        f"{server}/invocations", json={"model": model, "messages": USER, "max_tokens": 2}
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = httpx.post(
+        f"{server}/invocations", json={"model": model, "prompt": "hi", "max_tokens": 2}
+    )
+    assert completion.status_code == 200
+    assert completion.json()["object"] == "text_completion"
+    neither = httpx.post(f"{server}/invocations", json={"model": model})
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
+    unknown = httpx.post(f"{server}/invocations", json={"prompt": "hi", "no_such_field": 1})
+    assert unknown.status_code == 400 and "no_such_field" in unknown.json()["error"]["message"]
+
+
+def test_truncation_side_picks_the_end_that_is_kept(server, model, client):
+    ids = client.completions.create(
+        model=model, prompt="one two three four five six", max_tokens=1,
+        extra_body={"return_token_ids": True},
+    ).choices[0].model_extra["prompt_token_ids"]  # fmt: skip
+    for side, kept in (("left", ids[-3:]), ("right", ids[:3])):
+        out = client.completions.create(
+            model=model, prompt="one two three four five six", max_tokens=1,
+            extra_body={"return_token_ids": True, "truncate_prompt_tokens": 3,
+                        "truncation_side": side},
+        )  # fmt: skip
+        assert out.choices[0].model_extra["prompt_token_ids"] == kept, side
+
+
+def test_tokenize_returns_token_strings(server, model):
+    response = httpx.post(
+        f"{server}/tokenize",
+        json={"model": model, "prompt": "hello world", "return_token_strs": True},
+    )
+    body = response.json()
+    assert response.status_code == 200 and len(body["token_strs"]) == len(body["tokens"])
+    assert all(isinstance(s, str) for s in body["token_strs"])

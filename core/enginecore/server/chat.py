@@ -203,7 +203,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     # seconds); the request's total is bounded like a completion's.
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.tools)
     check_prompt_tokens([len(prompt_ids)], ctx.limits)
-    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, engine.max_model_len)
+    prompt_ids = truncate_prompt(
+        prompt_ids, body.truncate_prompt_tokens, engine.max_model_len, body.truncation_side
+    )
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)

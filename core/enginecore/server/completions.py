@@ -62,7 +62,9 @@ def _engine_prompt(
     engine = ctx.engine
     text = encoded.get("prompt")
     ids = encoded["prompt_token_ids"]
-    kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
+    kept = truncate_prompt(
+        ids, body.truncate_prompt_tokens, engine.max_model_len, body.truncation_side
+    )
     if len(kept) != len(ids):
         text = None
     if 0 < len(kept) < engine.max_model_len:  # else the engine names the prompt's fault

@@ -96,9 +96,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         tokens = await asyncio.to_thread(
             engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
         )
-    return JSONResponse(
-        {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-    )
+    result: dict[str, Any] = {
+        "tokens": tokens,
+        "count": len(tokens),
+        "max_model_len": engine.max_model_len,
+    }
+    if body.return_token_strs:
+        result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+    return JSONResponse(result)
 
 
 @router.post("/detokenize")

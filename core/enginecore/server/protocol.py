@@ -115,7 +115,10 @@ class SamplingFields(_StrictBody):
     return_tokens_as_token_ids: bool = False
     """Logprob tokens as ``"token_id:N"`` (for tokens that are not valid text alone)."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    """Keep only the prompt's last N tokens (-1: as many as ``max_model_len`` allows)."""
+    """Keep only N of the prompt's tokens (-1: as many as ``max_model_len`` allows)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end ``truncate_prompt_tokens`` cuts: ``left`` (the default) keeps the last N
+    tokens, ``right`` the first N (vLLM's field)."""
     use_beam_search: bool = False
     """Beam search instead of sampling: ``n`` (completions: ``best_of`` when larger) is
     the beam width, the best ``n`` beams are the choices."""
@@ -236,6 +239,8 @@ class TokenizeRequest(_StrictBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    """Each token's string as the tokenizer spells it, in ``token_strs`` (vLLM's field)."""
 
 
 class DetokenizeRequest(_StrictBody):

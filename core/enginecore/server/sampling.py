@@ -263,9 +263,11 @@ def check_max_tokens(
         )
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as
-    ``max_model_len`` holds)."""
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, side: str | None = None
+) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: ``keep`` of the prompt's tokens (-1: as many as
+    ``max_model_len`` holds), the last ones (``side`` left, the default) or the first."""
     if keep is None:
         return token_ids
     if keep == -1:
@@ -276,4 +278,6 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
             f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len})",
             param="truncate_prompt_tokens",
         )
-    return token_ids[-keep:] if keep else []
+    if not keep:
+        return []
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
