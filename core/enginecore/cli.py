@@ -229,7 +229,9 @@ DEMO_MODEL_NAME = "enginecore-demo"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _resolve_config(args)
+    from enginecore.hub import resolve_model
+
+    config = resolve_model(_resolve_config(args))
     if not config.model.path:
         from enginecore import checkpoints
 

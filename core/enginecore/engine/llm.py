@@ -19,6 +19,7 @@ from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
@@ -50,7 +51,7 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         self._closed = True  # until the engine runs: nothing to shut down
-        self.config = make_config(config_file, base=config, **overrides)
+        self.config = resolve_model(make_config(config_file, base=config, **overrides))
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
