@@ -81,6 +81,7 @@ def plan_tools(
         assert parser_registry is not None
         plan.mode = "auto"
         plan.parser = parser_registry.get(parser_name)(tokenizer)
+        plan.parser.tools = template_tools or []
         return plan
     tool = None
     if isinstance(choice, NamedToolChoice):
