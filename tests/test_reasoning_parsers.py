@@ -154,8 +154,13 @@ def test_end_marker_token_ids():
     from enginecore.checkpoints import make_tokenizer
 
     tokenizer = make_tokenizer()
-    ids = Qwen3ReasoningParser(tokenizer).reasoning_end_token_ids()
+    (ids,) = Qwen3ReasoningParser(tokenizer).reasoning_end_token_ids()
     assert tokenizer.decode(ids) == "</think>"
+    spellings = GraniteReasoningParser(tokenizer).reasoning_end_token_ids()
+    assert [tokenizer.decode(ids) for ids in spellings] == [
+        "Here is my response:",
+        "Here's my response:",
+    ]
     assert Qwen3ReasoningParser().reasoning_end_token_ids() is None
 
 
@@ -187,3 +192,13 @@ def test_hook_register_reasoning_parsers():
     parser = registry.get("answer")(None)
     assert parser.extract_reasoning("THOUGHT: hm ANSWER: 42") == (" hm ", " 42")
     assert WholeParser().extract_reasoning("all") == ("all", None)
+
+
+def test_the_structured_output_gate_opens_after_any_end_sequence():
+    from enginecore.structured_output.manager import ReasoningGate
+
+    gate = ReasoningGate([[7, 8], [9]])
+    assert gate.after_end([1, 2, 7]) is None
+    assert gate.after_end([8, 5, 6]) == [5, 6], "a sequence split across steps is found"
+    assert ReasoningGate([[7, 8], [9]]).after_end([1, 9]) == []
+    assert ReasoningGate([[7, 8]]).after_end([8, 7]) is None

@@ -255,7 +255,7 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     final)``, returning a ``ParsedReasoning(reasoning, content, ended)`` for the text
     generated so far (hold back a possible marker while ``final`` is false); whole and
     streamed ``reasoning_content`` are derived from it. ``start(prompt_tail)`` is called
-    first with the end of the rendered prompt, and ``end_marker`` names the text after
+    first with the end of the rendered prompt, and ``end_markers`` name the texts after
     which structured output applies. Most formats subclass ``ThinkTagReasoningParser``
     and set its markers. Selected by ``server.reasoning_parser`` (flag
     ``--reasoning-parser``; built in: ``"qwen3"``, ``"deepseek_r1"``, ``"granite"``,

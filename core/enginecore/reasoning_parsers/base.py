@@ -32,9 +32,9 @@ class ReasoningParser(abc.ABC):
     itself (the output then has no opening marker) or closed it (thinking disabled).
     """
 
-    #: The text that ends the reasoning; its token ids tell the engine where structured
-    #: output starts to apply (see :meth:`reasoning_end_token_ids`).
-    end_marker: str = ""
+    #: The texts that end the reasoning (its spellings); their token ids tell the engine
+    #: where structured output starts to apply (see :meth:`reasoning_end_token_ids`).
+    end_markers: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -55,12 +55,18 @@ class ReasoningParser(abc.ABC):
         parsed = self.parse(text, final=True)
         return parsed.reasoning or None, parsed.content or None
 
-    def reasoning_end_token_ids(self) -> list[int] | None:
-        """The token ids of :attr:`end_marker` (None without a tokenizer or marker)."""
-        if not self.end_marker or self.tokenizer is None:
+    def reasoning_end_token_ids(self) -> list[list[int]] | None:
+        """The token ids of each of :attr:`end_markers` (None without a tokenizer or
+        marker). A marker that is one token in the vocabulary (``</think>`` in Qwen3's and
+        DeepSeek-R1's) is found exactly; a text marker only where the model writes it as
+        the tokenizer encodes it alone."""
+        if not self.end_markers or self.tokenizer is None:
             return None
-        ids = self.tokenizer.encode(self.end_marker, add_special_tokens=False)
-        return list(ids) or None
+        encoded = [
+            list(self.tokenizer.encode(marker, add_special_tokens=False))
+            for marker in self.end_markers
+        ]
+        return [ids for ids in encoded if ids] or None
 
 
 class ThinkTagReasoningParser(ReasoningParser):
@@ -75,8 +81,8 @@ class ThinkTagReasoningParser(ReasoningParser):
       decides whether the output is reasoning up to an end marker (DeepSeek-R1, which
       often omits the opening marker) or all content (Qwen3 without thinking).
 
-    A format whose markers have several spellings lists them in :attr:`start_markers` and
-    :attr:`end_markers` (the first end marker is :attr:`end_marker`).
+    A format whose markers have several spellings lists them all in :attr:`start_markers`
+    and :attr:`end_markers`.
     """
 
     start_markers: tuple[str, ...] = ("<think>",)
@@ -85,7 +91,6 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
-        self.end_marker = self.end_markers[0]
         self.prompt_opened = False  # the prompt ends inside a think block
         self.prompt_closed = False  # the prompt ends right after a closed block
 

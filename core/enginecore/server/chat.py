@@ -307,7 +307,7 @@ def _response(
         reasoning, text = split_reasoning(reasoner, completion.text)
         reply, called = message(plan, text)
         if reasoner is not None:
-            if reasoning is not None and not reply["content"]:
+            if reasoning is not None and not reply["content"] and not called:
                 reply["content"] = None  # as vLLM: a reply that only thought has no content
             reply.update(reasoning_fields(reasoning))
         if echo and reply["content"] is not None:

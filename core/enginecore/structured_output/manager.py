@@ -238,20 +238,21 @@ class StructuredOutputManager:
 
 
 class ReasoningGate:
-    """Watches a reasoning request's sampled tokens for the end-of-reasoning ids."""
+    """Watches a reasoning request's sampled tokens for an end-of-reasoning sequence."""
 
-    def __init__(self, end: list[int]) -> None:
-        self.end = list(end)
-        self.recent: list[int] = []  # the last len(end) - 1 tokens seen
+    def __init__(self, ends: list[list[int]]) -> None:
+        self.ends = [list(end) for end in ends if end]
+        self.keep = max((len(end) for end in self.ends), default=1) - 1
+        self.recent: list[int] = []  # the last tokens seen, as many as a marker could span
 
     def after_end(self, tokens: list[int]) -> list[int] | None:
-        """The tokens after the end marker once it is complete in ``tokens``; None before."""
+        """The tokens after the first complete end sequence; None while there is none."""
         window = self.recent + list(tokens)
-        n = len(self.end)
-        for start in range(len(window) - n + 1):
-            if window[start : start + n] == self.end:
-                return window[start + n :]
-        self.recent = window[-(n - 1) :] if n > 1 else []
+        for start in range(len(window)):
+            for end in self.ends:
+                if window[start : start + len(end)] == end:
+                    return window[start + len(end) :]
+        self.recent = window[len(window) - self.keep :] if self.keep else []
         return None
 
 
