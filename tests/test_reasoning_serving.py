@@ -125,6 +125,16 @@ def test_reasoning_content_streamed(client):
     assert len([o for o in order if o == "r"]) > 3, "reasoning streams as it is written"
 
 
+def test_include_reasoning_false_drops_the_thinking(client):
+    out = _chat(client, THOUGHT, extra_body={"include_reasoning": False})
+    message = out.choices[0].message
+    assert message.content == "\n\nHello there!" and _field(message, "reasoning_content") is None
+    chunks = list(_chat(client, THOUGHT, stream=True, extra_body={"include_reasoning": False}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(_field(d, "reasoning_content") for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "\n\nHello there!"
+
+
 def test_cut_short_while_thinking_is_all_reasoning(client):
     out = _chat(client, THOUGHT, max_tokens=4)
     message = out.choices[0].message

@@ -309,7 +309,7 @@ def _response(
         if reasoner is not None:
             if reasoning is not None and not reply["content"] and not called:
                 reply["content"] = None  # as vLLM: a reply that only thought has no content
-            reply.update(reasoning_fields(reasoning))
+            reply.update(reasoning_fields(reasoning if body.include_reasoning else None))
         if echo and reply["content"] is not None:
             reply["content"] = echo + reply["content"]
         finish_reason = completion.finish_reason
@@ -415,7 +415,7 @@ async def _stream(
                 finished = completion.finish_reason is not None
                 thought, text = reasoning_streams[completion.index].feed(completion.text, finished)
                 delta = tools.delta(text, finished)
-                if thought:
+                if thought and body.include_reasoning:
                     delta = {**reasoning_fields(thought), **delta}
                 finish_reason = completion.finish_reason
                 if tools.called and plan.mode in ("auto", "required") and finish_reason == "stop":
