@@ -202,3 +202,28 @@ def test_the_structured_output_gate_opens_after_any_end_sequence():
     assert gate.after_end([8, 5, 6]) == [5, 6], "a sequence split across steps is found"
     assert ReasoningGate([[7, 8], [9]]).after_end([1, 9]) == []
     assert ReasoningGate([[7, 8]]).after_end([8, 7]) is None
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_eos_token_never_ends_the_text(skip):
+    """With special tokens detokenized (a parser whose markers are special tokens), the
+    EOS that finished the reply stays in its token ids but not in its text, as in vLLM."""
+    from enginecore import SamplingParams
+    from enginecore.checkpoints import make_tokenizer
+    from enginecore.engine.output import OutputKind, RequestState
+    from enginecore.protocol import EngineCoreOutput
+    from enginecore.request import FinishReason
+
+    tokenizer = make_tokenizer()
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    params = SamplingParams(skip_special_tokens=skip)
+    state = RequestState("r", None, [1], params, tokenizer, output_kind=OutputKind.FINAL_ONLY)
+    state.apply(EngineCoreOutput(request_id="r", new_token_ids=ids[:1]), 0.0)
+    done = EngineCoreOutput(
+        request_id="r",
+        new_token_ids=[*ids[1:], tokenizer.eos_token_id],
+        finish_reason=FinishReason.STOP,
+    )
+    state.apply(done, 0.0)
+    assert state.text == "Hi there"
+    assert state.token_ids == [*ids, tokenizer.eos_token_id]

@@ -10,6 +10,8 @@ schemas, which only the server hands it); the others are slow.
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import openai
 import pytest
@@ -41,6 +43,23 @@ CONTENT = {"qwen3_coder": "Checking.\n", "mistral": "Checking."}
 EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
 
 
+def _with_control_tokens(checkpoint: Path, tmp_path_factory) -> Path:
+    """The checkpoint with ``[TOOL_CALLS]`` and ``[ARGS]`` as special tokens, as in Mistral's
+    tokenizers: a reply detokenized without special tokens would lose them."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    out = tmp_path_factory.mktemp("mistral-echo")
+    shutil.copytree(checkpoint, out, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tokenizer.save_pretrained(out)
+    assert tokenizer.decode(tokenizer.encode("[TOOL_CALLS]"), skip_special_tokens=True) == ""
+    config = LlamaConfig.from_pretrained(out)
+    config.vocab_size = len(tokenizer)
+    config.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(
     scope="module",
     params=[
@@ -52,6 +71,8 @@ EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
 )
 def served(request, echo_env, echo_checkpoint, tmp_path_factory):  # noqa: F811
     name = request.param
+    if name == "mistral":
+        echo_checkpoint = _with_control_tokens(echo_checkpoint, tmp_path_factory)
     log_path = tmp_path_factory.mktemp(f"{name}-server") / "server.log"
     flags = ["--num-blocks-override", "200", "--max-num-batched-tokens", "64"]
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", name]
@@ -96,7 +117,9 @@ def test_the_format_parses_into_calls_whole_and_streamed(served):
 def test_tool_choice_none_and_parallel_calls_off(served):
     name, client = served
     out = _chat(client, REPLIES[name], tool_choice="none").choices[0]
-    assert out.message.content == REPLIES[name] and out.message.tool_calls is None
+    # Without the parser, control tokens are not detokenized (as in vLLM).
+    plain = REPLIES[name].replace("[TOOL_CALLS]", "") if name == "mistral" else REPLIES[name]
+    assert out.message.content == plain and out.message.tool_calls is None
     out = _chat(client, REPLIES[name], parallel_tool_calls=False).choices[0]
     assert [c.function.name for c in out.message.tool_calls] == ["get_weather"]
 

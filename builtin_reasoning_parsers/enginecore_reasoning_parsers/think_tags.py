@@ -25,6 +25,7 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
 
 
 class MistralReasoningParser(ThinkTagReasoningParser):
+    keeps_special_tokens = True  # [THINK] and [/THINK] are control tokens
     start_markers = ("[THINK]",)
     end_markers = ("[/THINK]",)
     untagged_is_reasoning = False

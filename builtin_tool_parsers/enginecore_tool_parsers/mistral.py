@@ -45,6 +45,8 @@ def _named_call(segment: str, final: bool) -> PartialToolCall:
 
 
 class MistralToolParser(ToolParser):
+    keeps_special_tokens = True  # [TOOL_CALLS] and [ARGS] are control tokens
+
     def new_call_id(self) -> str:
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 

@@ -35,6 +35,9 @@ class ReasoningParser(abc.ABC):
     #: The texts that end the reasoning (its spellings); their token ids tell the engine
     #: where structured output starts to apply (see :meth:`reasoning_end_token_ids`).
     end_markers: tuple[str, ...] = ()
+    #: The markers are special tokens (Magistral's ``[THINK]``): the reply is detokenized
+    #: with them (``skip_special_tokens`` off) so the parser can see them.
+    keeps_special_tokens: bool = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer

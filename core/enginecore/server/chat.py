@@ -221,6 +221,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt_ids,
     )
     params = constrain_after_reasoning(params, reasoner)
+    if any(p is not None and p.keeps_special_tokens for p in (plan.parser, reasoner)):
+        params = params.clone(skip_special_tokens=False)  # the markers are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.use_beam_search:

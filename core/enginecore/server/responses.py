@@ -305,6 +305,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         engine.tokenizer,
         prompt_ids,
     )
+    if reasoner is not None and reasoner.keeps_special_tokens:
+        params = params.clone(skip_special_tokens=False)  # the markers are special tokens
     response_id = f"resp_{uuid.uuid4().hex}"
     item_id = f"msg_{uuid.uuid4().hex}"
     reasoning_id = f"rs_{uuid.uuid4().hex}"

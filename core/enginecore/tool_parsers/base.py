@@ -68,6 +68,10 @@ class ToolParser(abc.ABC):
     """Base class of tool-call parsers. Factories registered with ``register_tool_parsers``
     are called as ``factory(tokenizer)`` once per request."""
 
+    #: The format's markers are special tokens (Mistral's ``[TOOL_CALLS]``): the reply is
+    #: detokenized with them (``skip_special_tokens`` off) so the parser can see them.
+    keeps_special_tokens: bool = False
+
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         #: The request's ``tools`` (OpenAI's dicts), set by the server before the first
