@@ -31,6 +31,8 @@ lint: install
 	$(VENV)/bin/vulture
 	# Types: the package enginecore is checked strictly (pyproject's [tool.mypy]).
 	$(VENV)/bin/mypy
+	# Layering: the contracts of pyproject's [tool.importlinter].
+	$(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff format .

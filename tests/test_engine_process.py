@@ -299,7 +299,7 @@ def test_engine_startup_failure_is_reported_with_its_cause(tmp_path) -> None:
 
 def test_a_rank_error_keeps_its_type_and_rank_across_the_process_boundary(llm) -> None:
     """docs/executors.md promises RankError whatever the process mode."""
-    from enginecore_executors.rpc import RankError
+    from enginecore.errors import RankError
 
     def fails(worker):
         raise KeyError("missing shard")

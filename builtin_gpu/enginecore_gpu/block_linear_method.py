@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
+from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.block_formats.parts import dequantized_part, per_channel_q8, unpacked
 from enginecore.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -34,10 +38,6 @@ from enginecore.layers.linear import (
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
-from enginecore_cpu import gguf_blocks, kquant_blocks
-from enginecore_cpu.gguf_blocks import BlockWeight
-from enginecore_cpu.gguf_linear_method import dequantized_part, per_channel_q8, unpacked
-from enginecore_cpu.kquant_blocks import KQuantWeight
 
 # More rows than this: F.linear on a per-call de-quantized copy. A guess from the shapes
 # (a de-quantized copy costs a write and a read of 2 bytes a weight, small next to a GEMM of

@@ -920,6 +920,11 @@ class LinearMethod(ABC):
     #: Devices and activation dtypes the method computes for.
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    #: Block formats (GGUF's type names, ``INT4_B32``) whose tensors the loader hands over
+    #: still quantized (``enginecore.layers.quantized.QuantizedTensor``); empty: every
+    #: weight arrives in floats. Under ``auto`` a quantized checkpoint is served by the
+    #: supporting method that names formats, the highest ``priority`` first.
+    gguf_formats: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config

@@ -25,7 +25,7 @@ from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.engine.core import UTILITY_METHODS, EngineCore, StepResult
 from enginecore.engine.wire_auth import secure_client
-from enginecore.errors import EngineDeadError
+from enginecore.errors import EngineDeadError, RankError
 from enginecore.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -36,7 +36,6 @@ from enginecore.protocol import (
 from enginecore.request import FinishReason
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable
-from enginecore_executors.rpc import RankError
 
 logger = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ class GGUFTensor:
         else:
             dtype = np.dtype(self.byte_order + typed)
         data = np.empty(dims, dtype=dtype)
-        raw = memoryview(data.reshape(-1).view(np.uint8))
+        raw = memoryview(data.reshape(-1).view(np.uint8).data)
         with open(self.path, "rb", buffering=0) as file:
             file.seek(self.data_offset)
             done = 0
