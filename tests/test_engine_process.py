@@ -63,6 +63,9 @@ def test_utilities_and_a_utility_that_raises(llm) -> None:
         llm.collective_rpc("nope")
     with pytest.raises(UtilityError, match="not a utility method"):
         llm.engine_client.call_utility("shutdown")
+    # A name once listed with no method behind it: refused like any unknown name.
+    with pytest.raises(UtilityError, match="'profile' is not a utility method"):
+        llm.engine_client.call_utility("profile")
 
     def fails(worker):
         raise RuntimeError("rank-side failure")

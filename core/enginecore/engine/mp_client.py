@@ -210,6 +210,9 @@ class _MPClientBase(EngineCoreClient):
         self.dead_error: EngineDeadError | None = None
         self.sends = SendQueue()
 
+    def pending_sends(self) -> int:
+        return self.sends.pending
+
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self.dead_error is not None:
             raise self.dead_error
