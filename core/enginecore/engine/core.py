@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 StepResult = tuple[dict[int, EngineCoreOutputs], bool]
 
 
-
 def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] | None:
     """Run on each rank: lay its KV cache out in groups (``allow_hybrid``) or as one, and
     return each group's sliding window. None from a runner that does not group layers."""
