@@ -57,6 +57,7 @@ def test_the_config_check_covers_every_selectable_kind():
         speculative_method="sd",
         num_speculative_tokens=1,
         tool_call_parser="tp",
+        reasoning_parser="rp",
     )
     kinds = {kind for kind, _key, _name in selected_components(config)}
     assert kinds == {k.name for k in COMPONENT_KINDS if k.selected is not None}

@@ -128,6 +128,12 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         config_key="server.tool_call_parser",
         selected=lambda c: _named(c.server.tool_call_parser),
     ),
+    ComponentKind(
+        "reasoning_parser",
+        "register_reasoning_parsers",
+        config_key="server.reasoning_parser",
+        selected=lambda c: _named(c.server.reasoning_parser),
+    ),
 )
 
 #: Kind name -> its row.

@@ -54,6 +54,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
         "builtin_structured_output",
         "builtin_stat_loggers",
         "builtin_tool_parsers",
+        "builtin_reasoning_parsers",
     )
 }
 
