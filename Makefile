@@ -9,7 +9,7 @@ BUILTINS := $(sort $(wildcard builtin_*))
 
 $(STAMP): pyproject.toml $(wildcard builtin_*/pyproject.toml) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip "setuptools>=70" wheel
+	$(PY) -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 	# torch's CPU build (pyproject's range admits it; a local wheel index serves it offline).
 	$(PY) -m pip install --quiet torch==2.13.0
 	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).
