@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 from enginecore.request import FinishReason
 
@@ -24,7 +24,6 @@ class EngineCoreRequestType(bytes, enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"

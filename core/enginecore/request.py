@@ -6,7 +6,7 @@ import enum
 import time
 from typing import Any
 
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 
 

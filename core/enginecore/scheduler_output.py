@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 
 

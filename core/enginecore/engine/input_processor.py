@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from enginecore.config import EngineConfig
 from enginecore.errors import InvalidRequestError
 from enginecore.lora.adapter import check_adapter
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreRequest
 from enginecore.structured_output.validation import StructuredOutputValidator

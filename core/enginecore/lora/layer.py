@@ -40,18 +40,14 @@ class LoRALayer:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        from enginecore.layers.linear import (
-            ColumnParallelLinear,
-            MergedColumnParallelLinear,
-            RowParallelLinear,
-        )
-
         self.layer = layer
         self.state = state
         self.max_rank = max_rank
-        self.merged = isinstance(layer, MergedColumnParallelLinear)
-        self.row_parallel = isinstance(layer, RowParallelLinear)
-        self.column_parallel = isinstance(layer, ColumnParallelLinear) and not self.merged
+        # The layer kinds of enginecore.layers.linear, told apart by their sharding
+        # attributes (this package sits below the layers and never imports them).
+        self.merged = hasattr(layer, "local_sizes")
+        self.row_parallel = hasattr(layer, "in_local")
+        self.column_parallel = hasattr(layer, "out_local") and not self.merged
         in_local: int = layer.input_size  # type: ignore[assignment]
         out_local: int = layer.output_size  # type: ignore[assignment]
         self.slice_sizes: list[int] = (

@@ -20,7 +20,7 @@ from enginecore.interfaces import LoRAKernels
 from enginecore.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 from enginecore.lora.layer import LoRALayer, LoRAStepState
 from enginecore.lora.mapping import build_mapping
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,14 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        from enginecore.layers.linear import LinearBase
-
         self.config = config
         self.dtype, self.device = dtype, device
         self.state = LoRAStepState(kernels)
         self.layers: dict[str, LoRALayer] = {}
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in LORA_LAYER_NAMES:
+            # A LinearBase: it declares the ``lora`` slot (None until attached).
+            takes_lora = getattr(type(module), "lora", False) is None
+            if takes_lora and name.rsplit(".", 1)[-1] in LORA_LAYER_NAMES:
                 lora = LoRALayer(
                     module, self.state, config.max_loras, config.max_lora_rank, dtype, device
                 )

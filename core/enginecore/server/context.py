@@ -11,7 +11,7 @@ from fastapi import Request
 
 from enginecore.config import EngineConfig, ServerConfig
 from enginecore.engine.model_defaults import sampling_defaults
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.server.sampling import check_model
 
 logger = logging.getLogger("enginecore.server")

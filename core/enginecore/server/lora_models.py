@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError
 from enginecore.lora.adapter import LoRAAdapterError, check_adapter
-from enginecore.lora.request import LoRARequest
+from enginecore.lora_request import LoRARequest
 from enginecore.server.context import context
 from enginecore.server.errors import APIError
 
