@@ -31,6 +31,7 @@ from enginecore.errors import (
 )
 from enginecore.hookspecs import hookimpl
 from enginecore.params import SamplingParams, StructuredOutputParams
+from enginecore.pooling import PoolingParams
 from enginecore.plugins import make_plugin_manager
 from enginecore.version import PLUGIN_API_VERSION, __version__
 
@@ -74,6 +75,7 @@ __all__ = [
     "InvalidRequestError",
     "LLM",
     "PluginLoadError",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

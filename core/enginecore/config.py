@@ -58,10 +58,21 @@ class ModelConfig(_Section):
     requests that leave them out; ``vllm``: they are not (vLLM's --generation-config)."""
     chat_template: str | None = None
     """A chat template (a file, or the template text) used instead of the tokenizer's."""
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """vLLM's ``--task``: ``embed`` serves embeddings (the same as ``runner = "pooling"``); ``generate`` and ``auto`` follow ``runner``."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.task == "embed" and self.runner == "torch":
+            self.runner = "pooling"
+        if self.task == "generate" and self.runner == "pooling":
+            raise ValueError("task 'generate' contradicts runner 'pooling' (an embedding runner)")
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether this engine serves embeddings (the ``pooling`` runner) not text."""
+        return self.runner == "pooling"
 
 
 class CacheConfig(_Section):

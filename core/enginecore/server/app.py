@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
-from enginecore.server import chat, completions, control, info, responses
+from enginecore.server import chat, completions, control, info, pooling_routes, responses
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
@@ -66,6 +66,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
+    app.include_router(pooling_routes.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     app.include_router(control.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
