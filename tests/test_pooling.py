@@ -53,9 +53,7 @@ def test_qwen3_last_token_equals_sentence_transformers(qwen3_llm, qwen3_embedder
     got = np.array([o.outputs.embedding for o in outputs])
     np.testing.assert_allclose(got, _reference(qwen3_embedder, TEXTS), atol=2e-5, rtol=1e-4)
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    assert [o.prompt_token_ids for o in outputs] == [
-        qwen3_llm.tokenizer.encode(t) for t in TEXTS
-    ]
+    assert [o.prompt_token_ids for o in outputs] == [qwen3_llm.tokenizer.encode(t) for t in TEXTS]
 
 
 def test_dimensions_truncate_then_normalize_and_normalize_off(qwen3_llm):

@@ -98,6 +98,7 @@ class _BatchView:
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
     samples_tokens = True  # the pooling runner computes no logits
+
     def __init__(
         self,
         config: EngineConfig,
@@ -612,7 +613,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         return None
 
     def _on_hidden(
-        self, hidden: torch.Tensor, states: list[RequestState], q_lens: np.ndarray, starts: np.ndarray
+        self,
+        hidden: torch.Tensor,
+        states: list[RequestState],
+        q_lens: np.ndarray,
+        starts: np.ndarray,
     ) -> None:
         """Every scheduled token's final hidden state, rows in ``states`` order (each
         request ``q_lens[i]`` rows from position ``starts[i]``). The pooling runner pools

@@ -173,7 +173,11 @@ class PoolingModelRunner(TorchModelRunner):
             )
 
     def _on_hidden(
-        self, hidden: torch.Tensor, states: list[RequestState], q_lens: np.ndarray, starts: np.ndarray
+        self,
+        hidden: torch.Tensor,
+        states: list[RequestState],
+        q_lens: np.ndarray,
+        starts: np.ndarray,
     ) -> None:
         pools = self._pools
         kind = self.pooler_config.pooling_type

@@ -31,8 +31,8 @@ from enginecore.errors import (
 )
 from enginecore.hookspecs import hookimpl
 from enginecore.params import SamplingParams, StructuredOutputParams
-from enginecore.pooling import PoolingParams
 from enginecore.plugins import make_plugin_manager
+from enginecore.pooling import PoolingParams
 from enginecore.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:

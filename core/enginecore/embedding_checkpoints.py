@@ -64,11 +64,13 @@ def make_embedding_checkpoint(
     ``*ForCausalLM`` with its LM head (``model.layers.0...``), as decoder embedders such
     as Qwen3-Embedding ship.
     """
+    import importlib
+
     import torch
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
     from transformers import AutoModel, AutoModelForCausalLM
 
+    st_models: Any = importlib.import_module("sentence_transformers.models")
     out = pathlib.Path(out_dir)
     tokenizer = make_tokenizer()
     # An embedder's input is the text itself (sentence-transformers would otherwise
@@ -77,7 +79,7 @@ def make_embedding_checkpoint(
     config = _config(arch, size, tokenizer, config_overrides or {})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        builder = AutoModelForCausalLM if causal_lm and arch != "bert" else AutoModel
+        builder: Any = AutoModelForCausalLM if causal_lm and arch != "bert" else AutoModel
         model = builder.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

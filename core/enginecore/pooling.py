@@ -75,8 +75,7 @@ class PoolerConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not 1 <= dimensions <= self.hidden_size:
             raise InvalidRequestError(
-                f"dimensions must be between 1 and the model's {self.hidden_size}, "
-                f"got {dimensions}"
+                f"dimensions must be between 1 and the model's {self.hidden_size}, got {dimensions}"
             )
 
 

@@ -61,8 +61,7 @@ def score_pairs(first: Any, second: Any) -> list[tuple[Any, Any]]:
         left = left * len(right)
     if len(left) != len(right):
         raise InvalidRequestError(
-            f"score pairs one text with N, or N with N in order; got {len(left)} and "
-            f"{len(right)}"
+            f"score pairs one text with N, or N with N in order; got {len(left)} and {len(right)}"
         )
     return list(zip(left, right, strict=True))
 
@@ -77,9 +76,7 @@ class PoolingMethods:
     ) -> list[Any]:
         params = msgspec.structs.replace(pooling_params or PoolingParams(), task=task)
         return list(
-            self.generate(
-                prompts, SamplingParams(max_tokens=1, pooling=params), use_tqdm=use_tqdm
-            )
+            self.generate(prompts, SamplingParams(max_tokens=1, pooling=params), use_tqdm=use_tqdm)
         )
 
     def embed(

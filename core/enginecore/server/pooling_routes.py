@@ -137,16 +137,14 @@ async def _pool(
         raise
 
     async def final(collector: Any) -> RequestOutput:
-        last = None
+        last: RequestOutput | None = None
         async for output in engine.stream(collector):
             last = output
         if last is None or last.pooled is None:
             raise APIError(500, f"request {collector.request_id} finished without a vector")
         return last
 
-    outputs = await unless_disconnected(
-        request, asyncio.gather(*(final(c) for c in collectors))
-    )
+    outputs = await unless_disconnected(request, asyncio.gather(*(final(c) for c in collectors)))
     return request_id, list(outputs)
 
 
@@ -204,7 +202,11 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     except ClientDisconnected:
         return Response(status_code=499)
     data = [
-        {"index": i, "object": "embedding", "embedding": _encode(o.pooled or [], body.encoding_format)}
+        {
+            "index": i,
+            "object": "embedding",
+            "embedding": _encode(o.pooled or [], body.encoding_format),
+        }
         for i, o in enumerate(outputs)
     ]
     return _listing(ctx, request_id, data, outputs)
