@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from enginecore import startup_log
+from enginecore.proc_title import set_process_title
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore_executors.rpc import (
     CALL_READY,
@@ -62,6 +63,9 @@ def serve(boot: dict[str, Any]) -> None:
     from enginecore.registry import import_ref
 
     rank: int = boot["rank"]
+    config = msgspec.msgpack.decode(boot["config"], type=EngineConfig)
+    tp_size = config.parallel.tensor_parallel_size
+    set_process_title(f"Worker_TP{rank % tp_size}_PP{rank // tp_size}")  # pipeline-major
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -73,7 +77,6 @@ def serve(boot: dict[str, Any]) -> None:
 
     worker: Any = None
     try:
-        config = msgspec.msgpack.decode(boot["config"], type=EngineConfig)
         spec = msgspec.msgpack.decode(boot["worker_spec"], type=WorkerSpec)
         worker_cls = import_ref(spec.worker_ref)
         worker = worker_cls(

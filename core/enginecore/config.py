@@ -211,6 +211,8 @@ class ServerConfig(_Section):
     """Address the HTTP server binds."""
     port: int = 8000
     """Its port."""
+    api_server_count: int = 1
+    """API server processes (vLLM's ``--api-server-count``): each has its own tokenizer and detokenizer, all accept on the one listening socket, in front of one engine core ([serving.md](serving.md))."""
     api_key: str | None = None
     """When set, requests must send ``Authorization: Bearer <key>``."""
     max_request_body_bytes: int = 4 * 1024 * 1024
@@ -268,6 +270,7 @@ class ServerConfig(_Section):
             "max_prompts_per_request",
             "max_prompt_tokens_per_request",
             "max_pending_requests",
+            "api_server_count",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
