@@ -93,7 +93,7 @@ def test_two_api_servers_serve_one_engine_and_die_together(tiny_llama, tmp_path)
         engine = titled["EngineCore_DP0"]
         servers[1].send_signal(signal.SIGKILL)
         assert proc.wait(60) == 1
-        gone, alive = psutil.wait_procs([engine, servers[0]], timeout=30)
+        _gone, alive = psutil.wait_procs([engine, servers[0]], timeout=30)
         assert not alive, f"still running after an API server died: {alive}"
         assert "APIServer_1 (pid" in log.read_text() and "SIGKILL" in log.read_text()
     finally:
