@@ -63,9 +63,6 @@ def serve(boot: dict[str, Any]) -> None:
     from enginecore.registry import import_ref
 
     rank: int = boot["rank"]
-    config = msgspec.msgpack.decode(boot["config"], type=EngineConfig)
-    tp_size = config.parallel.tensor_parallel_size
-    set_process_title(f"Worker_TP{rank % tp_size}_PP{rank // tp_size}")  # pipeline-major
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -77,6 +74,7 @@ def serve(boot: dict[str, Any]) -> None:
 
     worker: Any = None
     try:
+        config = msgspec.msgpack.decode(boot["config"], type=EngineConfig)
         spec = msgspec.msgpack.decode(boot["worker_spec"], type=WorkerSpec)
         worker_cls = import_ref(spec.worker_ref)
         worker = worker_cls(
@@ -95,6 +93,9 @@ def serve(boot: dict[str, Any]) -> None:
         ctx.term()
         raise SystemExit(1) from None
     push.send(encode_reply(CALL_READY, rank, True, os.getpid()))
+    # Titled once started, as the engine core is (ranks are pipeline-major).
+    tp_size = config.parallel.tensor_parallel_size
+    set_process_title(f"Worker_TP{rank % tp_size}_PP{rank // tp_size}")
 
     while True:
         call_id, method, payload, reply_rank = decode_call(sub.recv())

@@ -374,8 +374,7 @@ def run_engine_core(
             # nothing to report; the frontend says what happened. Workers watch this process.
             os._exit(128 + signum)
 
-    if threading.current_thread() is threading.main_thread():  # a process of its own
-        set_process_title(f"EngineCore_DP{engine_index}")
+    if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
     try:
@@ -387,6 +386,8 @@ def run_engine_core(
     ready_frames = [HANDSHAKE_READY, *encoder.encode(engine.ready_response())]
     for sock in engine.output_sockets:  # every API server waits for its handshake
         sock.send_multipart(ready_frames)
+    if threading.current_thread() is threading.main_thread():  # a process of its own
+        set_process_title(f"EngineCore_DP{engine_index}")
     engine.start_io_threads()
     ready = True
     reason = "shutdown"
