@@ -75,9 +75,13 @@ class ModelConfig(_Section):
         return self.runner == "pooling"
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where nothing asks for another size
+
+
 class CacheConfig(_Section):
-    block_size: int = 16
-    """Tokens per KV cache block."""
+    block_size: int | None = None
+    """Tokens per KV cache block; unset: the attention backend's own (16; 256 for
+    ``flash_attn``, which reads no smaller pages), chosen with the backend at start-up."""
     prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     prefix_caching_hash_algo: Literal["sha256", "builtin"] = "sha256"
@@ -91,8 +95,13 @@ class CacheConfig(_Section):
     num_blocks_override: int | None = None
     """Exact number of KV blocks (tests and benchmarks)."""
 
+    @property
+    def tokens_per_block(self) -> int:
+        """``block_size``, or 16 where it is unset and no engine has chosen it yet."""
+        return DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
+
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
@@ -256,7 +265,11 @@ class ServerConfig(_Section):
     tool_call_parser (vLLM's --enable-auto-tool-choice)."""
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
-    built in: "hermes")."""
+    built in: "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")."""
+    reasoning_parser: str | None = None
+    """Name of the reasoning parser that splits a reasoning model's thinking into the chat
+    reply's reasoning_content (register_reasoning_parsers hook; built in: "qwen3",
+    "deepseek_r1", "granite", "mistral")."""
     unknown_request_fields: Literal["reject", "warn"] = "reject"
     """A request field this server does not know: ``reject`` answers 400 naming it;
     ``warn`` logs it once per field name and serves the request without it (vLLM's way)."""
