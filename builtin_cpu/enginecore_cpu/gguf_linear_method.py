@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 DIRECT_MAX_ROWS = 32
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
-_FLOAT_DUE = "_gguf_float_due"  # the [out, in] of a float32 copy to make at the first prefill
 
 
 class GGUFLinearMethod(CpuPackedLinearMethod):
@@ -133,13 +132,23 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             merged = _merged(parts)
             setattr(layer, _BLOCKS, merged)
             if self._afford(layer.weight.numel() * layer.weight.element_size()):
-                # Many-row steps (prefill) compute on a float32 copy (a prompt's GEMM is
-                # compute-bound, not read-bound), made at the first such step: loading
-                # keeps only the blocks, and a model that never meets a long prompt never
-                # holds the copy. Its memory is set aside now, so what is kept is decided
-                # at load as before.
-                layer.__dict__[_FLOAT_DUE] = layer.weight.shape
-            layer.weight.data = torch.empty(0)  # the blocks replace it
+                # Many-row steps (prefill) compute on a float32 copy, packed as a float
+                # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
+                # It is written straight into the column-major layout the float path
+                # keeps, which the parent class then finds in place (one copy, not two).
+                out, k = layer.weight.shape
+                dense = torch.empty(k, out, dtype=layer.weight.dtype).t()
+                for first, part in merged:
+                    values = _dequantize_with(kernels, part)
+                    # 64 rows at a time: torch's transposing copy of a whole matrix runs
+                    # 2-3x slower than of slices whose columns stay in cache.
+                    for row in range(0, part.shape[0], 64):
+                        tile = values[row : row + 64]
+                        dense[first + row : first + row + tile.shape[0]] = tile
+                layer.weight.data = dense
+                super().process_weights_after_loading(layer)
+            else:
+                layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
             return
         super().process_weights_after_loading(layer)
         weight = layer.weight
@@ -167,7 +176,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
-        if blocks is None or (_many_rows(x) and self._float_copy(layer)):
+        if blocks is None or (_many_rows(x) and layer.weight.numel()):
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)
 
@@ -175,31 +184,10 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         if getattr(layer, _BLOCKS, None) is not None and not (
-            _many_rows(x) and self._float_copy(layer)
+            _many_rows(x) and layer.weight.numel()
         ):
             return None
         return super().apply_silu_and_mul(layer, x, bias)
-
-    def _float_copy(self, layer: nn.Module) -> bool:
-        """Whether many-row steps of ``layer`` run on a float32 copy of its blocks; the
-        copy is made here, at the first such step, where memory was set aside for it."""
-        shape = layer.__dict__.pop(_FLOAT_DUE, None)
-        if shape is not None:
-            # Written straight into the column-major layout the float path keeps, which
-            # the parent class then finds in place (one copy, not two).
-            out, k = shape
-            dense = torch.empty(k, out, dtype=torch.float32).t()
-            kernels = quant_kernels.load()
-            for first, part in getattr(layer, _BLOCKS):
-                values = _dequantize_with(kernels, part)
-                # 64 rows at a time: torch's transposing copy of a whole matrix runs
-                # 2-3x slower than of slices whose columns stay in cache.
-                for row in range(0, part.shape[0], 64):
-                    tile = values[row : row + 64]
-                    dense[first + row : first + row + tile.shape[0]] = tile
-            layer.weight.data = dense
-            super().process_weights_after_loading(layer)
-        return bool(layer.weight.numel())
 
 
 Part = BlockWeight | KQuantWeight
