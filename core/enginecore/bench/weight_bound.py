@@ -35,7 +35,7 @@ def gguf_bytes_per_token(path: str | os.PathLike[str]) -> int:
     every tensor once, the token embedding one row (all of it again when it doubles as
     the output head, i.e. the file has no ``output.weight``), stacked experts only the
     share ``expert_used_count / expert_count`` of them."""
-    from enginecore_models.gguf_reader import GGUFMetadata
+    from enginecore.block_formats.gguf_reader import GGUFMetadata
 
     meta = GGUFMetadata(path)
     arch = meta.field("general.architecture")
