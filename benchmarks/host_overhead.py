@@ -73,7 +73,7 @@ class Timers:
         self.spent = dict.fromkeys(PARTS, 0.0)
         self.scheduled: list[Any] = []
 
-    def wrap(self, part: str, fn: Callable[..., Any], subtract: str | None = None) -> Any:
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Any:
         spent = self.spent
 
         @functools.wraps(fn)

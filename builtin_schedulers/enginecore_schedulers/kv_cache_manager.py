@@ -219,8 +219,7 @@ class KVCacheManager:
             num_known = request.num_computed_tokens + num_new_tokens
             if num_known <= len(state.blocks) * self.block_size and (
                 not (self.enable_caching and cache)
-                or min(num_known, len(request.all_token_ids)) // self.block_size
-                <= state.num_cached
+                or min(num_known, len(request.all_token_ids)) // self.block_size <= state.num_cached
             ):
                 return []
         if groups is None:

@@ -76,6 +76,7 @@ class StagingBuffer:
         self.hosts = [
             torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_host_buffers)
         ]
+        self._arrays = [host.numpy() for host in self.hosts]
         self.events = events if events is not None else DeviceEvents(device)
         self._read_by: list[CopyEvent | None] = [None] * num_host_buffers
         self._next = 0
@@ -92,8 +93,8 @@ class StagingBuffer:
         if event is not None and not event.query():
             event.synchronize()  # the copy that read this buffer two fills ago
         index = _leading(values.shape)
+        self._arrays[i][index] = values
         host = self.hosts[i][index]
-        host.numpy()[...] = values
         view = self.device_buf[index]
         view.copy_(host, non_blocking=True)
         self._read_by[i] = self.events.record()
@@ -107,32 +108,41 @@ class HostCopy:
     def __init__(self, events: DeviceEvents, device: torch.device) -> None:
         self.events = events
         self.pin = device.type == "cuda"
-        self._host: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        # Per position in ``start``'s list: the host buffer and its numpy view (made
+        # once, so reading the copy back is plain numpy).
+        self._host: list[tuple[torch.Tensor, np.ndarray]] = []
 
-    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
-        key = (like.dtype, like.dim())
-        buf = self._host.get(key)
-        if buf is None or buf.numel() < like.numel() or buf.shape[1:] != like.shape[1:]:
-            size = max(like.shape[0], 2 * buf.shape[0] if buf is not None else 0)
-            buf = torch.empty((size, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pin)
-            self._host[key] = buf
-        return buf[: like.shape[0]]
+    def _buffer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        if i < len(self._host):
+            buf, array = self._host[i]
+            fits = buf.dtype == like.dtype and buf.shape[1:] == like.shape[1:]
+            if fits and buf.shape[0] >= like.shape[0]:
+                return buf[: like.shape[0]], array[: like.shape[0]]
+        size = max(like.shape[0], 2 * self._host[i][0].shape[0] if i < len(self._host) else 0)
+        buf = torch.empty((size, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pin)
+        entry = (buf, buf.numpy())
+        if i < len(self._host):
+            self._host[i] = entry
+        else:
+            self._host.append(entry)
+        return buf[: like.shape[0]], entry[1][: like.shape[0]]
 
     def start(self, tensors: list[torch.Tensor]) -> PendingCopy:
-        """Queue copies of ``tensors`` to host memory; nothing waits here."""
+        """Queue copies of ``tensors`` to host memory; nothing waits here. The arrays
+        :meth:`PendingCopy.wait` returns are reused by the next ``start``."""
         staged = []
-        for t in tensors:
-            host = self._buffer(t)
+        for i, t in enumerate(tensors):
+            host, array = self._buffer(i, t)
             host.copy_(t, non_blocking=True)
-            staged.append(host)
+            staged.append(array)
         return PendingCopy(staged, self.events.record())
 
 
 class PendingCopy:
-    def __init__(self, host: list[torch.Tensor], event: CopyEvent) -> None:
+    def __init__(self, host: list[np.ndarray], event: CopyEvent) -> None:
         self.host, self.event = host, event
 
     def wait(self) -> list[np.ndarray]:
         """The one host sync of a step: the copied values, as arrays."""
         self.event.synchronize()
-        return [t.numpy() for t in self.host]
+        return self.host
