@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -18,29 +17,22 @@ __all__ = ["RankError", "UniProcExecutor", "method_name"]
 
 
 class UniProcExecutor(Executor):
-    """Runs the worker in this process. With async scheduling, calls run on one
-    background thread (torch releases the GIL in its kernels), so the engine can schedule
-    the next batch while this one computes. With synchronous scheduling nothing would
-    overlap: calls run in the engine's own thread, which saves two thread hand-offs per
-    step (a ``timeout`` is then checked once the call has returned)."""
+    """Runs the worker in this process. ``non_block`` calls run on one background thread
+    (torch releases the GIL in its kernels), so the engine can schedule the next batch
+    while this one computes."""
 
     gathers_all_ranks = False  # one local worker (external_launcher: one rank of many)
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
-        self._thread: ThreadPoolExecutor | None = None
-        if self.max_concurrent_batches > 1:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
         self.worker = self._build_worker(plugin_host)
-        # Every torch call runs on one thread, loading included: with libgomp, a second
-        # thread that has ever run an OpenMP region keeps its own thread team, and two
-        # teams on the same cores make every later parallel region sleep and wake instead
-        # of spinning (small ops in a decode step ran up to 10x slower).
-        if self._thread is None:
-            self._start_worker()
-        else:
-            self._thread.submit(self._start_worker).result()
+        # Every torch call runs on the one worker thread, loading included: with libgomp,
+        # a second thread that has ever run an OpenMP region keeps its own thread team,
+        # and two teams on the same cores make every later parallel region sleep and wake
+        # instead of spinning (small ops in a decode step ran up to 10x slower).
+        self._thread.submit(self._start_worker).result()
 
     def _start_worker(self) -> None:
         self.worker.init_device()
@@ -76,8 +68,6 @@ class UniProcExecutor(Executor):
                 raise RankError(self.worker.rank, method_name(method), exc) from exc
             return result if unique_reply_rank is not None else [result]
 
-        if self._thread is None:
-            return self._call_inline(call, method, timeout, non_block)
         if non_block:
             return self._thread.submit(call)
         # Blocking calls still go through the thread, so they queue behind in-flight work
@@ -91,32 +81,8 @@ class UniProcExecutor(Executor):
                 f"on rank {self.worker.rank}"
             ) from None
 
-    def _call_inline(
-        self,
-        call: Callable[[], Any],
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        non_block: bool,
-    ) -> Any:
-        started = time.monotonic()
-        if non_block:
-            future: Future[Any] = Future()
-            try:
-                future.set_result(call())
-            except Exception as exc:
-                future.set_exception(exc)
-            return future
-        result = call()
-        if timeout is not None and time.monotonic() - started > timeout:
-            raise TimeoutError(
-                f"collective_rpc {method_name(method)!r} timed out after {timeout} s "
-                f"on rank {self.worker.rank}"
-            )
-        return result
-
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown(wait=True, cancel_futures=True)
         shutdown = getattr(self.worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
