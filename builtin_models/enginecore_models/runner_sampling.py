@@ -10,20 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from enginecore.distributed import ParallelContext
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore_models.sampler import (
+    Sampler,
     apply_grammar_bitmask,
     build_sampling_metadata,
     logprobs_lists,
 )
+
+if TYPE_CHECKING:
+    from enginecore.staging import HostCopy
+    from enginecore_models.drafter import Drafter
+    from enginecore_models.model_runner import RequestState
+    from enginecore_models.persistent_batch import PersistentBatch
 
 
 @dataclass
@@ -44,15 +52,15 @@ class SamplingPhase:
     """Needs the runner's ``requests``, ``sampler``, ``drafter``, ``parallel``, ``device``,
     ``eos_token_ids`` and the ``_step`` that ``execute_model`` left."""
 
-    requests: dict[str, Any]
-    sampler: Any
-    drafter: Any
-    parallel: Any
+    requests: dict[str, RequestState]
+    sampler: Sampler
+    drafter: Drafter | None
+    parallel: ParallelContext
     device: torch.device
     eos_token_ids: list[int]
-    _step: Any
-    batch: Any
-    host_copy: Any
+    _step: StepState | None
+    batch: PersistentBatch | None
+    host_copy: HostCopy
 
     def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
         """Finished prompt logprobs of requests whose first token is sampled this step."""

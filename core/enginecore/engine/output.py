@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from enginecore.engine.detokenizer import IncrementalDetokenizer
+from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from enginecore.request import FinishReason
@@ -128,8 +129,12 @@ class RequestState:
                 self.num_preemptions += 1
         stop_string = None
         if self.detokenizer is not None and new_ids:
-            stop_string, num_kept = self._detokenize(new_ids)
-            new_ids = new_ids[:num_kept]
+            text_ids = new_ids
+            if self._ends_on_special_stop_token(out):
+                text_ids = new_ids[:-1]  # as vLLM: the EOS is in token_ids, not in the text
+            stop_string, num_kept = self._detokenize(text_ids) if text_ids else (None, 0)
+            if stop_string is not None:
+                new_ids = new_ids[:num_kept]
         if new_ids:
             if self.times.first_token is None:
                 self.times.first_token = now
@@ -153,6 +158,18 @@ class RequestState:
         if self.finish_reason is not None:
             self.times.finished = now
         return stop_string
+
+    def _ends_on_special_stop_token(self, out: EngineCoreOutput) -> bool:
+        """Finished by EOS (or a stop token id) that is a special token, while special
+        tokens are detokenized (``skip_special_tokens`` off, as for a parser whose markers
+        are special tokens): that token's text must not end the reply."""
+        detokenizer = self.detokenizer
+        if detokenizer is None or detokenizer.skip_special_tokens:
+            return False
+        if out.finish_reason != FinishReason.STOP or isinstance(out.stop_reason, str):
+            return False
+        special = getattr(detokenizer.tokenizer, "all_special_ids", None) or ()
+        return out.new_token_ids[-1] in special
 
     def _detokenize(self, new_ids: list[int]) -> tuple[str | None, int]:
         """Detokenize a step's tokens: ``(stop string found, tokens kept)``.
@@ -361,9 +378,13 @@ class OutputProcessor:
         return engine_ids
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput], now: float | None = None
+        self,
+        outputs: list[EngineCoreOutput],
+        now: float | None = None,
+        stats: IterationStatsBuilder | None = None,
     ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
-        """Returns ``(ready outputs with their state, engine ids to abort for stop strings)``."""
+        """Returns ``(ready outputs with their state, engine ids to abort for stop strings)``;
+        records each request's new tokens and finish in ``stats`` (both frontends' path)."""
         now = time.monotonic() if now is None else now
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
@@ -371,8 +392,13 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted in the frontend meanwhile
+            before = TokenTimes(state) if stats is not None else None
             if state.apply(out, now) is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)  # the engine does not know yet
+            if stats is not None and before is not None:
+                stats.observe(state, before, now)
+                if state.finish_reason is not None:
+                    stats.finish(finished_request_stats(state, now), state)
             finished = state.finish_reason is not None
             if finished:
                 del self.states[out.request_id]

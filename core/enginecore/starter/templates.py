@@ -47,6 +47,8 @@ where = ["src"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
+# enginecore's conformance kit (its fixtures) loads only when named.
+addopts = "-p enginecore.testing"
 """
 
 INIT = '''"""$summary (an enginecore plugin)."""
@@ -691,3 +693,8 @@ KINDS: dict[str, Kind] = {
         test=MODEL_TEST,
     ),
 }
+
+# The parser kinds live in their own module (it imports the shared pieces above).
+from enginecore.starter.parser_templates import PARSER_KINDS  # noqa: E402
+
+KINDS.update(PARSER_KINDS)
