@@ -22,6 +22,7 @@ from enginecore.server import (
     invocations,
     load,
     lora_models,
+    pooling_routes,
     responses,
 )
 from enginecore.server.absent import absent_router, dev_endpoints_on
@@ -79,6 +80,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
+    app.include_router(pooling_routes.router, dependencies=generation)
     app.include_router(invocations.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     if config.server.enable_sleep_mode:
