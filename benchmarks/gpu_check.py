@@ -27,6 +27,10 @@ is right and how fast it is.
    capture-safe device path, greedy agreement with transformers, and how many steps
    replayed a graph. The decode stage reports the same counts (steps replayed, and those
    run eager by reason).
+7. LoRA (also in ``--quick``): three PEFT adapters of different ranks and targets plus the
+   base model in one batch on ``tiny``, float32, through the ``triton`` backend (its
+   Triton shrink/expand kernels) and the ``torch`` backend (the torch kernels): greedy
+   agreement with transformers + PEFT per adapter.
 
 ``--cpu-smoke`` runs every stage on the CPU with small shapes (the ``torch`` attention
 backend, the kernels under ``TRITON_INTERPRET=1``, a scaled-down copy of the 1B shape), so
@@ -533,6 +537,57 @@ def int8_model(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None
     }
 
 
+def lora(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from enginecore import LLM, SamplingParams
+    from enginecore.lora import LoRARequest
+    from enginecore.lora.random_adapter import make_random_adapter
+
+    path = make_checkpoint(root, "tiny")
+    shapes = [(8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "o_proj", "up_proj")),
+              (4, ("gate_proj", "down_proj"))]  # fmt: skip
+    loras: list[LoRARequest | None] = [None]
+    for i, (r, targets) in enumerate(shapes):
+        adapter = make_random_adapter(path, root / f"lora{i}", r=r, target_modules=targets, seed=i)
+        loras.append(LoRARequest(f"lora{i}", i + 1, str(adapter)))
+    prompts = mixed_prompts(max(setup.prompts, len(loras)))
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))]
+    n = setup.new_tokens
+    want = []
+    for prompt, lora_request in zip(prompts, per_prompt, strict=True):
+        model = AutoModelForCausalLM.from_pretrained(path, **hf_dtype(torch.float32))
+        if lora_request is not None:
+            model = PeftModel.from_pretrained(model, lora_request.lora_path)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=setup.device)
+            model = model.to(setup.device).eval()
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        want.append(out[0, len(prompt) :].tolist())
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    report["lora"] = []
+    for backend in setup.backends:
+        with LLM(
+            str(path), dtype="float32", attention_backend=backend, enable_lora=True,
+            max_loras=3, max_lora_rank=16, max_num_batched_tokens=256,
+            multiprocessing=False, **setup.engine_args(),
+        ) as llm:  # fmt: skip
+            got = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, lora_request=per_prompt
+            )
+        diffs = [
+            first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)
+        ]
+        report["lora"].append(
+            {"backend": backend, "equal": sum(d is None for d in diffs), "of": len(diffs),
+             "first_difference": diffs}
+        )  # fmt: skip
+        gc.collect()
+        if not setup.smoke:
+            torch.cuda.empty_cache()
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"GPU: {report['gpu']}; torch {report['torch']}", ""]
     lines += ["| size | dtype | backend | greedy = transformers |", "|---|---|---|---|"]
@@ -600,6 +655,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"greedy = bf16 model on {m['equal']}/{m['of']} prompts, first differences "
             f"{m['first_difference']}",
         ]
+    for r in report.get("lora", []):
+        lines.append(
+            f"LoRA (tiny, fp32, 3 adapters + base, {r['backend']}): greedy = transformers + "
+            f"PEFT on {r['equal']}/{r['of']} prompts, first differences {r['first_difference']}"
+        )
     return "\n".join(lines)
 
 
@@ -637,6 +697,7 @@ def main() -> int:
             ("block_linear", lambda: block_linear(setup, report)),
             ("int8_model", lambda: int8_model(setup, root, report)),
             ("moe", lambda: moe_graphs(setup, root, report)),
+            ("lora", lambda: lora(setup, root, report)),
         ]
         if not args.quick:
             stages += [

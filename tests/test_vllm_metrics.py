@@ -32,6 +32,9 @@ SPECULATIVE_ONLY = {
     "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 
+# Exported only with LoRA enabled (tests/test_lora_server.py checks it).
+LORA_ONLY = {"vllm:lora_requests_info"}
+
 pytestmark = pytest.mark.slow
 
 
@@ -123,7 +126,7 @@ def test_the_docs_and_the_export_split_vllms_list(served):
     for metric in VLLM["metrics"]:
         name = metric["name"]
         exported = scrape.family(name) is not None
-        if name in SPECULATIVE_ONLY:
+        if name in SPECULATIVE_ONLY | LORA_ONLY:
             assert not exported and name not in documented, name
         elif name in documented:
             assert not exported, f"{name} is exported but docs/metrics.md says it is not"

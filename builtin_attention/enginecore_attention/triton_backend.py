@@ -127,6 +127,11 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
+    def lora_kernels(self) -> Any:
+        from enginecore_attention.triton_lora import TritonLoRAKernels
+
+        return TritonLoRAKernels()
+
     def _attend_without_cache(
         self,
         layer: Attention,

@@ -97,6 +97,8 @@ def graphs_apply(runner: Any) -> bool:
         and not runner.worker_spec.kv_connector_ref
         # Graphs replay one block table; KV cache groups have one per group.
         and len(runner.kv_cache_group_windows) == 1
+        # Adapter slots change between steps; graphs would replay the captured mapping.
+        and getattr(runner, "lora", None) is None
     )
 
 

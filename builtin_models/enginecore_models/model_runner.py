@@ -44,6 +44,7 @@ from enginecore.layers.selection import (
     select_attention_backend,
     select_linear_method,
 )
+from enginecore.lora.manager import LoRAManager
 from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
@@ -58,6 +59,7 @@ from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_gr
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
+from enginecore_models.lora_support import make_lora_manager
 from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore_models.runner_sampling import SamplingPhase, StepState
@@ -149,6 +151,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self._staging: dict[str, StagingBuffer] = {}
         self.kv_connector: KVConnectorBridge | None = None
         self.drafter: Drafter | None = None
+        self.lora: LoRAManager | None = None  # LoRA adapters (enable_lora)
         if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
             self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref)
 
@@ -219,6 +222,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # One group until the engine asks for groups (get_kv_cache_groups).
         self._group_layers(self._hybrid_kv_cache)
         self._set_attention_backend()
+        if self.config.lora.enable_lora:
+            self.lora = make_lora_manager(self)
         eos = getattr(self.hf_config, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         logger.info(
@@ -423,7 +428,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
-        else:
+        elif self.lora is None:  # a whole-step kernel knows nothing of adapters
             self.fused_decode = self.attn_backend.fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
@@ -456,10 +461,14 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.requests.pop(req_id, None)
             for table in tables:
                 table.remove(req_id)
+            if self.lora is not None:
+                self.lora.remove_request(req_id)
         if gone:
             batch.remove(gone)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
             gen = None
             if params.seed is not None and not params.greedy:
                 gen = self._make_generator(params.seed)
@@ -719,6 +728,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         positions: np.ndarray,
     ) -> torch.Tensor:
         bridge = self.kv_connector
+        if self.lora is not None:
+            self.lora.set_batch(order, np.asarray(batch.query_lens))
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):

@@ -67,6 +67,17 @@ def get_hash_fn(algo: str) -> BlockHashFn:
         ) from None
 
 
+def first_block_key(request: Request) -> str | None:
+    """The extra key of a request's first block: its cache salt and its LoRA adapter
+    (blocks computed with one adapter are never reused by another, or by the base)."""
+    lora = request.lora_request
+    if lora is None:
+        return request.cache_salt
+    if request.cache_salt is None:
+        return lora.cache_key
+    return f"{request.cache_salt}\x00{lora.cache_key}"
+
+
 class BlockHasher:
     """Extends ``request.block_hashes`` to cover every full block, hashing only new ones."""
 
@@ -90,7 +101,7 @@ class BlockHasher:
         while i < end:
             start = i * bs
             parent = hash_fn(
-                parent, tokens[start : start + bs], request.cache_salt if i == 0 else None
+                parent, tokens[start : start + bs], first_block_key(request) if i == 0 else None
             )
             hashes.append(parent)
             i += 1

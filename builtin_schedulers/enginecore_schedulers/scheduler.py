@@ -144,6 +144,9 @@ class DefaultScheduler(Scheduler):
         # accepted by draft position).
         self._spec_counts = SpecCounts()
         self._spec_accepted_per_pos: list[int] = []
+        # LoRA: most distinct adapters per step (0: LoRA off), and this step's adapters.
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
+        self._step_loras: set[int] = set()
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -245,6 +248,7 @@ class DefaultScheduler(Scheduler):
         running_new_blocks: list[Any] = []  # per request: ids, per-group ids, or None
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
+        self._step_loras = set()
 
         # 1. Running requests first, in running order.
         i = 0
@@ -263,6 +267,8 @@ class DefaultScheduler(Scheduler):
                 num_new = budget
             if num_new <= 0:
                 continue  # waiting for outputs of batches in flight
+            if self.max_loras and not self._lora_fits(request):
+                continue  # max_loras other adapters run this step
             drafts = (
                 self._draft_slots(request, num_new, min(limit, budget) - num_new)
                 if self.num_spec_tokens
@@ -349,6 +355,7 @@ class DefaultScheduler(Scheduler):
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
                     group_block_ids=kv.get_group_block_ids(request_id) if self._grouped else None,
+                    lora_request=request.lora_request,
                 )
             )
             self._count_prompt_tokens(
@@ -385,6 +392,17 @@ class DefaultScheduler(Scheduler):
         self._last_num_scheduled_tokens = total
         self._num_preemptions_since_stats += len(preempted)
         return out
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the request's adapter may run this step (at most ``max_loras``
+        distinct adapters per step); counts it in when it may."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in self._step_loras:
+            return True
+        if len(self._step_loras) >= self.max_loras:
+            return False
+        self._step_loras.add(lora.lora_int_id)
+        return True
 
     def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
         """Prompt tokens this step computes (not taken from a cache or a connector)."""
@@ -429,6 +447,9 @@ class DefaultScheduler(Scheduler):
                 break
             if self._policy_admits and not self.policy.admit(request, self._state(budget)):
                 skipped.append(waiting.pop())
+                continue
+            if self.max_loras and not self._lora_fits(request):
+                skipped.append(waiting.pop())  # its adapter waits for a free slot
                 continue
             if request.request_id in self._remote_ready:
                 # Its external KV has landed in the blocks it holds: compute the rest.
@@ -791,6 +812,9 @@ class DefaultScheduler(Scheduler):
             spec_num_accepted_tokens=self._spec_counts.accepted_tokens,
             spec_num_accepted_tokens_per_pos=self._spec_accepted_per_pos,
         )
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters(self.waiting.view())
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0
@@ -824,3 +848,12 @@ def _ids(items: Any) -> list[str]:
     if isinstance(items, dict):
         return list(items)
     return [getattr(x, "request_id", x) for x in items]
+
+
+def _count_adapters(requests: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -95,6 +95,7 @@ class PrometheusStatLogger(StatLogger):
         if config.observability.metrics_name_compat == "vllm":
             self.prefixes.append(VLLM_PREFIX)
         self.speculative = config.speculative.enabled
+        self.max_lora = config.lora.max_loras if config.lora.enable_lora else 0
         connector = config.kv_transfer.connector or ""
         self.connector_source = CONNECTOR_SOURCES.get(connector, "external_unspecified")
         self.all_metrics = [_families(self.registry, prefix) for prefix in self.prefixes]
@@ -200,6 +201,8 @@ class PrometheusStatLogger(StatLogger):
         cached = m.prompt_tokens_cached_by_source
         cached.labels(source="device", **labels).inc(s.prefix_cache_hits)
         cached.labels(source=self.connector_source, **labels).inc(s.num_kv_loaded_tokens)
+        if self.max_lora:
+            _record_lora(m, self.max_lora, s)
         if s.spec_num_drafts:
             m.spec_decode_num_drafts.labels(**labels).inc(s.spec_num_drafts)
             m.spec_decode_num_draft_tokens.labels(**labels).inc(s.spec_num_draft_tokens)
@@ -207,6 +210,16 @@ class PrometheusStatLogger(StatLogger):
             per_pos = m.spec_decode_num_accepted_tokens_per_pos
             for position, accepted in enumerate(s.spec_num_accepted_tokens_per_pos):
                 per_pos.labels(position=str(position), **labels).inc(accepted)
+
+
+def _record_lora(m: MetricFamilies, max_lora: int, s: SchedulerStats) -> None:
+    """One series: the latest adapters (vLLM adds a series per combination seen)."""
+    m.lora_requests_info.clear()
+    m.lora_requests_info.labels(
+        max_lora=str(max_lora),
+        waiting_lora_adapters=",".join(s.waiting_lora_adapters),
+        running_lora_adapters=",".join(s.running_lora_adapters),
+    ).set_to_current_time()
 
 
 def _set_sleep_state(m: MetricFamilies, labels: dict[str, str], asleep: bool, level: int) -> None:

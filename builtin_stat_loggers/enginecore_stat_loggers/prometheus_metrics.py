@@ -226,6 +226,13 @@ class MetricFamilies:
             "request_decode_time_seconds", "First token to last token.", buckets.request_latency
         )
 
+        self.lora_requests_info = Gauge(
+            prefix + "lora_requests_info",
+            "LoRA adapters of the running and waiting requests (comma-separated names) and "
+            "max_lora, as labels; the value is when they were seen (Unix time).",
+            LORA_INFO_LABELS,
+            registry=registry,
+        )
         self.cache_config_info = Gauge(
             prefix + "cache_config_info",
             "The KV cache configuration, as labels (the value is always 1).",
@@ -283,6 +290,9 @@ class TokenHistograms:
             self.request_params_max_tokens,
         )
 
+
+#: ``lora_requests_info``'s labels, as vLLM's.
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 #: ``cache_config_info``'s labels: vLLM's names for the cache settings both engines have.
 CACHE_CONFIG_LABELS = (

@@ -348,6 +348,34 @@ class StructuredOutputConfig(_Section):
     """JSON output without whitespace between tokens (a model that loops on spaces cannot)."""
 
 
+class LoRAConfig(_Section):
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT format) on top of the base model, several in one batch."""
+    max_loras: int = 1
+    """Most distinct adapters in one step (each holds a slot of stacked weights on the device)."""
+    max_lora_rank: int = 16
+    """Highest adapter rank accepted; an adapter above it is refused when it is loaded."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (least recently used evicted); defaults to max_loras."""
+    lora_modules: list[str] = []
+    """Adapters served from start-up, each ``name=path`` (the name is the API's ``model``)."""
+    allow_runtime_lora_updating: bool = False
+    """Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with the
+    environment variable ENGINECORE_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules entry {entry!r} must be name=path")
+
+
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole configuration. Build it with :func:`make_config`."""
 
@@ -364,6 +392,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     structured_output: StructuredOutputConfig = msgspec.field(
         default_factory=StructuredOutputConfig
     )
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enable_lora:
+            refused = _lora_refusal(self)
+            if refused:
+                raise ValueError(f"enable_lora: {refused}")
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = msgspec.to_builtins(self)
@@ -372,6 +407,23 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def replace(self, **flat: Any) -> EngineConfig:
         """A copy with some flat-named fields changed (validated like any other input)."""
         return make_config(base=self, **flat)
+
+
+def _lora_refusal(config: EngineConfig) -> str | None:
+    """Why LoRA cannot run with the rest of this config, or None."""
+    if config.speculative.enabled:
+        return (
+            "speculative decoding is not supported with LoRA adapters (draft tokens are "
+            "verified without a tested adapter mapping); unset speculative_method"
+        )
+    if config.kv_transfer.connector is not None:
+        return (
+            "KV connectors key blocks by prompt and cache salt, not by adapter: KV "
+            "computed with one adapter could be loaded for another; unset kv_connector"
+        )
+    if config.parallel.pipeline_parallel_size > 1:
+        return "pipeline parallelism is not supported with LoRA adapters (TP is)"
+    return None
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -558,6 +610,10 @@ def _json_flag(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
 
 
+# List flags given as separate words, as vLLM's (``--lora-modules a=PATH b=PATH``).
+_SPACE_SEPARATED_LISTS = frozenset({"lora_modules"})
+
+
 def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     """Add ``--flat-name`` for every config field; unset flags stay None (file wins)."""
     docs = field_docs()
@@ -573,6 +629,8 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] =
             kwargs: dict[str, Any] = {"dest": flat, "default": None, "help": docs.get(flat, "")}
             if tp is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
+            elif flat in _SPACE_SEPARATED_LISTS:
+                kwargs.update(nargs="+", action="extend", metavar="NAME=PATH")
             elif typing.get_origin(tp) is list:
                 kwargs.update(type=lambda s: [x for x in s.split(",") if x], metavar="A,B")
             elif typing.get_origin(tp) is dict:

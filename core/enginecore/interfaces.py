@@ -903,6 +903,36 @@ class AttentionBackend(ABC):
         decode steps of a Llama-family model with block-quantized weights in one call."""
         return None
 
+    def lora_kernels(self) -> LoRAKernels | None:
+        """The :class:`LoRAKernels` that compute LoRA deltas on this backend's device, or
+        None (the default: the torch reference, ``enginecore.lora.torch_kernels``)."""
+        return None
+
+
+class LoRAKernels(ABC):
+    """The LoRA delta of one projection for a whole batch, grouped by adapter (punica's
+    shrink and expand).
+
+    Each adapter in use holds a slot of stacked weights: ``a_stack`` ``[slots, R, in]``
+    and ``b_stack`` ``[slots, out, R]`` (scale folded into B; a fused projection's
+    slices are stacked along R). ``mapping`` is the step's
+    :class:`enginecore.lora.mapping.LoRABatchMapping`: ``token_slots`` (``[T]`` int64,
+    ``-1`` for a token without an adapter), ``sorted_rows`` (the rows with an adapter,
+    grouped by slot) and ``segments`` (``(slot, start, end)`` ranges of ``sorted_rows``).
+    Both calls run once per projection per step, whatever mix of adapters it holds.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def shrink(self, x: Any, a_stack: Any, mapping: Any) -> Any:
+        """``buf[t] = x[t] @ a_stack[slot(t)]^T`` (``[T, R]``, float32); rows of tokens
+        without an adapter are zero."""
+
+    @abstractmethod
+    def expand(self, y: Any, buf: Any, b_stack: Any, mapping: Any) -> None:
+        """``y[t] += buf[t] @ b_stack[slot(t)]^T`` in place, for tokens with an adapter."""
+
 
 class LinearMethod(ABC):
     """How a projection's weights are stored and multiplied.

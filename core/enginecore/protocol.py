@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 from enginecore.request import FinishReason
 
@@ -45,6 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_index: int = 0
     data_parallel_rank: int | None = None
     max_tokens: int | None = None  # resolved by the frontend against max_model_len
+    lora_request: LoRARequest | None = None  # served with this LoRA adapter
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -113,6 +115,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Speculative decoding: accepted draft tokens by draft position (0 = the first draft
     # token) since the last stats; a draft is accepted only after every earlier one.
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA: requests running / waiting per adapter name (vLLM's lora_requests_info).
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

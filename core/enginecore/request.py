@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 
 
@@ -85,6 +86,7 @@ class Request:
         "extra",
         "kv_transfer_params",
         "spec_token_ids",
+        "lora_request",
     )
 
     def __init__(
@@ -100,6 +102,7 @@ class Request:
         cache_salt: str | None = None,
         client_index: int = 0,
         max_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -129,6 +132,7 @@ class Request:
         self.kv_transfer_params: dict[str, Any] | None = None
         # Speculative decoding: the drafts proposed after the latest output we have seen.
         self.spec_token_ids: list[int] = []
+        self.lora_request = lora_request
 
     @property
     def num_tokens(self) -> int:

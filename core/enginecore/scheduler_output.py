@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # every group's block ids, in group order; ``block_ids`` is then the first group's.
     # None with a single group. A released (out-of-window) block reads as block 0.
     group_block_ids: list[list[int]] | None = None
+    # The LoRA adapter the request is served with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -46,6 +46,7 @@ from enginecore.errors import (
 )
 from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
+from enginecore.lora_request import LoRARequest
 from enginecore.metrics.iteration import IterationStatsBuilder, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
@@ -158,6 +159,7 @@ class AsyncLLM:
         output_kind: OutputKind | None = None,
         arrival_time: float | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validate and submit a request; returns its collector. Raises at once on bad input.
 
@@ -181,7 +183,12 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         kind = output_kind or self.output_kind
         request, text = self.input_processor.process(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
         )
         request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request_id, kind)
@@ -211,8 +218,10 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: OutputKind | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes (DELTA: new text and tokens only)."""
+        """Yield the request's outputs until it finishes (DELTA: new text and tokens only);
+        ``lora_request`` serves it with a LoRA adapter (``enable_lora``)."""
         collector = self.add_request(
             request_id,
             prompt,
@@ -220,6 +229,7 @@ class AsyncLLM:
             priority=priority,
             output_kind=output_kind,
             data_parallel_rank=data_parallel_rank,
+            lora_request=lora_request,
         )
         async for output in self.stream(collector):
             yield output

@@ -311,6 +311,7 @@ class EngineCore:
             cache_salt=request.cache_salt,
             client_index=request.client_index,
             max_tokens=max_tokens,
+            lora_request=request.lora_request,
         )
         if request.sampling_params.structured_output is not None:
             self.structured_output.add_request(core_request)  # the scheduler gets it when compiled

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from enginecore.config import EngineConfig
 from enginecore.errors import InvalidRequestError
+from enginecore.lora.adapter import check_adapter
+from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreRequest
 from enginecore.structured_output.validation import StructuredOutputValidator
@@ -50,6 +52,7 @@ class InputProcessor:
         self.eos_ids = generation_eos_ids(config, tokenizer)
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.structured_output = StructuredOutputValidator(config, plugins)
+        self._checked_loras: set[tuple[int, str]] = set()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -111,7 +114,10 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        if lora_request is not None:
+            self.check_lora(lora_request)
         self.check_task(params)
         text, token_ids = self.tokenize(prompt)
         self.validate_tokens(token_ids, params)
@@ -135,5 +141,20 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             max_tokens=max_tokens,
+            lora_request=lora_request,
         )
         return request, text
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Refuse an adapter the engine cannot serve before anything is queued (its
+        config and tensor names are read once per id and path)."""
+        lora = self.config.lora
+        if not lora.enable_lora:
+            raise InvalidRequestError(
+                f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is off: "
+                "start the engine with enable_lora (--enable-lora)"
+            )
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        if key not in self._checked_loras:
+            check_adapter(lora_request.lora_path, lora.max_lora_rank)
+            self._checked_loras.add(key)

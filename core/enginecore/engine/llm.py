@@ -23,6 +23,7 @@ from enginecore.engine.pooling_api import PoolingMethods
 from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
+from enginecore.lora_request import LoRARequest
 from enginecore.metrics.iteration import IterationStatsBuilder, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
@@ -86,6 +87,7 @@ class LLM(PoolingMethods):
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
         data_parallel_rank: int | Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in input order.
 
@@ -94,6 +96,8 @@ class LLM(PoolingMethods):
         or one per prompt) sends prompts to named replicas instead of balancing them.
         With data parallelism, a replica that dies fails this call with
         ``EngineDeadError``; later calls run on the replicas that live.
+        ``lora_request`` (one, or one per prompt, None for the base model) serves
+        prompts with LoRA adapters (``enable_lora``).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -102,7 +106,8 @@ class LLM(PoolingMethods):
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidRequestError("priority needs one value per prompt")
         ranks = self._as_rank_list(data_parallel_rank, len(prompt_list))
-        states = self._validate_all(prompt_list, params_list, priority)
+        loras = self._as_lora_list(lora_request, len(prompt_list))
+        states = self._validate_all(prompt_list, params_list, priority, loras)
         for (request, _), rank in zip(states, ranks, strict=True):
             request.data_parallel_rank = rank
         request_ids = []
@@ -163,6 +168,7 @@ class LLM(PoolingMethods):
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to each conversation (as the server's chat route does),
         then generate.
@@ -188,7 +194,7 @@ class LLM(PoolingMethods):
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _as_prompt_list(self, prompts: Any) -> list[PromptType]:
         if isinstance(prompts, str | dict):
@@ -199,6 +205,17 @@ class LLM(PoolingMethods):
         if not prompt_list:
             raise InvalidRequestError("no prompts given")
         return prompt_list
+
+    @staticmethod
+    def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise InvalidRequestError(
+                f"got {len(loras)} lora_request values for {n} prompts: give one or one per prompt"
+            )
+        return loras
 
     def _as_rank_list(self, ranks: Any, n: int) -> list[int | None]:
         rank_list = list(ranks) if isinstance(ranks, Sequence) else [ranks] * n
@@ -230,13 +247,18 @@ class LLM(PoolingMethods):
         prompts: list[PromptType],
         params_list: list[SamplingParams],
         priority: Sequence[int] | None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[tuple[Any, str | None]]:
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             request_id = str(next(self._request_counter))
             try:
                 request, text = self.input_processor.process(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
                 )
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"prompt {i}: {exc}") from None

@@ -75,6 +75,9 @@ class LinearBase(nn.Module):
 
     weight: torch.Tensor  # made by the linear method's create_weights
     bias: nn.Parameter | None
+    # LoRA adapters' weights for this projection (an enginecore.lora.layer.LoRALayer),
+    # attached by the model runner when LoRA is enabled.
+    lora: Any = None
 
     def __init__(
         self, input_size: int, output_size: int, *, bias_size: int | None, dtype: torch.dtype
@@ -96,6 +99,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = self.linear_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            output = self.lora.add_delta(x, output)
         return output
 
 
@@ -152,7 +157,10 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(self.linear_method.apply(self, x), self.parallel)
+        partial = self.linear_method.apply(self, x)
+        if self.lora is not None:  # a partial delta, summed by the all-reduce as the base
+            partial = self.lora.add_delta(x, partial)
+        out = tp_all_reduce(partial, self.parallel)
         return out if self.bias is None else out + self.bias
 
 
@@ -219,7 +227,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def fused_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gated projection of ``x`` in one pass, where the
         linear method computes the activation as it stores; None elsewhere (project,
-        then apply :class:`enginecore.layers.SiluAndMul`)."""
+        then apply :class:`enginecore.layers.SiluAndMul`, as in a step with LoRA)."""
+        if self.lora is not None and self.lora.active:
+            return None
         output: torch.Tensor | None = self.linear_method.apply_silu_and_mul(self, x, self.bias)
         return output
 

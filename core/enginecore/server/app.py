@@ -21,6 +21,7 @@ from enginecore.server import (
     info,
     invocations,
     load,
+    lora_models,
     pooling_routes,
     responses,
 )
@@ -29,6 +30,7 @@ from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
 from enginecore.server.limits import check_body_limits, check_capacity
+from enginecore.server.lora_models import LoRAModels, runtime_updating_allowed
 from enginecore.server.security import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
@@ -44,7 +46,7 @@ logger = logging.getLogger("enginecore.server")
 def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     """The ASGI app. Without ``engine``, its lifespan starts (and stops) an AsyncLLM."""
     config = server_config(config)
-    ctx = ServerContext(config=config, engine=engine)
+    ctx = ServerContext(config=config, engine=engine, loras=LoRAModels(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -86,6 +88,9 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     if dev_endpoints_on(config.server):
         app.include_router(control.dev_router, dependencies=limited)
     app.include_router(absent_router(config.server), dependencies=limited)
+    if runtime_updating_allowed(config):
+        logger.warning("LoRA adapters may be loaded and unloaded at run time")
+        app.include_router(lora_models.router, dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
         app.include_router(control.rpc_router, dependencies=limited)

@@ -33,7 +33,6 @@ from enginecore.server.reasoning import (
 )
 from enginecore.server.sampling import (
     check_max_tokens,
-    check_model,
     resolve_logprob_fields,
     to_sampling_params,
     truncate_prompt,
@@ -178,7 +177,9 @@ def _echo_text(body: ChatCompletionRequest) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    lora = ctx.resolve_model(body.model)
+    if lora is not None and body.use_beam_search:
+        raise APIError(400, "beam search is not served with LoRA adapters", param="model")
     resolve_logprob_fields(body, ctx.limits, ctx.vocab_size)
     num_top = None
     if body.logprobs:
@@ -265,6 +266,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         priority=body.priority,
         output_kind=kind,
         data_parallel_rank=requested_rank(body, request),
+        lora_request=lora,
     )
     if body.stream:
         return StreamingResponse(
@@ -335,7 +337,7 @@ def _response(
         "id": request_id,
         "object": "chat.completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, output.num_cached_tokens),
         "kv_transfer_params": output.kv_transfer_params,
@@ -364,7 +366,7 @@ async def _stream(
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
     }
     prompt_tokens = completion_tokens = cached_tokens = 0
 

@@ -27,7 +27,6 @@ from enginecore.server.logprobs import (
 from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import (
     check_max_tokens,
-    check_model,
     resolve_logprob_fields,
     to_sampling_params,
     truncate_prompt,
@@ -119,7 +118,9 @@ async def _final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    lora = ctx.resolve_model(body.model)
+    if lora is not None and body.use_beam_search:
+        raise APIError(400, "beam search is not served with LoRA adapters", param="model")
     resolve_logprob_fields(body, ctx.limits, ctx.vocab_size)
     params = to_sampling_params(
         body,
@@ -157,6 +158,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                     priority=body.priority,
                     output_kind=kind,
                     data_parallel_rank=rank,
+                    lora_request=lora,
                 )
             )
     except BaseException:
@@ -290,7 +292,7 @@ def _response(
         "id": request_id,
         "object": "text_completion",
         "created": created,
-        "model": ctx.model_name,
+        "model": ctx.response_model(body.model),
         "choices": choices,
         "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         # Disaggregated prefill: the handle the decode instance needs (one prompt only).
@@ -314,7 +316,7 @@ async def _stream(
     completion_tokens = 0
     offsets: dict[int, int] = {}
     base = {"id": request_id, "object": "text_completion", "created": created}
-    base["model"] = ctx.model_name
+    base["model"] = ctx.response_model(body.model)
     try:
         async for p_index, output in merge_streams(streams):
             prompt_tokens[p_index] = len(output.prompt_token_ids)

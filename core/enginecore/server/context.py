@@ -11,6 +11,8 @@ from fastapi import Request
 
 from enginecore.config import EngineConfig, ServerConfig
 from enginecore.engine.model_defaults import sampling_defaults
+from enginecore.lora_request import LoRARequest
+from enginecore.server.sampling import check_model
 
 logger = logging.getLogger("enginecore.server")
 
@@ -19,6 +21,23 @@ logger = logging.getLogger("enginecore.server")
 class ServerContext:
     config: EngineConfig
     engine: Any = None  # an AsyncLLM, set once it is running
+    loras: Any = None  # the LoRA adapters served as models (server.lora_models.LoRAModels)
+
+    def resolve_model(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, or None for the base model; any other
+        name is a 404."""
+        if requested is not None and self.loras is not None:
+            lora: LoRARequest | None = self.loras.adapters.get(requested)
+            if lora is not None:
+                return lora
+        check_model(requested, self.model_name, self.model_path)
+        return None
+
+    def response_model(self, requested: str | None) -> str:
+        """The ``model`` a response names: the adapter the request chose, or the base."""
+        if requested is not None and self.loras is not None and requested in self.loras.adapters:
+            return requested
+        return self.model_name
 
     @property
     def limits(self) -> ServerConfig:

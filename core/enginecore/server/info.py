@@ -83,7 +83,8 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "owned_by": "enginecore",
                 "root": ctx.model_path,
                 "max_model_len": ctx.engine.max_model_len,
-            }
+            },
+            *(ctx.loras.model_cards(_STARTED) if ctx.loras is not None else []),
         ],
     }
 

@@ -1,0 +1,160 @@
+"""A model runner's LoRA adapters: device slots, a host-memory cache, each step's mapping.
+
+``max_loras`` slots hold stacked weights on the device (the least recently used slot
+not needed by the step is overwritten when a new adapter comes in); up to
+``max_cpu_loras`` adapters stay read on the host (least recently used dropped), so an
+adapter that comes back is copied, not read again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+import torch
+
+from enginecore.config import LoRAConfig
+from enginecore.errors import EngineCoreError
+from enginecore.interfaces import LoRAKernels
+from enginecore.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from enginecore.lora.layer import LoRALayer, LoRAStepState
+from enginecore.lora.mapping import build_mapping
+from enginecore.lora_request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# Our projections that take LoRA, and where the Hugging Face projections live in the
+# fused ones: (fused name, slice).
+LORA_LAYER_NAMES = frozenset(
+    {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj"}
+    | {"gate_proj", "up_proj"}
+)
+FUSED_SLICES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: LoRAConfig,
+        kernels: LoRAKernels,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.dtype, self.device = dtype, device
+        self.state = LoRAStepState(kernels)
+        self.layers: dict[str, LoRALayer] = {}
+        for name, module in model.named_modules():
+            # A LinearBase: it declares the ``lora`` slot (None until attached).
+            takes_lora = getattr(type(module), "lora", False) is None
+            if takes_lora and name.rsplit(".", 1)[-1] in LORA_LAYER_NAMES:
+                lora = LoRALayer(
+                    module, self.state, config.max_loras, config.max_lora_rank, dtype, device
+                )
+                module.lora = lora
+                self.layers[name] = lora
+        if not self.layers:
+            raise EngineCoreError(
+                f"enable_lora: {type(model).__name__} has no projection LoRA can target "
+                f"({', '.join(sorted(LORA_LAYER_NAMES))})"
+            )
+        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.free_slots = list(range(config.max_loras))
+        self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        self.max_host = config.max_cpu_loras or config.max_loras
+        self.request_lora: dict[str, LoRARequest] = {}
+
+    # --- requests -----------------------------------------------------------------------
+
+    def add_request(self, req_id: str, lora_request: LoRARequest | None) -> None:
+        if lora_request is not None:
+            self.request_lora[req_id] = lora_request
+
+    def remove_request(self, req_id: str) -> None:
+        self.request_lora.pop(req_id, None)
+
+    def set_batch(self, order: list[str], query_lens: np.ndarray) -> None:
+        """Load the step's adapters into slots and map its tokens to them."""
+        if not self.request_lora:
+            self.state.mapping = None
+            return
+        wanted = {self.request_lora[r].lora_int_id for r in order if r in self.request_lora}
+        if len(wanted) > self.config.max_loras:
+            raise EngineCoreError(
+                f"a step holds {len(wanted)} adapters but max_loras is {self.config.max_loras}"
+            )
+        slots = np.full(len(order), -1, dtype=np.int64)
+        for i, req_id in enumerate(order):
+            lora_request = self.request_lora.get(req_id)
+            if lora_request is not None:
+                slots[i] = self._slot_for(lora_request, wanted)
+        self.state.mapping = build_mapping(slots, query_lens, self.device)
+
+    def _host_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        lora_id = lora_request.lora_int_id
+        adapter = self.host.get(lora_id)
+        if adapter is None:
+            adapter = load_adapter(lora_request.lora_path, lora_id, self.config.max_lora_rank)
+            self._check_targets(adapter, lora_request)
+            self.host[lora_id] = adapter
+            while len(self.host) > self.max_host:
+                self.host.popitem(last=False)
+        self.host.move_to_end(lora_id)
+        return adapter
+
+    def _slot_for(self, lora_request: LoRARequest, in_use: set[int]) -> int:
+        lora_id = lora_request.lora_int_id
+        slot = self.slot_of.get(lora_id)
+        if slot is not None:
+            self.slot_of.move_to_end(lora_id)
+            return slot
+        adapter = self._host_adapter(lora_request)
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            victim = next(i for i in self.slot_of if i not in in_use)
+            slot = self.slot_of.pop(victim)
+        self._write_slot(slot, adapter)
+        self.slot_of[lora_id] = slot
+        return slot
+
+    def _resolve(self, hf_module: str) -> tuple[str, int] | None:
+        if hf_module in self.layers:
+            return hf_module, 0
+        parent, _, leaf = hf_module.rpartition(".")
+        fused = FUSED_SLICES.get(leaf)
+        if fused is not None and f"{parent}.{fused[0]}" in self.layers:
+            return f"{parent}.{fused[0]}", fused[1]
+        return None
+
+    def _check_targets(self, adapter: LoRAAdapter, lora_request: LoRARequest) -> None:
+        missing = [m for m in adapter.weights if self._resolve(m) is None]
+        if missing:
+            raise LoRAAdapterError(
+                f"LoRA adapter {lora_request.lora_name!r}: this model has no projection "
+                f"{missing[0]!r} ({len(missing)} module(s) unmatched)"
+            )
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        by_layer: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
+            name: [None] * len(layer.slice_sizes) for name, layer in self.layers.items()
+        }
+        for hf_module, (a, b) in adapter.weights.items():
+            resolved = self._resolve(hf_module)
+            assert resolved is not None  # checked when read
+            name, index = resolved
+            by_layer[name][index] = (
+                a.to(self.device, self.dtype),
+                b.to(self.device, self.dtype),
+            )
+        for name, layer in self.layers.items():
+            layer.set_slot(slot, by_layer[name])
+        logger.info("LoRA adapter %d loaded into slot %d", adapter.lora_int_id, slot)

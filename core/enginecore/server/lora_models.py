@@ -1,0 +1,113 @@
+"""The LoRA adapters a server offers as models: ``--lora-modules`` and run-time loads.
+
+Each adapter is a model name (``model: "name"`` in a request selects it) listed in
+``/v1/models`` with the base model as its ``parent``. With run-time updating allowed
+(``allow_runtime_lora_updating``, or ``ENGINECORE_ALLOW_RUNTIME_LORA_UPDATING=1`` as
+vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` change the list without a restart. An adapter is checked
+when it is added (config, rank, targets); its weights are read by the engine on its
+first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from enginecore.config import EngineConfig
+from enginecore.errors import ConfigError
+from enginecore.lora.adapter import LoRAAdapterError, check_adapter
+from enginecore.lora_request import LoRARequest
+from enginecore.server.context import context
+from enginecore.server.errors import APIError
+
+RUNTIME_UPDATING_ENV = "ENGINECORE_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_updating_allowed(config: EngineConfig) -> bool:
+    env = os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower()
+    return config.lora.allow_runtime_lora_updating or env in ("1", "true", "yes")
+
+
+class LoRAModels:
+    """Name -> :class:`LoRARequest`; ids are never reused, so an adapter loaded again
+    under an old name is read afresh by the engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.base_name = config.model.served_model_name or config.model.path
+        self.adapters: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+        for entry in config.lora.lora_modules:
+            name, _, path = entry.partition("=")
+            if not config.lora.enable_lora:
+                raise ConfigError("lora_modules needs enable_lora (--enable-lora)")
+            try:
+                self.add(name, path)
+            except LoRAAdapterError as exc:
+                raise ConfigError(f"lora_modules entry {name!r}: {exc}") from None
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        if name in self.adapters or name == self.base_name:
+            raise LoRAAdapterError(f"a model named {name!r} is already served")
+        check_adapter(path, self.config.lora.max_lora_rank)
+        lora = LoRARequest(name, next(self._ids), path)
+        self.adapters[name] = lora
+        return lora
+
+    def remove(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise APIError(404, f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+
+    def model_cards(self, created: int) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": lora.lora_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "enginecore",
+                "root": lora.lora_path,
+                "parent": self.base_name,
+            }
+            for lora in self.adapters.values()
+        ]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+router = APIRouter()
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+    loras = context(request).loras
+    if not loras.config.lora.enable_lora:
+        raise APIError(400, "LoRA is off: start the server with --enable-lora")
+    try:
+        # Reads the adapter's config and safetensors header: off the event loop.
+        await asyncio.to_thread(loras.add, body.lora_name, body.lora_path)
+    except LoRAAdapterError as exc:
+        raise APIError(400, str(exc), param="lora_path") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(
+    body: UnloadLoRAAdapterRequest, request: Request
+) -> PlainTextResponse:
+    context(request).loras.remove(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
