@@ -42,6 +42,7 @@ from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
+from enginecore.worker_component_errors import build_worker_component
 from enginecore_models.block_table import BlockTable
 from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
@@ -180,8 +181,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             refs,
             self._linear_method_name(path, refs),
         )
+        method = build_worker_component(
+            "linear_method", method_cls, refs, self.worker_spec, self.config
+        )
         try:
-            with torch.device(self.device), use_linear_method(method_cls(self.config)):
+            with torch.device(self.device), use_linear_method(method):
                 model = model_cls(self.hf_config, self.parallel, self.dtype)
         except (NotImplementedError, UnsupportedModelError) as exc:
             raise unsupported_feature(self.hf_config, path, exc) from exc
@@ -308,12 +312,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             sliding_window=any(a.sliding_window is not None for a in layers),
             logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
         )
-        backend_cls = select_attention_backend(
-            spec,
-            self.worker_spec.attention_backend_refs or registered_refs("attention_backend"),
-            self.config.model.attention_backend,
+        refs = self.worker_spec.attention_backend_refs or registered_refs("attention_backend")
+        backend_cls = select_attention_backend(spec, refs, self.config.model.attention_backend)
+        return build_worker_component(
+            "attention_backend", backend_cls, refs, self.worker_spec, spec
         )
-        return backend_cls(spec)
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):

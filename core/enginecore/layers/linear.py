@@ -26,6 +26,7 @@ from torch import nn
 
 from enginecore.distributed import ParallelContext
 from enginecore.interfaces import LinearMethod
+from enginecore.layers.contract_checks import check_linear_output
 from enginecore.layers.parallel import divide, tp_all_reduce
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
@@ -96,6 +97,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = self.linear_method.apply(self, x, self.bias)
+        check_linear_output(self, x, output)
         return output
 
 
@@ -152,7 +154,9 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tp_all_reduce(self.linear_method.apply(self, x), self.parallel)
+        local = self.linear_method.apply(self, x)
+        check_linear_output(self, x, local)
+        out = tp_all_reduce(local, self.parallel)
         return out if self.bias is None else out + self.bias
 
 

@@ -6,15 +6,33 @@ the config must support the model, or start-up fails saying why and which would.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from enginecore.errors import ConfigError
 from enginecore.interfaces import AttentionBackend, AttentionSpec, LinearMethod
+from enginecore.registration_check import registration_problem
 from enginecore.registry import import_ref
 
+logger = logging.getLogger(__name__)
 
-def _classes(refs: dict[str, str]) -> dict[str, Any]:
-    return {name: import_ref(ref) for name, ref in refs.items()}
+
+def _classes(refs: dict[str, str], kind: str) -> dict[str, Any]:
+    """Every candidate that imports and is a ``kind``; a broken one is skipped with a
+    warning, so it cannot take down an ``auto`` selection that would not have picked it."""
+    classes = {}
+    for name, ref in refs.items():
+        try:
+            cls = import_ref(ref)
+        except Exception as exc:
+            logger.warning("%s %r (%s) is skipped: it cannot be imported: %s", kind, name, ref, exc)
+            continue
+        problem = registration_problem(kind, name, cls)
+        if problem is not None:
+            logger.warning("%s %r is skipped: %s", kind, name, problem)
+            continue
+        classes[name] = cls
+    return classes
 
 
 def registered_refs(kind: str) -> dict[str, str]:
@@ -40,14 +58,18 @@ def select_attention_backend(
         reason = cls.unsupported_reason(spec, by_name=True)
         if reason is None:
             return cls
-        able = [n for n, c in _classes(refs).items() if c.unsupported_reason(spec) is None]
+        able = [
+            n
+            for n, c in _classes(refs, "attention_backend").items()
+            if c.unsupported_reason(spec) is None
+        ]
         raise ConfigError(
             f"attention_backend {selected!r} cannot run this model: {reason} "
             f"(backends that can: {', '.join(sorted(able)) or 'none'})"
         )
     reasons: dict[str, str] = {}
     best: tuple[int, str, type[AttentionBackend]] | None = None
-    for name, cls in _classes(refs).items():
+    for name, cls in _classes(refs, "attention_backend").items():
         reason = cls.unsupported_reason(spec)
         if reason is not None:
             reasons[name] = reason
@@ -76,7 +98,7 @@ def select_linear_method(
         return cls
     candidates = [
         (cls.priority, name, cls)
-        for name, cls in _classes(refs).items()
+        for name, cls in _classes(refs, "linear_method").items()
         if cls.unsupported_reason(device, dtype) is None
     ]
     if not candidates:

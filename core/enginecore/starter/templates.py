@@ -254,6 +254,8 @@ class $cls(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Any | Future:
+        if unique_reply_rank not in (None, 0):  # rank 0 is the only one: it must be asked
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is outside world size 1")
         fn = self.worker.resolve_method(method)  # an unknown name fails here, by name
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
