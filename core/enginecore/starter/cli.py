@@ -24,6 +24,8 @@ _REGISTRY_KIND = {
     "register_stat_loggers": "stat_logger",
     "register_kv_connectors": "kv_connector",
     "register_models": "model",
+    "register_attention_backends": "attention_backend",
+    "register_linear_methods": "linear_method",
 }
 _CONFIG_EXPR = {
     "scheduling_policy": "config.scheduler.policy",
@@ -31,6 +33,8 @@ _CONFIG_EXPR = {
     "stat_logger": "config.observability.stat_loggers[-1]",
     "kv_connector": "config.kv_transfer.connector",
     "model": "config.model.path",
+    "attention_backend": "config.model.attention_backend",
+    "linear_method": "config.model.linear_method",
 }
 
 
