@@ -64,6 +64,7 @@ REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "attention_backend": (
         "priority",
         "capabilities",
+        "default_block_size",
         "unsupported_reason",
         "build_metadata",
         "forward",
