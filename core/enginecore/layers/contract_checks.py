@@ -17,8 +17,10 @@ from enginecore.errors import PluginContractError
 
 
 def _first_time(layer: Any, key: tuple[Any, ...]) -> bool:
-    seen: set[tuple[Any, ...]] | None = layer.__dict__.get("_contract_checked")
-    if seen is None:
+    """True the first time ``layer`` sees ``key`` (input shape and dtype)."""
+    try:
+        seen: set[tuple[Any, ...]] = layer.__dict__["_contract_checked"]
+    except KeyError:
         seen = layer.__dict__["_contract_checked"] = set()
     if key in seen:
         return False
@@ -28,7 +30,7 @@ def _first_time(layer: Any, key: tuple[Any, ...]) -> bool:
 
 def check_attention_output(backend: Any, layer: Any, query: torch.Tensor, out: Any) -> None:
     """``backend.forward`` must return ``[T, num_heads, head_dim]`` in the query's dtype."""
-    if not _first_time(layer, (tuple(query.shape), query.dtype)):
+    if not _first_time(layer, (query.shape, query.dtype)):
         return
     if (
         not isinstance(out, torch.Tensor)
@@ -37,7 +39,7 @@ def check_attention_output(backend: Any, layer: Any, query: torch.Tensor, out: A
     ):
         got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
         seen: set[Any] = layer.__dict__["_contract_checked"]
-        seen.discard((tuple(query.shape), query.dtype))  # check again: it is still wrong
+        seen.discard((query.shape, query.dtype))  # check again: it is still wrong
         method = type(backend).forward
         raise PluginContractError(
             f"attention backend {type(backend).__qualname__}.forward returned {got} for a "
@@ -49,12 +51,12 @@ def check_attention_output(backend: Any, layer: Any, query: torch.Tensor, out: A
 
 def check_linear_output(layer: Any, x: torch.Tensor, out: Any) -> None:
     """``linear_method.apply`` must return ``[*x.shape[:-1], output_size]`` in x's dtype."""
-    if not _first_time(layer, (tuple(x.shape), x.dtype)):
+    if not _first_time(layer, (x.shape, x.dtype)):
         return
     expected = (*x.shape[:-1], layer.output_size)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected or out.dtype != x.dtype:
         got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
-        layer.__dict__["_contract_checked"].discard((tuple(x.shape), x.dtype))
+        layer.__dict__["_contract_checked"].discard((x.shape, x.dtype))
         method = type(layer.linear_method)
         raise PluginContractError(
             f"linear method {method.__qualname__}.apply returned {got} for an input of "
