@@ -31,6 +31,7 @@ from serve_process import serve, stop
 
 from enginecore.cli_rpc import ANSWER_GRACE, DEFAULT_TIMEOUT, RPCCallError, call_rpc
 from enginecore.engine.exit_deadline import STOP_GRACE
+from enginecore.layers.preparation_watch import REPORT_AFTER
 from enginecore.plugins import make_plugin_manager
 
 BROKEN_PLUGIN = Path(__file__).parent / "plugins" / "enginecore-broken-parts"
@@ -301,3 +302,33 @@ def test_wrong_outputs_from_plugin_code_name_the_plugin_and_method(broken_env, t
         assert f"[raised by {plugin}, in {method}]" in message, message
     assert "must return the query's shape" in messages["attention_backend"]
     assert "cannot be ordered" in messages["scheduling_policy"]
+
+
+HANGING_PREPARATION = """
+import sys
+from enginecore import LLM
+
+try:
+    LLM(model=sys.argv[1], linear_method="hanging_prepare_linear", ready_timeout=45)
+except Exception as exc:
+    print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_linear_method_hanging_in_weight_preparation_is_reported_while_it_hangs(
+    broken_env, tiny_llama
+):
+    """Reported once a layer has taken REPORT_AFTER seconds, naming the method, its
+    plugin and the layer, well before engine.ready_timeout gives up."""
+    done = subprocess.run(
+        [sys.executable, "-c", HANGING_PREPARATION, str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=broken_env,
+    )
+    assert "FAILED:" in done.stdout, done.stdout + done.stderr[-3000:]
+    [report] = [line for line in done.stderr.splitlines() if "has been preparing layer" in line]
+    assert "linear method HangingPrepareLinear from plugin 'broken_parts'" in report
+    assert f"for {REPORT_AFTER:.0f} s" in report and "model.layers.0." in report, report

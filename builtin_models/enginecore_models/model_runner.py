@@ -33,6 +33,7 @@ from enginecore.layers import (
     install_fused_ops,
     use_linear_method,
 )
+from enginecore.layers.preparation_watch import PreparationWatch
 from enginecore.layers.selection import (
     registered_refs,
     select_attention_backend,
@@ -195,8 +196,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         keep = tuple(getattr(method_cls, "gguf_formats", ()))
         model.load_weights(iter_weights(path, self.hf_config, keep))
         layers = self._weighted_layers(model)
-        for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
-            layer.linear_method.process_weights_after_loading(layer)
+        names = {id(m): n for n, m in model.named_modules()}
+        with PreparationWatch(method) as watch:
+            for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
+                watch.started(names.get(id(layer), type(layer).__name__))
+                layer.linear_method.process_weights_after_loading(layer)
         startup_log.logger.info(
             "weights loaded and prepared by %s in %.1f s",
             method_cls.name,

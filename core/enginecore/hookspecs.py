@@ -190,9 +190,10 @@ def register_linear_methods(registry: Registry[Any]) -> None:
     for the LM head, a :class:`enginecore.layers.VocabParallelEmbedding` whose table is
     shared with the embedding lookup: a method that repacks only projections returns
     early for it (``if isinstance(layer, VocabParallelEmbedding): return``). Weight
-    preparation runs at start-up inside ``engine.ready_timeout``. A method that raises
-    in ``__init__`` fails start-up naming the method, its plugin and
-    ``model.linear_method``.
+    preparation runs at start-up inside ``engine.ready_timeout``; a layer whose preparation
+    has not returned after 30 s is logged as an error naming the method, its plugin and
+    the layer. A method that raises in ``__init__`` fails start-up naming the method,
+    its plugin and ``model.linear_method``.
     """
 
 

@@ -61,6 +61,14 @@ def _frames(tb: TracebackType | None) -> list[tuple[str, str]]:
     return frames
 
 
+def attribute_origin(origin: Any) -> str | None:
+    """``"plugin 'x' (distribution d 1.0)"`` for a function or class of an installed
+    plugin, or None."""
+    module = str(getattr(origin, "__module__", "")).split(".")[0]
+    plugin = _plugin_packages().get(module)
+    return f"plugin {plugin}" if plugin is not None else None
+
+
 def attribute(exc: BaseException) -> str | None:
     """``"plugin 'x' (distribution d 1.0), in Cls.method"``, or None when no installed
     plugin's code raised it."""
