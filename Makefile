@@ -9,7 +9,7 @@ BUILTINS := $(sort $(wildcard builtin_*))
 
 $(STAMP): pyproject.toml $(wildcard builtin_*/pyproject.toml) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip "setuptools>=70" wheel
+	$(PY) -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 	# The CPU build of torch that lies on this machine's disk; pyproject's range admits it.
 	$(PY) -m pip install --quiet torch==2.13.0
 	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).

@@ -43,6 +43,7 @@ from enginecore.errors import (
     EngineShutdownError,
     InvalidRequestError,
 )
+from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
@@ -95,7 +96,7 @@ class AsyncLLM:
     ) -> None:
         if model is not None:
             overrides["model"] = str(model)
-        self.config = make_config(config_file, base=config, **overrides)
+        self.config = resolve_model(make_config(config_file, base=config, **overrides))
         self.output_kind = OutputKind.DELTA
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled

@@ -119,11 +119,16 @@ def start_engine(
     before any process starts."""
     from enginecore.component_check import check_components
     from enginecore.engine.model_defaults import configured_chat_template
-    from enginecore.engine.preflight import check_model_path
+    from enginecore.engine.preflight import (
+        check_model_path,
+        check_parallel_layout,
+        warn_unused_memory_settings,
+    )
     from enginecore.engine.tokenizer import load_tokenizer
     from enginecore.plugins import make_plugin_manager
 
     check_model_path(config)
+    check_parallel_layout(config)
     configured_chat_template(config)  # a missing template file fails here
     if plugins is None:
         plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
@@ -132,6 +137,9 @@ def start_engine(
     loaded: list[Any] = []
 
     def while_starting() -> None:
+        from enginecore.distributed import resolve_device_type
+
+        warn_unused_memory_settings(config, resolve_device_type(config.model.device))
         loaded.append(load_tokenizer(config))
         for work in _ALONGSIDE.get():
             work()

@@ -222,6 +222,21 @@ class EngineCore:
             return max_model_len if left else 0
         return left // num_full * bs
 
+    def _blocks_for(self, max_model_len: int) -> int:
+        """KV blocks one request of ``max_model_len`` tokens needs (the inverse of
+        :meth:`_longest_request_tokens`), the null block included."""
+        blocks = 1
+        while self._longest_request_tokens(blocks - 1, max_model_len) < max_model_len:
+            blocks *= 2
+        low = blocks // 2
+        while low + 1 < blocks:  # the smallest count that holds it
+            middle = (low + blocks) // 2
+            if self._longest_request_tokens(middle - 1, max_model_len) >= max_model_len:
+                blocks = middle
+            else:
+                low = middle
+        return blocks
+
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
         max_model_len = self.executor.get_max_model_len()
@@ -244,6 +259,24 @@ class EngineCore:
                 f"a KV cache of {num_blocks} blocks cannot hold one step of a request: the "
                 f"sliding windows {self.kv_cache_groups} need more. Give the cache more "
                 "memory, or lower max_num_batched_tokens."
+            )
+        if (
+            capacity < max_model_len
+            and self.config.model.max_model_len is not None
+            and cache.num_blocks_override is None
+        ):
+            # vLLM's rule: a context length the operator asked for is served in full or
+            # the engine does not start (unset, it is fitted to the cache below).
+            block_bytes = self.executor.get_kv_cache_block_bytes()
+            needed = self._blocks_for(max_model_len) * block_bytes
+            raise EngineCoreError(
+                f"max_model_len {max_model_len} needs a KV cache of {_size(needed)} "
+                f"({self._blocks_for(max_model_len)} blocks of {block_bytes} bytes) to serve "
+                f"one request of that length, more than the {_size(num_blocks * block_bytes)} "
+                f"available for it; that memory holds max_model_len {capacity}. Give the "
+                "cache more memory (--gpu-memory-utilization, --kv-cache-bytes, "
+                "--cpu-kv-cache-fraction), lower --max-model-len, or leave it unset to fit "
+                "the cache."
             )
         if capacity < max_model_len:
             logger.warning(
@@ -561,3 +594,13 @@ def _merge(
         else:
             outputs[client] = extra
     return outputs
+
+
+def _size(num_bytes: int) -> str:
+    """``num_bytes`` in the largest binary unit that keeps a whole number before the point."""
+    value = float(num_bytes)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

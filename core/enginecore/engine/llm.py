@@ -19,6 +19,7 @@ from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
@@ -50,7 +51,7 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         self._closed = True  # until the engine runs: nothing to shut down
-        self.config = make_config(config_file, base=config, **overrides)
+        self.config = resolve_model(make_config(config_file, base=config, **overrides))
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
@@ -346,6 +347,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         reset: bool = self.engine_client.call_utility("reset_prefix_cache")
         return reset
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between batches (vLLM's ``LLM.sleep``): level 1 frees the
+        KV cache, level 2 the weights too. :meth:`wake_up` restores them."""
+        self.engine_client.call_utility("sleep", level)
+
+    def wake_up(self) -> None:
+        self.engine_client.call_utility("wake_up")
+
+    def is_sleeping(self) -> bool:
+        asleep: bool = self.engine_client.call_utility("is_sleeping")
+        return asleep
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

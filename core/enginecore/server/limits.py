@@ -35,13 +35,23 @@ FREE_FORM_FIELDS = (
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def _int64_problem(value: int) -> str:
+    """An integer beyond 64 bits, named with the bound it breaks as pydantic names it (the
+    ``less_than_equal`` / ``greater_than_equal`` vLLM's clients read)."""
+    if value > INT64_MAX:
+        bound = f"Input should be less than or equal to {INT64_MAX} (less_than_equal)"
+    else:
+        bound = f"Input should be greater than or equal to {INT64_MIN} (greater_than_equal)"
+    return f"the integer {value} is outside the signed 64-bit range: {bound}"
+
+
 def _bad_scalar(value: Any) -> str | None:
     """Why a JSON scalar cannot travel to the engine, or None when it can."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
         if not INT64_MIN <= value <= INT64_MAX:
-            return f"the integer {value} is outside the signed 64-bit range"
+            return _int64_problem(value)
     elif isinstance(value, float):
         if not math.isfinite(value):
             return f"{value} is not a finite number (NaN and Infinity are not JSON numbers)"
@@ -71,7 +81,9 @@ def scan_json(value: Any, stop_after: int) -> tuple[int, str | None]:
         elif isinstance(node, list):
             if node and all(type(x) is int for x in node):  # token ids: checked at once
                 if min(node) < INT64_MIN or max(node) > INT64_MAX:
-                    return deepest, "an integer is outside the signed 64-bit range"
+                    return deepest, _int64_problem(
+                        min(node) if min(node) < INT64_MIN else max(node)
+                    )
                 deepest = max(deepest, depth + 1)
                 continue
             if node and all(type(x) is str for x in node):  # prompts, stop strings: at once
