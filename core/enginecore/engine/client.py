@@ -34,6 +34,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def pending_sends(self) -> int:
+        """Messages handed to the engine's socket that it has not taken yet (none for an
+        engine in this process); the server refuses new requests past its limit."""
+        return 0
+
 
 class InprocClient(EngineCoreClient):
     """Runs the engine core in this process: each ``get_output`` runs engine steps.
@@ -42,9 +47,8 @@ class InprocClient(EngineCoreClient):
     """
 
     def __init__(self, config: EngineConfig, plugin_host: Any = None) -> None:
-        from enginecore.engine.core import UTILITY_METHODS, EngineCore
+        from enginecore.engine.core import EngineCore
 
-        self._utility_methods = UTILITY_METHODS
         self.engine = EngineCore(config, plugin_host)
         self.ready = self.engine.ready_response()
         self._step = self.engine.step_fn()
@@ -68,9 +72,10 @@ class InprocClient(EngineCoreClient):
         return EngineCoreOutputs().stamp()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method not in self._utility_methods:
+        call = self.engine.utilities().get(method)
+        if call is None:
             raise ValueError(f"{method!r} is not a utility method of the engine core")
-        return getattr(self.engine, method)(*args)
+        return call(*args)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -17,7 +17,7 @@ from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
-from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
+from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import (
     EngineCoreOutput,
@@ -39,30 +39,12 @@ RPC_REPLY_GRACE = 5.0
 
 StepResult = tuple[dict[int, EngineCoreOutputs], bool]
 
-# Utility calls a client may make by name (the engine never getattr()s arbitrary names).
-UTILITY_METHODS = frozenset(
-    {
-        "get_supported_tasks",
-        "reset_prefix_cache",
-        "collective_rpc",
-        "pause_scheduler",
-        "resume_scheduler",
-        "is_paused",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "profile",
-        "get_num_unfinished_requests",
-        "ping",
-    }
-)
-
 
 def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] | None:
     """Run on each rank: lay its KV cache out in groups (``allow_hybrid``) or as one, and
     return each group's sliding window. None from a runner that does not group layers."""
-    method = getattr(worker.model_runner, "get_kv_cache_groups", None)
-    return method(allow_hybrid) if method is not None else None
+    runner: ModelRunner = worker.model_runner
+    return runner.get_kv_cache_groups(allow_hybrid)
 
 
 def runner_block_size(worker: Any) -> int:
@@ -143,9 +125,7 @@ class EngineCore:
             if kv_connector is not None:
                 kv_connector.shutdown()
             raise
-        async_ok = config.scheduler.async_scheduling and getattr(
-            self.scheduler, "supports_async_scheduling", False
-        )
+        async_ok = config.scheduler.async_scheduling and self.scheduler.supports_async_scheduling
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
         self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
         self._seq_no = 0
@@ -183,9 +163,7 @@ class EngineCore:
         out (None: one group, every position kept). Sliding layers keep only their window
         where the scheduler manages groups and no KV connector moves blocks (a connector
         sees one block table); otherwise the runners keep one group, the window a mask."""
-        allow = kv_connector is None and getattr(
-            self.components.scheduler_cls, "supports_kv_cache_groups", False
-        )
+        allow = kv_connector is None and self.components.scheduler_cls.supports_kv_cache_groups
         groups = self.executor.collective_rpc(
             runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
         )
@@ -529,6 +507,18 @@ class EngineCore:
         return self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
 
     # --- utility calls (between steps) -----------------------------------------------------
+
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        """The calls a client may make by name (``call_utility``), and nothing else: the
+        engine never looks an arbitrary name up on itself."""
+        return {
+            "ping": self.ping,
+            "get_supported_tasks": self.get_supported_tasks,
+            "is_sleeping": self.is_sleeping,
+            "get_num_unfinished_requests": self.get_num_unfinished_requests,
+            "reset_prefix_cache": self.reset_prefix_cache,
+            "collective_rpc": self.collective_rpc,
+        }
 
     def ping(self) -> str:
         return "pong"

@@ -13,12 +13,15 @@ import asyncio
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from enginecore.config import ServerConfig
 from enginecore.server.errors import APIError
+
+if TYPE_CHECKING:
+    from enginecore.engine.async_llm import AsyncLLM
 
 #: Top-level fields whose content the schema does not bound (sizes checked one by one).
 FREE_FORM_FIELDS = (
@@ -218,13 +221,12 @@ async def check_capacity(request: Request) -> None:
     queueing without bound when the engine is not keeping up."""
     ctx = request.app.state.ctx
     limit = ctx.limits.max_pending_requests
-    engine = ctx.engine
-    pending = len(getattr(engine, "collectors", ()))
-    sends = getattr(getattr(getattr(engine, "engine_client", None), "sends", None), "pending", 0)
+    engine: AsyncLLM = ctx.engine
+    pending = len(engine.collectors)
+    sends = engine.engine_client.pending_sends()
     if pending >= limit or sends >= limit:
-        stat_loggers = getattr(engine, "stat_loggers", None)
-        if stat_loggers is not None:  # vLLM's reason for a full queue
-            stat_loggers.record_admission_rejection("max_num_queued_reqs")
+        # vLLM's reason for a full queue
+        engine.stat_loggers.record_admission_rejection("max_num_queued_reqs")
         raise APIError(
             503,
             f"the server is saturated: {pending} requests unfinished, {sends} messages queued "
