@@ -6,7 +6,7 @@ import threading
 import enginecore
 from enginecore.interfaces import SchedulingPolicy
 from enginecore.layers import UnquantizedLinearMethod
-from enginecore_attention.torch_backend import TorchAttentionBackend
+from enginecore.layers.torch_attention import TorchAttentionBackend
 
 plugin_api_versions = ">=1.0,<2"
 
