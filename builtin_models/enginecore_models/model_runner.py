@@ -105,6 +105,8 @@ class _BatchView:
 
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
+    samples_tokens = True  # the pooling runner computes no logits
+
     def __init__(
         self,
         config: EngineConfig,
@@ -170,7 +172,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             )
         self.hf_config = load_hf_config(path)
         check_supported_checkpoint(self.hf_config, path)
-        model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+        model_cls = self._model_class()
         self.dtype = self._resolve_dtype()
         configured = self.config.model.max_model_len
         native = self._checkpoint_max_len()
@@ -200,7 +202,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         startup_log.logger.info("loading weights from %s", path)
         started = time.perf_counter()
         keep = method_cls.gguf_formats
-        model.load_weights(iter_weights(path, self.hf_config, keep))
+        self._load_weights(model, path, keep)
         layers = self._weighted_layers(model)
         names = {id(m): n for n, m in model.named_modules()}
         with PreparationWatch(method) as watch:
@@ -224,9 +226,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             path,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            self.attn_backend.name,
+            self.attn_backend.name if self.attn_backend else "none (an encoder)",
             method_cls.name,
         )
+
+    def _model_class(self) -> type[torch.nn.Module]:
+        return resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+
+    def _load_weights(self, model: Any, path: str, keep: tuple[str, ...]) -> None:
+        model.load_weights(iter_weights(path, self.hf_config, keep))
 
     def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
         return linear_method_name(
@@ -611,8 +619,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                     for g in range(1, len(self.block_tables))
                 ]
             hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
+        self._on_hidden(hidden, states, q_lens, starts)
         logits = None
-        if sample_rows and self.parallel.is_last_pp_rank:
+        if sample_rows and self.parallel.is_last_pp_rank and self.samples_tokens:
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         if prompt_lp_rows and self.parallel.is_last_pp_rank:
@@ -622,6 +631,17 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             order, sample_req_ids, logits, drafts=verify, kv_connector_output=kv_out
         )
         return None
+
+    def _on_hidden(
+        self,
+        hidden: torch.Tensor,
+        states: list[RequestState],
+        q_lens: np.ndarray,
+        starts: np.ndarray,
+    ) -> None:
+        """Every scheduled token's final hidden state, rows in ``states`` order (each
+        request ``q_lens[i]`` rows from position ``starts[i]``). The pooling runner pools
+        them; generation needs only the sampled rows."""
 
     def _group_batch(
         self,

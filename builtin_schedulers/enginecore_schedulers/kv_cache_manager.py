@@ -51,9 +51,14 @@ class _RequestBlocks:
 
 
 def _skips_cache_lookup(request: Request) -> bool:
-    # Prompt logprobs need logits for every prompt token, so nothing may be skipped; the
-    # request still populates the cache for others.
-    return getattr(request.sampling_params, "prompt_logprobs", None) is not None
+    # Prompt logprobs need logits for every prompt token, and pooling needs every prompt
+    # token's hidden state, so nothing may be skipped; the request still populates the
+    # cache for others.
+    params = request.sampling_params
+    return (
+        getattr(params, "prompt_logprobs", None) is not None
+        or getattr(params, "pooling", None) is not None
+    )
 
 
 class KVCacheManager:
