@@ -38,6 +38,7 @@ get_rank
 get_supported_tasks
 ping
 device_assignment
+call_registered_rpc  # EngineCore.collective_rpc runs registered worker RPCs through it
 
 # Module __getattr__ (PEP 562): lazy public names of enginecore and enginecore.testing.
 __getattr__

@@ -72,9 +72,9 @@ def build_and_test(kind: str, tmp_path: Path, model: Path, select_in_engine: boo
         # The README's engine.toml selects it; a real engine starts and generates with it.
         readme = (package / "README.md").read_text()
         toml = readme.split("```toml\n# engine.toml\n", 1)[1].split("```", 1)[0]
-        (package / "engine.toml").write_text(
-            toml + '\n[cache]\nnum_blocks_override = 64\n[model]\ndtype = "float32"\n'
-        )
+        dtype = '[model]\ndtype = "float32"\n'
+        toml = toml.replace("[model]\n", dtype) if "[model]\n" in toml else toml + dtype
+        (package / "engine.toml").write_text(toml + "\n[cache]\nnum_blocks_override = 64\n")
         run = venv.sh(
             f"enginecore generate {model} --config engine.toml --max-tokens 3 --prompt hi",
             cwd=package,
@@ -88,16 +88,13 @@ def test_a_new_stat_logger_plugin_installs_and_passes_its_tests(tmp_path, tiny_l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "kind",
-    [
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_kind_installs_and_passes_its_tests(kind, tmp_path, tiny_llama):
+    engine = kind in (
         "scheduler-policy",
         "executor",
         "stat-logger",
-        "model",
-        "kv-connector",
-    ],
-)
-def test_every_kind_installs_and_passes_its_tests(kind, tmp_path, tiny_llama):
-    engine = kind in ("scheduler-policy", "executor", "stat-logger")
+        "attention-backend",
+        "linear-method",
+    )
     build_and_test(kind, tmp_path, tiny_llama, select_in_engine=engine)

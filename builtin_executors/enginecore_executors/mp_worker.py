@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from enginecore import startup_log
+from enginecore.plugin_attribution import with_attribution
 from enginecore.proc_title import set_process_title
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore_executors.rpc import (
@@ -52,7 +53,7 @@ def _error_text(exc: BaseException) -> str:
     if frames:
         last = frames[-1]
         text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
-    return text
+    return with_attribution(exc, text)
 
 
 def serve(boot: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from enginecore_executors.devices import (
     check_accelerator_index,
     replica_cpu_cores,
 )
+from enginecore_executors.rpc_watchdog import call_within
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +299,14 @@ class Worker(WorkerABC):
             destroy_distributed()
 
     # --- RPC dispatch -------------------------------------------------------------------
+
+    def call_registered_rpc(
+        self, name: str, limit: float, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """The registered worker RPC ``name``, abandoned after ``limit`` seconds (see
+        :mod:`enginecore_executors.rpc_watchdog`): a hung one never holds the worker."""
+        fn = self.resolve_method(name)
+        return call_within(fn, name, self.rank, limit, *args, **(kwargs or {}))
 
     def resolve_method(self, method: str | Callable[..., Any]) -> Callable[..., Any]:
         """A bound callable for a method name, a registered worker RPC, or a function."""

@@ -39,6 +39,7 @@ from enginecore.layers import (
     install_fused_ops,
     use_linear_method,
 )
+from enginecore.layers.preparation_watch import PreparationWatch
 from enginecore.layers.selection import (
     registered_refs,
     select_attention_backend,
@@ -50,6 +51,7 @@ from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
 from enginecore.staging import DeviceEvents, HostCopy, StagingBuffer
+from enginecore.worker_component_errors import build_worker_component
 from enginecore_models.block_table import BlockTable
 from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
@@ -201,8 +203,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             refs,
             self._linear_method_name(path, refs),
         )
+        method = build_worker_component(
+            "linear_method", method_cls, refs, self.worker_spec, self.config
+        )
         try:
-            with torch.device(self.device), use_linear_method(method_cls(self.config)):
+            with torch.device(self.device), use_linear_method(method):
                 model = model_cls(self.hf_config, self.parallel, self.dtype)
         except (NotImplementedError, UnsupportedModelError) as exc:
             raise unsupported_feature(self.hf_config, path, exc) from exc
@@ -211,8 +216,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         keep = method_cls.gguf_formats
         self._load_weights(model, path, keep)
         layers = self._weighted_layers(model)
-        for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
-            layer.linear_method.process_weights_after_loading(layer)
+        names = {id(m): n for n, m in model.named_modules()}
+        with PreparationWatch(method) as watch:
+            for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
+                watch.started(names.get(id(layer), type(layer).__name__))
+                layer.linear_method.process_weights_after_loading(layer)
         startup_log.logger.info(
             "weights loaded and prepared by %s in %.1f s",
             method_cls.name,
@@ -338,16 +346,16 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
         )
         auto_block_size = self.config.cache.block_size is None
+        refs = self.worker_spec.attention_backend_refs or registered_refs("attention_backend")
         backend_cls = select_attention_backend(
-            spec,
-            self.worker_spec.attention_backend_refs or registered_refs("attention_backend"),
-            self.config.model.attention_backend,
-            auto_block_size=auto_block_size,
+            spec, refs, self.config.model.attention_backend, auto_block_size=auto_block_size
         )
         if auto_block_size:
             self.block_size = backend_cls.default_block_size
             spec = dataclasses.replace(spec, block_size=self.block_size)
-        return backend_cls(spec)
+        return build_worker_component(
+            "attention_backend", backend_cls, refs, self.worker_spec, spec
+        )
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from enginecore.errors import PluginContractError
 
 if TYPE_CHECKING:
     from enginecore.request import Request
@@ -25,7 +28,20 @@ class WaitingQueue:
         self._counter = itertools.count()
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._sort_key(request), next(self._counter), request))
+        entry = (self._sort_key(request), next(self._counter), request)
+        try:
+            heapq.heappush(self._heap, entry)
+        except TypeError as exc:  # the policy's keys cannot be ordered against each other
+            self._heap = [e for e in self._heap if e is not entry]
+            with contextlib.suppress(TypeError):
+                heapq.heapify(self._heap)
+            owner = getattr(self._sort_key, "__qualname__", repr(self._sort_key))
+            raise PluginContractError(
+                f"scheduling policy {owner} returned {entry[0]!r}, which cannot be ordered "
+                f"against the other waiting requests' keys ({exc}); sort_key must return "
+                "mutually comparable values (numbers, strings or tuples of them)",
+                origin=self._sort_key,
+            ) from exc
 
     def peek(self) -> Request:
         return self._heap[0][2]

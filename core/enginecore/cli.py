@@ -100,6 +100,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
         findings = check_plugins(host)
     failed_check = any(f.severity == "error" for f in findings) or bool(host.failed)
+    failed_check = failed_check or any(r.rejected for r in host.records.values())
     fail_exit = (args.check or strict) and failed_check
     records = sorted(host.records.values(), key=lambda r: (not r.builtin, r.name))
     if args.json:
@@ -121,6 +122,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             if kind in DESCRIBED_KINDS:  # what each supports: what "auto" would pick
                 for name in names:
                     print(f"        {name}: {describe_component(host, kind, name)}")
+        for entry, problem in sorted(r.rejected.items()):
+            print(f"    rejected: {entry}: {problem}")
         if r.error:
             print(f"    error: {r.error}")
             if args.verbose and r.traceback:

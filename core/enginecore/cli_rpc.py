@@ -17,6 +17,10 @@ from typing import Any
 from enginecore.errors import EngineCoreError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+#: Seconds an RPC may run on each worker when ``--timeout`` is not given.
+DEFAULT_TIMEOUT = 60.0
+#: Seconds the client waits for the server's answer beyond the RPC's own limit.
+ANSWER_GRACE = 15.0
 API_KEY_ENV = "ENGINECORE_API_KEY"
 
 
@@ -46,10 +50,17 @@ def call_rpc(
     request = urllib.request.Request(
         endpoint, data=json.dumps(body).encode(), headers=headers, method="POST"
     )
+    wait = (timeout if timeout is not None else DEFAULT_TIMEOUT) + ANSWER_GRACE
     try:
-        with urllib.request.urlopen(request, timeout=(timeout or 60) + 10) as response:
+        with urllib.request.urlopen(request, timeout=wait) as response:
             results: list[Any] = json.loads(response.read())["results"]
             return results
+    except TimeoutError:
+        raise RPCCallError(
+            f"{method}: the server at {url} did not answer within {wait:g} s (the RPC's "
+            "limit plus the answer's grace): the server or its engine is stuck or "
+            "overloaded. Check its /health and its log."
+        ) from None
     except urllib.error.HTTPError as exc:
         detail = _error_message(exc)
         if exc.code == 404:
@@ -64,6 +75,11 @@ def call_rpc(
             ) from None
         raise RPCCallError(f"{method} failed (HTTP {exc.code}): {detail}") from None
     except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise RPCCallError(
+                f"{method}: the server at {url} did not answer within {wait:g} s: it is "
+                "stuck or overloaded. Check its /health and its log."
+            ) from None
         raise RPCCallError(
             f"cannot reach an enginecore server at {url}: {exc.reason}. "
             "Is 'enginecore serve' running there (see --url)?"
@@ -109,15 +125,25 @@ def add_rpc_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="call a worker RPC (memory_snapshot, kv_cache_stats, ...) on a running server",
         description=(
             "Call METHOD on every worker of a running 'enginecore serve' and print the "
-            "per-rank results as JSON. Built in: memory_snapshot, kv_cache_stats, "
-            "model_summary, trace_next_steps N. Needs a server started with "
+            "per-rank results as JSON. METHOD is the name of a worker RPC registered "
+            "through register_worker_rpcs (a Worker's own methods cannot be called from "
+            "outside). Built in: memory_snapshot, kv_cache_stats, model_summary, "
+            "trace_next_steps N. Needs a server started with "
             "--enable-collective-rpc-endpoint."
         ),
     )
-    p.add_argument("method", help="a Worker method or a registered worker RPC name")
+    p.add_argument("method", help="a registered worker RPC name ('enginecore plugins' lists them)")
     p.add_argument("args", nargs="*", help="positional arguments, each as JSON (e.g. 5)")
     p.add_argument("--kwargs", help="keyword arguments as a JSON object")
     p.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default {DEFAULT_URL})")
     p.add_argument("--api-key", help=f"the server's API key (default: ${API_KEY_ENV})")
-    p.add_argument("--timeout", type=float, default=None, help="seconds to wait per rank")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=(
+            f"seconds the RPC may run on each worker (default {DEFAULT_TIMEOUT:g}); past "
+            "it the call fails naming the RPC and the workers go on serving"
+        ),
+    )
     p.set_defaults(func=cmd_rpc)

@@ -189,9 +189,16 @@ class EngineProcessConfig(_Section):
     processes (mp executor); beyond it in-flight requests fail naming the rank and the
     engine is declared dead. Null: no watchdog."""
 
+    rpc_timeout: float = 60.0
+    """Seconds a registered worker RPC (``collective_rpc(name)``, ``enginecore rpc``) may
+    run when the call gives no timeout; past it the call fails naming the RPC and the
+    worker goes on serving (the RPC's thread is abandoned)."""
+
     def __post_init__(self) -> None:
         if self.execute_timeout is not None and self.execute_timeout <= 0:
             raise ValueError("execute_timeout must be > 0 (or null: no watchdog)")
+        if self.rpc_timeout <= 0:
+            raise ValueError("rpc_timeout must be > 0")
 
 
 class KVTransferConfig(_Section):

@@ -43,6 +43,16 @@ class InvalidRequestError(EngineCoreError, ValueError):
     """A request cannot be served as given (too long, bad sampling parameters, ...)."""
 
 
+class PluginContractError(EngineCoreError):
+    """A plugin's component returned something its contract rules out (a wrong output
+    shape, sort keys that cannot be ordered). ``origin`` is the function at fault; its
+    module tells which plugin it came from (:mod:`enginecore.plugin_attribution`)."""
+
+    def __init__(self, message: str, *, origin: object) -> None:
+        super().__init__(message)
+        self.origin = origin
+
+
 class EngineDeadError(EngineCoreError):
     """The engine (or one of its workers) died; every in-flight request fails with this."""
 

@@ -87,6 +87,14 @@ def register_scheduling_policies(registry: Registry[Any]) -> None:
     ``SchedulerState``) and which running request to preempt when the KV cache is full
     (``pick_preemption_victim``). Policies keep no state of their own. Selected by ``scheduler.policy`` (flat name
     ``scheduling_policy``; built in: ``"fcfs"``, ``"priority"``).
+
+    ``admit()`` returning False does not block the queue: that request waits and the
+    scheduler goes on to the next one in ``sort_key`` order, asking again next step.
+    Tenant information reaches a policy through ``Request.extra``: an OpenAI request's
+    ``metadata`` object becomes ``extra`` and its ``user`` field ``extra["user"]``
+    (offline, ``SamplingParams(extra={...})``). ``sort_key`` runs in the engine loop for
+    every waiting request each step: it must return values comparable with each other
+    (the error names the plugin otherwise) and must not block.
     """
 
 
@@ -146,6 +154,15 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     on CPU only when selected by name, under ``TRITON_INTERPRET=1``) and ``flash_attn``
     (when that package is importable). Test one with
     :class:`enginecore.testing.AttentionBackendContract`.
+
+    The memory-profiling forward at start-up passes as ``metadata`` what
+    ``build_profile_metadata(query_lens)`` returns (by default the plain list of the
+    fresh prompts' query lengths) with ``kv_cache=None``: a backend whose ``forward``
+    needs its own metadata type overrides ``build_profile_metadata``. A backend that
+    raises in ``__init__`` fails start-up with an error naming the backend, its plugin
+    and ``model.attention_backend``; one whose registration is not an
+    ``AttentionBackend`` subclass is dropped when registered and named by
+    ``enginecore plugins --check``.
     """
 
 
@@ -163,7 +180,20 @@ def register_linear_methods(registry: Registry[Any]) -> None:
     default) takes the supporting method with the highest ``priority`` for the device
     and dtype. Built in: ``unquantized`` (``F.linear``, any device) and ``cpu_packed``
     (weights packed for the CPU's GEMM). Test one with
-    :class:`enginecore.testing.LinearMethodContract`.
+    :class:`enginecore.testing.LinearMethodContract`; its ``tolerance`` is a dict by
+    activation dtype name (``{"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}``),
+    so a quantizing method overrides the whole dict.
+
+    In ``create_weights`` give every parameter the layer's loader, as the built-in
+    does: ``set_weight_attrs(param, {"weight_loader": layer.weight_loader})`` (from
+    :mod:`enginecore.layers.weights`). ``process_weights_after_loading`` is also called
+    for the LM head, a :class:`enginecore.layers.VocabParallelEmbedding` whose table is
+    shared with the embedding lookup: a method that repacks only projections returns
+    early for it (``if isinstance(layer, VocabParallelEmbedding): return``). Weight
+    preparation runs at start-up inside ``engine.ready_timeout``; a layer whose preparation
+    has not returned after 30 s is logged as an error naming the method, its plugin and
+    the layer. A method that raises in ``__init__`` fails start-up naming the method,
+    its plugin and ``model.linear_method``.
     """
 
 
@@ -180,6 +210,13 @@ def register_kv_connectors(registry: Registry[Any]) -> None:
     ``kv_transfer.connector`` (flat name ``kv_connector``); built in: ``shared_storage``
     and ``zmq_p2p`` (docs/kv_transfer.md). Test one with
     :class:`enginecore.testing.KVConnectorContract`.
+
+    The kit requires ``delay_free`` for every request whose KV is saved, synchronous
+    saves included: the scheduler keeps its blocks until the worker reports it in
+    ``finished_sending``. A ``scheduler_side`` that raises fails start-up naming the
+    connector, its plugin and ``kv_transfer.connector``. Build connectors only on
+    :mod:`enginecore.interfaces` (``enginecore plugin new NAME --kind kv-connector``
+    writes one); the built-in connectors' modules are internal.
     """
 
 
@@ -203,6 +240,14 @@ def register_worker_rpcs(registry: Registry[Any]) -> None:
 
     Built in (for debugging; ``enginecore rpc NAME`` calls them on a running server):
     ``memory_snapshot``, ``kv_cache_stats``, ``model_summary`` and ``trace_next_steps(n)``.
+    Only names registered here can be called from outside (``enginecore rpc``,
+    ``POST /collective_rpc``), never a Worker's own methods.
+
+    Each call has a time limit: the call's ``timeout``, or ``engine.rpc_timeout``
+    (60 s by default; ``enginecore rpc --timeout``). The function runs on a thread of
+    its own in the worker, so past the limit the caller gets an error naming the RPC
+    and the worker goes on serving; the stuck thread is abandoned, not stopped, so an
+    RPC must not take locks the model's forward needs.
     """
 
 

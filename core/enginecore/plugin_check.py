@@ -15,13 +15,11 @@ from __future__ import annotations
 import difflib
 import inspect
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.plugins import COMPONENT_HOOKS, LIFECYCLE_HOOKS, PluginHost, PluginRecord
+from enginecore.registration_check import factory_problem
 
-# What each registry's entries must be.
-EXPECTED_BASE: dict[str, type] = {k.name: k.base for k in COMPONENT_KINDS if k.base is not None}
 ALL_HOOKS = (*COMPONENT_HOOKS.values(), *LIFECYCLE_HOOKS, "plugin_api_versions")
 
 
@@ -43,37 +41,6 @@ def _origin(record: PluginRecord) -> str:
     if record.builtin:
         return "builtin"
     return f"distribution {record.distribution} {record.version}"
-
-
-def _check_component(kind: str, name: str, obj: Any) -> str | None:
-    """What is wrong with a registered factory, or None."""
-    base = EXPECTED_BASE.get(kind)
-    if base is not None:
-        if not inspect.isclass(obj) or not issubclass(obj, base):
-            return (
-                f"{kind.replace('_', ' ')} {name!r} is {obj!r}, not a subclass of "
-                f"enginecore.interfaces.{base.__name__}"
-            )
-        if inspect.isabstract(obj):
-            # inspect.isabstract: the class has __abstractmethods__, which `type` lacks.
-            missing = ", ".join(sorted(cast(Any, obj).__abstractmethods__))
-            return (
-                f"{kind.replace('_', ' ')} {name!r} ({obj.__qualname__}) does not implement "
-                f"the abstract methods {missing} of {base.__name__}"
-            )
-        return None
-    if kind == "kv_connector":
-        factory = obj
-        lacking = [m for m in ("scheduler_side", "worker_side") if not hasattr(factory, m)]
-        if lacking:
-            return (
-                f"KV connector {name!r} ({obj!r}) lacks {', '.join(lacking)}: its factory "
-                "must build the two halves (scheduler_side(config), worker_side(config, rank))"
-            )
-        return None
-    if not callable(obj):
-        return f"{kind.replace('_', ' ')} {name!r} is {obj!r}, which is not callable"
-    return None
 
 
 def _undecorated_hooks(record: PluginRecord, plugin: Any) -> list[str]:
@@ -142,9 +109,10 @@ def _post_mortem(host: PluginHost, record: PluginRecord) -> list[str]:
             problems.append(f"raised in {attr}: {type(exc).__name__}: {exc}")
         finally:
             providing_plugin.reset(token)
+        problems += [problem for _, _, problem in scratch.rejected]
         for name in scratch.names():
             try:
-                problem = _check_component(kind, name, scratch.get(name))
+                problem = factory_problem(kind, name, scratch.get(name))
             except Exception as exc:
                 problem = str(exc)
             if problem:
@@ -158,6 +126,8 @@ def check_plugins(host: PluginHost) -> list[Finding]:
     findings: list[Finding] = []
     for record in host.records.values():
         origin = _origin(record)
+        for _entry, reason in sorted(record.rejected.items()):
+            findings.append(Finding(record.name, origin, "error", f"{reason} (dropped)"))
         if not record.loaded:
             findings.append(Finding(record.name, origin, "error", record.error or "failed"))
             if record.plugin is not None:  # imported: report what else is wrong with it
@@ -196,7 +166,7 @@ def check_plugins(host: PluginHost) -> list[Finding]:
                 except Exception as exc:
                     findings.append(Finding(record.name, origin, "error", str(exc)))
                     continue
-                problem = _check_component(kind, name, obj)
+                problem = factory_problem(kind, name, obj)
                 if problem:
                     findings.append(Finding(record.name, origin, "error", problem))
     findings.sort(key=lambda f: (f.severity != "error", f.plugin))

@@ -107,6 +107,9 @@ class PluginRecord:
     api_versions: str | None = None
     error: str | None = None  # one-line summary
     traceback: str | None = None
+    # Entries dropped when registered ("linear_method 'x'" -> what is wrong with it):
+    # the plugin loaded, these contribute nothing.
+    rejected: dict[str, str] = field(default_factory=dict)
     # The imported module/object, kept when a later step failed (``--check`` reports
     # everything else wrong with it too).
     plugin: Any = field(default=None, repr=False, compare=False)
@@ -135,6 +138,7 @@ class PluginRecord:
             "api_versions": self.api_versions,
             "error": self.error,
             "traceback": self.traceback,
+            "rejected": self.rejected,
         }
 
 
@@ -181,6 +185,7 @@ class PluginHost:
         self.records: dict[str, PluginRecord] = {}
         self._registries: dict[str, Registry[Any]] = {}
         self._blamed: list[tuple[BaseException, str]] = []
+        self._builtin_names: set[str] = set()
         if self.selection.trace:
             self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[enginecore] {msg}"))
             self.pm.enable_tracing()
@@ -188,6 +193,7 @@ class PluginHost:
     # --- loading ------------------------------------------------------------------------
 
     def load_builtins(self, modules: Mapping[str, str] = BUILTIN_PLUGINS) -> None:
+        self._builtin_names = {*modules, *modules.values()}
         for short, module_name in modules.items():
             if not self.selection.allows(short, module_name, builtin=True):
                 continue
@@ -223,6 +229,17 @@ class PluginHost:
     def _warn_unknown_selection(self, installed: list[str]) -> None:
         """A name in the allow-list that matches no installed plugin is almost a typo."""
         builtins = [r.name for r in self.records.values() if r.builtin]
+        known = {*installed, *builtins, *self._builtin_names}
+        for name in dict.fromkeys(self.selection.disabled):
+            if name not in known:
+                logger.warning(
+                    "ENGINECORE_DISABLE_PLUGINS / plugins.disabled names %r, which no "
+                    "installed plugin or distribution is called, so it disables nothing.%s "
+                    "Installed: %s.",
+                    name,
+                    did_you_mean(name, known),
+                    ", ".join(sorted(known - set(BUILTIN_PLUGINS.values()))) or "none",
+                )
         for name in self.selection.enabled or []:
             if name not in installed and name not in builtins:
                 logger.warning(
@@ -432,6 +449,13 @@ class PluginHost:
         for record in self.records.values():
             record.registered = {k: sorted(v) for k, v in record.registered.items()}
         self._registries = registries
+        self._report_rejected(registries)
+
+    def _report_rejected(self, registries: dict[str, Registry[Any]]) -> None:
+        """Name each dropped registration against its plugin, warned once per process tree."""
+        from enginecore.rejected_entries import report_rejected
+
+        report_rejected(self.records, registries)
 
     def all_registries(self) -> dict[str, Registry[Any]]:
         return {kind: self.registry(kind) for kind in COMPONENT_HOOKS}

@@ -81,6 +81,9 @@ class Registry(Generic[T]):
     # two plugins register one name the one loaded later is the one at fault, whoever
     # ran first.
     load_order: dict[str, int] = field(default_factory=dict)
+    # Entries dropped when added because they are not what this kind needs:
+    # (plugin, name, what is wrong). The plugin host reports them against the plugin.
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)
 
     def add(
         self,
@@ -98,6 +101,9 @@ class Registry(Generic[T]):
         registered is an error unless ``override=True``, which replaces it and is logged.
         The outcome does not depend on which plugin's hook runs first.
         ``features`` says what the component supports (shown by ``enginecore models``).
+        A factory that is not what the kind needs (see
+        :mod:`enginecore.registration_check`) is dropped and reported against the plugin;
+        the plugin's other entries stay.
         """
         plugin = providing_plugin.get() or self._current_plugin
         if not isinstance(name, str) or not name:
@@ -110,6 +116,13 @@ class Registry(Generic[T]):
                 f"plugin {plugin!r} registered {self.kind} {name!r} with "
                 f"factory {factory!r}: a lazy factory must be a 'module:Class' string"
             )
+        if not isinstance(factory, str):
+            from enginecore.registration_check import registration_problem
+
+            problem = registration_problem(self.kind.replace(" ", "_"), name, factory)
+            if problem is not None:
+                self.rejected.append((plugin, name, problem))
+                return
         existing = self.entries.get(name)
         if existing is not None and not override:
             if existing.overriding and existing.overrides is None:
@@ -172,12 +185,18 @@ class Registry(Generic[T]):
         entry = self.entry(name)
         if isinstance(entry.factory, str):
             try:
-                entry.factory = import_ref(entry.factory)
+                factory = import_ref(entry.factory)
             except Exception as exc:
                 raise PluginLoadError(
                     f"{self.kind} {name!r} from plugin {entry.plugin!r} could not be imported "
                     f"from {entry.ref!r}: {type(exc).__name__}: {exc}"
                 ) from exc
+            from enginecore.registration_check import registration_problem
+
+            problem = registration_problem(self.kind.replace(" ", "_"), name, factory)
+            if problem is not None:
+                raise PluginLoadError(f"plugin {entry.plugin!r} registered {problem}")
+            entry.factory = factory
         return entry.factory
 
     def unknown_message(self, name: str) -> str:

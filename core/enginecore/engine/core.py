@@ -33,6 +33,9 @@ from enginecore.startup_errors import build_component
 from enginecore.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+#: Seconds the engine waits for a registered worker RPC's reply beyond its limit: the
+#: worker answers with the timeout itself, naming the RPC, before this runs out.
+RPC_REPLY_GRACE = 5.0
 
 StepResult = tuple[dict[int, EngineCoreOutputs], bool]
 
@@ -146,7 +149,13 @@ class EngineCore:
         ref = self.components.worker_spec.kv_connector_ref
         if ref is None:
             return None
-        connector: KVConnectorScheduler = import_ref(ref)().scheduler_side(self.config)
+        name = self.config.kv_transfer.connector or ""
+        connector: KVConnectorScheduler = build_component(
+            self.plugins,
+            "kv_connector",
+            name,
+            lambda: import_ref(ref)().scheduler_side(self.config),
+        )
         return connector
 
     def _kv_cache_groups(self, kv_connector: Any) -> list[int | None] | None:
@@ -534,6 +543,14 @@ class EngineCore:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        if isinstance(method, str) and method in self.plugins.registry("worker_rpc"):
+            # Plugin code: each worker runs it where it can be abandoned (rpc_watchdog).
+            limit = timeout if timeout is not None else self.config.engine.rpc_timeout
+            call_args = (method, limit, tuple(args), kwargs or {})
+            registered: list[Any] = self.executor.collective_rpc(
+                "call_registered_rpc", args=call_args, timeout=limit + RPC_REPLY_GRACE
+            )
+            return registered
         results: list[Any] = self.executor.collective_rpc(
             method, args=args, kwargs=kwargs, timeout=timeout
         )

@@ -24,8 +24,10 @@ import zmq
 from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.engine.core import EngineCore, StepResult
+from enginecore.engine.exit_deadline import STOP_GRACE, arm_exit_deadline
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError, RankError
+from enginecore.plugin_attribution import with_attribution
 from enginecore.proc_title import set_process_title
 from enginecore.protocol import (
     EngineCoreOutput,
@@ -215,7 +217,7 @@ class EngineCoreProc(EngineCore):
                 self.add_request(request)
                 return
             except Exception as exc:
-                rejection = f"{type(exc).__name__}: {exc}"
+                rejection = with_attribution(exc, f"{type(exc).__name__}: {exc}")
         self._send_finished(
             [request.request_id], FinishReason.ERROR, request.client_index, rejection
         )
@@ -351,6 +353,8 @@ def _watch_parent(parent_pid: int, get_engine: Any) -> None:
         os._exit(1)
     engine._shutdown_requested = True
     engine.input_queue.put((EngineCoreRequestType.WAKEUP, "parent exited"))
+    grace = engine.config.engine.shutdown_timeout + STOP_GRACE
+    arm_exit_deadline(grace, "the frontend exited")
 
 
 def run_engine_core(
@@ -383,6 +387,8 @@ def run_engine_core(
         if engine is not None:
             engine._shutdown_requested = True
             engine.input_queue.put((EngineCoreRequestType.WAKEUP, "shutdown"))
+            grace = engine.config.engine.shutdown_timeout + STOP_GRACE
+            arm_exit_deadline(grace, f"signal {signal.Signals(signum).name} asked to stop")
         else:
             # Still starting (Ctrl-C reaches the whole process group): nothing to drain and
             # nothing to report; the frontend says what happened. Workers watch this process.
@@ -408,7 +414,7 @@ def run_engine_core(
     try:
         engine.run_busy_loop()
     except BaseException as exc:
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = with_attribution(exc, f"{type(exc).__name__}: {exc}")
         logger.error("engine core died: %s\n%s", reason, traceback.format_exc())
         engine.output_queue.put(EngineCoreOutputs(engine_dead=reason).stamp())
     finally:
@@ -418,7 +424,7 @@ def run_engine_core(
 def _send_startup_failure(
     output_address: str, exc: BaseException, curve_keys: dict[str, bytes] | None = None
 ) -> None:
-    text = f"{type(exc).__name__}: {exc}"
+    text = with_attribution(exc, f"{type(exc).__name__}: {exc}")
     logger.error("engine core failed to start: %s\n%s", text, traceback.format_exc())
     ctx = zmq.Context()
     for address in output_address.split(","):  # every API server waits for its handshake

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from enginecore.errors import ConfigError
+from enginecore.layers.contract_checks import check_attention_output
 
 
 @dataclass
@@ -130,9 +131,11 @@ class Attention(nn.Module):
         if connector is not None and kv_cache is not None:
             connector.wait_for_layer_load(kv_cache)
             out: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, metadata)
+            check_attention_output(ctx.backend, self, query, out)
             connector.save_layer(kv_cache)
             return out
         output: torch.Tensor = ctx.backend.forward(self, query, key, value, kv_cache, metadata)
+        check_attention_output(ctx.backend, self, query, output)
         return output
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from enginecore.distributed import ParallelContext
 from enginecore.interfaces import LinearMethod
+from enginecore.layers.contract_checks import check_linear_output
 from enginecore.layers.parallel import divide, tp_all_reduce
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
@@ -99,6 +100,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = self.linear_method.apply(self, x, self.bias)
+        check_linear_output(self, x, output)
         if self.lora is not None:
             output = self.lora.add_delta(x, output)
         return output
@@ -158,6 +160,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.linear_method.apply(self, x)
+        check_linear_output(self, x, partial)
         if self.lora is not None:  # a partial delta, summed by the all-reduce as the base
             partial = self.lora.add_delta(x, partial)
         out = tp_all_reduce(partial, self.parallel)

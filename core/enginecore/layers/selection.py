@@ -8,16 +8,34 @@ for (``default_block_size``), so ``auto`` can pick one that reads only large pag
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
 from enginecore.errors import ConfigError
 from enginecore.interfaces import AttentionBackend, AttentionSpec, LinearMethod
+from enginecore.registration_check import registration_problem
 from enginecore.registry import import_ref
 
+logger = logging.getLogger(__name__)
 
-def _classes(refs: dict[str, str]) -> dict[str, Any]:
-    return {name: import_ref(ref) for name, ref in refs.items()}
+
+def _classes(refs: dict[str, str], kind: str) -> dict[str, Any]:
+    """Every candidate that imports and is a ``kind``; a broken one is skipped with a
+    warning, so it cannot take down an ``auto`` selection that would not have picked it."""
+    classes = {}
+    for name, ref in refs.items():
+        try:
+            cls = import_ref(ref)
+        except Exception as exc:
+            logger.warning("%s %r (%s) is skipped: it cannot be imported: %s", kind, name, ref, exc)
+            continue
+        problem = registration_problem(kind, name, cls)
+        if problem is not None:
+            logger.warning("%s %r is skipped: %s", kind, name, problem)
+            continue
+        classes[name] = cls
+    return classes
 
 
 def registered_refs(kind: str) -> dict[str, str]:
@@ -36,7 +54,7 @@ def select_attention_backend(
     ``auto_block_size`` (``cache.block_size`` unset) each backend is judged at its own
     ``default_block_size``, which the caller then gives it."""
     if selected == "auto":
-        classes = _classes(refs)
+        classes = _classes(refs, "attention_backend")
         specs = {
             name: replace(spec, block_size=cls.default_block_size) if auto_block_size else spec
             for name, cls in classes.items()
@@ -53,7 +71,11 @@ def select_attention_backend(
     reason = cls.unsupported_reason(spec, by_name=True)
     if reason is None:
         return cls
-    able = [n for n, c in _classes(refs).items() if c.unsupported_reason(spec) is None]
+    able = [
+        n
+        for n, c in _classes(refs, "attention_backend").items()
+        if c.unsupported_reason(spec) is None
+    ]
     raise ConfigError(
         f"attention_backend {selected!r} cannot run this model: {reason} "
         f"(backends that can: {', '.join(sorted(able)) or 'none'})"
@@ -95,7 +117,7 @@ def select_linear_method(
         return cls
     candidates = [
         (cls.priority, name, cls)
-        for name, cls in _classes(refs).items()
+        for name, cls in _classes(refs, "linear_method").items()
         if cls.unsupported_reason(device, dtype) is None
     ]
     if not candidates:

@@ -24,6 +24,8 @@ _REGISTRY_KIND = {
     "register_stat_loggers": "stat_logger",
     "register_kv_connectors": "kv_connector",
     "register_models": "model",
+    "register_attention_backends": "attention_backend",
+    "register_linear_methods": "linear_method",
     "register_tool_parsers": "tool_parser",
     "register_reasoning_parsers": "reasoning_parser",
 }
@@ -33,6 +35,8 @@ _CONFIG_EXPR = {
     "stat_logger": "config.observability.stat_loggers[-1]",
     "kv_connector": "config.kv_transfer.connector",
     "model": "config.model.path",
+    "attention_backend": "config.model.attention_backend",
+    "linear_method": "config.model.linear_method",
     "tool_parser": "config.server.tool_call_parser",
     "reasoning_parser": "config.server.reasoning_parser",
 }

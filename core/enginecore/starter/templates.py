@@ -256,6 +256,8 @@ class $cls(Executor):
         non_block: bool = False,
         unique_reply_rank: int | None = None,
     ) -> list[Any] | Any | Future:
+        if unique_reply_rank not in (None, 0):  # rank 0 is the only one: it must be asked
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is outside world size 1")
         fn = self.worker.resolve_method(method)  # an unknown name fails here, by name
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
 
@@ -638,6 +640,13 @@ class Test${cls}Contract(ModelRunnerContract):
     + ENTRY_POINT_TEST
 )
 
+from enginecore.starter.backend_templates import (  # noqa: E402 (they follow the shared parts)
+    ATTENTION_BACKEND,
+    ATTENTION_BACKEND_TEST,
+    LINEAR_METHOD,
+    LINEAR_METHOD_TEST,
+)
+
 KINDS: dict[str, Kind] = {
     "scheduler-policy": Kind(
         hook="register_scheduling_policies",
@@ -680,6 +689,26 @@ KINDS: dict[str, Kind] = {
         'extra_config = { path = "$component-kv" }\n',
         component=KV_CONNECTOR,
         test=KV_CONNECTOR_TEST,
+    ),
+    "attention-backend": Kind(
+        hook="register_attention_backends",
+        module="backend",
+        class_suffix="AttentionBackend",
+        summary="an attention backend for enginecore",
+        config_key="attention_backend",
+        select_toml='[model]\nattention_backend = "$component"\n',
+        component=ATTENTION_BACKEND,
+        test=ATTENTION_BACKEND_TEST + ENTRY_POINT_TEST + CONFIG_FILE_TEST,
+    ),
+    "linear-method": Kind(
+        hook="register_linear_methods",
+        module="linear",
+        class_suffix="LinearMethod",
+        summary="a linear method for enginecore",
+        config_key="linear_method",
+        select_toml='[model]\nlinear_method = "$component"\n',
+        component=LINEAR_METHOD,
+        test=LINEAR_METHOD_TEST + ENTRY_POINT_TEST + CONFIG_FILE_TEST,
     ),
     "model": Kind(
         hook="register_models",

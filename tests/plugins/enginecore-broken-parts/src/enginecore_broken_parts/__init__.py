@@ -1,0 +1,1 @@
+"""Broken components, one per way a plugin can fail, beside one that works."""
