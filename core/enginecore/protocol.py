@@ -112,6 +112,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Speculative decoding: accepted draft tokens by draft position (0 = the first draft
     # token) since the last stats; a draft is accepted only after every earlier one.
     spec_num_accepted_tokens_per_pos: list[int] = []
+    # KV connector: malformed or refused messages from peers since the last stats.
+    num_kv_rejected_messages: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

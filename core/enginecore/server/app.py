@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
 from enginecore.server import chat, completions, control, info, responses
+from enginecore.server.client_quota import ClientQuota
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
@@ -74,6 +75,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
     # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
     server = config.server
+    app.add_middleware(ClientQuota, limit=server.max_pending_requests_per_client)
     app.add_middleware(UnknownFieldsPolicyMiddleware, policy=server.unknown_request_fields)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
