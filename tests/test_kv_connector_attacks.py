@@ -175,7 +175,7 @@ def test_junk_frames_get_an_error_and_the_block_server_keeps_serving(kv_server):
             assert reply[:2] == [b"", b"ERR"] and b"malformed" in reply[2], reply
         dealer.close()
     finally:
-        context.term()
+        context.destroy(linger=0)
     _assert_serving(kv_server["url"])
     log = kv_server["log"].read_text()
     assert log.count("malformed message from") == 1, "logged once per peer"
@@ -199,7 +199,7 @@ def test_a_flood_of_gets_is_refused_beyond_the_per_peer_bound(kv_server):
         assert refused == 136, f"{refused} GETs refused at once; 64 are kept"
         dealer.close()
     finally:
-        context.term()
+        context.destroy(linger=0)
     _assert_serving(kv_server["url"])
 
 
@@ -212,7 +212,7 @@ def test_an_unauthenticated_peer_gets_nothing_through(kv_server):
             assert not dealer.poll(1500), "a peer without the secret got an answer"
             dealer.close()
     finally:
-        context.term()
+        context.destroy(linger=0)
 
 
 def test_loopback_instances_authenticate_with_a_generated_owner_only_secret(tmp_path, monkeypatch):
@@ -278,7 +278,7 @@ def test_blocks_of_another_prompt_from_a_spoofing_producer_never_enter_the_cache
         consumer.shutdown()
         spoof.close()
         stop_authenticator(context)
-        context.term()
+        context.destroy(linger=0)
 
 
 def test_a_dead_block_server_thread_fails_the_engine_health_check(tiny_llama):
