@@ -262,6 +262,7 @@ def slow_headers(server: Any, connections: int, port: int) -> dict:
             sock.close()
     return {
         "slow_connections": connections,
+        "refused_at_connect": closed_at_once,
         "ok": statuses.count(200),
         "503": statuses.count(503),
         "failed": statuses.count(0),
