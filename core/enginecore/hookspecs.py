@@ -180,6 +180,12 @@ def register_kv_connectors(registry: Registry[Any]) -> None:
     ``kv_transfer.connector`` (flat name ``kv_connector``); built in: ``shared_storage``
     and ``zmq_p2p`` (docs/kv_transfer.md). Test one with
     :class:`enginecore.testing.KVConnectorContract`.
+
+    A request's ``kv_transfer_params`` come from clients: declare their type as the
+    factory's ``transfer_params_type`` (a :class:`msgspec.Struct`, checked in the frontend,
+    400 naming the field) and put checks that need the configuration in
+    ``check_transfer_params``. Never connect to an address a client supplies: take peers
+    from the connector's configuration.
     """
 
 
