@@ -123,3 +123,44 @@ def test_free_form_strings_count_and_the_responses_store_is_bounded_in_bytes(ser
         ids.append(answer.json()["id"])
     assert httpx.get(f"{url}/v1/responses/{ids[0]}", timeout=10).status_code == 404
     assert httpx.get(f"{url}/v1/responses/{ids[-1]}", timeout=10).status_code == 200
+
+
+def _aborted(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "enginecore:request_success_total"
+        and sample.labels.get("finished_reason") == "abort"
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}]}),
+        ("/v1/responses", {"input": "go", "max_output_tokens": 400, "temperature": 0.0}),
+    ],
+)
+def test_a_client_leaving_after_the_first_chunk_aborts_its_request(server, path, body):
+    """A chat stream's first chunk (the role) and a response stream's first events come
+    before the engine's stream is read: leaving right then must still abort."""
+    url = server["url"]
+    payload = {"model": server["model"], "max_tokens": 400, "ignore_eos": True, **body}
+    if path == "/v1/responses":  # no ignore_eos there: greedy on this model runs long
+        del payload["max_tokens"], payload["ignore_eos"]
+        whole = httpx.post(f"{url}{path}", json=payload, timeout=120).json()
+        assert whole["usage"]["output_tokens"] == 400, whole["usage"]
+    before = _aborted(url)
+    payload["stream"] = True
+    for _ in range(3):
+        with httpx.stream("POST", f"{url}{path}", json=payload, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            next(response.iter_lines())  # the first event, then hang up
+    deadline = time.monotonic() + 10
+    while _aborted(url) < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(url) == before + 3, "the requests ran on after their clients left"

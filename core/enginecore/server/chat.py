@@ -34,6 +34,7 @@ from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
     ClientDisconnected,
+    aborting_when_left,
     sse,
     unless_disconnected,
 )
@@ -245,8 +246,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         data_parallel_rank=requested_rank(body, request),
     )
     if body.stream:
+        stream = _stream(ctx, body, request_id, created, engine.stream(collector), num_top, plan)
         return StreamingResponse(
-            _stream(ctx, body, request_id, created, engine.stream(collector), num_top, plan),
+            aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

@@ -36,6 +36,7 @@ from enginecore.server.sampling import check_max_tokens, check_model
 from enginecore.server.streaming import (
     SSE_HEADERS,
     ClientDisconnected,
+    aborting_when_left,
     unless_disconnected,
 )
 
@@ -312,8 +313,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return final
 
     if body.stream:
+        stream = _stream(ctx, body, response_id, item_id, created, engine.stream(collector), finish)
         return StreamingResponse(
-            _stream(ctx, body, response_id, item_id, created, engine.stream(collector), finish),
+            aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
