@@ -36,7 +36,8 @@ def test_tp2_pp2_on_three_nodes_sharing_one_address(tiny_llama) -> None:
             ) as llm:
                 alive = [n for n in ray.nodes() if n["Alive"]]
                 assert len(alive) == 3
-                assert {n["NodeManagerAddress"] for n in alive} == {"127.0.0.1"}
+                # One address for all three (Ray may report the host's own for loopback).
+                assert len({n["NodeManagerAddress"] for n in alive}) == 1, alive
                 placed = llm.collective_rpc("device_assignment")
                 assert [a["rank"] for a in placed] == [0, 1, 2, 3]
                 got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
