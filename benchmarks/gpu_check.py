@@ -2,6 +2,7 @@
 is right and how fast it is.
 
     python benchmarks/gpu_check.py [--out results.json] [--quick]
+    python benchmarks/gpu_check.py --cpu-smoke   # every stage on the CPU, small shapes
 
 1. Greedy parity with transformers ``generate`` on random ``tiny`` and ``small`` Llama
    checkpoints, float32 and bfloat16, through the ``triton`` and ``torch`` backends, in one
@@ -9,17 +10,27 @@ is right and how fast it is.
 2. ``triton`` against ``torch`` on the same batches (token agreement).
 3. Throughput, N=256 prompts x 128 in / 128 out, against transformers ``generate``
    (one padded batch) on the same GPU, bfloat16.
-4. Decode step time at batch 1, 64 and 256 (``small``, bfloat16, 512-token contexts)
-   against the bound set by the bytes read per step (weights + the KV read) over the
-   GPU's measured copy bandwidth, with CUDA graphs and without (``enforce_eager``).
-5. The ``gguf_triton`` block kernels (``builtin_gpu/enginecore_gpu/block_kernels.py``, also in ``--quick``):
-   Q4_1, Q4_K-style (float32 scales) and Q8_0 blocks of a 4096 x 4096 weight, bf16
-   activations of 1, 16 and 256 rows, against ``F.linear`` on the de-quantized bf16 weight
-   (the largest difference, relative to the largest output) and timed against it: the
-   kernel alone, and the method's path (the kernel up to ``FUSED_MAX_ROWS`` rows, a
-   de-quantized copy and ``F.linear`` above). Then the ``tiny`` checkpoint with
-   ``quantization="int8"`` (which selects ``gguf_triton`` on CUDA), bf16, CUDA graphs on:
-   the layers kept in blocks and greedy agreement with the float model.
+4. Decode step time at batch 1, 64 and 256 on a random checkpoint of Llama-3.2-1B's shape
+   (1.2 B parameters, bfloat16, 512-token contexts), with CUDA graphs and without
+   (``enforce_eager``), against the bound set by the bytes a step reads (weights + the KV
+   read) at the GPU's copy bandwidth. The bandwidth counts the bytes a copy reads and writes,
+   so the bound is the bytes read over it (``decode_bound_s``). A step's time is the
+   engine's, host work included (the wall clock of 64 extra decode steps).
+5. The ``gguf_triton`` block kernels (``builtin_gpu/enginecore_gpu/block_kernels.py``, also in
+   ``--quick``): Q4_1, Q4_K-style (float32 scales) and Q8_0 blocks of a 4096 x 4096 weight,
+   bf16 activations of 1, 16 and 256 rows, against ``F.linear`` on the de-quantized bf16
+   weight (the largest difference, relative to the largest output) and timed against it
+   with CUDA events: the kernel, and ``F.linear`` on a bf16 weight. Then the ``tiny``
+   checkpoint with ``quantization="int8"`` (which selects ``gguf_triton`` on CUDA), bf16,
+   CUDA graphs on: the layers kept in blocks and greedy agreement with the float model.
+6. A random tiny Mixtral (also in ``--quick``), float32, CUDA graphs on: its experts on the
+   capture-safe device path, greedy agreement with transformers, and how many steps
+   replayed a graph. The decode stage reports the same counts (steps replayed, and those
+   run eager by reason).
+
+``--cpu-smoke`` runs every stage on the CPU with small shapes (the ``torch`` attention
+backend, the kernels under ``TRITON_INTERPRET=1``, a scaled-down copy of the 1B shape), so
+the script is known to run before a GPU is at hand; its figures mean nothing.
 
 Prints a Markdown report and writes the figures as JSON. Needs the wheels in
 ``benchmarks/gpu_requirements.txt`` on top of torch, triton and transformers.
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pathlib
 import random
 import sys
@@ -41,6 +53,141 @@ import torch
 
 DECODE_CONTEXT = 512
 DECODE_STEPS = 64
+# Llama-3.2-1B's shape (the vocabulary and rope scaling included), positions capped so the
+# KV cache is sized for the check's contexts.
+LLAMA_3_2_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+}
+# The same structure, small: what --cpu-smoke runs.
+SMOKE_SHAPE: dict[str, Any] = {
+    **LLAMA_3_2_1B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1024,
+}
+
+
+class Setup:
+    """What differs between the GPU check and its CPU smoke run."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+        self.device = "cpu" if smoke else "cuda"
+        self.dtype = "float32" if smoke else "bfloat16"
+        self.backends = ("torch",) if smoke else ("triton", "torch")
+        self.dtypes = (
+            (("float32", torch.float32),)
+            if smoke
+            else (
+                ("float32", torch.float32),
+                ("bfloat16", torch.bfloat16),
+            )
+        )
+        self.decode_shape = SMOKE_SHAPE if smoke else LLAMA_3_2_1B
+        self.decode_batches = [1, 4] if smoke else [1, 64, 256]
+        self.decode_context = 32 if smoke else DECODE_CONTEXT
+        self.decode_steps = 4 if smoke else DECODE_STEPS
+        self.new_tokens = 4 if smoke else 24
+        self.prompts = 2 if smoke else 8
+        self.block_shape = (128, 256) if smoke else (4096, 4096)
+        self.block_rows = (1, 16, 80) if smoke else (1, 16, 256)
+        self.reps = 2 if smoke else 50
+
+    def engine_args(self) -> dict[str, Any]:
+        if self.smoke:
+            return {"device": "cpu", "kv_cache_bytes": 64 << 20}
+        return {"gpu_memory_utilization": 0.3}
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def hf_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """transformers' dtype argument: ``dtype=`` from 4.56 on, ``torch_dtype=`` before."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("4.56"):
+        return {"dtype": dtype}
+    return {"torch_dtype": dtype}
+
+
+def make_shaped_checkpoint(
+    root: pathlib.Path, name: str, shape: dict[str, Any], device: str
+) -> pathlib.Path:
+    """A seeded random Llama checkpoint of ``shape`` (bfloat16 weights, built on
+    ``device``), with the test tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from enginecore.checkpoints import make_tokenizer
+
+    out = root / name
+    tokenizer = make_tokenizer(min(8192, shape["vocab_size"]))
+    config = LlamaConfig(
+        **shape,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, **hf_dtype(torch.bfloat16))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    del model
+    return out
+
+
+def time_us(fn: Any, device: str, reps: int) -> float:
+    """Microseconds a call of ``fn`` takes on ``device``: CUDA events around ``reps`` calls
+    after three warm-up calls (the wall clock on a CPU)."""
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) / reps * 1e6
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / reps * 1e3
+
+
+def decode_bound_s(weight_bytes: float, kv_read_bytes: float, copy_bandwidth: float) -> float:
+    """The least time a decode step can take: the bytes it reads at the copy bandwidth,
+    which counts every byte a copy reads and writes (so no halving)."""
+    return (weight_bytes + kv_read_bytes) / copy_bandwidth
 
 
 def make_checkpoint(root: pathlib.Path, size: str) -> pathlib.Path:
@@ -60,23 +207,25 @@ def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def hf_greedy(path: pathlib.Path, prompts: list[list[int]], dtype: torch.dtype, n: int) -> list:
+def hf_greedy(
+    setup: Setup, path: pathlib.Path, prompts: list[list[int]], dtype: torch.dtype, n: int
+) -> list:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, **hf_dtype(dtype)).to(setup.device).eval()
     outs = []
     with torch.inference_mode():
         for p in prompts:  # one at a time: no padding in the reference
-            ids = torch.tensor([p], device="cuda")
+            ids = torch.tensor([p], device=setup.device)
             gen = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
             outs.append(gen[0, len(p) :].tolist())
     del model
-    torch.cuda.empty_cache()
+    setup.free()
     return outs
 
 
 def ours_greedy(
-    path: pathlib.Path, prompts: list[list[int]], dtype: str, backend: str, n: int
+    setup: Setup, path: pathlib.Path, prompts: list[list[int]], dtype: str, backend: str, n: int
 ) -> list:
     from enginecore import LLM, SamplingParams
 
@@ -86,12 +235,11 @@ def ours_greedy(
         dtype=dtype,
         attention_backend=backend,
         max_num_batched_tokens=256,  # prompts of 300 tokens are chunked
-        gpu_memory_utilization=0.3,
         multiprocessing=False,
+        **setup.engine_args(),
     ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    gc.collect()
-    torch.cuda.empty_cache()
+    setup.free()
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -102,14 +250,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def parity(root: pathlib.Path, sizes: list[str], report: dict[str, Any]) -> None:
-    prompts = mixed_prompts(8)
-    n = 24
+def parity(setup: Setup, root: pathlib.Path, sizes: list[str], report: dict[str, Any]) -> None:
+    prompts = mixed_prompts(setup.prompts)
+    n = setup.new_tokens
     for size in sizes:
         path = make_checkpoint(root, size)
-        for dtype, tdtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            want = hf_greedy(path, prompts, tdtype, n)
-            got = {b: ours_greedy(path, prompts, dtype, b, n) for b in ("triton", "torch")}
+        for dtype, tdtype in setup.dtypes:
+            want = hf_greedy(setup, path, prompts, tdtype, n)
+            got = {b: ours_greedy(setup, path, prompts, dtype, b, n) for b in setup.backends}
             for backend, outs in got.items():
                 diffs = [first_difference(o, w) for o, w in zip(outs, want, strict=True)]
                 report["parity"].append(
@@ -122,51 +270,95 @@ def parity(root: pathlib.Path, sizes: list[str], report: dict[str, Any]) -> None
                         "first_difference": diffs,
                     }
                 )
-            agree = sum(a == b for a, b in zip(got["triton"], got["torch"], strict=True))
-            report["triton_vs_torch"].append(
-                {"size": size, "dtype": dtype, "equal": agree, "of": len(prompts)}
-            )
+            if "triton" in got:
+                agree = sum(a == b for a, b in zip(got["triton"], got["torch"], strict=True))
+                report["triton_vs_torch"].append(
+                    {"size": size, "dtype": dtype, "equal": agree, "of": len(prompts)}
+                )
 
 
-def throughput(root: pathlib.Path, report: dict[str, Any], num: int) -> None:
+def throughput(setup: Setup, root: pathlib.Path, report: dict[str, Any], num: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from enginecore import LLM, SamplingParams
 
-    path = make_checkpoint(root, "small")
+    path = make_checkpoint(root, "tiny" if setup.smoke else "small")
+    length = 8 if setup.smoke else 128
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 8000) for _ in range(128)] for _ in range(num)]
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    with LLM(str(path), dtype="bfloat16", max_num_seqs=256, multiprocessing=False) as llm:
+    prompts = [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(num)]
+    params = SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(path), dtype=setup.dtype, max_num_seqs=256, multiprocessing=False, **setup.engine_args()
+    ) as llm:
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4))
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         ours = time.perf_counter() - start
-    gc.collect()
-    torch.cuda.empty_cache()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(prompts, device="cuda")
+    setup.free()
+    model = AutoModelForCausalLM.from_pretrained(path, **hf_dtype(getattr(torch, setup.dtype)))
+    model = model.to(setup.device).eval()
+    ids = torch.tensor(prompts, device=setup.device)
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, do_sample=False)
-        torch.cuda.synchronize()
+        setup.sync()
         start = time.perf_counter()
         model.generate(
             ids,
-            max_new_tokens=128,
-            min_new_tokens=128,
+            max_new_tokens=length,
+            min_new_tokens=length,
             do_sample=False,
             attention_mask=torch.ones_like(ids),
         )
-        torch.cuda.synchronize()
+        setup.sync()
         hf = time.perf_counter() - start
     del model
-    torch.cuda.empty_cache()
-    tokens = num * 128
+    setup.free()
+    tokens = num * length
     report["throughput"] = {
         "prompts": num,
+        "length": length,
         "ours_tok_s": tokens / ours,
         "transformers_tok_s": tokens / hf,
         "ratio": hf / ours,
+    }
+
+
+def _graph_counts(worker: Any) -> dict[str, int]:
+    """Steps that replayed a CUDA graph, and those that ran eager by reason."""
+    graphs = worker.model_runner.decode_graphs
+    return dict(graphs.counts) if graphs is not None else {}
+
+
+def _moe_groupings(worker: Any) -> list[str]:
+    from enginecore.layers.moe import FusedMoE
+
+    model = worker.model_runner.model
+    return sorted({m.grouping for m in model.modules() if isinstance(m, FusedMoE)})
+
+
+def moe_graphs(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
+    """A random tiny Mixtral, float32, CUDA graphs on: the experts on their device path
+    (captured in the graphs), greedy tokens against transformers, steps replayed."""
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import make_random_checkpoint
+
+    path = make_random_checkpoint(root / "mixtral-tiny", "mixtral", "tiny")
+    prompts = mixed_prompts(setup.prompts)
+    n = setup.new_tokens
+    want = hf_greedy(setup, path, prompts, torch.float32, n)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), dtype="float32", multiprocessing=False, **setup.engine_args()) as llm:
+        groupings = llm.collective_rpc(_moe_groupings)[0]
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        counts = llm.collective_rpc(_graph_counts)[0]
+    setup.free()
+    diffs = [first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)]
+    report["moe"] = {
+        "groupings": groupings,
+        "equal": sum(d is None for d in diffs),
+        "of": len(diffs),
+        "first_difference": diffs,
+        "graph_steps": counts,
     }
 
 
@@ -175,54 +367,55 @@ def _weight_bytes(worker: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
-    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+def copy_bandwidth(device: str, numel: int = 1 << 28) -> float:
+    """Bytes per second a device-to-device copy moves (its reads and writes both counted),
+    timed with CUDA events on a GPU."""
+    src = torch.empty(numel, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 10 * 2 * src.numel() * 4 / (time.perf_counter() - start)
+    us = time_us(lambda: dst.copy_(src), device, 10)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6)
 
 
-def decode_steps(root: pathlib.Path, report: dict[str, Any], batches: list[int]) -> None:
+def decode_steps(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
     from enginecore import LLM, SamplingParams
 
-    path = make_checkpoint(root, "small")
-    bandwidth = copy_bandwidth()
+    path = make_shaped_checkpoint(root, "llama-1b-shape", setup.decode_shape, setup.device)
+    bandwidth = copy_bandwidth(setup.device, 1 << 20 if setup.smoke else 1 << 28)
+    batches, context, steps_timed = setup.decode_batches, setup.decode_context, setup.decode_steps
     rng = random.Random(2)
     rows = []
+    parameters = 0
+    graph_steps: dict[str, int] = {}
     for eager in (False, True):
         with LLM(
             str(path),
-            dtype="bfloat16",
+            dtype=setup.dtype,
             max_num_seqs=max(batches),
             enforce_eager=eager,
             block_size=16,
             multiprocessing=False,
+            **setup.engine_args(),
         ) as llm:
             weight_bytes = llm.collective_rpc(_weight_bytes)[0]
+            parameters = (
+                weight_bytes // torch.tensor([], dtype=getattr(torch, setup.dtype)).element_size()
+            )
             block_bytes = llm.collective_rpc("get_kv_cache_block_bytes")[0]
-            block = 16
             for batch in batches:
                 prompts = [
-                    {"prompt_token_ids": [rng.randrange(3, 8000) for _ in range(DECODE_CONTEXT)]}
+                    {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(context)]}
                     for _ in range(batch)
                 ]
                 times = {}
-                for steps in (1, DECODE_STEPS + 1):
+                for steps in (1, steps_timed + 1):
                     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
                     llm.reset_prefix_cache()
                     start = time.perf_counter()
                     llm.generate(prompts, params)
                     times[steps] = time.perf_counter() - start
-                step = (times[DECODE_STEPS + 1] - times[1]) / DECODE_STEPS
-                kv_read = batch * (DECODE_CONTEXT + DECODE_STEPS / 2) * block_bytes / block
-                bound = (weight_bytes + kv_read) / (bandwidth / 2)  # bandwidth counts R + W
+                step = (times[steps_timed + 1] - times[1]) / steps_timed
+                kv_read = batch * (context + steps_timed / 2) * block_bytes / 16
+                bound = decode_bound_s(weight_bytes, kv_read, bandwidth)
                 rows.append(
                     {
                         "batch": batch,
@@ -232,9 +425,16 @@ def decode_steps(root: pathlib.Path, report: dict[str, Any], batches: list[int])
                         "of_bound": bound / step if step > 0 else None,
                     }
                 )
-        gc.collect()
-        torch.cuda.empty_cache()
-    report["decode"] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows}
+            if not eager:
+                graph_steps = llm.collective_rpc(_graph_counts)[0]
+        setup.free()
+    report["decode"] = {
+        "parameters": parameters,
+        "context": context,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "rows": rows,
+        "graph_steps": graph_steps,
+    }
 
 
 def random_blocks(kind: str, n: int, k: int, device: str) -> Any:
@@ -254,34 +454,14 @@ def random_blocks(kind: str, n: int, k: int, device: str) -> Any:
     return BlockWeight(4, qs, d, m, (n, k))
 
 
-def _time_us(fn: Any, device: str, reps: int) -> float:
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(3):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / reps * 1e6
-
-
-def block_linear(
-    report: dict[str, Any],
-    device: str = "cuda",
-    shape: tuple[int, int] = (4096, 4096),
-    row_counts: tuple[int, ...] = (1, 16, 256),
-    reps: int = 50,
-) -> None:
+def block_linear(setup: Setup, report: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     from enginecore_gpu import block_kernels
     from enginecore_gpu.block_linear_method import blocks_linear
 
-    n, k = shape
+    device, reps, row_counts = setup.device, setup.reps, setup.block_rows
+    n, k = shape = setup.block_shape
     rows_out = []
     for kind in ("Q4_1", "Q4_K", "Q8_0"):
         part = random_blocks(kind, n, k, device)
@@ -296,19 +476,23 @@ def block_linear(
                     "format": kind,
                     "rows": rows,
                     "max_rel_diff": err,
-                    "kernel_us": _time_us(
+                    "kernel_us": time_us(
                         lambda x=x, p=part: block_kernels.block_linear(x, p.bits, p.qs, p.d, p.m),
                         device,
                         reps,
                     ),
-                    "method_us": _time_us(
+                    "method_us": time_us(
                         lambda x=x, p=part: blocks_linear([(0, p)], x), device, reps
                     ),
-                    "f_linear_us": _time_us(lambda x=x, w=half: F.linear(x, w), device, reps),
+                    "f_linear_us": time_us(lambda x=x, w=half: F.linear(x, w), device, reps),
                     "block_mb": part.nbytes / 1e6,
                 }
             )
-    report["block_linear"] = {"shape": list(shape), "rows": rows_out}
+    report["block_linear"] = {
+        "shape": list(shape),
+        "clock": "CUDA events" if device == "cuda" else "wall",
+        "rows": rows_out,
+    }
 
 
 def _block_layers(worker: Any) -> list[str]:
@@ -316,27 +500,29 @@ def _block_layers(worker: Any) -> list[str]:
     return [type(m.linear_method).__name__ for m in model.modules() if hasattr(m, "gguf_blocks")]
 
 
-def int8_model(root: pathlib.Path, report: dict[str, Any]) -> None:
+def int8_model(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
     from enginecore import LLM, SamplingParams
 
     path = make_checkpoint(root, "tiny")
-    prompts = mixed_prompts(8)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = mixed_prompts(setup.prompts)
+    params = SamplingParams(max_tokens=setup.new_tokens, temperature=0.0, ignore_eos=True)
+    # On the CPU gguf_triton runs under Triton's interpreter only when named.
+    method = {"linear_method": "gguf_triton"} if setup.smoke else {}
     outs, methods = {}, []
     for quantization in ("int8", "none"):
         with LLM(
             str(path),
-            dtype="bfloat16",
+            dtype=setup.dtype,
             quantization=quantization,
-            gpu_memory_utilization=0.3,
             multiprocessing=False,
+            **(method if quantization == "int8" else {}),
+            **setup.engine_args(),
         ) as llm:
             if quantization == "int8":
                 methods = llm.collective_rpc(_block_layers)[0]
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             outs[quantization] = [o.outputs[0].token_ids for o in got]
-        gc.collect()
-        torch.cuda.empty_cache()
+        setup.free()
     diffs = [first_difference(a, b) for a, b in zip(outs["int8"], outs["none"], strict=True)]
     report["int8_model"] = {
         "layers_in_blocks": len(methods),
@@ -359,7 +545,7 @@ def markdown(report: dict[str, Any]) -> str:
         t = report["throughput"]
         lines += [
             "",
-            f"Throughput, {t['prompts']} x 128/128 (small, bf16): ours "
+            f"Throughput, {t['prompts']} x {t['length']}/{t['length']}: ours "
             f"{t['ours_tok_s']:.0f} tok/s, transformers {t['transformers_tok_s']:.0f} tok/s, "
             f"{t['ratio']:.2f}x",
         ]
@@ -367,8 +553,9 @@ def markdown(report: dict[str, Any]) -> str:
         d = report["decode"]
         lines += [
             "",
-            f"Decode steps (small, bf16, {DECODE_CONTEXT}-token contexts); copy bandwidth "
-            f"{d['copy_bandwidth_gb_s']:.0f} GB/s",
+            f"Decode steps (Llama-3.2-1B shape, {d['parameters'] / 1e9:.2f} B parameters, "
+            f"{d['context']}-token contexts); copy bandwidth (read + write) "
+            f"{d['copy_bandwidth_gb_s']:.0f} GB/s; bound = bytes read / bandwidth",
             "",
             "| batch | CUDA graphs | step ms | bound ms | bound / step |",
             "|---:|---|---:|---:|---:|",
@@ -379,12 +566,23 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {r['batch']} | {'on' if r['cuda_graphs'] else 'off'} | "
                 f"{r['step_ms']:.2f} | {r['bound_ms']:.3f} | {share} |"
             )
+    if "decode" in report:
+        lines += ["", f"Steps with CUDA graphs on: {report['decode']['graph_steps'] or 'none'}"]
+    if "moe" in report:
+        m = report["moe"]
+        lines += [
+            "",
+            f"tiny Mixtral, fp32 (experts grouped: {m['groupings']}): greedy = transformers on "
+            f"{m['equal']}/{m['of']} prompts, first differences {m['first_difference']}; "
+            f"steps: {m['graph_steps'] or 'no CUDA graphs'}",
+        ]
     if "block_linear" in report:
         b = report["block_linear"]
         n, k = b["shape"]
         lines += [
             "",
-            f"gguf_triton block kernels, {n} x {k} weight, bf16 activations (µs a call):",
+            f"gguf_triton block kernels, {n} x {k} weight, bf16 activations (µs a call, "
+            f"{b['clock']}):",
             "",
             "| format | rows | max rel. diff | kernel | method | F.linear (bf16 weight) |",
             "|---|---:|---:|---:|---:|---:|",
@@ -411,12 +609,21 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="tiny parity, the block kernels and int8 on tiny only"
     )
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="every stage on the CPU with small shapes: checks that the script runs",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: the GPU check needs one", file=sys.stderr)
+    if args.cpu_smoke:
+        # Before the kernels' modules are imported: their kernels run in the interpreter.
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print("no CUDA device: the GPU check needs one (or try --cpu-smoke)", file=sys.stderr)
         return 2
+    setup = Setup(args.cpu_smoke)
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if not setup.smoke else "none (--cpu-smoke)",
         "torch": torch.__version__,
         "parity": [],
         "triton_vs_torch": [],
@@ -424,15 +631,17 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
+        sizes = ["tiny"] if args.quick or setup.smoke else ["tiny", "small"]
         stages = [
-            ("parity", lambda: parity(root, ["tiny"] if args.quick else ["tiny", "small"], report)),
-            ("block_linear", lambda: block_linear(report)),
-            ("int8_model", lambda: int8_model(root, report)),
+            ("parity", lambda: parity(setup, root, sizes, report)),
+            ("block_linear", lambda: block_linear(setup, report)),
+            ("int8_model", lambda: int8_model(setup, root, report)),
+            ("moe", lambda: moe_graphs(setup, root, report)),
         ]
         if not args.quick:
             stages += [
-                ("throughput", lambda: throughput(root, report, 256)),
-                ("decode", lambda: decode_steps(root, report, [1, 64, 256])),
+                ("throughput", lambda: throughput(setup, root, report, 4 if setup.smoke else 256)),
+                ("decode", lambda: decode_steps(setup, root, report)),
             ]
         for name, stage in stages:
             start = time.perf_counter()

@@ -21,7 +21,7 @@ from enginecore.errors import ConfigError
 def test_defaults() -> None:
     config = make_config()
     assert isinstance(config, EngineConfig)
-    assert config.cache.block_size == 16
+    assert config.cache.block_size is None and config.cache.tokens_per_block == 16
     assert config.cache.prefix_caching is True
     assert config.scheduler.name == "default"
     assert config.scheduler.policy == "fcfs"
@@ -140,7 +140,7 @@ def test_bad_file(tmp_path) -> None:
 def test_replace_revalidates() -> None:
     config = make_config(model="/m")
     changed = config.replace(block_size=32)
-    assert changed.cache.block_size == 32 and config.cache.block_size == 16
+    assert changed.cache.block_size == 32 and config.cache.block_size is None
     with pytest.raises(ConfigError):
         config.replace(block_size="big")
 

@@ -48,7 +48,7 @@ from enginecore.testing.quantizers import quantize_groups, quantize_k
 from enginecore_cpu import gguf_blocks, gguf_linear_method, kquant_blocks
 from enginecore_cpu.gguf_blocks import BlockWeight
 from enginecore_gpu import block_kernels, block_linear_method
-from enginecore_gpu.block_linear_method import FUSED_MAX_ROWS, GGUFTritonLinearMethod
+from enginecore_gpu.block_linear_method import GGUFTritonLinearMethod
 from enginecore_models.model_runner import linear_method_name
 
 if not block_kernels.is_interpreted():  # imported earlier in this process without the flag
@@ -133,6 +133,19 @@ def test_kernel_every_row_count(fmt: str, dtype: torch.dtype):
         check_product(block_kernels.block_linear(x, part.bits, part.qs, part.d, part.m), x, weight)
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_many_rows_in_large_tiles(fmt: str, dtype: torch.dtype):
+    """A prefill chunk's product: 200 rows (a whole tile of 128 and a tail), 70 outputs (a
+    tile of 64 and a tail), K of 5 or 8 blocks (tiles of two blocks, the last one half)."""
+    assert block_kernels.tile_for(200)[:3] == (128, 64, 64)
+    k = 256 if fmt == "Q4_K" else 160
+    part = blocks_of(fmt, 70, k, seed=3)
+    x = torch.randn(200, k, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = block_kernels.block_linear(x, part.bits, part.qs, part.d, part.m)
+    check_product(got, x, gguf_blocks.dequantize(part))
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "awq", "gptq", "gptq-sym", "int8"])
 @pytest.mark.parametrize("shape", [(1, 96), (33, 32), (64, 224)])
 @pytest.mark.parametrize("rows", [1, 31, 40])
@@ -191,7 +204,7 @@ COMPILE_FOR_GPUS = textwrap.dedent(
 
     from enginecore_gpu import block_kernels as bk
 
-    def compile_for(kernel, target, constexprs, pointers):
+    def compile_for(kernel, target, constexprs, pointers, num_warps=4):
         signature = {}
         for name in kernel.arg_names:
             if name in constexprs:
@@ -200,7 +213,8 @@ COMPILE_FOR_GPUS = textwrap.dedent(
                 signature[name] = pointers[name]
             else:
                 signature[name] = "i32"
-        triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+        triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                       options={"num_warps": num_warps})
 
     for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
         for bits, scales in ((4, "fp16"), (4, "fp32"), (8, "fp32")):
@@ -208,15 +222,18 @@ COMPILE_FOR_GPUS = textwrap.dedent(
                       "m_ptr": "*" + scales}
             # Triton turns integer arguments equal to 1 into constants at launch: the bf16
             # variant compiles a decode step's one row as it would see it.
-            for act, block_m, precision, unit in (("bf16", 16, "tf32", {"M": 1}),
-                                                  ("fp16", 64, "tf32", {}),
-                                                  ("fp32", 32, "ieee", {})):
+            for act, tile, precision, unit in (("bf16", 0, "tf32", {"M": 1}),
+                                               ("fp16", 2, "tf32", {}),
+                                               ("bf16", 3, "tf32", {}),
+                                               ("fp32", 1, "ieee", {})):
+                _, block_m, block_n, block_k, warps = bk.TILES[tile]
                 compile_for(
                     bk._block_linear_kernel,
                     target,
-                    dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=bk._BLOCK_N, BLOCK_K=bk._BLOCK_K,
+                    dict(BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          DOT_IN_FP32=act == "fp32", DOT_PRECISION=precision, **unit),
                     {"x_ptr": "*" + act, "out_ptr": "*" + act, **weight},
+                    num_warps=warps,
                 )
             compile_for(bk._dequantize_kernel, target,
                         dict(BITS=bits, BLOCK_N=bk._BLOCK_N, BLOCK_K=bk._BLOCK_K),
@@ -252,10 +269,15 @@ def build(factory: Any, config: Any = None) -> Any:
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", *GROUP_FORMATS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
+def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype, monkeypatch):
     """Loaded as a checkpoint hands them over, kept in blocks (the float weight dropped),
-    multiplied in registers up to FUSED_MAX_ROWS rows and through a de-quantized copy
-    above."""
+    multiplied in registers at every row count: the weight is never de-quantized whole
+    (a prefill chunk of 65 or 200 rows included)."""
+
+    def whole_weight(*args: Any) -> None:
+        raise AssertionError("the whole weight was de-quantized for a product")
+
+    monkeypatch.setattr(block_kernels, "dequantize", whole_weight)
     k = 256
     layer = build(lambda: RowParallelLinear(k, 48, bias=True, parallel=SINGLE_RANK, dtype=dtype))
     weight = torch.randn(48, k, generator=torch.Generator().manual_seed(5))
@@ -272,7 +294,7 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype):
     assert part.m.numel() == (1 if part.bits == 8 else part.d.numel())  # no offsets for 8 bits
     assert layer.weight.numel() == 0
     reference = gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded))
-    for rows in (1, 5, FUSED_MAX_ROWS + 1):
+    for rows in (1, 5, 65, 200):
         x = torch.randn(2, rows, k).to(dtype)
         got = layer(x)
         assert got.shape == (2, rows, 48)

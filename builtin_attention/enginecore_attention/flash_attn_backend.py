@@ -3,9 +3,11 @@ the paged cache through its block table.
 
 flash-attn takes a paged K/V cache laid out ``[blocks, block_size, kv_heads, head_dim]``,
 which is each half of enginecore's cache, so nothing is copied; it needs pages of a
-multiple of 256 tokens (``block_size``), half precision and CUDA. Causal masking is
-aligned to the end of each sequence, which is enginecore's convention for queries after
-a context. Chosen by ``auto`` over ``triton`` where all of that holds.
+multiple of 256 tokens (``block_size``), half precision and CUDA. With ``block_size``
+unset it is given pages of 256 (``default_block_size``); a block size set to anything
+else rules it out. Causal masking is aligned to the end of each sequence, which is
+enginecore's convention for queries after a context. Chosen by ``auto`` over ``triton``
+where all of that holds.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FlashAttnBackend(TritonAttentionBackend):
         cuda_graphs=True,
     )
     priority = 30
+    default_block_size = 256
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec, *, by_name: bool = False) -> str | None:

@@ -10,8 +10,11 @@ tile of rows and outputs loops over K a tile at a time (a whole number of blocks
 tile's values to float32, applies the scales, and accumulates the tile's product in float32.
 The product's operands are the activations' dtype (bf16 / fp16 on tensor cores; fp32 exactly,
 not in TF32), so the result is what ``F.linear`` gives on the de-quantized weight in that dtype
-up to summation order. ``dequantize`` writes the weight out in a float dtype, for products of
-many rows (see ``block_linear_method``).
+up to summation order. The tile shape follows the row count: a decode step's few rows take
+narrow tiles (many programs, each a slice of the weight read once); a prefill chunk's many
+rows take tiles of 128 rows, so each weight tile de-quantized in registers serves 128 rows
+and the weight is never written out. ``dequantize`` writes the weight out in a float dtype
+(for references and tools).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on the CPU
 through Triton's interpreter, which is how the test suite checks them.
@@ -35,6 +38,24 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tiles are kept small enough to give a GPU's multiprocessors a program each on small layers.
 _BLOCK_N = 32
 _BLOCK_K = 128  # four blocks of 32
+# (most rows, BLOCK_M, BLOCK_N, BLOCK_K, warps): the first whose rows hold the product's.
+# At least 16 rows (the smallest tl.dot); masked rows cost compute, not weight reads. Past
+# 64 rows the product is compute-bound: larger tiles re-use each de-quantized weight tile
+# over 128 rows and each activation tile over 64 outputs.
+TILES = (
+    (16, 16, _BLOCK_N, _BLOCK_K, 4),
+    (32, 32, _BLOCK_N, _BLOCK_K, 4),
+    (64, 64, _BLOCK_N, _BLOCK_K, 4),
+    (None, 128, 64, 64, 8),
+)
+
+
+def tile_for(num_rows: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, warps)`` of a product of ``num_rows`` rows."""
+    for most, block_m, block_n, block_k, warps in TILES:
+        if most is None or num_rows <= most:
+            return block_m, block_n, block_k, warps
+    raise AssertionError("the last tile takes any row count")
 
 
 @triton.jit
@@ -161,12 +182,11 @@ def block_linear(
         raise ValueError(f"out must be a [{num_rows}, {n}] view with contiguous rows")
     if num_rows == 0:
         return out
-    # At least 16 rows: the smallest tl.dot. Masked rows cost compute, not weight reads.
-    block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+    block_m, block_n, block_k, warps = tile_for(num_rows)
     # Triton's interpreter multiplies bf16 operands of tl.dot as their raw bit patterns, so
     # there the tiles are widened first (bf16 products are exact in float32).
     in_fp32 = x.dtype == torch.float32 or (is_interpreted() and x.dtype == torch.bfloat16)
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, _BLOCK_N))
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
     with _on_device(x.device):
         _block_linear_kernel[grid](
             x,
@@ -181,11 +201,12 @@ def block_linear(
             out.stride(0),
             BITS=bits,
             BLOCK_M=block_m,
-            BLOCK_N=_BLOCK_N,
-            BLOCK_K=_BLOCK_K,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
             DOT_IN_FP32=in_fp32,
             # fp32 activations get exact fp32 products (tl.dot would otherwise use TF32).
             DOT_PRECISION="ieee" if in_fp32 else "tf32",
+            num_warps=warps,
         )
     return out
 

@@ -9,12 +9,10 @@ per output channel. Q5_K and Q6_K arrive de-quantized (the weight loader's path 
 method does not name) and compute in the model's dtype, as does a fused layer with a shard in
 such a format.
 
-Up to ``FUSED_MAX_ROWS`` rows (decode steps, small batches) the kernel de-quantizes the blocks
-in registers: the step reads 5 or 6 bits a weight (4-bit blocks with their scales) or 9
-(8-bit) instead of 16. More rows (prefill
-chunks) are compute-bound: the weight is de-quantized per call into a temporary in the
-activations' dtype and multiplied by ``F.linear`` (cuBLAS), rather than kept as a half copy,
-which would cost more memory than the blocks save.
+Every product, of any row count, runs in the kernel, which de-quantizes the blocks tile by
+tile in registers: a decode step reads 5 or 6 bits a weight (4-bit blocks with their scales)
+or 9 (8-bit) instead of 16, and a prefill chunk's product (tiles of 128 rows) never writes
+the weight out in a float dtype, which would move more bytes than a half copy of the weight.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from enginecore.layers.linear import (
@@ -39,10 +36,6 @@ from enginecore_cpu.gguf_blocks import BlockWeight
 from enginecore_cpu.gguf_linear_method import dequantized_part, per_channel_q8, unpacked
 from enginecore_cpu.kquant_blocks import KQuantWeight
 
-# More rows than this: F.linear on a per-call de-quantized copy. A guess from the shapes
-# (a de-quantized copy costs a write and a read of 2 bytes a weight, small next to a GEMM of
-# some hundred rows); not measured on a GPU yet (benchmarks/gpu_check.py times both paths).
-FUSED_MAX_ROWS = 64
 BLOCKS_ATTR = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
 
@@ -172,17 +165,12 @@ def blocks_linear(
     k = blocks[0][1].shape[1]
     n = sum(part.shape[0] for _, part in blocks)
     rows = x.reshape(-1, k)
-    if rows.shape[0] > FUSED_MAX_ROWS:
-        weights = [block_kernels.dequantize(p.bits, p.qs, p.d, p.m, rows.dtype) for _, p in blocks]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        out = F.linear(rows, weight, bias)
-    else:
-        out = torch.empty((rows.shape[0], n), dtype=rows.dtype, device=rows.device)
-        for first, part in blocks:
-            target = out[:, first : first + part.shape[0]]
-            block_kernels.block_linear(rows, part.bits, part.qs, part.d, part.m, target)
-        if bias is not None:
-            out += bias
+    out = torch.empty((rows.shape[0], n), dtype=rows.dtype, device=rows.device)
+    for first, part in blocks:
+        target = out[:, first : first + part.shape[0]]
+        block_kernels.block_linear(rows, part.bits, part.qs, part.d, part.m, target)
+    if bias is not None:
+        out += bias
     return out.view(*x.shape[:-1], n)
 
 

@@ -56,7 +56,7 @@ def model_namespace(config: EngineConfig) -> str:
     except OSError:
         h.update(str(checkpoint).encode())
     par = config.parallel
-    shape = [config.model.dtype, config.cache.block_size]
+    shape = [config.model.dtype, config.cache.tokens_per_block]
     shape += [par.tensor_parallel_size, par.pipeline_parallel_size]
     h.update(json.dumps(shape).encode())
     return h.hexdigest()[:16]

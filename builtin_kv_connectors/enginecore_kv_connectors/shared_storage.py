@@ -136,7 +136,7 @@ class _Tracked:
 
 class SharedStorageScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig) -> None:
-        self.block_size = config.cache.block_size
+        self.block_size = config.cache.tokens_per_block
         self.loads_enabled = config.kv_transfer.role != "kv_producer"
         self.saves_enabled = config.kv_transfer.role != "kv_consumer"
         self.directory = BlockDirectory(config)

@@ -214,7 +214,7 @@ class ZmqP2PScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig) -> None:
         self.settings = P2PSettings.of(config)
         self.role = config.kv_transfer.role
-        self.block_size = config.cache.block_size
+        self.block_size = config.cache.tokens_per_block
         self._fetches: list[FetchJob] = []
         self._serves: list[ServeJob] = []
         # Requests that already fetched their KV once: if preempted later, they

@@ -9,14 +9,32 @@ refilling the static inputs in place: token ids, positions and the attention bac
 metadata, which a graph-capable backend keeps in persistent buffers.
 
 Graphs are used only with a backend that declares ``cuda_graphs``, one rank (no
-collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off.
+collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off. A
+module that cannot be captured says why through ``cuda_graph_blocker()`` (an MoE layer
+whose experts group tokens on the host, ``layers/moe.py``): then the model runs eager and
+the reason is logged.
 Their memory is measured by a capture over a one-block cache while the KV cache is
 sized, and counted there.
+
+Which steps replay a graph and why the others run eager (``step_graph_plan``; each
+replica counts them in ``DecodeGraphs.counts``, which ``benchmarks/gpu_check.py``
+reports):
+
+- a decode-only step of at most ``max_num_seqs`` rows: the graph of the next bucket;
+- a step with a row of several query tokens (a prefill, a chunk of one, or a speculative
+  verification): eager. Its token count and attention shapes vary step to step; a graph
+  would have to be piecewise (attention eager between captured pieces, per token-count
+  bucket), and such a step's GEMMs over hundreds of tokens are compute-bound, so launch
+  overhead is a small share of it. Not done;
+- whole runners run eager with several KV cache groups (a graph replays one block
+  table), TP/PP > 1 (collectives are not captured), a KV connector (its per-layer hooks
+  run on the host) or a module that says it cannot be captured (``graphs_apply``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -34,8 +52,43 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
+REPLAYED = "replayed"
+MULTI_TOKEN_ROWS = "eager: a row with several query tokens (prefill, chunk or verification)"
+TOO_MANY_ROWS = "eager: more rows than the largest captured batch"
+
+
+def step_graph_plan(batch: AttentionBatch, sizes: list[int]) -> tuple[int | None, str]:
+    """``(captured batch size, REPLAYED)`` for a step a graph replays, else ``(None, why
+    it runs eager)``. ``sizes`` are the captured batch sizes, ascending."""
+    n = len(batch.query_lens)
+    if batch.num_decodes != n:
+        return None, MULTI_TOKEN_ROWS
+    if not 0 < n <= sizes[-1]:
+        return None, TOO_MANY_ROWS
+    return next(s for s in sizes if s >= n), REPLAYED
+
+
+def capture_blockers(model: torch.nn.Module) -> list[str]:
+    """Why modules of ``model`` cannot be captured (``cuda_graph_blocker()``), each once."""
+    reasons: list[str] = []
+    for module in model.modules():
+        blocker = getattr(module, "cuda_graph_blocker", None)
+        reason = blocker() if callable(blocker) else None
+        if reason and reason not in reasons:
+            reasons.append(reason)
+    return reasons
+
+
 def graphs_apply(runner: Any) -> bool:
-    """Whether this runner's steps may be captured."""
+    """Whether this runner's steps may be captured (a module that cannot be is logged)."""
+    if runner.device.type == "cuda" and not runner.config.model.enforce_eager:
+        blockers = capture_blockers(runner.model)
+        if blockers:
+            # Asked at sizing and again at capture: said once per model.
+            if not getattr(runner.model, "_graph_blockers_logged", False):
+                logger.warning("CUDA graphs are off, the model runs eager: %s", "; ".join(blockers))
+                runner.model._graph_blockers_logged = True
+            return False
     return (
         runner.device.type == "cuda"
         and not runner.config.model.enforce_eager
@@ -58,6 +111,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.counts: Counter[str] = Counter()  # steps replayed, and eager by reason
 
     def _padded(self, batch: AttentionBatch | None, size: int) -> AttentionBatch:
         """``batch`` padded with rows that write nothing (slot -1) and read block 0; with
@@ -102,12 +156,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(runner.device)
 
     def handles(self, batch: AttentionBatch) -> bool:
-        n = len(batch.query_lens)
-        return batch.num_decodes == n and 0 < n <= self.sizes[-1]
+        size, outcome = step_graph_plan(batch, self.sizes)
+        self.counts[outcome] += 1
+        return size is not None
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> Any:
         n = len(batch.query_lens)
-        size = next(s for s in self.sizes if s >= n)
+        size, _ = step_graph_plan(batch, self.sizes)
+        assert size is not None, "run() follows handles()"
         self.runner.attn_backend.build_metadata(self._padded(batch, size))  # in place
         self.ids[:n].copy_(ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

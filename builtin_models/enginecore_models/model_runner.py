@@ -108,7 +108,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.worker_spec = worker_spec
         self.device = torch.device(device if device is not None else "cpu")
         self.parallel = parallel
-        self.block_size = config.cache.block_size
+        # Unset: the attention backend's, set when it is chosen (_make_attention_backend).
+        self.block_size = config.cache.tokens_per_block
         self.model: Any = None
         self.hf_config: Any = None
         self.dtype = torch.float32
@@ -308,11 +309,16 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             sliding_window=any(a.sliding_window is not None for a in layers),
             logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
         )
+        auto_block_size = self.config.cache.block_size is None
         backend_cls = select_attention_backend(
             spec,
             self.worker_spec.attention_backend_refs or registered_refs("attention_backend"),
             self.config.model.attention_backend,
+            auto_block_size=auto_block_size,
         )
+        if auto_block_size:
+            self.block_size = backend_cls.default_block_size
+            spec = dataclasses.replace(spec, block_size=self.block_size)
         return backend_cls(spec)
 
     def _checkpoint_max_len(self) -> int | None:

@@ -72,7 +72,7 @@ class DefaultScheduler(Scheduler):
         cache = config.cache
         self.config = config
         self.max_model_len = max_model_len
-        self.block_size = cache.block_size
+        self.block_size = cache.tokens_per_block
         self.max_num_seqs = sched.max_num_seqs
         self.chunked_prefill = sched.chunked_prefill
         budget = sched.max_num_batched_tokens
@@ -91,7 +91,7 @@ class DefaultScheduler(Scheduler):
         self.num_spec_tokens = spec.num_speculative_tokens if spec.enabled else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
-            cache.block_size,
+            cache.tokens_per_block,
             max_model_len,
             enable_caching=cache.prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,

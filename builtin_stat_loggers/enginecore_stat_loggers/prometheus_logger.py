@@ -142,7 +142,7 @@ class PrometheusStatLogger(StatLogger):
     def log_engine_initialized(self) -> None:
         cache = self.config.cache
         values = (
-            str(cache.block_size),
+            str(cache.tokens_per_block),
             "auto",  # cache_dtype: the KV cache is kept in the model's dtype
             str(cache.prefix_caching),
             str(self.num_kv_blocks or ""),

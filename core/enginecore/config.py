@@ -64,9 +64,13 @@ class ModelConfig(_Section):
             raise ValueError("max_model_len must be >= 1")
 
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where nothing asks for another size
+
+
 class CacheConfig(_Section):
-    block_size: int = 16
-    """Tokens per KV cache block."""
+    block_size: int | None = None
+    """Tokens per KV cache block; unset: the attention backend's own (16; 256 for
+    ``flash_attn``, which reads no smaller pages), chosen with the backend at start-up."""
     prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     prefix_caching_hash_algo: Literal["sha256", "builtin"] = "sha256"
@@ -80,8 +84,13 @@ class CacheConfig(_Section):
     num_blocks_override: int | None = None
     """Exact number of KV blocks (tests and benchmarks)."""
 
+    @property
+    def tokens_per_block(self) -> int:
+        """``block_size``, or 16 where it is unset and no engine has chosen it yet."""
+        return DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size
+
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -836,6 +836,9 @@ class AttentionBackend(ABC):
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(devices=("cpu",))
     #: ``auto`` prefers the supporting backend with the highest priority.
     priority: ClassVar[int] = 0
+    #: Tokens per KV block this backend is given where ``cache.block_size`` is unset
+    #: (a backend that reads only some page sizes names one it reads).
+    default_block_size: ClassVar[int] = 16
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec, *, by_name: bool = False) -> str | None:

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from enginecore import startup_log
-from enginecore.config import EngineConfig
+from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
 from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
@@ -62,6 +62,13 @@ def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] 
     return method(allow_hybrid) if method is not None else None
 
 
+def runner_block_size(worker: Any) -> int:
+    """Worker RPC: tokens per KV block of the rank's model runner (its attention backend's
+    where ``cache.block_size`` is unset)."""
+    runner = worker.model_runner
+    return int(getattr(runner, "block_size", None) or DEFAULT_BLOCK_SIZE)
+
+
 def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
     """An empty batch still matters when it carries ids the workers must drop."""
     return bool(
@@ -83,6 +90,9 @@ class EngineCore:
             config.plugins.enabled, config.plugins.disabled
         )
         self.components: Components = resolve_components(config, self.plugins)
+        if config.cache.block_size is None and self.components.worker_spec.kv_connector_ref:
+            # Engines that exchange KV blocks agree on their size: the default, not a choice.
+            config.cache.block_size = DEFAULT_BLOCK_SIZE
         # The scheduler half of a KV connector checks its settings before anything starts.
         kv_connector = self._make_kv_connector()
         # Grammars compile off the loop; requests wait there until theirs is ready.
@@ -98,6 +108,10 @@ class EngineCore:
             self.components.worker_spec,
         )
         try:
+            if config.cache.block_size is None:  # the attention backend's, as the runners chose
+                config.cache.block_size = int(
+                    self.executor.collective_rpc(runner_block_size, unique_reply_rank=0)
+                )
             # 2. profile memory and size the KV cache; 3. the scheduler knows its blocks.
             self.kv_cache_groups = self._kv_cache_groups(kv_connector)
             self.max_model_len, self.num_blocks = self._initialize_kv_cache()
@@ -139,7 +153,7 @@ class EngineCore:
             "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
             self.startup_seconds,
             self.num_blocks,
-            config.cache.block_size,
+            config.cache.tokens_per_block,
             self.max_model_len,
             ", ".join(f"{k}={v}" for k, v in self.components.providers.items()),
         )
@@ -179,7 +193,7 @@ class EngineCore:
     def _longest_request_tokens(self, usable_blocks: int, max_model_len: int) -> int:
         """The longest request the cache holds alone. A sliding group holds at most its
         window and one step's tokens; a full-attention group every position."""
-        bs = self.config.cache.block_size
+        bs = self.config.cache.tokens_per_block
         groups = self.kv_cache_groups or [None]
         sched = self.config.scheduler
         step_tokens = sched.max_num_batched_tokens or (
@@ -232,7 +246,7 @@ class EngineCore:
             )
             max_model_len = capacity
         startup_log.logger.info(
-            "allocating the KV cache: %d blocks of %d tokens", num_blocks, cache.block_size
+            "allocating the KV cache: %d blocks of %d tokens", num_blocks, cache.tokens_per_block
         )
         self.executor.initialize_cache(num_blocks)
         return max_model_len, num_blocks
@@ -241,7 +255,7 @@ class EngineCore:
         return {
             "max_model_len": self.max_model_len,
             "num_blocks": self.num_blocks,
-            "block_size": self.config.cache.block_size,
+            "block_size": self.config.cache.tokens_per_block,
             "components": dict(self.components.providers),
             "startup_seconds": self.startup_seconds,
         }
@@ -252,7 +266,7 @@ class EngineCore:
         return EngineCoreReadyResponse(
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
-            block_size=self.config.cache.block_size,
+            block_size=self.config.cache.tokens_per_block,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             components=dict(self.components.providers),
             pid=os.getpid(),

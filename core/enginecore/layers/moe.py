@@ -6,6 +6,13 @@ an expert that got no token costs nothing); the outputs are weighted and summed 
 into their tokens with one ``index_add_``. Nothing computes every expert over every
 token.
 
+That loop needs each expert's token count on the host (one sync per layer), which a CUDA
+graph cannot capture and which stalls a GPU's queue. On a GPU (``grouping == "device"``,
+chosen where the layer is built on CUDA with Triton importable) the experts run from
+``moe_grouped``: tokens grouped on the device in fixed-shape tiles and multiplied by a
+Triton grouped GEMM (``enginecore_gpu.moe_kernels``), with no host sync. The CPU keeps
+the loop, which is faster there.
+
 Tensor parallelism shards every expert's intermediate dimension across the TP ranks (as
 the dense MLP's column/row split): each rank holds ``[E, 2 * I / tp, H]`` and
 ``[E, H, I / tp]`` and the partial outputs are all-reduced once.
@@ -28,6 +35,20 @@ from enginecore.distributed import ParallelContext
 from enginecore.layers.activation import act_and_mul, get_activation
 from enginecore.layers.parallel import divide, tp_all_reduce
 from enginecore.layers.weights import default_weight_loader, set_weight_attrs
+
+
+def default_grouping(device: torch.device) -> str:
+    """How experts on ``device`` group their tokens: ``"device"`` (``moe_grouped``: no host
+    sync, capture-safe) on CUDA/ROCm with Triton importable, else ``"loop"`` (each expert's
+    count on the host, one GEMM pair per expert with work: the CPU's faster path)."""
+    if device.type != "cuda":
+        return "loop"
+    try:
+        import enginecore_gpu.moe_kernels  # noqa: F401  (the kernel: triton and builtin_gpu)
+    except ImportError:
+        return "loop"
+    return "device"
+
 
 # checkpoint projection of one expert -> (fused parameter, part)
 _EXPERT_PROJECTIONS = {
@@ -104,6 +125,7 @@ class FusedMoE(nn.Module):
         self.intermediate = intermediate_size
         self.local = divide(intermediate_size, parallel.tp_size, "moe intermediate size")
         self.activation = get_activation(hidden_act)
+        self.grouping = default_grouping(torch.get_default_device())
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * self.local, hidden_size, dtype=dtype),
             requires_grad=False,
@@ -156,8 +178,23 @@ class FusedMoE(nn.Module):
         out = self.experts(x, weights, ids)
         return tp_all_reduce(out, self.parallel)
 
+    def cuda_graph_blocker(self) -> str | None:
+        """Why a CUDA graph cannot capture this layer (None: it can)."""
+        if self.grouping == "device":
+            return None
+        return (
+            "the MoE layer groups tokens by expert on the host (its 'loop' grouping syncs "
+            "once per layer); the capture-safe 'device' grouping needs Triton and builtin_gpu"
+        )
+
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``."""
+        if self.grouping == "device":
+            from enginecore.layers.moe_grouped import grouped_experts
+
+            return grouped_experts(
+                x, weights, ids, self.w13_weight, self.w2_weight, self.num_experts, self.activation
+            )
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
         tokens = order // self.top_k

@@ -1,11 +1,14 @@
 """Choosing the attention backend and the linear method for a model on a device.
 
 ``auto`` takes the supporting candidate with the highest ``priority``; a name chosen in
-the config must support the model, or start-up fails saying why and which would.
+the config must support the model, or start-up fails saying why and which would. Where
+``cache.block_size`` is unset each attention backend is judged at the block size it asks
+for (``default_block_size``), so ``auto`` can pick one that reads only large pages.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from enginecore.errors import ConfigError
@@ -27,28 +30,44 @@ def registered_refs(kind: str) -> dict[str, str]:
 
 
 def select_attention_backend(
-    spec: AttentionSpec, refs: dict[str, str], selected: str
+    spec: AttentionSpec, refs: dict[str, str], selected: str, *, auto_block_size: bool = False
 ) -> type[AttentionBackend]:
-    """The backend named ``selected`` (or the best for ``spec`` when ``"auto"``)."""
-    if selected != "auto":
-        if selected not in refs:
-            raise ConfigError(
-                f"attention_backend {selected!r} is not registered "
-                f"(registered: {', '.join(sorted(refs)) or 'none'})"
-            )
-        cls: type[AttentionBackend] = import_ref(refs[selected])
-        reason = cls.unsupported_reason(spec, by_name=True)
-        if reason is None:
-            return cls
-        able = [n for n, c in _classes(refs).items() if c.unsupported_reason(spec) is None]
+    """The backend named ``selected`` (or the best for ``spec`` when ``"auto"``). With
+    ``auto_block_size`` (``cache.block_size`` unset) each backend is judged at its own
+    ``default_block_size``, which the caller then gives it."""
+    if selected == "auto":
+        classes = _classes(refs)
+        specs = {
+            name: replace(spec, block_size=cls.default_block_size) if auto_block_size else spec
+            for name, cls in classes.items()
+        }
+        return _best_backend(classes, specs)
+    if selected not in refs:
         raise ConfigError(
-            f"attention_backend {selected!r} cannot run this model: {reason} "
-            f"(backends that can: {', '.join(sorted(able)) or 'none'})"
+            f"attention_backend {selected!r} is not registered "
+            f"(registered: {', '.join(sorted(refs)) or 'none'})"
         )
+    cls: type[AttentionBackend] = import_ref(refs[selected])
+    if auto_block_size:
+        spec = replace(spec, block_size=cls.default_block_size)
+    reason = cls.unsupported_reason(spec, by_name=True)
+    if reason is None:
+        return cls
+    able = [n for n, c in _classes(refs).items() if c.unsupported_reason(spec) is None]
+    raise ConfigError(
+        f"attention_backend {selected!r} cannot run this model: {reason} "
+        f"(backends that can: {', '.join(sorted(able)) or 'none'})"
+    )
+
+
+def _best_backend(
+    classes: dict[str, Any], specs: dict[str, AttentionSpec]
+) -> type[AttentionBackend]:
+    """The supporting backend of highest priority, each judged on its own spec."""
     reasons: dict[str, str] = {}
     best: tuple[int, str, type[AttentionBackend]] | None = None
-    for name, cls in _classes(refs).items():
-        reason = cls.unsupported_reason(spec)
+    for name, cls in classes.items():
+        reason = cls.unsupported_reason(specs[name])
         if reason is not None:
             reasons[name] = reason
         elif best is None or cls.priority > best[0]:

@@ -26,6 +26,7 @@ class StatLoggerManager:
 
     def __init__(self, config: Any, plugin_host: Any, engine_index: int = 0) -> None:
         registry = plugin_host.registry("stat_logger")
+        self.config = config
         self.loggers: list[StatLogger] = []
         self.names: list[str] = []
         self.engines: list[int | None] = []  # the replica each logger records; None: all
@@ -86,8 +87,12 @@ class StatLoggerManager:
 
     def log_engine_initialized(self, ready: Any = None) -> None:
         """``ready`` (the engine's :class:`~enginecore.protocol.EngineCoreReadyResponse`)
-        gives every logger the resolved context length and KV block count first."""
+        gives every logger the resolved context length and KV block count first (and the
+        config the block size the engine chose, where it was left unset)."""
         if ready is not None:
+            cache = getattr(self.config, "cache", None)
+            if cache is not None and cache.block_size is None:
+                cache.block_size = ready.block_size
             for stat_logger in self.loggers:
                 stat_logger.max_model_len = ready.max_model_len
                 stat_logger.num_kv_blocks = ready.num_blocks
