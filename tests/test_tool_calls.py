@@ -149,6 +149,10 @@ def test_hook_register_tool_parsers():
     registry = host.registry("tool_parser")
     assert {n: registry.entry(n).plugin for n in registry} == {
         "hermes": "builtin",
+        "llama3_json": "builtin",
+        "mistral": "builtin",
+        "pythonic": "builtin",
+        "qwen3_coder": "builtin",
         "answer_tag": "answers",
     }
     parser = registry.get("answer_tag")(None)
@@ -464,3 +468,36 @@ def test_bad_tool_settings_stop_the_server_at_startup(
             proc.kill()
     log = (tmp_path / "log").read_text()
     assert code != 0 and message in log, log
+
+
+def test_named_and_required_calls_have_empty_string_content(client):
+    """As vLLM sends them: client code written for vLLM takes len(message.content)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _chat(client, '{"city": "Paris"}', tools=[WEATHER], tool_choice=named)
+    assert out.choices[0].message.content == "" and len(out.choices[0].message.tool_calls) == 1
+    listed = '[{"name": "get_time", "parameters": {}}]'
+    out = _chat(client, listed, tools=[WEATHER, TIME], tool_choice="required")
+    assert out.choices[0].message.content == "" and len(out.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("reply", "choice"),
+    [
+        ('{"city": "Paris"}', {"type": "function", "function": {"name": "get_weather"}}),
+        ('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "required"),
+    ],
+)
+def test_a_call_cut_short_by_max_tokens_is_no_tool_call(client, reply, choice, stream):
+    """A constrained reply cut short (``{"c``) is text, never a call with broken arguments."""
+    kw = dict(tools=[WEATHER], tool_choice=choice, max_tokens=2)
+    if not stream:
+        out = _chat(client, reply, **kw)
+        assert out.choices[0].finish_reason == "length"
+        assert out.choices[0].message.tool_calls is None
+        assert reply.startswith(out.choices[0].message.content)
+        return
+    chunks = [c for c in _chat(client, reply, stream=True, **kw) if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    if choice == "required":  # read whole at the end: never announced as a call
+        assert not any(c.choices[0].delta.tool_calls for c in chunks)

@@ -43,6 +43,9 @@ def selected_components(config: EngineConfig) -> list[tuple[str, str, str]]:
             chosen.append((kind, f"model.{key}", name))
     if config.server.tool_call_parser:
         chosen.append(("tool_parser", "server.tool_call_parser", config.server.tool_call_parser))
+    if config.server.reasoning_parser:
+        name = config.server.reasoning_parser
+        chosen.append(("reasoning_parser", "server.reasoning_parser", name))
     return chosen
 
 

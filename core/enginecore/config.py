@@ -273,7 +273,11 @@ class ServerConfig(_Section):
     tool_call_parser (vLLM's --enable-auto-tool-choice)."""
     tool_call_parser: str | None = None
     """Name of the tool-call parser for chat tool calls (register_tool_parsers hook;
-    built in: "hermes")."""
+    built in: "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")."""
+    reasoning_parser: str | None = None
+    """Name of the reasoning parser that splits a reasoning model's thinking into the chat
+    reply's reasoning_content (register_reasoning_parsers hook; built in: "qwen3",
+    "deepseek_r1", "granite", "mistral")."""
     unknown_request_fields: Literal["reject", "warn"] = "reject"
     """A request field this server does not know: ``reject`` answers 400 naming it;
     ``warn`` logs it once per field name and serves the request without it (vLLM's way)."""

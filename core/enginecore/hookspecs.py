@@ -247,7 +247,25 @@ def register_tool_parsers(registry: Registry[Any]) -> None:
     The factory is called as ``factory(tokenizer)`` once per request and returns an
     :class:`enginecore.tool_parsers.ToolParser` (implement its ``parse(text,
     final)``; whole and streamed tool calls are derived from it). Selected by
-    ``server.tool_call_parser`` (flag ``--tool-call-parser``; built in: ``"hermes"``).
+    ``server.tool_call_parser`` (flag ``--tool-call-parser``; built in: ``"hermes"``,
+    ``"llama3_json"``, ``"mistral"``, ``"pythonic"``, ``"qwen3_coder"``).
+    """
+
+
+@hookspec
+def register_reasoning_parsers(registry: Registry[Any]) -> None:
+    """Register reasoning parsers for ``/v1/chat/completions`` and ``/v1/responses`` by name.
+
+    The factory is called as ``factory(tokenizer)`` once per request and returns an
+    :class:`enginecore.reasoning_parsers.ReasoningParser`: implement ``parse(text,
+    final)``, returning a ``ParsedReasoning(reasoning, content, ended)`` for the text
+    generated so far (hold back a possible marker while ``final`` is false); whole and
+    streamed ``reasoning_content`` are derived from it. ``start(prompt_tail)`` is called
+    first with the end of the rendered prompt, and ``end_markers`` name the texts after
+    which structured output applies. Most formats subclass ``ThinkTagReasoningParser``
+    and set its markers. Selected by ``server.reasoning_parser`` (flag
+    ``--reasoning-parser``; built in: ``"qwen3"``, ``"deepseek_r1"``, ``"granite"``,
+    ``"mistral"``).
     """
 
 

@@ -22,6 +22,10 @@ class StructuredOutputParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """vLLM's structural tags, as JSON text: ``{"structures": [{"begin", "schema", "end"},
     ...], "triggers": [...]}``. Text outside the tags is free; after a trigger the output
     is one of the tags, whose content follows its JSON schema."""
+    reasoning_end: list[list[int]] | None = None
+    """Token-id sequences that end a reasoning model's thinking: the constraint applies
+    only to the tokens after the first time the output contains one of them (set by the
+    server's reasoning parser; None: from the first token)."""
 
     def __post_init__(self) -> None:
         given = [

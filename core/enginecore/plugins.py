@@ -53,6 +53,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
         "builtin_structured_output",
         "builtin_stat_loggers",
         "builtin_tool_parsers",
+        "builtin_reasoning_parsers",
     )
 }
 
@@ -71,6 +72,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "structured_output_backend": "register_structured_output_backends",
     "spec_decode_proposer": "register_spec_decode_proposers",
     "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
 }
 
 LIFECYCLE_HOOKS = ("engine_started", "worker_started", "request_finished", "engine_stopped")

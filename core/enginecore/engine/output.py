@@ -128,8 +128,12 @@ class RequestState:
                 self.num_preemptions += 1
         stop_string = None
         if self.detokenizer is not None and new_ids:
-            stop_string, num_kept = self._detokenize(new_ids)
-            new_ids = new_ids[:num_kept]
+            text_ids = new_ids
+            if self._ends_on_special_stop_token(out):
+                text_ids = new_ids[:-1]  # as vLLM: the EOS is in token_ids, not in the text
+            stop_string, num_kept = self._detokenize(text_ids) if text_ids else (None, 0)
+            if stop_string is not None:
+                new_ids = new_ids[:num_kept]
         if new_ids:
             if self.times.first_token is None:
                 self.times.first_token = now
@@ -153,6 +157,18 @@ class RequestState:
         if self.finish_reason is not None:
             self.times.finished = now
         return stop_string
+
+    def _ends_on_special_stop_token(self, out: EngineCoreOutput) -> bool:
+        """Finished by EOS (or a stop token id) that is a special token, while special
+        tokens are detokenized (``skip_special_tokens`` off, as for a parser whose markers
+        are special tokens): that token's text must not end the reply."""
+        detokenizer = self.detokenizer
+        if detokenizer is None or detokenizer.skip_special_tokens:
+            return False
+        if out.finish_reason != FinishReason.STOP or isinstance(out.stop_reason, str):
+            return False
+        special = getattr(detokenizer.tokenizer, "all_special_ids", None) or ()
+        return out.new_token_ids[-1] in special
 
     def _detokenize(self, new_ids: list[int]) -> tuple[str | None, int]:
         """Detokenize a step's tokens: ``(stop string found, tokens kept)``.

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
+from enginecore.reasoning_parsers import ReasoningParser
 from enginecore.server.beam import beam_search_output, beam_search_params, single
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
@@ -23,6 +24,13 @@ from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.limits import check_prompt_tokens
 from enginecore.server.logprobs import chat_logprobs, raw_prompt_logprobs
 from enginecore.server.protocol import ChatCompletionRequest, ChatMessage, usage
+from enginecore.server.reasoning import (
+    ChoiceReasoningStream,
+    constrain_after_reasoning,
+    new_reasoning_parser,
+    reasoning_fields,
+    split_reasoning,
+)
 from enginecore.server.sampling import (
     check_max_tokens,
     check_model,
@@ -207,6 +215,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
+    reasoner = new_reasoning_parser(
+        engine.plugins.registry("reasoning_parser"),
+        ctx.limits.reasoning_parser,
+        engine.tokenizer,
+        prompt_ids,
+    )
+    params = constrain_after_reasoning(params, reasoner)
+    if any(p is not None and p.keeps_special_tokens for p in (plan.parser, reasoner)):
+        params = params.clone(skip_special_tokens=False)  # the markers are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.use_beam_search:
@@ -227,7 +244,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         search = beam_search_output(engine, request_id, prompt_ids, beam, body.n, body.priority)
         if body.stream:
             return StreamingResponse(
-                _stream(ctx, body, request_id, created, single(search), num_top, plan),
+                _stream(ctx, body, request_id, created, single(search), num_top, plan, reasoner),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -235,7 +252,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             output = await unless_disconnected(request, search)
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan))
+        return JSONResponse(
+            _response(ctx, body, request_id, created, output, num_top, plan, reasoner)
+        )
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(
         request_id,
@@ -246,7 +265,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         data_parallel_rank=requested_rank(body, request),
     )
     if body.stream:
-        stream = _stream(ctx, body, request_id, created, engine.stream(collector), num_top, plan)
+        stream = _stream(
+            ctx, body, request_id, created, engine.stream(collector), num_top, plan, reasoner
+        )
         return StreamingResponse(
             aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
@@ -264,7 +285,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         output = await unless_disconnected(request, final())
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan))
+    return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan, reasoner))
 
 
 def _response(
@@ -275,6 +296,7 @@ def _response(
     output: RequestOutput,
     num_top: int | None,
     plan: ToolPlan,
+    reasoner: ReasoningParser | None = None,
 ) -> dict[str, Any]:
     echo = _echo_text(body)
     choices = []
@@ -286,7 +308,12 @@ def _response(
             logprobs = chat_logprobs(
                 completion.logprobs, num_top, ctx.engine.tokenizer, body.return_tokens_as_token_ids
             )
-        reply, called = message(plan, completion.text)
+        reasoning, text = split_reasoning(reasoner, completion.text)
+        reply, called = message(plan, text)
+        if reasoner is not None:
+            if reasoning is not None and not reply["content"] and not called:
+                reply["content"] = None  # as vLLM: a reply that only thought has no content
+            reply.update(reasoning_fields(reasoning if body.include_reasoning else None))
         if echo and reply["content"] is not None:
             reply["content"] = echo + reply["content"]
         finish_reason = completion.finish_reason
@@ -327,6 +354,7 @@ async def _stream(
     outputs: AsyncIterator[RequestOutput],
     num_top: int | None,
     plan: ToolPlan,
+    reasoner: ReasoningParser | None = None,
 ) -> AsyncIterator[str]:
     options = body.stream_options
     include_usage = bool(options and options.include_usage)
@@ -371,6 +399,7 @@ async def _stream(
                     }
                 )
         tool_streams = {i: plan.stream() for i in range(body.n)}
+        reasoning_streams = {i: ChoiceReasoningStream(reasoner) for i in range(body.n)}
         sent_prompt_ids = False
         async for output in outputs:
             prompt_tokens = len(output.prompt_token_ids)
@@ -388,7 +417,10 @@ async def _stream(
                     )
                 tools = tool_streams[completion.index]
                 finished = completion.finish_reason is not None
-                delta = tools.delta(completion.text, finished)
+                thought, text = reasoning_streams[completion.index].feed(completion.text, finished)
+                delta = tools.delta(text, finished)
+                if thought and body.include_reasoning:
+                    delta = {**reasoning_fields(thought), **delta}
                 finish_reason = completion.finish_reason
                 if tools.called and plan.mode in ("auto", "required") and finish_reason == "stop":
                     finish_reason = "tool_calls"

@@ -47,10 +47,12 @@ def server_config(config: EngineConfig) -> EngineConfig:
 def check_tool_config(config: Any, plugins: Any) -> None:
     """Fail at start-up on a tool-calling setting that cannot work."""
     server = config.server
-    if not (server.enable_auto_tool_choice or server.tool_call_parser):
+    if not (server.enable_auto_tool_choice or server.tool_call_parser or server.reasoning_parser):
         return
     if plugins is None:
         plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+    if server.reasoning_parser:
+        plugins.registry("reasoning_parser").get(server.reasoning_parser)  # lists the names
     registry = plugins.registry("tool_parser")
     if server.enable_auto_tool_choice and not server.tool_call_parser:
         raise ConfigError(

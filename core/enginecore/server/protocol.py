@@ -194,6 +194,9 @@ class ChatCompletionRequest(SamplingFields):
     cannot be combined with ``add_generation_prompt``."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """With a reasoning parser: send the thinking (``reasoning_content``); false drops it,
+    leaving only the answer (vLLM)."""
 
 
 class ResponsesRequest(_StrictBody):

@@ -6,7 +6,9 @@ The input (a string, or message items with ``input_text`` / ``output_text`` part
 With ``store`` (the default) a response is kept in memory, at most
 :data:`MAX_STORED_RESPONSES` of them and ``server.max_stored_response_bytes`` of JSON in
 all, oldest dropped first, so that a later request can continue it with
-``previous_response_id``. Tools, images, reasoning and the other parts
+``previous_response_id``. With ``server.reasoning_parser`` set, a reasoning model's
+thinking comes back as a ``reasoning`` output item before the message (streamed as
+``response.reasoning_text.delta`` events). Tools, images and the other parts
 of the API this server does not do are a 400 naming the field.
 """
 
@@ -32,6 +34,11 @@ from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.limits import check_capacity, check_prompt_tokens
 from enginecore.server.protocol import ResponsesRequest
+from enginecore.server.reasoning import (
+    ChoiceReasoningStream,
+    new_reasoning_parser,
+    split_reasoning,
+)
 from enginecore.server.sampling import check_max_tokens, check_model
 from enginecore.server.streaming import (
     SSE_HEADERS,
@@ -101,10 +108,16 @@ def _store(request: Request) -> ResponseStore:
     return store
 
 
-def _check_unsupported(body: ResponsesRequest) -> None:
+def _check_unsupported(body: ResponsesRequest, reasoning_parser: str | None) -> None:
+    if body.reasoning is not None and not reasoning_parser:
+        raise APIError(
+            400,
+            "reasoning needs the server to run with a reasoning parser (--reasoning-parser "
+            "NAME, config key server.reasoning_parser)",
+            param="reasoning",
+        )
     given = {
         "tools": bool(body.tools),
-        "reasoning": body.reasoning is not None,
         "include": bool(body.include),
         "background": bool(body.background),
         "top_logprobs": body.top_logprobs is not None,
@@ -157,6 +170,8 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
     messages = []
     for i, item in enumerate(body.input):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue  # earlier thinking, sent back: chat templates drop it from the prompt
         if kind != "message":
             raise APIError(
                 400,
@@ -204,13 +219,27 @@ def _sampling_params(ctx: ServerContext, body: ResponsesRequest) -> SamplingPara
         raise APIError(400, str(exc)) from None
 
 
-def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def _usage(
+    input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "status": status,
+        "summary": [],
+        "content": content,
+        "encrypted_content": None,
     }
 
 
@@ -252,7 +281,7 @@ def _response(
         "output": output,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": None,
+        "reasoning": body.reasoning,
         "store": body.store,
         "temperature": body.temperature,
         "text": {"format": {"type": "text"}},
@@ -271,7 +300,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
     check_model(body.model, ctx.model_name, ctx.model_path)
-    _check_unsupported(body)
+    _check_unsupported(body, ctx.limits.reasoning_parser)
     history: list[dict[str, str]] = []
     store = _store(request)
     if body.previous_response_id is not None:
@@ -286,8 +315,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         check_max_tokens(
             body.max_output_tokens, len(prompt_ids), engine.max_model_len, "max_output_tokens"
         )
+    reasoner = new_reasoning_parser(
+        engine.plugins.registry("reasoning_parser"),
+        ctx.limits.reasoning_parser,
+        engine.tokenizer,
+        prompt_ids,
+    )
+    if reasoner is not None and reasoner.keeps_special_tokens:
+        params = params.clone(skip_special_tokens=False)  # the markers are special tokens
     response_id = f"resp_{uuid.uuid4().hex}"
     item_id = f"msg_{uuid.uuid4().hex}"
+    reasoning_id = f"rs_{uuid.uuid4().hex}"
     created = int(time.time())
     collector = engine.add_request(
         response_id,
@@ -298,22 +336,28 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     def finish(text: str, output: RequestOutput, usage: dict[str, Any]) -> dict[str, Any]:
         reason = output.outputs[0].finish_reason
-        final = _response(
-            ctx,
-            body,
-            response_id,
-            created,
-            "completed",
-            [_message_item(item_id, text, "completed")],
-            usage,
-            reason,
-        )
+        reasoning, text = split_reasoning(reasoner, text)
+        items = [_message_item(item_id, text, "completed")]
+        if reasoning:
+            items.insert(0, _reasoning_item(reasoning_id, reasoning, "completed"))
+            tokens = engine.tokenizer.encode(reasoning, add_special_tokens=False)
+            usage["output_tokens_details"]["reasoning_tokens"] = len(tokens)
+        final = _response(ctx, body, response_id, created, "completed", items, usage, reason)
         if body.store:
             store.put(final, [*conversation, {"role": "assistant", "content": text}])
         return final
 
     if body.stream:
-        stream = _stream(ctx, body, response_id, item_id, created, engine.stream(collector), finish)
+        stream = _stream(
+            ctx,
+            body,
+            response_id,
+            (reasoning_id, item_id),
+            created,
+            engine.stream(collector),
+            finish,
+            ChoiceReasoningStream(reasoner),
+        )
         return StreamingResponse(
             aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
@@ -352,27 +396,65 @@ async def _stream(
     ctx: ServerContext,
     body: ResponsesRequest,
     response_id: str,
-    item_id: str,
+    item_ids: tuple[str, str],
     created: int,
     outputs: AsyncIterator[RequestOutput],
     finish: Callable[[str, RequestOutput, dict[str, Any]], dict[str, Any]],
+    reasoning: ChoiceReasoningStream,
 ) -> AsyncIterator[str]:
-    """OpenAI's event sequence: created, in_progress, the message item and its text part
-    opened, text deltas, the text, part and item done, completed."""
+    """OpenAI's event sequence: created, in_progress; for a reasoning model the reasoning
+    item (added, its text part, reasoning text deltas, done); the message item and its text
+    part opened, text deltas, the text, part and item done; completed."""
     seq = itertools.count()
-    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    reasoning_id, item_id = item_ids
     started = _response(ctx, body, response_id, created, "in_progress", [], None)
     yield _event("response.created", next(seq), response=started)
     yield _event("response.in_progress", next(seq), response=started)
-    yield _event(
-        "response.output_item.added",
-        next(seq),
-        output_index=0,
-        item=_message_item(item_id, "", "in_progress"),
-    )
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    yield _event("response.content_part.added", next(seq), part=part, **where)
-    text = []
+    raw: list[str] = []  # the model's text, markers and all
+    thought: list[str] = []
+    text: list[str] = []
+    opened: list[str] = []  # the kinds of item opened so far, in output order
+    where: dict[str, Any] = {}
+
+    def close_reasoning() -> list[str]:
+        full = "".join(thought)
+        at = {"item_id": reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            _event("response.reasoning_text.done", next(seq), text=full, **at),
+            _event(
+                "response.content_part.done",
+                next(seq),
+                part={"type": "reasoning_text", "text": full},
+                **at,
+            ),
+            _event(
+                "response.output_item.done",
+                next(seq),
+                output_index=0,
+                item=_reasoning_item(reasoning_id, full, "completed"),
+            ),
+        ]
+
+    def open_message() -> list[str]:
+        if "reasoning" in opened:
+            events = close_reasoning()
+        else:
+            events = []
+        index = len(opened)
+        opened.append("message")
+        where.update(item_id=item_id, output_index=index, content_index=0)
+        events.append(
+            _event(
+                "response.output_item.added",
+                next(seq),
+                output_index=index,
+                item=_message_item(item_id, "", "in_progress"),
+            )
+        )
+        events.append(_event("response.content_part.added", next(seq), part=part, **where))
+        return events
+
     prompt_tokens = completion_tokens = cached = 0
     last = None
     try:
@@ -382,14 +464,42 @@ async def _stream(
             cached = output.num_cached_tokens
             completion = output.outputs[0]
             completion_tokens += len(completion.token_ids)
-            if completion.text:
-                text.append(completion.text)
+            finished = completion.finish_reason is not None
+            raw.append(completion.text)
+            piece_of_thought, piece = reasoning.feed(completion.text, finished)
+            if piece_of_thought and not opened:
+                opened.append("reasoning")
+                at = {"item_id": reasoning_id, "output_index": 0}
                 yield _event(
-                    "response.output_text.delta",
+                    "response.output_item.added",
                     next(seq),
-                    delta=completion.text,
-                    logprobs=[],
-                    **where,
+                    output_index=0,
+                    item=_reasoning_item(reasoning_id, "", "in_progress"),
+                )
+                yield _event(
+                    "response.content_part.added",
+                    next(seq),
+                    part={"type": "reasoning_text", "text": ""},
+                    content_index=0,
+                    **at,
+                )
+            if piece_of_thought and opened[-1] == "reasoning":
+                thought.append(piece_of_thought)
+                yield _event(
+                    "response.reasoning_text.delta",
+                    next(seq),
+                    delta=piece_of_thought,
+                    item_id=reasoning_id,
+                    output_index=0,
+                    content_index=0,
+                )
+            if piece:
+                if "message" not in opened:
+                    for event in open_message():
+                        yield event
+                text.append(piece)
+                yield _event(
+                    "response.output_text.delta", next(seq), delta=piece, logprobs=[], **where
                 )
     except EngineCoreError as exc:
         error = error_body(status_of(exc), str(exc))["error"]
@@ -397,15 +507,22 @@ async def _stream(
             "error", next(seq), code=str(error["code"]), message=error["message"], param=None
         )
         return
+    if "message" not in opened:
+        for event in open_message():
+            yield event
     full = "".join(text)
     yield _event("response.output_text.done", next(seq), text=full, logprobs=[], **where)
     yield _event("response.content_part.done", next(seq), part={**part, "text": full}, **where)
     yield _event(
         "response.output_item.done",
         next(seq),
-        output_index=0,
+        output_index=where["output_index"],
         item=_message_item(item_id, full, "completed"),
     )
     assert last is not None
     usage = _usage(prompt_tokens, completion_tokens, cached)
-    yield _event("response.completed", next(seq), response=finish(full, last, usage))
+    yield _event(
+        "response.completed",
+        next(seq),
+        response=finish("".join(raw), last, usage),
+    )

@@ -81,6 +81,7 @@ def plan_tools(
         assert parser_registry is not None
         plan.mode = "auto"
         plan.parser = parser_registry.get(parser_name)(tokenizer)
+        plan.parser.tools = template_tools or []
         return plan
     tool = None
     if isinstance(choice, NamedToolChoice):
@@ -159,7 +160,7 @@ def extract(plan: ToolPlan, text: str) -> ExtractedToolCalls:
         assert plan.parser is not None
         result = plan.parser.extract_tool_calls(text)
     elif plan.mode == "named":
-        result = ExtractedToolCalls(None, [ToolCall(plan.function_name or "", text.strip())])
+        result = _parse_named(plan.function_name or "", text)
     elif plan.mode == "required":
         result = _parse_required(text)
     else:
@@ -167,6 +168,16 @@ def extract(plan: ToolPlan, text: str) -> ExtractedToolCalls:
     if not plan.parallel:
         result.tool_calls = result.tool_calls[:1]
     return result
+
+
+def _parse_named(name: str, text: str) -> ExtractedToolCalls:
+    """The named function's call; none when the arguments were cut short (``length``).
+    The content is an empty string, as vLLM sends it (clients take its ``len``)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return ExtractedToolCalls(text, [])
+    return ExtractedToolCalls("", [ToolCall(name, text.strip())])
 
 
 def _parse_required(text: str) -> ExtractedToolCalls:
@@ -178,7 +189,9 @@ def _parse_required(text: str) -> ExtractedToolCalls:
         ]
     except (ValueError, TypeError, KeyError):  # cut short (length), so not valid JSON
         return ExtractedToolCalls(text, [])
-    return ExtractedToolCalls(None, calls)
+    if not calls:
+        return ExtractedToolCalls(text, [])
+    return ExtractedToolCalls("", calls)
 
 
 def message(plan: ToolPlan, text: str) -> tuple[dict[str, Any], bool]:

@@ -24,6 +24,8 @@ _REGISTRY_KIND = {
     "register_stat_loggers": "stat_logger",
     "register_kv_connectors": "kv_connector",
     "register_models": "model",
+    "register_tool_parsers": "tool_parser",
+    "register_reasoning_parsers": "reasoning_parser",
 }
 _CONFIG_EXPR = {
     "scheduling_policy": "config.scheduler.policy",
@@ -31,6 +33,8 @@ _CONFIG_EXPR = {
     "stat_logger": "config.observability.stat_loggers[-1]",
     "kv_connector": "config.kv_transfer.connector",
     "model": "config.model.path",
+    "tool_parser": "config.server.tool_call_parser",
+    "reasoning_parser": "config.server.reasoning_parser",
 }
 
 
@@ -84,6 +88,17 @@ def render(kind_name: str, names: PluginNames) -> dict[str, str]:
             f"A checkpoint selects it: its `config.json` names the architecture, "
             f'`"architectures": ["{names.component}"]`, and the torch model runner builds '
             f"`{names.cls}` for it:\n\n```bash\nenginecore serve CHECKPOINT_DIR\n```"
+        )
+    elif registry_kind in ("tool_parser", "reasoning_parser"):
+        flags = (
+            f"--enable-auto-tool-choice --tool-call-parser {names.component}"
+            if registry_kind == "tool_parser"
+            else f"--reasoning-parser {names.component}"
+        )
+        use_section = (
+            "The OpenAI-compatible server uses it:\n\n```bash\n"
+            f"enginecore serve MODEL {flags}\n```\n\nor in a config file:\n\n```toml\n"
+            f"# engine.toml\n{select.rstrip()}\n```"
         )
     else:
         use_section = (
@@ -165,6 +180,12 @@ def add_plugin_new_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
         description="Write a plugin package that installs with pip and passes its tests.",
     )
     new.add_argument("name", help="distribution name, e.g. enginecore-fair")
-    new.add_argument("--kind", required=True, choices=sorted(KINDS), help="what it provides")
+    new.add_argument(
+        "--kind",
+        required=True,
+        choices=sorted(KINDS),
+        type=lambda kind: kind.replace("_", "-"),  # tool_parser as well as tool-parser
+        help="what it provides",
+    )
     new.add_argument("--dir", help="where to write it (default: ./NAME)")
     new.set_defaults(func=cmd_plugin_new)

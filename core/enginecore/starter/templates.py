@@ -691,3 +691,8 @@ KINDS: dict[str, Kind] = {
         test=MODEL_TEST,
     ),
 }
+
+# The parser kinds live in their own module (it imports the shared pieces above).
+from enginecore.starter.parser_templates import PARSER_KINDS  # noqa: E402
+
+KINDS.update(PARSER_KINDS)

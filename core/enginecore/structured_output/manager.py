@@ -52,6 +52,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._waiting: dict[str, tuple[Request, Future[Any]]] = {}
         self.grammars: dict[str, StructuredOutputGrammar] = {}
+        # Requests whose output is still reasoning: unconstrained until the end marker.
+        self.reasoning: dict[str, ReasoningGate] = {}
         self._words = 0  # bitmask width in int32 words, known once the backend is built
 
     # --- backend and compilation --------------------------------------------------------
@@ -125,6 +127,9 @@ class StructuredOutputManager:
                 request.status = RequestStatus.FINISHED_ERROR
                 failed.append((request, compile_error_message(request, exc)))
                 continue
+            spec = request.sampling_params.structured_output
+            if spec is not None and spec.reasoning_end:
+                self.reasoning[request_id] = ReasoningGate(spec.reasoning_end)
             request.status = RequestStatus.WAITING
             ready.append(request)
         return ready, failed
@@ -138,6 +143,7 @@ class StructuredOutputManager:
                 waiting[0].status = status
                 finished.append(waiting[0])
             self.grammars.pop(request_id, None)
+            self.reasoning.pop(request_id, None)
         return finished
 
     def waiting_ids(self) -> list[str]:
@@ -162,7 +168,7 @@ class StructuredOutputManager:
         for request_id in request_ids:
             grammar = self.grammars.get(request_id)
             tokens = drafts.get(request_id, ())
-            if grammar is None:  # finished while this batch was planned
+            if grammar is None or request_id in self.reasoning:  # unconstrained rows
                 row += 1 + len(tokens)
                 continue
             advanced = 0
@@ -199,6 +205,15 @@ class StructuredOutputManager:
             if grammar is None or i is None or not sampled[i]:
                 continue
             tokens = sampled[i]
+            gate = self.reasoning.get(request_id)
+            if gate is not None:
+                answer = gate.after_end(tokens)
+                if answer is None:
+                    continue  # still reasoning
+                del self.reasoning[request_id]
+                if not answer:
+                    continue
+                tokens = answer
             if not grammar.accept_tokens(tokens):
                 del grammars[request_id]
                 message = f"the {self.backend_name!r} grammar rejected sampled tokens {tokens}"
@@ -213,12 +228,32 @@ class StructuredOutputManager:
             for output in client_outputs.outputs:
                 if output.finish_reason is not None:
                     self.grammars.pop(output.request_id, None)
+                    self.reasoning.pop(output.request_id, None)
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._backend is not None:
             self._backend.shutdown()
+
+
+class ReasoningGate:
+    """Watches a reasoning request's sampled tokens for an end-of-reasoning sequence."""
+
+    def __init__(self, ends: list[list[int]]) -> None:
+        self.ends = [list(end) for end in ends if end]
+        self.keep = max((len(end) for end in self.ends), default=1) - 1
+        self.recent: list[int] = []  # the last tokens seen, as many as a marker could span
+
+    def after_end(self, tokens: list[int]) -> list[int] | None:
+        """The tokens after the first complete end sequence; None while there is none."""
+        window = self.recent + list(tokens)
+        for start in range(len(window)):
+            for end in self.ends:
+                if window[start : start + len(end)] == end:
+                    return window[start + len(end) :]
+        self.recent = window[len(window) - self.keep :] if self.keep else []
+        return None
 
 
 def compile_error_message(request: Request, exc: BaseException) -> str:

@@ -42,6 +42,8 @@ _CONTRACTS = {
     "SpecDecodeProposerContract": "enginecore.testing.spec_decode_contract",
     "AttentionBackendContract": "enginecore.testing.attention_backend_contract",
     "LinearMethodContract": "enginecore.testing.linear_method_contract",
+    "ToolParserContract": "enginecore.testing.tool_parser_contract",
+    "ReasoningParserContract": "enginecore.testing.reasoning_parser_contract",
 }
 
 
@@ -66,8 +68,10 @@ __all__ = [
     "ExecutorContract",
     "KVConnectorContract",
     "ModelRunnerContract",
+    "ReasoningParserContract",
     "SchedulerContract",
     "SchedulingPolicyContract",
     "SpecDecodeProposerContract",
     "StatLoggerContract",
+    "ToolParserContract",
 ]

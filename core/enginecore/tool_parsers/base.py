@@ -56,12 +56,31 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def held_back(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could be the start of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
 class ToolParser(abc.ABC):
     """Base class of tool-call parsers. Factories registered with ``register_tool_parsers``
     are called as ``factory(tokenizer)`` once per request."""
 
+    #: The format's markers are special tokens (Mistral's ``[TOOL_CALLS]``): the reply is
+    #: detokenized with them (``skip_special_tokens`` off) so the parser can see them.
+    keeps_special_tokens: bool = False
+
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
+        #: The request's ``tools`` (OpenAI's dicts), set by the server before the first
+        #: :meth:`parse`: formats that write arguments as text use their JSON schemas.
+        self.tools: list[dict[str, Any]] = []
+
+    def new_call_id(self) -> str:
+        """A fresh tool-call id; override where the model family expects its own shape."""
+        return new_tool_call_id()
 
     @abc.abstractmethod
     def parse(self, text: str, final: bool) -> ParsedText:
@@ -78,7 +97,11 @@ class ToolParser(abc.ABC):
         parsed = self.parse(text, final=True)
         if not parsed.calls or any(c.invalid or c.name is None for c in parsed.calls):
             return ExtractedToolCalls(content=text, tool_calls=[])
-        calls = [ToolCall(c.name, c.arguments or "{}") for c in parsed.calls if c.name is not None]
+        calls = [
+            ToolCall(c.name, c.arguments or "{}", self.new_call_id())
+            for c in parsed.calls
+            if c.name is not None
+        ]
         return ExtractedToolCalls(content=parsed.content or None, tool_calls=calls)
 
 
@@ -107,6 +130,11 @@ class ToolCallStream:
         self.text += delta_text
         parsed = self.parser.parse(self.text, final)
         delta: dict[str, Any] = {}
+        spoiled = any(c.invalid or c.name is None for c in parsed.calls)
+        if final and spoiled and not self.sent_calls:
+            # As a whole response: a reply with a malformed call is all content (the
+            # content sent so far is the start of the text, in every format).
+            parsed = ParsedText(content=self.text)
         if len(parsed.content) > self.sent_content:
             delta["content"] = parsed.content[self.sent_content :]
             self.sent_content = len(parsed.content)
@@ -116,7 +144,7 @@ class ToolCallStream:
                 break  # calls are streamed in order: wait for this one
             item: dict[str, Any] = {"index": index}
             if index == len(self.sent_calls):
-                sent = _SentCall(new_tool_call_id())
+                sent = _SentCall(self.parser.new_call_id())
                 self.sent_calls.append(sent)
                 item.update(id=sent.id, type="function", function={"name": call.name})
                 item["function"]["arguments"] = ""
