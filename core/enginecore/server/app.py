@@ -75,7 +75,11 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
     # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
     server = config.server
-    app.add_middleware(ClientQuota, limit=server.max_pending_requests_per_client)
+    app.add_middleware(
+        ClientQuota,
+        limit=server.max_pending_requests_per_client,
+        rank_requests=config.scheduler.policy == "fair_share",
+    )
     app.add_middleware(UnknownFieldsPolicyMiddleware, policy=server.unknown_request_fields)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)

@@ -8,9 +8,9 @@ address: raise the limit there).
 Beyond ``server.max_pending_requests_per_client`` a new generation request from that
 client is answered 429 with ``Retry-After`` before it is parsed; its request counts until
 its response has been sent in full (a stream: until it ends or the client disconnects).
-Each admitted request also carries its rank among that client's pending requests
-(``client_rank`` in ``SamplingParams.extra``), which the ``fair_share`` scheduling policy
-orders by, interleaving clients.
+Under the ``fair_share`` scheduling policy each admitted request also carries its rank
+among that client's pending requests (``client_rank`` in ``SamplingParams.extra``), which
+the policy orders by, interleaving clients; other policies leave ``extra`` as sent.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def client_key(scope: dict[str, Any]) -> str:
 class ClientQuota:
     """ASGI middleware: at most ``limit`` unfinished generation requests per client."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, rank_requests: bool = False) -> None:
         self.app = app
         self.limit = limit
+        self.rank_requests = rank_requests
         self.pending: Counter[str] = Counter()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -56,7 +57,7 @@ class ClientQuota:
             await _too_many(send, held, self.limit)
             return
         self.pending[key] = held + 1
-        token = current_client.set((key, held))
+        token = current_client.set((key, held) if self.rank_requests else None)
         try:
             await self.app(scope, receive, send)
         finally:
