@@ -9,8 +9,8 @@ BUILTINS := $(sort $(wildcard builtin_*))
 
 $(STAMP): pyproject.toml $(wildcard builtin_*/pyproject.toml) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip "setuptools>=70" wheel
-	# The CPU build of torch that lies on this machine's disk; pyproject's range admits it.
+	$(PY) -m pip install --quiet --upgrade pip "setuptools>=77" wheel
+	# torch's CPU build (pyproject's range admits it; a local wheel index serves it offline).
 	$(PY) -m pip install --quiet torch==2.13.0
 	# [ray]: the optional Ray executor, so its tests run too (one ~80 MB wheel, few deps).
 	# [bench]: matplotlib, for the benchmark plots and their tests.
@@ -31,6 +31,8 @@ lint: install
 	$(VENV)/bin/vulture
 	# Types: the package enginecore is checked strictly (pyproject's [tool.mypy]).
 	$(VENV)/bin/mypy
+	# Layering: the contracts of pyproject's [tool.importlinter].
+	$(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff format .

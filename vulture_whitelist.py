@@ -58,7 +58,6 @@ prefill_time
 mean_tpot
 all_stop_token_ids
 num_waiting_for_remote_kvs
-START_DP_WAVE  # reserved message tag, documented in docs/data_parallel.md
 description  # OpenAI schema fields accepted on requests (pydantic)
 guided_json
 guided_regex

@@ -439,7 +439,7 @@ def decode_steps(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> No
 
 def random_blocks(kind: str, n: int, k: int, device: str) -> Any:
     """A random weight [n, k] in the ``gguf_triton`` method's block layout."""
-    from enginecore_cpu.gguf_blocks import BlockWeight
+    from enginecore.block_formats.gguf_blocks import BlockWeight
 
     gen = torch.Generator(device=device).manual_seed(0)
     blocks = (n, k // 32)

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from enginecore.block_formats import kquant_blocks
 from enginecore.testing.quantizers import quantize_k
-from enginecore_cpu import cpu_kernels, kquant_blocks, kquant_kernels, quant_kernels
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 
 REFERENCE = Path(__file__).parents[1] / "tests" / "kquant_byte_reference.c"
 

@@ -32,10 +32,10 @@ from enginecore.checkpoints import find_demo_gguf
 from enginecore.layers import LinearBase, use_linear_method
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.quantized import QuantizedTensor
+from enginecore.layers.torch_attention import TorchAttentionBackend
 from enginecore.plugins import make_plugin_manager
 from enginecore.testing import quantizers
 from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
-from enginecore_attention.torch_backend import TorchAttentionBackend
 from enginecore_cpu import gguf_linear_method
 from enginecore_cpu.gguf_linear_method import GGUFLinearMethod
 from enginecore_models.group_quant import GroupQuantConfig, iter_group_quantized

@@ -11,6 +11,9 @@ import pytest
 # installed: the tests that install them run those (test_backend_plugins.py).
 collect_ignore = ["plugins"]
 
+# enginecore's conformance kit: its contracts and fixtures (loaded only when named).
+pytest_plugins = ["enginecore.testing"]
+
 CheckpointFactory = Callable[..., pathlib.Path]
 
 

@@ -14,6 +14,9 @@ import openai
 import pytest
 from serve_process import free_port, start_cli, stop, wait_healthy
 
+from enginecore.engine.preflight import reserve_port
+from enginecore.errors import ConfigError
+
 
 def _serve(args: list[str], timeout: float = 120) -> tuple[int, str, float]:
     started = time.monotonic()
@@ -60,6 +63,20 @@ def test_a_port_in_use_is_found_before_the_engine_starts(tiny_llama):
     assert code == 2, output
     assert f"port {port} on 127.0.0.1 is already in use" in output
     assert "listening on" not in output and "Traceback" not in output, output
+
+
+def test_a_second_server_starting_beside_the_first_is_refused_its_port():
+    """Two servers started within one start-up window: the port the first one reserved
+    while its engine loads is refused to the second at once (SO_REUSEADDR lets two bound,
+    non-listening sockets share a port on Linux: the second would load and never serve)."""
+    first = reserve_port("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is already in use"):
+            reserve_port("127.0.0.1", port).close()
+    finally:
+        first.close()
+    reserve_port("127.0.0.1", port).close()  # once the first lets go, the port is free
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ plugin without costing anything to test runs that do not use it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -172,18 +173,13 @@ KIT_USER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(
-    ("args", "autoload"),
-    [((), True), (("-p", "enginecore.testing"), True), (("-p", "enginecore.testing"), False)],
-)
-def test_the_kit_is_a_pytest_plugin(tmp_path, args, autoload):
-    """Found through ``pytest11``, or named with ``-p`` when autoloading is off."""
+def _run_kit_user(tmp_path, args: tuple[str, ...], autoload: bool) -> subprocess.CompletedProcess:
     (tmp_path / "test_kit_user.py").write_text(KIT_USER)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
     if not autoload:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=tmp_path,
         capture_output=True,
@@ -191,8 +187,30 @@ def test_the_kit_is_a_pytest_plugin(tmp_path, args, autoload):
         env=env,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("autoload", [True, False])
+def test_the_kit_loads_when_named_with_p(tmp_path, autoload):
+    result = _run_kit_user(tmp_path, ("-p", "enginecore.testing"), autoload)
     assert result.returncode == 0, result.stdout + result.stderr
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_the_kit_loads_from_a_conftest(tmp_path):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["enginecore.testing"]\n')
+    result = _run_kit_user(tmp_path, (), autoload=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_the_kit_is_not_loaded_into_every_pytest_run(tmp_path):
+    """Installing enginecore adds nothing to another project's pytest: no ``pytest11``
+    entry point, so the kit's fixtures exist only where the kit is named."""
+    result = _run_kit_user(tmp_path, (), autoload=True)
+    assert result.returncode != 0
+    assert "fixture 'enginecore_config_overrides' not found" in result.stdout
+    entry_points = importlib.metadata.entry_points(group="pytest11")
+    assert not [ep for ep in entry_points if ep.value.startswith("enginecore")]
 
 
 def test_loading_the_kit_imports_nothing_heavy():

@@ -63,6 +63,9 @@ def test_utilities_and_a_utility_that_raises(llm) -> None:
         llm.collective_rpc("nope")
     with pytest.raises(UtilityError, match="not a utility method"):
         llm.engine_client.call_utility("shutdown")
+    # A name once listed with no method behind it: refused like any unknown name.
+    with pytest.raises(UtilityError, match="'profile' is not a utility method"):
+        llm.engine_client.call_utility("profile")
 
     def fails(worker):
         raise RuntimeError("rank-side failure")
@@ -299,7 +302,7 @@ def test_engine_startup_failure_is_reported_with_its_cause(tmp_path) -> None:
 
 def test_a_rank_error_keeps_its_type_and_rank_across_the_process_boundary(llm) -> None:
     """docs/executors.md promises RankError whatever the process mode."""
-    from enginecore_executors.rpc import RankError
+    from enginecore.errors import RankError
 
     def fails(worker):
         raise KeyError("missing shard")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from enginecore.block_formats import gguf_blocks
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import (
     MergedColumnParallelLinear,
@@ -18,7 +19,7 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.testing import LinearMethodContract
-from enginecore_cpu import gguf_blocks, quant_kernels
+from enginecore_cpu import quant_kernels
 from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS
 
 gguf_quants = pytest.importorskip("gguf.quants")

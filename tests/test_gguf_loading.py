@@ -29,8 +29,8 @@ def test_demo_gguf_logits_equal_transformers(model_refs):
 
     from enginecore.checkpoints import find_demo_gguf
     from enginecore.engine.tokenizer import gguf_tokenizer
+    from enginecore.layers.torch_attention import TorchAttentionBackend
     from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
-    from enginecore_attention.torch_backend import TorchAttentionBackend
     from enginecore_models.weight_loader import (
         iter_weights,
         load_hf_config,

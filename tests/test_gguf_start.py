@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from enginecore.block_formats.gguf_reader import GGUFMetadata, SkippedStrings
 from enginecore_models.gguf_archs import dequantized
-from enginecore_models.gguf_reader import GGUFMetadata, SkippedStrings
 from tests.gguf_writer import write_gguf
 
 gguf = pytest.importorskip("gguf")

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton ships wheels for Linux only")
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats import parts as block_parts
+from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.distributed import SINGLE_RANK
 from enginecore.errors import ConfigError
 from enginecore.layers.linear import (
@@ -45,8 +48,6 @@ from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.selection import registered_refs, select_linear_method
 from enginecore.testing import LinearMethodContract
 from enginecore.testing.quantizers import quantize_groups, quantize_k
-from enginecore_cpu import gguf_blocks, gguf_linear_method, kquant_blocks
-from enginecore_cpu.gguf_blocks import BlockWeight
 from enginecore_gpu import block_kernels, block_linear_method
 from enginecore_gpu.block_linear_method import GGUFTritonLinearMethod
 from enginecore_models.model_runner import linear_method_name
@@ -98,9 +99,9 @@ def group_tensor(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
 def blocks_of(fmt: str, out: int, k: int, seed: int = 0) -> BlockWeight:
     weight = torch.randn(out, k, generator=torch.Generator().manual_seed(seed))
     if fmt == "int8":
-        return gguf_linear_method.per_channel_q8(weight)
+        return block_parts.per_channel_q8(weight)
     if fmt in GROUP_FORMATS:
-        return gguf_linear_method.unpacked(group_tensor(weight, fmt))
+        return block_parts.unpacked(group_tensor(weight, fmt))
     part = block_linear_method.block_weight(gguf_tensor(weight, fmt))
     assert part is not None
     return part
@@ -293,7 +294,7 @@ def test_method_keeps_blocks_and_multiplies_them(fmt: str, dtype: torch.dtype, m
     assert first == 0 and part.bits == (8 if fmt == "Q8_0" else 4)
     assert part.m.numel() == (1 if part.bits == 8 else part.d.numel())  # no offsets for 8 bits
     assert layer.weight.numel() == 0
-    reference = gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded))
+    reference = block_parts.dequantized_part(block_parts.unpacked(loaded))
     for rows in (1, 5, 65, 200):
         x = torch.randn(2, rows, k).to(dtype)
         got = layer(x)
@@ -318,9 +319,7 @@ def test_a_reload_replaces_blocks_and_floats():
         )
         params["weight"].weight_loader(params["weight"], loaded)
         layer.linear_method.process_weights_after_loading(layer)
-        check_product(
-            layer(x), x, gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded))
-        )
+        check_product(layer(x), x, block_parts.dequantized_part(block_parts.unpacked(loaded)))
     dense = torch.randn(16, 64)
     params["weight"].weight_loader(params["weight"], dense)
     layer.linear_method.process_weights_after_loading(layer)
@@ -372,7 +371,7 @@ def test_fused_qkv_with_mixed_formats_runs_once_per_kind():
     for shard, rows, fmt in (("q", 64, "Q4_1"), ("k", 32, "Q4_1"), ("v", 32, "Q8_0")):
         loaded = gguf_tensor(torch.randn(rows, 64), fmt)
         params["weight"].weight_loader(params["weight"], loaded, shard)
-        parts.append(gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(loaded)))
+        parts.append(block_parts.dequantized_part(block_parts.unpacked(loaded)))
     layer.linear_method.process_weights_after_loading(layer)
     assert [(first, part.bits) for first, part in layer.gguf_blocks] == [(0, 4), (96, 8)]
     x = torch.randn(2, 64)
@@ -394,7 +393,7 @@ def test_a_shard_in_float_makes_the_layer_float():
     params["weight"].weight_loader(params["weight"], up, 1)
     layer.linear_method.process_weights_after_loading(layer)
     assert getattr(layer, "gguf_blocks", None) is None
-    gate_dq = gguf_linear_method.dequantized_part(gguf_linear_method.unpacked(gate))
+    gate_dq = block_parts.dequantized_part(block_parts.unpacked(gate))
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat([gate_dq, up])))
 
@@ -475,7 +474,7 @@ def test_awq_and_int8_on_cuda_select_gguf_triton(tiny_llama):
 
 def test_int8_without_the_gpu_method_is_refused_naming_it(tiny_llama):
     refs = {k: v for k, v in registered_refs("linear_method").items() if k != "gguf_triton"}
-    with pytest.raises(ConfigError, match="'gguf_triton'"):
+    with pytest.raises(ConfigError, match="none serves cuda"):
         linear_method_name(
             _config(quantization="int8"),
             str(tiny_llama),

@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import torch
 
+from enginecore.layers.torch_attention import TorchAttentionBackend
 from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
-from enginecore_attention.torch_backend import TorchAttentionBackend
 from enginecore_models.weight_loader import (
     MissingWeightsError,
     UnknownArchitectureError,

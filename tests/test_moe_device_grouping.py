@@ -25,10 +25,9 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="triton ships wheels for Linux only")
 
 from enginecore.distributed import ParallelContext
-from enginecore.layers import moe_grouped
+from enginecore.layers import moe_grouped, moe_kernels
 from enginecore.layers.moe import FusedMoE, default_grouping, route
 from enginecore.testing.host_sync import HostSyncError, forbid_host_sync
-from enginecore_gpu import moe_kernels
 from enginecore_models.cuda_graphs import capture_blockers, graphs_apply
 
 if not moe_kernels.is_interpreted():  # imported earlier in this process without the flag
@@ -165,7 +164,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from enginecore_gpu import moe_kernels as mg
+from enginecore.layers import moe_kernels as mg
 
 for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
     for act, block_m, in_fp32, precision in (("bf16", 16, False, "tf32"),

@@ -15,8 +15,8 @@ import torch
 
 from enginecore.interfaces import AttentionSpec
 from enginecore.layers import Attention
+from enginecore.layers.torch_attention import prefill_runs, write_kv
 from enginecore.testing.attention_steps import make_batch
-from enginecore_attention.torch_backend import prefill_runs, write_kv
 from enginecore_cpu import cpu_kernels, panel_gemm
 from enginecore_cpu.attention import CpuAttentionBackend
 

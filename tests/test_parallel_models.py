@@ -33,8 +33,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def no_cache_context(model, n: int):
     """The reference backend's context for one fresh prompt of ``n`` tokens, no cache."""
     from enginecore.layers import AttentionContext
+    from enginecore.layers.torch_attention import TorchAttentionBackend
     from enginecore.testing.attention_steps import spec_for_model
-    from enginecore_attention.torch_backend import TorchAttentionBackend
 
     backend = TorchAttentionBackend(spec_for_model(model, block_size=16))
     return AttentionContext(backend, backend.build_profile_metadata([n]))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from enginecore_cpu import gguf_blocks, quant_kernels
-from enginecore_cpu.gguf_blocks import BlockWeight
+from enginecore.block_formats import gguf_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
+from enginecore_cpu import quant_kernels
 
 pytestmark = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from enginecore.block_formats import kquant_blocks
+from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import QKVParallelLinear, RowParallelLinear, use_linear_method
 from enginecore.layers.quantized import QuantizedTensor
@@ -27,7 +29,6 @@ from enginecore.testing.quantizers import (
 from enginecore_cpu import (
     cpu_kernels,
     gguf_linear_method,
-    kquant_blocks,
     kquant_kernels,
     quant_kernels,
 )
@@ -36,7 +37,6 @@ from enginecore_cpu.gguf_linear_method import (
     GGUFLinearMethod,
     dequantized_part,
 )
-from enginecore_cpu.kquant_blocks import KQuantWeight
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -421,8 +421,8 @@ def _model_logits(
 ) -> tuple[torch.Tensor, Any]:
     """Logits of one forward over ``ids`` of the checkpoint at ``path``, its projections
     through the ``gguf`` method (``quantized``) or in float32."""
+    from enginecore.layers.torch_attention import TorchAttentionBackend
     from enginecore.testing.attention_steps import make_batch, spec_for_model, step_context
-    from enginecore_attention.torch_backend import TorchAttentionBackend
     from enginecore_models.models.llama import LlamaForCausalLM
     from enginecore_models.weight_loader import iter_weights, load_hf_config
 

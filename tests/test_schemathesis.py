@@ -72,6 +72,8 @@ def test_schemathesis_finds_no_server_error(tiny_llama, tmp_path) -> None:
         "--max-model-len",
         "256",
         "--enable-collective-rpc-endpoint",
+        "--enable-sleep-mode",
+        "--enable-dev-endpoints",
     )
     try:
         status, output = schemathesis(url, tmp_path, "--exclude-path-regex", CONTROLS)

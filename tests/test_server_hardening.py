@@ -24,6 +24,8 @@ def served(tiny_llama, tmp_path_factory):
     proc, url = serve(
         tiny_llama,
         log,
+        "--enable-sleep-mode",
+        "--enable-dev-endpoints",
         "--dtype",
         "float32",
         "--max-model-len",

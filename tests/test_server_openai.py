@@ -69,7 +69,7 @@ def server(tiny_llama, tmp_path_factory):
     env = dict(os.environ)
     env.update(ENGINECORE_JSONL_STATS_PATH=str(stats_path), ENGINECORE_API_KEY=API_KEY)
     flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "400"]
-    flags += ["--stat-loggers", "logging,jsonl"]
+    flags += ["--stat-loggers", "logging,jsonl", "--enable-sleep-mode", "--enable-dev-endpoints"]
     proc, url = serve(tiny_llama, log_path, *flags, env=env)
     srv = Server(url, proc, stats_path, log_path)
     yield srv

@@ -154,3 +154,16 @@ def test_tcp_sockets_admit_only_the_replicas_key(tiny_llama) -> None:
         stop_authenticator(ctx)
         ctx.term()
         intruders.term()
+
+
+def test_a_message_with_an_unknown_tag_is_dropped_and_the_engine_serves_on(tcp_engine) -> None:
+    """0x02 (once a reserved wave tag, never handled) and a tag no version uses."""
+    push, pull = tcp_engine
+    ping = MsgpackEncoder().encode((0, 7, "ping", ()))
+    for tag in (b"\x02", b"\xff"):
+        push.send_multipart([tag, *ping])
+    push.send_multipart([EngineCoreRequestType.UTILITY.value, *ping])
+    assert pull.poll(60_000), "the engine stopped reading its input"
+    reply = MsgpackDecoder(EngineCoreOutputs).decode(pull.recv_multipart())
+    assert reply.utility_output.call_id == 7 and reply.utility_output.failure_message is None
+    assert not pull.poll(500)  # the dropped messages were not answered

@@ -13,7 +13,7 @@ import enginecore
 def register_attention_backends(registry: Any) -> None:
     registry.add(
         "torch",
-        "enginecore_attention.torch_backend:TorchAttentionBackend",
+        "enginecore.layers.torch_attention:TorchAttentionBackend",
         summary="SDPA over K/V gathered from the paged cache: any device, the reference",
     )
     registry.add(

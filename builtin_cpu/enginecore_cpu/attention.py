@@ -23,12 +23,12 @@ import torch
 
 from enginecore.interfaces import AttentionCapabilities, AttentionSpec
 from enginecore.layers.attention import Attention, AttentionBatch
-from enginecore_attention.torch_backend import (
+from enginecore.layers.torch_attention import (
     AttentionGroup,
     TorchAttentionBackend,
     TorchAttentionMetadata,
 )
-from enginecore_attention.torch_backend import write_kv as torch_write_kv
+from enginecore.layers.torch_attention import write_kv as torch_write_kv
 from enginecore_cpu import cpu_kernels, panel_gemm
 from enginecore_cpu.decode_mirror import DecodeMirror
 from enginecore_cpu.fused_ops import CpuFusedOps

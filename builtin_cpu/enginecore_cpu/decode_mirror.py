@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from enginecore_attention.masks import decode_mask
+from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
 from enginecore_cpu.host_memory import zeroed
 

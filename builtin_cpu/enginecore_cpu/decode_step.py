@@ -2,8 +2,8 @@
 
 At batch 1 a step of the demo model is about 4 ms of weight reads, but the layers spend
 as much again between them: some 150 module calls and 300 ``ctypes`` calls of Python. For
-a model whose every layer this module recognizes (the Llama block of ``builtin_models``,
-or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
+a model whose classes declare the block this step computes (``enginecore.layers.decode_block``:
+the Llama block, or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
 float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
 tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
 of the same kernels in the same order, so its hidden states are the layers' bit for bit.
@@ -25,20 +25,10 @@ import numpy as np
 import torch
 
 from enginecore.layers.attention import AttentionBatch
+from enginecore.layers.decode_block import DecodeBlock, declared_block
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS
-from enginecore_models.models.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaMLP,
-    LlamaModel,
-)
-from enginecore_models.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3Model
-
-# The blocks this step computes: Llama's (Mistral, Qwen2), and Qwen3's with QK norm.
-_MODELS = (LlamaModel, Qwen3Model)
-_LAYERS = {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: Qwen3Attention}
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +170,9 @@ class FusedDecodeStep:
 
     def _record(self, model: Any, kv_caches: list[torch.Tensor]) -> _Model:
         stack = getattr(model, "model", None)
-        if type(stack) not in _MODELS:
-            raise Unsupported(f"{type(model).__name__} is not the Llama or Qwen3 block")
+        block = declared_block(stack)
+        if block is None:
+            raise Unsupported(f"{type(model).__name__} declares no fused decode block")
         if stack.parallel.tp_size != 1 or stack.parallel.pp_size != 1:
             raise Unsupported("the model is split over ranks")
         layers = list(stack.layers)
@@ -197,7 +188,7 @@ class FusedDecodeStep:
             raise Unsupported("head sizes beyond the decode attention kernel")
         inter = layers[0].mlp.down_proj.input_size
         records = [
-            self._layer(layer, cache, (heads, kv_heads, head_dim, inter), stack.norm.eps)
+            self._layer(layer, cache, block, (heads, kv_heads, head_dim, inter), stack.norm.eps)
             for layer, cache in zip(layers, kv_caches, strict=True)
         ]
         needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
@@ -223,16 +214,22 @@ class FusedDecodeStep:
         )
 
     def _layer(
-        self, layer: Any, cache: torch.Tensor, sizes: tuple[int, int, int, int], eps: float
+        self,
+        layer: Any,
+        cache: torch.Tensor,
+        block: DecodeBlock,
+        sizes: tuple[int, int, int, int],
+        eps: float,
     ) -> tuple[_Layer, list[_Part]]:
         attn, mlp = layer.self_attn, layer.mlp
         if (
-            _LAYERS.get(type(layer)) is not type(attn)
-            or type(mlp) is not LlamaMLP
+            declared_block(layer) is not block
+            or declared_block(attn) is not block
+            or declared_block(mlp) is not DecodeBlock.LLAMA
             or mlp.activation is not None
         ):
-            raise Unsupported(f"{type(layer).__name__} is not the Llama block with SiLU")
-        qk_norms = [attn.q_norm, attn.k_norm] if type(attn) is Qwen3Attention else []
+            raise Unsupported(f"{type(layer).__name__} is not the declared block with SiLU")
+        qk_norms = [attn.q_norm, attn.k_norm] if block is DecodeBlock.LLAMA_QK_NORM else []
         if (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.input_size) != sizes:
             raise Unsupported("layers of different sizes")
         if attn.attn.logits_soft_cap is not None:

@@ -29,6 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
+from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
@@ -36,24 +40,14 @@ from enginecore.layers.linear import (
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
-from enginecore_cpu import (
-    cpu_kernels,
-    gguf_blocks,
-    kquant_blocks,
-    kquant_kernels,
-    quant_kernels,
-)
-from enginecore_cpu.gguf_blocks import BlockWeight
-from enginecore_cpu.kquant_blocks import KQuantWeight
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
 
 logger = logging.getLogger(__name__)
 
 # More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
 # allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
-# Measured on the demo model's 30 layers of Q4_1 projections, weights not in cache, one
-# thread, CPU time (blocks against the packed float32 copy): 1 row 9.6 against 31 ms,
-# 8 rows 28 against 64, 16 rows 46 against 71, 32 rows 87 against 87.
+# Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
 DIRECT_MAX_ROWS = 32
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
@@ -190,37 +184,9 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         return super().apply_silu_and_mul(layer, x, bias)
 
 
-Part = BlockWeight | KQuantWeight
-
-
 def _needs_kquant(part: Part) -> bool:
     """Whether ``kquant_kernels`` multiplies ``part`` (Q5_K, Q6_K; Q4_K is ``quant_kernels``')."""
     return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
-
-
-def unpacked(tensor: QuantizedTensor) -> Part:
-    """A checkpoint's quantized tensor in the layout the kernels multiply."""
-    if tensor.format in kquant_blocks.FORMATS:
-        return kquant_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
-    return gguf_blocks.from_gguf(tensor.data, tensor.format, tensor.shape)
-
-
-def dequantized_part(part: Part) -> torch.Tensor:
-    """The float32 weight of ``part``, in torch (any device, no kernels needed)."""
-    if isinstance(part, KQuantWeight):
-        return kquant_blocks.dequantize(part)
-    return gguf_blocks.dequantize(part)
-
-
-def per_channel_q8(weight: torch.Tensor) -> BlockWeight:
-    """``weight`` [out, in] as signed bytes with one scale per output row (max |w| / 127),
-    held as Q8_0 blocks whose scales repeat along the row."""
-    out, k = weight.shape
-    scale = weight.detach().float().abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
-    qs = torch.round(weight.float() / safe).clamp(-127, 127).to(torch.int8).contiguous()
-    d = scale.unsqueeze(1).expand(out, k // gguf_blocks.BLOCK).contiguous()
-    return BlockWeight(8, qs, d, torch.zeros_like(d), (out, k))
 
 
 def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:

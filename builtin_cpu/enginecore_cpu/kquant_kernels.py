@@ -1,5 +1,5 @@
 """Loader of ``kquant_kernels.c``: products over GGUF's Q5_K and Q6_K weights as the
-``gguf`` linear method keeps them (:class:`~enginecore_cpu.kquant_blocks.KQuantWeight`),
+``gguf`` linear method keeps them (:class:`~enginecore.block_formats.kquant_blocks.KQuantWeight`),
 built as ``quant_kernels`` is and taking its quantized activations."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore_cpu import cpu_kernels, quant_kernels
-from enginecore_cpu.kquant_blocks import KQuantWeight
 from enginecore_cpu.quant_kernels import QuantizedActivations
 
 logger = logging.getLogger(__name__)

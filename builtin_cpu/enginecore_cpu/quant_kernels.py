@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
+from enginecore.block_formats.kquant_blocks import Q4_K_KIND, KQuantWeight
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.gguf_blocks import Q4_HALF_SCALES, BlockWeight
-from enginecore_cpu.kquant_blocks import Q4_K_KIND, KQuantWeight
 
 logger = logging.getLogger(__name__)
 

@@ -45,14 +45,13 @@ import msgspec
 import zmq
 
 from enginecore.config import EngineConfig
-from enginecore.errors import EngineShutdownError
+from enginecore.errors import EngineShutdownError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.runtime_dirs import make_runtime_dir
 from enginecore_executors.rpc import (
     CALL_READY,
     CALL_SHUTDOWN,
     CallGate,
-    RankError,
     WorkerDiedError,
     WorkerStartupError,
     decode_reply,

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from enginecore.config import EngineConfig
-from enginecore.errors import ConfigError, EngineShutdownError
+from enginecore.errors import ConfigError, EngineShutdownError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
@@ -49,7 +49,6 @@ from enginecore_executors.ray_placement import (
 )
 from enginecore_executors.rpc import (
     CallGate,
-    RankError,
     WorkerDiedError,
     WorkerStartupError,
     decode_call,

@@ -24,24 +24,13 @@ from typing import Any
 import cloudpickle
 
 from enginecore.errors import EngineCoreError, EngineDeadError, EngineShutdownError
+from enginecore.errors import RankError as RankError  # also importable here, as it was
 
 #: call ids below zero are control messages
 CALL_READY = -1
 CALL_SHUTDOWN = -2
 
 _CALLABLE_TAG = "__enginecore_callable__"
-
-
-class RankError(EngineCoreError):
-    """A collective_rpc call raised on one rank; the message names the rank."""
-
-    def __init__(self, rank: int, method: str, exc: BaseException | str) -> None:
-        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-        super().__init__(f"rank {rank} raised in {method}: {text}")
-        self.rank = rank
-        self.method = method
-        self.original = exc
-        self.detail = text  # what the rank raised, as text (crosses process boundaries)
 
 
 class WorkerStartupError(EngineCoreError):

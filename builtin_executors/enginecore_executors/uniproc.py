@@ -8,10 +8,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from enginecore.config import EngineConfig
-from enginecore.errors import ConfigError
+from enginecore.errors import ConfigError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.registry import import_ref
-from enginecore_executors.rpc import RankError, check_reply_rank, method_name
+from enginecore_executors.rpc import check_reply_rank, method_name
 
 __all__ = ["RankError", "UniProcExecutor", "method_name"]
 

@@ -241,9 +241,9 @@ class Worker(WorkerABC):
 
         The reservation keeps decode steps clear of the frontend's bursts (an OpenMP
         barrier waits for a preempted thread). A step prefilling many prompts at once is
-        long and comes when requests arrive together: there the second thread pays off
-        (200 requests at once run 6-15% faster on two cores), while at 8 requests a
-        second, one prompt per step, it does not (``enginecore bench serve``)."""
+        long and comes when requests arrive together: there the second thread pays off,
+        while for a steady trickle of requests, one prompt per step, it does not
+        (``enginecore bench serve``; benchmarks/RESULTS.md)."""
         big = prefill_tokens(scheduler_output) >= BURST_MIN_PREFILL_TOKENS
         threads = self.burst_threads if big else self.step_threads
         if threads != torch.get_num_threads():

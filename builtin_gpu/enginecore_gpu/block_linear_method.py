@@ -23,6 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
+from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.block_formats.parts import dequantized_part, per_channel_q8, unpacked
 from enginecore.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -31,10 +35,6 @@ from enginecore.layers.linear import (
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
-from enginecore_cpu import gguf_blocks, kquant_blocks
-from enginecore_cpu.gguf_blocks import BlockWeight
-from enginecore_cpu.gguf_linear_method import dequantized_part, per_channel_q8, unpacked
-from enginecore_cpu.kquant_blocks import KQuantWeight
 
 BLOCKS_ATTR = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}

@@ -2,8 +2,8 @@
 
 The scheduler sends only each step's new blocks; appending them to a request's row and
 gathering the scheduled rows costs O(requests) per step, where rebuilding the table
-from per-request lists cost O(blocks) (2.6 ms at 256 requests x 2k tokens, 81 ms at
-32k, on CPU).
+from per-request lists costs O(blocks) (benchmarks/RESULTS.md, "Other measurements
+behind the code").
 """
 
 from __future__ import annotations

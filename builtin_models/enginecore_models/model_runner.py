@@ -23,7 +23,13 @@ from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
 from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
-from enginecore.interfaces import AttentionBackend, AttentionSpec, ModelRunner, WorkerSpec
+from enginecore.interfaces import (
+    AttentionBackend,
+    AttentionSpec,
+    LinearMethod,
+    ModelRunner,
+    WorkerSpec,
+)
 from enginecore.layers import (
     Attention,
     AttentionBatch,
@@ -188,7 +194,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             raise unsupported_feature(self.hf_config, path, exc) from exc
         startup_log.logger.info("loading weights from %s", path)
         started = time.perf_counter()
-        keep = tuple(getattr(method_cls, "gguf_formats", ()))
+        keep = method_cls.gguf_formats
         model.load_weights(iter_weights(path, self.hf_config, keep))
         layers = self._weighted_layers(model)
         for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
@@ -707,10 +713,6 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.initialize_kv_cache(self.num_blocks)
 
 
-# The linear method that keeps quantized weights in their blocks, by device type.
-QUANTIZED_LINEAR_METHODS = {"cpu": "gguf", "cuda": "gguf_triton"}
-
-
 def linear_method_name(
     config: EngineConfig,
     path: str,
@@ -720,26 +722,42 @@ def linear_method_name(
     refs: dict[str, str],
 ) -> str:
     """``model.linear_method``; for ``auto``, a GGUF file, an AWQ / GPTQ checkpoint and
-    ``model.quantization: int8`` keep their weights quantized where the device's quantized
-    method (``QUANTIZED_LINEAR_METHODS``: ``gguf`` on CPU, ``gguf_triton`` on CUDA) runs
-    (unless ``model.quantization`` is ``none``)."""
+    ``model.quantization: int8`` keep their weights quantized through the registered method
+    that keeps blocks (names ``gguf_formats``) and serves the device and dtype, the highest
+    ``priority`` first (unless ``model.quantization`` is ``none``)."""
     wanted = config.model.linear_method
     quantization = config.model.quantization
     quantized = is_gguf(path) or quantization == "int8" or group_quant_config(hf_config)
     if wanted != "auto" or quantization == "none" or not quantized:
         return wanted
-    name = QUANTIZED_LINEAR_METHODS.get(device_type, "gguf")
     dtype_name = str(dtype).removeprefix("torch.")
-    reason = (
-        f"no {name!r} linear method is registered"
-        if name not in refs
-        else import_ref(refs[name]).unsupported_reason(device_type, dtype_name)
-    )
-    if reason is None:
+    name, refusals = block_linear_method(refs, device_type, dtype_name)
+    if name is not None:
         return name
     if quantization == "int8":
+        why = "; ".join(refusals) or "no registered linear method keeps weights in blocks"
         raise ConfigError(
-            f"quantization 'int8' runs through the {name!r} linear method, which does not "
-            f"serve {device_type} / {dtype_name} here: {reason}"
+            f"quantization 'int8' runs through a linear method that keeps weights in blocks, "
+            f"and none serves {device_type} / {dtype_name} here: {why}"
         )
     return wanted
+
+
+def block_linear_method(
+    refs: dict[str, str], device_type: str, dtype_name: str
+) -> tuple[str | None, list[str]]:
+    """The registered linear method with the highest ``priority`` that keeps quantized
+    weights in blocks and serves ``device_type`` / ``dtype_name`` (None if none does), and
+    why each other block-keeping method was passed over."""
+    serving: list[tuple[int, str]] = []
+    refusals: list[str] = []
+    for name, ref in refs.items():
+        method_cls: type[LinearMethod] = import_ref(ref)
+        if not method_cls.gguf_formats:
+            continue
+        reason = method_cls.unsupported_reason(device_type, dtype_name)
+        if reason is None:
+            serving.append((method_cls.priority, name))
+        else:
+            refusals.append(f"{name!r} {reason}")
+    return (max(serving)[1] if serving else None), refusals

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from enginecore.distributed import ParallelContext
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
-from enginecore_models.sampler import apply_grammar_bitmask, build_sampling_metadata
+from enginecore_models.sampler import Sampler, apply_grammar_bitmask, build_sampling_metadata
+
+if TYPE_CHECKING:
+    from enginecore_models.drafter import Drafter
+    from enginecore_models.model_runner import RequestState
 
 
 @dataclass
@@ -38,13 +43,13 @@ class SamplingPhase:
     """Needs the runner's ``requests``, ``sampler``, ``drafter``, ``parallel``, ``device``,
     ``eos_token_ids`` and the ``_step`` that ``execute_model`` left."""
 
-    requests: dict[str, Any]
-    sampler: Any
-    drafter: Any
-    parallel: Any
+    requests: dict[str, RequestState]
+    sampler: Sampler
+    drafter: Drafter | None
+    parallel: ParallelContext
     device: torch.device
     eos_token_ids: list[int]
-    _step: Any
+    _step: StepState | None
 
     def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
         """Finished prompt logprobs of requests whose first token is sampled this step."""

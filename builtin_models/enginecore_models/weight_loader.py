@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from enginecore import startup_log
+from enginecore.block_formats.gguf_reader import GGUFMetadata
 from enginecore.errors import ConfigError, UnsupportedModelError
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 from enginecore_models.checkpoint_support import SUPPORTED_WEIGHTS
 from enginecore_models.gguf_archs import dequantized, gguf_config, hf_tensors
-from enginecore_models.gguf_reader import GGUFMetadata
 from enginecore_models.group_quant import group_quant_config, iter_group_quantized
 
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from enginecore.errors import KV_TRANSFER_ERROR_PREFIX
@@ -49,6 +50,16 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in RequestStatus}
+
+
+@dataclass
+class SpecCounts:
+    """Speculative decoding since the last stats: steps with drafts, draft tokens
+    verified, draft tokens accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class DefaultScheduler(Scheduler):
@@ -135,7 +146,7 @@ class DefaultScheduler(Scheduler):
         # Speculative decoding: draft slots per decode step (0: off), and counters since
         # the last make_stats(): steps with drafts, draft tokens verified, accepted (and
         # accepted by draft position).
-        self._spec_counts = [0, 0, 0]
+        self._spec_counts = SpecCounts()
         self._spec_accepted_per_pos: list[int] = []
 
     # --- requests in and out ---------------------------------------------------------
@@ -606,9 +617,9 @@ class DefaultScheduler(Scheduler):
                 verified = runner_output.num_draft_tokens
                 num_verified = verified[index] if verified is not None else num_slots
                 if num_verified:
-                    spec_counts[0] += 1
-                    spec_counts[1] += num_verified
-                    spec_counts[2] += num_accepted
+                    spec_counts.drafts += 1
+                    spec_counts.draft_tokens += num_verified
+                    spec_counts.accepted_tokens += num_accepted
                     per_pos = self._spec_accepted_per_pos
                     per_pos.extend([0] * (num_accepted - len(per_pos)))
                     for position in range(num_accepted):
@@ -810,9 +821,9 @@ class DefaultScheduler(Scheduler):
             num_kv_loaded_tokens=self._num_kv_loaded_tokens_since_stats,
             num_prompt_tokens_computed=self._num_prompt_tokens_computed_since_stats,
             num_waiting_for_remote_kvs=len(self._waiting_for_remote),
-            spec_num_drafts=self._spec_counts[0],
-            spec_num_draft_tokens=self._spec_counts[1],
-            spec_num_accepted_tokens=self._spec_counts[2],
+            spec_num_drafts=self._spec_counts.drafts,
+            spec_num_draft_tokens=self._spec_counts.draft_tokens,
+            spec_num_accepted_tokens=self._spec_counts.accepted_tokens,
             spec_num_accepted_tokens_per_pos=self._spec_accepted_per_pos,
             num_kv_rejected_messages=self._num_kv_rejected_since_stats,
         )
@@ -820,7 +831,7 @@ class DefaultScheduler(Scheduler):
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0
-        self._spec_counts = [0, 0, 0]
+        self._spec_counts = SpecCounts()
         self._spec_accepted_per_pos = []
         return stats
 

@@ -201,8 +201,6 @@ class PrometheusStatLogger(StatLogger):
         cached = m.prompt_tokens_cached_by_source
         cached.labels(source="device", **labels).inc(s.prefix_cache_hits)
         cached.labels(source=self.connector_source, **labels).inc(s.num_kv_loaded_tokens)
-        if s.num_scheduled_tokens:
-            m.iteration_tokens.labels(**labels).observe(s.num_scheduled_tokens)
         if s.spec_num_drafts:
             m.spec_decode_num_drafts.labels(**labels).inc(s.spec_num_drafts)
             m.spec_decode_num_draft_tokens.labels(**labels).inc(s.spec_num_draft_tokens)
@@ -224,6 +222,11 @@ def _record_iteration(
 ) -> None:
     m.prompt_tokens.labels(**labels).inc(stats.num_prompt_tokens)
     m.generation_tokens.labels(**labels).inc(stats.num_generation_tokens)
+    # vLLM's definition: the prompt tokens of the requests whose prefill ended in this step
+    # plus the tokens it generated (cached prompt tokens count too, as the prompt counter).
+    m.iteration_tokens.labels(**labels).observe(
+        stats.num_prompt_tokens + stats.num_generation_tokens
+    )
     _observe_all(m.time_to_first_token.labels(**labels), stats.time_to_first_tokens)
     _observe_all(m.inter_token_latency.labels(**labels), stats.inter_token_latencies)
     _observe_all(m.request_params_n.labels(**labels), stats.n_params)

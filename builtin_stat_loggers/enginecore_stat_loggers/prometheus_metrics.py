@@ -150,7 +150,9 @@ class MetricFamilies:
             ("position",),
         )
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens scheduled per engine step.", buckets.iteration_tokens
+            "iteration_tokens_total",
+            "Prompt tokens of the prefills that ended plus tokens generated, per engine step.",
+            buckets.iteration_tokens,
         )
 
         # Tokens.

@@ -3,9 +3,10 @@ supports and its priority, so a user can see which one ``auto`` would take, and 
 
 from __future__ import annotations
 
+from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.plugins import PluginHost
 
-DESCRIBED_KINDS = ("attention_backend", "linear_method")
+DESCRIBED_KINDS = tuple(kind.name for kind in COMPONENT_KINDS if kind.described)
 
 
 def describe_component(host: PluginHost, kind: str, name: str) -> str:

@@ -7,11 +7,44 @@ import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from typing import get_args
 
 from enginecore.config import EngineConfig, add_config_flags, config_from_args
 from enginecore.errors import EngineCoreError
+from enginecore.registry import did_you_mean
+from enginecore.vllm_flags import translate as translate_vllm_flags
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--max-num-s 32`` is an error, not ``--max-num-seqs``), and an
+    unknown flag gets the closest known ones."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _all_flags(self) -> list[str]:
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += sub._all_flags() if isinstance(sub, _Parser) else []
+        return flags
+
+    def error(self, message: str) -> typing.NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = sorted(set(self._all_flags()))
+            hints = [
+                f"{arg}:{did_you_mean(arg.partition('=')[0], flags) or ' no such flag.'}"
+                for arg in message.removeprefix(prefix).split()
+                if arg.startswith("--")
+            ]
+            if hints:
+                message += " (" + " ".join(hints) + ")"
+        super().error(message)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool) -> None:
@@ -196,7 +229,9 @@ DEMO_MODEL_NAME = "enginecore-demo"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _resolve_config(args)
+    from enginecore.hub import resolve_model
+
+    config = resolve_model(_resolve_config(args))
     if not config.model.path:
         from enginecore import checkpoints
 
@@ -244,9 +279,7 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="enginecore", description="LLM inference engine core with plugins"
-    )
+    parser = _Parser(prog="enginecore", description="LLM inference engine core with plugins")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument(
         "--log-level",
@@ -292,8 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     from enginecore.cli_rpc import add_rpc_parser
     from enginecore.starter.cli import add_plugin_new_parser
 
-    add_rpc_parser(sub)
-    add_plugin_new_parser(sub)
+    # Those modules add plain argparse parsers; ours subclass it (the subparser type is
+    # invariant in typeshed, not at run time).
+    plain = typing.cast("argparse._SubParsersAction[argparse.ArgumentParser]", sub)
+    add_rpc_parser(plain)
+    add_plugin_new_parser(plain)
 
     p = sub.add_parser("config", help="configuration tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
@@ -335,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = translate_vllm_flags(sys.argv[1:] if argv is None else argv)
+    except EngineCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from enginecore.config import EngineConfig, StructuredOutputConfig
+from enginecore.component_kinds import COMPONENT_KINDS
+from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError, EngineCoreError, UnknownComponentError
 from enginecore.plugin_settings import plugin_settings
 from enginecore.registry import did_you_mean
@@ -17,36 +18,12 @@ from enginecore.registry import did_you_mean
 
 def selected_components(config: EngineConfig) -> list[tuple[str, str, str]]:
     """``(kind, config key, name)`` for every component the config names."""
-    chosen = [
-        ("scheduler", "scheduler.name", config.scheduler.name),
-        ("scheduling_policy", "scheduler.policy", config.scheduler.policy),
-        ("model_runner", "model.runner", config.model.runner),
+    return [
+        (kind.name, kind.config_key, name)
+        for kind in COMPONENT_KINDS
+        if kind.selected is not None and kind.config_key is not None
+        for name in kind.selected(config)
     ]
-    backend = config.structured_output.backend
-    if backend != StructuredOutputConfig().backend:  # the default loads only when used
-        chosen.append(("structured_output_backend", "structured_output.backend", backend))
-    if config.parallel.executor != "auto":
-        chosen.append(("executor", "parallel.executor", config.parallel.executor))
-    if config.kv_transfer.connector:
-        chosen.append(("kv_connector", "kv_transfer.connector", config.kv_transfer.connector))
-    for name in config.observability.stat_loggers:
-        chosen.append(("stat_logger", "observability.stat_loggers", name))
-    if config.speculative.speculative_method is not None:
-        method = config.speculative.speculative_method
-        chosen.append(("spec_decode_proposer", "speculative.speculative_method", method))
-    for kind, key in (
-        ("attention_backend", "attention_backend"),
-        ("linear_method", "linear_method"),
-    ):
-        name = getattr(config.model, key)
-        if name != "auto":
-            chosen.append((kind, f"model.{key}", name))
-    if config.server.tool_call_parser:
-        chosen.append(("tool_parser", "server.tool_call_parser", config.server.tool_call_parser))
-    if config.server.reasoning_parser:
-        name = config.server.reasoning_parser
-        chosen.append(("reasoning_parser", "server.reasoning_parser", name))
-    return chosen
 
 
 def check_components(config: EngineConfig, host: Any) -> None:

@@ -224,7 +224,8 @@ class ServerConfig(_Section):
     max_tokens_limit: int | None = None
     """Upper bound on a request's ``max_tokens``; null: only ``max_model_len`` bounds it."""
     max_logprobs: int = 20
-    """Largest ``logprobs`` a request may ask for."""
+    """Largest ``logprobs`` (or ``top_logprobs``, ``prompt_logprobs``) a request may ask
+    for; -1: the whole vocabulary, which a request's -1 then asks for (vLLM's -1)."""
     max_json_depth: int = 32
     """Deepest nesting of objects and arrays a request body may have."""
     max_field_bytes: int = 262144
@@ -278,6 +279,19 @@ class ServerConfig(_Section):
     """Name of the reasoning parser that splits a reasoning model's thinking into the chat
     reply's reasoning_content (register_reasoning_parsers hook; built in: "qwen3",
     "deepseek_r1", "granite", "mistral")."""
+    enable_sleep_mode: bool = False
+    """Serve POST /sleep, POST /wake_up and GET /is_sleeping (vLLM's --enable-sleep-mode);
+    off, they do not exist."""
+    enable_dev_endpoints: bool = False
+    """Serve POST /pause, POST /resume, GET /is_paused and POST /reset_prefix_cache (vLLM
+    serves them with VLLM_SERVER_DEV_MODE=1, which turns this on too); off, they do not
+    exist."""
+    enable_force_include_usage: bool = False
+    """Send ``usage`` in every streamed response, as if each asked for
+    ``stream_options.include_usage`` (vLLM's --enable-force-include-usage)."""
+    enable_server_load_tracking: bool = False
+    """Count the requests in flight for ``GET /load`` (vLLM's --enable-server-load-tracking);
+    off, ``/load`` answers 0."""
     unknown_request_fields: Literal["reject", "warn"] = "reject"
     """A request field this server does not know: ``reject`` answers 400 naming it;
     ``warn`` logs it once per field name and serves the request without it (vLLM's way)."""

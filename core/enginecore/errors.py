@@ -47,6 +47,19 @@ class EngineDeadError(EngineCoreError):
     """The engine (or one of its workers) died; every in-flight request fails with this."""
 
 
+class RankError(EngineCoreError):
+    """A collective_rpc call raised on one rank; the message names the rank. Executors raise
+    it; the engine and its clients read ``rank`` and ``detail`` (across processes too)."""
+
+    def __init__(self, rank: int, method: str, exc: BaseException | str) -> None:
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        super().__init__(f"rank {rank} raised in {method}: {text}")
+        self.rank = rank
+        self.method = method
+        self.original = exc
+        self.detail = text  # what the rank raised, as text (crosses process boundaries)
+
+
 class EngineShutdownError(EngineCoreError):
     """The engine was shut down before the request finished."""
 

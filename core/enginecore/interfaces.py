@@ -6,6 +6,7 @@ suite per ABC that a plugin author runs against their class.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from enginecore.config import EngineConfig
+    from enginecore.kv_aggregation import KVOutputAggregator
     from enginecore.params import StructuredOutputParams
     from enginecore.protocol import EngineCoreOutputs, SchedulerStats
     from enginecore.request import Request, RequestStatus
@@ -281,20 +283,16 @@ class Executor(ABC):
         )
         return output
 
-    @property
-    def kv_output_aggregator(self) -> Any:
+    @functools.cached_property
+    def kv_output_aggregator(self) -> KVOutputAggregator | None:
         """With a KV connector on several ranks: folds every rank's finished transfers
         into the output rank's output (:class:`enginecore.kv_aggregation.KVOutputAggregator`)."""
-        aggregator = self.__dict__.get("_kv_output_aggregator", False)
-        if aggregator is False:
-            aggregator = None
-            world = self.config.parallel.world_size
-            if world > 1 and self.config.kv_transfer.connector and self.gathers_all_ranks:
-                from enginecore.kv_aggregation import KVOutputAggregator
+        world = self.config.parallel.world_size
+        if world > 1 and self.config.kv_transfer.connector and self.gathers_all_ranks:
+            from enginecore.kv_aggregation import KVOutputAggregator
 
-                aggregator = KVOutputAggregator(world)
-            self.__dict__["_kv_output_aggregator"] = aggregator
-        return aggregator
+            return KVOutputAggregator(world)
+        return None
 
     def _step_call(self, method: str, arg: Any, non_block: bool) -> Any:
         aggregator = self.kv_output_aggregator
@@ -945,6 +943,11 @@ class LinearMethod(ABC):
     #: Devices and activation dtypes the method computes for.
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    #: Block formats (GGUF's type names, ``INT4_B32``) whose tensors the loader hands over
+    #: still quantized (``enginecore.layers.quantized.QuantizedTensor``); empty: every
+    #: weight arrives in floats. Under ``auto`` a quantized checkpoint is served by the
+    #: supporting method that names formats, the highest ``priority`` first.
+    gguf_formats: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config

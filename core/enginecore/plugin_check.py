@@ -17,17 +17,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
-from enginecore import interfaces
+from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.plugins import COMPONENT_HOOKS, LIFECYCLE_HOOKS, PluginHost, PluginRecord
 
 # What each registry's entries must be.
-EXPECTED_BASE: dict[str, type] = {
-    "scheduler": interfaces.Scheduler,
-    "scheduling_policy": interfaces.SchedulingPolicy,
-    "executor": interfaces.Executor,
-    "model_runner": interfaces.ModelRunner,
-    "stat_logger": interfaces.StatLogger,
-}
+EXPECTED_BASE: dict[str, type] = {k.name: k.base for k in COMPONENT_KINDS if k.base is not None}
 ALL_HOOKS = (*COMPONENT_HOOKS.values(), *LIFECYCLE_HOOKS, "plugin_api_versions")
 
 

@@ -30,6 +30,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from enginecore import hookspecs
+from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.errors import IncompatiblePluginError, PluginLoadError
 from enginecore.registry import Registry, did_you_mean, providing_plugin
 from enginecore.version import PLUGIN_API_VERSION
@@ -58,22 +59,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
 }
 
 # Component kind -> the hook that fills its registry.
-COMPONENT_HOOKS: dict[str, str] = {
-    "scheduler": "register_schedulers",
-    "scheduling_policy": "register_scheduling_policies",
-    "executor": "register_executors",
-    "model_runner": "register_model_runners",
-    "model": "register_models",
-    "attention_backend": "register_attention_backends",
-    "linear_method": "register_linear_methods",
-    "kv_connector": "register_kv_connectors",
-    "stat_logger": "register_stat_loggers",
-    "worker_rpc": "register_worker_rpcs",
-    "structured_output_backend": "register_structured_output_backends",
-    "spec_decode_proposer": "register_spec_decode_proposers",
-    "tool_parser": "register_tool_parsers",
-    "reasoning_parser": "register_reasoning_parsers",
-}
+COMPONENT_HOOKS: dict[str, str] = {kind.name: kind.hook for kind in COMPONENT_KINDS}
 
 LIFECYCLE_HOOKS = ("engine_started", "worker_started", "request_finished", "engine_stopped")
 

@@ -23,7 +23,6 @@ class EngineCoreRequestType(bytes, enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
-    START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"

@@ -13,19 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from enginecore.component_kinds import KINDS
 from enginecore.errors import EngineCoreError
 
 T = TypeVar("T")
-
-# Component kind -> the config key that selects it (for the "what to do" hint).
-SELECTED_BY = {
-    "scheduler": "scheduler.name",
-    "scheduling_policy": "scheduler.policy",
-    "executor": "parallel.executor",
-    "model_runner": "model.runner",
-    "stat_logger": "observability.stat_loggers",
-    "kv_connector": "kv_transfer.connector",
-}
 
 
 class ComponentStartupError(EngineCoreError):
@@ -69,7 +60,7 @@ def build_component(
         raise
     except Exception as exc:
         provider, plugin = describe_provider(host, kind, name)
-        key = SELECTED_BY.get(kind)
+        key = KINDS[kind].config_key if kind in KINDS else None
         hint = f" Fix the plugin, or select another {kind.replace('_', ' ')}"
         hint += f" (config key {key})." if key else "."
         raise ComponentStartupError(

@@ -28,9 +28,11 @@ from enginecore.layers import (
     vocab_parallel_logits,
 )
 from enginecore.layers.activation import act_and_mul, get_activation
+from enginecore.layers.decode_block import DecodeBlock, declares_block
 from enginecore.layers.moe import expert_checkpoint_target
 
 
+@declares_block(DecodeBlock.LLAMA)
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -98,6 +100,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+@declares_block(DecodeBlock.LLAMA)
 class LlamaMLP(nn.Module):
     """[gate | up] projection, ``act(gate) * up``, down projection (SiLU unless the config
     names another activation)."""
@@ -142,6 +145,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(fused)
 
 
+@declares_block(DecodeBlock.LLAMA)
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. Architectures with the same block and another attention or MLP
     (Qwen3's QK norm, mixture-of-experts MLPs) override ``attention_cls`` / ``make_mlp``."""
@@ -191,6 +195,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+@declares_block(DecodeBlock.LLAMA)
 class LlamaModel(nn.Module):
     """The decoder stack. Under pipeline parallelism a stage holds only its layers (the
     others are parameter-free placeholders, so parameter names stay global), the first

@@ -8,6 +8,7 @@ import torch
 
 from enginecore.distributed import ParallelContext
 from enginecore.layers import RMSNorm
+from enginecore.layers.decode_block import DecodeBlock, declares_block
 from enginecore_models.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -16,6 +17,7 @@ from enginecore_models.models.llama import (
 )
 
 
+@declares_block(DecodeBlock.LLAMA_QK_NORM)
 class Qwen3Attention(LlamaAttention):
     def __init__(
         self,
@@ -38,10 +40,12 @@ class Qwen3Attention(LlamaAttention):
         return torch.cat(qk, dim=1)  # one rotation for both
 
 
+@declares_block(DecodeBlock.LLAMA_QK_NORM)
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
 
 
+@declares_block(DecodeBlock.LLAMA_QK_NORM)
 class Qwen3Model(LlamaModel):
     decoder_layer_cls = Qwen3DecoderLayer
 

@@ -200,7 +200,7 @@ def interpreter(system: str, args: argparse.Namespace) -> str:
 
 def vocab_size(model: str) -> int:
     if model.endswith(".gguf"):  # enginecore on the same GGUF file as llama.cpp
-        from enginecore_models.gguf_reader import GGUFMetadata
+        from enginecore.block_formats.gguf_reader import GGUFMetadata
 
         return GGUFMetadata(model).vocab_size()
     config = json.loads((pathlib.Path(model) / "config.json").read_text())

@@ -24,6 +24,7 @@ from typing import Any
 
 from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
+from enginecore.engine.chat_template import Message, render_chat
 from enginecore.engine.client import start_engine
 from enginecore.engine.collector import RequestOutputCollector
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
@@ -43,8 +44,9 @@ from enginecore.errors import (
     EngineShutdownError,
     InvalidRequestError,
 )
+from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
-from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
+from enginecore.metrics.iteration import IterationStatsBuilder, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
 from enginecore.plugins import PluginHost, make_plugin_manager
@@ -57,8 +59,6 @@ logger = logging.getLogger(__name__)
 OUTPUT_CHUNK_SIZE = 128
 #: Seconds ``check_health`` waits for the engine core to answer a ping.
 HEALTH_TIMEOUT = 10.0
-
-Message = dict[str, Any]
 
 
 class RequestRejectedError(EngineCoreError):
@@ -95,7 +95,7 @@ class AsyncLLM:
     ) -> None:
         if model is not None:
             overrides["model"] = str(model)
-        self.config = make_config(config_file, base=config, **overrides)
+        self.config = resolve_model(make_config(config_file, base=config, **overrides))
         self.output_kind = OutputKind.DELTA
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
@@ -307,17 +307,8 @@ class AsyncLLM:
             if start:
                 await asyncio.sleep(0)  # a big batch yields the loop between chunks
             chunk = items[start : start + OUTPUT_CHUNK_SIZE]
-            before = {
-                out.request_id: (state, TokenTimes(state))
-                for out in chunk
-                if (state := op.states.get(out.request_id)) is not None
-            }
             errors = {out.request_id: out.error for out in chunk if out.error}
-            ready, to_abort = op.process_outputs(chunk, now)
-            for state, times in before.values():
-                builder.observe(state, times, now)
-                if state.finish_reason is not None:
-                    builder.finish(finished_request_stats(state, now), state)
+            ready, to_abort = op.process_outputs(chunk, now, builder)
             failed: list[str] = []
             for state, request_output in ready:
                 collector: RequestOutputCollector | None = state.queue
@@ -478,25 +469,16 @@ class AsyncLLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the tokenizer's chat template;
+        """Token ids of a conversation rendered by the chat template (``LLM.chat``'s path);
         ``continue_final_message`` leaves the last message open for the reply to continue."""
-        chat_template = chat_template or self.chat_template
-        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template")
-        try:
-            token_ids = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                **(chat_template_kwargs or {}),
-            )
-        except Exception as exc:
-            raise InvalidRequestError(f"could not apply the chat template: {exc}") from exc
-        if not isinstance(token_ids, list):  # transformers 5 returns a BatchEncoding
-            token_ids = list(token_ids["input_ids"])
-        return token_ids
+        return render_chat(
+            self.tokenizer,
+            messages,
+            chat_template=chat_template or self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
 
     # --- shutdown --------------------------------------------------------------------------------
 

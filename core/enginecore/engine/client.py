@@ -34,6 +34,11 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def pending_sends(self) -> int:
+        """Messages handed to the engine's socket that it has not taken yet (none for an
+        engine in this process); the server refuses new requests past its limit."""
+        return 0
+
 
 class InprocClient(EngineCoreClient):
     """Runs the engine core in this process: each ``get_output`` runs engine steps.
@@ -42,9 +47,8 @@ class InprocClient(EngineCoreClient):
     """
 
     def __init__(self, config: EngineConfig, plugin_host: Any = None) -> None:
-        from enginecore.engine.core import UTILITY_METHODS, EngineCore
+        from enginecore.engine.core import EngineCore
 
-        self._utility_methods = UTILITY_METHODS
         self.engine = EngineCore(config, plugin_host)
         self.ready = self.engine.ready_response()
         self._step = self.engine.step_fn()
@@ -68,9 +72,10 @@ class InprocClient(EngineCoreClient):
         return EngineCoreOutputs().stamp()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method not in self._utility_methods:
+        call = self.engine.utilities().get(method)
+        if call is None:
             raise ValueError(f"{method!r} is not a utility method of the engine core")
-        return getattr(self.engine, method)(*args)
+        return call(*args)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -119,11 +124,16 @@ def start_engine(
     before any process starts."""
     from enginecore.component_check import check_components
     from enginecore.engine.model_defaults import configured_chat_template
-    from enginecore.engine.preflight import check_model_path
+    from enginecore.engine.preflight import (
+        check_model_path,
+        check_parallel_layout,
+        warn_unused_memory_settings,
+    )
     from enginecore.engine.tokenizer import load_tokenizer
     from enginecore.plugins import make_plugin_manager
 
     check_model_path(config)
+    check_parallel_layout(config)
     configured_chat_template(config)  # a missing template file fails here
     if plugins is None:
         plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
@@ -132,6 +142,9 @@ def start_engine(
     loaded: list[Any] = []
 
     def while_starting() -> None:
+        from enginecore.distributed import resolve_device_type
+
+        warn_unused_memory_settings(config, resolve_device_type(config.model.device))
         loaded.append(load_tokenizer(config))
         for work in _ALONGSIDE.get():
             work()

@@ -9,7 +9,7 @@ from typing import Any
 
 from enginecore.config import EngineConfig
 from enginecore.distributed import resolve_device_type
-from enginecore.interfaces import WorkerSpec
+from enginecore.interfaces import Scheduler, WorkerSpec
 from enginecore.plugins import PluginHost
 
 WORKER_REF = "enginecore_executors.worker:Worker"
@@ -21,7 +21,7 @@ class Components:
 
     executor_name: str
     executor_cls: type
-    scheduler_cls: type
+    scheduler_cls: type[Scheduler]
     policy_cls: type
     worker_spec: WorkerSpec
     providers: dict[str, str]  # "kind" -> "name (from plugin)"

@@ -17,7 +17,7 @@ from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.errors import EngineCoreError, InvalidRequestError
-from enginecore.interfaces import Executor, KVConnectorScheduler, Scheduler
+from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import (
     EngineCoreOutput,
@@ -36,30 +36,12 @@ logger = logging.getLogger(__name__)
 
 StepResult = tuple[dict[int, EngineCoreOutputs], bool]
 
-# Utility calls a client may make by name (the engine never getattr()s arbitrary names).
-UTILITY_METHODS = frozenset(
-    {
-        "get_supported_tasks",
-        "reset_prefix_cache",
-        "collective_rpc",
-        "pause_scheduler",
-        "resume_scheduler",
-        "is_paused",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "profile",
-        "get_num_unfinished_requests",
-        "ping",
-    }
-)
-
 
 def runner_kv_cache_groups(worker: Any, allow_hybrid: bool) -> list[int | None] | None:
     """Run on each rank: lay its KV cache out in groups (``allow_hybrid``) or as one, and
     return each group's sliding window. None from a runner that does not group layers."""
-    method = getattr(worker.model_runner, "get_kv_cache_groups", None)
-    return method(allow_hybrid) if method is not None else None
+    runner: ModelRunner = worker.model_runner
+    return runner.get_kv_cache_groups(allow_hybrid)
 
 
 def runner_block_size(worker: Any) -> int:
@@ -140,9 +122,7 @@ class EngineCore:
             if kv_connector is not None:
                 kv_connector.shutdown()
             raise
-        async_ok = config.scheduler.async_scheduling and getattr(
-            self.scheduler, "supports_async_scheduling", False
-        )
+        async_ok = config.scheduler.async_scheduling and self.scheduler.supports_async_scheduling
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
         self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
         self._seq_no = 0
@@ -174,9 +154,7 @@ class EngineCore:
         out (None: one group, every position kept). Sliding layers keep only their window
         where the scheduler manages groups and no KV connector moves blocks (a connector
         sees one block table); otherwise the runners keep one group, the window a mask."""
-        allow = kv_connector is None and getattr(
-            self.components.scheduler_cls, "supports_kv_cache_groups", False
-        )
+        allow = kv_connector is None and self.components.scheduler_cls.supports_kv_cache_groups
         groups = self.executor.collective_rpc(
             runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
         )
@@ -213,6 +191,21 @@ class EngineCore:
             return max_model_len if left else 0
         return left // num_full * bs
 
+    def _blocks_for(self, max_model_len: int) -> int:
+        """KV blocks one request of ``max_model_len`` tokens needs (the inverse of
+        :meth:`_longest_request_tokens`), the null block included."""
+        blocks = 1
+        while self._longest_request_tokens(blocks - 1, max_model_len) < max_model_len:
+            blocks *= 2
+        low = blocks // 2
+        while low + 1 < blocks:  # the smallest count that holds it
+            middle = (low + blocks) // 2
+            if self._longest_request_tokens(middle - 1, max_model_len) >= max_model_len:
+                blocks = middle
+            else:
+                low = middle
+        return blocks
+
     def _initialize_kv_cache(self) -> tuple[int, int]:
         cache = self.config.cache
         max_model_len = self.executor.get_max_model_len()
@@ -235,6 +228,24 @@ class EngineCore:
                 f"a KV cache of {num_blocks} blocks cannot hold one step of a request: the "
                 f"sliding windows {self.kv_cache_groups} need more. Give the cache more "
                 "memory, or lower max_num_batched_tokens."
+            )
+        if (
+            capacity < max_model_len
+            and self.config.model.max_model_len is not None
+            and cache.num_blocks_override is None
+        ):
+            # vLLM's rule: a context length the operator asked for is served in full or
+            # the engine does not start (unset, it is fitted to the cache below).
+            block_bytes = self.executor.get_kv_cache_block_bytes()
+            needed = self._blocks_for(max_model_len) * block_bytes
+            raise EngineCoreError(
+                f"max_model_len {max_model_len} needs a KV cache of {_size(needed)} "
+                f"({self._blocks_for(max_model_len)} blocks of {block_bytes} bytes) to serve "
+                f"one request of that length, more than the {_size(num_blocks * block_bytes)} "
+                f"available for it; that memory holds max_model_len {capacity}. Give the "
+                "cache more memory (--gpu-memory-utilization, --kv-cache-bytes, "
+                "--cpu-kv-cache-fraction), lower --max-model-len, or leave it unset to fit "
+                "the cache."
             )
         if capacity < max_model_len:
             logger.warning(
@@ -488,6 +499,18 @@ class EngineCore:
 
     # --- utility calls (between steps) -----------------------------------------------------
 
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        """The calls a client may make by name (``call_utility``), and nothing else: the
+        engine never looks an arbitrary name up on itself."""
+        return {
+            "ping": self.ping,
+            "get_supported_tasks": self.get_supported_tasks,
+            "is_sleeping": self.is_sleeping,
+            "get_num_unfinished_requests": self.get_num_unfinished_requests,
+            "reset_prefix_cache": self.reset_prefix_cache,
+            "collective_rpc": self.collective_rpc,
+        }
+
     def ping(self) -> str:
         if self.config.kv_transfer.connector:
             # The workers' connector threads (a KV block server) count as the engine.
@@ -547,3 +570,13 @@ def _merge(
         else:
             outputs[client] = extra
     return outputs
+
+
+def _size(num_bytes: int) -> str:
+    """``num_bytes`` in the largest binary unit that keeps a whole number before the point."""
+    value = float(num_bytes)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

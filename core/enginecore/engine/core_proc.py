@@ -23,9 +23,9 @@ import zmq
 
 from enginecore import startup_log
 from enginecore.config import EngineConfig
-from enginecore.engine.core import UTILITY_METHODS, EngineCore, StepResult
+from enginecore.engine.core import EngineCore, StepResult
 from enginecore.engine.wire_auth import secure_client
-from enginecore.errors import EngineDeadError
+from enginecore.errors import EngineDeadError, RankError
 from enginecore.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -36,7 +36,6 @@ from enginecore.protocol import (
 from enginecore.request import FinishReason
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable
-from enginecore_executors.rpc import RankError
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +98,12 @@ class EngineCoreProc(EngineCore):
                 frames = self.input_socket.recv_multipart(copy=False)
             except zmq.ZMQError:
                 return
-            kind = EngineCoreRequestType(bytes(frames[0].buffer))
-            payload = frames[1:]
+            tag, payload = bytes(frames[0].buffer), frames[1:]
+            try:
+                kind = EngineCoreRequestType(tag)
+            except ValueError:  # a peer of another version, or garbage: never fatal
+                logger.error("dropping a message with the unknown tag %r", tag)
+                continue
             try:
                 if kind is EngineCoreRequestType.ADD:
                     message = add_decoder.decode(payload)
@@ -204,7 +207,8 @@ class EngineCoreProc(EngineCore):
     ) -> None:
         output = UtilityOutput(call_id=call_id)
         try:
-            if method not in UTILITY_METHODS:
+            call = self.utilities().get(method)
+            if call is None:
                 raise ValueError(f"{method!r} is not a utility method of the engine core")
             broken = find_unpicklable(args)
             if broken is not None:
@@ -213,7 +217,7 @@ class EngineCoreProc(EngineCore):
                     f"Functions are sent by reference to their module: define the function "
                     f"inside another function, or make its module importable by the engine."
                 )
-            output.result = getattr(self, method)(*args)
+            output.result = call(*args)
         except Exception as exc:
             output.failure_message = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, RankError):  # rebuilt as a RankError in the frontend
@@ -236,6 +240,16 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put(EngineCoreOutputs(outputs=outputs).stamp())
 
     # --- pause / sleep ------------------------------------------------------------------------
+
+    def utilities(self) -> dict[str, Callable[..., Any]]:
+        return {
+            **super().utilities(),
+            "pause_scheduler": self.pause_scheduler,
+            "resume_scheduler": self.resume_scheduler,
+            "is_paused": self.is_paused,
+            "sleep": self.sleep,
+            "wake_up": self.wake_up,
+        }
 
     def pause_scheduler(self, mode: str = "abort") -> None:
         if mode not in ("abort", "wait", "keep"):

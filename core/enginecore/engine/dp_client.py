@@ -187,6 +187,9 @@ class _DPClientBase(EngineCoreClient):
             pid=first.pid,
         )
 
+    def pending_sends(self) -> int:
+        return self.sends.pending
+
     # --- requests --------------------------------------------------------------------------
 
     def _send(self, index: int, kind: EngineCoreRequestType, payload: Any) -> None:

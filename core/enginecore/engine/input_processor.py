@@ -73,7 +73,10 @@ class InputProcessor:
 
     def validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
+            # vLLM's words: its clients match on them.
+            raise InvalidRequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty."
+            )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is "
@@ -83,7 +86,8 @@ class InputProcessor:
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                    f"Token id {bad[0]} is out of vocabulary (prompt token ids {bad[:5]} are "
+                    f"outside the vocabulary [0, {self.vocab_size}))"
                 )
 
     def process(

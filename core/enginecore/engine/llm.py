@@ -8,27 +8,27 @@ import logging
 import pathlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from enginecore.component_check import check_components
 from enginecore.config import EngineConfig, make_config
 from enginecore.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from enginecore.engine.chat_template import Message, render_chat
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
-from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
+from enginecore.metrics.iteration import IterationStatsBuilder, finished_request_stats
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.params import SamplingParams
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.request import FinishReason
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, Any]
 
 
 class LLM:
@@ -50,7 +50,7 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         self._closed = True  # until the engine runs: nothing to shut down
-        self.config = make_config(config_file, base=config, **overrides)
+        self.config = resolve_model(make_config(config_file, base=config, **overrides))
         self.plugins = plugin_host or make_plugin_manager(
             self.config.plugins.enabled, self.config.plugins.disabled
         )
@@ -158,36 +158,35 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate.
+        """Apply the chat template to each conversation (as the server's chat route does),
+        then generate.
 
         ``tools`` (OpenAI function definitions) are passed to the template, like vLLM's
         ``LLM.chat(tools=...)``; the reply is returned as text (parse tool calls with an
-        :mod:`enginecore.tool_parsers` parser)."""
+        :mod:`enginecore.tool_parsers` parser). ``continue_final_message`` leaves the last
+        message open for the reply to continue."""
         if tools:
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        chat_template = chat_template or self.chat_template
-        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
-            raise InvalidRequestError(
-                "this model's tokenizer has no chat template; pass chat_template=... or use "
-                "generate() with plain prompts"
-            )
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            token_ids = self.tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                **(chat_template_kwargs or {}),
-            )
-            if not isinstance(token_ids, list):  # transformers 5 returns a BatchEncoding
-                token_ids = list(token_ids["input_ids"])
-            prompts.append({"prompt_token_ids": token_ids})
+        one = not (messages and isinstance(messages[0], list))
+        conversations = cast(list[list[Message]], [messages] if one else messages)
+        prompts: list[PromptType] = [
+            {
+                "prompt_token_ids": render_chat(
+                    self.tokenizer,
+                    conversation,
+                    chat_template=chat_template or self.chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            }
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _as_prompt_list(self, prompts: Any) -> list[PromptType]:
@@ -284,21 +283,14 @@ class LLM:
         return [finished[rid] for rid in request_ids if rid in finished]
 
     def _process_step(self, engine_outputs: Any) -> tuple[list[Any], list[str]]:
-        """Fold one step's outputs in and feed the stat loggers and ``request_finished``,
-        exactly as :class:`~enginecore.AsyncLLM` does."""
+        """Fold one step's outputs in (with their statistics, as
+        :class:`~enginecore.AsyncLLM` does: ``OutputProcessor.process_outputs``) and feed
+        the stat loggers and ``request_finished``."""
         now = time.monotonic()
-        states = self.output_processor.states
-        before = {
-            out.request_id: (state, TokenTimes(state))
-            for out in engine_outputs.outputs
-            if (state := states.get(out.request_id)) is not None
-        }
-        ready, to_abort = self.output_processor.process_outputs(engine_outputs.outputs, now)
         builder = IterationStatsBuilder(now)
-        for state, times in before.values():
-            builder.observe(state, times, now)
-            if state.finish_reason is not None:
-                builder.finish(finished_request_stats(state, now), state)
+        ready, to_abort = self.output_processor.process_outputs(
+            engine_outputs.outputs, now, builder
+        )
         self.stat_loggers.record(
             engine_outputs.scheduler_stats, builder.stats, engine_outputs.engine_index
         )
@@ -346,6 +338,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         reset: bool = self.engine_client.call_utility("reset_prefix_cache")
         return reset
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between batches (vLLM's ``LLM.sleep``): level 1 frees the
+        KV cache, level 2 the weights too. :meth:`wake_up` restores them."""
+        self.engine_client.call_utility("sleep", level)
+
+    def wake_up(self) -> None:
+        self.engine_client.call_utility("wake_up")
+
+    def is_sleeping(self) -> bool:
+        asleep: bool = self.engine_client.call_utility("is_sleeping")
+        return asleep
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

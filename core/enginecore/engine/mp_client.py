@@ -26,7 +26,7 @@ from enginecore.distributed import replica_env
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
 from enginecore.engine.send_queue import SendQueue
-from enginecore.errors import EngineCoreError, EngineDeadError
+from enginecore.errors import EngineCoreError, EngineDeadError, RankError
 from enginecore.protocol import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -35,7 +35,6 @@ from enginecore.protocol import (
 )
 from enginecore.runtime_dirs import make_runtime_dir, remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder
-from enginecore_executors.rpc import RankError
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +209,9 @@ class _MPClientBase(EngineCoreClient):
         self._call_ids = itertools.count(1)
         self.dead_error: EngineDeadError | None = None
         self.sends = SendQueue()
+
+    def pending_sends(self) -> int:
+        return self.sends.pending
 
     def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if self.dead_error is not None:

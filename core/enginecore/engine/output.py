@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from enginecore.engine.detokenizer import IncrementalDetokenizer
+from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from enginecore.request import FinishReason
@@ -377,9 +378,13 @@ class OutputProcessor:
         return engine_ids
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput], now: float | None = None
+        self,
+        outputs: list[EngineCoreOutput],
+        now: float | None = None,
+        stats: IterationStatsBuilder | None = None,
     ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
-        """Returns ``(ready outputs with their state, engine ids to abort for stop strings)``."""
+        """Returns ``(ready outputs with their state, engine ids to abort for stop strings)``;
+        records each request's new tokens and finish in ``stats`` (both frontends' path)."""
         now = time.monotonic() if now is None else now
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
@@ -387,8 +392,13 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:
                 continue  # aborted in the frontend meanwhile
+            before = TokenTimes(state) if stats is not None else None
             if state.apply(out, now) is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)  # the engine does not know yet
+            if stats is not None and before is not None:
+                stats.observe(state, before, now)
+                if state.finish_reason is not None:
+                    stats.finish(finished_request_stats(state, now), state)
             finished = state.finish_reason is not None
             if finished:
                 del self.states[out.request_id]

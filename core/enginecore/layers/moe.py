@@ -10,7 +10,7 @@ That loop needs each expert's token count on the host (one sync per layer), whic
 graph cannot capture and which stalls a GPU's queue. On a GPU (``grouping == "device"``,
 chosen where the layer is built on CUDA with Triton importable) the experts run from
 ``moe_grouped``: tokens grouped on the device in fixed-shape tiles and multiplied by a
-Triton grouped GEMM (``enginecore_gpu.moe_kernels``), with no host sync. The CPU keeps
+Triton grouped GEMM (``enginecore.layers.moe_kernels``), with no host sync. The CPU keeps
 the loop, which is faster there.
 
 Tensor parallelism shards every expert's intermediate dimension across the TP ranks (as
@@ -44,7 +44,7 @@ def default_grouping(device: torch.device) -> str:
     if device.type != "cuda":
         return "loop"
     try:
-        import enginecore_gpu.moe_kernels  # noqa: F401  (the kernel: triton and builtin_gpu)
+        import enginecore.layers.moe_kernels  # noqa: F401  (the kernel needs triton)
     except ImportError:
         return "loop"
     return "device"
@@ -184,7 +184,7 @@ class FusedMoE(nn.Module):
             return None
         return (
             "the MoE layer groups tokens by expert on the host (its 'loop' grouping syncs "
-            "once per layer); the capture-safe 'device' grouping needs Triton and builtin_gpu"
+            "once per layer); the capture-safe 'device' grouping needs Triton"
         )
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

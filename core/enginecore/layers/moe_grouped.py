@@ -9,7 +9,7 @@ Every shape here depends on the step's token count only, never on the routing:
    expert's last tile padded with a sentinel pair). The buffer has room for the worst case
    (every expert with a part-filled tile), so its size is fixed; tiles past the last used
    one carry expert -1.
-2. ``grouped_linear`` (``enginecore_gpu.moe_kernels``, a Triton kernel) multiplies each
+2. ``grouped_linear`` (``enginecore.layers.moe_kernels``, a Triton kernel) multiplies each
    tile by its expert's weight, reading the activation rows of its pairs where they lie
    (token ``pair // top_k`` for the first GEMM, the pair's own row for the second) and
    writing each pair's row, so no gathered copy of the activations is made.
@@ -68,7 +68,7 @@ def grouped_experts(
     """``sum_k topk_weights[t, k] * expert_{ids[t, k]}(x[t])`` for x [T, H], with no host
     sync and shapes fixed by T: what a CUDA graph can capture."""
     from enginecore.layers.activation import act_and_mul
-    from enginecore_gpu.moe_kernels import grouped_linear
+    from enginecore.layers.moe_kernels import grouped_linear
 
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k

@@ -14,7 +14,8 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
-from enginecore.server import chat, completions, control, info, responses
+from enginecore.server import chat, completions, control, info, invocations, load, responses
+from enginecore.server.absent import absent_router, dev_endpoints_on
 from enginecore.server.client_quota import ClientQuota
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
@@ -61,14 +62,21 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.ctx = ctx
+    app.state.server_load = load.ServerLoad()
     install_error_handlers(app)
     limited = [Depends(check_body_limits)]
     app.include_router(info.router, dependencies=limited)
+    app.include_router(load.router)
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
+    app.include_router(invocations.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
-    app.include_router(control.router, dependencies=limited)
+    if config.server.enable_sleep_mode:
+        app.include_router(control.sleep_router, dependencies=limited)
+    if dev_endpoints_on(config.server):
+        app.include_router(control.dev_router, dependencies=limited)
+    app.include_router(absent_router(config.server), dependencies=limited)
     if config.server.enable_collective_rpc_endpoint:
         logger.warning("POST /collective_rpc is enabled: clients can call worker methods by name")
         app.include_router(control.rpc_router, dependencies=limited)
@@ -80,6 +88,8 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
         limit=server.max_pending_requests_per_client,
         rank_requests=config.scheduler.policy == "fair_share",
     )
+    if server.enable_server_load_tracking:
+        app.add_middleware(load.LoadTrackingMiddleware, load=app.state.server_load)
     app.add_middleware(UnknownFieldsPolicyMiddleware, policy=server.unknown_request_fields)
     if server.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server.api_key)

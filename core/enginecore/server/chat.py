@@ -34,7 +34,7 @@ from enginecore.server.reasoning import (
 from enginecore.server.sampling import (
     check_max_tokens,
     check_model,
-    check_prompt_logprobs,
+    resolve_logprob_fields,
     to_sampling_params,
     truncate_prompt,
 )
@@ -180,6 +180,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = context(request)
     engine = ctx.engine
     check_model(body.model, ctx.model_name, ctx.model_path)
+    resolve_logprob_fields(body, ctx.limits, ctx.vocab_size)
     num_top = None
     if body.logprobs:
         num_top = body.top_logprobs or 0
@@ -195,7 +196,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         vocab_size=ctx.vocab_size,
         defaults=defaults,
     )
-    if check_prompt_logprobs(body.prompt_logprobs, ctx.limits) is not None:
+    if body.prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=body.prompt_logprobs)
     plan = _tool_plan(ctx, body)
     if plan.structured_output is not None:
@@ -211,7 +212,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     # seconds); the request's total is bounded like a completion's.
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, body, plan.tools)
     check_prompt_tokens([len(prompt_ids)], ctx.limits)
-    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, engine.max_model_len)
+    prompt_ids = truncate_prompt(
+        prompt_ids, body.truncate_prompt_tokens, engine.max_model_len, body.truncation_side
+    )
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
@@ -336,7 +339,7 @@ def _response(
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, output.num_cached_tokens),
         "kv_transfer_params": output.kv_transfer_params,
     }
     if body.prompt_logprobs is not None and output.prompt_logprobs is not None:
@@ -357,7 +360,7 @@ async def _stream(
     reasoner: ReasoningParser | None = None,
 ) -> AsyncIterator[str]:
     options = body.stream_options
-    include_usage = bool(options and options.include_usage)
+    include_usage = ctx.limits.enable_force_include_usage or bool(options and options.include_usage)
     continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     base = {
         "id": request_id,
@@ -365,13 +368,13 @@ async def _stream(
         "created": created,
         "model": ctx.model_name,
     }
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
 
     def chunk(choice: dict[str, Any], **extra: Any) -> str:
         # One choice per chunk, as OpenAI and vLLM stream them.
         data = {**base, "choices": [choice], **extra}
         if continuous_usage:
-            data["usage"] = usage(prompt_tokens, completion_tokens)
+            data["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         elif include_usage:
             data["usage"] = None
         return sse(data)
@@ -403,6 +406,7 @@ async def _stream(
         sent_prompt_ids = False
         async for output in outputs:
             prompt_tokens = len(output.prompt_token_ids)
+            cached_tokens = output.num_cached_tokens
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
                 if not (completion.text or completion.token_ids or completion.finish_reason):
@@ -440,7 +444,8 @@ async def _stream(
                         sent_prompt_ids = True
                 yield chunk(choice, **extra)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            final = usage(prompt_tokens, completion_tokens, cached_tokens)
+            yield sse({**base, "choices": [], "usage": final})
     except EngineCoreError as exc:
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from enginecore.config import ServerConfig
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.server.beam import beam_search_output, beam_search_params, single
@@ -29,7 +28,7 @@ from enginecore.server.protocol import CompletionRequest, usage
 from enginecore.server.sampling import (
     check_max_tokens,
     check_model,
-    check_prompt_logprobs,
+    resolve_logprob_fields,
     to_sampling_params,
     truncate_prompt,
 )
@@ -63,7 +62,9 @@ def _engine_prompt(
     engine = ctx.engine
     text = encoded.get("prompt")
     ids = encoded["prompt_token_ids"]
-    kept = truncate_prompt(ids, body.truncate_prompt_tokens, engine.max_model_len)
+    kept = truncate_prompt(
+        ids, body.truncate_prompt_tokens, engine.max_model_len, body.truncation_side
+    )
     if len(kept) != len(ids):
         text = None
     if 0 < len(kept) < engine.max_model_len:  # else the engine names the prompt's fault
@@ -119,6 +120,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx = context(request)
     engine = ctx.engine
     check_model(body.model, ctx.model_name, ctx.model_path)
+    resolve_logprob_fields(body, ctx.limits, ctx.vocab_size)
     params = to_sampling_params(
         body,
         ctx.limits,
@@ -132,7 +134,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         # Ranking needs each candidate's cumulative logprob, which logprobs=0 yields.
         logprobs = 0 if body.logprobs is None else body.logprobs
         params = params.clone(n=candidates, logprobs=logprobs)
-    prompt_logprobs = _prompt_logprobs(body, ctx.limits)
+    prompt_logprobs = _prompt_logprobs(body)
     if prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=prompt_logprobs)
     encoded = await tokenize_prompts(engine.tokenizer, _prompts(body.prompt), ctx.limits)
@@ -213,12 +215,12 @@ async def _beam_search(
     return JSONResponse(_response(ctx, body, request_id, created, outputs))
 
 
-def _prompt_logprobs(body: CompletionRequest, limits: ServerConfig) -> int | None:
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
     """vLLM's rule: ``echo`` with ``logprobs`` returns the prompt tokens' logprobs too."""
     wanted = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         wanted = body.logprobs if wanted is None else max(wanted, body.logprobs)
-    return check_prompt_logprobs(wanted, limits)
+    return wanted
 
 
 def _echo_logprobs(
@@ -251,9 +253,10 @@ def _response(
     outputs: list[RequestOutput],
 ) -> dict[str, Any]:
     choices = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     for p_index, output in enumerate(outputs):
         prompt_tokens += len(output.prompt_token_ids)
+        cached_tokens += output.num_cached_tokens
         prefix = _prompt_text(ctx, output) if body.echo else ""
         echoed = _echo_logprobs(ctx, body, output)
         completion_tokens += sum(len(c.token_ids) for c in output.outputs)  # all candidates
@@ -289,7 +292,7 @@ def _response(
         "created": created,
         "model": ctx.model_name,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         # Disaggregated prefill: the handle the decode instance needs (one prompt only).
         "kv_transfer_params": outputs[0].kv_transfer_params if len(outputs) == 1 else None,
     }
@@ -303,10 +306,11 @@ async def _stream(
     streams: list[AsyncIterator[RequestOutput]],
 ) -> AsyncIterator[str]:
     options = body.stream_options
-    include_usage = bool(options and options.include_usage)
+    include_usage = ctx.limits.enable_force_include_usage or bool(options and options.include_usage)
     continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
     engine = ctx.engine
     prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
     completion_tokens = 0
     offsets: dict[int, int] = {}
     base = {"id": request_id, "object": "text_completion", "created": created}
@@ -314,6 +318,7 @@ async def _stream(
     try:
         async for p_index, output in merge_streams(streams):
             prompt_tokens[p_index] = len(output.prompt_token_ids)
+            cached_tokens[p_index] = output.num_cached_tokens
             for completion in output.outputs:
                 index = p_index * body.n + completion.index
                 text = completion.text
@@ -353,13 +358,16 @@ async def _stream(
                 # One choice per chunk, as OpenAI and vLLM stream them.
                 chunk = {**base, "choices": [choice]}
                 if continuous_usage:
-                    chunk["usage"] = usage(sum(prompt_tokens.values()), completion_tokens)
+                    chunk["usage"] = usage(
+                        sum(prompt_tokens.values()), completion_tokens, sum(cached_tokens.values())
+                    )
                 elif include_usage:
                     chunk["usage"] = None
                 yield sse(chunk)
         if include_usage:
             total_prompt = sum(prompt_tokens.values())
-            yield sse({**base, "choices": [], "usage": usage(total_prompt, completion_tokens)})
+            final = usage(total_prompt, completion_tokens, sum(cached_tokens.values()))
+            yield sse({**base, "choices": [], "usage": final})
     except EngineCoreError as exc:
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

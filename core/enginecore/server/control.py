@@ -1,4 +1,5 @@
-"""Engine control endpoints: sleep / wake up, pause / resume, and (opt-in) collective RPC.
+"""Engine control endpoints, each group opt-in: sleep / wake up (``enable_sleep_mode``),
+pause / resume and the prefix-cache reset (``enable_dev_endpoints``), collective RPC.
 
 ``/collective_rpc`` runs a registered worker RPC on every worker, so it exists only when
 ``server.enable_collective_rpc_endpoint`` is on. It takes the *name* of one registered
@@ -17,46 +18,47 @@ from enginecore.server.context import context
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import CollectiveRPCRequest, PauseMode
 
-router = APIRouter()
+sleep_router = APIRouter()
+dev_router = APIRouter()
 rpc_router = APIRouter()
 
 
-@router.post("/sleep")
+@sleep_router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1, ge=0, le=2)) -> dict[str, Any]:
     await context(request).engine.sleep(level)
     return {"status": "sleeping", "level": level}
 
 
-@router.post("/wake_up")
+@sleep_router.post("/wake_up")
 async def wake_up(request: Request) -> dict[str, Any]:
     engine = context(request).engine
     await engine.wake_up()
     return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
 
 
-@router.get("/is_sleeping")
+@sleep_router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict[str, Any]:
     return {"is_sleeping": await context(request).engine.is_sleeping()}
 
 
-@router.post("/pause")
+@dev_router.post("/pause")
 async def pause(request: Request, mode: PauseMode = "abort") -> dict[str, Any]:
     await context(request).engine.pause(mode)
     return {"status": "paused", "mode": mode}
 
 
-@router.post("/resume")
+@dev_router.post("/resume")
 async def resume(request: Request) -> dict[str, Any]:
     await context(request).engine.resume()
     return {"status": "resumed"}
 
 
-@router.get("/is_paused")
+@dev_router.get("/is_paused")
 async def is_paused(request: Request) -> dict[str, Any]:
     return {"is_paused": await context(request).engine.is_paused()}
 
 
-@router.post("/reset_prefix_cache")
+@dev_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     return {"reset": bool(await context(request).engine.reset_prefix_cache())}
 

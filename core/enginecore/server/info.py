@@ -18,7 +18,7 @@ from enginecore.server.context import context
 from enginecore.server.errors import error_response
 from enginecore.server.protocol import DetokenizeRequest, TokenizeRequest
 from enginecore.server.sampling import check_model
-from enginecore.version import PLUGIN_API_VERSION, __version__
+from enginecore.version import __version__
 
 router = APIRouter()
 
@@ -58,7 +58,9 @@ async def metrics() -> Response:
 
 @router.get("/version")
 async def version() -> dict[str, Any]:
-    return {"version": __version__, "plugin_api_version": PLUGIN_API_VERSION}
+    """vLLM's shape exactly (clients parse it); ``enginecore plugins`` prints the plugin API
+    version."""
+    return {"version": __version__}
 
 
 @router.get("/v1/models")
@@ -94,9 +96,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         tokens = await asyncio.to_thread(
             engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
         )
-    return JSONResponse(
-        {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-    )
+    result: dict[str, Any] = {
+        "tokens": tokens,
+        "count": len(tokens),
+        "max_model_len": engine.max_model_len,
+    }
+    if body.return_token_strs:
+        result["token_strs"] = engine.tokenizer.convert_ids_to_tokens(tokens)
+    return JSONResponse(result)
 
 
 @router.post("/detokenize")

@@ -13,12 +13,15 @@ import asyncio
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from enginecore.config import ServerConfig
 from enginecore.server.errors import APIError
+
+if TYPE_CHECKING:
+    from enginecore.engine.async_llm import AsyncLLM
 
 #: Top-level fields whose content the schema does not bound (sizes checked one by one).
 FREE_FORM_FIELDS = (
@@ -38,13 +41,23 @@ PROMPT_FIELDS = frozenset({"prompt", "messages", "input", "instructions"})
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+def _int64_problem(value: int) -> str:
+    """An integer beyond 64 bits, named with the bound it breaks as pydantic names it (the
+    ``less_than_equal`` / ``greater_than_equal`` vLLM's clients read)."""
+    if value > INT64_MAX:
+        bound = f"Input should be less than or equal to {INT64_MAX} (less_than_equal)"
+    else:
+        bound = f"Input should be greater than or equal to {INT64_MIN} (greater_than_equal)"
+    return f"the integer {value} is outside the signed 64-bit range: {bound}"
+
+
 def _bad_scalar(value: Any) -> str | None:
     """Why a JSON scalar cannot travel to the engine, or None when it can."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
         if not INT64_MIN <= value <= INT64_MAX:
-            return f"the integer {value} is outside the signed 64-bit range"
+            return _int64_problem(value)
     elif isinstance(value, float):
         if not math.isfinite(value):
             return f"{value} is not a finite number (NaN and Infinity are not JSON numbers)"
@@ -74,7 +87,9 @@ def scan_json(value: Any, stop_after: int) -> tuple[int, str | None]:
         elif isinstance(node, list):
             if node and all(type(x) is int for x in node):  # token ids: checked at once
                 if min(node) < INT64_MIN or max(node) > INT64_MAX:
-                    return deepest, "an integer is outside the signed 64-bit range"
+                    return deepest, _int64_problem(
+                        min(node) if min(node) < INT64_MIN else max(node)
+                    )
                 deepest = max(deepest, depth + 1)
                 continue
             if node and all(type(x) is str for x in node):  # prompts, stop strings: at once
@@ -212,13 +227,12 @@ async def check_capacity(request: Request) -> None:
     queueing without bound when the engine is not keeping up."""
     ctx = request.app.state.ctx
     limit = ctx.limits.max_pending_requests
-    engine = ctx.engine
-    pending = len(getattr(engine, "collectors", ()))
-    sends = getattr(getattr(getattr(engine, "engine_client", None), "sends", None), "pending", 0)
+    engine: AsyncLLM = ctx.engine
+    pending = len(engine.collectors)
+    sends = engine.engine_client.pending_sends()
     if pending >= limit or sends >= limit:
-        stat_loggers = getattr(engine, "stat_loggers", None)
-        if stat_loggers is not None:  # vLLM's reason for a full queue
-            stat_loggers.record_admission_rejection("max_num_queued_reqs")
+        # vLLM's reason for a full queue
+        engine.stat_loggers.record_admission_rejection("max_num_queued_reqs")
         raise APIError(
             503,
             f"the server is saturated: {pending} requests unfinished, {sends} messages queued "

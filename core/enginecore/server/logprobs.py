@@ -6,6 +6,14 @@ from typing import Any
 
 from enginecore.engine.output import Logprob
 
+#: What a ``-inf`` logprob (a token a grammar or a bias ruled out) is sent as: JSON has no
+#: infinity, and vLLM's clients expect this floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def _value(lp: Logprob) -> float:
+    return max(lp.logprob, LOGPROB_FLOOR)
+
 
 def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> str:
     """The token as text; ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): ``token_id:N``."""
@@ -43,9 +51,9 @@ def completion_logprobs(
         (token_id, lp), top = _sampled_and_top(entry, num_top)
         text = _token(token_id, lp, tokenizer, as_ids)
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
+        token_logprobs.append(_value(lp))
         shown = top if any(t == token_id for t, _ in top) else [*top, (token_id, lp)]
-        top_logprobs.append({_token(t, p, tokenizer, as_ids): p.logprob for t, p in shown})
+        top_logprobs.append({_token(t, p, tokenizer, as_ids): _value(p) for t, p in shown})
         offsets.append(offset)
         offset += len(_token(token_id, lp, tokenizer))  # offsets count the text
     return {
@@ -73,12 +81,12 @@ def echoed_prompt_logprobs(
             shown_text = f"token_id:{token_id}" if as_ids else text
         else:
             lp = entry[token_id]
-            text, value = _token(token_id, lp, tokenizer), lp.logprob
+            text, value = _token(token_id, lp, tokenizer), _value(lp)
             shown_text = _token(token_id, lp, tokenizer, as_ids)
             _, ranked = _sampled_and_top(entry, num_top)
             if not any(t == token_id for t, _ in ranked):
                 ranked = [*ranked, (token_id, lp)]
-            top = {_token(t, p, tokenizer, as_ids): p.logprob for t, p in ranked}
+            top = {_token(t, p, tokenizer, as_ids): _value(p) for t, p in ranked}
         tokens.append(shown_text)
         token_logprobs.append(value)
         top_logprobs.append(top)
@@ -99,7 +107,7 @@ def raw_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[s
         None
         if entry is None
         else {
-            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            str(t): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
             for t, lp in entry.items()
         }
         for entry in entries
@@ -115,7 +123,7 @@ def concat_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dic
 
 def _chat_item(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool) -> dict[str, Any]:
     text = _token(token_id, lp, tokenizer, as_ids)
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _value(lp), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(

@@ -115,7 +115,10 @@ class SamplingFields(_StrictBody):
     return_tokens_as_token_ids: bool = False
     """Logprob tokens as ``"token_id:N"`` (for tokens that are not valid text alone)."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    """Keep only the prompt's last N tokens (-1: as many as ``max_model_len`` allows)."""
+    """Keep only N of the prompt's tokens (-1: as many as ``max_model_len`` allows)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end ``truncate_prompt_tokens`` cuts: ``left`` (the default) keeps the last N
+    tokens, ``right`` the first N (vLLM's field)."""
     use_beam_search: bool = False
     """Beam search instead of sampling: ``n`` (completions: ``best_of`` when larger) is
     the beam width, the best ``n`` beams are the choices."""
@@ -239,6 +242,8 @@ class TokenizeRequest(_StrictBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    """Each token's string as the tokenizer spells it, in ``token_strs`` (vLLM's field)."""
 
 
 class DetokenizeRequest(_StrictBody):
@@ -262,10 +267,12 @@ class CollectiveRPCRequest(_Body):
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI ``usage`` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens served from the prefix cache (or a KV transfer) rather than computed."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }

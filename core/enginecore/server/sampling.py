@@ -38,22 +38,32 @@ def _check_token_ids(ids: Any, vocab_size: int, param: str) -> None:
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """Token id -> bias; every bad key is named at once (vLLM's out-of-vocabulary words)."""
     if not raw:
         return None
-    bias = {}
-    for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise APIError(
-                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
-            ) from None
-        _check_token_ids([token_id], vocab_size, "logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise APIError(
-                400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
-            )
-        bias[token_id] = value
+    not_ids = [key for key in raw if not key.strip().lstrip("-").isdigit()]
+    if not_ids:
+        raise APIError(
+            400,
+            f"logit_bias keys must be token ids, got {', '.join(map(repr, not_ids[:20]))}",
+            param="logit_bias",
+        )
+    bias = {int(key): value for key, value in raw.items()}
+    outside = [t for t in bias if not 0 <= t < vocab_size]
+    if outside:
+        raise APIError(
+            400,
+            f"token_id(s) {outside[:20]} in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            param="logit_bias",
+        )
+    out_of_range = [f"{key}: {value}" for key, value in raw.items() if not -100 <= value <= 100]
+    if out_of_range:
+        raise APIError(
+            400,
+            f"logit_bias values must be in [-100, 100], got {', '.join(out_of_range[:20])}",
+            param="logit_bias",
+        )
     return bias
 
 
@@ -165,12 +175,7 @@ def to_sampling_params(
                 400, f"max_tokens must be at most {limit}, got {max_tokens}", param="max_tokens"
             )
         max_tokens = limit if max_tokens is None else max_tokens
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise APIError(
-            400,
-            f"logprobs must be at most {limits.max_logprobs}, got {logprobs}",
-            param="logprobs",
-        )
+    logprobs = resolve_logprobs(logprobs, limits, vocab_size, "logprobs")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
     if req.stop_token_ids:
@@ -209,15 +214,42 @@ def to_sampling_params(
     )
 
 
-def check_prompt_logprobs(wanted: int | None, limits: ServerConfig) -> int | None:
-    """The ``prompt_logprobs`` extension field, bounded like ``logprobs``."""
-    if wanted is not None and not 0 <= wanted <= limits.max_logprobs:
+def resolve_logprobs(
+    wanted: int | None, limits: ServerConfig, vocab_size: int, param: str
+) -> int | None:
+    """A request's ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` count, as vLLM reads
+    it: ``-1`` asks for the whole vocabulary; more than ``max_logprobs`` (``-1``: the
+    vocabulary) is a 400 in vLLM's words."""
+    if wanted is None:
+        return None
+    if wanted < -1:
         raise APIError(
             400,
-            f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {wanted}",
-            param="prompt_logprobs",
+            f"{param} must be a non-negative integer, or -1 for the whole vocabulary; got {wanted}",
+            param=param,
         )
-    return wanted
+    allowed = vocab_size if limits.max_logprobs == -1 else limits.max_logprobs
+    count = vocab_size if wanted == -1 else wanted
+    if count > allowed:
+        kind = "prompt" if param == "prompt_logprobs" else "sample"
+        raise APIError(
+            400,
+            f"{param} must be at most {allowed}: Requested {kind} logprobs of {count}, which "
+            f"is greater than max allowed: {allowed} (the server's max_logprobs; -1 admits "
+            "the whole vocabulary)",
+            param=param,
+        )
+    return count
+
+
+def resolve_logprob_fields(req: SamplingFields, limits: ServerConfig, vocab_size: int) -> None:
+    """Each logprob count a request names (``logprobs``, ``top_logprobs``,
+    ``prompt_logprobs``) checked and resolved in place (``-1``: the vocabulary's size), so
+    that every later use of the request reads a plain count."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(req, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(req, name, resolve_logprobs(value, limits, vocab_size, name))
 
 
 def check_max_tokens(
@@ -235,9 +267,11 @@ def check_max_tokens(
         )
 
 
-def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as
-    ``max_model_len`` holds)."""
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, side: str | None = None
+) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: ``keep`` of the prompt's tokens (-1: as many as
+    ``max_model_len`` holds), the last ones (``side`` left, the default) or the first."""
     if keep is None:
         return token_ids
     if keep == -1:
@@ -248,4 +282,6 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
             f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len})",
             param="truncate_prompt_tokens",
         )
-    return token_ids[-keep:] if keep else []
+    if not keep:
+        return []
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]

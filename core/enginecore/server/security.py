@@ -17,8 +17,8 @@ from enginecore.server.errors import error_body
 
 Scope = dict[str, Any]
 
-#: Paths anyone may call without the API key (probes and scrapers).
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+#: Paths anyone may call without the API key (probes, scrapers and load balancers).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})
 
 
 async def _send_error(

@@ -47,6 +47,8 @@ where = ["src"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
+# enginecore's conformance kit (its fixtures) loads only when named.
+addopts = "-p enginecore.testing"
 """
 
 INIT = '''"""$summary (an enginecore plugin)."""

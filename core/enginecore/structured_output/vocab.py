@@ -17,7 +17,7 @@ def model_vocab_size(config: EngineConfig, tokenizer: Any) -> int:
             hf = json.loads((path / "config.json").read_text())
             size = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
         else:
-            from enginecore_models.gguf_reader import GGUFMetadata
+            from enginecore.block_formats.gguf_reader import GGUFMetadata
 
             size = GGUFMetadata(path).vocab_size()
     except (OSError, ValueError, AttributeError):

@@ -7,10 +7,11 @@ A plugin author subclasses a contract in their own tests and points it at their 
     class TestMyPolicy(SchedulingPolicyContract):
         policy = "my-policy"
 
-This module is also a pytest plugin (entry point ``pytest11``, or ``pytest -p
-enginecore.testing``): it adds the fixtures in :mod:`enginecore.testing.fixtures`
-(``enginecore_model``, ``enginecore_llm``, ``enginecore_engine_process``,
-``enginecore_server``). Importing it is cheap: the contracts load on first use, and the
+This module is also a pytest plugin, loaded only when asked for: ``pytest -p
+enginecore.testing`` (or ``addopts = "-p enginecore.testing"`` in the project's pytest
+settings, or ``pytest_plugins = ["enginecore.testing"]`` in its root ``conftest.py``). It
+adds the fixtures in :mod:`enginecore.testing.fixtures` (``enginecore_model``,
+``enginecore_llm``, ``enginecore_engine_process``, ``enginecore_server``). Importing it is cheap: the contracts load on first use, and the
 fixtures import nothing heavy until a test asks for one.
 
 The contracts look components up with strict mode off: another installed plugin that is

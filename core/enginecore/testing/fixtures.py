@@ -1,6 +1,6 @@
 """pytest fixtures for plugin authors: a model, an engine, an engine process, a server.
 
-Loaded by the ``pytest11`` entry point (or ``pytest -p enginecore.testing``). Nothing
+Loaded with ``pytest -p enginecore.testing`` (the kit is never auto-loaded). Nothing
 heavy is imported until a test asks for a fixture. Select your plugin by overriding
 ``enginecore_config_overrides`` (flat config names) in your ``conftest.py``::
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from enginecore.interfaces import AttentionBackend, AttentionCapabilities
 from enginecore.layers.attention import Attention, AttentionBatch
-from enginecore_attention.masks import decode_mask
+from enginecore.layers.attention_masks import decode_mask
 
 
 @dataclass
@@ -96,6 +96,7 @@ class AttentionGroup:
     def mask_for(self, window: int | None) -> torch.Tensor:
         mask = self.masks.get(window)
         if mask is None:
+            assert self.q_pos is not None, "masks are for decode groups, which have q_pos"
             mask = self.masks[window] = decode_mask(self.q_pos, self.max_kv_len, window)
         return mask
 
@@ -119,7 +120,9 @@ class TorchAttentionMetadata:
     prefill: AttentionGroup | None
 
 
-def build_torch_metadata(batch: AttentionBatch, block_size: int, device: torch.device) -> Any:
+def build_torch_metadata(
+    batch: AttentionBatch, block_size: int, device: torch.device
+) -> TorchAttentionMetadata:
     """The torch backend's metadata for ``batch`` (tensors moved to ``device``)."""
     query_lens = batch.query_lens.tolist()
     context_lens = batch.context_lens.tolist()
@@ -287,6 +290,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention for the decode group's tokens; ``query`` is [R, H_q, D]."""
         group = metadata.decode
+        assert group is not None, "called for a step with decodes"
         r, hq, d = query.shape
         k, v = gather_kv(kv_cache, group.block_tables, group.max_kv_len)
         hkv = k.shape[1]

@@ -1,12 +1,12 @@
 """A GGUF file's metadata and tensor table, read without its token tables.
 
 gguf's ``GGUFReader`` parses every field into numpy views of a mapping of the file, the
-tokenizer's tables of strings included: the demo model's two tables of about 49,000
-strings took 2.7 s to parse on a 2-core machine (0.5 s through plain array views). The
+tokenizer's tables of strings included, which is slow for a tokenizer's tables of tens of
+thousands of strings (benchmarks/RESULTS.md, "Other measurements behind the code"). The
 engine needs the scalar fields and the tensor table; tokenizers are converted by
 transformers, once per file. This reader walks the same header (the GGUF format, versions
-2 and 3, either byte order) and keeps a string array as its length only: 0.05 s for the
-demo model. Numeric arrays are kept as arrays. A tensor's bytes are read from the file
+2 and 3, either byte order) and keeps a string array as its length only. Numeric arrays
+are kept as arrays. A tensor's bytes are read from the file
 when asked for (``GGUFTensor.data``), not through a mapping: the copy is needed anyway
 (the loaded blocks outlive the reader), and touching a mapped file costs a page fault per
 4 KiB, which some virtual machines make slow and erratic.
@@ -82,7 +82,7 @@ class GGUFTensor:
         else:
             dtype = np.dtype(self.byte_order + typed)
         data = np.empty(dims, dtype=dtype)
-        raw = memoryview(data.reshape(-1).view(np.uint8))
+        raw = memoryview(data.reshape(-1).view(np.uint8).data)
         with open(self.path, "rb", buffering=0) as file:
             file.seek(self.data_offset)
             done = 0

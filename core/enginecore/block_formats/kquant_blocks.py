@@ -25,7 +25,7 @@ from functools import cached_property
 
 import torch
 
-from enginecore_cpu.gguf_blocks import BLOCK, BlockWeight
+from enginecore.block_formats.gguf_blocks import BLOCK, BlockWeight
 
 SUPER = 256
 HALF = 16

@@ -10,13 +10,13 @@ Triton's interpreter, which is how the tests check it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
-
-from enginecore_gpu.block_kernels import _on_device
 
 _BLOCK_N = 64
 _BLOCK_K = 64
@@ -115,3 +115,14 @@ def grouped_linear(
             DOT_PRECISION="ieee" if in_fp32 else "tf32",
         )
     return out
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    if (
+        device.type == "cuda"
+        and device.index is not None
+        and device.index != torch.cuda.current_device()
+    ):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

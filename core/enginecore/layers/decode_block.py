@@ -1,0 +1,44 @@
+"""The decoder blocks a backend's fused decode step may compute, as models declare them.
+
+A backend that runs a whole decode step in one foreign call (the ``cpu`` backend's
+``fused_decode``) must know the block's exact computation. It learns it from what the
+model's own classes declare here, never by naming a model class: a model plugin decorates
+its stack, decoder layer, attention and MLP classes with :func:`declares_block`. The
+declaration belongs to the decorated class only; a subclass that changes the computation
+declares nothing unless it says so again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TypeVar
+
+_Class = TypeVar("_Class", bound=type)
+
+
+class DecodeBlock(enum.Enum):
+    """Pre-norm RMSNorm blocks with fused QKV and gate-up projections, rotary over every
+    head dimension and a SiLU-gated MLP (Llama, Mistral, Qwen2); ``LLAMA_QK_NORM`` adds an
+    RMS norm over each query and key head (Qwen3)."""
+
+    LLAMA = "llama"
+    LLAMA_QK_NORM = "llama_qk_norm"
+
+
+_DECLARED: dict[type, DecodeBlock] = {}
+
+
+def declares_block(block: DecodeBlock) -> Callable[[_Class], _Class]:
+    """Class decorator: instances of exactly this class compute ``block``'s part."""
+
+    def declare(cls: _Class) -> _Class:
+        _DECLARED[cls] = block
+        return cls
+
+    return declare
+
+
+def declared_block(module: object) -> DecodeBlock | None:
+    """The block ``module``'s own class declares, or None."""
+    return _DECLARED.get(type(module))
