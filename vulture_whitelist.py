@@ -18,6 +18,8 @@ Qwen2MoeForCausalLM
 Qwen3ForCausalLM
 Qwen3MoeForCausalLM
 XgrammarBackend
+BertModel
+PoolingModelRunner
 StubModelRunner  # the executor contract's runner, by reference
 NullRunner  # tests/test_hooks.py registers it by reference
 EchoForCausalLM  # a test plugin's model, by entry point

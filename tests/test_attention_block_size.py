@@ -20,9 +20,9 @@ from enginecore.engine.components import resolve_components
 from enginecore.engine.core import EngineCore
 from enginecore.interfaces import AttentionSpec
 from enginecore.layers.selection import registered_refs, select_attention_backend
+from enginecore.layers.torch_attention import TorchAttentionBackend
 from enginecore.plugins import make_plugin_manager
 from enginecore.testing.attention_steps import make_batch, step_context
-from enginecore_attention.torch_backend import TorchAttentionBackend
 from enginecore_models.model_runner import TorchModelRunner
 
 PAGE = 64

@@ -280,6 +280,17 @@ def test_openai_client_sees_bad_request_errors(client, model):
         )
 
 
+def test_embeddings_on_a_generation_model_is_a_400(client, model):
+    for create in (
+        lambda: client.embeddings.create(model=model, input="hello"),
+        lambda: client.post("/score", cast_to=object, body={"text_1": "a", "text_2": "b"}),
+    ):
+        with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+            create()
+    # Generation is unaffected.
+    assert client.completions.create(model=model, prompt="x", max_tokens=2).choices
+
+
 def test_api_key_is_required_on_v1_and_control_routes(server, model):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers)

@@ -69,6 +69,7 @@ def test_vllm_flag_spellings_set_our_settings(tiny_llama):
         "role": "kv_both",
         "extra_config": {"path": "/kv"},
     }
+    assert _config_show(tiny_llama, "--runner", "generate")["model"]["runner"] == "torch"
     fitted = _config_show(tiny_llama, "--max-model-len", "auto")
     assert fitted["model"]["max_model_len"] is None
 

@@ -6,9 +6,10 @@ windows and soft-capping. Nothing is gathered into a dense copy, so the workspac
 not grow with the longest context (only the split-KV partials of long decodes).
 
 The per-step metadata lives in persistent device buffers sized once for the largest
-step (tokens, requests, blocks per request) and refilled from pinned host staging with
-non-blocking copies: the same addresses every step, which is what lets the GPU runner
-replay a captured CUDA graph on new batches.
+step (tokens, requests, blocks per request) and refilled from double-buffered pinned host
+staging with non-blocking copies (``enginecore.staging``: a host buffer is rewritten only
+once the copy that read it has run): the same addresses every step, which is what lets
+the GPU runner replay a captured CUDA graph on new batches.
 
 On NVIDIA and AMD GPUs it is chosen by ``auto``. On CPU it runs only when selected by
 name under ``TRITON_INTERPRET=1`` (Triton's interpreter: for tests, far too slow to serve).
@@ -25,6 +26,7 @@ import torch
 
 from enginecore.interfaces import AttentionBackend, AttentionCapabilities, AttentionSpec
 from enginecore.layers.attention import Attention, AttentionBatch
+from enginecore.staging import DeviceEvents, StagingBuffer
 
 
 def _triton_importable() -> str | None:
@@ -43,28 +45,6 @@ class TritonMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32
     max_query_len: int
     max_seq_len: int
-
-
-class _Staging:
-    """A persistent device buffer and, on CUDA, a pinned host buffer to fill it from."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.device_buf = torch.zeros(shape, dtype=dtype, device=device)
-        pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin) if pin else None
-
-    def fill(self, values: np.ndarray) -> torch.Tensor:
-        """Copy ``values`` into the buffer's leading part; returns that part (device)."""
-        src = torch.from_numpy(np.ascontiguousarray(values))
-        if self.host is None:
-            view = self.device_buf[tuple(slice(0, n) for n in src.shape)]
-            view.copy_(src)
-            return view
-        staged = self.host[tuple(slice(0, n) for n in src.shape)]
-        staged.copy_(src)
-        view = self.device_buf[tuple(slice(0, n) for n in src.shape)]
-        view.copy_(staged, non_blocking=True)
-        return view
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -93,15 +73,17 @@ class TritonAttentionBackend(AttentionBackend):
         dev = torch.device(spec.device)
         max_tokens = max(spec.max_num_batched_tokens, spec.max_num_seqs)
         max_blocks = -(-spec.max_model_len // spec.block_size) + 1
-        self._qsl = _Staging((spec.max_num_seqs + 1,), torch.int32, dev)
-        self._seq_lens = _Staging((spec.max_num_seqs,), torch.int32, dev)
+        events = DeviceEvents(dev)
+        self._qsl = StagingBuffer((spec.max_num_seqs + 1,), torch.int32, dev, events)
+        self._seq_lens = StagingBuffer((spec.max_num_seqs,), torch.int32, dev, events)
         # One slot mapping and block table per KV cache group: a step's groups' metadata
         # are all alive during its forward.
         self._slots = [
-            _Staging((max_tokens,), torch.int64, dev) for _ in range(spec.num_kv_cache_groups)
+            StagingBuffer((max_tokens,), torch.int64, dev, events)
+            for _ in range(spec.num_kv_cache_groups)
         ]
         self._tables = [
-            _Staging((spec.max_num_seqs, max_blocks), torch.int32, dev)
+            StagingBuffer((spec.max_num_seqs, max_blocks), torch.int32, dev, events)
             for _ in range(spec.num_kv_cache_groups)
         ]
 
@@ -110,9 +92,9 @@ class TritonAttentionBackend(AttentionBackend):
         group = batch.kv_cache_group
         return TritonMetadata(
             slot_mapping=self._slots[group].fill(batch.slot_mapping),
-            query_start_loc=self._qsl.fill(batch.query_start_loc.astype(np.int32)),
-            seq_lens=self._seq_lens.fill(seq_lens.astype(np.int32)),
-            block_table=self._tables[group].fill(batch.block_table.astype(np.int32)),
+            query_start_loc=self._qsl.fill(batch.query_start_loc),
+            seq_lens=self._seq_lens.fill(seq_lens),
+            block_table=self._tables[group].fill(batch.block_table),
             max_query_len=int(batch.query_lens.max()) if len(seq_lens) else 0,
             max_seq_len=int(seq_lens.max()) if len(seq_lens) else 0,
         )

@@ -198,9 +198,9 @@ class DecodeMirror:
         if newcomers:
             self._fill(newcomers, context_lens, block_ids, kv_caches)
         order = list(self.rows)
-        ctx = torch.tensor([context_lens[rid] for rid in order], dtype=torch.int64)
-        self.row_len = [c + 1 for c in ctx.tolist()]  # after this step's token is written
-        ctx = ctx.to(self.device)
+        lens = [context_lens[rid] for rid in order]
+        self.row_len = [c + 1 for c in lens]  # after this step's token is written
+        ctx = torch.tensor(lens, dtype=torch.int64).to(self.device)
         self.step = MirrorStep(num_rows=n, write_pos=ctx, kv_len=kv_len, lens=ctx + 1)
         return order
 

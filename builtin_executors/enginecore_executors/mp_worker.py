@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from enginecore import startup_log
+from enginecore.proc_title import set_process_title
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore_executors.rpc import (
     CALL_READY,
@@ -92,6 +93,9 @@ def serve(boot: dict[str, Any]) -> None:
         ctx.term()
         raise SystemExit(1) from None
     push.send(encode_reply(CALL_READY, rank, True, os.getpid()))
+    # Titled once started, as the engine core is (ranks are pipeline-major).
+    tp_size = config.parallel.tensor_parallel_size
+    set_process_title(f"Worker_TP{rank % tp_size}_PP{rank // tp_size}")
 
     while True:
         call_id, method, payload, reply_rank = decode_call(sub.recv())

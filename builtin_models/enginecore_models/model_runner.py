@@ -48,6 +48,7 @@ from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import SchedulerOutput
+from enginecore.staging import DeviceEvents, HostCopy, StagingBuffer
 from enginecore_models.block_table import BlockTable
 from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
@@ -57,6 +58,7 @@ from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_gr
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
+from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore_models.runner_sampling import SamplingPhase, StepState
 from enginecore_models.sampler import (
@@ -103,6 +105,8 @@ class _BatchView:
 
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
+    samples_tokens = True  # the pooling runner computes no logits
+
     def __init__(
         self,
         config: EngineConfig,
@@ -136,6 +140,13 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self._step: StepState | None = None
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
+        # The running requests' rows (persistent_batch.py), made once the vocabulary is
+        # known; the step's inputs staged through double-buffered host memory; the
+        # step's one device-to-host copy.
+        self.batch: PersistentBatch | None = None
+        self.events = DeviceEvents(self.device)
+        self.host_copy = HostCopy(self.events, self.device)
+        self._staging: dict[str, StagingBuffer] = {}
         self.kv_connector: KVConnectorBridge | None = None
         self.drafter: Drafter | None = None
         if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
@@ -168,7 +179,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             )
         self.hf_config = load_hf_config(path)
         check_supported_checkpoint(self.hf_config, path)
-        model_cls = resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+        model_cls = self._model_class()
         self.dtype = self._resolve_dtype()
         configured = self.config.model.max_model_len
         native = self._checkpoint_max_len()
@@ -195,7 +206,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         startup_log.logger.info("loading weights from %s", path)
         started = time.perf_counter()
         keep = method_cls.gguf_formats
-        model.load_weights(iter_weights(path, self.hf_config, keep))
+        self._load_weights(model, path, keep)
         layers = self._weighted_layers(model)
         for layer in startup_log.progress(layers, len(layers), "preparing weights", " layers"):
             layer.linear_method.process_weights_after_loading(layer)
@@ -216,9 +227,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             path,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            self.attn_backend.name,
+            self.attn_backend.name if self.attn_backend else "none (an encoder)",
             method_cls.name,
         )
+
+    def _model_class(self) -> type[torch.nn.Module]:
+        return resolve_model_class(self.hf_config, self.worker_spec.model_refs)
+
+    def _load_weights(self, model: Any, path: str, keep: tuple[str, ...]) -> None:
+        model.load_weights(iter_weights(path, self.hf_config, keep))
 
     def _linear_method_name(self, path: str, refs: dict[str, str]) -> str:
         return linear_method_name(
@@ -417,12 +434,30 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
 
     # --- request state --------------------------------------------------------------
 
+    def _persistent_batch(self) -> PersistentBatch:
+        if self.batch is None:
+            self.batch = PersistentBatch(self.hf_config.vocab_size, self.device, self.eos_token_ids)
+        return self.batch
+
+    def _stage(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """``values`` on the device through this input's staging buffer (staging.py)."""
+        buf = self._staging.get(name)
+        if buf is None or buf.device_buf.shape[0] < len(values):
+            size = max(len(values), self._max_num_batched_tokens(), 1)
+            buf = StagingBuffer((size,), torch.int64, self.device, self.events)
+            self._staging[name] = buf
+        return buf.fill(values)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         tables = self.block_tables
-        for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
+        batch = self._persistent_batch()
+        gone = (*so.finished_req_ids, *so.preempted_req_ids)
+        for req_id in gone:
             self.requests.pop(req_id, None)
             for table in tables:
                 table.remove(req_id)
+        if gone:
+            batch.remove(gone)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -446,6 +481,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 generator=gen,
             )
+            batch.add(new.req_id, new.prompt_token_ids, new.output_token_ids, params, gen)
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 # Not on resumption after preemption: they were sent with the first token.
                 if new.num_computed_tokens == 0:
@@ -482,6 +518,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 # Only when this rank does not sample (pipeline parallelism).
                 state.output_token_ids.extend(cached.new_token_ids[i])
                 state.token_ids.extend(cached.new_token_ids[i])
+                batch.append_tokens(batch.row_of[req_id], cached.new_token_ids[i])
 
     # --- the step -------------------------------------------------------------------
 
@@ -522,12 +559,109 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         states = [self.requests[r] for r in order]
         q_lens = np.fromiter((scheduled[r] for r in order), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_reqs)
-        input_ids: list[int] = []
-        sample_rows: list[int] = []
-        sample_req_ids: list[str] = []
+        total = int(q_lens.sum())
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        offsets = np.cumsum(q_lens) - q_lens
+        positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
+        block_table = self.block_table.gather(order)
         prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
         verify: list[list[int]] | None = [] if self.drafter is not None else None
-        block_table = self.block_table.gather(order)
+        batch = self._persistent_batch()
+        rows = np.fromiter((batch.row_of[r] for r in order), np.int64, count=num_reqs)
+        if verify is None and not any(s.prompt_logprobs is not None for s in states):
+            input_ids, sample_rows, sampled = self._gather_inputs(
+                order, states, rows, starts, q_lens, req_of_token, positions
+            )
+        else:
+            input_ids, sample_rows, sampled = self._walk_inputs(
+                states, starts, q_lens, drafts_of, prompt_lp_rows, verify
+            )
+        if len(sampled) == num_reqs:
+            sample_req_ids, sample_batch_rows = order, rows
+        else:
+            sample_req_ids = [order[i] for i in sampled.tolist()]
+            sample_batch_rows = rows[sampled]
+
+        bs = self.block_size
+        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
+        batch_view = AttentionBatch(
+            req_ids=order,
+            query_lens=q_lens,
+            context_lens=starts,
+            block_table=block_table,
+            slot_mapping=slots,
+            num_decodes=len(decodes),
+        )
+        ids_t = self._stage("input_ids", input_ids)
+        pos_t = self._stage("positions", positions)
+        hidden = self._run_forward(ids_t, pos_t, batch_view, order, req_of_token, positions)
+        self._on_hidden(hidden, states, q_lens, starts)
+        logits = None
+        if len(sample_rows) and self.parallel.is_last_pp_rank and self.samples_tokens:
+            if len(sample_rows) == total:
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(
+                    hidden.index_select(0, self._stage("sample_rows", sample_rows))
+                )
+        if prompt_lp_rows and self.parallel.is_last_pp_rank:
+            self._gather_prompt_logprobs(hidden, prompt_lp_rows)
+        kv_out = bridge.end_step(so) if bridge is not None else None
+        self._step = StepState(
+            order,
+            sample_req_ids,
+            logits,
+            drafts=verify,
+            kv_connector_output=kv_out,
+            batch_rows=sample_batch_rows,
+        )
+        return None
+
+    def _gather_inputs(
+        self,
+        order: list[str],
+        states: list[RequestState],
+        rows: np.ndarray,
+        starts: np.ndarray,
+        q_lens: np.ndarray,
+        req_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The step's token ids from the persistent rows, in a few vectorised gathers;
+        the logits rows to sample and the requests (indices in ``order``) they belong to."""
+        batch = self._persistent_batch()
+        ends = starts + q_lens
+        known = batch.num_tokens[rows]
+        if (ends > known).any():
+            i = int(np.flatnonzero(ends > known)[0])
+            raise EngineCoreError(
+                f"request {order[i]!r}: scheduled tokens {int(starts[i])}..{int(ends[i])} "
+                f"but only {int(known[i])} are known to the model runner"
+            )
+        input_ids = batch.tokens[rows[req_of_token], positions]
+        for state, end in zip(states, ends.tolist(), strict=True):
+            state.num_computed_tokens = end
+        due = ends == known  # prefill complete: a new token is due
+        last_rows = np.cumsum(q_lens) - 1
+        if due.all():
+            return input_ids, last_rows, np.arange(len(order))
+        which = np.flatnonzero(due)
+        return input_ids, last_rows[which], which
+
+    def _walk_inputs(
+        self,
+        states: list[RequestState],
+        starts: np.ndarray,
+        q_lens: np.ndarray,
+        drafts_of: dict[str, list[int]],
+        prompt_lp_rows: list[tuple[RequestState, int, int, int]],
+        verify: list[list[int]] | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As :meth:`_gather_inputs`, request by request: drafts to verify, prompt
+        logprobs."""
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
         cu = 0
         for i, state in enumerate(states):
             start, n = int(starts[i]), int(q_lens[i])
@@ -545,7 +679,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 state.num_computed_tokens = end
                 sample_rows.extend(range(cu, cu + n))
                 cu += n
-                sample_req_ids.append(state.req_id)
+                sampled.append(i)
                 # Drafts come only from a drafter, which makes verify a list.
                 verify.append(drafts)  # type: ignore[union-attr]
                 continue
@@ -566,28 +700,25 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             cu += n
             if end == len(state.token_ids):  # prefill complete: a new token is due
                 sample_rows.append(cu - 1)
-                sample_req_ids.append(state.req_id)
+                sampled.append(i)
                 if verify is not None:
                     verify.append([])
-
-        total = int(q_lens.sum())
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        offsets = np.cumsum(q_lens) - q_lens
-        positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
-        bs = self.block_size
-        slots = block_table[req_of_token, positions // bs] * bs + positions % bs
-
-        dev = self.device
-        batch = AttentionBatch(
-            req_ids=order,
-            query_lens=q_lens,
-            context_lens=starts,
-            block_table=block_table,
-            slot_mapping=slots,
-            num_decodes=len(decodes),
+        return (
+            np.asarray(input_ids, dtype=np.int64),
+            np.asarray(sample_rows, dtype=np.int64),
+            np.asarray(sampled, dtype=np.int64),
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+
+    def _run_forward(
+        self,
+        ids_t: torch.Tensor,
+        pos_t: torch.Tensor,
+        batch: AttentionBatch,
+        order: list[str],
+        req_of_token: np.ndarray,
+        positions: np.ndarray,
+    ) -> torch.Tensor:
+        bridge = self.kv_connector
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
@@ -603,17 +734,18 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                     for g in range(1, len(self.block_tables))
                 ]
             hidden = self._forward(ids_t, pos_t, self.kv_caches, ctx)
-        logits = None
-        if sample_rows and self.parallel.is_last_pp_rank:
-            rows = torch.tensor(sample_rows, dtype=torch.int64).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if prompt_lp_rows and self.parallel.is_last_pp_rank:
-            self._gather_prompt_logprobs(hidden, prompt_lp_rows)
-        kv_out = bridge.end_step(so) if bridge is not None else None
-        self._step = StepState(
-            order, sample_req_ids, logits, drafts=verify, kv_connector_output=kv_out
-        )
-        return None
+        return hidden
+
+    def _on_hidden(
+        self,
+        hidden: torch.Tensor,
+        states: list[RequestState],
+        q_lens: np.ndarray,
+        starts: np.ndarray,
+    ) -> None:
+        """Every scheduled token's final hidden state, rows in ``states`` order (each
+        request ``q_lens[i]`` rows from position ``starts[i]``). The pooling runner pools
+        them; generation needs only the sampled rows."""
 
     def _group_batch(
         self,

@@ -20,6 +20,11 @@ def register_model_runners(registry: Any) -> None:
         "enginecore_models.model_runner:TorchModelRunner",
         summary="PyTorch runner with paged attention (CPU and CUDA)",
     )
+    registry.add(
+        "pooling",
+        "enginecore_models.pooling_runner:PoolingModelRunner",
+        summary="embeddings: decoder embedders (last/mean/CLS pooling) and BERT encoders",
+    )
 
 
 # architecture -> (module:Class, summary, features). The built-in models shard over
@@ -84,6 +89,7 @@ _BUILTIN_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         _PARALLEL,
     ),
     "GPT2LMHeadModel": ("gpt2:GPT2LMHeadModel", "GPT-2", ("tp",)),
+    "BertModel": ("bert:BertModel", "BERT encoder (pooling runner only)", ("encoder",)),
 }
 
 

@@ -20,11 +20,18 @@ from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunn
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
-from enginecore_models.sampler import Sampler, apply_grammar_bitmask, build_sampling_metadata
+from enginecore_models.sampler import (
+    Sampler,
+    apply_grammar_bitmask,
+    build_sampling_metadata,
+    logprobs_lists,
+)
 
 if TYPE_CHECKING:
+    from enginecore.staging import HostCopy
     from enginecore_models.drafter import Drafter
     from enginecore_models.model_runner import RequestState
+    from enginecore_models.persistent_batch import PersistentBatch
 
 
 @dataclass
@@ -37,6 +44,8 @@ class StepState:
     # Per sample request: the drafts verified this step (None: no speculative decoding).
     drafts: list[list[int]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    # The persistent-batch rows of ``sample_req_ids``.
+    batch_rows: np.ndarray | None = None
 
 
 class SamplingPhase:
@@ -50,6 +59,8 @@ class SamplingPhase:
     device: torch.device
     eos_token_ids: list[int]
     _step: StepState | None
+    batch: PersistentBatch | None
+    host_copy: HostCopy
 
     def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
         """Finished prompt logprobs of requests whose first token is sampled this step."""
@@ -101,6 +112,7 @@ class SamplingPhase:
             return self._sample_speculative(step, grammar_output, index)
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
             tokens = self._share_sampled(None, len(step.sample_req_ids))
+            self.batch.append_sampled(step.batch_rows, np.asarray(tokens, dtype=np.int64))
             for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
                 state = self.requests[req_id]
                 state.output_token_ids.append(token)
@@ -115,30 +127,45 @@ class SamplingPhase:
         logits = step.logits
         if grammar_output is not None and grammar_output.structured_output_request_ids:
             self._apply_grammar(logits, step.sample_req_ids, grammar_output)
-        states = [self.requests[r] for r in step.sample_req_ids]
-        meta = build_sampling_metadata(
-            [s.sampling_params for s in states],
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            [s.generator for s in states],
-            self.eos_token_ids,
-            logits.shape[-1],
-            self.device,
-        )
-        out = self.sampler(logits, meta)
+        batch, rows = self.batch, step.batch_rows
+        rows_t = torch.from_numpy(rows).to(self.device)
+
+        def to_device(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
+
+        meta = batch.sampling_metadata(rows, rows_t, to_device)
+        out = self.sampler.sample(logits, meta)
+        batch.count_sampled(rows_t, rows, out.token_ids)
+        lp = None
         if self.parallel.world_size > 1:
-            tokens = self._share_sampled(out.token_ids, len(states))
+            tokens = self._share_sampled(out.token_ids, len(rows))
+            if out.logprobs is not None:
+                lp = logprobs_lists(
+                    out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), meta
+                )
+            token_array = np.asarray(tokens, dtype=np.int64)
         else:
-            tokens = out.token_ids.tolist()
-        for state, token in zip(states, tokens, strict=True):
+            # The step's one device-to-host sync: ids (and logprobs) copied together.
+            wanted = [out.token_ids]
+            if out.logprobs is not None:
+                wanted += [out.logprob_ids, out.logprobs, out.ranks]
+            host = self.host_copy.start(wanted).wait()
+            token_array = host[0]
+            tokens = token_array.tolist()
+            if out.logprobs is not None:
+                lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
+        batch.append_sampled(rows, token_array)
+        requests = self.requests
+        for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
+            state = requests[req_id]
             state.output_token_ids.append(token)
             state.token_ids.append(token)
-            sampled[index[state.req_id]] = [token]
+            sampled[index[req_id]] = [token]
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index=index,
             sampled_token_ids=sampled,
-            logprobs=self._full_logprobs(out.logprobs, step, index),
+            logprobs=self._full_logprobs(lp, step, index),
             prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
             kv_connector_output=step.kv_connector_output,
         )
@@ -195,6 +222,7 @@ class SamplingPhase:
         for state, d, tokens in zip(states, drafts, accepted, strict=True):
             state.output_token_ids.extend(tokens)
             state.token_ids.extend(tokens)
+            self.batch.append_tokens(self.batch.row_of[state.req_id], tokens)
             state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
             i = index[state.req_id]
             sampled[i] = tokens

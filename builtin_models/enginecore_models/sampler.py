@@ -38,6 +38,7 @@ class SamplingMetadata:
     greedy_rows: torch.Tensor | None  # [B] bool, None when all_greedy or none greedy
     temperature: torch.Tensor | None  # [B, 1]; greedy rows hold 1.0
     top_k: torch.Tensor | None  # [B] long, vocab size where off
+    top_k_max: int  # the largest top_k, known on the host (0 when off)
     top_p: torch.Tensor | None  # [B, 1]
     min_p: torch.Tensor | None  # [B, 1]
     generators: dict[int, torch.Generator]  # row -> its own generator (seeded requests)
@@ -86,6 +87,7 @@ def build_sampling_metadata(
     all_greedy = all(greedy)
     random_params = [p for p in params if not p.greedy]
     temperature = greedy_rows = top_k = top_p = min_p = None
+    top_k_max = 0
     if not all_greedy:
         temperature = col(
             [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
@@ -93,11 +95,9 @@ def build_sampling_metadata(
         if any(greedy):
             greedy_rows = torch.tensor(greedy, device=device)
         if any(0 < p.top_k < vocab_size for p in random_params):
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                dtype=torch.int64,
-                device=device,
-            )
+            ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            top_k_max = max(ks)
         if any(p.top_p < 1.0 for p in random_params):
             top_p = col([p.top_p for p in params])
         if any(p.min_p > 0.0 for p in random_params):
@@ -154,6 +154,7 @@ def build_sampling_metadata(
         greedy_rows=greedy_rows,
         temperature=temperature,
         top_k=top_k,
+        top_k_max=top_k_max,
         top_p=top_p,
         min_p=min_p,
         generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
@@ -178,15 +179,42 @@ class SamplerOutput:
     logprobs: LogprobsLists | None
 
 
+@dataclass
+class DeviceSample:
+    """A step's sampled ids and logprob tensors, still on the device (nothing read)."""
+
+    token_ids: torch.Tensor  # [B] long
+    logprob_ids: torch.Tensor | None  # [B, 1 + max logprobs]: sampled, then the top ones
+    logprobs: torch.Tensor | None  # [B, 1 + max logprobs]
+    ranks: torch.Tensor | None  # [B]: the sampled token's rank
+
+
 class Sampler:
-    """Stateless apart from the generator used by unseeded random rows."""
+    """Stateless apart from the generator used by unseeded random rows.
+
+    :meth:`sample` reads nothing back from the device (no host sync): its results stay
+    on the device until the runner's one copy of the step. Calling the sampler returns
+    them read back, as lists (tests and the speculative path)."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
         # The attention backend's fused kernels (the greedy argmax), set by the runner.
         self.fused_ops: FusedOps = NO_FUSED_OPS
+        # Whether reading a value on the host is free (a CPU device: no sync), which
+        # lets top-p sort only each row's best candidates. None: by the logits' device.
+        self.host_reads_free: bool | None = None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        out = self.sample(logits, meta)
+        logprobs = None
+        if out.logprobs is not None:
+            assert out.logprob_ids is not None and out.ranks is not None
+            logprobs = logprobs_lists(
+                out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), meta
+            )
+        return SamplerOutput(out.token_ids, logprobs)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
         logits = logits.float()
         raw = logits
         if (
@@ -209,15 +237,20 @@ class Sampler:
             if meta.greedy_rows is not None:
                 tokens = torch.where(meta.greedy_rows, row_argmax(logits, self.fused_ops), tokens)
 
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs(raw, tokens, meta)
-        return SamplerOutput(tokens, logprobs)
+        if meta.max_num_logprobs is None:
+            return DeviceSample(tokens, None, None, None)
+        ids, vals, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs)
+        return DeviceSample(tokens, ids, vals, ranks)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         logits = logits / meta.temperature
         if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+            free = self.host_reads_free
+            if free is None:
+                free = logits.device.type == "cpu"
+            logits = apply_top_k_top_p(
+                logits, meta.top_k, meta.top_p, meta.top_k_max, candidates=free
+            )
         probs = logits.softmax(dim=-1)
         if meta.min_p is not None:
             top = probs.amax(dim=-1, keepdim=True)
@@ -251,19 +284,29 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    k_max: int | None = None,
+    candidates: bool = True,
 ) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus to -inf."""
+    """Mask everything outside each row's top-k and top-p nucleus to -inf.
+
+    ``k_max`` is the largest top_k when the caller knows it (else it is read from the
+    device, a sync). ``candidates`` lets top-p look at each row's best tokens first,
+    which needs one read of the device (free on CPU, a sync on a GPU, where the full
+    sort is cheap anyway)."""
+    if top_k is not None and not k_max:
+        k_max = int(top_k.max())
     if top_p is None:
         # Cheaper than a full sort: threshold at each row's k-th largest value.
-        assert top_k is not None
-        k_max = int(top_k.max())
+        assert top_k is not None and k_max is not None
         values = logits.topk(k_max, dim=-1).values
         kth = values.gather(1, (top_k - 1).clamp(max=k_max - 1).unsqueeze(1))
         return logits.masked_fill(logits < kth, _NEG_INF)
     vocab = logits.shape[-1]
-    k0 = min(vocab, max(_TOP_P_CANDIDATES, int(top_k.max()) if top_k is not None else 0))
-    if k0 < vocab:
+    k0 = min(vocab, max(_TOP_P_CANDIDATES, k_max or 0))
+    if candidates and k0 < vocab:
         narrowed = _top_p_among_candidates(logits, top_k, top_p, k0)
         if narrowed is not None:
             return narrowed
@@ -308,24 +351,27 @@ def _top_p_among_candidates(
 
 
 def compute_logprobs(
-    raw_logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata
-) -> LogprobsLists:
-    """Rows ``[sampled, top-1..top-N]`` from the raw model logits, plus the sampled rank.
-
-    Rows of requests that asked for no logprobs are empty lists with rank -1.
-    """
-    assert meta.max_num_logprobs is not None
+    raw_logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[sampled, top-1..top-k]`` (ids, logprobs) from the raw model logits, and
+    the sampled token's rank; on the device."""
     logprobs = raw_logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > sampled).sum(dim=-1) + 1
-    k = meta.max_num_logprobs
     if k > 0:
         top_vals, top_ids = logprobs.topk(k, dim=-1)
         ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
         vals = torch.cat([sampled, top_vals], dim=1)
     else:
         ids, vals = tokens.unsqueeze(1), sampled
-    ids_l, vals_l, ranks_l = ids.tolist(), vals.tolist(), ranks.tolist()
+    return ids, vals, ranks
+
+
+def logprobs_lists(
+    ids_l: list[list[int]], vals_l: list[list[float]], ranks_l: list[int], meta: SamplingMetadata
+) -> LogprobsLists:
+    """The read-back rows of :func:`compute_logprobs`, each cut to what its request asked
+    for; rows of requests that asked for none are empty lists with rank -1."""
     out_ids, out_vals, out_ranks = [], [], []
     for i, n in enumerate(meta.num_logprobs):
         if n is None:

@@ -51,9 +51,14 @@ class _RequestBlocks:
 
 
 def _skips_cache_lookup(request: Request) -> bool:
-    # Prompt logprobs need logits for every prompt token, so nothing may be skipped; the
-    # request still populates the cache for others.
-    return getattr(request.sampling_params, "prompt_logprobs", None) is not None
+    # Prompt logprobs need logits for every prompt token, and pooling needs every prompt
+    # token's hidden state, so nothing may be skipped; the request still populates the
+    # cache for others.
+    params = request.sampling_params
+    return (
+        getattr(params, "prompt_logprobs", None) is not None
+        or getattr(params, "pooling", None) is not None
+    )
 
 
 class KVCacheManager:
@@ -206,6 +211,22 @@ class KVCacheManager:
         if num_new_tokens <= 0 and not num_lookahead_tokens:
             raise ValueError("num_new_tokens must be > 0")
         groups = self._reqs.get(request.request_id)
+        if (
+            groups is not None
+            and self.group_windows == [None]
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+            and not new_computed_blocks
+        ):
+            # The common decode step: its tokens fit the blocks it holds and fill no
+            # block that is not cached yet, so nothing changes.
+            state = groups[0]
+            num_known = request.num_computed_tokens + num_new_tokens
+            if num_known <= len(state.blocks) * self.block_size and (
+                not (self.enable_caching and cache)
+                or min(num_known, len(request.all_token_ids)) // self.block_size <= state.num_cached
+            ):
+                return []
         if groups is None:
             groups = self._reqs[request.request_id] = [
                 _RequestBlocks() for _ in range(self.num_groups)

@@ -666,6 +666,10 @@ class DefaultScheduler(Scheduler):
                 output.prompt_logprobs = PromptLogprobs(
                     lp.logprob_token_ids, lp.logprobs, lp.sampled_token_ranks
                 )
+            pooled = runner_output.pooler_output
+            if pooled and request_id in pooled:
+                output.pooling_output = pooled[request_id]
+                output.new_token_ids = []  # the placeholder token is not an output
             if request.events:
                 output.events = request.events
                 request.events = []

@@ -32,6 +32,7 @@ from enginecore.errors import (
 from enginecore.hookspecs import hookimpl
 from enginecore.params import SamplingParams, StructuredOutputParams
 from enginecore.plugins import make_plugin_manager
+from enginecore.pooling import PoolingParams
 from enginecore.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ __all__ = [
     "InvalidRequestError",
     "LLM",
     "PluginLoadError",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputParams",

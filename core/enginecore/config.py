@@ -58,10 +58,21 @@ class ModelConfig(_Section):
     requests that leave them out; ``vllm``: they are not (vLLM's --generation-config)."""
     chat_template: str | None = None
     """A chat template (a file, or the template text) used instead of the tokenizer's."""
+    task: Literal["auto", "generate", "embed"] = "auto"
+    """vLLM's ``--task``: ``embed`` serves embeddings (the same as ``runner = "pooling"``); ``generate`` and ``auto`` follow ``runner``."""
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        if self.task == "embed" and self.runner == "torch":
+            self.runner = "pooling"
+        if self.task == "generate" and self.runner == "pooling":
+            raise ValueError("task 'generate' contradicts runner 'pooling' (an embedding runner)")
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether this engine serves embeddings (the ``pooling`` runner) not text."""
+        return self.runner == "pooling"
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block where nothing asks for another size
@@ -215,6 +226,8 @@ class ServerConfig(_Section):
     """Address the HTTP server binds."""
     port: int = 8000
     """Its port."""
+    api_server_count: int = 1
+    """API server processes (vLLM's ``--api-server-count``): each has its own tokenizer and detokenizer, all accept on the one listening socket, in front of one engine core ([serving.md](serving.md))."""
     api_key: str | None = None
     """When set, requests must send ``Authorization: Bearer <key>``."""
     max_request_body_bytes: int = 4 * 1024 * 1024
@@ -308,6 +321,7 @@ class ServerConfig(_Section):
             "max_pending_requests_per_client",
             "max_stored_response_bytes",
             "max_open_connections",
+            "api_server_count",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

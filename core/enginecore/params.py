@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from enginecore.errors import InvalidRequestError
+from enginecore.pooling import PoolingParams
 
 
 class StructuredOutputParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -75,6 +76,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
     # KV connector handle for this request (disaggregated prefill/decode): what the
     # prefill instance returned in its output's ``kv_transfer_params``.
     kv_transfer_params: dict[str, Any] | None = None
+    # Set: a pooling request (embeddings), served by the ``pooling`` model runner. Its
+    # one "token" is a placeholder; the pooled vector comes back instead.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -73,6 +73,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     kv_transfer_params: dict[str, Any] | None = None
     # With the first token of a request that asked for prompt logprobs.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling request's vector, with its (only, finishing) output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

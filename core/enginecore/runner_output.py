@@ -45,3 +45,5 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # tokens above), and how many drafts this step verified (accepted = len(sampled) - 1).
     draft_token_ids: list[list[int]] | None = None
     num_draft_tokens: list[int] | None = None
+    # Pooling runner: each pooling request whose prompt completed this step -> its vector.
+    pooler_output: dict[str, list[float]] | None = None

@@ -89,6 +89,13 @@ def _renamed(ours: str, value: str) -> list[str]:
     return [ours, value]
 
 
+def _runner(value: str) -> list[str]:
+    """vLLM's ``--runner auto|generate|pooling``; any other value names a runner plugin."""
+    if value == "auto":
+        return []
+    return ["--runner", "torch" if value == "generate" else value]
+
+
 def _max_model_len(value: str) -> list[str]:
     """vLLM's forms: an int, ``32k`` / ``1m`` (powers of 1024 for ``K``/``M``, of 1000 for
     ``k``/``m``), or ``auto`` / ``-1`` (the longest the memory holds: unset here)."""
@@ -166,6 +173,7 @@ WITH_VALUE: dict[str, Callable[[str], list[str]]] = {
     "--kv-cache-dtype": _kv_cache_dtype,
     "--speculative-config": _speculative_config,
     "--max-model-len": _max_model_len,
+    "--runner": _runner,
     "--kv-transfer-config": _kv_transfer_config,
     **{flag: functools.partial(_renamed, ours) for flag, ours in RENAMED.items()},
 }

@@ -26,6 +26,7 @@ from enginecore.config import EngineConfig
 from enginecore.engine.core import EngineCore, StepResult
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError, RankError
+from enginecore.proc_title import set_process_title
 from enginecore.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -60,12 +61,19 @@ class EngineCoreProc(EngineCore):
         self._shutdown_requested = False
         self._draining_since: float | None = None
         self.ctx = zmq.Context()
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        secure_client(self.output_socket, curve_keys)
-        self.output_socket.connect(output_address)
+        # Several API servers (``--api-server-count``): one input and one output address
+        # each, comma-separated; client i's outputs go to output address i.
+        self.output_sockets = []
+        for address in output_address.split(","):
+            sock = self.ctx.socket(zmq.PUSH)
+            secure_client(sock, curve_keys)
+            sock.connect(address)
+            self.output_sockets.append(sock)
+        self.output_socket = self.output_sockets[0]
         self.input_socket = self.ctx.socket(zmq.PULL)
         secure_client(self.input_socket, curve_keys)
-        self.input_socket.connect(input_address)
+        for address in input_address.split(","):  # PULL fair-queues the clients
+            self.input_socket.connect(address)
         # Pickled objects only on IPC sockets (an owner-only directory), never over TCP.
         self.allow_pickle = input_address.startswith("ipc://")
         super().__init__(config)
@@ -117,9 +125,10 @@ class EngineCoreProc(EngineCore):
     def _output_thread_fn(self) -> None:
         encoder = MsgpackEncoder(allow_pickle=self.allow_pickle)
         while True:
-            item = self.output_queue.get()
-            if item is _STOP:
+            entry = self.output_queue.get()
+            if entry is _STOP:
                 return
+            client, item = entry if isinstance(entry, tuple) else (0, entry)
             item.engine_index = self.engine_index  # every output names its replica
             try:
                 frames = encoder.encode(item)
@@ -129,7 +138,16 @@ class EngineCoreProc(EngineCore):
                 item.utility_output.result = None
                 item.utility_output.failure_message = f"TypeError: {exc}"
                 frames = encoder.encode(item)
-            self.output_socket.send_multipart(frames, copy=False)
+            for sock in self._output_targets(client, item):
+                sock.send_multipart(frames, copy=False)
+
+    def _output_targets(self, client: int | None, item: EngineCoreOutputs) -> list[zmq.Socket[Any]]:
+        """A client's own socket; every client's for the death sentinel and for
+        ``client`` None (requests of any client, e.g. all aborted at once)."""
+        sockets = self.output_sockets
+        if item.engine_dead is not None or client is None:
+            return sockets
+        return [sockets[client] if 0 <= client < len(sockets) else sockets[0]]
 
     # --- the busy loop --------------------------------------------------------------------------
 
@@ -155,8 +173,8 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self, step: Callable[[], StepResult]) -> None:
         outputs, model_executed = step()
-        for client_outputs in outputs.values():
-            self.output_queue.put(client_outputs.stamp())
+        for client, client_outputs in outputs.items():
+            self.output_queue.put((client, client_outputs.stamp()))
         if not model_executed and not outputs and not self.batch_queue:
             # Requests exist but none can run (e.g. waiting for remote KV): yield briefly.
             time.sleep(0.001)
@@ -223,13 +241,13 @@ class EngineCoreProc(EngineCore):
             if isinstance(exc, RankError):  # rebuilt as a RankError in the frontend
                 output.failure_message = exc.detail
                 output.failure_rank, output.failure_method = exc.rank, exc.method
-        self.output_queue.put(EngineCoreOutputs(utility_output=output).stamp())
+        self.output_queue.put((client_index, EngineCoreOutputs(utility_output=output).stamp()))
 
     def _send_finished(
         self,
         request_ids: list[str],
         reason: FinishReason,
-        client_index: int = 0,
+        client_index: int | None = 0,
         error: str | None = None,
     ) -> None:
         outputs = [
@@ -237,7 +255,7 @@ class EngineCoreProc(EngineCore):
             for rid in request_ids
         ]
         if outputs:
-            self.output_queue.put(EngineCoreOutputs(outputs=outputs).stamp())
+            self.output_queue.put((client_index, EngineCoreOutputs(outputs=outputs).stamp()))
 
     # --- pause / sleep ------------------------------------------------------------------------
 
@@ -256,9 +274,9 @@ class EngineCoreProc(EngineCore):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if mode == "abort":
             for outputs in self.drain_batch_queue():
-                for client_outputs in outputs.values():
-                    self.output_queue.put(client_outputs.stamp())
-            self._send_finished(self.abort_all_requests(), FinishReason.ABORT)
+                for client, client_outputs in outputs.items():
+                    self.output_queue.put((client, client_outputs.stamp()))
+            self._send_finished(self.abort_all_requests(), FinishReason.ABORT, None)
         self._paused = mode
 
     def resume_scheduler(self) -> None:
@@ -270,8 +288,8 @@ class EngineCoreProc(EngineCore):
     def sleep(self, level: int = 1) -> None:
         self.pause_scheduler("keep")
         for outputs in self.drain_batch_queue():
-            for client_outputs in outputs.values():
-                self.output_queue.put(client_outputs.stamp())
+            for client, client_outputs in outputs.items():
+                self.output_queue.put((client, client_outputs.stamp()))
         if level >= 1:
             self.scheduler.reset_prefix_cache()
         self.executor.sleep(level)
@@ -296,9 +314,9 @@ class EngineCoreProc(EngineCore):
             ):
                 return False
         for outputs in self.drain_batch_queue():
-            for client_outputs in outputs.values():
-                self.output_queue.put(client_outputs.stamp())
-        self._send_finished(self.abort_all_requests(), FinishReason.ABORT)
+            for client, client_outputs in outputs.items():
+                self.output_queue.put((client, client_outputs.stamp()))
+        self._send_finished(self.abort_all_requests(), FinishReason.ABORT, None)
         return True
 
     def close(self, reason: str) -> None:
@@ -310,7 +328,8 @@ class EngineCoreProc(EngineCore):
             self.executor.shutdown()
         finally:
             self.plugins.engine_stopped(reason)
-            self.output_socket.close(linger=2000)
+            for sock in self.output_sockets:
+                sock.close(linger=2000)
             self.input_socket.close(linger=0)
             self.ctx.term()
 
@@ -378,7 +397,11 @@ def run_engine_core(
         _send_startup_failure(output_address, exc, curve_keys)
         raise SystemExit(1) from None
     encoder = MsgpackEncoder()
-    engine.output_socket.send_multipart([HANDSHAKE_READY, *encoder.encode(engine.ready_response())])
+    ready_frames = [HANDSHAKE_READY, *encoder.encode(engine.ready_response())]
+    for sock in engine.output_sockets:  # every API server waits for its handshake
+        sock.send_multipart(ready_frames)
+    if threading.current_thread() is threading.main_thread():  # a process of its own
+        set_process_title(f"EngineCore_DP{engine_index}")
     engine.start_io_threads()
     ready = True
     reason = "shutdown"
@@ -398,11 +421,12 @@ def _send_startup_failure(
     text = f"{type(exc).__name__}: {exc}"
     logger.error("engine core failed to start: %s\n%s", text, traceback.format_exc())
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    secure_client(sock, curve_keys)
-    sock.connect(output_address)
-    sock.send_multipart([HANDSHAKE_FAILED, text.encode()])
-    sock.close(linger=5000)
+    for address in output_address.split(","):  # every API server waits for its handshake
+        sock = ctx.socket(zmq.PUSH)
+        secure_client(sock, curve_keys)
+        sock.connect(address)
+        sock.send_multipart([HANDSHAKE_FAILED, text.encode()])
+        sock.close(linger=5000)
     ctx.term()
 
 

@@ -71,6 +71,20 @@ class InputProcessor:
             f"'prompt_token_ids'; got {type(prompt).__name__}"
         )
 
+    def check_task(self, params: SamplingParams) -> None:
+        """A pooling model serves only pooling requests, a generation model only text."""
+        pooling_model = self.config.model.is_pooling
+        if pooling_model and params.pooling is None:
+            raise InvalidRequestError(
+                "this model serves embeddings (runner 'pooling'), not text generation: use "
+                "/v1/embeddings, /pooling, /score or /rerank (LLM.embed, LLM.score)"
+            )
+        if not pooling_model and params.pooling is not None:
+            raise InvalidRequestError(
+                "this model generates text; embeddings need an engine started with "
+                "--runner pooling (or --task embed)"
+            )
+
     def validate_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             # vLLM's words: its clients match on them.
@@ -100,6 +114,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        self.check_task(params)
         text, token_ids = self.tokenize(prompt)
         self.validate_tokens(token_ids, params)
         if params.structured_output is not None:
@@ -107,6 +122,8 @@ class InputProcessor:
         self.kv_transfer_params.validate(params.kv_transfer_params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.pooling is not None:
+            max_tokens = 1  # a pooling request finishes with its prompt
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in self.eos_ids[1:] if t not in stop_ids]

@@ -19,6 +19,7 @@ from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
+from enginecore.engine.pooling_api import PoolingMethods
 from enginecore.errors import EngineDeadError, InvalidRequestError
 from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
@@ -31,7 +32,7 @@ from enginecore.request import FinishReason
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Generate text offline: ``LLM(model="path").generate(prompts, SamplingParams(...))``.
 
     Every config field is a keyword (``max_num_seqs=64``, ``dtype="float32"``, ...); a whole

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from enginecore.config import EngineConfig
 from enginecore.distributed import replica_env
+from enginecore.engine.attached_engine import RemoteEngineProcess, attach_link
 from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
 from enginecore.engine.send_queue import SendQueue
@@ -98,6 +99,8 @@ class _EngineProcess:
     The process is a fresh interpreter (not a multiprocessing spawn), so user scripts
     need no ``if __name__ == "__main__"`` guard and nothing of the caller is re-imported.
     """
+
+    client_index = 0  # the engine's only client
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context[Any], engine_index: int = 0) -> None:
         self.engine_index = engine_index
@@ -175,6 +178,22 @@ class _EngineProcess:
         _remove_files(self.proc, self.tmpdir)
 
 
+class _AttachedEngine(_EngineProcess):
+    """An engine core the launcher started for several API servers: this client binds
+    its own address pair and handshakes as usual, but never stops the engine."""
+
+    def __init__(self, link: dict[str, Any], ctx: zmq.Context[Any]) -> None:
+        self.engine_index = 0
+        self.client_index = int(link["client_index"])
+        self.tmpdir = make_runtime_dir()  # nothing of the launcher's is removed with it
+        self.input_socket = ctx.socket(zmq.PUSH)
+        self.input_socket.bind(link["input"])
+        self.output_socket = ctx.socket(zmq.PULL)
+        self.output_socket.bind(link["output"])
+        remote: Any = RemoteEngineProcess(int(link["engine_pid"]))
+        self.proc = remote
+
+
 class _MPClientBase(EngineCoreClient):
     def __init__(
         self,
@@ -187,7 +206,9 @@ class _MPClientBase(EngineCoreClient):
         # IPC sockets in an owner-only directory: pickled callables may cross.
         self.encoder = MsgpackEncoder(allow_pickle=True)
         self.decoder = MsgpackDecoder(EngineCoreOutputs, allow_pickle=True)
-        self.engine = _EngineProcess(config, ctx)
+        link = attach_link()
+        self.engine = _EngineProcess(config, ctx) if link is None else _AttachedEngine(link, ctx)
+        self.client_index = self.engine.client_index
         self.proc = self.engine.proc
         self._finalizer = weakref.finalize(
             self,
@@ -231,6 +252,7 @@ class _MPClientBase(EngineCoreClient):
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index  # the engine sends its outputs back here
         self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -303,7 +325,7 @@ class SyncMPClient(_MPClientBase):
         call_id = next(self._call_ids)
         future: Future[Any] = Future()
         self._utility_futures[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        self._send(EngineCoreRequestType.UTILITY, (self.client_index, call_id, method, args))
         return future.result()
 
     def shutdown(self) -> None:
@@ -374,7 +396,7 @@ class AsyncMPClient(_MPClientBase):
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        self._send(EngineCoreRequestType.UTILITY, (self.client_index, call_id, method, args))
         return await future
 
     def shutdown(self) -> None:

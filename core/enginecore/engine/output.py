@@ -61,6 +61,8 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # Why the engine failed the request (finish_reason "error"), e.g. a KV load error.
     error: str | None = None
+    # A pooling request's vector (its only output; ``outputs`` then holds no tokens).
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -109,6 +111,7 @@ class RequestState:
         self.num_preemptions = 0
         self.kv_transfer_params: dict[str, Any] | None = None
         self.error: str | None = None
+        self.pooled: list[float] | None = None
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
         self._sent_tokens = 0
@@ -155,6 +158,8 @@ class RequestState:
             self.kv_transfer_params = out.kv_transfer_params
         if out.error is not None:
             self.error = out.error
+        if out.pooling_output is not None:
+            self.pooled = out.pooling_output
         if self.finish_reason is not None:
             self.times.finished = now
         return stop_string
@@ -423,6 +428,7 @@ class OutputProcessor:
                 prompt_logprobs=state.take_prompt_logprobs(),
                 kv_transfer_params=state.kv_transfer_params,
                 error=state.error,
+                pooled=state.pooled,
             )
         if finished:
             parent.num_finished += 1

@@ -127,14 +127,18 @@ def build_torch_metadata(
     query_lens = batch.query_lens.tolist()
     context_lens = batch.context_lens.tolist()
     num_decodes = batch.num_decodes
-    q = torch.from_numpy(batch.query_lens)
+    # Host values are read from the numpy arrays: reading a tensor would be a device sync
+    # on a GPU.
+    q_np = batch.query_lens
+    seq_np = batch.seq_lens
+    qsl_np = batch.query_start_loc
     ctx = torch.from_numpy(batch.context_lens)
-    seq = q + ctx
-    qsl = torch.from_numpy(batch.query_start_loc)
+    seq = torch.from_numpy(seq_np)
+    qsl = torch.from_numpy(qsl_np)
     bt = torch.from_numpy(batch.block_table).to(device, non_blocking=True)
     decode = prefill = None
     if num_decodes > 0:
-        max_seq = int(seq[:num_decodes].max())
+        max_seq = int(seq_np[:num_decodes].max())
         decode = AttentionGroup(
             token_start=0,
             num_tokens=num_decodes,
@@ -144,12 +148,12 @@ def build_torch_metadata(
             q_pos=ctx[:num_decodes].to(device)[:, None],
         )
     if num_decodes < len(query_lens):
-        prefill_seq = int(seq[num_decodes:].max())
+        prefill_seq = int(seq_np[num_decodes:].max())
         prefill = AttentionGroup(
-            token_start=int(qsl[num_decodes]),
-            num_tokens=int(q[num_decodes:].sum()),
+            token_start=int(qsl_np[num_decodes]),
+            num_tokens=int(q_np[num_decodes:].sum()),
             block_tables=bt[num_decodes:, : -(-prefill_seq // block_size)],
-            max_query_len=int(q[num_decodes:].max()),
+            max_query_len=int(q_np[num_decodes:].max()),
             max_kv_len=prefill_seq,
             runs=prefill_runs(query_lens[num_decodes:], context_lens[num_decodes:]),
         )
@@ -158,8 +162,8 @@ def build_torch_metadata(
         query_start_loc=qsl,
         seq_lens=seq,
         context_lens=ctx,
-        max_query_len=int(q.max()) if query_lens else 0,
-        max_seq_len=int(seq.max()) if query_lens else 0,
+        max_query_len=int(q_np.max()) if query_lens else 0,
+        max_seq_len=int(seq_np.max()) if query_lens else 0,
         block_size=block_size,
         decode=decode,
         prefill=prefill,

@@ -14,7 +14,16 @@ from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from enginecore.config import EngineConfig
-from enginecore.server import chat, completions, control, info, invocations, load, responses
+from enginecore.server import (
+    chat,
+    completions,
+    control,
+    info,
+    invocations,
+    load,
+    pooling_routes,
+    responses,
+)
 from enginecore.server.absent import absent_router, dev_endpoints_on
 from enginecore.server.client_quota import ClientQuota
 from enginecore.server.context import ServerContext
@@ -70,6 +79,7 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     generation = [*limited, Depends(check_capacity)]
     app.include_router(completions.router, dependencies=generation)
     app.include_router(chat.router, dependencies=generation)
+    app.include_router(pooling_routes.router, dependencies=generation)
     app.include_router(invocations.router, dependencies=generation)
     app.include_router(responses.router, dependencies=limited)  # its POST: + check_capacity
     if config.server.enable_sleep_mode:

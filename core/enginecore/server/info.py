@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -50,8 +51,14 @@ async def ping(request: Request) -> Response:
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics() -> Response:
     """Prometheus text exposition of the ``enginecore:*`` metrics (and process metrics)."""
+    registry = prometheus_client.REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # several API servers: all of theirs
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     return Response(
-        prometheus_client.generate_latest(prometheus_client.REGISTRY),
+        prometheus_client.generate_latest(registry),
         media_type=prometheus_client.CONTENT_TYPE_LATEST,
     )
 

@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 from typing import Any
 
 from enginecore.config import EngineConfig
@@ -72,17 +73,19 @@ def _show_info_logs() -> None:
             named.setLevel(logging.INFO)
 
 
-async def serve(config: EngineConfig) -> int:
+async def serve(config: EngineConfig, listener: socket.socket | None = None) -> int:
     """Start the engine, then serve HTTP until SIGTERM/SIGINT (a drain, see
     :mod:`~enginecore.server.lifecycle`) or the engine's death; the engine stops with it.
-    Returns the exit status: 0, or 1 when the engine died."""
+    Returns the exit status: 0, or 1 when the engine died. ``listener``: the socket an
+    API server of several inherited (:mod:`~enginecore.server.api_servers`)."""
     import uvicorn
 
     config = server_config(config)
     _show_info_logs()
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_tool_config(config, plugins)  # before the engine starts: a bad name fails fast
-    listener = reserve_port(config.server.host, config.server.port)
+    if listener is None:
+        listener = reserve_port(config.server.host, config.server.port)
     try:
         with alongside_engine_start(lambda: importlib.import_module(APP_MODULE)):
             engine = _start_engine(config, plugins)
@@ -144,6 +147,14 @@ def _start_engine(config: EngineConfig, plugins: Any) -> Any:
 
 
 def run_server(config: EngineConfig) -> int:
+    if config.server.api_server_count > 1:
+        from enginecore.server.api_servers import run_api_servers
+
+        return run_api_servers(config)
+    return _run_one_server(config)
+
+
+def _run_one_server(config: EngineConfig) -> int:
     """``enginecore serve``: blocks until the server stops; returns the exit status.
 
     On uvloop when it is installed (a dependency; uvicorn then also picks its httptools

@@ -1,0 +1,181 @@
+"""Host time per decode step: the whole engine with a forward that costs almost nothing.
+
+The real offline path (``LLM`` in-process: scheduler, ``uni`` executor, model runner,
+sampler, ``update_from_output``, output processor with detokenization) on a random
+Llama checkpoint of hidden size 64, one layer and a 1024-token vocabulary, so that what
+is measured is the host's work around the model. N requests decode together; each row
+is the median over the steady decode steps of milliseconds per step, and its parts:
+
+- ``schedule``: ``scheduler.schedule()``
+- ``prep``: the model runner's ``execute_model`` less the model's forward (request
+  updates, input and attention-metadata preparation)
+- ``forward``: the model's forward and LM head
+- ``sample``: ``sample_tokens`` (sampling metadata, sampler, the device-to-host copy)
+- ``update``: ``scheduler.update_from_output()``
+- ``output``: the frontend's output processing (detokenization, request outputs)
+- ``loop``: the step's wall time less the parts above (engine loop, thread hand-off);
+  with async scheduling the worker's parts overlap the engine's, so it can be negative
+
+    python benchmarks/host_overhead.py [--sizes 1,16,64,256,512] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+# One torch thread: the forward is nearly free, and on a loaded host a team of OpenMP
+# threads waits at every barrier for whichever of its threads was preempted.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+PARTS = ("schedule", "prep", "forward", "sample", "update", "output")
+
+
+def make_checkpoint(out_dir: str) -> str:
+    """A random Llama: hidden 64, one layer, vocabulary 1024 (the forward is nearly free)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from enginecore.checkpoints import MAX_POSITIONS, make_tokenizer
+
+    tokenizer = make_tokenizer(1024)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+class Timers:
+    """Seconds spent in each part during the current step (reset by the caller)."""
+
+    def __init__(self) -> None:
+        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.scheduled: list[Any] = []
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Any:
+        spent = self.spent
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t0
+
+        return timed
+
+
+def instrument(llm: Any, timers: Timers) -> None:
+    engine = llm.engine_client.engine
+    scheduler = engine.scheduler
+    runner = engine.executor.worker.model_runner
+    schedule = timers.wrap("schedule", scheduler.schedule)
+
+    def record_schedule() -> Any:
+        out = schedule()
+        timers.scheduled.append(out)
+        return out
+
+    scheduler.schedule = record_schedule
+    scheduler.update_from_output = timers.wrap("update", scheduler.update_from_output)
+    runner.sample_tokens = timers.wrap("sample", runner.sample_tokens)
+    # prep = execute_model - forward: time both, subtract when reporting.
+    runner.execute_model = timers.wrap("prep", runner.execute_model)
+    model = runner.model
+    model.forward = timers.wrap("forward", model.forward)
+    model.compute_logits = timers.wrap("forward", model.compute_logits)
+    llm._process_step = timers.wrap("output", llm._process_step)
+
+
+def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[str, float]:
+    from enginecore import LLM, SamplingParams
+
+    warmup = 5
+    llm = LLM(
+        model,
+        multiprocessing=False,
+        async_scheduling=async_scheduling,
+        max_num_seqs=max(num_reqs, 1),
+        max_num_batched_tokens=max(2048, num_reqs * 16),
+        max_model_len=256 + steps,
+        log_stats_interval=0,
+    )
+    try:
+        timers = Timers()
+        instrument(llm, timers)
+        params = SamplingParams(max_tokens=warmup + steps, temperature=0.0, ignore_eos=True)
+        for i in range(num_reqs):
+            prompt = [(i * 31 + j) % 1000 + 3 for j in range(16)]
+            request, text = llm.input_processor.process(
+                f"r{i}", {"prompt_token_ids": prompt}, params
+            )
+            llm._add(request, text)
+        rows: list[dict[str, float]] = []
+        seen_decodes = 0
+        while llm.output_processor.has_unfinished_requests():
+            timers.spent.update(dict.fromkeys(PARTS, 0.0))
+            timers.scheduled.clear()
+            t0 = time.perf_counter()
+            engine_outputs = llm.engine_client.get_output()
+            llm._process_step(engine_outputs)
+            wall = time.perf_counter() - t0
+            full_decode = timers.scheduled and all(
+                so.total_num_scheduled_tokens == num_reqs == len(so.num_scheduled_tokens)
+                for so in timers.scheduled
+            )
+            if not full_decode or len(timers.scheduled) != 1:
+                continue
+            seen_decodes += 1
+            if seen_decodes <= warmup:
+                continue
+            row = dict(timers.spent)
+            row["prep"] -= row["forward"]
+            row["loop"] = wall - sum(row[p] for p in PARTS)
+            row["step"] = wall
+            rows.append(row)
+        return {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,16,64,256,512")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--model", help="a checkpoint to use instead of the made one")
+    parser.add_argument("--modes", default="sync,async")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or make_checkpoint(tmp)
+        cols = ("step", *PARTS, "loop")
+        print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
+        for n in (int(s) for s in args.sizes.split(",") if s):
+            for mode in args.modes.split(","):
+                r = run(model, n, args.steps, mode == "async")
+                print(f"{mode:>6} {n:>5} " + " ".join(f"{r[c]:>8.3f}" for c in cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""``enginecore bench decode``: single-stream decode speed beside its weight-read bound.
+
+One prompt, greedy, EOS ignored. Each round times a request of ``1 + output_len`` tokens
+and one of a single token, in turns; their difference is ``output_len`` decode steps with
+the prefill taken out. The decode speed is the median over rounds. For a GGUF file the
+bound (``weight_bound``: bytes read per token over this machine's measured bandwidth) is
+printed beside it, with the fraction of it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from enginecore.bench import weight_bound
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a GGUF file (bound reported) or a checkpoint directory")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64, help="decode steps timed a round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--output-json", help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from enginecore import LLM, SamplingParams
+
+    if args.output_len < 1 or args.rounds < 1 or args.input_len < 1:
+        raise SystemExit("decode: --input-len, --output-len and --rounds must be at least 1")
+    load_start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype)
+    load_s = time.perf_counter() - load_start
+    try:
+        vocab = len(llm.get_tokenizer())
+        rng = random.Random(0)
+        low = min(256, vocab // 2)
+        prompt = {"prompt_token_ids": [rng.randrange(low, vocab) for _ in range(args.input_len)]}
+
+        def timed(tokens: int) -> float:
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            llm.generate([prompt], params)
+            return time.perf_counter() - t0
+
+        timed(1 + args.output_len)  # warm-up: first-use work stays out of the figures
+        speeds = []
+        for _ in range(args.rounds):
+            long, short = timed(1 + args.output_len), timed(1)
+            speeds.append(args.output_len / max(long - short, 1e-9))
+    finally:
+        llm.shutdown()
+    result: dict[str, Any] = {
+        "model": args.model,
+        "load_s": load_s,
+        "decode_tokens_per_s": statistics.median(speeds),
+        "rounds": speeds,
+    }
+    line = f"decode {result['decode_tokens_per_s']:.1f} tok/s (load {load_s:.1f} s)"
+    if str(args.model).endswith(".gguf"):
+        bound = weight_bound.Bound(
+            weight_bound.gguf_bytes_per_token(args.model),
+            weight_bound.measured_read_bandwidth(),
+        )
+        fraction = result["decode_tokens_per_s"] / bound.tokens_per_s
+        result |= {
+            "bytes_per_token": bound.bytes_per_token,
+            "bandwidth_bytes_per_s": bound.bandwidth,
+            "bound_tokens_per_s": bound.tokens_per_s,
+            "fraction_of_bound": fraction,
+        }
+        line += (
+            f"; weight-read bound {bound.tokens_per_s:.1f} tok/s "
+            f"({bound.bytes_per_token / 1e6:.1f} MB a token at "
+            f"{bound.bandwidth / 1e9:.1f} GB/s measured): {100 * fraction:.0f}% of it"
+        )
+    print(line)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
