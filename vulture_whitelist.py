@@ -69,6 +69,7 @@ guided_grammar
 truncation  # Responses API fields accepted on requests (pydantic)
 service_tier
 _unknown_fields  # a pydantic model validator: pydantic calls it
+do_remote_decode  # zmq_p2p kv_transfer_params schema: validated, read as the dict it came as
 
 # pytest: fixtures imported for their autouse effect, or requested for their side effect.
 leak_check

@@ -171,7 +171,12 @@ async def bench_disagg(model: str, args) -> dict:
         kv_transfer={"connector": "zmq_p2p", "role": "kv_producer", "extra_config": {"port": port}},
         **COMMON,
     )
-    decode = AsyncLLM(model, kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}, **COMMON)
+    consumer = {"peers": [f"127.0.0.1:{port}"]}
+    decode = AsyncLLM(
+        model,
+        kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer", "extra_config": consumer},
+        **COMMON,
+    )
     try:
         await run_mixed(workload[:2], None, prefill, decode)  # warm-up
         pd_results = await run_mixed(workload, None, prefill, decode)

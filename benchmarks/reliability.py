@@ -2,12 +2,20 @@
 ``--model``), bounded in time, printing one table. Not part of ``make test``.
 
     python benchmarks/reliability.py [--streams 500] [--disconnects 200] [--requests 2000]
+    python benchmarks/reliability.py --checks attacks   # only the attack rows
 
 Rows: concurrent streams held with no error; client disconnects with the KV cache back to
 0; the bad-input corpus (4xx / 5xx / dropped connections); server memory growth over
 ``--requests`` requests; SIGTERM drain (streams ended with ``[DONE]``, exit status,
 processes and temporary files left); SIGKILL of the engine and of an ``mp`` worker (time
-until every stream got its error, the server's exit status, processes left).
+until every stream got its error, the server's exit status, processes left). The attack
+rows (:mod:`reliability_attacks`): the KV connector (junk frames on the block server,
+hostile ``kv_transfer_params``, a handle naming the client's own address), mass
+disconnects of queued completions, chat, responses and beam-search streams (seconds
+until the KV cache and the queue are empty), one client flooding the queue (another
+client's latency, FCFS and ``fair_share``), a slow-header flood (a normal request's
+p50/p99 and ``/health`` during it) and the server's memory after ``--store-requests``
+maximal Responses requests.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import reliability_attacks as attacks
 
 STREAM = {"prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
 BAD_BODIES = [
@@ -241,7 +250,14 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--disconnects", type=int, default=200)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--checks", default="base,attacks", help="base, attacks or both")
+    parser.add_argument("--junk", type=int, default=1000, help="junk frames to the KV server")
+    parser.add_argument("--queued", type=int, default=50, help="streams per kind, dropped")
+    parser.add_argument("--flood-streams", type=int, default=400)
+    parser.add_argument("--slow-connections", type=int, default=3000)
+    parser.add_argument("--store-requests", type=int, default=2000)
     args = parser.parse_args()
+    checks = set(args.checks.split(","))
     rows: list[tuple[str, dict]] = []
     with tempfile.TemporaryDirectory() as work:
         workdir = Path(work)
@@ -250,31 +266,10 @@ def main() -> None:
             from enginecore.checkpoints import make_random_checkpoint
 
             model = str(make_random_checkpoint(workdir / "model"))
-        flags = ("--shutdown-timeout", "20", "--stat-loggers", "")
-        server = Server(model, workdir, *flags)
-        try:
-            rows.append(
-                ("concurrent streams", asyncio.run(concurrent_streams(server, args.streams)))
-            )
-            rows.append(("client disconnects", asyncio.run(disconnects(server, args.disconnects))))
-            rows.append(("bad-input corpus", bad_inputs(server)))
-            rows.append(("memory", asyncio.run(memory_growth(server, args.requests))))
-            rows.append(("SIGTERM drain", asyncio.run(sigterm_drain(server, 20))))
-        finally:
-            server.close()
-        server = Server(model, workdir, "--stat-loggers", "")
-        try:
-            rows.append(
-                ("SIGKILL engine", asyncio.run(_kill_during_streams(server, server.engine(), 20)))
-            )
-        finally:
-            server.close()
-        server = Server(model, workdir, "--executor", "mp", "--stat-loggers", "")
-        try:
-            worker = server.engine().children()[0]
-            rows.append(("SIGKILL worker", asyncio.run(_kill_during_streams(server, worker, 20))))
-        finally:
-            server.close()
+        if "attacks" in checks:
+            rows += attack_rows(model, workdir, args)
+        if "base" in checks:
+            rows += base_rows(model, workdir, args)
     print("| check | result |")
     print("|---|---|")
     for name, result in rows:
@@ -282,6 +277,64 @@ def main() -> None:
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
         )
         print(f"| {name} | {text} |")
+
+
+def attack_rows(model: str, workdir: Path, args: argparse.Namespace) -> list[tuple[str, dict]]:
+    rows: list[tuple[str, dict]] = []
+    kv_port = _free_port()
+    extra = json.dumps({"port": kv_port, "secret": attacks.KV_SECRET})
+    kv_flags = ("--kv-connector", "zmq_p2p", "--kv-role", "kv_both")
+    server = Server(model, workdir, *kv_flags, "--kv-connector-extra-config", extra)
+    try:
+        rows.append(("KV connector", attacks.kv_connector(server, kv_port, args.junk)))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--stat-loggers", "")
+    try:
+        model_name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        rows.append(
+            ("queued disconnects", attacks.mass_disconnects(server, model_name, args.queued))
+        )
+        rows.append(("queue flood (fcfs)", attacks.queue_flood(server, args.flood_streams)))
+        port = int(server.url.rsplit(":", 1)[1])
+        rows.append(("slow headers", attacks.slow_headers(server, args.slow_connections, port)))
+        rows.append(("responses store", attacks.store_memory(server, args.store_requests)))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--scheduling-policy", "fair_share", "--stat-loggers", "")
+    try:
+        rows.append(("queue flood (fair_share)", attacks.queue_flood(server, args.flood_streams)))
+    finally:
+        server.close()
+    return rows
+
+
+def base_rows(model: str, workdir: Path, args: argparse.Namespace) -> list[tuple[str, dict]]:
+    rows: list[tuple[str, dict]] = []
+    flags = ("--shutdown-timeout", "20", "--stat-loggers", "")
+    server = Server(model, workdir, *flags)
+    try:
+        rows.append(("concurrent streams", asyncio.run(concurrent_streams(server, args.streams))))
+        rows.append(("client disconnects", asyncio.run(disconnects(server, args.disconnects))))
+        rows.append(("bad-input corpus", bad_inputs(server)))
+        rows.append(("memory", asyncio.run(memory_growth(server, args.requests))))
+        rows.append(("SIGTERM drain", asyncio.run(sigterm_drain(server, 20))))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--stat-loggers", "")
+    try:
+        rows.append(
+            ("SIGKILL engine", asyncio.run(_kill_during_streams(server, server.engine(), 20)))
+        )
+    finally:
+        server.close()
+    server = Server(model, workdir, "--executor", "mp", "--stat-loggers", "")
+    try:
+        worker = server.engine().children()[0]
+        rows.append(("SIGKILL worker", asyncio.run(_kill_during_streams(server, worker, 20))))
+    finally:
+        server.close()
+    return rows
 
 
 if __name__ == "__main__":

@@ -278,7 +278,8 @@ def pd_section(model: str, num_prompts: int, prompt_len: int) -> dict:
 
     found: dict = {"num_prompts": num_prompts, "prompt_len": prompt_len}
     prefill = LLM(model, kv_transfer=connector("kv_producer", {"port": kv_port}), **engine)
-    decode = LLM(model, kv_transfer=connector("kv_consumer", {"recv_timeout": 5}), **engine)
+    consumer = {"recv_timeout": 5, "peers": [f"127.0.0.1:{kv_port}"]}
+    decode = LLM(model, kv_transfer=connector("kv_consumer", consumer), **engine)
     try:
         # In turn (the machine's load drifts), the first of each a warm-up: a prompt
         # computed by the prefill engine alone (the one-engine baseline, in the same

@@ -7,6 +7,7 @@ entry point): a live server with ``/collective_rpc`` enabled, on the kit's tiny 
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -47,21 +48,25 @@ def test_model_summary_counts_every_checkpoint_parameter(enginecore_server, engi
     assert summary["num_parameters"] == expected
 
 
-def test_trace_next_steps_through_the_server(enginecore_server, tmp_path):
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "fixed-at-start"
+
+
+@pytest.fixture(scope="module")
+def enginecore_config_overrides(trace_dir):
+    return {"trace_dir": str(trace_dir)}
+
+
+def test_trace_next_steps_through_the_server(enginecore_server, trace_dir):
     import httpx
 
-    target = tmp_path / "trace-{rank}.jsonl"
-    result = rpc(
-        "trace_next_steps",
-        "2",
-        "--kwargs",
-        json.dumps({"path": str(target)}),
-        "--url",
-        enginecore_server.url,
-    )
+    result = rpc("trace_next_steps", "2", "--url", enginecore_server.url)
     assert result.returncode == 0, result.stderr
     [path] = json.loads(result.stdout)
-    assert path == str(tmp_path / "trace-0.jsonl")
+    assert Path(path).parent == trace_dir
+    assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600
+    assert stat.S_IMODE(trace_dir.stat().st_mode) == 0o700
     response = httpx.post(
         f"{enginecore_server.url}/v1/completions",
         json={"model": enginecore_server.model, "prompt": "hi there", "max_tokens": 4},
@@ -70,9 +75,35 @@ def test_trace_next_steps_through_the_server(enginecore_server, tmp_path):
     assert response.status_code == 200, response.text
     lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert len(lines) == 2
-    assert (
-        lines[0]["scheduler_output"]["scheduled_new_reqs"][0]["sampling_params"]["max_tokens"] == 4
-    )
+    [new] = lines[0]["scheduler_output"]["scheduled_new_reqs"]
+    assert new["sampling_params"]["max_tokens"] == 4
+    # The operator did not ask for prompt contents: only their size is kept.
+    assert new["prompt_token_ids"] == {"redacted_count": lines[0]["num_scheduled_tokens"]}
+
+
+def test_trace_next_steps_takes_no_path_from_the_network(enginecore_server, tmp_path):
+    import httpx
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for body in (
+        {"method": "trace_next_steps", "args": [2, str(victim)]},
+        {"method": "trace_next_steps", "args": [2], "kwargs": {"path": str(tmp_path / "new/x")}},
+    ):
+        answer = httpx.post(f"{enginecore_server.url}/collective_rpc", json=body, timeout=60)
+        assert answer.status_code >= 400, answer.text
+        assert "takes no path" in answer.text, answer.text
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "new").exists()
+
+
+def test_trace_files_are_bounded_in_number(enginecore_server, trace_dir):
+    from enginecore_executors.step_trace import MAX_TRACE_FILES
+
+    for _ in range(MAX_TRACE_FILES + 3):
+        result = rpc("trace_next_steps", "1", "--url", enginecore_server.url)
+        assert result.returncode == 0, result.stderr
+    assert len(list(trace_dir.glob("enginecore-trace-*.jsonl"))) == MAX_TRACE_FILES
 
 
 def test_errors_say_what_to_do(enginecore_server):

@@ -62,7 +62,7 @@ def step_counter_site(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tp2_llm(tiny_llama, step_counter_site):
+def tp2_llm(tiny_llama, step_counter_site, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         # The engine and worker processes inherit it and find the distribution.
         mp.setenv("PYTHONPATH", str(step_counter_site))
@@ -74,6 +74,8 @@ def tp2_llm(tiny_llama, step_counter_site):
             executor="mp",
             num_blocks_override=64,
             max_model_len=512,
+            trace_dir=str(tmp_path_factory.mktemp("traces")),
+            trace_prompt_contents=True,
         ) as llm:
             yield llm
 
@@ -129,8 +131,8 @@ def test_model_summary_shows_the_sharding(tp2_llm, tiny_llama):
 
 
 def test_trace_next_steps_records_scheduler_outputs_and_timings(tp2_llm, tmp_path):
-    paths = tp2_llm.collective_rpc("trace_next_steps", args=(3, str(tmp_path / "r{rank}.jsonl")))
-    assert paths == [str(tmp_path / "r0.jsonl"), str(tmp_path / "r1.jsonl")]
+    paths = tp2_llm.collective_rpc("trace_next_steps", args=(3,))
+    assert len(set(paths)) == 2 and all("rank" in Path(p).name for p in paths)
     prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
     tp2_llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
     per_rank = [[json.loads(line) for line in Path(p).read_text().splitlines()] for p in paths]

@@ -64,7 +64,11 @@ def test_prefill_killed_mid_transfer(tiny_llama, tmp_path, policy) -> None:
     producer = ["--kv-role", "kv_producer", "--kv-connector-extra-config"]
     producer.append(json.dumps({"port": kv_port}))
     consumer = ["--kv-role", "kv_consumer", "--kv-connector-extra-config"]
-    consumer.append(json.dumps({"recv_timeout": 3, "load_failure_policy": policy}))
+    consumer.append(
+        json.dumps(
+            {"recv_timeout": 3, "load_failure_policy": policy, "peers": [f"127.0.0.1:{kv_port}"]}
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
     urls = [f"http://127.0.0.1:{p}" for p in (p_port, d_port, proxy_port)]
     procs = []

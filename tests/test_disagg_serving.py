@@ -28,7 +28,8 @@ def disagg(tiny_llama, tmp_path_factory):
     kv_port, p_port, d_port, proxy_port = (free_port() for _ in range(4))
     producer = ["--kv-role", "kv_producer", "--kv-connector-extra-config"]
     producer.append(json.dumps({"port": kv_port}))
-    consumer = ["--kv-role", "kv_consumer"]
+    consumer = ["--kv-role", "kv_consumer", "--kv-connector-extra-config"]
+    consumer.append(json.dumps({"peers": [f"127.0.0.1:{kv_port}"]}))
     decode_stats = tmp / "decode-stats.jsonl"
     prefill_env = dict(os.environ, ENGINECORE_JSONL_STATS_PATH=str(tmp / "prefill.jsonl"))
     decode_env = dict(os.environ, ENGINECORE_JSONL_STATS_PATH=str(decode_stats))

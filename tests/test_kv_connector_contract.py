@@ -22,7 +22,11 @@ class TestZmqP2PContract(KVConnectorContract):
         return {"connector": "zmq_p2p", "role": "kv_producer", "extra_config": {"port": self.port}}
 
     def consumer_kv_transfer(self, tmp_path):
-        return {"connector": "zmq_p2p", "role": "kv_consumer"}
+        return {
+            "connector": "zmq_p2p",
+            "role": "kv_consumer",
+            "extra_config": {"peers": [f"127.0.0.1:{self.port}"]},
+        }
 
     def producer_request_params(self):
         return {"do_remote_decode": True}

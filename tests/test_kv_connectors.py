@@ -312,7 +312,11 @@ def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
     try:
         decode = LLM(
             str(tiny_llama),
-            kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer", "extra_config": secret},
+            kv_transfer={
+                "connector": "zmq_p2p",
+                "role": "kv_consumer",
+                "extra_config": {"peers": [f"127.0.0.1:{port}"], **secret},
+            },
             **common,
         )
         try:
@@ -366,6 +370,8 @@ def test_zmq_p2p_a_peer_with_another_secret_gets_no_block():
 
     def worker(role: str, secret: str | None) -> ZmqP2PWorker:
         extra = {"port": port, "recv_timeout": 1.0, **({"secret": secret} if secret else {})}
+        if role == "kv_consumer":
+            extra["peers"] = [f"127.0.0.1:{port}"]
         config = make_config(
             model="unused",
             kv_transfer={"connector": "zmq_p2p", "role": role, "extra_config": extra},
@@ -387,6 +393,7 @@ def test_zmq_p2p_a_peer_with_another_secret_gets_no_block():
 
 
 def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
+    gone = free_port()  # a configured producer that is not running
     with LLM(
         str(tiny_llama),
         multiprocessing=False,
@@ -395,13 +402,13 @@ def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
         kv_transfer={
             "connector": "zmq_p2p",
             "role": "kv_consumer",
-            "extra_config": {"recv_timeout": 0.5},
+            "extra_config": {"recv_timeout": 0.5, "peers": [f"127.0.0.1:{gone}"]},
         },
     ) as llm:
         handle = {
             "do_remote_prefill": True,
             "remote_host": "127.0.0.1",
-            "remote_port": free_port(),
+            "remote_port": gone,
             "remote_request_id": "gone",
             "num_tokens": 64,
         }
@@ -509,7 +516,13 @@ def test_zmq_p2p_fetches_once_per_request():
     from enginecore_kv_connectors.zmq_p2p import ZmqP2PScheduler
 
     config = make_config(
-        model="x", block_size=BLOCK, kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}
+        model="x",
+        block_size=BLOCK,
+        kv_transfer={
+            "connector": "zmq_p2p",
+            "role": "kv_consumer",
+            "extra_config": {"peers": ["127.0.0.1:1234"]},
+        },
     )
     connector = ZmqP2PScheduler(config)
     handle = {

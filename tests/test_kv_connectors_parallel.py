@@ -112,7 +112,13 @@ def test_zmq_p2p_tp2_prefill_then_tp2_decode(tiny_llama) -> None:
     )
     try:
         decode = LLM(
-            str(tiny_llama), kv_transfer={"connector": "zmq_p2p", "role": "kv_consumer"}, **common
+            str(tiny_llama),
+            kv_transfer={
+                "connector": "zmq_p2p",
+                "role": "kv_consumer",
+                "extra_config": {"peers": [f"127.0.0.2:{port}"]},
+            },
+            **common,
         )
         try:
             handles = prefill.generate(

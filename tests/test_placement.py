@@ -49,9 +49,11 @@ def test_local_replicas_get_disjoint_core_sets(cores, dp, tp, want) -> None:
     assert got == (want if want is not None else [None] * dp)
 
 
-def _node(ip: str, cpus: float, gpus: float = 0.0, alive: bool = True) -> dict:
+def _node(
+    ip: str, cpus: float, gpus: float = 0.0, alive: bool = True, node_id: str | None = None
+) -> dict:
     return {
-        "NodeID": f"id-{ip}",
+        "NodeID": node_id or f"id-{ip}",
         "NodeManagerAddress": ip,
         "Alive": alive,
         "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})},
@@ -67,6 +69,14 @@ def test_groups_that_fit_counts_whole_tp_groups() -> None:
 def test_a_shape_that_fits_passes() -> None:
     nodes = [_node("127.0.0.1", 2), _node("127.0.0.2", 2)]
     check_shape_fits(nodes, {"CPU": 1.0}, tp=2, pp=2)
+
+
+def test_nodes_sharing_one_address_count_as_separate_nodes() -> None:
+    """Several raylets on one host report the same address: each is still a node."""
+    nodes = [_node("127.0.0.1", cpus, node_id=f"node-{i}") for i, cpus in enumerate((1, 2, 2))]
+    check_shape_fits(nodes, {"CPU": 1.0}, tp=2, pp=2)
+    with pytest.raises(ConfigError, match=r"hold 2 such stage\(s\) in all"):
+        check_shape_fits(nodes, {"CPU": 1.0}, tp=2, pp=3)
 
 
 def test_a_tp_group_larger_than_any_node_names_the_node_shortfall() -> None:

@@ -8,7 +8,7 @@ from enginecore import make_config
 from enginecore.interfaces import SchedulerState, SchedulingPolicy
 from enginecore.registry import Registry
 from enginecore_schedulers import plugin
-from enginecore_schedulers.policies import FCFSPolicy, PriorityPolicy
+from enginecore_schedulers.policies import FairSharePolicy, FCFSPolicy, PriorityPolicy
 from enginecore_schedulers.waiting_queue import WaitingQueue
 
 CONFIG = make_config(model="fake")
@@ -79,7 +79,7 @@ def test_plugin_registers_default_scheduler_and_policies_lazily():
     entry = schedulers.entry("default")
     assert entry.factory == "enginecore_schedulers.scheduler:DefaultScheduler"
     assert entry.summary
-    assert policies.names() == ["fcfs", "priority"]
+    assert policies.names() == ["fair_share", "fcfs", "priority"]
     assert policies.get("fcfs") is FCFSPolicy
     assert policies.get("priority") is PriorityPolicy
     from enginecore_schedulers.scheduler import DefaultScheduler
@@ -92,3 +92,21 @@ def test_plugin_hooks_are_trylast_hookimpls():
     for fn in (plugin.register_schedulers, plugin.register_scheduling_policies):
         opts = fn.enginecore_impl  # type: ignore[attr-defined]  # set by the hookimpl marker
         assert opts["trylast"] is True
+
+
+def test_fair_share_interleaves_clients_by_their_rank():
+    """A client with six requests queued first, then one request each from two other
+    clients: each newcomer ranks 0 and goes right after the flood's first request, not
+    behind all six. A rank that is not a non-negative integer counts as 0."""
+    policy = FairSharePolicy(make_config(model="x"))
+    flood = [make_request(f"a{i}", [1], seq_no=i, extra={"client_rank": i}) for i in range(6)]
+    b = make_request("b0", [1], seq_no=6, extra={"client_rank": 0})
+    c = make_request("c0", [1], seq_no=7, extra={"client_rank": 0})
+    offline = make_request("offline", [1], seq_no=8)  # no rank: like FCFS among rank 0
+    bogus = make_request("bogus", [1], seq_no=9, extra={"client_rank": -5})
+    queue = WaitingQueue(policy.sort_key)
+    for request in [*flood, b, c, offline, bogus]:
+        queue.push(request)
+    order = [queue.pop().request_id for _ in range(len(queue))]
+    assert order == ["a0", "b0", "c0", "offline", "bogus", "a1", "a2", "a3", "a4", "a5"]
+    assert policy.pick_preemption_victim([flood[0], flood[5], b]) is flood[5]

@@ -142,3 +142,52 @@ def _drain(scheduler: DefaultScheduler) -> None:
         out = scheduler.schedule()
         scheduler.update_from_output(out, make_output(scheduler, out))
     assert scheduler.leak_report() == []
+
+
+class RaisingConnector(AsyncLoader):
+    """Raises on requests whose id says so, in the call the id names (as a connector
+    given a request's malformed ``kv_transfer_params`` would)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id.startswith("bad-match"):
+            raise ValueError("invalid literal for int() with base 10: 'abc'")
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if request.request_id.startswith("bad-alloc"):
+            raise KeyError("remote_host")
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        if request.request_id.startswith("bad-finish"):
+            raise RuntimeError("broken bookkeeping")
+        return False, None
+
+
+def test_a_connector_error_on_one_request_fails_that_request_only():
+    connector = RaisingConnector()
+    config = make_config(model="x", block_size=BS)
+    scheduler = DefaultScheduler(
+        config, num_blocks=40, max_model_len=64, policy=FCFSPolicy(config), kv_connector=connector
+    )
+    free_before = scheduler.kv_cache_manager.get_num_free_blocks()
+    for rid in ("bad-match", "good-1", "bad-alloc", "bad-finish", "good-2"):
+        scheduler.add_request(make_request(rid, list(range(10)), max_tokens=2))
+    finished: dict[str, object] = {}
+    for _ in range(10):
+        out = scheduler.schedule()
+        results = scheduler.update_from_output(out, make_output(scheduler, out))
+        for outputs in results.values():
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    finished[output.request_id] = output
+        if not scheduler.has_requests():
+            break
+    assert set(finished) == {"bad-match", "good-1", "bad-alloc", "bad-finish", "good-2"}
+    for rid in ("bad-match", "bad-alloc"):
+        assert finished[rid].finish_reason == FinishReason.ERROR
+        assert "KV connector" in finished[rid].error
+    assert "abc" in finished["bad-match"].error and "remote_host" in finished["bad-alloc"].error
+    for rid in ("good-1", "bad-finish", "good-2"):  # a failing request_finished loses nothing
+        assert finished[rid].finish_reason == FinishReason.LENGTH, finished[rid]
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == free_before

@@ -133,17 +133,23 @@ def model_summary(worker: Any) -> dict[str, Any]:
     }
 
 
-def trace_next_steps(worker: Any, n: int, path: str | None = None) -> str:
+def trace_next_steps(worker: Any, n: int, path: Any = None) -> str:
     """Record the next ``n`` steps this rank runs (SchedulerOutput and timings) as JSON
-    lines; returns the file's path. ``path`` may contain ``{rank}``."""
+    lines in the trace directory fixed at start-up (``--trace-dir``); returns the new
+    file's path. A caller never chooses the path: the RPC is reachable over the network."""
     from enginecore_executors.step_trace import MAX_TRACE_STEPS, StepTracer
 
+    if path is not None:
+        raise ValueError(
+            "trace_next_steps takes no path: traces go to the directory the server was "
+            "started with (--trace-dir)"
+        )
     if isinstance(n, int) and n > MAX_TRACE_STEPS:
         raise ValueError(f"trace_next_steps traces at most {MAX_TRACE_STEPS} steps, got {n}")
     previous = getattr(worker, "step_tracer", None)
     if previous is not None:
         previous.close()
-    tracer = StepTracer(worker, n, path)
+    tracer = StepTracer(worker, n)
     worker.step_tracer = tracer
     return str(tracer.path)
 

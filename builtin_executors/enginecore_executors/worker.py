@@ -282,7 +282,10 @@ class Worker(WorkerABC):
         wake_up()
 
     def check_health(self) -> None:
-        return None
+        """Raises when the rank's KV connector reports a dead thread or socket."""
+        bridge = getattr(self.model_runner, "kv_connector", None)
+        if bridge is not None:
+            bridge.connector.check_health()
 
     def get_pid(self) -> int:
         return os.getpid()

@@ -2,9 +2,10 @@
 
 A block travels (on disk or over ZeroMQ) as the K/V of every layer of this rank for
 ``block_size`` positions, ``[num_layers, 2, block_size, kv_heads, head_dim]``, preceded
-by a small header that names its layout and the SHA-256 of its bytes. A reader checks
-both before the bytes go anywhere near the KV cache: a truncated or corrupted block is
-reported invalid (and recomputed), never used.
+by a small header that names its layout, the SHA-256 of its bytes and (over the network)
+the prefix key of the block it holds. A reader checks all of them before the bytes go
+anywhere near the KV cache: a truncated or corrupted block, or one that belongs to
+another prompt, is reported invalid (and recomputed), never used.
 """
 
 from __future__ import annotations
@@ -100,19 +101,25 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: to
         cache.index_copy_(1, index, data[:, layer].transpose(0, 1))
 
 
-def encode_block(layout: KVLayout, block: torch.Tensor) -> bytes:
-    """Header line + raw bytes of one ``[layers, 2, block_size, heads, dim]`` block."""
+def encode_block(layout: KVLayout, block: torch.Tensor, key: str | None = None) -> bytes:
+    """Header line + raw bytes of one ``[layers, 2, block_size, heads, dim]`` block;
+    ``key`` (its prefix key) names the prompt prefix it belongs to."""
     payload = block.contiguous().view(torch.uint8).numpy().tobytes()
     header = layout.header() | {
         "nbytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
+    if key is not None:
+        header["key"] = key
     line = json.dumps(header, separators=(",", ":")).encode()
     return _MAGIC + struct.pack("<I", len(line)) + line + payload
 
 
-def decode_block(layout: KVLayout, raw: bytes, dtype: torch.dtype) -> torch.Tensor:
-    """The block's tensor, or :class:`InvalidBlockError` saying what is wrong."""
+def decode_block(
+    layout: KVLayout, raw: bytes, dtype: torch.dtype, key: str | None = None
+) -> torch.Tensor:
+    """The block's tensor, or :class:`InvalidBlockError` saying what is wrong. With
+    ``key``, the block must say it holds that prefix (not another prompt's KV)."""
     if len(raw) < len(_MAGIC) + 4 or not raw.startswith(_MAGIC):
         raise InvalidBlockError("not an enginecore KV block (bad magic or truncated header)")
     (length,) = struct.unpack_from("<I", raw, len(_MAGIC))
@@ -121,6 +128,10 @@ def decode_block(layout: KVLayout, raw: bytes, dtype: torch.dtype) -> torch.Tens
         header = json.loads(raw[start : start + length])
     except ValueError as exc:
         raise InvalidBlockError(f"unreadable block header: {exc}") from None
+    if not isinstance(header, dict):
+        raise InvalidBlockError("unreadable block header: not an object")
+    if key is not None and header.get("key") != key:
+        raise InvalidBlockError("the block belongs to another prompt prefix than the request's")
     if header.get("shape") != list(layout.shape) or header.get("dtype") != layout.dtype:
         raise InvalidBlockError(
             f"block layout {header.get('shape')}/{header.get('dtype')} does not match this "

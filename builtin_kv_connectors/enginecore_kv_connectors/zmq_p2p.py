@@ -16,13 +16,23 @@ checksum and writes them into its own cache; then only the tail of the prompt is
 computed and generation continues. ``enginecore disagg-proxy`` does the routing.
 
 ``extra_config``: ``host`` (bind and advertise, default ``127.0.0.1``), ``port``
-(producer, default 14579), ``send_timeout`` (seconds a producer keeps unclaimed blocks,
-default 120), ``recv_timeout`` (seconds a consumer waits for the producer, default 30),
+(producer, default 14579), ``peers`` (consumer: the ``"host:port"`` of each producer it
+may fetch from, default ``["<host>:<port>"]``; a request naming any other address is
+refused with a 400, so a client never chooses where the decode instance connects),
+``send_timeout`` (seconds a producer keeps unclaimed blocks, default 120),
+``recv_timeout`` (seconds a consumer waits for the producer, default 30),
 ``load_failure_policy`` (``"fail"``, the default: the request fails with the error; or
 ``"recompute"``: the decode instance computes the prompt itself), ``secret`` (a shared
-secret both instances are given, or ``$ENGINECORE_KV_SECRET``): the block sockets are
-then ZeroMQ CURVE, encrypted and admitting only peers that derived their keys from it.
-A ``host`` other than loopback needs one: KV blocks never cross a network unauthenticated.
+secret both instances are given, or ``$ENGINECORE_KV_SECRET``; on loopback without one,
+the user's generated secret, see :mod:`enginecore_kv_connectors.peer_secret`): the block
+sockets are always ZeroMQ CURVE, encrypted and admitting only peers that derived their
+keys from the secret. A ``host`` other than loopback needs a configured one: KV blocks
+never cross a network unauthenticated. ``max_pending_gets`` (default 1024) and
+``max_pending_gets_per_peer`` (default 64) bound the requests a producer keeps waiting
+for blocks not yet held; beyond them a request is refused at once. A frame that is not a
+well-formed request is answered with an error, counted (``rejected_frames``) and logged
+once per peer; the server thread never dies of one, and if it dies anyway the engine's
+health check fails.
 """
 
 from __future__ import annotations
@@ -32,22 +42,14 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
 import zmq
 
 from enginecore.config import EngineConfig
-from enginecore.engine.wire_auth import (
-    CurveKeys,
-    authenticator_for,
-    keys_from_secret,
-    secure_client,
-    secure_server,
-    stop_authenticator,
-)
+from enginecore.engine.wire_auth import CurveKeys, keys_from_secret, secure_client
 from enginecore.errors import ConfigError
 from enginecore.interfaces import KVConnectorFactory, KVConnectorScheduler, KVConnectorWorker
 from enginecore.request import Request, RequestStatus
@@ -61,6 +63,13 @@ from enginecore_kv_connectors.kv_blocks import (
     prefix_keys,
     scatter_blocks,
 )
+from enginecore_kv_connectors.p2p_block_server import (
+    BlockGet,
+    BlockServer,
+    BlockServerLimits,
+    ServeJob,
+)
+from enginecore_kv_connectors.peer_secret import local_secret
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +81,14 @@ _SERVED_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGT
 class P2PSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 14579
+    peers: list[str] | None = None
     send_timeout: float = 120.0
     recv_timeout: float = 30.0
     load_failure_policy: str = "fail"
     secret: str | None = None
+    max_pending_gets: int = 1024
+    max_pending_gets_per_peer: int = 64
+    max_message_bytes: int = 16 * 1024 * 1024
 
     @classmethod
     def of(cls, config: EngineConfig) -> P2PSettings:
@@ -100,7 +113,65 @@ class P2PSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ConfigError(
                 f"kv_transfer.extra_config.port must be 1..65535, got {settings.port}"
             )
+        if settings.secret is None:
+            settings.secret = local_secret()
+        if settings.peers is None:
+            settings.peers = [f"{settings.host}:{settings.port}"]
+        for peer in settings.peers:
+            _split_peer(peer)
+        for key in ("max_pending_gets", "max_pending_gets_per_peer", "max_message_bytes"):
+            if getattr(settings, key) < 1:
+                raise ConfigError(f"kv_transfer.extra_config.{key} must be at least 1")
         return settings
+
+    def peer_allowed(self, host: str, port: int) -> bool:
+        return f"{host}:{port}" in (self.peers or ())
+
+
+def _split_peer(peer: str) -> tuple[str, int]:
+    host, sep, port = peer.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"kv_transfer.extra_config.peers: {peer!r} is not 'host:port' (a producer's "
+            "advertised host and port)"
+        )
+    return host, int(port)
+
+
+_ID = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+_PORT = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+_TOKENS = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
+class P2PTransferParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``kv_transfer_params`` a request may carry: ``{"do_remote_decode": true}`` to
+    a producer, or the handle a producer returned to a consumer."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: Annotated[str, msgspec.Meta(max_length=255)] | None = None
+    remote_port: _PORT | None = None
+    remote_request_id: _ID | None = None
+    num_tokens: _TOKENS = 0
+
+
+def _check_handle(settings: P2PSettings, params: P2PTransferParams) -> None:
+    """A consumer's handle: complete, and naming a configured producer."""
+    if not params.do_remote_prefill:
+        return
+    missing = [
+        name
+        for name in ("remote_host", "remote_port", "remote_request_id")
+        if getattr(params, name) is None
+    ]
+    if missing:
+        raise ValueError(f"do_remote_prefill needs {', '.join(missing)} (the producer's handle)")
+    assert params.remote_host is not None and params.remote_port is not None
+    if not settings.peer_allowed(params.remote_host, params.remote_port):
+        raise ValueError(
+            f"remote_host:remote_port {params.remote_host}:{params.remote_port} is not a "
+            "configured peer of this instance (kv_transfer.extra_config.peers)"
+        )
 
 
 def _loopback(host: str) -> bool:
@@ -109,14 +180,6 @@ def _loopback(host: str) -> bool:
 
 def _curve_keys(settings: P2PSettings) -> CurveKeys | None:
     return keys_from_secret(settings.secret, NAME) if settings.secret else None
-
-
-class ServeJob(msgspec.Struct, array_like=True):
-    """Producer: a finished request's prompt blocks, kept for one decode instance."""
-
-    req_id: str
-    block_ids: list[int]
-    keys: list[str]
 
 
 class FetchJob(msgspec.Struct, array_like=True):
@@ -144,12 +207,6 @@ class P2PMetadata(msgspec.Struct, kw_only=True):
         return set()  # nothing is saved during the forward pass
 
 
-class _Get(msgspec.Struct, array_like=True):
-    remote_request_id: str
-    first_block: int
-    keys: list[str]
-
-
 # --- scheduler side ------------------------------------------------------------------
 
 
@@ -164,21 +221,25 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         # recompute locally (the producer serves each request once).
         self._fetched: set[str] = set()
 
-    @staticmethod
-    def _params(request: Request) -> dict[str, Any]:
-        return request.sampling_params.kv_transfer_params or {}
+    def _params(self, request: Request) -> P2PTransferParams:
+        """The request's params, checked again here (the frontend checked them already;
+        an engine driven without it gets a failed request, never a dead scheduler)."""
+        raw = request.sampling_params.kv_transfer_params
+        if not raw:
+            return P2PTransferParams()
+        params = msgspec.convert(raw, P2PTransferParams)
+        _check_handle(self.settings, params)
+        return params
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = self._params(request)
-        if (
-            self.role == "kv_producer"
-            or not params.get("do_remote_prefill")
-            or request.request_id in self._fetched
-        ):
+        if self.role == "kv_producer" or request.request_id in self._fetched:
             return 0, False
-        remote_tokens = int(params.get("num_tokens", 0))
+        params = self._params(request)
+        if not params.do_remote_prefill:
+            return 0, False
+        remote_tokens = params.num_tokens
         usable = min(remote_tokens, request.num_prompt_tokens - 1)
         external = usable // self.block_size * self.block_size - num_computed_tokens
         return (external, True) if external > 0 else (0, False)
@@ -192,13 +253,14 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         params = self._params(request)
         first = request.num_computed_tokens // self.block_size
         last = (request.num_computed_tokens + num_external_tokens) // self.block_size
+        assert params.remote_host and params.remote_port and params.remote_request_id
         keys = prefix_keys(request.prompt_token_ids, self.block_size, request.cache_salt)
         self._fetches.append(
             FetchJob(
                 req_id=request.request_id,
-                remote_host=str(params["remote_host"]),
-                remote_port=int(params["remote_port"]),
-                remote_request_id=str(params["remote_request_id"]),
+                remote_host=params.remote_host,
+                remote_port=params.remote_port,
+                remote_request_id=params.remote_request_id,
                 first_block=first,
                 block_ids=list(block_ids[first:last]),
                 keys=keys[first:last],
@@ -217,8 +279,8 @@ class ZmqP2PScheduler(KVConnectorScheduler):
         self._fetched.discard(request.request_id)
         if (
             self.role == "kv_consumer"
-            or not self._params(request).get("do_remote_decode")
             or request.status not in _SERVED_STATUSES
+            or not (request.sampling_params.kv_transfer_params or {}).get("do_remote_decode")
         ):
             return False, None
         num_blocks = min(request.num_prompt_tokens // self.block_size, len(block_ids))
@@ -241,156 +303,44 @@ class ZmqP2PScheduler(KVConnectorScheduler):
 # --- worker side ---------------------------------------------------------------------
 
 
-@dataclass
-class _Held:
-    job: ServeJob
-    deadline: float
-
-
-class _BlockServer:
-    """The producer's ROUTER socket, on its own thread: answers GETs for held blocks."""
-
-    def __init__(
-        self,
-        worker: ZmqP2PWorker,
-        host: str,
-        port: int,
-        send_timeout: float,
-        keys: CurveKeys | None = None,
-    ) -> None:
-        self.worker = worker
-        self.send_timeout = send_timeout
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        if keys is not None:
-            authenticator_for(self.context).allow(keys.client_public)
-            secure_server(self.socket, keys)
-        try:
-            self.socket.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            self.socket.close()
-            self.context.term()
-            raise ConfigError(
-                f"kv_transfer.extra_config: zmq_p2p cannot listen on {host}:{port} ({exc}); "
-                "choose another port"
-            ) from None
-        self.lock = threading.Lock()
-        self.held: dict[str, _Held] = {}
-        self.done: set[str] = set()  # served or expired: blocks may be freed
-        self.gone: dict[str, None] = {}  # recently served or expired ids (bounded)
-        self.waiting: list[tuple[bytes, _Get, float]] = []  # GETs that came before the job
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kv-zmq-p2p-server", daemon=True)
-        self.thread.start()
-
-    def hold(self, job: ServeJob) -> None:
-        with self.lock:
-            self.held[job.req_id] = _Held(job, time.monotonic() + self.send_timeout)
-            self.gone.pop(job.req_id, None)  # a request id reused by a client
-
-    def take_done(self) -> set[str]:
-        with self.lock:
-            done, self.done = self.done, set()
-        return done
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        decoder = msgspec.msgpack.Decoder(_Get)
-        while not self._stop.is_set():
-            if poller.poll(20):
-                identity, _, raw = self.socket.recv_multipart()
-                try:
-                    get = decoder.decode(raw)
-                except msgspec.DecodeError as exc:
-                    self._reply(identity, [b"ERR", f"bad request: {exc}".encode()])
-                    continue
-                self.waiting.append((identity, get, time.monotonic() + self.send_timeout))
-            self._serve_waiting()
-            self._expire()
-
-    def _serve_waiting(self) -> None:
-        still = []
-        now = time.monotonic()
-        for identity, get, deadline in self.waiting:
-            with self.lock:
-                held = self.held.get(get.remote_request_id)
-            if held is None:
-                if get.remote_request_id in self.gone:
-                    self._reply(
-                        identity, [b"ERR", b"this request's KV was already sent or expired"]
-                    )
-                elif now < deadline:
-                    still.append((identity, get, deadline))  # the job is not registered yet
-                else:
-                    self._reply(identity, [b"ERR", b"no KV held for this request"])
-                continue
-            self._reply(identity, self._blocks(held.job, get))
-            with self.lock:
-                self.held.pop(get.remote_request_id, None)
-                self.done.add(get.remote_request_id)
-            self._forget(get.remote_request_id)
-        self.waiting = still
-
-    def _blocks(self, job: ServeJob, get: _Get) -> list[bytes]:
-        end = get.first_block + len(get.keys)
-        if (
-            get.first_block < 0
-            or end > len(job.keys)
-            or job.keys[get.first_block : end] != get.keys
-        ):
-            return [b"ERR", b"the requested blocks do not match the prefill request's prompt"]
-        worker = self.worker
-        data = gather_blocks(worker.kv_caches, job.block_ids[get.first_block : end])
-        return [b"OK"] + [encode_block(worker.layout, block) for block in data]
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self.lock:
-            for req_id, held in list(self.held.items()):
-                if now > held.deadline:
-                    logger.warning("zmq_p2p: no decode instance claimed %s: blocks freed", req_id)
-                    del self.held[req_id]
-                    self.done.add(req_id)
-                    self._forget(req_id)
-
-    def _forget(self, req_id: str) -> None:
-        self.gone[req_id] = None
-        while len(self.gone) > 100_000:
-            del self.gone[next(iter(self.gone))]
-
-    def _reply(self, identity: bytes, frames: list[bytes]) -> None:
-        self.socket.send_multipart([identity, b"", *frames], copy=False)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=5)
-        self.socket.close()
-        stop_authenticator(self.context)
-        self.context.term()
-
-
 class ZmqP2PWorker(KVConnectorWorker):
     def __init__(self, config: EngineConfig, rank: int) -> None:
         self.settings = P2PSettings.of(config)
         self.rank = rank
         self.kv_caches: list[torch.Tensor] = []
         self.layout: KVLayout | None = None
-        self.server: _BlockServer | None = None
+        self.server: BlockServer | None = None
         if config.kv_transfer.role != "kv_consumer":
             s = self.settings
-            self.server = _BlockServer(self, s.host, s.port + rank, s.send_timeout, _curve_keys(s))
+            limits = BlockServerLimits(
+                send_timeout=s.send_timeout,
+                max_pending=s.max_pending_gets,
+                max_pending_per_peer=s.max_pending_gets_per_peer,
+                max_message_bytes=s.max_message_bytes,
+            )
+            self.server = BlockServer(
+                self._read_blocks, s.host, s.port + rank, limits, _curve_keys(s)
+            )
         self.context = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-zmq-p2p-fetch")
         self._fetches: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._invalid_blocks: set[int] = set()
         self._failures: dict[str, str] = {}
+        self._rejected_reported = 0
         self._first_block: dict[str, int] = {}  # per fetch: where a recompute would start
         # Measured transfers (consumer): bytes received, seconds from the GET to the last
         # byte (wire) and to the blocks in the cache (total).
         self.transfers = {"fetches": 0, "bytes": 0, "wire_s": 0.0, "total_s": 0.0}
+
+    def _read_blocks(self, job: ServeJob, first: int, end: int) -> list[bytes]:
+        """The held blocks ``first..end`` of a job, each tagged with its prefix key."""
+        assert self.layout is not None
+        data = gather_blocks(self.kv_caches, job.block_ids[first:end])
+        keys = job.keys[first:end]
+        return [
+            encode_block(self.layout, block, key) for block, key in zip(data, keys, strict=True)
+        ]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = list(kv_caches.values())
@@ -412,11 +362,13 @@ class ZmqP2PWorker(KVConnectorWorker):
         socket.setsockopt(zmq.LINGER, 0)
         keys = _curve_keys(self.settings)
         secure_client(socket, keys.for_client() if keys is not None else None)
+        if not self.settings.peer_allowed(job.remote_host, job.remote_port):
+            raise RuntimeError(f"{job.remote_host}:{job.remote_port} is not a configured peer")
         address = f"tcp://{job.remote_host}:{job.remote_port + self.rank}"
         started = time.perf_counter()
         try:
             socket.connect(address)
-            get = _Get(job.remote_request_id, job.first_block, job.keys)
+            get = BlockGet(job.remote_request_id, job.first_block, job.keys)
             socket.send_multipart([b"", msgspec.msgpack.encode(get)])
             if not socket.poll(int(self.settings.recv_timeout * 1000)):
                 raise TimeoutError(
@@ -427,15 +379,21 @@ class ZmqP2PWorker(KVConnectorWorker):
             received = time.perf_counter()
         finally:
             socket.close()
+        if len(frames) < 2 or frames[0] != b"":
+            raise RuntimeError(f"prefill instance at {address}: a malformed answer")
         status, blocks = frames[1], frames[2:]
         if status != b"OK":
-            raise RuntimeError(f"prefill instance at {address}: {b''.join(blocks).decode()}")
+            text = b"".join(blocks)[:500].decode(errors="replace")
+            raise RuntimeError(f"prefill instance at {address}: {text}")
+        if len(blocks) > len(job.block_ids):
+            raise RuntimeError(f"prefill instance at {address}: more blocks than asked for")
         assert self.layout is not None
         dtype = self.kv_caches[0].dtype
         good: list[torch.Tensor] = []
         for raw in blocks:
             try:
-                good.append(decode_block(self.layout, raw, dtype))
+                # Checked against this request's own prefix key before entering the cache.
+                good.append(decode_block(self.layout, raw, dtype, job.keys[len(good)]))
             except InvalidBlockError as exc:
                 logger.warning("zmq_p2p: block from %s unusable (%s): recomputed", address, exc)
                 with self._lock:
@@ -484,6 +442,23 @@ class ZmqP2PWorker(KVConnectorWorker):
         done_sending = self.server.take_done() if self.server is not None else set()
         return done_sending, done_recving
 
+    def get_num_rejected_messages(self) -> int:
+        server = self.server
+        if server is None:
+            return 0
+        stats = server.stats
+        total = stats.rejected_frames + stats.refused_gets
+        new, self._rejected_reported = total - self._rejected_reported, total
+        return new
+
+    def check_health(self) -> None:
+        server = self.server
+        if server is not None and not server.alive:
+            raise RuntimeError(
+                f"zmq_p2p: the KV block server on {server.address} stopped "
+                f"({server.error or 'unknown reason'}): no decode instance can fetch blocks"
+            )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
             invalid, self._invalid_blocks = self._invalid_blocks, set()
@@ -501,6 +476,20 @@ class ZmqP2PWorker(KVConnectorWorker):
 
 
 class ZmqP2PConnector(KVConnectorFactory):
+    transfer_params_type = P2PTransferParams
+
+    def check_transfer_params(self, config: EngineConfig, params: P2PTransferParams) -> None:
+        if params.do_remote_prefill and config.kv_transfer.role == "kv_producer":
+            raise ValueError("do_remote_prefill is for a kv_consumer (or kv_both) instance")
+        _check_handle(self._settings(config), params)
+
+    _cached_settings: P2PSettings | None = None
+
+    def _settings(self, config: EngineConfig) -> P2PSettings:
+        if self._cached_settings is None:
+            self._cached_settings = P2PSettings.of(config)
+        return self._cached_settings
+
     def scheduler_side(self, config: EngineConfig) -> ZmqP2PScheduler:
         return ZmqP2PScheduler(config)
 

@@ -92,11 +92,17 @@ class KVConnectorBridge:
             self._fail(self._step_req_ids, "get_finished", exc)
         failures, self._failures = self._failures, {}
         self._metadata = None
+        try:
+            rejected = int(connector.get_num_rejected_messages())
+        except Exception:
+            logger.exception("KV connector get_num_rejected_messages raised")
+            rejected = 0
         return KVConnectorOutput(
             finished_sending=set(done_sending or ()),
             finished_recving=set(done_recving or ()),
             invalid_block_ids=invalid,
             failures=failures,
+            num_rejected_messages=rejected,
         )
 
     def shutdown(self) -> None:

@@ -32,3 +32,9 @@ def register_scheduling_policies(registry: Registry) -> None:
         "enginecore_schedulers.policies:PriorityPolicy",
         summary="lowest priority value first, then arrival; preempts the lowest priority",
     )
+    registry.add(
+        "fair_share",
+        "enginecore_schedulers.policies:FairSharePolicy",
+        summary="interleaves clients: each client's n-th pending request before anyone's "
+        "(n+1)-th; preempts the busiest client's latest",
+    )

@@ -133,7 +133,11 @@ class DefaultScheduler(Scheduler):
         self._aborted_loading: dict[str, Request] = {}
         # Invalid blocks reported for loads not yet reported finished.
         self._load_errors: dict[str, set[int]] = {}
+        # Requests a KV connector raised on during schedule(): (client, error output),
+        # reported by the next update_from_output.
+        self._connector_failed: list[tuple[int, EngineCoreOutput]] = []
         self._num_kv_loaded_tokens_since_stats = 0
+        self._num_kv_rejected_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0
         self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
         self._step_id = 0
@@ -210,7 +214,11 @@ class DefaultScheduler(Scheduler):
         delay_free = False
         if self.connector is not None:
             block_ids = self.kv_cache_manager.get_block_ids(request_id)
-            delay_free, params = self.connector.request_finished(request, block_ids)
+            try:
+                delay_free, params = self.connector.request_finished(request, block_ids)
+            except Exception:
+                logger.exception("KV connector request_finished raised for %s", request_id)
+                delay_free, params = False, None
             if params is not None:
                 request.kv_transfer_params = params
         if loading and not force_free:
@@ -473,9 +481,13 @@ class DefaultScheduler(Scheduler):
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_external = 0
             if self.connector is not None:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_hit
-                )
+                try:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_hit
+                    )
+                except Exception as exc:
+                    self._fail_in_connector(waiting.pop(), exc)
+                    continue
                 if num_external is None:
                     break  # the connector asks us to retry later; keep the order strict
             if num_hit + num_external >= request.num_tokens:
@@ -498,9 +510,13 @@ class DefaultScheduler(Scheduler):
             waiting.pop()
             if self.connector is not None:
                 request.num_computed_tokens = num_hit
-                self.connector.update_state_after_alloc(
-                    request, kv.get_block_ids(request.request_id), num_external
-                )
+                try:
+                    self.connector.update_state_after_alloc(
+                        request, kv.get_block_ids(request.request_id), num_external
+                    )
+                except Exception as exc:
+                    self._fail_in_connector(request, exc)
+                    continue
                 self._num_kv_loaded_tokens_since_stats += num_external
             request.status = _RUNNING
             request.num_computed_tokens = num_hit + num_external
@@ -525,13 +541,32 @@ class DefaultScheduler(Scheduler):
             return False
         self.waiting.pop()
         request.num_computed_tokens = num_hit
-        # Remote KV is only loaded with a connector.
-        self.connector.update_state_after_alloc(  # type: ignore[union-attr]
-            request, kv.get_block_ids(request.request_id), num_external
-        )
+        try:
+            # Remote KV is only loaded with a connector.
+            self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+                request, kv.get_block_ids(request.request_id), num_external
+            )
+        except Exception as exc:
+            self._fail_in_connector(request, exc)
+            return True
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self._waiting_for_remote[request.request_id] = (request, num_hit + num_external)
         return True
+
+    def _fail_in_connector(self, request: Request, exc: Exception) -> None:
+        """A connector that raises on one request (already out of the waiting queue)
+        fails that request only; the error is reported by the next update."""
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("request %s failed in the KV connector: %s", request.request_id, message)
+        request.status = RequestStatus.FINISHED_ERROR
+        self._release(request, force_free=True)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
+            error=f"{KV_TRANSFER_ERROR_PREFIX}{self.config.kv_transfer.connector!r}: {message}",
+        )
+        self._connector_failed.append((request.client_index, output))
 
     def _state(self, budget: int) -> SchedulerState:
         kv = self.kv_cache_manager
@@ -569,6 +604,9 @@ class DefaultScheduler(Scheduler):
         finished: list[Request] = []
         from_running = from_waiting = False
         connector_output = runner_output.kv_connector_output
+        for client, failed_output in self._connector_failed:
+            per_client.setdefault(client, []).append(failed_output)
+        self._connector_failed = []
         recomputed: set[str] = set()
         if connector_output is not None and self.connector is not None:
             recomputed = self._apply_connector_output(connector_output, per_client)
@@ -693,6 +731,7 @@ class DefaultScheduler(Scheduler):
         (a synchronous load into them was invalid)."""
         # A KVConnectorOutput comes only from a connector.
         self.connector.update_connector_output(out)  # type: ignore[union-attr]
+        self._num_kv_rejected_since_stats += out.num_rejected_messages
         kv = self.kv_cache_manager
         bs = self.block_size
         invalid = out.invalid_block_ids
@@ -811,10 +850,12 @@ class DefaultScheduler(Scheduler):
             spec_num_draft_tokens=self._spec_counts.draft_tokens,
             spec_num_accepted_tokens=self._spec_counts.accepted_tokens,
             spec_num_accepted_tokens_per_pos=self._spec_accepted_per_pos,
+            num_kv_rejected_messages=self._num_kv_rejected_since_stats,
         )
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters(self.waiting.view())
+        self._num_kv_rejected_since_stats = 0
         self._num_preemptions_since_stats = 0
         self._num_kv_loaded_tokens_since_stats = 0
         self._num_prompt_tokens_computed_since_stats = 0

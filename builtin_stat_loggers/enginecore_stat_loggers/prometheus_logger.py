@@ -193,6 +193,7 @@ class PrometheusStatLogger(StatLogger):
         m.prefix_cache_queries.labels(**labels).inc(s.prefix_cache_queries)
         m.prefix_cache_hits.labels(**labels).inc(s.prefix_cache_hits)
         m.num_preemptions.labels(**labels).inc(s.num_preemptions)
+        m.kv_connector_rejected_messages.labels(**labels).inc(s.num_kv_rejected_messages)
         by_source = m.prompt_tokens_by_source
         by_source.labels(source="local_compute", **labels).inc(s.num_prompt_tokens_computed)
         by_source.labels(source="local_cache_hit", **labels).inc(s.prefix_cache_hits)

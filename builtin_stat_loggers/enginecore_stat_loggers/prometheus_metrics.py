@@ -131,6 +131,10 @@ class MetricFamilies:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Requests preempted.")
+        self.kv_connector_rejected_messages = counter(
+            "kv_connector_rejected_messages",
+            "Malformed or refused messages a KV connector's servers received from peers.",
+        )
         self.spec_decode_num_drafts = counter(
             "spec_decode_num_drafts", "Speculative decoding: request steps that verified drafts."
         )

@@ -220,6 +220,12 @@ class ObservabilityConfig(_Section):
     metrics_name_compat: Literal["none", "vllm"] = "none"
     """``vllm``: the Prometheus metrics are exported under vLLM's ``vllm:`` names too, so
     dashboards written for vLLM work unchanged."""
+    trace_dir: str | None = None
+    """Directory ``trace_next_steps`` writes its owner-only trace files to, fixed at
+    start-up (a caller never names a path); null: ``~/.cache/enginecore/traces``."""
+    trace_prompt_contents: bool = False
+    """Traces keep prompt and output token ids and sampling strings (otherwise only
+    their counts)."""
 
 
 class ServerConfig(_Section):
@@ -256,6 +262,21 @@ class ServerConfig(_Section):
     max_pending_requests: int = 4096
     """Most unfinished requests (running or waiting) the server holds; beyond it (or with
     as many messages still queued for the engine) new requests get 503 with Retry-After."""
+    max_pending_requests_per_client: int = 1024
+    """Most unfinished generation requests one client (its API key, else its address)
+    may hold; beyond it its new requests get 429 with Retry-After, so one client cannot
+    fill the queue for everyone."""
+    max_stored_response_bytes: int = 64 * 1024 * 1024
+    """Most bytes of JSON the Responses API keeps for ``previous_response_id`` (oldest
+    dropped first)."""
+    max_open_connections: int = 2048
+    """Most open HTTP connections; beyond it a new request gets 503 at once (``/health``,
+    ``/ping``, ``/metrics`` and ``/version`` still answer, within a small reserve)."""
+    request_header_timeout: float = 10.0
+    """Seconds a connection may take to send a request's headers (slow-header clients
+    are disconnected)."""
+    request_body_timeout: float = 60.0
+    """Seconds a request may take to send its body once its headers arrived."""
     allowed_origins: list[str] = []
     """Web origins (scheme://host[:port]) whose pages may call the server from a browser;
     "*" admits any. A state-changing request with another Origin gets 403."""
@@ -304,10 +325,16 @@ class ServerConfig(_Section):
             "max_prompts_per_request",
             "max_prompt_tokens_per_request",
             "max_pending_requests",
+            "max_pending_requests_per_client",
+            "max_stored_response_bytes",
+            "max_open_connections",
             "api_server_count",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("request_header_timeout", "request_body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 class PluginsConfig(_Section):

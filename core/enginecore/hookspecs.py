@@ -217,6 +217,12 @@ def register_kv_connectors(registry: Registry[Any]) -> None:
     connector, its plugin and ``kv_transfer.connector``. Build connectors only on
     :mod:`enginecore.interfaces` (``enginecore plugin new NAME --kind kv-connector``
     writes one); the built-in connectors' modules are internal.
+
+    A request's ``kv_transfer_params`` come from clients: declare their type as the
+    factory's ``transfer_params_type`` (a :class:`msgspec.Struct`, checked in the frontend,
+    400 naming the field) and put checks that need the configuration in
+    ``check_transfer_params``. Never connect to an address a client supplies: take peers
+    from the connector's configuration.
     """
 
 

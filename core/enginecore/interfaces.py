@@ -563,6 +563,15 @@ class KVConnectorWorker(ABC):
         The engine finishes each with an error and frees its blocks."""
         return {}
 
+    def get_num_rejected_messages(self) -> int:
+        """Malformed or refused messages the connector's servers received from peers
+        since the last call (the ``kv_connector_rejected_messages`` metric)."""
+        return 0
+
+    def check_health(self) -> None:  # noqa: B027
+        """Raise (with the reason) when a thread or socket the connector needs has died:
+        the engine's health check (``/health``) then answers 503. Must be cheap."""
+
     def shutdown(self) -> None:  # noqa: B027
         """Release sockets, threads and files (worker shutdown)."""
 
@@ -573,7 +582,20 @@ class KVConnectorFactory(ABC):
     ``scheduler_side`` runs in the engine core process, ``worker_side`` in each worker
     (``rank`` is the global rank). Both read ``config.kv_transfer`` (``role``,
     ``extra_config``).
+
+    ``transfer_params_type`` declares the ``kv_transfer_params`` a request may carry (a
+    :class:`msgspec.Struct`): the frontend converts every request's params to it and
+    answers a mismatch with a 400 naming the field, so the scheduler half only ever sees
+    params of that shape. ``None`` (the default) checks nothing.
     """
+
+    transfer_params_type: ClassVar[type[Any] | None] = None
+
+    def check_transfer_params(self, config: EngineConfig, params: Any) -> None:
+        """Frontend checks that depend on the configuration, on params already converted
+        to ``transfer_params_type`` (e.g. a peer the instance was not configured with).
+        Raise :class:`ValueError` with the reason; the client gets a 400."""
+        return None
 
     @abstractmethod
     def scheduler_side(self, config: EngineConfig) -> KVConnectorScheduler: ...

@@ -1,7 +1,7 @@
 """What a Ray cluster can hold: checks of a requested shape against its nodes.
 
 Pure functions over ``ray.nodes()`` records (``Alive``, ``NodeManagerAddress``,
-``Resources``), so an impossible shape fails at once, naming what is missing, instead of
+``Resources``; each record one node, even where several share an address), so an impossible shape fails at once, naming what is missing, instead of
 waiting for resources that will never come. Used by the ``ray`` executor (a TP group on
 one node) and by data parallelism on Ray (a replica on one node).
 """
@@ -38,8 +38,8 @@ def check_shape_fits(
     """
     group = {key: value * tp for key, value in bundle.items()}
     alive = [n for n in nodes if n.get("Alive")]
-    fits = {n["NodeManagerAddress"]: groups_that_fit(n.get("Resources", {}), group) for n in alive}
-    held = sum(fits.values())
+    # Per node, not per address: several raylets may share one host's address.
+    held = sum(groups_that_fit(n.get("Resources", {}), group) for n in alive)
     if held >= pp:
         return
     per_node = "; ".join(

@@ -46,3 +46,15 @@ def plugin_settings(config: Any, plugin: str, settings_type: type[T]) -> T:
         if match:
             text = f"key {match.group(1)!r}: {_AT_KEY.sub('', text)}"
         raise ConfigError(f"{where}: invalid settings for plugin {plugin!r}: {text}") from None
+
+
+_AT_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def readable_validation_error(exc: msgspec.ValidationError) -> str:
+    """msgspec's message with the field first: ``"num_tokens: Expected `int`, got `str`"``."""
+    text = str(exc)
+    match = _AT_PATH.search(text)
+    if match is None:
+        return text
+    return f"{match.group(1) or '(the whole value)'}: {text[: match.start()]}"

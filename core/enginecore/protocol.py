@@ -118,6 +118,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # LoRA: requests running / waiting per adapter name (vLLM's lora_requests_info).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}
+    # KV connector: malformed or refused messages from peers since the last stats.
+    num_kv_rejected_messages: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -25,6 +25,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     invalid_block_ids: set[int] = set()
     # Requests whose load or save failed: id -> error text (the request fails).
     failures: dict[str, str] = {}
+    # Malformed or refused messages from peers since the last step (a metric).
+    num_rejected_messages: int = 0
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):

@@ -522,6 +522,9 @@ class EngineCore:
         }
 
     def ping(self) -> str:
+        if self.config.kv_transfer.connector:
+            # The workers' connector threads (a KV block server) count as the engine.
+            self.executor.check_health()
         return "pong"
 
     def get_supported_tasks(self) -> list[str]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from enginecore.config import EngineConfig
 from enginecore.errors import InvalidRequestError
+from enginecore.kv_transfer_params import KVTransferParamsValidator
 from enginecore.lora.adapter import check_adapter
 from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
@@ -53,6 +54,7 @@ class InputProcessor:
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.structured_output = StructuredOutputValidator(config, plugins)
         self._checked_loras: set[tuple[int, str]] = set()
+        self.kv_transfer_params = KVTransferParamsValidator(config, plugins)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -123,6 +125,7 @@ class InputProcessor:
         self.validate_tokens(token_ids, params)
         if params.structured_output is not None:
             self.structured_output.validate(params.structured_output)
+        self.kv_transfer_params.validate(params.kv_transfer_params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.pooling is not None:

@@ -26,6 +26,7 @@ from enginecore.server import (
     responses,
 )
 from enginecore.server.absent import absent_router, dev_endpoints_on
+from enginecore.server.client_quota import ClientQuota
 from enginecore.server.context import ServerContext
 from enginecore.server.errors import install_error_handlers
 from enginecore.server.launch import check_tool_config, server_config
@@ -97,6 +98,11 @@ def build_app(config: EngineConfig, engine: Any = None) -> FastAPI:
     # Outermost first: browser checks (Host, Origin, Content-Type), CORS answers, the
     # size limit, the key check, then the routes (add_middleware wraps: last is outermost).
     server = config.server
+    app.add_middleware(
+        ClientQuota,
+        limit=server.max_pending_requests_per_client,
+        rank_requests=config.scheduler.policy == "fair_share",
+    )
     if server.enable_server_load_tracking:
         app.add_middleware(load.LoadTrackingMiddleware, load=app.state.server_load)
     app.add_middleware(UnknownFieldsPolicyMiddleware, policy=server.unknown_request_fields)

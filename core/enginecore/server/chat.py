@@ -41,6 +41,7 @@ from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
     ClientDisconnected,
+    aborting_when_left,
     sse,
     unless_disconnected,
 )
@@ -269,10 +270,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lora_request=lora,
     )
     if body.stream:
+        stream = _stream(
+            ctx, body, request_id, created, engine.stream(collector), num_top, plan, reasoner
+        )
         return StreamingResponse(
-            _stream(
-                ctx, body, request_id, created, engine.stream(collector), num_top, plan, reasoner
-            ),
+            aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

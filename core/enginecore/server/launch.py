@@ -23,6 +23,7 @@ from enginecore.engine.preflight import reserve_port
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import lifecycle
+from enginecore.server.connection_limits import http_protocol
 
 logger = logging.getLogger("enginecore.server")
 
@@ -103,6 +104,7 @@ async def serve(config: EngineConfig, listener: socket.socket | None = None) -> 
                 "listening on %s without an API key: anyone who can reach it may use it", host
             )
         drain_timeout = config.engine.shutdown_timeout
+        bounded = http_protocol(config.server)
         uv_config = uvicorn.Config(
             app,
             host=host,
@@ -111,6 +113,8 @@ async def serve(config: EngineConfig, listener: socket.socket | None = None) -> 
             access_log=config.observability.log_requests,
             # uvicorn annotates whole seconds but waits with asyncio (fractions work).
             timeout_graceful_shutdown=drain_timeout + lifecycle.GRACE_MARGIN_S,  # type: ignore[arg-type]
+            # Slow headers and bodies disconnected, open connections bounded.
+            http=bounded if bounded is not None else "auto",
         )
         server = lifecycle.make_server(uv_config)
         watcher = asyncio.ensure_future(lifecycle.watch(server, engine, drain_timeout, outcome))

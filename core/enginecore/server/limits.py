@@ -35,6 +35,9 @@ FREE_FORM_FIELDS = (
 )
 
 
+#: Fields that carry the prompt: bounded by the prompt token limits, not max_field_bytes.
+PROMPT_FIELDS = frozenset({"prompt", "messages", "input", "instructions"})
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -133,7 +136,10 @@ def check_limits(body: Any, limits: ServerConfig) -> None:
             raise APIError(400, f"{where}{problem}", param=name)
     if not isinstance(body, dict):
         return
-    for name in FREE_FORM_FIELDS:
+    # Every other free-form string (``user``, ids, ...) counts too: the server may keep it
+    # (the Responses store echoes ``user``).
+    strings = [k for k, v in body.items() if isinstance(v, str) and k not in PROMPT_FIELDS]
+    for name in (*FREE_FORM_FIELDS, *strings):
         value = body.get(name)
         if value is None:
             continue

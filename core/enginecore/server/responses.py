@@ -4,10 +4,11 @@
 The input (a string, or message items with ``input_text`` / ``output_text`` parts) and the
 ``instructions`` (a system message) go through the chat template like a chat request.
 With ``store`` (the default) a response is kept in memory, at most
-:data:`MAX_STORED_RESPONSES` of them, oldest dropped first, so that a later request can
-continue it with ``previous_response_id``. With ``server.reasoning_parser`` set, a
-reasoning model's thinking comes back as a ``reasoning`` output item before the message
-(streamed as ``response.reasoning_text.delta`` events). Tools, images and the other parts
+:data:`MAX_STORED_RESPONSES` of them and ``server.max_stored_response_bytes`` of JSON in
+all, oldest dropped first, so that a later request can continue it with
+``previous_response_id``. With ``server.reasoning_parser`` set, a reasoning model's
+thinking comes back as a ``reasoning`` output item before the message (streamed as
+``response.reasoning_text.delta`` events). Tools, images and the other parts
 of the API this server does not do are a 400 naming the field.
 """
 
@@ -42,6 +43,7 @@ from enginecore.server.sampling import check_max_tokens, check_model
 from enginecore.server.streaming import (
     SSE_HEADERS,
     ClientDisconnected,
+    aborting_when_left,
     unless_disconnected,
 )
 
@@ -55,19 +57,31 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponseStore:
-    """Stored responses and the conversation each one ends, bounded (least recent out)."""
+    """Stored responses and the conversation each one ends, bounded in number and in
+    bytes (least recent out)."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, max_bytes: int = 1 << 26) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]]]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]], int]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, str]]) -> None:
+        size = len(json.dumps([response, conversation], separators=(",", ":")))
+        if size > self.max_bytes:
+            return  # larger than the whole store: not kept (a later lookup gets 404)
         with self._lock:
-            self._items[response["id"]] = (response, conversation)
-            self._items.move_to_end(response["id"])
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            old = self._items.pop(response["id"], None)
+            if old is not None:
+                self.num_bytes -= old[2]
+            self._items[response["id"]] = (response, conversation, size)
+            self.num_bytes += size
+            while len(self._items) > self.capacity or self.num_bytes > self.max_bytes:
+                _, _, dropped = self._items.popitem(last=False)[1]
+                self.num_bytes -= dropped
 
     def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, str]]]:
         with self._lock:
@@ -78,16 +92,18 @@ class ResponseStore:
             raise APIError(
                 404,
                 f"no stored response with id {response_id!r} (responses are kept only with "
-                f"store: true, the {self.capacity} most recent)",
+                f"store: true, the most recent {self.capacity} within "
+                f"{self.max_bytes} bytes)",
                 param="previous_response_id",
             )
-        return item
+        return item[0], item[1]
 
 
 def _store(request: Request) -> ResponseStore:
     state = request.app.state
     if not hasattr(state, "response_store"):
-        state.response_store = ResponseStore()
+        limits = state.ctx.limits
+        state.response_store = ResponseStore(max_bytes=limits.max_stored_response_bytes)
     store: ResponseStore = state.response_store
     return store
 
@@ -332,17 +348,18 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return final
 
     if body.stream:
+        stream = _stream(
+            ctx,
+            body,
+            response_id,
+            (reasoning_id, item_id),
+            created,
+            engine.stream(collector),
+            finish,
+            ChoiceReasoningStream(reasoner),
+        )
         return StreamingResponse(
-            _stream(
-                ctx,
-                body,
-                response_id,
-                (reasoning_id, item_id),
-                created,
-                engine.stream(collector),
-                finish,
-                ChoiceReasoningStream(reasoner),
-            ),
+            aborting_when_left(stream, engine, collector.request_id),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )

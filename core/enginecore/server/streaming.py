@@ -62,6 +62,23 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def aborting_when_left(
+    body: AsyncIterator[str], engine: Any, request_id: str
+) -> AsyncIterator[str]:
+    """A streamed response body that aborts its request when it ends early. A body that
+    yields before it first reads the engine's stream (a chat's role chunk) would
+    otherwise leave the request running to its end when the client leaves right then:
+    the engine stream's own cleanup runs only once it was started."""
+    completed = False
+    try:
+        async for chunk in body:
+            yield chunk
+        completed = True
+    finally:
+        if not completed:
+            engine.abort(request_id)
+
+
 async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     """Await ``awaitable``; if the client disconnects first, cancel it and raise."""
     task = asyncio.ensure_future(awaitable)

@@ -75,11 +75,15 @@ class SimulatedRayCluster:
     #: back: the mode is set explicitly (off: every node and driver is on this machine's
     #: loopback; a real cluster runs ``RAY_AUTH_MODE=token`` everywhere).
     auth_env: dict[str, str] = field(default_factory=lambda: {"RAY_AUTH_MODE": "disabled"})
+    #: Every node on 127.0.0.1 (several raylets sharing one host's address, as Ray's own
+    #: test clusters run) instead of an address each.
+    shared_address: bool = False
 
     def __enter__(self) -> SimulatedRayCluster:
         try:
             for index, (name, cpus) in enumerate(self.nodes_spec):
-                self.add_node(name, cpus, ip=f"127.0.0.{index + 1}")
+                ip = "127.0.0.1" if self.shared_address else f"127.0.0.{index + 1}"
+                self.add_node(name, cpus, ip=ip)
         except BaseException:
             self.stop()
             raise
