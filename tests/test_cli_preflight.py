@@ -32,7 +32,7 @@ def _serve(args: list[str], timeout: float = 120) -> tuple[int, str, float]:
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--scheduling-policy", "nope", "unknown scheduling policy 'nope'. Available: fcfs"),
+        ("--scheduling-policy", "nope", "unknown scheduling policy 'nope'. Available: fair_share"),
         ("--executor", "nope", "unknown executor 'nope'. Available:"),
         ("--structured-output-backend", "nope", "unknown structured output backend 'nope'"),
     ],

@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+from process_kinds import is_kind
 
 from enginecore import LLM, EngineDeadError, SamplingParams
 from enginecore.engine.mp_client import UtilityError
@@ -51,8 +52,8 @@ def test_auto_picks_mp_and_spawns_one_process_per_rank(tp2) -> None:
     for pid in pids:
         proc = psutil.Process(pid)
         assert proc.ppid() == engine
-        # spawned fresh (python -m ...), not a fork of the engine
-        assert "enginecore_executors.mp_worker" in " ".join(proc.cmdline())
+        # spawned fresh (python -m ...), not a fork of the engine: a worker by its title
+        assert is_kind(proc, "worker") and not is_kind(proc, "engine")
     assert tp2.collective_rpc("get_rank") == [0, 1]
 
 

@@ -290,7 +290,10 @@ def test_config_show_rejects_unknown_component_names_with_did_you_mean(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "scheduler.policy: unknown scheduling policy 'fcfss'. Did you mean 'fcfs'?" in err
-    assert "Available: fcfs (from builtin_schedulers), priority (from builtin_schedulers)" in err
+    assert (
+        "fair_share (from builtin_schedulers), fcfs (from builtin_schedulers), "
+        "priority (from builtin_schedulers)"
+    ) in err
     assert "observability.stat_loggers: unknown stat logger 'promethus'." in err
     assert "Did you mean 'prometheus'?" in err
 

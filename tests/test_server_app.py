@@ -11,12 +11,19 @@ from enginecore.server.app import build_app
 from enginecore.server.launch import server_config
 
 
+class _DeadClient:
+    def pending_sends(self) -> int:
+        return 0
+
+
 class DeadEngine:
     """What AsyncLLM looks like once its engine core has died."""
 
     max_model_len = 128
     tokenizer = None
     components: dict = {}
+    collectors: dict = {}
+    engine_client = _DeadClient()
 
     async def check_health(self) -> None:
         raise EngineDeadError("the engine core died: worker 0 exited with code -9")

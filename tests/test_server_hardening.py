@@ -11,6 +11,7 @@ import time
 import httpx
 import psutil
 import pytest
+from process_kinds import is_kind
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import serve, stop
 
@@ -193,11 +194,7 @@ def test_a_deep_body_beyond_the_parser_is_still_a_400(http) -> None:
 
 
 def _engine_process(server_proc) -> psutil.Process:
-    (engine,) = [
-        p
-        for p in psutil.Process(server_proc.pid).children()
-        if "core_proc" in " ".join(p.cmdline())
-    ]
+    (engine,) = [p for p in psutil.Process(server_proc.pid).children() if is_kind(p, "engine")]
     return engine
 
 

@@ -13,6 +13,7 @@ import threading
 import httpx
 import psutil
 import pytest
+from process_kinds import is_kind
 from serve_process import serve
 
 pytestmark = pytest.mark.slow
@@ -45,9 +46,7 @@ def _start(tiny_llama, tmp_path, started, *flags: str):
         env=env,
     )
     started.append(proc)
-    (engine,) = [
-        p for p in psutil.Process(proc.pid).children() if "core_proc" in " ".join(p.cmdline())
-    ]
+    (engine,) = [p for p in psutil.Process(proc.pid).children() if is_kind(p, "engine")]
     return proc, url, engine, tmp
 
 

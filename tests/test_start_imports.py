@@ -15,6 +15,7 @@ import sys
 
 import psutil
 import pytest
+from process_kinds import is_kind
 
 LOAD_TOKENIZER = """
 import json, pathlib, sys
@@ -88,12 +89,12 @@ def test_a_changed_tokenizer_is_asked_of_autotokenizer_again(checkpoint_factory,
     assert len(list((cache / "tokenizer-classes").iterdir())) == 2
 
 
-def _descendants_running(marker: str) -> list[int]:
-    """This process's descendants whose command line contains ``marker``."""
+def _descendants_running(kind: str) -> list[int]:
+    """This process's descendants of ``kind`` (``engine`` or ``worker``)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):  # the process has gone
-            if marker in " ".join(child.cmdline()):
+            if is_kind(child, kind):
                 found.append(child.pid)
     return found
 
@@ -122,8 +123,8 @@ def test_a_cpu_servers_engine_process_loads_neither_torch_nor_triton(
     try:
         out = llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
-        engines = _descendants_running("core_proc")
-        workers = _descendants_running("mp_worker")
+        engines = _descendants_running("engine")
+        workers = _descendants_running("worker")
         assert len(engines) == 1 and len(workers) == 1, (engines, workers)
         assert "libtorch" not in _mapped_libraries(engines[0])
         worker_maps = _mapped_libraries(workers[0])
@@ -157,7 +158,7 @@ def test_the_torch_build_is_read_from_its_version_file(tmp_path, monkeypatch):
 
 
 def _engine_processes() -> list[int]:
-    return _descendants_running("core_proc")
+    return _descendants_running("engine")
 
 
 def test_work_alongside_an_engine_start_runs_while_the_engine_process_boots(tiny_llama):

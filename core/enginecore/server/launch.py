@@ -23,7 +23,6 @@ from enginecore.engine.preflight import reserve_port
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
 from enginecore.server import lifecycle
-from enginecore.server.connection_limits import http_protocol
 
 logger = logging.getLogger("enginecore.server")
 
@@ -104,6 +103,9 @@ async def serve(config: EngineConfig, listener: socket.socket | None = None) -> 
                 "listening on %s without an API key: anyone who can reach it may use it", host
             )
         drain_timeout = config.engine.shutdown_timeout
+        # Imported once the engine runs: it brings in the HTTP stack (see the module's doc).
+        from enginecore.server.connection_limits import http_protocol
+
         bounded = http_protocol(config.server)
         uv_config = uvicorn.Config(
             app,
