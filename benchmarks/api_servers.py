@@ -25,30 +25,7 @@ import tempfile
 import time
 
 import httpx
-
-WORDS = [
-    "engine",
-    "scheduler",
-    "token",
-    "prefill",
-    "decode",
-    "cache",
-    "block",
-    "request",
-    "stream",
-    "socket",
-    "process",
-    "tokenizer",
-    "detokenizer",
-    "server",
-    "latency",
-    "throughput",
-    "batch",
-    "kernel",
-    "tensor",
-    "memory",
-    "queue",
-]
+from random_words import WORDS
 
 
 def _free_port() -> int:

@@ -23,30 +23,7 @@ import tempfile
 import time
 
 import numpy as np
-
-WORDS = [
-    "engine",
-    "scheduler",
-    "token",
-    "prefill",
-    "decode",
-    "cache",
-    "block",
-    "request",
-    "stream",
-    "socket",
-    "process",
-    "tokenizer",
-    "detokenizer",
-    "server",
-    "latency",
-    "throughput",
-    "batch",
-    "kernel",
-    "tensor",
-    "memory",
-    "queue",
-]
+from random_words import WORDS
 
 
 def _texts(num: int, words: int, seed: int) -> list[str]:

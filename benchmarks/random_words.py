@@ -1,0 +1,25 @@
+"""The vocabulary the benchmarks draw their random text prompts from."""
+
+WORDS = [
+    "engine",
+    "scheduler",
+    "token",
+    "prefill",
+    "decode",
+    "cache",
+    "block",
+    "request",
+    "stream",
+    "socket",
+    "process",
+    "tokenizer",
+    "detokenizer",
+    "server",
+    "latency",
+    "throughput",
+    "batch",
+    "kernel",
+    "tensor",
+    "memory",
+    "queue",
+]
