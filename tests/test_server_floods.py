@@ -19,6 +19,7 @@ MAX_OPEN = 100
 HEADER_TIMEOUT = 3.0
 PER_CLIENT = 4
 STORE_BYTES = 200_000
+MAX_SEQS = 4  # seats in a step
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def server(tiny_llama, tmp_path_factory):
         *("--max-pending-requests-per-client", str(PER_CLIENT)),
         *("--max-stored-response-bytes", str(STORE_BYTES)),
         *("--scheduling-policy", "fair_share"),
+        *("--max-num-seqs", str(MAX_SEQS), "--max-num-seqs-per-client", "2"),
         env=env,
     )
     try:
@@ -95,6 +97,44 @@ def test_one_client_cannot_fill_the_queue_for_another(server):
         assert answer.status_code == 200, answer.text
         assert all(f.result().status_code == 200 for f in held)
     other.close()
+
+
+def _running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("enginecore:num_requests_running")
+    )
+
+
+def test_a_flooders_seats_make_room_for_another_client(server):
+    """One client's long requests hold every seat (``max_num_seqs``): another client's
+    short request still runs at once (the flooder's latest is preempted, recomputed
+    later) and ends while every long request is still running; those end in full."""
+    tokens = 150
+    ended: dict[int, float] = {}
+
+    def hold(i: int) -> httpx.Response:
+        answer = _complete(server, max_tokens=tokens, ignore_eos=True)
+        ended[i] = time.monotonic()
+        return answer
+
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    with concurrent.futures.ThreadPoolExecutor(MAX_SEQS) as pool:
+        held = [pool.submit(hold, i) for i in range(MAX_SEQS)]
+        deadline = time.monotonic() + 30
+        while _running(server["url"]) < MAX_SEQS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(server["url"]) == MAX_SEQS and not ended, "the seats were not all held"
+        answer = _complete(server, other)
+        other_ended = time.monotonic()
+        assert answer.status_code == 200, answer.text
+        answers = [f.result() for f in held]
+    other.close()
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [tokens] * MAX_SEQS
+    assert other_ended < min(ended.values()), "the other client waited for a seat"
 
 
 def test_free_form_strings_count_and_the_responses_store_is_bounded_in_bytes(server):

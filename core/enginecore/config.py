@@ -126,12 +126,20 @@ class SchedulerConfig(_Section):
     """Cap on one prefill chunk while other requests compete (0: no cap)."""
     async_scheduling: bool = True
     """Schedule step N+1 while step N computes (placeholders for unsampled tokens)."""
+    max_num_seqs_per_client: int | None = None
+    """While more than one client has unfinished requests (and for 32 steps after), at
+    most this many of one client's requests run in a step, taking turns, so one client's
+    flood cannot make every step slow for the others; a new client's request is admitted
+    ahead of the flooder's queue (0: no cap; unset: 16 on CPUs, 0 on GPUs). A client is
+    what the policy's ``client_key`` names: under ``enginecore serve``, its address."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs_per_client is not None and self.max_num_seqs_per_client < 0:
+            raise ValueError("max_num_seqs_per_client must be >= 0")
 
 
 class ParallelConfig(_Section):
