@@ -280,6 +280,10 @@ class ServerConfig(_Section):
     max_open_connections: int = 2048
     """Most open HTTP connections; beyond it a new request gets 503 at once (``/health``,
     ``/ping``, ``/metrics`` and ``/version`` still answer, within a small reserve)."""
+    max_open_connections_per_client: int = 1024
+    """Most open HTTP connections from one client address; beyond it that address's new
+    requests get 503 at once (and, past a small reserve, its new connections are closed),
+    while other addresses still connect. Behind a proxy every client shares its address."""
     request_header_timeout: float = 10.0
     """Seconds a connection may take to send a request's headers (slow-header clients
     are disconnected)."""
@@ -336,6 +340,7 @@ class ServerConfig(_Section):
             "max_pending_requests_per_client",
             "max_stored_response_bytes",
             "max_open_connections",
+            "max_open_connections_per_client",
             "api_server_count",
         ):
             if getattr(self, name) < 1:
