@@ -180,12 +180,18 @@ WITH_VALUE: dict[str, Callable[[str], list[str]]] = {
 
 
 def _served_model_names(values: list[str]) -> list[str]:
-    if len(values) > 1:
+    """vLLM's several names: the first is the one reported, the others are aliases."""
+    if not values:
+        raise ConfigError("--served-model-name needs a value")
+    aliases = values[1:]
+    bad = [a for a in aliases if "," in a or a == values[0]]
+    if bad:
         raise ConfigError(
-            f"--served-model-name {' '.join(values)}: enginecore serves one name; give one "
-            f"(vLLM reports the first, --served-model-name {values[0]})"
+            f"--served-model-name {' '.join(values)}: a further name may not repeat the "
+            f"first or hold a comma ({', '.join(map(repr, bad))})"
         )
-    return ["--served-model-name", *values]
+    out = ["--served-model-name", values[0]]
+    return out + (["--served-model-aliases", ",".join(aliases)] if aliases else [])
 
 
 def translate(argv: Sequence[str]) -> list[str]:
