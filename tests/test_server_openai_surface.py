@@ -196,3 +196,28 @@ def test_every_served_name_is_answered_and_the_first_reported(client, server):
         client.completions.create(model="neither", prompt="hi", max_tokens=1)
     metrics = httpx.get(f"{server}/metrics").text
     assert f'model_name="{NAME}"' in metrics and f'model_name="{ALIAS}"' not in metrics
+
+
+# --- 5. re-tried as a vLLM user: checked, kept as guards ----------------------------------------
+
+
+def test_a_cut_inside_a_character_never_ends_in_a_replacement_character(client, server):
+    """Byte-level tokens split an emoji over several tokens; ``max_tokens`` ending inside
+    one holds the incomplete bytes back (vLLM's ``'🐱'``, never ``'🐱�'``), streamed or
+    not, and a stop string cuts cleanly."""
+    text = "🐱🐶"
+    ids = httpx.post(
+        f"{server}/tokenize", json={"model": NAME, "prompt": text, "add_special_tokens": False}
+    ).json()["tokens"]
+    assert len(ids) > 2
+    forced = {"structured_outputs": {"choice": [text]}}
+    for max_tokens in range(1, len(ids) + 1):
+        request = {"model": NAME, "prompt": "Pets:", "max_tokens": max_tokens, "temperature": 0}
+        whole = client.completions.create(**request, extra_body=forced).choices[0].text
+        stream = client.completions.create(**request, stream=True, extra_body=forced)
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        assert "\ufffd" not in whole and text.startswith(whole) and streamed == whole
+    stopped = client.completions.create(
+        model=NAME, prompt="Pets:", max_tokens=16, temperature=0, stop=["🐶"], extra_body=forced
+    ).choices[0]
+    assert (stopped.text, stopped.finish_reason) == ("🐱", "stop")
