@@ -11,6 +11,8 @@ import math
 import httpx
 import openai
 import pytest
+import torch
+from hf_reference import load_reference
 from serve_process import serve, stop
 
 from enginecore.lora.random_adapter import make_random_adapter
@@ -54,19 +56,17 @@ def _error(response: httpx.Response) -> str:
 # --- 1. logprob_token_ids ------------------------------------------------------------------
 
 
-def _full_vocab(client) -> list[dict[str, float]]:
-    """Each position's logprobs over the whole vocabulary (``logprobs=-1``), keyed by id."""
-    out = client.completions.create(
-        model=NAME, prompt="hello there", logprobs=-1, temperature=0.0, max_tokens=4,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-    )  # fmt: skip
-    return out.choices[0].logprobs.top_logprobs
+def _reference_logprobs(path, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """transformers' logprobs over the vocabulary at each generated position."""
+    model = load_reference(str(path))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + token_ids[:-1]])).logits[0].float()
+    return logits[len(prompt_ids) - 1 :].log_softmax(-1)
 
 
-def test_completions_report_exactly_the_listed_ids(client, server):
-    """Each position: the listed ids (however unlikely) and the sampled token, with the
-    values the whole-vocabulary request gives; streamed alike."""
-    full = _full_vocab(client)
+def test_completions_report_exactly_the_listed_ids(client, server, tiny_llama):
+    """Each position: the listed ids (however unlikely) and the sampled token, with
+    transformers' values; streamed alike."""
     out = client.completions.create(
         model=NAME, prompt="hello there", logprobs=0, temperature=0.0, max_tokens=4,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
@@ -74,11 +74,14 @@ def test_completions_report_exactly_the_listed_ids(client, server):
     )  # fmt: skip
     choice = out.choices[0]
     tops = choice.logprobs.top_logprobs
+    token_ids = choice.model_extra["token_ids"]
+    reference = _reference_logprobs(tiny_llama, choice.model_extra["prompt_token_ids"], token_ids)
     assert len(tops) == 4
-    for pos, (top, sampled) in enumerate(zip(tops, choice.model_extra["token_ids"], strict=True)):
+    for pos, (top, sampled) in enumerate(zip(tops, token_ids, strict=True)):
         assert set(top) == {f"token_id:{t}" for t in [*LISTED, sampled]}
         for key, value in top.items():
-            assert math.isclose(value, full[pos][key], abs_tol=1e-4), key
+            expected = reference[pos, int(key.removeprefix("token_id:"))].item()
+            assert math.isclose(value, expected, abs_tol=1e-4), key
     events = _events(
         server,
         "/v1/completions",
