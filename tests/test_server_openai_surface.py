@@ -93,7 +93,7 @@ def test_completions_report_exactly_the_listed_ids(client, server, tiny_llama):
     assert streamed == tops
 
 
-def test_chat_top_logprobs_are_the_listed_ids_in_order(client):
+def test_chat_top_logprobs_are_the_sampled_token_and_the_listed_ids(client):
     out = client.chat.completions.create(
         model=NAME, messages=USER, logprobs=True, top_logprobs=5, temperature=0.0,
         max_tokens=3, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
@@ -101,8 +101,10 @@ def test_chat_top_logprobs_are_the_listed_ids_in_order(client):
     )  # fmt: skip
     content = out.choices[0].logprobs.content
     assert len(content) == 3
-    for item in content:
-        assert [t.token for t in item.top_logprobs] == [f"token_id:{t}" for t in LISTED]
+    for item in content:  # vLLM's: the sampled token, then the listed ids in their order
+        listed = [f"token_id:{t}" for t in LISTED if f"token_id:{t}" != item.token]
+        assert [t.token for t in item.top_logprobs] == [item.token, *listed]
+        assert item.top_logprobs[0].logprob == item.logprob
         assert all(math.isfinite(t.logprob) and t.logprob <= 0 for t in item.top_logprobs)
     stream = client.chat.completions.create(
         model=NAME, messages=USER, logprobs=True, temperature=0.0, max_tokens=3, stream=True,
@@ -112,8 +114,8 @@ def test_chat_top_logprobs_are_the_listed_ids_in_order(client):
     items = [item for c in stream if c.choices and c.choices[0].logprobs
              for item in c.choices[0].logprobs.content]  # fmt: skip
     assert [[t.token for t in i.top_logprobs] for i in items] == [
-        [f"token_id:{t}" for t in LISTED]
-    ] * 3
+        [t.token for t in i.top_logprobs] for i in content
+    ]
     assert [i.logprob for i in items] == [i.logprob for i in content]
 
 

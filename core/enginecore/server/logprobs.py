@@ -28,12 +28,14 @@ def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> 
 def _sampled_and_top(
     entry: dict[int, Logprob], num_top: int, listed: list[int] | None = None
 ) -> tuple[tuple[Any, ...], list[Any]]:
-    # The engine lists the sampled token first, then the top-N by rank (or the ids a
-    # request listed in ``logprob_token_ids``, which take their place, in its order).
+    # The engine lists the sampled token first, then the top-N by rank. With ids listed
+    # in ``logprob_token_ids``, vLLM shows every entry: the sampled token, then the ids in
+    # the request's order.
     items = list(entry.items())
     sampled = items[0]
     if listed:
-        return sampled, [(t, entry[t]) for t in dict.fromkeys(listed) if t in entry]
+        rest = [(t, entry[t]) for t in dict.fromkeys(listed) if t in entry and t != sampled[0]]
+        return sampled, [sampled, *rest]
     top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
     return sampled, top[:num_top]
 
@@ -141,7 +143,7 @@ def chat_logprobs(
 ) -> dict[str, Any]:
     """The ``/v1/chat/completions`` shape: ``{"content": [{token, logprob, bytes,
     top_logprobs}]}``; with ``listed`` ids (``logprob_token_ids``), ``top_logprobs`` holds
-    exactly those, in the request's order."""
+    the sampled token and those ids, in the request's order (vLLM's)."""
     content = []
     for entry in entries:
         if not entry:
