@@ -226,3 +226,13 @@ def test_a_cut_inside_a_character_never_ends_in_a_replacement_character(client, 
         model=NAME, prompt="Pets:", max_tokens=16, temperature=0, stop=["🐶"], extra_body=forced
     ).choices[0]
     assert (stopped.text, stopped.finish_reason) == ("🐱", "stop")
+
+
+# --- 6. vLLM routes with no counterpart -----------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/classify", "/v1/messages", "/start_profile", "/stop_profile"])
+def test_vllm_routes_not_served_say_what_to_use(server, path):
+    response = httpx.post(f"{server}{path}", json={})
+    assert response.status_code == 501, response.text
+    assert response.json()["error"]["message"].startswith(f"POST {path}: ")
