@@ -15,7 +15,10 @@ import torch
 from hf_reference import load_reference
 from serve_process import serve, stop
 
+from enginecore.config import make_config
+from enginecore.errors import ConfigError
 from enginecore.lora.random_adapter import make_random_adapter
+from enginecore.server.lora_models import LoRAModels
 
 NAME, ALIAS = "primary", "alias"
 LISTED = [5, 17, 3]
@@ -236,3 +239,12 @@ def test_vllm_routes_not_served_say_what_to_use(server, path):
     response = httpx.post(f"{server}{path}", json={})
     assert response.status_code == 501, response.text
     assert response.json()["error"]["message"].startswith(f"POST {path}: ")
+
+
+def test_an_adapter_may_not_take_a_served_name(tiny_llama):
+    config = make_config(
+        model=str(tiny_llama), served_model_name=NAME, served_model_aliases=[ALIAS],
+        enable_lora=True, lora_modules=[f"{ALIAS}=/nowhere"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="already served"):
+        LoRAModels(config)
