@@ -100,7 +100,11 @@ class Server:
         return psutil.Process(self.proc.pid)
 
     def engine(self) -> psutil.Process:
-        return next(p for p in self.process().children() if "core_proc" in " ".join(p.cmdline()))
+        def is_engine(p: psutil.Process) -> bool:  # its start-up command, or its title
+            command = " ".join(p.cmdline())
+            return "core_proc" in command or command.startswith("EngineCore_DP")
+
+        return next(p for p in self.process().children() if is_engine(p))
 
     def left_behind(self) -> int:
         return sum(1 for p in self.tree if p.is_running() and p.status() != "zombie")
