@@ -465,7 +465,7 @@ def paged_attention(
         )
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device: make it the tensors' one."""
     if (
         device.type == "cuda"
