@@ -742,8 +742,9 @@ class DefaultScheduler(Scheduler):
         """Failed transfers fail their request; finished loads resume theirs, recomputing
         from the first invalid block. Returns running requests that must be recomputed
         (a synchronous load into them was invalid)."""
-        # A KVConnectorOutput comes only from a connector.
-        self.connector.update_connector_output(out)  # type: ignore[union-attr]
+        if self.connector is None:
+            raise RuntimeError("KV connector output arrived without a KV connector")
+        self.connector.update_connector_output(out)
         self._num_kv_rejected_since_stats += out.num_rejected_messages
         kv = self.kv_cache_manager
         bs = self.block_size
