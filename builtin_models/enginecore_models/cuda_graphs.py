@@ -162,7 +162,9 @@ class DecodeGraphs:
         self.counts[outcome] += 1
         return size is not None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> Any:
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
         n = len(batch.query_lens)
         size, _ = step_graph_plan(batch, self.sizes)
         assert size is not None, "run() follows handles()"
