@@ -18,8 +18,8 @@ from enginecore import LLM, SamplingParams
 from enginecore.config import make_config
 from enginecore.errors import ConfigError, InvalidRequestError
 from enginecore.lora import LoRARequest
-from enginecore.lora_request import LoRALoadReport
 from enginecore.lora.random_adapter import make_random_adapter
+from enginecore.lora_request import LoRALoadReport
 
 pytest.importorskip("peft")
 

@@ -29,6 +29,7 @@ from enginecore.engine.core import EngineCore, StepResult
 from enginecore.engine.exit_deadline import STOP_GRACE, arm_exit_deadline
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError, RankError
+from enginecore.lora_request import LoRARequest
 from enginecore.plugin_attribution import with_attribution
 from enginecore.proc_title import set_process_title
 from enginecore.protocol import (
@@ -38,7 +39,6 @@ from enginecore.protocol import (
     EngineCoreRequestType,
     UtilityOutput,
 )
-from enginecore.lora_request import LoRARequest
 from enginecore.request import FinishReason
 from enginecore.runtime_dirs import remove_dirs_of
 from enginecore.serial import MsgpackDecoder, MsgpackEncoder, find_unpicklable

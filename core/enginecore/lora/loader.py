@@ -19,6 +19,7 @@ from enginecore.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
+
 def load_error(lora_request: LoRARequest, exc: BaseException) -> str:
     """The message a failed read gives the requests naming the adapter."""
     reason = str(exc) if isinstance(exc, LoRAAdapterError) else f"{type(exc).__name__}: {exc}"
@@ -43,7 +44,9 @@ class AdapterLoader:
         """Begin reading the adapter unless a read of it is in flight."""
         if lora_request.lora_int_id in self._reads:
             return
-        logger.info("reading LoRA adapter %r from %s", lora_request.lora_name, lora_request.lora_path)
+        logger.info(
+            "reading LoRA adapter %r from %s", lora_request.lora_name, lora_request.lora_path
+        )
         future: Future[LoRAAdapter] = Future()
         self._reads[lora_request.lora_int_id] = (lora_request, future)
         threading.Thread(

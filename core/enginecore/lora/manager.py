@@ -83,10 +83,13 @@ class LoRAManager:
 
     def _read(self, lora_request: LoRARequest) -> LoRAAdapter:
         """On a reader thread: read, check against this model, cast to the slots' dtype."""
-        adapter = load_adapter(lora_request.lora_path, lora_request.lora_int_id, self.config.max_lora_rank)
+        adapter = load_adapter(
+            lora_request.lora_path, lora_request.lora_int_id, self.config.max_lora_rank
+        )
         self._check_targets(adapter, lora_request)
         adapter.weights = {
-            module: (a.to(self.dtype), b.to(self.dtype)) for module, (a, b) in adapter.weights.items()
+            module: (a.to(self.dtype), b.to(self.dtype))
+            for module, (a, b) in adapter.weights.items()
         }
         return adapter
 
@@ -97,13 +100,17 @@ class LoRAManager:
             lora_id = lora_request.lora_int_id
             if lora_id in self.host:
                 if lora_id not in self._report.loaded:
-                    self._report.loaded.append(lora_id)  # the scheduler missed it (evicted and back)
+                    self._report.loaded.append(
+                        lora_id
+                    )  # the scheduler missed it (evicted and back)
             else:
                 self.loader.start(lora_request)
         for lora_request, future in self.loader.finished():
             self._collect(lora_request, future)
 
-    def _collect(self, lora_request: LoRARequest, future: Future[LoRAAdapter]) -> LoRAAdapter | None:
+    def _collect(
+        self, lora_request: LoRARequest, future: Future[LoRAAdapter]
+    ) -> LoRAAdapter | None:
         lora_id = lora_request.lora_int_id
         exc = future.exception()
         if exc is not None:
