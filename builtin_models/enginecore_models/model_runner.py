@@ -436,7 +436,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
-        elif self.lora is None:  # a whole-step kernel knows nothing of adapters
+        elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self.attn_backend.fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
