@@ -64,16 +64,16 @@ def adapter(tiny_llama, tmp_path_factory) -> str:
     return str(path)
 
 
-def engine(base, executor: str, tp: int = 1) -> EngineCore:
+def engine(base, executor: str, tp: int = 1, **overrides) -> EngineCore:
     config = make_config(
         model=str(base),
         dtype="float32",
         executor=executor,
         tensor_parallel_size=tp,
         enable_lora=True,
-        max_loras=2,
         max_lora_rank=8,
         num_blocks_override=64,
+        **{"max_loras": 2, **overrides},
     )
     return EngineCore(config)
 
@@ -124,7 +124,7 @@ def fifo_adapter(adapter: str, dest) -> tuple[str, bytes]:
     return str(dest), data
 
 
-@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("executor", ["uni", pytest.param("mp", marks=pytest.mark.slow)])
 def test_a_slow_adapter_read_stalls_no_other_request(tiny_llama, adapter, tmp_path, executor):
     path, data = fifo_adapter(adapter, tmp_path / "slow")
     released = threading.Event()
@@ -173,7 +173,12 @@ def broken_adapter(adapter: str, dest) -> str:
 
 
 @pytest.mark.parametrize(
-    "executor,tp", [("uni", 1), ("mp", 1), pytest.param("mp", 2, marks=pytest.mark.slow)]
+    "executor,tp",
+    [
+        ("uni", 1),
+        pytest.param("mp", 1, marks=pytest.mark.slow),
+        pytest.param("mp", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_an_unreadable_adapter_fails_only_its_requests(tiny_llama, adapter, tmp_path, executor, tp):
     bad = LoRARequest("broken", 2, broken_adapter(adapter, tmp_path / "broken"))
@@ -200,5 +205,29 @@ def test_an_unreadable_adapter_fails_only_its_requests(tiny_llama, adapter, tmp_
         core.add_request(request("fixed", MAX_TOKENS, bad))
         step.until_done({"fixed"})
         assert step.tokens["fixed"] == peft_tokens(base, adapter, tuple(PROMPT))
+    finally:
+        core.shutdown()
+
+
+def test_adapters_dropped_from_host_memory_are_read_again(tiny_llama, adapter, tmp_path):
+    """One adapter kept read (``max_cpu_loras=1``), three taking turns: each new read
+    drops the last one no request holds, and an adapter asked for again is read again;
+    every request gets PEFT's tokens."""
+    second = make_random_adapter(
+        tiny_llama, tmp_path / "second", r=4, target_modules=("v_proj", "down_proj"), seed=5
+    )
+    loras = [LoRARequest("qv", 1, adapter), LoRARequest("second", 2, str(second))]
+    core = engine(tiny_llama, "uni", max_loras=1, max_cpu_loras=1)
+    try:
+        step = Stepper(core)
+        order = [0, 1, 0, 1]
+        for i, which in enumerate(order):
+            core.add_request(request(f"r{i}", MAX_TOKENS, loras[which]))
+            step.until_done({f"r{i}"})
+        runner = core.executor.worker.model_runner
+        assert list(runner.lora.host) == [2]  # only the last one stays read
+        base = str(tiny_llama)
+        for i, which in enumerate(order):
+            assert step.tokens[f"r{i}"] == peft_tokens(base, loras[which].lora_path, tuple(PROMPT))
     finally:
         core.shutdown()

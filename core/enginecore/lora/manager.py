@@ -99,10 +99,8 @@ class LoRAManager:
         for lora_request in lora_requests:
             lora_id = lora_request.lora_int_id
             if lora_id in self.host:
-                if lora_id not in self._report.loaded:
-                    self._report.loaded.append(
-                        lora_id
-                    )  # the scheduler missed it (evicted and back)
+                # Read already (the scheduler asked before our report reached it).
+                self._mark(lora_id, loaded=True)
             else:
                 self.loader.start(lora_request)
         for lora_request, future in self.loader.finished():
@@ -120,20 +118,30 @@ class LoRAManager:
             return None
         adapter = future.result()
         self.host[lora_id] = adapter
-        self._evict_host()
-        self._report.loaded.append(lora_id)
+        self._mark(lora_id, loaded=True)
+        self._evict_host(keep=lora_id)
         return adapter
 
-    def _evict_host(self) -> None:
-        """Drop the least recently used adapters beyond ``max_cpu_loras`` that no request
-        held here names (those stay, over the bound, until their requests end)."""
+    def _mark(self, lora_id: int, *, loaded: bool) -> None:
+        """Report the adapter's latest state: read, or dropped from host memory."""
+        report = self._report
+        add, drop = (report.loaded, report.evicted) if loaded else (report.evicted, report.loaded)
+        if lora_id in drop:
+            drop.remove(lora_id)
+        if lora_id not in add:
+            add.append(lora_id)
+
+    def _evict_host(self, keep: int) -> None:
+        """Drop the least recently used adapters beyond ``max_cpu_loras``, but neither
+        ``keep`` (just read for waiting requests) nor one a request held here names:
+        those stay, over the bound, until their requests end."""
         excess = len(self.host) - self.max_host
         if excess <= 0:
             return
-        held = {lora.lora_int_id for lora in self.request_lora.values()}
+        held = {lora.lora_int_id for lora in self.request_lora.values()} | {keep}
         for lora_id in [i for i in self.host if i not in held][:excess]:
             del self.host[lora_id]
-            self._report.evicted.append(lora_id)
+            self._mark(lora_id, loaded=False)
 
     def take_report(self) -> LoRALoadReport | None:
         """What changed since the last call, for the scheduler (None: nothing)."""
