@@ -37,7 +37,7 @@ STEPS_DURING_READ = 8
 RELEASE_AFTER_S = 120.0
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def peft_tokens(base: str, adapter: str | None, prompt: tuple[int, ...]) -> list[int]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
