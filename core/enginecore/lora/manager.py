@@ -105,6 +105,8 @@ class LoRAManager:
                 self.loader.start(lora_request)
         for lora_request, future in self.loader.finished():
             self._collect(lora_request, future)
+        # Back within the bound once the requests that held adapters over it are gone.
+        self._evict_host(keep={lora.lora_int_id for lora in lora_requests})
 
     def _collect(
         self, lora_request: LoRARequest, future: Future[LoRAAdapter]
@@ -119,7 +121,7 @@ class LoRAManager:
         adapter = future.result()
         self.host[lora_id] = adapter
         self._mark(lora_id, loaded=True)
-        self._evict_host(keep=lora_id)
+        self._evict_host(keep={lora_id})
         return adapter
 
     def _mark(self, lora_id: int, *, loaded: bool) -> None:
@@ -131,14 +133,14 @@ class LoRAManager:
         if lora_id not in add:
             add.append(lora_id)
 
-    def _evict_host(self, keep: int) -> None:
+    def _evict_host(self, keep: set[int]) -> None:
         """Drop the least recently used adapters beyond ``max_cpu_loras``, but neither
-        ``keep`` (just read for waiting requests) nor one a request held here names:
+        those in ``keep`` (read for waiting requests) nor one a request held here names:
         those stay, over the bound, until their requests end."""
         excess = len(self.host) - self.max_host
         if excess <= 0:
             return
-        held = {lora.lora_int_id for lora in self.request_lora.values()} | {keep}
+        held = {lora.lora_int_id for lora in self.request_lora.values()} | keep
         for lora_id in [i for i in self.host if i not in held][:excess]:
             del self.host[lora_id]
             self._mark(lora_id, loaded=False)
