@@ -49,7 +49,7 @@ from enginecore.lora.manager import LoRAManager
 from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
-from enginecore.scheduler_output import SchedulerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore.staging import DeviceEvents, HostCopy, StagingBuffer
 from enginecore.worker_component_errors import build_worker_component
 from enginecore_models.block_table import BlockTable
@@ -452,7 +452,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
-        elif self.lora is None:  # a whole-step kernel knows nothing of adapters
+        elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
@@ -555,10 +555,18 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
 
     # --- the step -------------------------------------------------------------------
 
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        output = super().sample_tokens(grammar_output)
+        if self.lora is not None:
+            output.lora_report = self.lora.take_report()  # adapters read since the last step
+        return output
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
         self._update_states(so)
+        if self.lora is not None:
+            self.lora.start_loads(so.lora_loads)  # reads run off the step
         bridge = self.kv_connector
         if bridge is not None:
             bridge.begin_step(so)

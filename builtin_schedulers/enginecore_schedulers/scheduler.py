@@ -37,6 +37,7 @@ from enginecore.request import Request, RequestStatus
 from enginecore.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from enginecore_schedulers.block_pool import KVCacheBlock
 from enginecore_schedulers.kv_cache_manager import KVCacheManager
+from enginecore_schedulers.lora_admission import LoRAAdmission
 from enginecore_schedulers.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -152,6 +153,8 @@ class DefaultScheduler(Scheduler):
         # LoRA: most distinct adapters per step (0: LoRA off), and this step's adapters.
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self._step_loras: set[int] = set()
+        # Adapters the workers have read: requests wait in the queue until theirs is.
+        self.lora_admission = LoRAAdmission() if self.max_loras else None
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -400,6 +403,8 @@ class DefaultScheduler(Scheduler):
             structured_output_request_ids=structured,
             step_id=self._step_id,
         )
+        if self.lora_admission is not None and self.lora_admission.pending:
+            out.lora_loads = self.lora_admission.loads()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._last_num_scheduled_tokens = total
@@ -416,6 +421,28 @@ class DefaultScheduler(Scheduler):
             return False
         self._step_loras.add(lora.lora_int_id)
         return True
+
+    def _fail_lora_reads(self, failed: dict[int, str]) -> None:
+        """Fail the waiting requests naming an adapter the workers could not read (the
+        error is reported by this update); nothing else is touched."""
+        if not failed:
+            return
+        victims = [
+            r
+            for r in self.waiting.view()
+            if r.lora_request is not None and r.lora_request.lora_int_id in failed
+        ]
+        for request in self.finish_requests(
+            [r.request_id for r in victims], RequestStatus.FINISHED_ERROR
+        ):
+            assert request.lora_request is not None
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
+                error=failed[request.lora_request.lora_int_id],
+            )
+            self._connector_failed.append((request.client_index, output))
 
     def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
         """Prompt tokens this step computes (not taken from a cache or a connector)."""
@@ -461,9 +488,14 @@ class DefaultScheduler(Scheduler):
             if self._policy_admits and not self.policy.admit(request, self._state(budget)):
                 skipped.append(waiting.pop())
                 continue
-            if self.max_loras and not self._lora_fits(request):
-                skipped.append(waiting.pop())  # its adapter waits for a free slot
-                continue
+            if self.max_loras:
+                assert self.lora_admission is not None
+                if not self.lora_admission.is_ready(request.lora_request):
+                    skipped.append(waiting.pop())  # its adapter is being read
+                    continue
+                if not self._lora_fits(request):
+                    skipped.append(waiting.pop())  # its adapter waits for a free slot
+                    continue
             if request.request_id in self._remote_ready:
                 # Its external KV has landed in the blocks it holds: compute the rest.
                 num_new = request.num_tokens - request.num_computed_tokens
@@ -617,6 +649,8 @@ class DefaultScheduler(Scheduler):
         finished: list[Request] = []
         from_running = from_waiting = False
         connector_output = runner_output.kv_connector_output
+        if self.lora_admission is not None and runner_output.lora_report is not None:
+            self._fail_lora_reads(self.lora_admission.apply(runner_output.lora_report))
         for client, failed_output in self._connector_failed:
             per_client.setdefault(client, []).append(failed_output)
         self._connector_failed = []
@@ -820,7 +854,12 @@ class DefaultScheduler(Scheduler):
     def has_requests(self) -> bool:
         # Blocks still held for a connector need steps: the workers report their end.
         return bool(
-            self.requests or self.finished_req_ids or self._delayed_free or self._aborted_loading
+            self.requests
+            or self.finished_req_ids
+            or self._delayed_free
+            or self._aborted_loading
+            # Adapter reads asked for (a run-time load with no request yet) need steps.
+            or (self.lora_admission is not None and self.lora_admission.pending)
         )
 
     def get_num_unfinished_requests(self) -> int:
