@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import importlib_metadata
@@ -81,17 +81,38 @@ def attribute(exc: BaseException) -> str | None:
             plugin = packages.get(str(getattr(origin, "__module__", "")).split(".")[0])
             if plugin is not None:
                 return f"plugin {plugin}, in {getattr(origin, '__qualname__', origin)}"
-        frames = _frames(error.__traceback__)
-        for index in range(len(frames) - 1, -1, -1):
-            plugin = packages.get(frames[index][0].split(".")[0])
-            if plugin is None:
-                continue
-            # The way in: the outermost frame of the run of this plugin's frames.
-            first = index
-            while first > 0 and packages.get(frames[first - 1][0].split(".")[0]) == plugin:
-                first -= 1
-            return f"plugin {plugin}, in {frames[first][1]}"
+        where = _innermost_plugin_call(_frames(error.__traceback__), packages)
+        if where is not None:
+            return where
     return None
+
+
+def _innermost_plugin_call(frames: list[tuple[str, str]], packages: dict[str, str]) -> str | None:
+    """``"plugin 'x' (...), in Cls.method"`` for the innermost run of one plugin's frames
+    (``frames`` outermost first), named by the way in: the run's outermost frame."""
+    for index in range(len(frames) - 1, -1, -1):
+        plugin = packages.get(frames[index][0].split(".")[0])
+        if plugin is None:
+            continue
+        first = index
+        while first > 0 and packages.get(frames[first - 1][0].split(".")[0]) == plugin:
+            first -= 1
+        return f"plugin {plugin}, in {frames[first][1]}"
+    return None
+
+
+def attribute_running(frame: FrameType | None) -> str | None:
+    """As :func:`attribute`, for a thread that is still running: ``frame`` is its
+    innermost frame (``sys._current_frames()``); None when no plugin's code is on its
+    stack."""
+    packages = _plugin_packages()
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        module = str(frame.f_globals.get("__name__", ""))
+        frames.append((module, getattr(code, "co_qualname", code.co_name)))
+        frame = frame.f_back
+    return _innermost_plugin_call(frames[::-1], packages) if packages else None
 
 
 def with_attribution(exc: BaseException, text: str) -> str:
