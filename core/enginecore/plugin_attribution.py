@@ -18,7 +18,7 @@ from typing import Any
 
 import importlib_metadata
 
-from enginecore.plugins import ENTRY_POINT_GROUP
+from enginecore.plugins import ENTRY_POINT_GROUP, is_builtin
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +29,7 @@ def _plugin_packages() -> dict[str, str]:
     by_dist = importlib_metadata.packages_distributions()
     plugins: dict[str, str] = {}
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.dist is not None:
+        if ep.dist is not None and not is_builtin(ep.name):
             plugins.setdefault(
                 ep.dist.name.lower(), f"{ep.name!r} (distribution {ep.dist.name} {ep.dist.version})"
             )
