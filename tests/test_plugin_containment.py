@@ -429,3 +429,52 @@ def test_in_process_hangs_in_the_worker_are_bounded_and_named(broken_env, tiny_l
     forward, a KV connector's load, and a linear method's weight preparation (bounded by
     ``engine.ready_timeout``)."""
     _run_in_process_hangs(broken_env, tiny_llama, SLOW_IN_PROCESS_HANG_CASES)
+
+
+ENGINE_PROCESS_HANGS = """
+import json, sys, time
+import psutil
+from enginecore import LLM, SamplingParams
+
+report = {}
+for key, overrides in json.loads(sys.argv[2]).items():
+    llm = LLM(model=sys.argv[1], execute_timeout=3, **overrides)
+    try:
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4), use_tqdm=False)
+        report[key] = "served"
+    except Exception as exc:
+        report[key] = f"{type(exc).__name__}: {exc}"
+    llm.shutdown()
+time.sleep(1)
+report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_engine_process_hangs_are_bounded_and_named(broken_env, tiny_llama):
+    """The engine in its own process (the default) with the ``uni`` executor: a step
+    stuck in a policy's ``sort_key`` or an attention forward fails the ``LLM`` call past
+    ``engine.execute_timeout`` (plus the step watchdog's grace) naming the plugin and the
+    method, and the engine process exits."""
+    cases = {
+        "sort_key": ({"scheduling_policy": "hanging_sort"}, "HangingPolicy.sort_key"),
+        "attention": ({"attention_backend": "hanging_attention"}, "HangingAttention.forward"),
+    }
+    selections = {key: overrides for key, (overrides, _) in cases.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROCESS_HANGS, str(tiny_llama), json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["children"] == [], report
+    plugin = "plugin 'broken_parts' (distribution enginecore-broken-parts 0.1.0)"
+    for key, (_, method) in cases.items():
+        message = report[key]
+        assert message.startswith("EngineDeadError: the engine core died: "), message
+        assert "a step took longer than 3 s (engine.execute_timeout)" in message, message
+        assert f"in {plugin}, in {method}" in message, message

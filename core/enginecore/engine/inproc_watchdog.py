@@ -69,21 +69,26 @@ class EngineWatchdog:
         return self.dead_error
 
     def where_stuck(self) -> str:
-        """``"in plugin 'x' (...), in Cls.method"`` from the engine's threads (its own
-        thread first, then those started since, such as the ``uni`` executor's worker),
-        else the line its own thread is at."""
-        frames = sys._current_frames()
+        """Where the engine's threads are stuck: its own thread first, then those started
+        since (such as the ``uni`` executor's worker)."""
         engine = self._thread.thread.ident
         own = [t.ident for t in threading.enumerate() if t.ident not in self._foreign]
-        for ident in sorted(own, key=lambda i: i != engine):
-            found = attribute_running(frames.get(ident or -1))
-            if found is not None:
-                return f"in {found}"
-        frame = frames.get(engine or -1)
-        if frame is None:
-            return "at an unknown place"
-        return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        return where_stuck(sorted(own, key=lambda i: i != engine))
 
     def close(self) -> None:
         """Let the engine thread end once its calls are done (it is abandoned if dead)."""
         self._thread.shutdown(wait=self.dead_error is None)
+
+
+def where_stuck(threads: list[int | None]) -> str:
+    """``"in plugin 'x' (...), in Cls.method"`` for the first of ``threads`` running a
+    plugin's code, else the line the first thread is at."""
+    frames = sys._current_frames()
+    for ident in threads:
+        found = attribute_running(frames.get(ident or -1))
+        if found is not None:
+            return f"in {found}"
+    frame = frames.get(threads[0] or -1) if threads else None
+    if frame is None:
+        return "at an unknown place"
+    return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
