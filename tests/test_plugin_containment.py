@@ -385,6 +385,14 @@ SLOW_IN_PROCESS_HANG_CASES = {
 }
 
 
+#: What a hang names beside the method, where the method's class is the registered one.
+HUNG_COMPONENTS = {
+    "sort_key": "scheduling policy 'hanging_sort', config key scheduler.policy",
+    "attention": "attention backend 'hanging_attention', config key model.attention_backend",
+    "prepare": "linear method 'hanging_prepare_linear', config key model.linear_method",
+}
+
+
 def _run_in_process_hangs(broken_env, tiny_llama, cases) -> dict:
     selections = {key: overrides for key, (overrides, _) in cases.items()}
     done = subprocess.run(
@@ -403,7 +411,9 @@ def _run_in_process_hangs(broken_env, tiny_llama, cases) -> dict:
             continue
         first = report[key]["first"]
         assert first.startswith("EngineDeadError: the engine core is stuck: "), first
-        assert f"in {plugin}, in {method}." in first, first
+        assert f"in {plugin}, in {method}" in first, first
+        if key in HUNG_COMPONENTS:  # the component and the config key that selected it
+            assert f"in {method} ({HUNG_COMPONENTS[key]})." in first, first
         if key == "prepare":
             assert "not ready within 5 s (engine.ready_timeout)" in first, first
         else:
@@ -477,4 +487,4 @@ def test_engine_process_hangs_are_bounded_and_named(broken_env, tiny_llama):
         message = report[key]
         assert message.startswith("EngineDeadError: the engine core died: "), message
         assert "a step took longer than 3 s (engine.execute_timeout)" in message, message
-        assert f"in {plugin}, in {method}" in message, message
+        assert f"in {plugin}, in {method} ({HUNG_COMPONENTS[key]})" in message, message

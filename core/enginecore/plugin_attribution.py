@@ -87,8 +87,8 @@ def attribute(exc: BaseException) -> str | None:
     return None
 
 
-def _innermost_plugin_call(frames: list[tuple[str, str]], packages: dict[str, str]) -> str | None:
-    """``"plugin 'x' (...), in Cls.method"`` for the innermost run of one plugin's frames
+def _way_in(frames: list[tuple[str, str]], packages: dict[str, str]) -> tuple[str, str, str] | None:
+    """``(plugin, module, qualified name)`` of the innermost run of one plugin's frames
     (``frames`` outermost first), named by the way in: the run's outermost frame."""
     for index in range(len(frames) - 1, -1, -1):
         plugin = packages.get(frames[index][0].split(".")[0])
@@ -97,14 +97,20 @@ def _innermost_plugin_call(frames: list[tuple[str, str]], packages: dict[str, st
         first = index
         while first > 0 and packages.get(frames[first - 1][0].split(".")[0]) == plugin:
             first -= 1
-        return f"plugin {plugin}, in {frames[first][1]}"
+        return plugin, frames[first][0], frames[first][1]
     return None
 
 
-def attribute_running(frame: FrameType | None) -> str | None:
-    """As :func:`attribute`, for a thread that is still running: ``frame`` is its
-    innermost frame (``sys._current_frames()``); None when no plugin's code is on its
-    stack."""
+def _innermost_plugin_call(frames: list[tuple[str, str]], packages: dict[str, str]) -> str | None:
+    """``"plugin 'x' (...), in Cls.method"`` (see :func:`_way_in`)."""
+    found = _way_in(frames, packages)
+    return f"plugin {found[0]}, in {found[2]}" if found is not None else None
+
+
+def running_plugin_call(frame: FrameType | None) -> tuple[str, str, str] | None:
+    """For a thread that is still running (``frame``: its innermost frame, from
+    ``sys._current_frames()``): ``(plugin described, module, qualified name)`` of the
+    plugin code it is in, or None when no plugin's code is on its stack."""
     packages = _plugin_packages()
     frames = []
     while frame is not None:
@@ -112,7 +118,7 @@ def attribute_running(frame: FrameType | None) -> str | None:
         module = str(frame.f_globals.get("__name__", ""))
         frames.append((module, getattr(code, "co_qualname", code.co_name)))
         frame = frame.f_back
-    return _innermost_plugin_call(frames[::-1], packages) if packages else None
+    return _way_in(frames[::-1], packages) if packages else None
 
 
 def with_attribution(exc: BaseException, text: str) -> str:

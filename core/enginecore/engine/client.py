@@ -51,9 +51,11 @@ class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, plugin_host: Any = None) -> None:
         from enginecore.engine.core import EngineCore
         from enginecore.engine.inproc_watchdog import EngineWatchdog
+        from enginecore.plugins import make_plugin_manager
 
         self.config = config
-        self._watchdog = EngineWatchdog()
+        host = plugin_host or make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+        self._watchdog = EngineWatchdog(host)
         limit = config.engine.ready_timeout
         try:
             self.engine = self._watchdog.call(
@@ -61,7 +63,7 @@ class InprocClient(EngineCoreClient):
                 f"it was not ready within {limit:g} s (engine.ready_timeout)",
                 EngineCore,
                 config,
-                plugin_host,
+                host,
             )
         except BaseException:
             self._watchdog.close()

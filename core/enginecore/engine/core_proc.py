@@ -161,7 +161,9 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         step = self.step_fn()
         limit = self.config.engine.execute_timeout
-        self._watchdog = StepWatchdog(limit, self._step_hung) if limit is not None else None
+        self._watchdog = (
+            StepWatchdog(limit, self._step_hung, self.plugins) if limit is not None else None
+        )
         try:
             while True:
                 self._process_input_queue()

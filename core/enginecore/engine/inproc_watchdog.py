@@ -25,9 +25,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import EngineDeadError
-from enginecore.plugin_attribution import attribute_running
+from enginecore.plugin_attribution import running_plugin_call
+from enginecore.plugins import PluginHost
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,8 @@ T = TypeVar("T")
 class EngineWatchdog:
     """Runs the engine's calls on its own thread, each within a limit."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: PluginHost | None = None) -> None:
+        self.host = host  # names the component a hung method belongs to
         # Threads already running are not the engine's: an engine abandoned earlier in
         # this process may still hang in plugin code, and must not be blamed again.
         self._foreign = {t.ident for t in threading.enumerate()}
@@ -73,22 +76,38 @@ class EngineWatchdog:
         since (such as the ``uni`` executor's worker)."""
         engine = self._thread.thread.ident
         own = [t.ident for t in threading.enumerate() if t.ident not in self._foreign]
-        return where_stuck(sorted(own, key=lambda i: i != engine))
+        return where_stuck(sorted(own, key=lambda i: i != engine), self.host)
 
     def close(self) -> None:
         """Let the engine thread end once its calls are done (it is abandoned if dead)."""
         self._thread.shutdown(wait=self.dead_error is None)
 
 
-def where_stuck(threads: list[int | None]) -> str:
+def where_stuck(threads: list[int | None], host: PluginHost | None = None) -> str:
     """``"in plugin 'x' (...), in Cls.method"`` for the first of ``threads`` running a
-    plugin's code, else the line the first thread is at."""
+    plugin's code (with the component it belongs to and its config key, when ``host``
+    has it registered), else the line the first thread is at."""
     frames = sys._current_frames()
     for ident in threads:
-        found = attribute_running(frames.get(ident or -1))
+        found = running_plugin_call(frames.get(ident or -1))
         if found is not None:
-            return f"in {found}"
+            plugin, module, qualname = found
+            component = _component_of(host, module, qualname) if host is not None else None
+            return f"in plugin {plugin}, in {qualname}" + (f" ({component})" if component else "")
     frame = frames.get(threads[0] or -1) if threads else None
     if frame is None:
         return "at an unknown place"
     return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _component_of(host: PluginHost, module: str, qualname: str) -> str | None:
+    """``"scheduling policy 'x', config key scheduler.policy"`` for the registered entry
+    whose class holds ``qualname`` (a method of it), or None."""
+    owner = qualname.rsplit(".", 1)[0]
+    for kind in COMPONENT_KINDS:
+        registry = host.registry(kind.name)
+        for name in registry:
+            if registry.entry(name).ref in (f"{module}:{owner}", f"{module}:{qualname}"):
+                key = f", config key {kind.config_key}" if kind.config_key else ""
+                return f"{kind.label} {name!r}{key}"
+    return None

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from enginecore.engine.inproc_watchdog import where_stuck
+from enginecore.plugins import PluginHost
 
 #: Seconds past ``engine.execute_timeout`` before a step is declared hung here.
 STEP_GRACE = 5.0
@@ -25,8 +26,11 @@ class StepWatchdog:
     """``started()`` before each step and ``ended()`` after it; a step that runs past
     ``limit + STEP_GRACE`` seconds calls ``on_hung(message)`` once, from its own thread."""
 
-    def __init__(self, limit: float, on_hung: Callable[[str], None]) -> None:
+    def __init__(
+        self, limit: float, on_hung: Callable[[str], None], host: PluginHost | None = None
+    ) -> None:
         self.limit = limit
+        self._host = host
         self._on_hung = on_hung
         self._since: float | None = None
         self._loop = threading.get_ident()
@@ -48,7 +52,7 @@ class StepWatchdog:
             if since is None or time.monotonic() - since <= self.limit + STEP_GRACE:
                 continue
             others = [t.ident for t in threading.enumerate() if t.ident != self._loop]
-            where = where_stuck([self._loop, *others])
+            where = where_stuck([self._loop, *others], self._host)
             self._on_hung(
                 f"the engine core is stuck: a step took longer than {self.limit:g} s "
                 f"(engine.execute_timeout), {where}"
