@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,8 +90,12 @@ class InprocClient(EngineCoreClient):
         """One step's outputs; an empty batch once there is no work; None: step again."""
         if not self.engine.has_work():
             return EngineCoreOutputs()
-        outputs, _ = self._step()
+        outputs, executed = self._step()
         if not outputs:
+            if not executed and not self.engine.batch_queue:
+                # Requests wait on work off the loop (an adapter read, a grammar, remote
+                # KV): yield to it as the engine process does.
+                time.sleep(0.001)
             return None
         merged = EngineCoreOutputs()
         for client_outputs in outputs.values():
