@@ -3,8 +3,12 @@ derived from it, so no kind is missing from one of them."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
+import enginecore
 from enginecore import hookspecs, make_config
 from enginecore.component_check import selected_components
 from enginecore.component_kinds import COMPONENT_KINDS, KINDS
@@ -62,3 +66,56 @@ def test_the_config_check_covers_every_selectable_kind():
     kinds = {kind for kind, _key, _name in selected_components(config)}
     assert kinds == {k.name for k in COMPONENT_KINDS if k.selected is not None}
     assert kinds == set(COMPONENT_HOOKS) - {"model", "worker_rpc"}
+
+
+# --- no other module lists kinds ---------------------------------------------------------
+
+PACKAGE = Path(enginecore.__file__).parent
+TABLE = PACKAGE / "component_kinds.py"
+#: Kind names that are also config keywords (``make_config(model=..., executor=...)``).
+CONFIG_FIELDS = {"model", "executor"}
+
+
+def _kind_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Dict):
+        items: list[ast.expr | None] = list(node.keys)
+    elif isinstance(node, ast.List | ast.Tuple | ast.Set):
+        items = list(node.elts)
+    else:
+        return []
+    return [
+        item.value
+        for item in items
+        if isinstance(item, ast.Constant) and isinstance(item.value, str) and item.value in KINDS
+    ]
+
+
+def test_no_module_but_the_table_lists_component_kinds():
+    tables = []
+    for source in sorted(PACKAGE.rglob("*.py")):
+        if source == TABLE:
+            continue
+        for node in ast.walk(ast.parse(source.read_text(), str(source))):
+            names = _kind_names(node)
+            # ``{"model": path, "executor": name}`` is a config, not a table of kinds.
+            if len(names) >= 2 and not set(names) <= CONFIG_FIELDS:
+                where = f"{source.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}"
+                tables.append(f"{where} {names}")
+    assert tables == [], "kind tables outside component_kinds.py:\n" + "\n".join(tables)
+
+
+def test_the_registration_check_reads_the_table():
+    """Each kind's row drives the registration check: its base class, the attributes
+    read from every entry and the call shape of its factory."""
+    from enginecore.registration_check import factory_problem, registration_problem
+
+    for kind in KINDS.values():
+        if kind.required_attributes:
+            problem = registration_problem(kind.name, "x", type("Plain", (), {}))
+            assert problem is not None and all(a in problem for a in kind.required_attributes)
+        if kind.base is not None:
+            problem = factory_problem(kind.name, "x", type("Plain", (), {}))
+            assert problem is not None and kind.base.__name__ in problem, kind.name
+        if kind.called_with is not None and kind.base is None:
+            problem = registration_problem(kind.name, "x", lambda: None)
+            assert problem is not None and kind.called_with[1] in problem, kind.name

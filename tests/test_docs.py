@@ -17,7 +17,7 @@ import pytest
 
 from enginecore import hookspecs, interfaces
 from enginecore.config import FLAT_NAMES, SECTIONS
-from enginecore.plugins import BUILTIN_PLUGINS, PluginHost
+from enginecore.plugins import PluginHost, builtin_plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -109,7 +109,7 @@ def test_plugin_env_vars_and_builtins_are_documented():
     assert len(env_vars) == 5
     for var in env_vars:
         assert f"`{var}`" in text, f"plugins.md does not document {var}"
-    for module in BUILTIN_PLUGINS.values():
+    for module in builtin_plugins().values():
         assert f"`{module}`" in text, f"plugins.md does not list the built-in {module}"
 
 

@@ -332,3 +332,159 @@ def test_a_linear_method_hanging_in_weight_preparation_is_reported_while_it_hang
     [report] = [line for line in done.stderr.splitlines() if "has been preparing layer" in line]
     assert "linear method HangingPrepareLinear from plugin 'broken_parts'" in report
     assert f"for {REPORT_AFTER:.0f} s" in report and "model.layers.0." in report, report
+
+
+IN_PROCESS_HANGS = """
+import json, sys, threading
+import psutil
+from enginecore import LLM, SamplingParams
+
+report = {}
+for key, overrides in json.loads(sys.argv[2]).items():
+    entry = report[key] = {}
+    try:
+        llm = LLM(model=sys.argv[1], multiprocessing=False, execute_timeout=3, rpc_timeout=2,
+                  **overrides)
+    except Exception as exc:
+        entry["first"] = f"{type(exc).__name__}: {exc}"
+        continue
+    try:
+        if key == "rpc":
+            llm.collective_rpc("hang")
+        else:
+            llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4), use_tqdm=False)
+    except Exception as exc:
+        entry["first"] = f"{type(exc).__name__}: {exc}"
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        entry["later"] = "served"
+    except Exception as exc:
+        entry["later"] = f"{type(exc).__name__}: {exc}"
+    llm.shutdown()
+threads = [t for t in threading.enumerate() if t is not threading.main_thread()]
+report["non_daemon_threads"] = [t.name for t in threads if not t.daemon]
+report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps(report))
+"""
+
+#: What hangs under ``multiprocessing=False``, and the method the error must name.
+IN_PROCESS_HANG_CASES = {
+    "sort_key": ({"scheduling_policy": "hanging_sort"}, "HangingPolicy.sort_key"),
+    "rpc": ({}, None),
+}
+SLOW_IN_PROCESS_HANG_CASES = {
+    "attention": ({"attention_backend": "hanging_attention"}, "HangingAttention.forward"),
+    "kv_load": (
+        {"kv_transfer": {"connector": "hanging_load_connector"}},
+        "HangingLoadWorker.start_load_kv",
+    ),
+    "prepare": (
+        {"linear_method": "hanging_prepare_linear", "ready_timeout": 5},
+        "HangingPrepareLinear.process_weights_after_loading",
+    ),
+}
+
+
+#: What a hang names beside the method, where the method's class is the registered one.
+HUNG_COMPONENTS = {
+    "sort_key": "scheduling policy 'hanging_sort', config key scheduler.policy",
+    "attention": "attention backend 'hanging_attention', config key model.attention_backend",
+    "prepare": "linear method 'hanging_prepare_linear', config key model.linear_method",
+}
+
+
+def _run_in_process_hangs(broken_env, tiny_llama, cases) -> dict:
+    selections = {key: overrides for key, (overrides, _) in cases.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS_HANGS, str(tiny_llama), json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=300,  # each hang is bounded by its watchdog: far less than this
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # the process exits, hung threads or not
+    report: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["non_daemon_threads"] == [] and report["children"] == [], report
+    plugin = "plugin 'broken_parts' (distribution enginecore-broken-parts 0.1.0)"
+    for key, (_, method) in cases.items():
+        if method is None:
+            continue
+        first = report[key]["first"]
+        assert first.startswith("EngineDeadError: the engine core is stuck: "), first
+        assert f"in {plugin}, in {method}" in first, first
+        if key in HUNG_COMPONENTS:  # the component and the config key that selected it
+            assert f"in {method} ({HUNG_COMPONENTS[key]})." in first, first
+        if key == "prepare":
+            assert "not ready within 5 s (engine.ready_timeout)" in first, first
+        else:
+            assert "took longer than 3 s (engine.execute_timeout)" in first, first
+            assert report[key]["later"] == first  # later calls: the same death, named
+    return report
+
+
+def test_in_process_engine_hangs_are_bounded_and_named(broken_env, tiny_llama):
+    """``LLM(multiprocessing=False)``: a policy hanging in ``sort_key`` fails the call
+    after ``engine.execute_timeout`` naming the plugin and the method, and every later
+    call says the engine died of it; a hung worker RPC fails after its limit naming the
+    RPC and the engine goes on serving. No thread that would hold the process is left."""
+    report = _run_in_process_hangs(broken_env, tiny_llama, IN_PROCESS_HANG_CASES)
+    rpc = report["rpc"]
+    assert "worker RPC 'hang' did not return within 2 s" in rpc["first"], rpc
+    assert rpc["later"] == "served"
+
+
+@pytest.mark.slow
+def test_in_process_hangs_in_the_worker_are_bounded_and_named(broken_env, tiny_llama):
+    """As above, for code the ``uni`` executor's worker thread runs: an attention
+    forward, a KV connector's load, and a linear method's weight preparation (bounded by
+    ``engine.ready_timeout``)."""
+    _run_in_process_hangs(broken_env, tiny_llama, SLOW_IN_PROCESS_HANG_CASES)
+
+
+ENGINE_PROCESS_HANGS = """
+import json, sys, time
+import psutil
+from enginecore import LLM, SamplingParams
+
+report = {}
+for key, overrides in json.loads(sys.argv[2]).items():
+    llm = LLM(model=sys.argv[1], execute_timeout=3, **overrides)
+    try:
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4), use_tqdm=False)
+        report[key] = "served"
+    except Exception as exc:
+        report[key] = f"{type(exc).__name__}: {exc}"
+    llm.shutdown()
+time.sleep(1)
+report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_engine_process_hangs_are_bounded_and_named(broken_env, tiny_llama):
+    """The engine in its own process (the default) with the ``uni`` executor: a step
+    stuck in a policy's ``sort_key`` or an attention forward fails the ``LLM`` call past
+    ``engine.execute_timeout`` (plus the step watchdog's grace) naming the plugin and the
+    method, and the engine process exits."""
+    cases = {
+        "sort_key": ({"scheduling_policy": "hanging_sort"}, "HangingPolicy.sort_key"),
+        "attention": ({"attention_backend": "hanging_attention"}, "HangingAttention.forward"),
+    }
+    selections = {key: overrides for key, (overrides, _) in cases.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROCESS_HANGS, str(tiny_llama), json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["children"] == [], report
+    plugin = "plugin 'broken_parts' (distribution enginecore-broken-parts 0.1.0)"
+    for key, (_, method) in cases.items():
+        message = report[key]
+        assert message.startswith("EngineDeadError: the engine core died: "), message
+        assert "a step took longer than 3 s (engine.execute_timeout)" in message, message
+        assert f"in {plugin}, in {method} ({HUNG_COMPONENTS[key]})" in message, message

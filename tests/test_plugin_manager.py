@@ -27,7 +27,7 @@ from enginecore.errors import (
     PluginLoadError,
     UnknownComponentError,
 )
-from enginecore.plugins import BUILTIN_PLUGINS, COMPONENT_HOOKS, make_plugin_manager
+from enginecore.plugins import COMPONENT_HOOKS, builtin_plugins, make_plugin_manager
 from enginecore.registry import Registry
 
 ENV_VARS = (
@@ -117,7 +117,7 @@ def test_every_registration_hook_has_a_registry():
 
 def test_builtins_register_through_the_same_hooks():
     host = make_plugin_manager(load_entrypoints=False)
-    assert {r.module for r in host.records.values()} == set(BUILTIN_PLUGINS.values())
+    assert {r.module for r in host.records.values()} == set(builtin_plugins().values())
     assert all(r.builtin and r.distribution == "builtin" for r in host.records.values())
 
     metrics = host.records["builtin_stat_loggers"]
@@ -151,9 +151,47 @@ def test_builtins_register_through_the_same_hooks():
     }
 
 
-@pytest.mark.parametrize("name", BUILTIN_PLUGINS)
+def test_each_builtin_declares_its_own_entry_point():
+    """Every ``builtin_<kind>/`` distribution registers through the ``enginecore`` entry
+    point group, as a third-party package does; the host finds them there, first."""
+    import tomllib
+
+    import importlib_metadata
+
+    root = Path(__file__).resolve().parents[1]
+    folders = sorted(p.parent for p in root.glob("builtin_*/pyproject.toml"))
+    assert len(folders) >= 10
+    installed = {ep.name: ep.value for ep in importlib_metadata.entry_points(group="enginecore")}
+    for folder in folders:
+        kind = folder.name.removeprefix("builtin_")
+        declared = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+        expected = {folder.name: f"enginecore_{kind}.plugin"}
+        assert declared.get("entry-points", {}).get("enginecore") == expected, folder.name
+        assert installed.get(folder.name) == expected[folder.name], "reinstall: make install"
+    assert set(builtin_plugins()) == {f.name for f in folders}
+    host = make_plugin_manager()
+    names = list(host.records)
+    assert names[: len(folders)] == list(builtin_plugins())  # built-ins load first
+    assert all(host.records[f.name].builtin for f in folders)
+
+
+def test_a_builtin_can_be_disabled_and_the_allow_list_keeps_builtins():
+    from enginecore.plugin_attribution import _plugin_packages
+
+    host = make_plugin_manager(disabled=["builtin_gpu"])
+    assert "builtin_gpu" not in host.records
+    assert "gguf_triton" not in host.registry("linear_method")
+    assert "unquantized" in host.registry("linear_method")
+    allow = make_plugin_manager(enabled=["no_such_plugin"])
+    assert set(builtin_plugins()) <= set(allow.records)
+    # Built-in code is enginecore's: errors from it are never attributed to a plugin.
+    packages = {module.split(".")[0] for module in builtin_plugins().values()}
+    assert not packages & set(_plugin_packages()), _plugin_packages()
+
+
+@pytest.mark.parametrize("name", list(builtin_plugins()))
 def test_each_existing_builtin_loads_and_registers_something(name):
-    module = BUILTIN_PLUGINS[name]
+    module = builtin_plugins()[name]
     host = make_plugin_manager(load_entrypoints=False, builtins={name: module})
     [record] = host.records.values()
     assert record.loaded, record.traceback

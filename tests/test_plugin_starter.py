@@ -8,6 +8,7 @@ installs run with ``--no-deps --no-build-isolation`` because the machine is offl
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -50,6 +51,28 @@ def test_bad_requests_are_refused_with_what_to_change(tmp_path):
         timeout=60,
     )
     assert result.returncode == 2 and "invalid choice: 'nope'" in result.stderr
+
+
+def test_every_starter_builds_on_the_public_api_only(tmp_path):
+    """Built-in plugin packages (``enginecore_<kind>``) are internal: no starter imports
+    one, so a generated plugin keeps working whatever they become."""
+    for kind in sorted(KINDS):
+        package = tmp_path / kind
+        create_plugin("enginecore-tally", kind, package)
+        for source in package.rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                else:
+                    continue
+                internal = [
+                    n
+                    for n in names
+                    if n.startswith("enginecore_") and n.split(".")[0] != "enginecore_tally"
+                ]
+                assert not internal, f"{kind}: {source.name} imports {internal}"
 
 
 def build_and_test(kind: str, tmp_path: Path, model: Path, select_in_engine: bool) -> None:
