@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from enginecore_cpu import cpu_kernels, quant_kernels
-from tests.gguf_writer import write_gguf
+from tests.helpers.gguf_writer import write_gguf
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None or quant_kernels.load() is None, reason="no C compiler"

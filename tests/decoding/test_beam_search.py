@@ -20,7 +20,7 @@ import shutil
 
 import pytest
 import torch
-from hf_reference import load_reference
+from tests.helpers.hf_reference import load_reference
 
 from enginecore import LLM, BeamSearchParams, InvalidRequestError
 from enginecore.engine.beam_search import BeamSearch

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hf_reference import load_reference
+from tests.helpers.hf_reference import load_reference
 
 from enginecore import LLM, SamplingParams
 from enginecore.errors import InvalidRequestError

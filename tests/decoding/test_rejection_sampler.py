@@ -15,7 +15,7 @@ import collections
 
 import pytest
 import torch
-from spec_decode_helpers import chi_square_critical
+from tests.helpers.spec_decode import chi_square_critical
 
 from enginecore import SamplingParams
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows

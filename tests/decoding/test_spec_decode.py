@@ -14,8 +14,8 @@ import collections
 import random
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
-from spec_decode_helpers import (
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.spec_decode import (
     chi_square_critical,
     mixed_spec_prompts,
     repetitive_prompt,

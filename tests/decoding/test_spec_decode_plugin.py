@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from spec_decode_helpers import mixed_spec_prompts, run_engine
+from tests.helpers.spec_decode import mixed_spec_prompts, run_engine
 from test_plugin_packages import _add_editable_paths, _is_current
 
 from enginecore import LLM, SamplingParams
 
-PACKAGE = Path(__file__).resolve().parents[1] / "plugins" / "enginecore-cycle-proposer"
+PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "enginecore-cycle-proposer"
 DIST = "enginecore-cycle-proposer"
 CYCLE = dict(speculative_method="cycle", num_speculative_tokens=4)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 import xgrammar as xgr
-from structured_helpers import PERSON_SCHEMA
+from tests.helpers.structured import PERSON_SCHEMA
 from transformers import AutoTokenizer
 
 from enginecore import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams

@@ -11,8 +11,8 @@ import re
 import time
 
 import pytest
-from structured_helpers import CHOICES, check, mixed_batch
-from token_trie_backend import TokenTrieBackend, TokenTriePlugin
+from tests.helpers.structured import CHOICES, check, mixed_batch
+from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
 from enginecore import LLM, SamplingParams, StructuredOutputParams, make_config
 from enginecore.engine.core import EngineCore

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from structured_helpers import check, mixed_batch
+from tests.helpers.structured import check, mixed_batch
 
 from enginecore import LLM, SamplingParams, StructuredOutputParams
 

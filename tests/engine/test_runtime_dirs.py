@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from serve_process import free_port, serve, start_cli
+from tests.helpers.serve_process import free_port, serve, start_cli
 
 from enginecore import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from enginecore.runtime_dirs import OWNER_FILE, _owner_record, make_runtime_dir

@@ -15,7 +15,7 @@ import sys
 
 import psutil
 import pytest
-from process_kinds import is_kind
+from tests.helpers.process_kinds import is_kind
 
 LOAD_TOKENIZER = """
 import json, pathlib, sys

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from serve_process import free_port
+from tests.helpers.serve_process import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import os
 import signal
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_async_llm import LoopThread, RecordingLogger
 from test_llm_correctness import mixed_prompts
 

@@ -15,7 +15,7 @@ import signal
 import threading
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_async_llm import LoopThread
 from test_llm_correctness import mixed_prompts
 

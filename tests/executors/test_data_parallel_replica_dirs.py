@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore.engine.mp_client import ENGINE_ENTRY
 

@@ -15,7 +15,7 @@ import pytest
 from enginecore.distributed import free_loopback_port
 from enginecore.errors import ConfigError
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "torchrun_engine.py"
+SCRIPT = pathlib.Path(__file__).parents[1] / "scripts" / "torchrun_engine.py"
 TORCHRUN = pathlib.Path(sys.executable).parent / "torchrun"
 
 

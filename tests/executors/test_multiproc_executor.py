@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from process_kinds import is_kind
+from tests.helpers.process_kinds import is_kind
 
 from enginecore import LLM, EngineDeadError, SamplingParams
 from enginecore.engine.mp_client import UtilityError

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 from test_data_parallel_server import generation_tokens_by_engine
 
 pytest.importorskip("ray", reason="the ray executor needs enginecore[ray]")

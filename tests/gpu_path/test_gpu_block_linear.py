@@ -518,7 +518,7 @@ def kept_bits(monkeypatch) -> set[int]:
 def test_a_q4_gguf_decodes_as_dequantized(tiny_llama, tmp_path, kept_bits):
     """A GGUF file of Q4_0 / Q8_0 / Q4_K projections through the method (its kernels on the
     interpreter) decodes greedily as the same file de-quantized at load."""
-    from tests.gguf_writer import write_gguf
+    from tests.helpers.gguf_writer import write_gguf
 
     def mix(name: str) -> str:
         return "Q8_0" if "attn_v" in name else "Q4_K" if "ffn_down" in name else "Q4_0"
@@ -531,7 +531,7 @@ def test_a_q4_gguf_decodes_as_dequantized(tiny_llama, tmp_path, kept_bits):
 
 @pytest.mark.slow
 def test_int8_of_a_float_checkpoint_decodes_as_the_float_model(tiny_llama, kept_bits):
-    from tests.hf_reference import greedy_reference
+    from tests.helpers.hf_reference import greedy_reference
 
     want, first_tie = greedy_reference(tiny_llama, list(range(3, 20)), 6)
     got = _greedy(str(tiny_llama), quantization="int8", linear_method="gguf_triton")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def _script():

@@ -386,7 +386,7 @@ def test_llm_on_the_triton_backend_gives_transformers_greedy_tokens(tiny_llama):
     """``LLM(attention_backend="triton")`` under the interpreter: one mixed batch with
     chunked prefill, a prefix-cache hit and preemption (11 blocks of 4 tokens for three
     requests of 30 tokens) gives transformers' greedy tokens."""
-    from hf_reference import greedy_reference
+    from tests.helpers.hf_reference import greedy_reference
 
     from enginecore import LLM, SamplingParams
 
@@ -464,7 +464,7 @@ def test_sliding_window_groups_on_the_triton_backend(checkpoint_factory, arch, w
     """KV cache groups under the interpreter: Mistral's one sliding group, Gemma 3's full
     and sliding groups sharing cache tensors, each group's metadata staged apart; prompts
     and outputs past the 8-token window, chunked and prefix-cached."""
-    from hf_reference import greedy_reference
+    from tests.helpers.hf_reference import greedy_reference
 
     from enginecore import LLM, SamplingParams
 

@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import start_cli, stop, wait_healthy
+from tests.helpers.serve_process import start_cli, stop, wait_healthy
 
 from enginecore.testing.kv_connector_contract import free_port
 

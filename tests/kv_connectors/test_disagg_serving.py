@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from serve_process import start_cli, wait_healthy
+from tests.helpers.serve_process import start_cli, wait_healthy
 
 from enginecore import LLM, SamplingParams
 from enginecore.testing.kv_connector_contract import free_port

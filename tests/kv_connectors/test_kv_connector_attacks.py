@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 import zmq
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore import LLM
 from enginecore.config import make_config

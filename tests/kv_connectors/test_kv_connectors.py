@@ -8,7 +8,7 @@ import json
 import random
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, AsyncLLM, SamplingParams, make_config
 from enginecore.engine.async_llm import RequestRejectedError

@@ -9,7 +9,7 @@ rank's shard from the prefill rank of the same index.
 from __future__ import annotations
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_kv_connectors import BLOCK, _prompts, _request, _run
 
 from enginecore import LLM, SamplingParams, make_config

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 HERE = Path(__file__).resolve().parent
 VLLM = json.loads((HERE / "vllm_metrics.json").read_text())

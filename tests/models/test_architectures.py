@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_llm_correctness import mixed_prompts
 from test_models_vs_transformers import (
     ATOL,
@@ -104,7 +104,7 @@ def test_llama_with_gelu_activation_matches_transformers(tmp_path, model_refs):
 def test_enginecore_serve_gives_transformers_greedy_text(checkpoint_factory, tmp_path, arch):
     """Through the real server and the openai client, as a user would run it."""
     import openai
-    from serve_process import serve, stop
+    from tests.helpers.serve_process import serve, stop
     from transformers import AutoTokenizer
 
     path = checkpoint_factory(arch)

@@ -6,7 +6,7 @@ The checkpoint is converted once into the user cache (the same one `make serve` 
 from __future__ import annotations
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, SamplingParams
 

@@ -14,8 +14,8 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from gguf_writer import write_gguf
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.gguf_writer import write_gguf
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from test_models_vs_transformers import ATOL, load_ours, new_cache, reference_logits, run_chunks
 
 from enginecore import LLM, SamplingParams

@@ -10,7 +10,7 @@ import torch
 
 from enginecore.block_formats.gguf_reader import GGUFMetadata, SkippedStrings
 from enginecore_models.gguf_archs import dequantized
-from tests.gguf_writer import write_gguf
+from tests.helpers.gguf_writer import write_gguf
 
 gguf = pytest.importorskip("gguf")
 

@@ -11,7 +11,7 @@ import sys
 from enginecore.model_listing import model_rows, render_markdown
 from enginecore.plugins import make_plugin_manager
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def _cli(*args: str) -> str:

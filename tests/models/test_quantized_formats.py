@@ -41,7 +41,7 @@ from enginecore_cpu.gguf_linear_method import (
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from tests.hf_reference import greedy_reference  # noqa: E402
+from tests.helpers.hf_reference import greedy_reference  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
@@ -312,7 +312,7 @@ def test_a_q4_k_m_gguf_answers_as_dequantized(tiny_llama, tmp_path, monkeypatch)
     """A GGUF file mixing Q4_K and Q6_K loads with its blocks kept, and decodes greedily
     as the same file de-quantized at load does."""
     from enginecore import LLM, SamplingParams
-    from tests.gguf_writer import write_gguf
+    from tests.helpers.gguf_writer import write_gguf
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     kept: set[str] = set()

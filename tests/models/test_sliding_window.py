@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from hf_reference import assert_matches_reference, greedy_reference, load_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference, load_reference
 
 from enginecore import LLM, SamplingParams
 from enginecore.layers import layer_sliding_windows

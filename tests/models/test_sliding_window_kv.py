@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, SamplingParams
 

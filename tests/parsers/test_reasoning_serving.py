@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 from test_tool_calls import CALL, ECHO_PLUGIN, PAD, WEATHER, echo_env  # noqa: F401
 
 QWEN3_TEMPLATE = (

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_process import free_port, serve, start_cli, stop
+from tests.helpers.serve_process import free_port, serve, start_cli, stop
 from test_hooks import bare_host, registering
 
 from enginecore import LLM, SamplingParams
@@ -32,7 +32,7 @@ from enginecore.server.tools import plan_tools
 from enginecore.tool_parsers import ParsedText, PartialToolCall, ToolCallStream, ToolParser
 from enginecore_tool_parsers.hermes import HermesToolParser
 
-ECHO_PLUGIN = Path(__file__).parent / "plugins" / "enginecore-echo-model"
+ECHO_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-echo-model"
 PAD = "<|pad|>"
 WEATHER = {
     "type": "function",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 from test_tool_calls import PAD, TIME, echo_checkpoint, echo_env  # noqa: F401
 
 WEATHER = {

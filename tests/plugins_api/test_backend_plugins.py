@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import greedy_reference
+from tests.helpers.hf_reference import greedy_reference
 
 import enginecore
 from enginecore import make_config
@@ -31,7 +31,7 @@ from enginecore.layers import UnquantizedLinearMethod
 from enginecore.plugins import make_plugin_manager
 from enginecore_models.model_runner import TorchModelRunner
 
-NAIVE_PLUGIN = Path(__file__).parent / "plugins" / "enginecore-naive-attention"
+NAIVE_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-naive-attention"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from enginecore import LLM, SamplingParams, make_config
 from enginecore.engine.components import resolve_components
 from enginecore.plugins import make_plugin_manager
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "plugins" / "enginecore-echo-executor"
 DIST = "enginecore-echo-executor"
 

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
-from fresh_venv import FreshVenv
+from tests.helpers.fresh_venv import FreshVenv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p.name for p in (REPO / "plugins").iterdir() if (p / "README.md").exists())
 RUNNABLE = ("pip install", "enginecore plugins", "cd ", "python -m pytest", "pytest ")
 

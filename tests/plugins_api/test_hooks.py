@@ -304,7 +304,7 @@ def test_hook_register_worker_rpcs():
 
 
 def test_hook_register_structured_output_backends(tiny_llama):
-    from token_trie_backend import TokenTrieBackend, TokenTriePlugin
+    from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
     from enginecore.interfaces import StructuredOutputBackend
     from enginecore.structured_output import StructuredOutputManager

@@ -28,7 +28,7 @@ from enginecore.registry import Registry
 from enginecore.version import PLUGIN_API_VERSION
 
 SNAPSHOT = Path(__file__).with_name("plugin_api_snapshot.json")
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 INTERFACES = (
     "SchedulingPolicy",
     "Scheduler",

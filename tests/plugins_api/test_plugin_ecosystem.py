@@ -14,9 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from fresh_venv import FreshVenv
+from tests.helpers.fresh_venv import FreshVenv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = (
     "enginecore-fair-share",
     "enginecore-timing-executor",

@@ -28,7 +28,7 @@ from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import SchedulerStats
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIRS = {
     "enginecore-sjf": REPO / "plugins" / "enginecore-sjf",
     "enginecore-jsonl-stats": REPO / "plugins" / "enginecore-jsonl-stats",

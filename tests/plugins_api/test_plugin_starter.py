@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fresh_venv import FreshVenv
+from tests.helpers.fresh_venv import FreshVenv
 
 from enginecore.starter.cli import StarterError, create_plugin, derive_names
 from enginecore.starter.templates import KINDS

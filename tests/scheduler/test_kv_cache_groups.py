@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import (  # leak_check: autouse, no block left held after a test
+from tests.helpers.scheduler import (  # leak_check: autouse, no block left held after a test
     create_scheduler,
     leak_check,  # noqa: F401
     make_output,

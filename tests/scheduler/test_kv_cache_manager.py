@@ -9,7 +9,7 @@ import sys
 
 import msgspec
 import pytest
-from scheduler_helpers import make_request
+from tests.helpers.scheduler import make_request
 
 from enginecore import SamplingParams
 from enginecore.request import Request

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_helpers import make_request
+from tests.helpers.scheduler import make_request
 
 from enginecore import make_config
 from enginecore.interfaces import SchedulerState, SchedulingPolicy

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from scheduler_helpers import (
+from tests.helpers.scheduler import (
     EOS_TOKEN_ID,
     SAMPLED_TOKEN,
     assert_no_leaks,

@@ -7,7 +7,7 @@ The engine keeps up to two batches in flight; the scheduler uses output placehol
 from __future__ import annotations
 
 import msgspec
-from scheduler_helpers import (
+from tests.helpers.scheduler import (
     EOS_TOKEN_ID,
     SAMPLED_TOKEN,
     create_requests,

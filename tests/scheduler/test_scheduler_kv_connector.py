@@ -5,7 +5,7 @@ scheduler behaviours 36-37). The connector half here is scripted; the scheduler 
 
 from __future__ import annotations
 
-from scheduler_helpers import make_output, make_request
+from tests.helpers.scheduler import make_output, make_request
 
 from enginecore import make_config
 from enginecore.interfaces import KVConnectorScheduler

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from scheduler_helpers import EOS_TOKEN_ID, assert_no_leaks, make_request
+from tests.helpers.scheduler import EOS_TOKEN_ID, assert_no_leaks, make_request
 
 from enginecore import make_config
 from enginecore.params import StructuredOutputParams

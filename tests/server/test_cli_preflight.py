@@ -12,7 +12,7 @@ import time
 
 import openai
 import pytest
-from serve_process import free_port, start_cli, stop, wait_healthy
+from tests.helpers.serve_process import free_port, start_cli, stop, wait_healthy
 
 from enginecore.engine.preflight import reserve_port
 from enginecore.errors import ConfigError

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore.lora.random_adapter import make_random_adapter
 

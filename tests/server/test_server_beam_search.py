@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 import torch
-from hf_reference import load_reference
-from serve_process import serve, stop
+from tests.helpers.hf_reference import load_reference
+from tests.helpers.serve_process import serve, stop
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 USER = [{"role": "user", "content": "Say something."}]

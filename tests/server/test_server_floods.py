@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 MAX_OPEN = 100
 HEADER_TIMEOUT = 3.0

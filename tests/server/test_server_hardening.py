@@ -11,9 +11,9 @@ import time
 import httpx
 import psutil
 import pytest
-from process_kinds import is_kind
+from tests.helpers.process_kinds import is_kind
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 MAX_PROMPT_TOKENS = 4000
 MAX_PENDING = 4

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 API_KEY = "test-secret-key"
 MAX_MODEL_LEN = 2048
@@ -447,7 +447,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 def _reference_prompt_logprobs(path, ids):
     import torch
-    from hf_reference import load_reference
+    from tests.helpers.hf_reference import load_reference
 
     with torch.inference_mode():
         logits = load_reference(str(path))(torch.tensor([ids])).logits[0].float()

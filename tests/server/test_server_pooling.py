@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore.embedding_checkpoints import make_embedding_checkpoint
 from enginecore.errors import InvalidRequestError

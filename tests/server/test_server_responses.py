@@ -9,7 +9,7 @@ import os
 import httpx
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore.server.responses import ResponseStore
 

@@ -13,8 +13,8 @@ import threading
 import httpx
 import psutil
 import pytest
-from process_kinds import is_kind
-from serve_process import serve
+from tests.helpers.process_kinds import is_kind
+from tests.helpers.serve_process import serve
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from serve_process import serve, stop
-from structured_helpers import CHOICES, CODE_REGEX, PERSON_SCHEMA, check
+from tests.helpers.serve_process import serve, stop
+from tests.helpers.structured import CHOICES, CODE_REGEX, PERSON_SCHEMA, check
 from test_server_openai import Server
 from test_structural_tag import FORCED_FORM, VLLM_FORM, assert_tags_valid
 

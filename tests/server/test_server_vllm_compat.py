@@ -11,7 +11,7 @@ import shutil
 
 import openai
 import pytest
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 from test_server_openai import Server
 
 MAX_MODEL_LEN = 512

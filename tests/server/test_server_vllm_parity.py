@@ -15,7 +15,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from serve_process import serve, stop
+from tests.helpers.serve_process import serve, stop
 
 from enginecore.server.load import LoadTrackingMiddleware, ServerLoad
 from enginecore.server.load import router as load_router

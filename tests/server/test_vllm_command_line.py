@@ -132,7 +132,7 @@ def test_audio_routes_say_what_is_missing(config):
             assert "audio models are not supported" in response.json()["error"]["message"]
 
 
-MIGRATION = Path(__file__).resolve().parents[1] / "docs" / "vllm_migration.md"
+MIGRATION = Path(__file__).resolve().parents[2] / "docs" / "vllm_migration.md"
 
 
 def test_the_migration_page_names_every_vllm_spelling_and_only_real_flags():

@@ -18,7 +18,7 @@ import pytest
 
 from enginecore.bench import compare
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -273,7 +273,7 @@ def test_demo_names_the_demo_models_gguf():
 def test_prompts_for_a_gguf_model_use_its_vocabulary(tiny_llama, tmp_path):
     """enginecore can run the same GGUF file as llama.cpp: the prompts' vocabulary then
     comes from the file's tokenizer, as from config.json for a HF checkpoint."""
-    from gguf_writer import write_gguf
+    from tests.helpers.gguf_writer import write_gguf
 
     gguf_file = write_gguf(pathlib.Path(tiny_llama), tmp_path / "tiny.gguf")
     config = json.loads((pathlib.Path(tiny_llama) / "config.json").read_text())

@@ -17,11 +17,11 @@ import urllib.request
 
 import psutil
 import pytest
-from serve_process import free_port
+from tests.helpers.serve_process import free_port
 
 from enginecore.bench import compare
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # A leader that exits at once on SIGTERM and a child (same group) that takes 2 s to.
 SLOW_CHILD_GROUP = textwrap.dedent(

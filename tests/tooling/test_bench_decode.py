@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from enginecore.bench import weight_bound
-from tests.gguf_writer import write_gguf
+from tests.helpers.gguf_writer import write_gguf
 
 gguf = pytest.importorskip("gguf")
 

@@ -19,7 +19,7 @@ from enginecore import hookspecs, interfaces
 from enginecore.config import FLAT_NAMES, SECTIONS
 from enginecore.plugins import BUILTIN_PLUGINS, PluginHost
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 HOOK_HEADING = re.compile(r"^### `(\w+)\(([^)]*)\)`$", re.M)
 

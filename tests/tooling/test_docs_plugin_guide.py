@@ -15,7 +15,7 @@ from enginecore.starter.templates import KINDS
 from enginecore.version import PLUGIN_API_VERSION
 from enginecore_executors.debug_rpcs import DEBUG_RPCS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "plugins.md").read_text()
 
 

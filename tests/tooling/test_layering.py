@@ -19,7 +19,7 @@ import pytest
 from enginecore.interfaces import LinearMethod
 from enginecore.layers.decode_block import DecodeBlock, declared_block, declares_block
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ["core", *sorted(p.name for p in ROOT.glob("builtin_*") if p.is_dir())]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 

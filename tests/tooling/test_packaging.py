@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from setuptools import find_packages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (source root, the folder holding its pyproject.toml)
 DISTRIBUTIONS = [
     (ROOT / "core", ROOT),

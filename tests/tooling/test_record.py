@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
 PACKAGES = ["core", *sorted(p.name for p in ROOT.glob("builtin_*") if p.is_dir())]
 
