@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import ColumnParallelLinear, use_linear_method
 from enginecore_cpu import bf16_gemv, cpu_kernels
 from enginecore_cpu.linear_method import CpuPackedLinearMethod, project
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.prompts import mixed_prompts
 
 needs_bf16 = pytest.mark.skipif(
     not bf16_gemv.cpu_has_avx512_bf16() or bf16_gemv.load() is None,

@@ -126,7 +126,7 @@ def test_a_preempted_prefix_cached_batch_decodes_fused_as_layer_by_layer(
     rows mid-request), shared prefixes (cache hits), chunked prompts beside decodes, and
     seeded sampling: the same tokens with the fused step as with the layers."""
     from enginecore import LLM, SamplingParams
-    from tests.test_llm_correctness import mixed_prompts
+    from tests.helpers.prompts import mixed_prompts
 
     prompts = mixed_prompts(4)
     runs = {}

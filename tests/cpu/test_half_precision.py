@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
 from enginecore_cpu import bf16_gemv, cpu_kernels
 from enginecore_cpu.linear_method import project
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.prompts import mixed_prompts
 
 PROJECTIONS = {"ColumnParallelLinear", "RowParallelLinear", "MergedColumnParallelLinear"}
 PROJECTIONS |= {"QKVParallelLinear", "ParallelLMHead"}

@@ -9,17 +9,13 @@ that off to pin MKL.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from enginecore_cpu import packed_gemm
 from enginecore_cpu.linear_method import project
+from tests.helpers.packed_gemm import LOADED_MODEL, run_python
 
 MKL = packed_gemm.mkl()
 needs_mkl = pytest.mark.skipif(MKL is None, reason="torch without MKL: nothing is packed")
@@ -118,45 +114,11 @@ def test_a_weight_that_sums_differently_packed_is_left_unpacked(monkeypatch):
     assert packed_gemm.packed_for(weight, torch.randn(8, 256)) is None
 
 
-def _run(code: str, **env: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **env},
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-LOADED_MODEL = """
-    import torch
-    from enginecore import make_config
-    from enginecore_cpu import packed_gemm
-    from enginecore_models.model_runner import TorchModelRunner
-    from enginecore.interfaces import WorkerSpec
-
-    spec = WorkerSpec(
-        worker_ref="enginecore_executors.worker:Worker",
-        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
-        model_refs={{"LlamaForCausalLM": "enginecore_models.models.llama:LlamaForCausalLM"}},
-    )
-    runner = TorchModelRunner(make_config(model="{path}", dtype="float32"), spec)
-    runner.load_model()
-    matrices = [(n, p) for n, p in runner.model.named_parameters() if p.dim() == 2]
-    two_rows = lambda p: torch.ones(2, p.shape[1])
-    packed = [(n, packed_gemm.packed_for(p, two_rows(p))) for n, p in matrices]
-    gated = lambda w: " (gated)" if getattr(w, "half", 0) else ""
-    print(",".join(n + gated(w) for n, w in packed if w is not None))
-"""
-
-
 @needs_mkl
 def test_the_model_runner_packs_wide_projections_unless_switched_off(tiny_llama):
     code = LOADED_MODEL.format(path=tiny_llama)
-    packed = _run(code, ENGINECORE_PANEL_GEMM="0").split(",")
+    packed = run_python(code, ENGINECORE_PANEL_GEMM="0").split(",")
     assert "model.layers.0.mlp.gate_up_proj.weight" in packed
     assert "lm_head.weight" in packed
     assert "model.layers.0.mlp.down_proj.weight" not in packed  # 256 outputs: too narrow
-    assert _run(code, ENGINECORE_PANEL_GEMM="0", ENGINECORE_PACKED_GEMM="0") == ""
+    assert run_python(code, ENGINECORE_PANEL_GEMM="0", ENGINECORE_PACKED_GEMM="0") == ""

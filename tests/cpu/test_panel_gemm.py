@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_packed_gemm import LOADED_MODEL, _run
 
 from enginecore_cpu import cpu_kernels, packed_gemm, panel_gemm
 from enginecore_cpu.linear_method import project, project_silu_and_mul
+from tests.helpers.packed_gemm import LOADED_MODEL, run_python
 
 KERNELS = cpu_kernels.load()
 needs_gemm = pytest.mark.skipif(
@@ -177,7 +177,7 @@ def test_only_an_avx2_cpu_without_avx512_prefers_it(monkeypatch):
 @pytest.mark.skipif(not panel_gemm.preferred(), reason="this CPU keeps MKL's GEMM")
 def test_the_model_runner_packs_every_projection_for_it(tiny_llama):
     code = LOADED_MODEL.format(path=tiny_llama)
-    packed = _run(code).split(",")
+    packed = run_python(code).split(",")
     assert "model.layers.0.mlp.gate_up_proj.weight (gated)" in packed  # SiLU as it stores
     for name in ("down_proj", "qkv_proj", "o_proj"):
         assert f"model.layers.0.mlp.{name}.weight" in packed or (
@@ -185,4 +185,4 @@ def test_the_model_runner_packs_every_projection_for_it(tiny_llama):
         )
     assert "lm_head.weight" in packed
     # Switched off, MKL packs the wide ones only.
-    assert "model.layers.0.mlp.down_proj.weight" not in _run(code, ENGINECORE_PANEL_GEMM="0")
+    assert "model.layers.0.mlp.down_proj.weight" not in run_python(code, ENGINECORE_PANEL_GEMM="0")

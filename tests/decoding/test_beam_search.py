@@ -20,10 +20,10 @@ import shutil
 
 import pytest
 import torch
-from tests.helpers.hf_reference import load_reference
 
 from enginecore import LLM, BeamSearchParams, InvalidRequestError
 from enginecore.engine.beam_search import BeamSearch
+from tests.helpers.hf_reference import load_reference
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

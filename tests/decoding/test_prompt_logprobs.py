@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from tests.helpers.hf_reference import load_reference
 
 from enginecore import LLM, SamplingParams
 from enginecore.errors import InvalidRequestError
+from tests.helpers.hf_reference import load_reference
 
 ATOL = 1e-4
 

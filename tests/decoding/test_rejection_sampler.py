@@ -15,11 +15,11 @@ import collections
 
 import pytest
 import torch
-from tests.helpers.spec_decode import chi_square_critical
 
 from enginecore import SamplingParams
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore_models.sampler import Sampler, build_sampling_metadata
+from tests.helpers.spec_decode import chi_square_critical
 
 VOCAB = 8
 DRAFTS = [3, 5, 3]

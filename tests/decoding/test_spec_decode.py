@@ -14,6 +14,8 @@ import collections
 import random
 
 import pytest
+
+from enginecore import SamplingParams
 from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 from tests.helpers.spec_decode import (
     chi_square_critical,
@@ -22,8 +24,6 @@ from tests.helpers.spec_decode import (
     run_engine,
     two_sample_chi_square,
 )
-
-from enginecore import SamplingParams
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.spec_decode import mixed_spec_prompts, run_engine
-from test_plugin_packages import _add_editable_paths, _is_current
 
 from enginecore import LLM, SamplingParams
+from tests.helpers.editable_installs import add_editable_paths, is_current
+from tests.helpers.spec_decode import mixed_spec_prompts, run_engine
 
 PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "enginecore-cycle-proposer"
 DIST = "enginecore-cycle-proposer"
@@ -31,7 +31,7 @@ def cycle_plugin() -> Path:
     lock_path = Path(sys.prefix) / ".enginecore-test-plugins.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_current(DIST, PACKAGE):
+        if not is_current(DIST, PACKAGE):
             command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
             command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
             result = subprocess.run(
@@ -39,8 +39,8 @@ def cycle_plugin() -> Path:
             )
             if result.returncode != 0:
                 pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
-        assert _is_current(DIST, PACKAGE)
-        _add_editable_paths(DIST)
+        assert is_current(DIST, PACKAGE)
+        add_editable_paths(DIST)
     return PACKAGE
 
 

@@ -7,61 +7,20 @@ in test_server_structured.py."""
 from __future__ import annotations
 
 import json
-import re
 
-import jsonschema
 import pytest
 import xgrammar as xgr
-from tests.helpers.structured import PERSON_SCHEMA
 from transformers import AutoTokenizer
 
 from enginecore import LLM, InvalidRequestError, SamplingParams, StructuredOutputParams
 from enginecore.config import make_config
 from enginecore_structured_output.xgrammar_backend import XgrammarBackend
-
-FLAG_SCHEMA = {
-    "type": "object",
-    "properties": {"on": {"type": "boolean"}},
-    "required": ["on"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"person": PERSON_SCHEMA, "flag": FLAG_SCHEMA}
-VLLM_FORM = {
-    "structures": [
-        {"begin": f"<tool={name}>", "schema": schema, "end": "</tool>"}
-        for name, schema in SCHEMAS.items()
-    ],
-    "triggers": ["<tool="],
-}
-#: xgrammar's form of the same tags, with a tag required at once and the output ending
-#: after it (so that even random weights produce one to check).
-FORCED_FORM = {
-    "type": "structural_tag",
-    "format": {
-        "type": "triggered_tags",
-        "triggers": ["<tool="],
-        "tags": [
-            {
-                "type": "tag",
-                "begin": f"<tool={name}>",
-                "content": {"type": "json_schema", "json_schema": schema},
-                "end": "</tool>",
-            }
-            for name, schema in SCHEMAS.items()
-        ],
-        "at_least_one": True,
-        "stop_after_first": True,
-    },
-}
-TAG = re.compile(r"<tool=(\w+)>(.*?)</tool>", re.DOTALL)
-
-
-def assert_tags_valid(text: str, at_least: int = 1) -> None:
-    """Each complete tag's content parses and follows its tag's schema."""
-    found = TAG.findall(text)
-    assert len(found) >= at_least, text
-    for name, content in found:
-        jsonschema.validate(json.loads(content), SCHEMAS[name])
+from tests.helpers.structured import (
+    FORCED_FORM,
+    TAG,
+    VLLM_FORM,
+    assert_tags_valid,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ import re
 import time
 
 import pytest
-from tests.helpers.structured import CHOICES, check, mixed_batch
-from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
 from enginecore import LLM, SamplingParams, StructuredOutputParams, make_config
 from enginecore.engine.core import EngineCore
@@ -21,6 +19,8 @@ from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import InvalidRequestError, UnknownComponentError
 from enginecore.plugins import make_plugin_manager
 from enginecore.request import RequestStatus
+from tests.helpers.structured import CHOICES, check, mixed_batch
+from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async-mp", "sync-inproc"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.helpers.structured import check, mixed_batch
 
 from enginecore import LLM, SamplingParams, StructuredOutputParams
+from tests.helpers.structured import run_mixed_batch
 
 
 @pytest.fixture(scope="module")
@@ -19,28 +19,6 @@ def demo_model():
     from enginecore.checkpoints import make_demo_checkpoint
 
     return make_demo_checkpoint()
-
-
-def chat_prompts(llm: LLM, n: int) -> list[str]:
-    tokenizer = llm.get_tokenizer()
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Describe person number {i} in JSON."}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        for i in range(n)
-    ]
-
-
-def run_mixed_batch(llm: LLM, num_constrained: int, num_free: int) -> None:
-    params = mixed_batch(num_constrained, num_free)
-    outputs = llm.generate(chat_prompts(llm, len(params)), params)
-    assert sum(p.structured_output is None for p in params) == num_free
-    for p, out in zip(params, outputs, strict=True):
-        if p.structured_output is not None:
-            assert out.outputs[0].finish_reason == "stop", out.outputs[0]
-            check(p.structured_output, out.outputs[0].text)
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ import time
 
 import psutil
 import pytest
-from tests.helpers.serve_process import free_port, serve, start_cli
 
 from enginecore import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from enginecore.runtime_dirs import OWNER_FILE, _owner_record, make_runtime_dir
+from tests.helpers.serve_process import free_port, serve, start_cli
 
 ENGINE_ARGS = dict(dtype="float32", num_blocks_override=256, max_model_len=512, executor="mp")
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

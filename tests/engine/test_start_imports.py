@@ -15,6 +15,7 @@ import sys
 
 import psutil
 import pytest
+
 from tests.helpers.process_kinds import is_kind
 
 LOAD_TOKENIZER = """

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+
 from tests.helpers.serve_process import free_port
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,6 @@ import os
 import signal
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_async_llm import LoopThread, RecordingLogger
-from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, AsyncLLM, SamplingParams
 from enginecore.config import make_config
@@ -23,6 +20,9 @@ from enginecore.engine.client import make_client
 from enginecore.engine.dp_coordinator import DPCoordinator, check_data_parallel_rank
 from enginecore.errors import ConfigError, EngineCoreError, EngineDeadError, InvalidRequestError
 from enginecore.protocol import SchedulerStats
+from tests.helpers.event_loop import LoopThread, RecordingLogger
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.prompts import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DP_ARGS = dict(data_parallel_size=2, dtype="float32", num_blocks_override=128, max_model_len=512)

@@ -15,12 +15,12 @@ import signal
 import threading
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_async_llm import LoopThread
-from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, AsyncLLM, SamplingParams
 from enginecore.errors import EngineDeadError
+from tests.helpers.event_loop import LoopThread
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.prompts import mixed_prompts
 
 pytestmark = pytest.mark.slow
 

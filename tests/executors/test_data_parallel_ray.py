@@ -15,11 +15,11 @@ import signal
 import time
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_llm_correctness import mixed_prompts
 
 from enginecore import LLM, SamplingParams
 from enginecore.errors import EngineDeadError
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.prompts import mixed_prompts
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import time
 import httpx
 import openai
 import pytest
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.engine.mp_client import ENGINE_ENTRY
+from tests.helpers.serve_process import serve, stop
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,9 @@ import os
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
 from tests.helpers.serve_process import serve, stop
+from tests.helpers.stats import generation_tokens_by_engine
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +28,6 @@ def dp_server(tiny_llama, tmp_path_factory):
         yield url, log_path
     finally:
         stop(proc)
-
-
-def generation_tokens_by_engine(url: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "enginecore:generation_tokens_total":
-                values[sample.labels["engine"]] = sample.value
-    return values
 
 
 def test_serve_dp2_balances_pins_and_reports_per_engine(dp_server) -> None:

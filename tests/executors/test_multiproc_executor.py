@@ -14,11 +14,11 @@ import time
 
 import psutil
 import pytest
-from tests.helpers.process_kinds import is_kind
 
 from enginecore import LLM, EngineDeadError, SamplingParams
 from enginecore.engine.mp_client import UtilityError
 from enginecore.errors import EngineCoreError
+from tests.helpers.process_kinds import is_kind
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a b c d e f g", "x"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)

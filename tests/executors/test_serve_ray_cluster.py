@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from tests.helpers.serve_process import serve, stop
-from test_data_parallel_server import generation_tokens_by_engine
+from tests.helpers.stats import generation_tokens_by_engine
 
 pytest.importorskip("ray", reason="the ray executor needs enginecore[ray]")
 

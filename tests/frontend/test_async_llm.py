@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -20,32 +19,10 @@ from enginecore.engine import async_llm as async_llm_module
 from enginecore.engine.collector import RequestOutputCollector
 from enginecore.engine.output import CompletionOutput, OutputKind, RequestOutput
 from enginecore.errors import EngineDeadError, InvalidRequestError
-from enginecore.interfaces import StatLogger
 from enginecore.plugins import make_plugin_manager
+from tests.helpers.event_loop import LoopThread, RecordingLogger
 
 ENGINE_ARGS = dict(num_blocks_override=128, max_model_len=512, stat_loggers=["logging"])
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class RecordingLogger(StatLogger):
-    def __init__(self) -> None:
-        self.records: list = []
-
-    def record(self, scheduler_stats, iteration_stats, engine_index=0) -> None:
-        self.records.append((scheduler_stats, iteration_stats))
 
 
 class FinishedObserver:

@@ -127,7 +127,7 @@ def test_empty_step():
 def test_a_moe_model_on_the_device_path_matches_transformers(arch, checkpoint_factory, model_refs):
     """Decodes and prefill chunks of several requests in one forward, every MoE layer on
     the device path: the logits transformers gives each request alone."""
-    from test_models_vs_transformers import ATOL, load_ours, reference_logits, run_mixed_batch
+    from tests.helpers.model_logits import ATOL, load_ours, reference_logits, run_mixed_batch
 
     path = checkpoint_factory(arch)
     model = load_ours(path, model_refs)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from test_model_runner import PROMPTS, driver_for, make_runner
 from torch.overrides import TorchFunctionMode
 
 from enginecore import SamplingParams
+from tests.helpers.model_runner import PROMPTS, driver_for, make_runner
 
 _READS = {
     torch.Tensor.tolist,

@@ -386,9 +386,8 @@ def test_llm_on_the_triton_backend_gives_transformers_greedy_tokens(tiny_llama):
     """``LLM(attention_backend="triton")`` under the interpreter: one mixed batch with
     chunked prefill, a prefix-cache hit and preemption (11 blocks of 4 tokens for three
     requests of 30 tokens) gives transformers' greedy tokens."""
-    from tests.helpers.hf_reference import greedy_reference
-
     from enginecore import LLM, SamplingParams
+    from tests.helpers.hf_reference import greedy_reference
 
     shared = list(range(40, 56))
     prompts = [[*shared, 5, 6, 7, 8], list(range(100, 124)), [*shared, 9, 10]]
@@ -464,9 +463,8 @@ def test_sliding_window_groups_on_the_triton_backend(checkpoint_factory, arch, w
     """KV cache groups under the interpreter: Mistral's one sliding group, Gemma 3's full
     and sliding groups sharing cache tensors, each group's metadata staged apart; prompts
     and outputs past the 8-token window, chunked and prefix-cached."""
-    from tests.helpers.hf_reference import greedy_reference
-
     from enginecore import LLM, SamplingParams
+    from tests.helpers.hf_reference import greedy_reference
 
     path = checkpoint_factory(arch, sliding_window=window)
     shared = list(range(40, 56))

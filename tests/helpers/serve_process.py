@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -69,3 +71,45 @@ def serve(
         stop(proc)
         raise
     return proc, url
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, stats_path, log_path) -> None:
+        self.url = url
+        self.proc = proc
+        self.stats_path = stats_path
+        self.log_path = log_path
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        )
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self.http.post(path, **kw)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return self.http.get(path, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("enginecore:"):
+                    key = sample.name
+                    if "finished_reason" in sample.labels:
+                        key += f"[{sample.labels['finished_reason']}]"
+                    values[key] = values.get(key, 0.0) + sample.value
+        return values
+
+    def stats_lines(self) -> list[dict]:
+        if not self.stats_path.exists():
+            return []
+        return [json.loads(line) for line in self.stats_path.read_text().splitlines() if line]
+
+    def finished_records(self) -> dict[str, dict]:
+        return {
+            f["request_id"]: f for line in self.stats_lines() for f in line["finished_requests"]
+        }
+
+
+API_KEY = "test-secret-key"

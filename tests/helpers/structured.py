@@ -7,7 +7,7 @@ import re
 
 import jsonschema
 
-from enginecore import SamplingParams, StructuredOutputParams
+from enginecore import LLM, SamplingParams, StructuredOutputParams
 
 # Bounded so that even a random model completes it within max_tokens.
 PERSON_SCHEMA = {
@@ -61,3 +61,78 @@ def mixed_batch(num_constrained: int, num_free: int, max_tokens: int = 64) -> li
         position = (j + 1) * len(params) // (num_free + 1)
         params.insert(position, SamplingParams(max_tokens=16, **_sampling(j)))
     return params
+
+
+def run_mixed_batch(llm: LLM, num_constrained: int, num_free: int) -> None:
+    params = mixed_batch(num_constrained, num_free)
+    outputs = llm.generate(chat_prompts(llm, len(params)), params)
+    assert sum(p.structured_output is None for p in params) == num_free
+    for p, out in zip(params, outputs, strict=True):
+        if p.structured_output is not None:
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0]
+            check(p.structured_output, out.outputs[0].text)
+
+
+FLAG_SCHEMA = {
+    "type": "object",
+    "properties": {"on": {"type": "boolean"}},
+    "required": ["on"],
+    "additionalProperties": False,
+}
+
+
+SCHEMAS = {"person": PERSON_SCHEMA, "flag": FLAG_SCHEMA}
+
+
+TAG = re.compile(r"<tool=(\w+)>(.*?)</tool>", re.DOTALL)
+
+
+VLLM_FORM = {
+    "structures": [
+        {"begin": f"<tool={name}>", "schema": schema, "end": "</tool>"}
+        for name, schema in SCHEMAS.items()
+    ],
+    "triggers": ["<tool="],
+}
+
+
+#: xgrammar's form of the same tags, with a tag required at once and the output ending
+#: after it (so that even random weights produce one to check).
+FORCED_FORM = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<tool="],
+        "tags": [
+            {
+                "type": "tag",
+                "begin": f"<tool={name}>",
+                "content": {"type": "json_schema", "json_schema": schema},
+                "end": "</tool>",
+            }
+            for name, schema in SCHEMAS.items()
+        ],
+        "at_least_one": True,
+        "stop_after_first": True,
+    },
+}
+
+
+def assert_tags_valid(text: str, at_least: int = 1) -> None:
+    """Each complete tag's content parses and follows its tag's schema."""
+    found = TAG.findall(text)
+    assert len(found) >= at_least, text
+    for name, content in found:
+        jsonschema.validate(json.loads(content), SCHEMAS[name])
+
+
+def chat_prompts(llm: LLM, n: int) -> list[str]:
+    tokenizer = llm.get_tokenizer()
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Describe person number {i} in JSON."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]

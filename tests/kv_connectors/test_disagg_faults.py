@@ -25,9 +25,9 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.helpers.serve_process import start_cli, stop, wait_healthy
 
 from enginecore.testing.kv_connector_contract import free_port
+from tests.helpers.serve_process import start_cli, stop, wait_healthy
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import subprocess
 import httpx
 import openai
 import pytest
-from tests.helpers.serve_process import start_cli, wait_healthy
 
 from enginecore import LLM, SamplingParams
 from enginecore.testing.kv_connector_contract import free_port
+from tests.helpers.serve_process import start_cli, wait_healthy
 
 pytestmark = pytest.mark.slow
 

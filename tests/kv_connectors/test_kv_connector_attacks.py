@@ -19,12 +19,12 @@ import msgspec
 import pytest
 import torch
 import zmq
-from tests.helpers.serve_process import serve, stop
 
 from enginecore import LLM
 from enginecore.config import make_config
 from enginecore.engine.wire_auth import keys_from_secret, secure_client, secure_server
 from enginecore.testing.kv_connector_contract import free_port
+from tests.helpers.serve_process import serve, stop
 
 SECRET = "the instance's secret, known to the attacker of the block server tests"
 PROMPT = (

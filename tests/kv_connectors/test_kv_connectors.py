@@ -8,7 +8,6 @@ import json
 import random
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, AsyncLLM, SamplingParams, make_config
 from enginecore.engine.async_llm import RequestRejectedError
@@ -16,7 +15,6 @@ from enginecore.engine.core import EngineCore
 from enginecore.engine.output import OutputKind
 from enginecore.errors import ConfigError
 from enginecore.plugins import make_plugin_manager
-from enginecore.protocol import EngineCoreRequest
 from enginecore.server.errors import status_of
 from enginecore.testing.kv_connector_contract import free_port
 from enginecore_kv_connectors.shared_storage import (
@@ -24,19 +22,10 @@ from enginecore_kv_connectors.shared_storage import (
     SharedStorageScheduler,
     SharedStorageWorker,
 )
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.kv_connectors import BLOCK, engine_request, run_to_completion, seeded_prompts
 
-BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _prompts(seed: int = 3) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(10, 8000) for _ in range(48)]
-    return [
-        prefix + [rng.randrange(10, 8000) for _ in range(22)],  # 70 tokens
-        prefix + [rng.randrange(10, 8000) for _ in range(39)],  # 87: shares 3 blocks
-        [rng.randrange(10, 8000) for _ in range(40)],
-    ]
 
 
 def _stats(path) -> list[dict]:
@@ -78,7 +67,7 @@ def test_shared_storage_second_engine_skips_prefill(tiny_llama, tmp_path, monkey
     """Two engine processes, one directory: the second loads what the first computed,
     computes only the tails and answers exactly as the first (and transformers)."""
     store = tmp_path / "kv"
-    prompts = _prompts()
+    prompts = seeded_prompts()
     first_stats, second_stats = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
 
     monkeypatch.setenv("ENGINECORE_JSONL_STATS_PATH", str(first_stats))
@@ -111,14 +100,14 @@ def test_shared_storage_second_engine_skips_prefill(tiny_llama, tmp_path, monkey
 def test_shared_storage_in_process_engines_share_prefixes(tiny_llama, tmp_path):
     """The same, fast: two in-process engines one after the other; the scheduler stats
     of the second show only the tails computed."""
-    prompts = _prompts()
+    prompts = seeded_prompts()
     config = make_config(model=str(tiny_llama), **_engine_kwargs(tmp_path) | {"stat_loggers": []})
     runs = []
     for _ in range(2):
         engine = EngineCore(config)
         try:
-            requests = [_request(f"p{i}", p, max_tokens=8) for i, p in enumerate(prompts)]
-            runs.append(_run(engine, requests))
+            requests = [engine_request(f"p{i}", p, max_tokens=8) for i, p in enumerate(prompts)]
+            runs.append(run_to_completion(engine, requests))
             assert engine.scheduler.leak_report() == []
         finally:
             engine.shutdown()
@@ -136,7 +125,7 @@ def test_shared_storage_in_process_engines_share_prefixes(tiny_llama, tmp_path):
 
 def test_corrupted_or_truncated_blocks_are_recomputed(tiny_llama, tmp_path):
     store = tmp_path / "kv"
-    prompt = _prompts()[0]
+    prompt = seeded_prompts()[0]
     kwargs = _engine_kwargs(store) | {"multiprocessing": False, "stat_loggers": []}
     with LLM(str(tiny_llama), **kwargs) as llm:
         expected = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
@@ -203,38 +192,6 @@ class _RaisingPlugin:
         registry.add("raising_storage", RaisingConnector)
 
 
-def _run(engine: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, dict]:
-    """Step an in-process engine until idle: per-request results, plus summed "stats"."""
-    for request in requests:
-        engine.add_request(request)
-    results: dict[str, dict] = {
-        "stats": {"num_kv_loaded_tokens": 0, "num_prompt_tokens_computed": 0}
-    }
-    while engine.has_work():
-        outputs, _ = engine.step()
-        for client in outputs.values():
-            if client.scheduler_stats is not None:
-                for key in results["stats"]:
-                    results["stats"][key] += getattr(client.scheduler_stats, key)
-            for out in client.outputs:
-                entry = results.setdefault(out.request_id, {"tokens": [], "error": None})
-                if out.new_token_ids and not entry["tokens"]:
-                    entry["num_cached_tokens"] = out.num_cached_tokens
-                entry["tokens"] += out.new_token_ids
-                entry["error"] = entry["error"] or out.error
-                entry["finish_reason"] = out.finish_reason
-    return results
-
-
-def _request(req_id: str, prompt: list[int], max_tokens: int = 4) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=req_id,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        arrival_time=0.0,
-    )
-
-
 def test_raising_connector_fails_only_the_affected_request(tiny_llama, tmp_path):
     host = make_plugin_manager(load_entrypoints=False)
     host.register_object(_RaisingPlugin(), "raising")
@@ -247,13 +204,15 @@ def test_raising_connector_fails_only_the_affected_request(tiny_llama, tmp_path)
         async_scheduling=False,
         kv_transfer={"connector": "raising_storage", "extra_config": {"path": str(tmp_path)}},
     )
-    long_prompt, _, stored = _prompts()
+    long_prompt, _, stored = seeded_prompts()
     short = stored[:10]  # shorter than a block: nothing to save or load
     engine = EngineCore(config, host)
     try:
-        assert _run(engine, [_request("seed", stored)])["seed"]["error"] is None
+        assert run_to_completion(engine, [engine_request("seed", stored)])["seed"]["error"] is None
         # A raising save fails the request it was saving; the other one in the step runs on.
-        results = _run(engine, [_request("bad-save", long_prompt), _request("good-1", short)])
+        results = run_to_completion(
+            engine, [engine_request("bad-save", long_prompt), engine_request("good-1", short)]
+        )
         assert results["bad-save"]["finish_reason"] == 3  # FinishReason.ERROR
         assert (
             "RaisingWorker.save_kv_layer raised RuntimeError: cannot save"
@@ -262,12 +221,14 @@ def test_raising_connector_fails_only_the_affected_request(tiny_llama, tmp_path)
         assert results["good-1"]["error"] is None and len(results["good-1"]["tokens"]) == 4
         # A raising load fails the loading request only (with no local prefix hit).
         assert engine.reset_prefix_cache()
-        results = _run(engine, [_request("bad-load", stored), _request("good-2", short[:5])])
+        results = run_to_completion(
+            engine, [engine_request("bad-load", stored), engine_request("good-2", short[:5])]
+        )
         assert "start_load_kv raised OSError: disk on fire" in results["bad-load"]["error"]
         assert results["good-2"]["error"] is None and len(results["good-2"]["tokens"]) == 4
         # The store still serves the same blocks to the next request.
         assert engine.reset_prefix_cache()
-        results = _run(engine, [_request("good-3", stored)])
+        results = run_to_completion(engine, [engine_request("good-3", stored)])
         assert results["good-3"]["error"] is None and len(results["good-3"]["tokens"]) == 4
         assert engine.scheduler.leak_report() == []
     finally:
@@ -298,7 +259,7 @@ def test_zmq_p2p_prefill_then_decode_matches_one_engine(tiny_llama):
     a single engine."""
     common = dict(dtype="float32", block_size=BLOCK, num_blocks_override=128, max_model_len=512)
     port = free_port()
-    prompts = _prompts()
+    prompts = seeded_prompts()
     secret = {"secret": "shared by both instances"}
     prefill = LLM(
         str(tiny_llama),
@@ -412,7 +373,7 @@ def test_zmq_p2p_unreachable_prefill_fails_the_request_clearly(tiny_llama):
             "remote_request_id": "gone",
             "num_tokens": 64,
         }
-        prompt = _prompts()[0]
+        prompt = seeded_prompts()[0]
         out = llm.generate(
             {"prompt_token_ids": prompt},
             SamplingParams(max_tokens=4, temperature=0.0, kv_transfer_params=handle),
@@ -484,10 +445,10 @@ def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tin
         engine = EngineCore(config, host)
         try:
             # "other" keeps decoding, so the decode mirror is live when "p" arrives.
-            engine.add_request(_request("other", other, max_tokens=12))
+            engine.add_request(engine_request("other", other, max_tokens=12))
             for _ in range(3):
                 engine.step()
-            runs.append(_run(engine, [_request("p", prompt, max_tokens=6)]))
+            runs.append(run_to_completion(engine, [engine_request("p", prompt, max_tokens=6)]))
             if engine_run == 1:
                 # Again, from a corrupted file (and no local prefix cache).
                 assert engine.reset_prefix_cache()
@@ -495,7 +456,7 @@ def test_synchronous_loads_bypass_the_decode_mirror_and_recompute_bad_blocks(tin
                 raw = bytearray(bad.read_bytes())
                 raw[-7] ^= 0x55
                 bad.write_bytes(bytes(raw))
-                runs.append(_run(engine, [_request("p", prompt, max_tokens=6)]))
+                runs.append(run_to_completion(engine, [engine_request("p", prompt, max_tokens=6)]))
             assert engine.scheduler.leak_report() == []
         finally:
             engine.shutdown()

@@ -9,14 +9,14 @@ rank's shard from the prefill rank of the same index.
 from __future__ import annotations
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_kv_connectors import BLOCK, _prompts, _request, _run
 
 from enginecore import LLM, SamplingParams, make_config
 from enginecore.engine.core import EngineCore
 from enginecore.kv_aggregation import KVOutputAggregator
 from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
 from enginecore.testing.kv_connector_contract import free_port
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.kv_connectors import BLOCK, engine_request, run_to_completion, seeded_prompts
 
 
 def test_a_transfer_finishes_when_every_rank_reported_it() -> None:
@@ -53,7 +53,7 @@ def test_reports_of_a_step_without_output_are_kept_for_the_next() -> None:
 def test_shared_storage_with_tp_or_pp_saves_every_shard_and_loads_them(
     tiny_llama, tmp_path, tp, pp
 ) -> None:
-    prompts = _prompts()
+    prompts = seeded_prompts()
     store = tmp_path / "kv"
     config = make_config(
         model=str(tiny_llama),
@@ -71,8 +71,8 @@ def test_shared_storage_with_tp_or_pp_saves_every_shard_and_loads_them(
     for _ in range(2):
         engine = EngineCore(config)
         try:
-            requests = [_request(f"p{i}", p, max_tokens=8) for i, p in enumerate(prompts)]
-            runs.append(_run(engine, requests))
+            requests = [engine_request(f"p{i}", p, max_tokens=8) for i, p in enumerate(prompts)]
+            runs.append(run_to_completion(engine, requests))
             assert engine.scheduler.leak_report() == []
         finally:
             engine.shutdown()
@@ -99,7 +99,7 @@ def test_zmq_p2p_tp2_prefill_then_tp2_decode(tiny_llama) -> None:
         tensor_parallel_size=2,
     )
     port = free_port()
-    prompts = _prompts()[:2]
+    prompts = seeded_prompts()[:2]
     prefill = LLM(
         str(tiny_llama),
         kv_transfer={

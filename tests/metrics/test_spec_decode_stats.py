@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import CollectorRegistry
-from test_stat_loggers import FakeClock, exposition, sample
 
 from enginecore import make_config
 from enginecore.interfaces import IterationStats
 from enginecore.protocol import SchedulerStats
 from enginecore_stat_loggers.logging_logger import LoggingStatLogger
 from enginecore_stat_loggers.prometheus_logger import PrometheusStatLogger
+from tests.helpers.stats import FakeClock, exposition, sample
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
 

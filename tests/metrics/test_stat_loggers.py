@@ -6,7 +6,7 @@ import json
 import logging
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginecore import make_config
@@ -17,14 +17,7 @@ from enginecore.protocol import SchedulerStats
 from enginecore.request import FinishReason
 from enginecore_stat_loggers.logging_logger import LoggingStatLogger
 from enginecore_stat_loggers.prometheus_logger import PrometheusStatLogger
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers.stats import FakeClock, exposition, sample
 
 
 def finished(request_id: str, reason=FinishReason.STOP, **overrides) -> FinishedRequestStats:
@@ -175,18 +168,6 @@ def test_logging_logger_announces_itself(logging_logger, caplog):
 
 
 # --- prometheus -------------------------------------------------------------------------
-
-
-def exposition(registry: CollectorRegistry) -> str:
-    return generate_latest(registry).decode()
-
-
-def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(exposition(registry)):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    raise AssertionError(f"no sample {name} {labels} in:\n{exposition(registry)}")
 
 
 @pytest.fixture

@@ -17,11 +17,12 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from tests.helpers.serve_process import serve, stop
 
 HERE = Path(__file__).resolve().parent
 VLLM = json.loads((HERE / "vllm_metrics.json").read_text())
-DOCS = (HERE.parent / "docs" / "metrics.md").read_text()
+DOCS = (HERE.parents[1] / "docs" / "metrics.md").read_text()
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 200
 # Exported by vLLM only with speculative decoding, as here (tests/test_spec_decode_stats.py).

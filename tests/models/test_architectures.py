@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from enginecore import LLM, SamplingParams
 from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_llm_correctness import mixed_prompts
-from test_models_vs_transformers import (
+from tests.helpers.model_logits import (
     ATOL,
     load_ours,
     new_cache,
@@ -21,8 +22,7 @@ from test_models_vs_transformers import (
     run_chunks,
     run_mixed_batch,
 )
-
-from enginecore import LLM, SamplingParams
+from tests.helpers.prompts import mixed_prompts
 
 ARCHS = ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "gemma2", "gemma3", "phi3", "olmo2"]
 
@@ -104,8 +104,9 @@ def test_llama_with_gelu_activation_matches_transformers(tmp_path, model_refs):
 def test_enginecore_serve_gives_transformers_greedy_text(checkpoint_factory, tmp_path, arch):
     """Through the real server and the openai client, as a user would run it."""
     import openai
-    from tests.helpers.serve_process import serve, stop
     from transformers import AutoTokenizer
+
+    from tests.helpers.serve_process import serve, stop
 
     path = checkpoint_factory(arch)
     prompt = mixed_prompts(4)[3]

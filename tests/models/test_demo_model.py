@@ -6,9 +6,9 @@ The checkpoint is converted once into the user cache (the same one `make serve` 
 from __future__ import annotations
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, SamplingParams
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_greedy_equals_transformers_alone_and_batched(demo_llm, demo_model) -> N
 
 
 def test_structured_output_in_a_mixed_batch(demo_llm) -> None:
-    from test_structured_output_demo import run_mixed_batch
+    from tests.helpers.structured import run_mixed_batch
 
     run_mixed_batch(demo_llm, 3, 1)  # a JSON schema, a regex and a choice, one free request
 

@@ -14,13 +14,13 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from tests.helpers.gguf_writer import write_gguf
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
-from test_models_vs_transformers import ATOL, load_ours, new_cache, reference_logits, run_chunks
 
 from enginecore import LLM, SamplingParams
 from enginecore.errors import EngineCoreError
 from enginecore_models.weight_loader import iter_weights, load_hf_config
+from tests.helpers.gguf_writer import write_gguf
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.model_logits import ATOL, load_ours, new_cache, reference_logits, run_chunks
 
 GGUF_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"]
 

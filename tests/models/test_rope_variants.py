@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models_vs_transformers import ATOL, load_ours, new_cache, reference_logits, run_chunks
 
 from enginecore.checkpoints import make_random_checkpoint
 from enginecore.layers.rotary import RotaryEmbedding, rope_parameters
+from tests.helpers.model_logits import ATOL, load_ours, new_cache, reference_logits, run_chunks
 
 THETA = 10000.0
 HALF = 32  # half the tiny Llama's head dim (64)

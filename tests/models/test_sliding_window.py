@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference, load_reference
 
 from enginecore import LLM, SamplingParams
 from enginecore.layers import layer_sliding_windows
 from enginecore_models.weight_loader import load_hf_config
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference, load_reference
 
 WINDOW = 16
 

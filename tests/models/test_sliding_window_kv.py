@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 from enginecore import LLM, SamplingParams
+from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
 
 # Each test runs the engine and transformers' generate over long prompts: 20-120 s.
 pytestmark = pytest.mark.slow

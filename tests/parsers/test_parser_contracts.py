@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_reasoning_parsers import CASES as REASONING_CASES
-from test_tool_parser_formats import CASES as TOOL_CASES
-from test_tool_parser_formats import TOOLS
 
 from enginecore.reasoning_parsers import ParsedReasoning, ReasoningParser
 from enginecore.testing import ReasoningParserContract, ToolParserContract
 from enginecore.tool_parsers import ParsedText, PartialToolCall, ToolParser
 from enginecore_tool_parsers.hermes import HermesToolParser
+from tests.helpers.reasoning_parser_cases import CASES as REASONING_CASES
+from tests.helpers.tool_parser_cases import CASES as TOOL_CASES
+from tests.helpers.tool_parser_cases import TOOLS
 
 
 def _tool_examples(name: str) -> list:

@@ -5,9 +5,9 @@ tests (the parser conformance kit on the starter's format) as generated."""
 from __future__ import annotations
 
 import pytest
-from test_plugin_starter import build_and_test
 
 from enginecore.starter.cli import StarterError, create_plugin
+from tests.helpers.starter import build_and_test
 
 
 def test_a_new_tool_parser_plugin_installs_and_passes_its_tests(tmp_path, tiny_llama):

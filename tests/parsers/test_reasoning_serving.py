@@ -18,8 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.helpers.echo_model import CALL, ECHO_PLUGIN, PAD, WEATHER
 from tests.helpers.serve_process import serve, stop
-from test_tool_calls import CALL, ECHO_PLUGIN, PAD, WEATHER, echo_env  # noqa: F401
 
 QWEN3_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t | tojson }}{% endfor %}"
@@ -66,7 +67,7 @@ def qwen3_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(echo_env, qwen3_checkpoint, tmp_path_factory):  # noqa: F811
+def server(echo_env, qwen3_checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("qwen3-server") / "server.log"
     flags = ["--num-blocks-override", "200", "--max-num-batched-tokens", "64"]
     flags += ["--reasoning-parser", "qwen3"]

@@ -11,44 +11,21 @@ parser, HTTP, SSE.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from tests.helpers.serve_process import free_port, serve, start_cli, stop
-from test_hooks import bare_host, registering
 
 from enginecore import LLM, SamplingParams
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import ChatCompletionRequest
 from enginecore.server.tools import plan_tools
-from enginecore.tool_parsers import ParsedText, PartialToolCall, ToolCallStream, ToolParser
+from enginecore.tool_parsers import ParsedText, PartialToolCall, ToolParser
 from enginecore_tool_parsers.hermes import HermesToolParser
-
-ECHO_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-echo-model"
-PAD = "<|pad|>"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": None}}
-CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
-
+from tests.helpers.echo_model import CALL, PAD, TIME, WEATHER, stream_whole
+from tests.helpers.plugin_host import bare_host, registering
+from tests.helpers.serve_process import free_port, serve, start_cli, stop
 
 # --- the hermes parser, on strings ---------------------------------------------------------
 
@@ -86,28 +63,11 @@ def test_hermes_accepts_a_last_call_without_closing_tag_and_parameters_key():
     assert call.name == "get_time" and json.loads(call.arguments) == {"tz": "UTC"}
 
 
-def _stream_whole(parser: ToolParser, text: str, step: int) -> tuple[str, list[dict], list]:
-    """Feed ``text`` in pieces; rebuild content and calls from the deltas, as a client does."""
-    stream = ToolCallStream(parser)
-    content, calls, deltas = "", [], []
-    pieces = [text[i : i + step] for i in range(0, len(text), step)] or [""]
-    for n, piece in enumerate(pieces):
-        delta = stream.feed(piece, final=n == len(pieces) - 1)
-        deltas.append(delta)
-        content += delta.get("content", "")
-        for item in delta.get("tool_calls", []):
-            if item["index"] == len(calls):
-                assert {"id", "type", "function"} <= item.keys(), "the first delta names the call"
-                calls.append({"id": item["id"], "name": item["function"]["name"], "arguments": ""})
-            calls[item["index"]]["arguments"] += item["function"].get("arguments", "")
-    return content, calls, deltas
-
-
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
 def test_hermes_streaming_deltas_add_up_to_the_whole_result(step):
     text = f'Sure: {CALL}\n<tool_call>{{"name": "get_time", "arguments": {{"tz": "<UTC>"}}}}</tool_call>'
     whole = HermesToolParser().extract_tool_calls(text)
-    content, calls, deltas = _stream_whole(HermesToolParser(), text, step)
+    content, calls, deltas = stream_whole(HermesToolParser(), text, step)
     assert content == whole.content
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.name, c.arguments) for c in whole.tool_calls
@@ -119,7 +79,7 @@ def test_hermes_streaming_deltas_add_up_to_the_whole_result(step):
 
 
 def test_streaming_releases_held_back_text_that_was_not_a_marker():
-    content, calls, _ = _stream_whole(HermesToolParser(), "a < b and <tool", 1)
+    content, calls, _ = stream_whole(HermesToolParser(), "a < b and <tool", 1)
     assert content == "a < b and <tool" and calls == []
 
 
@@ -238,36 +198,6 @@ def test_llm_chat_passes_tools_to_the_template(tiny_llama) -> None:
 
 
 # --- end to end: the real server on the echo model ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def echo_env(tmp_path_factory) -> dict[str, str]:
-    """The echo-model plugin pip-installed into a private target dir (on PYTHONPATH)."""
-    tmp = tmp_path_factory.mktemp("echo-plugin")
-    source = tmp / "src"
-    shutil.copytree(ECHO_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    target = tmp / "site"
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
-    command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
-    command += ["--target", str(target), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
-    return env
-
-
-@pytest.fixture(scope="module")
-def echo_checkpoint(tmp_path_factory) -> Path:
-    # Loaded from its file, not imported as the installed package: this test process must
-    # not see the plugin's entry point (other tests build plugin managers here).
-    spec = importlib.util.spec_from_file_location(
-        "echo_checkpoint", ECHO_PLUGIN / "src" / "enginecore_echo_model" / "checkpoint.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_echo_checkpoint(tmp_path_factory.mktemp("echo-model"))
 
 
 @pytest.fixture(scope="module")

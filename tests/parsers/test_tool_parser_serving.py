@@ -15,8 +15,9 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from tests.helpers.echo_model import PAD, TIME
 from tests.helpers.serve_process import serve, stop
-from test_tool_calls import PAD, TIME, echo_checkpoint, echo_env  # noqa: F401
 
 WEATHER = {
     "type": "function",
@@ -69,7 +70,7 @@ def _with_control_tokens(checkpoint: Path, tmp_path_factory) -> Path:
         pytest.param("pythonic", marks=pytest.mark.slow),
     ],
 )
-def served(request, echo_env, echo_checkpoint, tmp_path_factory):  # noqa: F811
+def served(request, echo_env, echo_checkpoint, tmp_path_factory):
     name = request.param
     if name == "mistral":
         echo_checkpoint = _with_control_tokens(echo_checkpoint, tmp_path_factory)

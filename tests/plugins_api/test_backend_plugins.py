@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.hf_reference import greedy_reference
 
 import enginecore
 from enginecore import make_config
@@ -30,6 +29,7 @@ from enginecore.errors import ConfigError
 from enginecore.layers import UnquantizedLinearMethod
 from enginecore.plugins import make_plugin_manager
 from enginecore_models.model_runner import TorchModelRunner
+from tests.helpers.hf_reference import greedy_reference
 
 NAIVE_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-naive-attention"
 

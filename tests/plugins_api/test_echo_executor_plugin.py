@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_plugin_packages import _add_editable_paths, _is_current
 
 from enginecore import LLM, SamplingParams, make_config
 from enginecore.engine.components import resolve_components
 from enginecore.plugins import make_plugin_manager
+from tests.helpers.editable_installs import add_editable_paths, is_current
 
 REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "plugins" / "enginecore-echo-executor"
@@ -29,15 +29,15 @@ DIST = "enginecore-echo-executor"
 def echo_installed() -> Path:
     with open(Path(sys.prefix) / ".enginecore-test-plugins.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_current(DIST, ECHO):
+        if not is_current(DIST, ECHO):
             command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
             command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
             result = subprocess.run(
                 [*command, "-e", str(ECHO)], capture_output=True, text=True, timeout=300
             )
             assert result.returncode == 0, result.stdout + result.stderr
-        assert _is_current(DIST, ECHO)
-        _add_editable_paths(DIST)
+        assert is_current(DIST, ECHO)
+        add_editable_paths(DIST)
     return ECHO
 
 

@@ -28,10 +28,11 @@ from enginecore.interfaces import (
     WorkerSpec,
 )
 from enginecore.metrics.stats import FinishedRequestStats
-from enginecore.plugins import PluginHost, make_plugin_manager
+from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import SchedulerStats
 from enginecore.request import FinishReason, Request
 from enginecore_models.models.llama import LlamaForCausalLM
+from tests.helpers.plugin_host import bare_host, registering
 
 
 @pytest.fixture(autouse=True)
@@ -43,28 +44,6 @@ def clean_plugin_env(monkeypatch):
         "ENGINECORE_TRACE_PLUGINS",
     ):
         monkeypatch.delenv(name, raising=False)
-
-
-def bare_host(*plugins: tuple[str, Any]) -> PluginHost:
-    """A host with no built-ins and no entry points, plus the given in-process plugins."""
-    host = make_plugin_manager(load_entrypoints=False, builtins={})
-    for name, plugin in plugins:
-        record = host.register_object(plugin, name)
-        assert record.loaded, record.error
-    return host
-
-
-def registering(
-    hook_name: str, name: str, factory: Any, summary: str = "", override: bool = False
-) -> Any:
-    """A plugin object whose ``hook_name`` implementation adds one component."""
-
-    def impl(registry):
-        registry.add(name, factory, summary=summary, override=override)
-
-    impl.__name__ = hook_name
-    plugin = type("Plugin", (), {hook_name: staticmethod(enginecore.hookimpl(impl))})
-    return plugin()
 
 
 # --- 0. compatibility -------------------------------------------------------------------
@@ -304,10 +283,9 @@ def test_hook_register_worker_rpcs():
 
 
 def test_hook_register_structured_output_backends(tiny_llama):
-    from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
-
     from enginecore.interfaces import StructuredOutputBackend
     from enginecore.structured_output import StructuredOutputManager
+    from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
     host = bare_host(("token-trie", TokenTriePlugin()))
     config = make_config(model=str(tiny_llama), structured_output_backend="token_trie")

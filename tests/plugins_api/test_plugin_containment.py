@@ -27,12 +27,12 @@ import httpx
 import openai
 import psutil
 import pytest
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.cli_rpc import ANSWER_GRACE, DEFAULT_TIMEOUT, RPCCallError, call_rpc
 from enginecore.engine.exit_deadline import STOP_GRACE
 from enginecore.layers.preparation_watch import REPORT_AFTER
 from enginecore.plugins import make_plugin_manager
+from tests.helpers.serve_process import serve, stop
 
 BROKEN_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-broken-parts"
 ENGINECORE = Path(sys.executable).parent / "enginecore"

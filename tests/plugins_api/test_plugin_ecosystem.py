@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.fresh_venv import FreshVenv
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-import importlib_metadata
 import pytest
 
 from enginecore import make_config
@@ -27,6 +24,7 @@ from enginecore.interfaces import IterationStats
 from enginecore.metrics.stats import FinishedRequestStats
 from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import SchedulerStats
+from tests.helpers.editable_installs import add_editable_paths, is_current
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIRS = {
@@ -42,42 +40,13 @@ PLUGIN_ENV_VARS = (
 )
 
 
-def _is_current(dist_name: str, path: Path) -> bool:
-    """Installed editable from ``path`` with the version and entry points its pyproject has."""
-    try:
-        dist = importlib_metadata.distribution(dist_name)
-    except importlib_metadata.PackageNotFoundError:
-        return False
-    direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
-    project = tomllib.loads((path / "pyproject.toml").read_text())["project"]
-    declared = project["entry-points"]["enginecore"]
-    installed = {ep.name: ep.value for ep in dist.entry_points.select(group="enginecore")}
-    return (
-        direct_url.get("url") == path.as_uri()
-        and direct_url.get("dir_info", {}).get("editable", False)
-        and dist.version == project["version"]
-        and installed == declared
-    )
-
-
-def _add_editable_paths(dist_name: str) -> None:
-    """Apply the package's ``.pth`` file to this interpreter, as ``site`` does at start-up."""
-    dist = importlib_metadata.distribution(dist_name)
-    for file in dist.files or []:
-        if file.name.endswith(".pth"):
-            for line in Path(file.locate()).read_text().splitlines():
-                if line and not line.startswith(("#", "import")) and line not in sys.path:
-                    sys.path.append(line)
-    importlib.invalidate_caches()
-
-
 @pytest.fixture(scope="session")
 def installed_plugins() -> dict[str, Path]:
     """pip-install both packages (editable, no deps) once; a no-op when already current."""
     lock_path = Path(sys.prefix) / ".enginecore-test-plugins.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two pytest runs must not pip-install at once
-        stale = [p for name, p in PLUGIN_DIRS.items() if not _is_current(name, p)]
+        stale = [p for name, p in PLUGIN_DIRS.items() if not is_current(name, p)]
         if stale:
             command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
             command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
@@ -87,8 +56,8 @@ def installed_plugins() -> dict[str, Path]:
             if result.returncode != 0:
                 pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
         for name, path in PLUGIN_DIRS.items():
-            assert _is_current(name, path), f"{name} is not installed from {path}"
-            _add_editable_paths(name)
+            assert is_current(name, path), f"{name} is not installed from {path}"
+            add_editable_paths(name)
     return PLUGIN_DIRS
 
 

@@ -8,16 +8,15 @@ installs run with ``--no-deps --no-build-isolation`` because the machine is offl
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.fresh_venv import FreshVenv
 
 from enginecore.starter.cli import StarterError, create_plugin, derive_names
 from enginecore.starter.templates import KINDS
+from tests.helpers.starter import build_and_test
 
 ENGINECORE = Path(sys.executable).parent / "enginecore"
 
@@ -50,37 +49,6 @@ def test_bad_requests_are_refused_with_what_to_change(tmp_path):
         timeout=60,
     )
     assert result.returncode == 2 and "invalid choice: 'nope'" in result.stderr
-
-
-def build_and_test(kind: str, tmp_path: Path, model: Path, select_in_engine: bool) -> None:
-    venv = FreshVenv(tmp_path / "venv")
-    package = tmp_path / "enginecore-tally"
-    made = venv.sh(f"enginecore plugin new enginecore-tally --kind {kind}", cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
-    assert f"created {kind} plugin 'enginecore-tally' in {package}" in made.stdout
-    # The README's own commands, in its order.
-    for command in ("pip install -e '.[test]'", "enginecore plugins --check"):
-        result = venv.sh(command, cwd=package)
-        assert result.returncode == 0, f"{command}:\n{result.stdout}\n{result.stderr}"
-    check = venv.sh("enginecore plugins --check --json", cwd=package)
-    [record] = [r for r in json.loads(check.stdout) if r["name"] == "tally"]
-    assert record["distribution"] == "enginecore-tally" and record["problems"] == []
-    tests = venv.sh("python -m pytest -q -p no:cacheprovider", cwd=package)
-    assert tests.returncode == 0, tests.stdout + tests.stderr
-    assert " passed" in tests.stdout and "failed" not in tests.stdout
-    if select_in_engine:
-        # The README's engine.toml selects it; a real engine starts and generates with it.
-        readme = (package / "README.md").read_text()
-        toml = readme.split("```toml\n# engine.toml\n", 1)[1].split("```", 1)[0]
-        dtype = '[model]\ndtype = "float32"\n'
-        toml = toml.replace("[model]\n", dtype) if "[model]\n" in toml else toml + dtype
-        (package / "engine.toml").write_text(toml + "\n[cache]\nnum_blocks_override = 64\n")
-        run = venv.sh(
-            f"enginecore generate {model} --config engine.toml --max-tokens 3 --prompt hi",
-            cwd=package,
-        )
-        assert run.returncode == 0, run.stdout + run.stderr
-        assert run.stdout.startswith("'hi' -> ")
 
 
 def test_a_new_stat_logger_plugin_installs_and_passes_its_tests(tmp_path, tiny_llama):

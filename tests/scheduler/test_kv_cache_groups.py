@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
+from enginecore.request import Request
+from enginecore_schedulers.kv_cache_manager import KVCacheManager
 from tests.helpers.scheduler import (  # leak_check: autouse, no block left held after a test
     create_scheduler,
     leak_check,  # noqa: F401
@@ -11,9 +14,6 @@ from tests.helpers.scheduler import (  # leak_check: autouse, no block left held
     run_async,
     run_to_completion,
 )
-
-from enginecore.request import Request
-from enginecore_schedulers.kv_cache_manager import KVCacheManager
 
 BS = 4
 WINDOW = 8

@@ -9,7 +9,6 @@ import sys
 
 import msgspec
 import pytest
-from tests.helpers.scheduler import make_request
 
 from enginecore import SamplingParams
 from enginecore.request import Request
@@ -20,6 +19,7 @@ from enginecore_schedulers.block_hash import (
     sha256_block_hash,
 )
 from enginecore_schedulers.kv_cache_manager import KVCacheManager
+from tests.helpers.scheduler import make_request
 
 BS = 4  # small blocks keep the arithmetic readable
 

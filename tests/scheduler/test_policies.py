@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from tests.helpers.scheduler import make_request
-
 from enginecore import make_config
 from enginecore.interfaces import SchedulerState, SchedulingPolicy
 from enginecore.registry import Registry
 from enginecore_schedulers import plugin
 from enginecore_schedulers.policies import FairSharePolicy, FCFSPolicy, PriorityPolicy
 from enginecore_schedulers.waiting_queue import WaitingQueue
+from tests.helpers.scheduler import make_request
 
 CONFIG = make_config(model="fake")
 

@@ -9,6 +9,14 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
+from enginecore import make_config
+from enginecore.interfaces import KVConnectorScheduler, SchedulerState
+from enginecore.protocol import EngineCoreEventType
+from enginecore.request import FinishReason, RequestStatus
+from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
+from enginecore_schedulers.policies import FCFSPolicy
+from enginecore_schedulers.scheduler import DefaultScheduler
 from tests.helpers.scheduler import (
     EOS_TOKEN_ID,
     SAMPLED_TOKEN,
@@ -22,14 +30,6 @@ from tests.helpers.scheduler import (
     run_to_completion,
     step,
 )
-
-from enginecore import make_config
-from enginecore.interfaces import KVConnectorScheduler, SchedulerState
-from enginecore.protocol import EngineCoreEventType
-from enginecore.request import FinishReason, RequestStatus
-from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
-from enginecore_schedulers.policies import FCFSPolicy
-from enginecore_schedulers.scheduler import DefaultScheduler
 
 
 def waiting_ids(scheduler) -> list[str]:

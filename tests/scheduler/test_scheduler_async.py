@@ -7,6 +7,8 @@ The engine keeps up to two batches in flight; the scheduler uses output placehol
 from __future__ import annotations
 
 import msgspec
+
+from enginecore.request import FinishReason, RequestStatus
 from tests.helpers.scheduler import (
     EOS_TOKEN_ID,
     SAMPLED_TOKEN,
@@ -18,8 +20,6 @@ from tests.helpers.scheduler import (
     outputs_by_request,
     run_async,
 )
-
-from enginecore.request import FinishReason, RequestStatus
 
 
 def test_two_batches_in_flight_use_placeholders():

@@ -5,14 +5,13 @@ scheduler behaviours 36-37). The connector half here is scripted; the scheduler 
 
 from __future__ import annotations
 
-from tests.helpers.scheduler import make_output, make_request
-
 from enginecore import make_config
 from enginecore.interfaces import KVConnectorScheduler
 from enginecore.request import FinishReason, RequestStatus
 from enginecore.runner_output import KVConnectorOutput, ModelRunnerOutput
 from enginecore_schedulers.policies import FCFSPolicy
 from enginecore_schedulers.scheduler import DefaultScheduler
+from tests.helpers.scheduler import make_output, make_request
 
 BS = 4
 

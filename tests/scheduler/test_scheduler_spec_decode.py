@@ -13,7 +13,6 @@ from collections import deque
 
 import numpy as np
 import pytest
-from tests.helpers.scheduler import EOS_TOKEN_ID, assert_no_leaks, make_request
 
 from enginecore import make_config
 from enginecore.params import StructuredOutputParams
@@ -23,6 +22,7 @@ from enginecore.scheduler_output import SchedulerOutput
 from enginecore_models.ngram_proposer import NgramProposer
 from enginecore_schedulers.policies import FCFSPolicy
 from enginecore_schedulers.scheduler import DefaultScheduler
+from tests.helpers.scheduler import EOS_TOKEN_ID, assert_no_leaks, make_request
 
 K = 3
 BLOCK = 4

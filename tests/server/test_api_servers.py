@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from tests.helpers.serve_process import serve, stop
 
 

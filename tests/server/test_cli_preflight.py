@@ -12,10 +12,10 @@ import time
 
 import openai
 import pytest
-from tests.helpers.serve_process import free_port, start_cli, stop, wait_healthy
 
 from enginecore.engine.preflight import reserve_port
 from enginecore.errors import ConfigError
+from tests.helpers.serve_process import free_port, start_cli, stop, wait_healthy
 
 
 def _serve(args: list[str], timeout: float = 120) -> tuple[int, str, float]:

@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 import torch
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.lora.random_adapter import make_random_adapter
+from tests.helpers.serve_process import serve, stop
 
 pytest.importorskip("peft")
 MAX_TOKENS = 6

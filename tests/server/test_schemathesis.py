@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from tests.helpers.serve_process import serve, stop
 
 pytest.importorskip("schemathesis")

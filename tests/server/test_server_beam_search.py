@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
+
 from tests.helpers.hf_reference import load_reference
 from tests.helpers.serve_process import serve, stop
 

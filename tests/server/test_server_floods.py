@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+
 from tests.helpers.serve_process import serve, stop
 
 MAX_OPEN = 100

@@ -11,8 +11,9 @@ import time
 import httpx
 import psutil
 import pytest
-from tests.helpers.process_kinds import is_kind
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.process_kinds import is_kind
 from tests.helpers.serve_process import serve, stop
 
 MAX_PROMPT_TOKENS = 4000

@@ -10,11 +10,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.embedding_checkpoints import make_embedding_checkpoint
 from enginecore.errors import InvalidRequestError
 from enginecore.pooling import checkpoint_pooler_config
+from tests.helpers.serve_process import serve, stop
 
 TEXTS = ["The quick brown fox.", "import json\nprint(json.dumps({'a': 1}))", "x"]
 

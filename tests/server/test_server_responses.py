@@ -9,9 +9,9 @@ import os
 import httpx
 import openai
 import pytest
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.server.responses import ResponseStore
+from tests.helpers.serve_process import serve, stop
 
 MAX_TOKENS = 6
 

@@ -13,6 +13,7 @@ import threading
 import httpx
 import psutil
 import pytest
+
 from tests.helpers.process_kinds import is_kind
 from tests.helpers.serve_process import serve
 

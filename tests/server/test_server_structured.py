@@ -14,12 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from tests.helpers.serve_process import serve, stop
-from tests.helpers.structured import CHOICES, CODE_REGEX, PERSON_SCHEMA, check
-from test_server_openai import Server
-from test_structural_tag import FORCED_FORM, VLLM_FORM, assert_tags_valid
 
 from enginecore import StructuredOutputParams
+from tests.helpers.serve_process import Server, serve, stop
+from tests.helpers.structured import (
+    CHOICES,
+    CODE_REGEX,
+    FORCED_FORM,
+    PERSON_SCHEMA,
+    VLLM_FORM,
+    assert_tags_valid,
+    check,
+)
 
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA}}
 

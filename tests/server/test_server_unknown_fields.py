@@ -9,6 +9,7 @@ import os
 import httpx
 import openai
 import pytest
+
 from tests.helpers.serve_process import serve, stop
 
 

@@ -11,8 +11,8 @@ import shutil
 
 import openai
 import pytest
-from tests.helpers.serve_process import serve, stop
-from test_server_openai import Server
+
+from tests.helpers.serve_process import Server, serve, stop
 
 MAX_MODEL_LEN = 512
 PROMPT = "The quick brown fox jumps over the lazy dog"

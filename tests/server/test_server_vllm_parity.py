@@ -15,10 +15,10 @@ import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from tests.helpers.serve_process import serve, stop
 
 from enginecore.server.load import LoadTrackingMiddleware, ServerLoad
 from enginecore.server.load import router as load_router
+from tests.helpers.serve_process import serve, stop
 
 MAX_MODEL_LEN = 256
 USER = [{"role": "user", "content": "Say something."}]

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from test_server_app import DeadEngine
 
 from enginecore import make_config, vllm_flags
 from enginecore.cli import build_parser
 from enginecore.server.app import build_app
+from tests.helpers.dead_engine import DeadEngine
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -17,9 +17,9 @@ import urllib.request
 
 import psutil
 import pytest
-from tests.helpers.serve_process import free_port
 
 from enginecore.bench import compare
+from tests.helpers.serve_process import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

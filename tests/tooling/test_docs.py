@@ -17,26 +17,12 @@ import pytest
 
 from enginecore import hookspecs, interfaces
 from enginecore.config import FLAT_NAMES, SECTIONS
-from enginecore.plugins import BUILTIN_PLUGINS, PluginHost
+from enginecore.plugins import BUILTIN_PLUGINS
+from tests.helpers.hook_specs import HOOKS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 HOOK_HEADING = re.compile(r"^### `(\w+)\(([^)]*)\)`$", re.M)
-
-
-def hook_specs() -> dict[str, list[str]]:
-    """Hook name -> argument names, as pluggy reads them from the spec module."""
-    host = PluginHost()
-    specs = {}
-    for name in dir(host.pm.hook):
-        caller = getattr(host.pm.hook, name)
-        spec = getattr(caller, "spec", None)
-        if spec is not None:
-            specs[name] = list(spec.argnames)
-    return specs
-
-
-HOOKS = hook_specs()
 
 
 def documented_hooks() -> dict[str, list[str]]:

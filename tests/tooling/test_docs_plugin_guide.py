@@ -7,13 +7,13 @@ import re
 from pathlib import Path
 
 import pytest
-from test_docs import HOOKS
 
 import enginecore.testing
 from enginecore import interfaces
 from enginecore.starter.templates import KINDS
 from enginecore.version import PLUGIN_API_VERSION
 from enginecore_executors.debug_rpcs import DEBUG_RPCS
+from tests.helpers.hook_specs import HOOKS
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "plugins.md").read_text()
