@@ -25,7 +25,7 @@ VLLM = json.loads((HERE / "vllm_metrics.json").read_text())
 DOCS = (HERE.parents[1] / "docs" / "metrics.md").read_text()
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 200
-# Exported by vLLM only with speculative decoding, as here (tests/test_spec_decode_stats.py).
+# Exported by vLLM only with speculative decoding, as here (tests/metrics/test_spec_decode_stats.py).
 SPECULATIVE_ONLY = {
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -33,7 +33,7 @@ SPECULATIVE_ONLY = {
     "vllm:spec_decode_num_accepted_tokens_per_pos",
 }
 
-# Exported only with LoRA enabled (tests/test_lora_server.py checks it).
+# Exported only with LoRA enabled (tests/server/test_lora_server.py checks it).
 LORA_ONLY = {"vllm:lora_requests_info"}
 
 pytestmark = pytest.mark.slow

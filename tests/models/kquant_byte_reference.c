@@ -1,6 +1,6 @@
 /* The K-quant product over the byte-a-value layout (one signed byte a value, a float32
  * scale per 16 values and an offset per 32), kept as the reference the packed kernel of
- * builtin_cpu/enginecore_cpu/kquant_kernels.c must equal bit for bit (tests/test_quantized_formats.py
+ * builtin_cpu/enginecore_cpu/kquant_kernels.c must equal bit for bit (tests/models/test_quantized_formats.py
  * builds it beside a copy of quant_simd.h). Its loops are the ones the packed kernel
  * keeps: the same integer dot products per lane and the same float operations in the
  * same order.

@@ -108,7 +108,7 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, 
 
 # The K-quant kernels, which form each sub-block's float32 scale from the file's scales
 # as they go, against products over the same values with float32 scales kept beside them:
-# Q5_K / Q6_K against tests/kquant_byte_reference.c (one byte a value, a scale per 16, an
+# Q5_K / Q6_K against tests/models/kquant_byte_reference.c (one byte a value, a scale per 16, an
 # offset per 32), Q4_K against quant_kernels' 4-bit blocks with float32 scales and
 # offsets. Built for the same instruction set: equal bit for bit.
 _X86 = platform.machine().lower() in ("x86_64", "amd64")

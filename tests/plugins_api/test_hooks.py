@@ -295,7 +295,7 @@ def test_hook_register_structured_output_backends(tiny_llama):
     manager = StructuredOutputManager(config, host)
     assert manager.backend_provider == "token-trie"
     manager.shutdown()
-    # (tests/test_structured_output.py runs it in an engine.)
+    # (tests/decoding/test_structured_output.py runs it in an engine.)
 
 
 class RepeatLastToken(SpecDecodeProposer):

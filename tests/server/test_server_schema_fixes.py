@@ -1,4 +1,4 @@
-"""Regressions found by the schemathesis run (tests/test_schemathesis.py), in-process."""
+"""Regressions found by the schemathesis run (tests/server/test_schemathesis.py), in-process."""
 
 from __future__ import annotations
 
