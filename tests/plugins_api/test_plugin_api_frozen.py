@@ -4,7 +4,7 @@ The API here is every hook's name and arguments, every public method of the inte
 a plugin implements (with its signature), the fields of the data a plugin receives and
 ``Registry.add``. It is compared with ``plugin_api_snapshot.json``, taken at one
 version. A difference fails until ``PLUGIN_API_VERSION`` is bumped and
-``docs/plugins.md``'s change table has a line for the new version; then
+``docs/plugin_operations.md``'s change table has a line for the new version; then
 ``ENGINECORE_UPDATE_API_SNAPSHOT=1`` records the new snapshot.
 """
 
@@ -29,6 +29,7 @@ from enginecore.version import PLUGIN_API_VERSION
 
 SNAPSHOT = Path(__file__).with_name("plugin_api_snapshot.json")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+CHANGELOG = Path(__file__).resolve().parents[2] / "docs" / "plugin_operations.md"
 INTERFACES = (
     "SchedulingPolicy",
     "Scheduler",
@@ -99,19 +100,19 @@ def test_the_plugin_api_matches_its_snapshot_or_the_version_was_bumped():
     assert recorded["version"] != PLUGIN_API_VERSION, (
         f"the plugin API changed ({', '.join(changed)}) but PLUGIN_API_VERSION is still "
         f"{PLUGIN_API_VERSION}: bump it (major for a breaking change, minor for an "
-        "addition), add a line to the change table in docs/plugins.md, then record the "
+        "addition), add a line to the change table in docs/plugin_operations.md, then record the "
         "snapshot with ENGINECORE_UPDATE_API_SNAPSHOT=1"
     )
     pytest.fail(
         f"PLUGIN_API_VERSION is {PLUGIN_API_VERSION}: record the snapshot with "
-        "ENGINECORE_UPDATE_API_SNAPSHOT=1 once docs/plugins.md describes the change"
+        "ENGINECORE_UPDATE_API_SNAPSHOT=1 once docs/plugin_operations.md describes the change"
     )
 
 
 def test_the_current_version_has_a_changelog_line():
     major_minor_patch = re.escape(PLUGIN_API_VERSION)
-    assert re.search(rf"^\| {major_minor_patch} \| \S", DOCS.read_text(), re.M), (
-        f"docs/plugins.md's change table has no line for {PLUGIN_API_VERSION}"
+    assert re.search(rf"^\| {major_minor_patch} \| \S", CHANGELOG.read_text(), re.M), (
+        f"docs/plugin_operations.md's change table has no line for {PLUGIN_API_VERSION}"
     )
 
 
@@ -130,7 +131,7 @@ def test_a_changed_hook_is_caught(monkeypatch):
 def test_every_field_of_the_data_a_plugin_receives_is_documented():
     text = DOCS.read_text()
     section = text[text.index("### Data a plugin receives") :]
-    section = section[: section.index("\n## ")]
+    section = section.split("\n## ", 1)[0]  # up to the next section, if one follows
     for name, cls in DATA.items():
         if name == "WorkerSpec":
             continue  # an executor passes it on unread

@@ -1,4 +1,5 @@
-"""The plugin guide cannot drift from the kit, the starter, the RPCs or the API versions."""
+"""The plugin guide (docs/plugins.md) and the operations page (docs/plugin_operations.md)
+cannot drift from the kit, the starter, the RPCs or the API versions."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from tests.helpers.hook_specs import HOOKS
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "plugins.md").read_text()
+OPERATIONS = (ROOT / "docs" / "plugin_operations.md").read_text()
 
 
 def stability_rows() -> dict[str, tuple[str, str]]:
-    section = GUIDE.split("## Versions and stability", 1)[1].split("\n## ", 1)[0]
+    section = OPERATIONS.split("## Versions and stability", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([^`]+)`[^|]* \| (stable|provisional) \| ([\d.]+) \|$", section, re.M)
     return {name: (level, since) for name, level, since in rows}
 
@@ -43,8 +45,9 @@ def test_every_interface_has_a_stability_level():
 
 
 def test_the_changelog_has_the_current_version():
-    section = GUIDE.split("**What changed, per version.**", 1)[1]
+    section = OPERATIONS.split("**What changed, per version.**", 1)[1]
     assert f"| {PLUGIN_API_VERSION} |" in section
+    assert f"currently `{PLUGIN_API_VERSION}`" in OPERATIONS
     assert f"currently `{PLUGIN_API_VERSION}`" in GUIDE
 
 
@@ -61,7 +64,7 @@ def test_every_starter_kind_and_debug_rpc_is_documented():
     for kind in KINDS:
         assert f"| `{kind}` |" in GUIDE, f"the walkthrough table has no row for --kind {kind}"
     for rpc in DEBUG_RPCS:
-        assert re.search(rf"^\| `{rpc}(\(|`)", GUIDE, re.M), f"no row for the RPC {rpc}"
+        assert re.search(rf"^\| `{rpc}(\(|`)", OPERATIONS, re.M), f"no row for the RPC {rpc}"
 
 
 def test_every_example_package_is_in_the_quick_start():
