@@ -1,5 +1,5 @@
-"""The repository states the present: every module in the layout, no development history
-or temporary paths in the docs, no dead code."""
+"""The repository states the present: the layout names every package and only paths that
+exist, the docs carry no development history or temporary paths, no dead code."""
 
 from __future__ import annotations
 
@@ -15,38 +15,52 @@ ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
 PACKAGES = ["core", *sorted(p.name for p in ROOT.glob("builtin_*") if p.is_dir())]
 
 
-def modules() -> list[str]:
-    """Every source module as the layout names it: ``engine/core.py`` under core/,
-    ``builtin_cpu/enginecore_cpu/attention.py`` for a built-in package."""
+def cited_paths() -> set[str]:
+    """Every path docs/architecture.md cites in backticks: a folder (``engine/``) or a file
+    (``engine/core.py``, ``enginecore_models/model_runner.py``)."""
+    return set(re.findall(r"`([\w./]+/|[\w./]+\.(?:py|c|h|md|toml|json))`", ARCHITECTURE))
+
+
+# Files of a checkpoint, not of this repository.
+CHECKPOINT_FILES = {"config.json"}
+
+
+def resolves(path: str) -> bool:
+    """A cited path names a file or folder from the repository root, from
+    ``core/enginecore/`` or from a built-in's folder (``enginecore_cpu/attention.py``)."""
+    if path in CHECKPOINT_FILES:
+        return True
+    bases = [ROOT, ROOT / "core" / "enginecore", *(ROOT / p for p in PACKAGES[1:])]
+    return any((base / path).exists() for base in bases)
+
+
+def packages() -> list[str]:
+    """Every source package as the doc names it: ``engine/`` under core/, ``builtin_cpu/``
+    for a built-in, ``enginecore_models/models/`` for a package inside one."""
     found = []
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*")):
-            if path.suffix not in (".py", ".c") or path.name == "__init__.py":
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            folder = init.parent
+            if folder == ROOT / "core" / "enginecore":
                 continue
-            if "__pycache__" in path.parts:
-                continue
-            rel = path.relative_to(ROOT / "core" / "enginecore" if package == "core" else ROOT)
-            found.append(str(rel))
+            if package == "core":
+                found.append(f"{folder.relative_to(ROOT / 'core' / 'enginecore')}/")
+            elif folder.parent == ROOT / package:
+                found.append(f"{package}/")
+            else:
+                found.append(f"{folder.relative_to(ROOT / package)}/")
     return found
 
 
-def test_the_layout_names_every_module():
-    named = set(re.findall(r"`([\w/]+\.(?:py|c))`", ARCHITECTURE))
-    # `builtin_*/plugin.py` stands for every built-in package's registrations
-    missing = [
-        m
-        for m in modules()
-        if m not in named and not (m.startswith("builtin_") and m.endswith("/plugin.py"))
-    ]
-    # layers/ and testing/ are one row each, naming their files without the folder
-    missing = [
-        m
-        for m in missing
-        if not (
-            m.split("/")[0] in ("layers", "testing") and f"`{m.split('/')[-1]}`" in ARCHITECTURE
-        )
-    ]
-    assert not missing, f"docs/architecture.md's layout does not name: {missing}"
+def test_the_layout_names_every_package():
+    cited = cited_paths()
+    missing = [p for p in packages() if not any(c.startswith(p) for c in cited)]
+    assert not missing, f"docs/architecture.md's layout does not name the packages: {missing}"
+
+
+def test_every_path_the_layout_cites_exists():
+    stale = sorted(p for p in cited_paths() if not resolves(p))
+    assert not stale, f"docs/architecture.md cites paths that do not exist: {stale}"
 
 
 HISTORY = re.compile(
