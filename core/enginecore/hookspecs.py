@@ -237,6 +237,10 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     group). Block-table entries before a sliding layer's window are stale or block 0 and
     must stay masked. ``tests/plugins/enginecore-naive-attention`` is a complete
     third-party backend.
+
+    Under ``"auto"`` a backend is passed over when its ``unsupported_reason(spec)``
+    classmethod returns a reason (not None) for the model's device, dtype, head size,
+    sliding window and soft-capping.
     """
 
 
@@ -274,6 +278,9 @@ def register_linear_methods(registry: Registry[Any]) -> None:
     ``process_weights_after_loading(layer)`` once the checkpoint is loaded and
     ``apply(layer, x, bias)`` every forward; a gated gate/up projection may be computed
     with its activation in ``apply_silu_and_mul``.
+
+    Under ``"auto"`` a method is passed over when its ``unsupported_reason(device,
+    dtype)`` classmethod returns a reason (not None).
     """
 
 
@@ -393,6 +400,10 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     wait for a token still in flight runs its forward pass at once and samples once that
     token has advanced the grammar. ``tests/helpers/token_trie_backend.py`` is a
     complete second backend.
+
+    Constraints come from ``SamplingParams(structured_output=...)`` and the server's
+    ``response_format`` and ``guided_*`` fields; a ``backend`` name nobody registered
+    fails at start-up with the list of registered backends.
     """
 
 
@@ -437,6 +448,11 @@ def register_tool_parsers(registry: Registry[Any]) -> None:
     (the EOS that ends the reply is still left out). Prove one with
     :class:`enginecore.testing.ToolParserContract`; ``enginecore plugin new NAME --kind
     tool-parser`` starts a package.
+
+    The server derives the whole response (``message.tool_calls``, ``finish_reason:
+    "tool_calls"``) and the streamed deltas (id and name first, then argument fragments)
+    from ``parse``, so they always agree. Mistral's ``[TOOL_CALLS]`` is a marker that is
+    a special token.
     """
 
 
