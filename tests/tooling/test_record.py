@@ -74,6 +74,7 @@ def doc_files() -> list[Path]:
     return [
         ROOT / "README.md",
         ROOT / "CONTRIBUTING.md",
+        ROOT / "tests" / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "benchmarks").rglob("*.md")),
     ]
