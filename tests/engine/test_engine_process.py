@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -108,14 +109,20 @@ def test_pause_modes_and_resume(llm) -> None:
 
 
 def touch_kv_cache(worker) -> None:
-    """Module-level on purpose: the engine cannot import this test module."""
     for cache in worker.model_runner.kv_caches:
         cache.fill_(0)
 
 
-def test_a_callable_the_engine_cannot_unpickle_is_a_clear_error(llm) -> None:
-    with pytest.raises(UtilityError, match=r"could not be unpickled.*test_engine_process"):
-        llm.collective_rpc(touch_kv_cache)
+def test_a_callable_the_engine_cannot_unpickle_is_a_clear_error(llm, monkeypatch) -> None:
+    # A module that exists in this process only: the callable is pickled by reference to
+    # it, and the engine process cannot import it.
+    only_here = types.ModuleType("callables_of_the_test_process")
+    callable_here = types.FunctionType(touch_kv_cache.__code__, touch_kv_cache.__globals__)
+    callable_here.__module__ = only_here.__name__
+    only_here.touch_kv_cache = callable_here
+    monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
+    with pytest.raises(UtilityError, match=r"could not be unpickled.*callables_of_the_test"):
+        llm.collective_rpc(callable_here)
     assert llm.engine_client.call_utility("ping") == "pong"
 
 

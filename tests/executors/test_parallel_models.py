@@ -26,7 +26,7 @@ from enginecore_models.weight_loader import (
     resolve_model_class,
 )
 
-# The ranks cannot import this test module: ship its functions by value.
+# The ranks need not be able to import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
