@@ -12,13 +12,13 @@ import httpx
 import openai
 import pytest
 import torch
-from hf_reference import load_reference
-from serve_process import serve, stop
 
 from enginecore.config import make_config
 from enginecore.errors import ConfigError
 from enginecore.lora.random_adapter import make_random_adapter
 from enginecore.server.lora_models import LoRAModels
+from tests.helpers.hf_reference import load_reference
+from tests.helpers.serve_process import serve, stop
 
 NAME, ALIAS = "primary", "alias"
 LISTED = [5, 17, 3]
