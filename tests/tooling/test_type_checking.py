@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ["core", *sorted(p.name for p in ROOT.glob("builtin_*") if p.is_dir())]
 # Settings that would exempt code from the strict check.
 RELAXING = ("follow_imports", "ignore_errors", "strict", "check_untyped_defs")
