@@ -100,6 +100,7 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, 
         layer.linear_method._budget = 0  # no memory to spare for copies
     layer.linear_method.process_weights_after_loading(layer)
     assert layer.gguf_blocks
+    layer.linear_method.float_copies.wait()  # the copy is made in the background
     assert layer.weight.numel() == (64 * 512 if float_copy else 0)
     x = torch.randn(rows, 512)
     err = relative_error(layer(x), F.linear(x, reference, bias))
@@ -511,6 +512,7 @@ def test_int8_per_channel_of_a_float_layer(float_copy: bool):
     layer.linear_method.process_weights_after_loading(layer)
     ((_, part),) = layer.gguf_blocks
     assert part.bits == 8
+    layer.linear_method.float_copies.wait()  # the copy is made in the background
     assert layer.weight.numel() == (96 * 256 if float_copy else 0)
     scale = weight.abs().amax(1, keepdim=True) / 127
     reference = torch.round(weight / scale).clamp(-127, 127) * scale

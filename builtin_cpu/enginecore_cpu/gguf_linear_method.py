@@ -16,6 +16,11 @@ largest single read of a small model.
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
 llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
 and the kernels' timings.
+
+Loading a GGUF file, each layer's blocks are prepared once and kept on disk
+(``prepared_weights``); later loads map them and read no weight. The float32 copies for
+prefill are made after load on a background thread (``background_copies``): until a
+layer's copy is published, its many-row steps de-quantize per call.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
+from enginecore.config import EngineConfig
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
@@ -41,7 +47,9 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from enginecore_cpu.background_copies import BackgroundJobs
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
+from enginecore_cpu.prepared_weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +58,7 @@ logger = logging.getLogger(__name__)
 # Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
 DIRECT_MAX_ROWS = 32
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
-_PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
+_PARTS = "_gguf_parts"  # while loading: {first output row: the checkpoint's rows}
 
 
 class GGUFLinearMethod(CpuPackedLinearMethod):
@@ -59,6 +67,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     priority = 0
     devices = ("cpu",)
     gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        super().__init__(config)
+        self.float_copies = BackgroundJobs("gguf float copies")
+        self.prepared: PreparedWeights | None = None
+        model_path = getattr(getattr(config, "model", None), "path", None)
+        path = Path(model_path) if model_path else None
+        if path is not None and path.suffix == ".gguf" and PreparedWeights.enabled():
+            try:
+                self.prepared = PreparedWeights(path)
+            except OSError:
+                self.prepared = None  # no such file: the loader names the problem
 
     @classmethod
     def unsupported_reason(cls, device: str, dtype: str) -> str | None:
@@ -105,12 +125,28 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # A split of the input dimension cuts through blocks' rows: keep it in float.
             float_loader(param, _dequantized(loaded))
             return
-        parts = layer.__dict__.setdefault(_PARTS, {})
+        pieces = layer.__dict__.setdefault(_PARTS, {})
         for first, piece in quantized_shard_rows(layer, loaded, shard):
-            parts[first] = unpacked(piece)
+            pieces[first] = piece
+
+    def _prepared_key(self, pieces: dict[int, QuantizedTensor]) -> str | None:
+        """What the prepared-weight cache knows the layer by: its rows' sources."""
+        if self.prepared is None or not pieces or not all(p.source for p in pieces.values()):
+            return None
+        return "|".join(
+            f"{first}:{p.source}:{p.format}:{p.shape[0]}x{p.shape[1]}"
+            for first, p in sorted(pieces.items())
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
+        pieces: dict[int, QuantizedTensor] = layer.__dict__.pop(_PARTS, {})
+        key = self._prepared_key(pieces)
+        cached = self.prepared.load(key) if self.prepared is not None and key else None
+        parts: dict[int, Part]
+        if cached is not None:
+            parts = dict(cached)
+        else:
+            parts = {first: unpacked(piece) for first, piece in pieces.items()}
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
@@ -123,26 +159,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if not parts and self._int8_wanted(layer, kernels):
             parts = {0: per_channel_q8(layer.weight.data)}
         if parts:
-            merged = _merged(parts)
+            merged = cached if cached is not None else _merged(parts)
+            if key is not None and cached is None and kernels is not None:
+                assert self.prepared is not None
+                self.prepared.save(key, merged)
             setattr(layer, _BLOCKS, merged)
-            if self._afford(layer.weight.numel() * layer.weight.element_size()):
-                # Many-row steps (prefill) compute on a float32 copy, packed as a float
-                # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
-                # It is written straight into the column-major layout the float path
-                # keeps, which the parent class then finds in place (one copy, not two).
-                out, k = layer.weight.shape
-                dense = torch.empty(k, out, dtype=layer.weight.dtype).t()
-                for first, part in merged:
-                    values = _dequantize_with(kernels, part)
-                    # 64 rows at a time: torch's transposing copy of a whole matrix runs
-                    # 2-3x slower than of slices whose columns stay in cache.
-                    for row in range(0, part.shape[0], 64):
-                        tile = values[row : row + 64]
-                        dense[first + row : first + row + tile.shape[0]] = tile
-                layer.weight.data = dense
-                super().process_weights_after_loading(layer)
-            else:
-                layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+            shape = tuple(layer.weight.shape)
+            dtype = layer.weight.dtype
+            layer.weight.data = torch.empty(0)  # the blocks replace it (until a copy)
+            if self._afford(shape[0] * shape[1] * dtype.itemsize):
+                self.float_copies.submit(
+                    lambda: self._publish_float_copy(layer, merged, kernels, shape, dtype)
+                )
             return
         super().process_weights_after_loading(layer)
         weight = layer.weight
@@ -153,6 +181,31 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
             setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+
+    def _publish_float_copy(
+        self,
+        layer: nn.Module,
+        merged: list[tuple[int, Part]],
+        kernels: Any,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> None:
+        """Many-row steps (prefill) compute on a float32 copy, packed as a float model's
+        weights are: a prompt's GEMM is compute-bound, not read-bound. It is written
+        straight into the column-major layout the float path keeps, which the parent
+        class then finds in place (one copy, not two). Runs on ``float_copies``' thread:
+        ``apply`` uses the copy from the step after ``weight.data`` is assigned."""
+        out, k = shape
+        dense = torch.empty(k, out, dtype=dtype).t()
+        for first, part in merged:
+            values = _dequantize_with(kernels, part)
+            # 64 rows at a time: torch's transposing copy of a whole matrix runs
+            # 2-3x slower than of slices whose columns stay in cache.
+            for row in range(0, part.shape[0], 64):
+                tile = values[row : row + 64]
+                dense[first + row : first + row + tile.shape[0]] = tile
+        layer.weight.data = dense
+        super().process_weights_after_loading(layer)
 
     def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
