@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class BackgroundJobs:
         self.done = 0  # jobs finished (or failed), for callers that wait by count
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._gate = threading.Lock()  # held by ``paused``; each job takes it
+        self._gate = threading.Lock()  # held while paused; each job takes it
         self._finished = threading.Condition()
         self._submitted = 0
         self._stopping = False
@@ -62,11 +62,12 @@ class BackgroundJobs:
     def pending(self) -> int:
         return self._submitted - self.done
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No job starts while this is held (a running one finishes first)."""
-        with self._gate:
-            yield
+    def pause(self) -> None:
+        """No job starts until :meth:`resume` (a running one finishes first)."""
+        self._gate.acquire()
+
+    def resume(self) -> None:
+        self._gate.release()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far is done; returns whether they are."""

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 # allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
 # Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
 DIRECT_MAX_ROWS = 32
+# Without the float32 copy, a many-row step de-quantizes this many bytes of a weight at a
+# time into one buffer and multiplies them: the buffer stays in cache and is reused,
+# where a whole weight de-quantized would be fresh memory (page faults) on every call.
+_TILE_BYTES = 4 << 20
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: the checkpoint's rows}
 
@@ -180,7 +184,14 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             and weight.dtype == torch.float32
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
-            setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+            # One such head a model: the file's key and its shape name it in the cache.
+            head_key = f"Q8_0 copy of the {type(layer).__name__} {tuple(weight.shape)}"
+            blocks = self.prepared.load(head_key) if self.prepared is not None else None
+            if blocks is None:
+                blocks = [(0, gguf_blocks.quantize_q8(weight))]
+                if self.prepared is not None:
+                    self.prepared.save(head_key, blocks)
+            setattr(layer, _BLOCKS, blocks)
 
     def _publish_float_copy(
         self,
@@ -250,6 +261,17 @@ def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
     return kquant_kernels.load().dequantize_k(part)
 
 
+def _row_range(part: Part, start: int, length: int) -> Part:
+    """Output rows ``start`` to ``start + length`` of ``part`` (views, no copy)."""
+    length = min(length, part.shape[0] - start)
+    shape = (length, part.shape[1])
+    if isinstance(part, KQuantWeight):
+        qs, scales = part.qs[start : start + length], part.scales[start : start + length]
+        return KQuantWeight(part.fmt, qs, scales, shape)
+    qs, d, m = (t[start : start + length] for t in (part.qs, part.d, part.m))
+    return BlockWeight(part.bits, qs, d, m, shape)
+
+
 def _many_rows(x: torch.Tensor) -> bool:
     return x.numel() > DIRECT_MAX_ROWS * x.shape[-1]
 
@@ -265,11 +287,16 @@ def blocks_linear(
     dtype = rows.dtype
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
-    if rows.shape[0] > DIRECT_MAX_ROWS:
-        weight = torch.cat([_dequantize_with(kernels, p) for _, p in blocks])
-        out = F.linear(rows, weight, bias)
-        return out.to(dtype).view(*x.shape[:-1], n)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    if rows.shape[0] > DIRECT_MAX_ROWS:
+        tile = max(16, _TILE_BYTES // (4 * k))
+        for first, part in blocks:
+            for start in range(0, part.shape[0], tile):
+                weight = _dequantize_with(kernels, _row_range(part, start, tile))
+                out[:, first + start : first + start + weight.shape[0]] = F.linear(rows, weight)
+        if bias is not None:
+            out += bias
+        return out.to(dtype).view(*x.shape[:-1], n)
     if rows.shape[0]:
         acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
         for first, part in blocks:

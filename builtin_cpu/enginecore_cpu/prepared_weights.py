@@ -55,6 +55,11 @@ _DTYPES = {
 Layer = list[tuple[int, Part]]  # (first output row, blocks), in row order
 
 
+def root() -> Path:
+    """Where every file's prepared weights live: beside the compiled kernels."""
+    return cpu_kernels.cache_dir() / "prepared_weights"
+
+
 def cpu_identity() -> str:
     """The CPU's model name and feature flags, as /proc/cpuinfo gives them."""
     try:
@@ -81,7 +86,7 @@ class PreparedWeights:
         for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu or cpu_identity()):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())
-        self.directory = cpu_kernels.cache_dir() / "prepared_weights" / key.hexdigest()[:24]
+        self.directory = root() / key.hexdigest()[:24]
 
     @staticmethod
     def enabled() -> bool:
