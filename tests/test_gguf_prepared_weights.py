@@ -90,6 +90,11 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     model.write_bytes(model.read_bytes() + b"\0")
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert PreparedWeights(model, cpu="cpu A").load("layer 0") is None
+    # The file's new version replaces its older entries on this CPU, not another CPU's.
+    PreparedWeights(model, cpu="cpu B").save("layer 0", layer)
+    PreparedWeights(model, cpu="cpu A").save("layer 0", layer)
+    kept = {p.parent for p in cache_root.glob("*/origin")}
+    assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")}
 
 
 @pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])
@@ -99,7 +104,7 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, da
     layer = [(0, unpacked(random_tensor("Q4_K")))]
     cache = PreparedWeights(model, cpu="cpu")
     cache.save("layer", layer)
-    (entry,) = cache.directory.iterdir()
+    (entry,) = cache.directory.glob("*.bin")
     raw = bytearray(entry.read_bytes())
     if damage == "header byte":
         raw[40] ^= 0xFF
@@ -111,7 +116,7 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, da
         raw = bytearray()
     else:  # an entry that names another layer, under this one's name
         cache.save("other", layer)
-        raw = bytearray(next(p for p in cache.directory.iterdir() if p != entry).read_bytes())
+        raw = bytearray(next(p for p in cache.directory.glob("*.bin") if p != entry).read_bytes())
     entry.write_bytes(bytes(raw))
     assert cache.load("layer") is None
     assert "preparing again" in caplog.text

@@ -23,6 +23,7 @@ would read every weight at each load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -82,15 +83,30 @@ class PreparedWeights:
     def __init__(self, gguf_path: str | os.PathLike[str], cpu: str | None = None) -> None:
         path = Path(gguf_path).resolve()
         stat = path.stat()
+        cpu = cpu or cpu_identity()
         key = hashlib.sha256()
-        for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu or cpu_identity()):
+        for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())
         self.directory = root() / key.hexdigest()[:24]
+        # Which file on which CPU the directory serves: a new one replaces older ones.
+        self._origin = hashlib.sha256(f"{path}\0{cpu}".encode()).hexdigest()[:24]
 
     @staticmethod
     def enabled() -> bool:
         return not cpu_kernels.switched_off(ENV_SWITCH)
+
+    def _replace_older(self) -> None:
+        """Start this file's directory, removing those of its earlier versions (another
+        modification time or block layout); other files' and other CPUs' stay."""
+        import shutil
+
+        for other in root().glob("*/origin"):
+            with contextlib.suppress(OSError):
+                if other.read_text() == self._origin and other.parent != self.directory:
+                    shutil.rmtree(other.parent, ignore_errors=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "origin").write_text(self._origin)
 
     def _entry(self, key: str) -> Path:
         return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".bin")
@@ -135,7 +151,8 @@ class PreparedWeights:
         raw = json.dumps({"key": key, "parts": parts, "data": end}).encode()
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            if not self.directory.is_dir():
+                self._replace_older()
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
