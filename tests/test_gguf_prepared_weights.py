@@ -124,6 +124,20 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, da
     assert_same_parts(cache.load("layer"), layer)
 
 
+def test_an_unwritable_cache_warns_once_and_loads_as_without_it(tmp_path, cache_root, caplog):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    cache_root.parent.mkdir(exist_ok=True)
+    cache_root.write_bytes(b"not a directory")  # every write under it fails
+    cache = PreparedWeights(model, cpu="cpu")
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    for name in ("a", "b", "c"):
+        cache.save(name, layer)
+        assert cache.load(name) is None
+    assert caplog.text.count("could not keep prepared weights") == 1
+    assert "unreadable" not in caplog.text  # no entry is a plain miss
+
+
 @needs_kernels
 def test_a_request_completes_while_the_float_copy_waits():
     """The float32 copy for many-row steps is a background job: with the job held back,

@@ -91,6 +91,7 @@ class PreparedWeights:
         self.directory = root() / key.hexdigest()[:24]
         # Which file on which CPU the directory serves: a new one replaces older ones.
         self._origin = hashlib.sha256(f"{path}\0{cpu}".encode()).hexdigest()[:24]
+        self._writable = True  # until a write fails: then one warning, no more tries
 
     @staticmethod
     def enabled() -> bool:
@@ -129,7 +130,7 @@ class PreparedWeights:
             data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
             data = data[base:]
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
@@ -137,6 +138,8 @@ class PreparedWeights:
 
     def save(self, key: str, layer: Layer) -> None:
         """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
+        if not self._writable:
+            return
         writes: list[tuple[torch.Tensor, int]] = []
         parts = []
         end = 0  # offsets count from the first 64-byte boundary after the header
@@ -166,6 +169,7 @@ class PreparedWeights:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         except OSError as exc:
+            self._writable = False
             logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
 
 
