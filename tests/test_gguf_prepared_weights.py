@@ -141,8 +141,8 @@ def test_an_unwritable_cache_warns_once_and_loads_as_without_it(tmp_path, cache_
 @needs_kernels
 def test_a_request_completes_while_the_float_copy_waits():
     """The float32 copy for many-row steps is a background job: with the job held back,
-    a prefill-sized step runs on the blocks, gives the same result, and the copy appears
-    only once the job runs (counted by the jobs' own count, not by time)."""
+    a prefill-sized step runs on the blocks, and the copy appears only once the job runs
+    (counted by the jobs' own count, not by time); with it the step gives the same bits."""
     torch.manual_seed(0)
     method = GGUFLinearMethod(None)
     with use_linear_method(method):
@@ -159,14 +159,14 @@ def test_a_request_completes_while_the_float_copy_waits():
         method.process_weights_after_loading(layer)
         assert method.float_copies.pending == 1
         before = layer(x)
-        assert method.float_copies.done == 0 and layer.weight.numel() == 0
+        assert method.float_copies.done == 0 and layer.gguf_float is None
     finally:
         method.float_copies.resume()
     assert method.float_copies.wait(timeout=60)
-    assert method.float_copies.done == 1 and layer.weight.numel() == 96 * 512
+    assert method.float_copies.done == 1 and layer.gguf_float is not None
     after = layer(x)
     torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(before, after)  # the same bits whenever the copy lands
 
 
 def _q4_k_m(name: str) -> str:

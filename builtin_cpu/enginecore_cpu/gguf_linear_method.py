@@ -20,7 +20,7 @@ and the kernels' timings.
 Loading a GGUF file, each layer's blocks are prepared once and kept on disk
 (``prepared_weights``); later loads map them and read no weight. The float32 copies for
 prefill are made after load on a background thread (``background_copies``): until a
-layer's copy is published, its many-row steps de-quantize per call.
+layer's copy is published, its many-row steps de-quantize the same tiles per call.
 """
 
 from __future__ import annotations
@@ -53,14 +53,16 @@ from enginecore_cpu.prepared_weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
-# More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
-# allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
-# Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
+# More rows than this: float32 GEMMs, one per tile of the weight's rows, each tile taken
+# from the de-quantized copy made in the background where memory allows, else
+# de-quantized for the call. Where the two paths cross: benchmarks/RESULTS.md, "Other
+# measurements behind the code".
 DIRECT_MAX_ROWS = 32
-# Without the float32 copy, a many-row step de-quantizes this many bytes of a weight at a
-# time into one buffer and multiplies them: the buffer stays in cache and is reused,
-# where a whole weight de-quantized would be fresh memory (page faults) on every call.
+# A tile's float32 bytes: de-quantized per call, it stays in cache, where a whole weight
+# would be fresh memory (page faults) on every call. The copy is read in the same tiles,
+# so a step gives the same bits whether or not the copy is ready.
 _TILE_BYTES = 4 << 20
+_FLOAT = "gguf_float"  # layer attribute: the float32 copy [out, in], row-major, or None
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: the checkpoint's rows}
 
@@ -168,13 +170,11 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
             setattr(layer, _BLOCKS, merged)
-            shape = tuple(layer.weight.shape)
-            dtype = layer.weight.dtype
-            layer.weight.data = torch.empty(0)  # the blocks replace it (until a copy)
-            if self._afford(shape[0] * shape[1] * dtype.itemsize):
-                self.float_copies.submit(
-                    lambda: self._publish_float_copy(layer, merged, kernels, shape, dtype)
-                )
+            setattr(layer, _FLOAT, None)
+            out, k = layer.weight.shape
+            layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+            if self._afford(out * k * 4):
+                self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
         super().process_weights_after_loading(layer)
         weight = layer.weight
@@ -193,31 +193,6 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                     self.prepared.save(head_key, blocks)
             setattr(layer, _BLOCKS, blocks)
 
-    def _publish_float_copy(
-        self,
-        layer: nn.Module,
-        merged: list[tuple[int, Part]],
-        kernels: Any,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> None:
-        """Many-row steps (prefill) compute on a float32 copy, packed as a float model's
-        weights are: a prompt's GEMM is compute-bound, not read-bound. It is written
-        straight into the column-major layout the float path keeps, which the parent
-        class then finds in place (one copy, not two). Runs on ``float_copies``' thread:
-        ``apply`` uses the copy from the step after ``weight.data`` is assigned."""
-        out, k = shape
-        dense = torch.empty(k, out, dtype=dtype).t()
-        for first, part in merged:
-            values = _dequantize_with(kernels, part)
-            # 64 rows at a time: torch's transposing copy of a whole matrix runs
-            # 2-3x slower than of slices whose columns stay in cache.
-            for row in range(0, part.shape[0], 64):
-                tile = values[row : row + 64]
-                dense[first + row : first + row + tile.shape[0]] = tile
-        layer.weight.data = dense
-        super().process_weights_after_loading(layer)
-
     def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
         return (
@@ -234,18 +209,27 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
-        if blocks is None or (_many_rows(x) and layer.weight.numel()):
+        if blocks is None:
             return super().apply(layer, x, bias)
-        return blocks_linear(blocks, x, bias)
+        return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        if getattr(layer, _BLOCKS, None) is not None and not (
-            _many_rows(x) and layer.weight.numel()
-        ):
+        if getattr(layer, _BLOCKS, None) is not None:
             return None
         return super().apply_silu_and_mul(layer, x, bias)
+
+
+def _publish_float_copy(layer: nn.Module, merged: list[tuple[int, Part]], kernels: Any) -> None:
+    """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
+    the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
+    the one after the attribute is set."""
+    n = sum(part.shape[0] for _, part in merged)
+    dense = torch.empty(n, merged[0][1].shape[1], dtype=torch.float32)
+    for first, part in merged:
+        dense[first : first + part.shape[0]] = _dequantize_with(kernels, part)
+    setattr(layer, _FLOAT, dense)
 
 
 def _needs_kquant(part: Part) -> bool:
@@ -272,14 +256,14 @@ def _row_range(part: Part, start: int, length: int) -> Part:
     return BlockWeight(part.bits, qs, d, m, shape)
 
 
-def _many_rows(x: torch.Tensor) -> bool:
-    return x.numel() > DIRECT_MAX_ROWS * x.shape[-1]
-
-
 def blocks_linear(
-    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
+    blocks: list[tuple[int, Part]],
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x W^T + b`` for W given as row ranges of blocks."""
+    """``x W^T + b`` for W given as row ranges of blocks (and, where made, ``dense``: W
+    de-quantized, for many rows)."""
     kernels = quant_kernels.load()
     k = blocks[0][1].shape[1]
     n = sum(part.shape[0] for _, part in blocks)
@@ -292,8 +276,12 @@ def blocks_linear(
         tile = max(16, _TILE_BYTES // (4 * k))
         for first, part in blocks:
             for start in range(0, part.shape[0], tile):
-                weight = _dequantize_with(kernels, _row_range(part, start, tile))
-                out[:, first + start : first + start + weight.shape[0]] = F.linear(rows, weight)
+                at = first + start
+                if dense is not None:
+                    weight = dense[at : at + min(tile, part.shape[0] - start)]
+                else:
+                    weight = _dequantize_with(kernels, _row_range(part, start, tile))
+                out[:, at : at + weight.shape[0]] = F.linear(rows, weight)
         if bias is not None:
             out += bias
         return out.to(dtype).view(*x.shape[:-1], n)
