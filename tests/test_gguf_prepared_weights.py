@@ -183,7 +183,7 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
     tokens are the same each time, a prefill-sized prompt's included: the first two
     answer on the float copies, the last while every copy is still held back."""
     from enginecore import LLM, SamplingParams
-    from tests.gguf_writer import write_gguf
+    from tests.helpers.gguf_writer import write_gguf
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     methods: list[GGUFLinearMethod] = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +42,12 @@ from enginecore.config import EngineConfig
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     RowParallelLinear,
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
+from enginecore.layers.weights import set_weight_attrs
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 from enginecore_cpu.background_copies import BackgroundJobs
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
@@ -106,8 +108,10 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
+        if not isinstance(layer, LinearBase):
+            raise TypeError(f"{self.name} makes the weights of linear layers, not {layer!r}")
         super().create_weights(layer, input_size, output_size, dtype)
-        float_loader = layer.weight.weight_loader
+        float_loader = layer.weight_loader  # the loader the parent class gave the weight
 
         def weight_loader(param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
             if isinstance(loaded, QuantizedTensor):
@@ -117,15 +121,15 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             else:
                 float_loader(param, loaded, shard)
 
-        layer.weight.weight_loader = weight_loader
+        set_weight_attrs(layer.weight, {"weight_loader": weight_loader})
 
     def _load_blocks(
         self,
-        layer: nn.Module,
+        layer: LinearBase,
         param: torch.Tensor,
         loaded: QuantizedTensor,
         shard: Any,
-        float_loader,
+        float_loader: Callable[..., None],
     ) -> None:
         if isinstance(layer, RowParallelLinear) and layer.parallel.tp_size > 1:
             # A split of the input dimension cuts through blocks' rows: keep it in float.
@@ -156,28 +160,30 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
+        weight = cast(torch.Tensor, layer.weight)
         covered = sum(p.shape[0] for p in parts.values())
-        if parts and (kernels is None or covered != layer.weight.shape[0]):
+        if parts and (kernels is None or covered != weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float.
             for first, part in parts.items():
-                layer.weight.data[first : first + part.shape[0]] = dequantized_part(part)
+                weight.data[first : first + part.shape[0]] = dequantized_part(part)
             parts = {}
         if not parts and self._int8_wanted(layer, kernels):
-            parts = {0: per_channel_q8(layer.weight.data)}
+            parts = {0: per_channel_q8(weight.data)}
         if parts:
+            assert kernels is not None  # blocks are kept only where the kernels loaded
             merged = cached if cached is not None else _merged(parts)
-            if key is not None and cached is None and kernels is not None:
+            if key is not None and cached is None:
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
             setattr(layer, _BLOCKS, merged)
             setattr(layer, _FLOAT, None)
-            out, k = layer.weight.shape
-            layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+            out, k = weight.shape
+            weight.data = torch.empty(0)  # never filled: the blocks replace it
             if self._afford(out * k * 4):
                 self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
         super().process_weights_after_loading(layer)
-        weight = layer.weight
+        weight = cast(torch.Tensor, layer.weight)
         if (
             isinstance(layer, VocabParallelEmbedding)
             and kernels is not None
@@ -193,7 +199,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                     self.prepared.save(head_key, blocks)
             setattr(layer, _BLOCKS, blocks)
 
-    def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
+    def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
         return (
             self.config is not None
@@ -221,7 +227,9 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         return super().apply_silu_and_mul(layer, x, bias)
 
 
-def _publish_float_copy(layer: nn.Module, merged: list[tuple[int, Part]], kernels: Any) -> None:
+def _publish_float_copy(
+    layer: nn.Module, merged: list[tuple[int, Part]], kernels: quant_kernels.QuantKernels
+) -> None:
     """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
     the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
     the one after the attribute is set."""
@@ -232,17 +240,26 @@ def _publish_float_copy(layer: nn.Module, merged: list[tuple[int, Part]], kernel
     setattr(layer, _FLOAT, dense)
 
 
-def _needs_kquant(part: Part) -> bool:
+def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
     """Whether ``kquant_kernels`` multiplies ``part`` (Q5_K, Q6_K; Q4_K is ``quant_kernels``')."""
     return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
 
 
-def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
+def _dequantize_with(kernels: quant_kernels.QuantKernels, part: Part) -> torch.Tensor:
     if isinstance(part, BlockWeight):
-        return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+        values: torch.Tensor = kernels.dequantize(part.bits, part.qs, part.d, part.m)
+        return values
     if part.fmt == "Q4_K":
-        return kernels.dequantize_q4_k(part)
-    return kquant_kernels.load().dequantize_k(part)
+        values = kernels.dequantize_q4_k(part)
+        return values
+    return _kquant().dequantize_k(part)
+
+
+def _kquant() -> kquant_kernels.KQuantKernels:
+    """The 5- and 6-bit kernels: a layer keeps such blocks only where they loaded."""
+    kernels = kquant_kernels.load()
+    assert kernels is not None
+    return kernels
 
 
 def _row_range(part: Part, start: int, length: int) -> Part:
@@ -265,6 +282,7 @@ def blocks_linear(
     """``x W^T + b`` for W given as row ranges of blocks (and, where made, ``dense``: W
     de-quantized, for many rows)."""
     kernels = quant_kernels.load()
+    assert kernels is not None  # a layer keeps blocks only where the kernels loaded
     k = blocks[0][1].shape[1]
     n = sum(part.shape[0] for _, part in blocks)
     rows = x.reshape(-1, k)
@@ -292,7 +310,7 @@ def blocks_linear(
             if _needs_kquant(part):
                 if acts is None:
                     acts = kernels.quantize_rows(rows)
-                kquant_kernels.load().gemm_k(acts, part, target)
+                _kquant().gemm_k(acts, part, target)
             else:
                 kernels.linear(rows, part, target)
     if bias is not None:
@@ -307,13 +325,12 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
     merged: list[tuple[int, Part]] = []
     for first in sorted(parts):
         part = parts[first]
+        start, prev = merged[-1] if merged else (first, None)
         if (
-            merged
-            and isinstance(part, KQuantWeight)
-            and isinstance(merged[-1][1], KQuantWeight)
-            and merged[-1][1].fmt == part.fmt
+            isinstance(part, KQuantWeight)
+            and isinstance(prev, KQuantWeight)
+            and prev.fmt == part.fmt
         ):
-            start, prev = merged[-1]
             merged[-1] = (
                 start,
                 KQuantWeight(
@@ -324,12 +341,10 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
                 ),
             )
         elif (
-            merged
-            and isinstance(part, BlockWeight)
-            and isinstance(merged[-1][1], BlockWeight)
-            and merged[-1][1].kind == part.kind
+            isinstance(part, BlockWeight)
+            and isinstance(prev, BlockWeight)
+            and prev.kind == part.kind
         ):
-            start, prev = merged[-1]
             rows = prev.shape[0] + part.shape[0]
             merged[-1] = (
                 start,
