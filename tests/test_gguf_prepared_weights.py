@@ -95,6 +95,18 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     PreparedWeights(model, cpu="cpu A").save("layer 0", layer)
     kept = {p.parent for p in cache_root.glob("*/origin")}
     assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")}
+    # A file that no longer exists loses its entries when another file's are started.
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(b"GGUF")
+    PreparedWeights(gone, cpu="cpu A").save("layer 0", layer)
+    gone.unlink()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    PreparedWeights(other, cpu="cpu A").save("layer 0", layer)
+    kept = {p.parent for p in cache_root.glob("*/origin")}
+    assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")} | {
+        PreparedWeights(other, cpu="cpu A").directory
+    }
 
 
 @pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])

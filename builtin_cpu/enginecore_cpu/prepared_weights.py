@@ -90,7 +90,7 @@ class PreparedWeights:
         key.update(_layout_signature())
         self.directory = root() / key.hexdigest()[:24]
         # Which file on which CPU the directory serves: a new one replaces older ones.
-        self._origin = hashlib.sha256(f"{path}\0{cpu}".encode()).hexdigest()[:24]
+        self._origin = f"{path}\0{hashlib.sha256(cpu.encode()).hexdigest()[:24]}"
         self._writable = True  # until a write fails: then one warning, no more tries
 
     @staticmethod
@@ -99,12 +99,15 @@ class PreparedWeights:
 
     def _replace_older(self) -> None:
         """Start this file's directory, removing those of its earlier versions (another
-        modification time or block layout); other files' and other CPUs' stay."""
+        modification time or block layout) and those of files that no longer exist;
+        other files' and other CPUs' stay."""
         import shutil
 
         for other in root().glob("*/origin"):
-            with contextlib.suppress(OSError):
-                if other.read_text() == self._origin and other.parent != self.directory:
+            with contextlib.suppress(OSError, ValueError):
+                origin = other.read_text()
+                gone = not Path(origin.split("\0")[0]).exists()
+                if (origin == self._origin or gone) and other.parent != self.directory:
                     shutil.rmtree(other.parent, ignore_errors=True)
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / "origin").write_text(self._origin)
