@@ -17,17 +17,29 @@ is the median over the steady decode steps of milliseconds per step, and its par
   with async scheduling the worker's parts overlap the engine's, so it can be negative
 
     python benchmarks/host_overhead.py [--sizes 1,16,64,256,512] [--steps 200]
+
+To compare two versions of the code on a busy machine, give another checkout with
+``--against`` (e.g. ``git worktree add ../main main``): each row then runs both versions
+alternately, each run in a process of its own with that checkout's source roots first on
+``PYTHONPATH``, ``--rounds`` times, and prints both with the ratio of their median steps.
+Compare the ratio, not figures taken at different times.
+
+    python benchmarks/host_overhead.py --against ../main --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # One torch thread: the forward is nearly free, and on a loaded host a team of OpenMP
@@ -121,6 +133,9 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         max_num_batched_tokens=max(2048, num_reqs * 16),
         max_model_len=256 + steps,
         log_stats_interval=0,
+        # Room for every request's blocks many times over: a cache sized from free RAM
+        # would only lengthen each run's start (the block pool lists every block).
+        kv_cache_bytes=256 << 20,
     )
     try:
         timers = Timers()
@@ -160,15 +175,71 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         llm.shutdown()
 
 
+def source_path(checkout: Path) -> str:
+    """``PYTHONPATH`` putting ``checkout``'s source roots (``core/``, ``builtin_*/``) first."""
+    roots = [checkout / "core", *sorted(checkout.glob("builtin_*"))]
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(r) for r in roots] + ([rest] if rest else []))
+
+
+def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[str, float]:
+    """One :func:`run` in a fresh process importing ``checkout``'s code."""
+    env = dict(os.environ, PYTHONPATH=source_path(checkout))
+    cmd = [sys.executable, __file__, "--model", model, "--sizes", str(n), "--modes", mode]
+    out = subprocess.run(
+        [*cmd, "--steps", str(steps), "--json"], env=env, check=True, capture_output=True, text=True
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def compare(model: str, against: Path, args: argparse.Namespace) -> None:
+    here = Path(__file__).resolve().parent.parent
+    cols = ("step", *PARTS, "loop")
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
+    for n in (int(s) for s in args.sizes.split(",") if s):
+        for mode in args.modes.split(","):
+            runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}
+            for _ in range(args.rounds):
+                runs["against"].append(run_in(against, model, n, args.steps, mode))
+                runs["this"].append(run_in(here, model, n, args.steps, mode))
+            for name, rows in runs.items():
+                med = {c: statistics.median(r[c] for r in rows) for c in cols}
+                print(
+                    f"{mode:>6} {n:>5} {name:>7} " + " ".join(f"{med[c]:>8.3f}" for c in cols),
+                    flush=True,
+                )
+            steps = {k: [r["step"] for r in v] for k, v in runs.items()}
+            ratio = statistics.median(steps["against"]) / statistics.median(steps["this"])
+            print(
+                f"{'':>6} {'':>5} this runs {ratio:.2f}x as fast (steps, ms: this "
+                f"{', '.join(f'{s:.2f}' for s in steps['this'])}; against "
+                f"{', '.join(f'{s:.2f}' for s in steps['against'])})",
+                flush=True,
+            )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,16,64,256,512")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", help="a checkpoint to use instead of the made one")
     parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--against", type=Path, help="another checkout, run alternately")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations with --against")
+    parser.add_argument("--json", action="store_true", help="one size and mode: a JSON line")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(tmp)
+        if args.against is not None:
+            compare(model, args.against.resolve(), args)
+            return
+        if args.json:
+            r = run(model, int(args.sizes), args.steps, args.modes == "async")
+            print(json.dumps(r))
+            return
         cols = ("step", *PARTS, "loop")
         print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):

@@ -16,22 +16,45 @@ from enginecore_executors.rpc import check_reply_rank, method_name
 __all__ = ["RankError", "UniProcExecutor", "method_name"]
 
 
+class _Inline:
+    """``ThreadPoolExecutor``'s ``submit`` and ``shutdown``, running each call at once in
+    the calling thread: with one batch at a time nothing overlaps the worker, and a
+    thread hand-off per call (two per step) only adds the wake-ups' latency."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as exc:  # delivered by result(), as from a thread
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
+
+
 class UniProcExecutor(Executor):
-    """Runs the worker in this process. ``non_block`` calls run on one background thread
-    (torch releases the GIL in its kernels), so the engine can schedule the next batch
-    while this one computes."""
+    """Runs the worker in this process. With async scheduling, ``non_block`` calls run on
+    one background thread (torch releases the GIL in its kernels), so the engine can
+    schedule the next batch while this one computes; otherwise every call runs inline, in
+    the engine's thread."""
 
     gathers_all_ranks = False  # one local worker (external_launcher: one rank of many)
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+        self._thread: ThreadPoolExecutor | _Inline = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+            if self.max_concurrent_batches > 1
+            else _Inline()
+        )
         self.worker = self._build_worker(plugin_host)
-        # Every torch call runs on the one worker thread, loading included: with libgomp,
-        # a second thread that has ever run an OpenMP region keeps its own thread team,
-        # and two teams on the same cores make every later parallel region sleep and wake
-        # instead of spinning (small ops in a decode step ran up to 10x slower).
+        # Every torch call runs on the one worker thread (inline: the engine's thread),
+        # loading included: with libgomp, a second thread that has ever run an OpenMP
+        # region keeps its own thread team, and two teams on the same cores make every
+        # later parallel region sleep and wake instead of spinning (small ops in a decode
+        # step ran up to 10x slower).
         self._thread.submit(self._start_worker).result()
 
     def _start_worker(self) -> None:
