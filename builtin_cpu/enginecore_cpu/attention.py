@@ -104,10 +104,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # which KV cache groups share: grouped models decode from the paged cache.
         if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
             return req_ids
+        # Block ids are read only for requests new to the mirror.
         order = self.mirror.plan(
             req_ids,
             {r: batch_view[r][0] for r in req_ids},
-            {r: batch_view[r][1] for r in req_ids},
+            lambda r: batch_view[r][1],
             self._caches,
         )
         if order is None:  # the mirror cannot hold this batch: plain paged attention

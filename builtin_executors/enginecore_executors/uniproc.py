@@ -19,9 +19,23 @@ __all__ = ["RankError", "UniProcExecutor", "method_name"]
 class _Inline:
     """``ThreadPoolExecutor``'s ``submit`` and ``shutdown``, running each call at once in
     the calling thread: with one batch at a time nothing overlaps the worker, and a
-    thread hand-off per call (two per step) only adds the wake-ups' latency."""
+    thread hand-off per call (two per step) only adds the wake-ups' latency.
+
+    A blocking call with a timeout runs on a side thread instead (:meth:`submit_timed`),
+    so that its caller can stop waiting; the next call waits for it to end, so calls
+    still apply in order."""
+
+    def __init__(self) -> None:
+        self._side: ThreadPoolExecutor | None = None
+        self._running: Future[Any] | None = None  # a timed call its caller gave up on
+
+    def _wait_for_timed(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            running.exception()  # its caller was told of the timeout; nothing to raise
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        self._wait_for_timed()
         future: Future[Any] = Future()
         try:
             future.set_result(fn(*args))
@@ -29,8 +43,16 @@ class _Inline:
             future.set_exception(exc)
         return future
 
+    def submit_timed(self, fn: Callable[..., Any]) -> Future[Any]:
+        self._wait_for_timed()
+        if self._side is None:
+            self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+        self._running = self._side.submit(fn)
+        return self._running
+
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        return None
+        if self._side is not None:
+            self._side.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 class UniProcExecutor(Executor):
@@ -95,7 +117,10 @@ class UniProcExecutor(Executor):
             return self._thread.submit(call)
         # Blocking calls still go through the thread, so they queue behind in-flight work
         # in order instead of racing it.
-        future = self._thread.submit(call)
+        if timeout is not None and isinstance(self._thread, _Inline):
+            future = self._thread.submit_timed(call)
+        else:
+            future = self._thread.submit(call)
         try:
             return future.result(timeout)
         except FutureTimeout:
