@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from enginecore.checkpoints import make_tokenizer
-from enginecore.engine.output import OutputKind, OutputProcessor, RequestState
+from enginecore.engine.output import OutputKind, OutputProcessor
 from enginecore.metrics.iteration import IterationStatsBuilder
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
@@ -150,7 +150,7 @@ def test_uni_runs_the_step_inline_unless_batches_overlap(contract, inline) -> No
         assert executor.max_concurrent_batches == (1 if inline else 2)
         # A timed blocking call still times out; the next call runs once it has ended.
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="timed out after 0.2 s"):
+        with pytest.raises(TimeoutError, match=r"timed out after 0\.2 s"):
             executor.collective_rpc(_sleep, args=(1.0,), timeout=0.2)
         assert time.monotonic() - started < 0.9
         after = executor.collective_rpc(_now, unique_reply_rank=0)
