@@ -461,7 +461,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         buf = self._staging.get(name)
         if buf is None or buf.device_buf.shape[0] < len(values):
             size = max(len(values), self._max_num_batched_tokens(), 1)
-            buf = StagingBuffer((size,), torch.int64, self.device, self.events)
+            # On a CPU the step's arrays are the model's inputs as they are.
+            buf = StagingBuffer(
+                (size,), torch.int64, self.device, self.events, stage_on_host=False
+            )
             self._staging[name] = buf
         return buf.fill(values)
 
