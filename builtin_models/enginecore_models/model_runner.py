@@ -462,9 +462,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if buf is None or buf.device_buf.shape[0] < len(values):
             size = max(len(values), self._max_num_batched_tokens(), 1)
             # On a CPU the step's arrays are the model's inputs as they are.
-            buf = StagingBuffer(
-                (size,), torch.int64, self.device, self.events, stage_on_host=False
-            )
+            buf = StagingBuffer((size,), torch.int64, self.device, self.events, stage_on_host=False)
             self._staging[name] = buf
         return buf.fill(values)
 
