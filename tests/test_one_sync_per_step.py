@@ -87,3 +87,30 @@ def test_decode_steps_read_the_device_once(tiny_llama, model_refs):
         assert all(len(t) == 1 for t in out.sampled_token_ids)
         per_step.append(list(counter.reads))
     assert per_step == [["event.synchronize"]] * 3
+
+
+def test_listed_logprob_token_ids_ride_the_same_copy(tiny_llama, model_refs):
+    """vLLM's ``logprob_token_ids`` beside top-k rows: still one read per step, and each
+    listed row reports exactly its ids."""
+    runner = make_runner(tiny_llama, model_refs)
+    runner.sampler.host_reads_free = False
+    counter = SyncCounter()
+    events = getattr(runner, "events", None)
+    if events is not None:
+        events.record = lambda: CountingEvent(counter)
+    driver = driver_for(runner, budget=256)
+    listed = [5, 1, 40]
+    params = [*PARAMS, SamplingParams(temperature=0.0, logprob_token_ids=listed, max_tokens=8)]
+    for i, p in enumerate(params):
+        driver.add(f"r{i}", PROMPTS["c"][: 8 + i], max_tokens=8, params=p)
+    driver.step()
+    for _ in range(2):
+        counter.reads.clear()
+        with counter:
+            out = driver.step()
+        assert counter.reads == ["event.synchronize"]
+        assert out.logprobs is not None
+        row = out.req_id_to_index["r4"]
+        ids = out.logprobs.logprob_token_ids[row]
+        assert ids == [out.sampled_token_ids[row][0], *listed]
+        assert len(out.logprobs.logprob_token_ids[out.req_id_to_index["r3"]]) == 3

@@ -73,6 +73,10 @@ def _check(batch: PersistentBatch, reqs: dict[str, tuple[list[int], list[int], S
     assert got.max_num_logprobs == want.max_num_logprobs
     if want.max_num_logprobs is not None:
         assert got.num_logprobs == want.num_logprobs
+        assert got.num_listed == want.num_listed
+        assert (got.listed_ids is None) == (want.listed_ids is None)
+        if want.listed_ids is not None:
+            torch.testing.assert_close(got.listed_ids, want.listed_ids)
 
 
 def test_rows_track_adds_finishes_and_sampled_tokens():
@@ -83,6 +87,7 @@ def test_rows_track_adds_finishes_and_sampled_tokens():
         "c": SamplingParams(temperature=1.0, top_p=0.8, frequency_penalty=0.3, min_tokens=4),
         "d": SamplingParams(temperature=0.5, repetition_penalty=1.3, logit_bias={7: 2.0}),
         "e": SamplingParams(temperature=0.9, min_p=0.1),
+        "g": SamplingParams(temperature=0.0, logprob_token_ids=[4, 9, 60]),  # 60: no logit
     }
     reqs: dict[str, tuple[list[int], list[int], SamplingParams]] = {}
     rng = np.random.default_rng(0)

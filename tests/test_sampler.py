@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from enginecore.errors import InvalidRequestError
 from enginecore.params import SamplingParams
 from enginecore_models.sampler import (
     Sampler,
@@ -169,6 +170,37 @@ def test_logprobs_rows_from_raw_logits():
     assert lp.logprob_token_ids[2] == [5]
     assert math.isclose(lp.logprobs[2][0], ref[2, 5].item(), abs_tol=1e-6)
     assert lp.sampled_token_ranks[2] == int((ref[2] > ref[2, 5]).sum()) + 1
+
+
+def test_listed_logprob_token_ids_beside_top_k_rows():
+    """vLLM's ``logprob_token_ids``: a row reports the sampled token, then exactly the ids
+    it listed (in its order, however unlikely), while other rows keep their top-k."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    params = [
+        SamplingParams(temperature=0.0, logprob_token_ids=[7, 3, 60]),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprob_token_ids=[11]),
+    ]
+    assert params[0].logprobs == 3  # left out: the listed ids' count, as vLLM counts them
+    out = sample(logits, params)
+    lp = out.logprobs
+    ref = logits.log_softmax(-1)
+    sampled = out.token_ids.tolist()
+    assert lp.logprob_token_ids[0] == [sampled[0], 7, 3, 60]
+    torch.testing.assert_close(torch.tensor(lp.logprobs[0][1:]), ref[0, [7, 3, 60]])
+    assert lp.logprob_token_ids[1][1:] == ref[1].topk(2).indices.tolist()
+    assert lp.logprob_token_ids[2] == [] and lp.logprob_token_ids[3] == [sampled[3], 11]
+    assert math.isclose(lp.logprobs[3][1], ref[3, 11].item(), abs_tol=1e-6)
+
+
+def test_logprob_token_ids_limits_in_vllms_words():
+    with pytest.raises(InvalidRequestError, match="greater than max allowed: 128"):
+        SamplingParams(logprob_token_ids=list(range(129)))
+    with pytest.raises(InvalidRequestError, match="logprobs must equal len"):
+        SamplingParams(logprobs=2, logprob_token_ids=[1])
+    assert SamplingParams(logprob_token_ids=[]).logprob_token_ids is None
 
 
 def test_grammar_bitmask():

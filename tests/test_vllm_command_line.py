@@ -74,12 +74,24 @@ def test_vllm_flag_spellings_set_our_settings(tiny_llama):
     assert fitted["model"]["max_model_len"] is None
 
 
+def test_structured_outputs_config_is_read(tiny_llama):
+    spec = {"backend": "auto", "disable_any_whitespace": True}
+    config = _config_show(tiny_llama, "--structured-outputs-config", json.dumps(spec))
+    assert config["structured_output"]["backend"] == "xgrammar"
+    assert config["structured_output"]["disable_any_whitespace"] is True
+
+
+def test_several_served_model_names_are_vllms_first_name_and_aliases(tiny_llama):
+    config = _config_show(tiny_llama, "--served-model-name", "a", "b", "c")
+    assert config["model"]["served_model_name"] == "a"
+    assert config["model"]["served_model_aliases"] == ["b", "c"]
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
         (["--kv-cache-dtype", "fp8"], "--dtype"),
         (["--speculative-config", '{"model": "draft", "num_speculative_tokens": 2}'], "ngram"),
-        (["--served-model-name", "a", "b"], "--served-model-name a"),
         (["--scheduler-cls", "pkg.MyScheduler"], "--scheduler-name"),
     ],
 )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from enginecore.params import SamplingParams
-from enginecore_models.sampler import SamplingMetadata
+from enginecore_models.sampler import SamplingMetadata, listed_logprob_ids, top_k_logprobs
 
 # Per-row parameter columns: (name, dtype, value when unused).
 _COLUMNS: tuple[tuple[str, Any, float], ...] = (
@@ -118,6 +118,7 @@ class PersistentBatch:
             params.logit_bias
             or params.min_tokens
             or params.logprobs is not None
+            or params.logprob_token_ids
             or (generator is not None and not params.greedy)
         )
         cols = self.cols
@@ -300,7 +301,9 @@ class PersistentBatch:
         if ban[0]:
             meta.ban_rows = torch.tensor(ban[0], dtype=torch.int64, device=dev)
             meta.ban_cols = torch.tensor(ban[1], dtype=torch.int64, device=dev)
-        wanted = [k for k in num_logprobs if k is not None]
-        if wanted:
-            meta.max_num_logprobs = max(wanted)
+        if any(k is not None for k in num_logprobs):
+            if any(self.params[int(rows[i])].logprob_token_ids for i in which):
+                params = [self.params[int(row)] for row in rows]
+                meta.listed_ids, meta.num_listed = listed_logprob_ids(params, vocab, dev)
+            meta.max_num_logprobs = top_k_logprobs(num_logprobs, meta.num_listed)
             meta.num_logprobs = num_logprobs

@@ -55,8 +55,12 @@ class SamplingMetadata:
     # Tokens masked to -inf (EOS/stop ids of rows still below min_tokens).
     ban_rows: torch.Tensor | None
     ban_cols: torch.Tensor | None
-    max_num_logprobs: int | None  # None: nobody asked
+    max_num_logprobs: int | None  # None: nobody asked; else the top-k columns computed
     num_logprobs: list[int | None]  # per row
+    # vLLM's logprob_token_ids: rows that report listed ids instead of their top-k. The
+    # ids, padded with 0, [B, L]; and per row how many it listed (0: a top-k row).
+    listed_ids: torch.Tensor | None = None
+    num_listed: list[int] | None = None
 
 
 def _pad(rows: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
@@ -148,7 +152,7 @@ def build_sampling_metadata(
         ban_cols = torch.tensor(ban_c, dtype=torch.int64, device=device)
 
     num_logprobs = [p.logprobs for p in params]
-    wanted = [k for k in num_logprobs if k is not None]
+    listed_ids, num_listed = listed_logprob_ids(params, vocab_size, device)
     return SamplingMetadata(
         all_greedy=all_greedy,
         greedy_rows=greedy_rows,
@@ -168,9 +172,35 @@ def build_sampling_metadata(
         bias_values=bias_values,
         ban_rows=ban_rows,
         ban_cols=ban_cols,
-        max_num_logprobs=max(wanted) if wanted else None,
+        max_num_logprobs=top_k_logprobs(num_logprobs, num_listed),
         num_logprobs=num_logprobs,
+        listed_ids=listed_ids,
+        num_listed=num_listed,
     )
+
+
+def listed_logprob_ids(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """The rows' ``logprob_token_ids`` as one padded tensor and each row's count (ids the
+    logits do not cover are dropped: the frontend refuses them, a direct caller gets no
+    row for them rather than an engine fault)."""
+    if not any(p.logprob_token_ids for p in params):
+        return None, None
+    rows = [[t for t in p.logprob_token_ids or () if 0 <= t < vocab_size] for p in params]
+    return _pad(rows, 0).to(device), [len(r) for r in rows]
+
+
+def top_k_logprobs(
+    num_logprobs: Sequence[int | None], num_listed: Sequence[int] | None
+) -> int | None:
+    """How many top logprobs a step computes: the most a row without listed ids asked for
+    (0 when only listed rows asked); None when no row asked for any."""
+    if all(k is None for k in num_logprobs):
+        return None
+    listed = num_listed or [0] * len(num_logprobs)
+    wanted = [k for k, n in zip(num_logprobs, listed, strict=True) if k is not None and not n]
+    return max(wanted, default=0)
 
 
 @dataclass
@@ -184,8 +214,9 @@ class DeviceSample:
     """A step's sampled ids and logprob tensors, still on the device (nothing read)."""
 
     token_ids: torch.Tensor  # [B] long
-    logprob_ids: torch.Tensor | None  # [B, 1 + max logprobs]: sampled, then the top ones
-    logprobs: torch.Tensor | None  # [B, 1 + max logprobs]
+    # [B, 1 + max logprobs (+ L listed)]: sampled, the top ones, then any listed ids.
+    logprob_ids: torch.Tensor | None
+    logprobs: torch.Tensor | None
     ranks: torch.Tensor | None  # [B]: the sampled token's rank
 
 
@@ -239,7 +270,7 @@ class Sampler:
 
         if meta.max_num_logprobs is None:
             return DeviceSample(tokens, None, None, None)
-        ids, vals, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs)
+        ids, vals, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs, meta.listed_ids)
         return DeviceSample(tokens, ids, vals, ranks)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -351,37 +382,50 @@ def _top_p_among_candidates(
 
 
 def compute_logprobs(
-    raw_logits: torch.Tensor, tokens: torch.Tensor, k: int
+    raw_logits: torch.Tensor, tokens: torch.Tensor, k: int, listed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows ``[sampled, top-1..top-k]`` (ids, logprobs) from the raw model logits, and
-    the sampled token's rank; on the device."""
+    """Rows ``[sampled, top-1..top-k, listed...]`` (ids, logprobs) from the raw model
+    logits, and the sampled token's rank; on the device, so that the step's one copy
+    carries the listed ids' logprobs too."""
     logprobs = raw_logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs > sampled).sum(dim=-1) + 1
+    id_parts, val_parts = [tokens.unsqueeze(1)], [sampled]
     if k > 0:
         top_vals, top_ids = logprobs.topk(k, dim=-1)
-        ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
-        vals = torch.cat([sampled, top_vals], dim=1)
-    else:
-        ids, vals = tokens.unsqueeze(1), sampled
-    return ids, vals, ranks
+        id_parts.append(top_ids)
+        val_parts.append(top_vals)
+    if listed is not None:
+        id_parts.append(listed)
+        val_parts.append(logprobs.gather(1, listed))
+    if len(id_parts) == 1:
+        return id_parts[0], val_parts[0], ranks
+    return torch.cat(id_parts, dim=1), torch.cat(val_parts, dim=1), ranks
 
 
 def logprobs_lists(
     ids_l: list[list[int]], vals_l: list[list[float]], ranks_l: list[int], meta: SamplingMetadata
 ) -> LogprobsLists:
     """The read-back rows of :func:`compute_logprobs`, each cut to what its request asked
-    for; rows of requests that asked for none are empty lists with rank -1."""
+    for (the sampled token, then its top ones or its listed ids); rows of requests that
+    asked for none are empty lists with rank -1."""
     out_ids, out_vals, out_ranks = [], [], []
+    listed_from = 1 + (meta.max_num_logprobs or 0)
     for i, n in enumerate(meta.num_logprobs):
+        num_listed = meta.num_listed[i] if meta.num_listed else 0
         if n is None:
             out_ids.append([])
             out_vals.append([])
             out_ranks.append(-1)
+            continue
+        if num_listed:
+            cols = [0, *range(listed_from, listed_from + num_listed)]
+            out_ids.append([ids_l[i][c] for c in cols])
+            out_vals.append([vals_l[i][c] for c in cols])
         else:
             out_ids.append(ids_l[i][: n + 1])
             out_vals.append(vals_l[i][: n + 1])
-            out_ranks.append(ranks_l[i])
+        out_ranks.append(ranks_l[i])
     return LogprobsLists(
         logprob_token_ids=out_ids, logprobs=out_vals, sampled_token_ranks=out_ranks
     )

@@ -35,6 +35,8 @@ class ModelConfig(_Section):
     """Tokenizer directory; defaults to the checkpoint."""
     served_model_name: str | None = None
     """The model name clients use in API requests; defaults to the checkpoint path."""
+    served_model_aliases: list[str] = []
+    """Further names the model is served under (vLLM's ``--served-model-name`` with several names: the first is ``served_model_name``, the one responses and metrics report); ``/v1/models`` lists them all."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight and activation dtype; ``auto`` is float32 on CPU and, on CUDA, the checkpoint's half dtype (bfloat16 for float32 checkpoints and GGUF where the GPU has it, else float16)."""
     max_model_len: int | None = None

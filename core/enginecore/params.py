@@ -9,6 +9,9 @@ import msgspec
 from enginecore.errors import InvalidRequestError
 from enginecore.pooling import PoolingParams
 
+#: The most token ids one request's ``logprob_token_ids`` may list (vLLM's bound).
+MAX_LOGPROB_TOKEN_IDS = 128
+
 
 class StructuredOutputParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Constrain the output to a JSON schema, any JSON object, a regex, a choice, a grammar
@@ -79,11 +82,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
     # Set: a pooling request (embeddings), served by the ``pooling`` model runner. Its
     # one "token" is a placeholder; the pooled vector comes back instead.
     pooling: PoolingParams | None = None
+    # vLLM's ``logprob_token_ids``: each sampled position reports the logprobs of exactly
+    # these token ids (besides the sampled token's) instead of the top ``logprobs``. At
+    # most MAX_LOGPROB_TOKEN_IDS; ``logprobs``, left out, becomes their count.
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        problems = []
+        problems: list[str] = []
+        self._check_logprob_token_ids(problems)
         if self.n < 1:
             problems.append(f"n must be >= 1, got {self.n}")
         if self.temperature < 0.0:
@@ -116,6 +124,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, array_lik
             problems.append("stop strings must be non-empty")
         if problems:
             raise InvalidRequestError("invalid SamplingParams: " + "; ".join(problems))
+
+    def _check_logprob_token_ids(self, problems: list[str]) -> None:
+        listed = self.logprob_token_ids
+        if not listed:
+            self.logprob_token_ids = None  # vLLM: an empty list keeps the natural top-k
+            return
+        if len(listed) > MAX_LOGPROB_TOKEN_IDS:
+            problems.append(
+                f"Requested logprob_token_ids of length {len(listed)}, which is greater "
+                f"than max allowed: {MAX_LOGPROB_TOKEN_IDS}"
+            )
+        negative = [t for t in listed if t < 0]
+        if negative:
+            problems.append(
+                f"token_id(s) {negative[:20]} in logprob_token_ids contain out-of-vocab token ids"
+            )
+        if self.logprobs is None:
+            self.logprobs = len(listed)
+        elif self.logprobs != len(listed):
+            problems.append(
+                "When both logprobs and logprob_token_ids are set, logprobs must equal "
+                f"len(logprob_token_ids). Got logprobs={self.logprobs}, "
+                f"len(logprob_token_ids)={len(listed)}."
+            )
 
     @property
     def greedy(self) -> bool:

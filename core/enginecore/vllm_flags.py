@@ -76,6 +76,23 @@ def _structured_output_backend(value: str) -> list[str]:
     return ["--structured-output-backend", "xgrammar" if value == "auto" else value]
 
 
+def _structured_outputs_config(value: str) -> list[str]:
+    """vLLM's ``--structured-outputs-config '{"backend": ..., "disable_any_whitespace": ...}'``
+    (the successor of ``--guided-decoding-backend``)."""
+    spec = _json_object("--structured-outputs-config", value)
+    unknown = sorted(set(spec) - {"backend", "disable_any_whitespace"})
+    if unknown:
+        raise ConfigError(
+            f"--structured-outputs-config: {', '.join(unknown)} not supported here; the keys "
+            "read are backend (--structured-output-backend) and disable_any_whitespace "
+            "(--disable-any-whitespace)"
+        )
+    flags = _structured_output_backend(str(spec["backend"])) if "backend" in spec else []
+    if spec.get("disable_any_whitespace"):
+        flags.append("--disable-any-whitespace")
+    return flags
+
+
 def _kv_cache_dtype(value: str) -> list[str]:
     if value == "auto":
         return []
@@ -170,6 +187,7 @@ def _speculative_config(value: str) -> list[str]:
 WITH_VALUE: dict[str, Callable[[str], list[str]]] = {
     "--distributed-executor-backend": _executor,
     "--guided-decoding-backend": _structured_output_backend,
+    "--structured-outputs-config": _structured_outputs_config,
     "--kv-cache-dtype": _kv_cache_dtype,
     "--speculative-config": _speculative_config,
     "--max-model-len": _max_model_len,
@@ -180,12 +198,18 @@ WITH_VALUE: dict[str, Callable[[str], list[str]]] = {
 
 
 def _served_model_names(values: list[str]) -> list[str]:
-    if len(values) > 1:
+    """vLLM's several names: the first is the one reported, the others are aliases."""
+    if not values:
+        raise ConfigError("--served-model-name needs a value")
+    aliases = values[1:]
+    bad = [a for a in aliases if "," in a or a == values[0]]
+    if bad:
         raise ConfigError(
-            f"--served-model-name {' '.join(values)}: enginecore serves one name; give one "
-            f"(vLLM reports the first, --served-model-name {values[0]})"
+            f"--served-model-name {' '.join(values)}: a further name may not repeat the "
+            f"first or hold a comma ({', '.join(map(repr, bad))})"
         )
-    return ["--served-model-name", *values]
+    out = ["--served-model-name", values[0]]
+    return out + (["--served-model-aliases", ",".join(aliases)] if aliases else [])
 
 
 def translate(argv: Sequence[str]) -> list[str]:

@@ -106,6 +106,12 @@ class InputProcessor:
                     f"Token id {bad[0]} is out of vocabulary (prompt token ids {bad[:5]} are "
                     f"outside the vocabulary [0, {self.vocab_size}))"
                 )
+            listed = [t for t in params.logprob_token_ids or () if t >= self.vocab_size]
+            if listed:  # vLLM's words
+                raise InvalidRequestError(
+                    f"token_id(s) {listed[:20]} in logprob_token_ids contain out-of-vocab "
+                    f"token ids. Vocabulary size: {self.vocab_size}"
+                )
 
     def process(
         self,

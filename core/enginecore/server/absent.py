@@ -19,6 +19,14 @@ DEV_ROUTES = {
     "/reset_prefix_cache": "POST",
 }
 AUDIO_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations", "/v1/audio/speech")
+#: vLLM's other routes with no counterpart here, each with what a caller can use instead.
+UNSERVED_ROUTES = {
+    "/classify": "classification models are not supported (pooling models serve "
+    "/v1/embeddings, /score and /rerank)",
+    "/v1/messages": "Anthropic's Messages API is not served; use /v1/chat/completions",
+    "/start_profile": "profile with the trace_next_steps worker RPC (enginecore rpc; traces in --trace-dir)",
+    "/stop_profile": "profile with the trace_next_steps worker RPC (enginecore rpc; traces in --trace-dir)",
+}
 
 
 def dev_endpoints_on(server: ServerConfig) -> bool:
@@ -34,7 +42,8 @@ def _answer(status: int, message: str) -> object:
 
 
 def absent_router(server: ServerConfig) -> APIRouter:
-    """404s naming the flag for the control routes left off, 501s for audio."""
+    """404s naming the flag for the control routes left off, 501s for audio and vLLM's
+    other routes that have no counterpart here."""
     router = APIRouter()
     missing: list[tuple[dict[str, str], str]] = []
     if not server.enable_sleep_mode:
@@ -51,4 +60,6 @@ def absent_router(server: ServerConfig) -> APIRouter:
     for path in AUDIO_ROUTES:
         message = f"POST {path}: audio models are not supported; enginecore serves text models"
         router.add_api_route(path, _answer(501, message), methods=["POST"])  # type: ignore[arg-type]
+    for path, why in UNSERVED_ROUTES.items():
+        router.add_api_route(path, _answer(501, f"POST {path}: {why}"), methods=["POST"])  # type: ignore[arg-type]
     return router

@@ -37,6 +37,7 @@ from enginecore.server.sampling import (
     to_sampling_params,
     truncate_prompt,
 )
+from enginecore.server.stream_buffer import buffered
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -248,7 +249,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         search = beam_search_output(engine, request_id, prompt_ids, beam, body.n, body.priority)
         if body.stream:
             return StreamingResponse(
-                _stream(ctx, body, request_id, created, single(search), num_top, plan, reasoner),
+                _stream(
+                    ctx,
+                    body,
+                    request_id,
+                    created,
+                    single(search),
+                    prompt_ids,
+                    num_top,
+                    plan,
+                    reasoner,
+                ),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
@@ -270,8 +281,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         lora_request=lora,
     )
     if body.stream:
+        outputs = buffered(body, engine.stream(collector))
         stream = _stream(
-            ctx, body, request_id, created, engine.stream(collector), num_top, plan, reasoner
+            ctx, body, request_id, created, outputs, prompt_ids, num_top, plan, reasoner
         )
         return StreamingResponse(
             aborting_when_left(stream, engine, collector.request_id),
@@ -311,7 +323,11 @@ def _response(
         logprobs = None
         if num_top is not None and completion.logprobs is not None:
             logprobs = chat_logprobs(
-                completion.logprobs, num_top, ctx.engine.tokenizer, body.return_tokens_as_token_ids
+                completion.logprobs,
+                num_top,
+                ctx.engine.tokenizer,
+                body.return_tokens_as_token_ids,
+                body.logprob_token_ids,
             )
         reasoning, text = split_reasoning(reasoner, completion.text)
         reply, called = message(plan, text)
@@ -357,6 +373,7 @@ async def _stream(
     request_id: str,
     created: int,
     outputs: AsyncIterator[RequestOutput],
+    prompt_ids: list[int],
     num_top: int | None,
     plan: ToolPlan,
     reasoner: ReasoningParser | None = None,
@@ -373,16 +390,18 @@ async def _stream(
     prompt_tokens = completion_tokens = cached_tokens = 0
 
     def chunk(choice: dict[str, Any], **extra: Any) -> str:
-        # One choice per chunk, as OpenAI and vLLM stream them.
-        data = {**base, "choices": [choice], **extra}
+        # One choice per chunk, as OpenAI and vLLM stream them; vLLM's field order.
+        data = {**base, "choices": [choice]}
         if continuous_usage:
             data["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         elif include_usage:
             data["usage"] = None
-        return sse(data)
+        return sse({**data, **extra})
 
     try:
-        # The role comes first, for every choice, before any token is generated.
+        # The role comes first, for every choice, before any token is generated; with
+        # return_token_ids each role chunk carries the prompt's ids (vLLM sends them there).
+        role_extra = {"prompt_token_ids": prompt_ids} if body.return_token_ids else {}
         for i in range(body.n):
             yield chunk(
                 {
@@ -390,7 +409,8 @@ async def _stream(
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
-                }
+                },
+                **role_extra,
             )
         echo = _echo_text(body)
         if echo:
@@ -405,7 +425,6 @@ async def _stream(
                 )
         tool_streams = {i: plan.stream() for i in range(body.n)}
         reasoning_streams = {i: ChoiceReasoningStream(reasoner) for i in range(body.n)}
-        sent_prompt_ids = False
         async for output in outputs:
             prompt_tokens = len(output.prompt_token_ids)
             cached_tokens = output.num_cached_tokens
@@ -420,6 +439,7 @@ async def _stream(
                         num_top,
                         ctx.engine.tokenizer,
                         body.return_tokens_as_token_ids,
+                        body.logprob_token_ids,
                     )
                 tools = tool_streams[completion.index]
                 finished = completion.finish_reason is not None
@@ -438,13 +458,9 @@ async def _stream(
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 }
-                extra = {}
                 if body.return_token_ids:
                     choice["token_ids"] = completion.token_ids
-                    if not sent_prompt_ids:
-                        extra["prompt_token_ids"] = output.prompt_token_ids
-                        sent_prompt_ids = True
-                yield chunk(choice, **extra)
+                yield chunk(choice)
         if include_usage:
             final = usage(prompt_tokens, completion_tokens, cached_tokens)
             yield sse({**base, "choices": [], "usage": final})

@@ -31,6 +31,7 @@ from enginecore.server.sampling import (
     to_sampling_params,
     truncate_prompt,
 )
+from enginecore.server.stream_buffer import buffered
 from enginecore.server.streaming import (
     DONE,
     SSE_HEADERS,
@@ -134,6 +135,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if candidates != body.n:
         # Ranking needs each candidate's cumulative logprob, which logprobs=0 yields.
         logprobs = 0 if body.logprobs is None else body.logprobs
+        if params.logprob_token_ids:  # the listed ids' count already yields them
+            logprobs = len(params.logprob_token_ids)
         params = params.clone(n=candidates, logprobs=logprobs)
     prompt_logprobs = _prompt_logprobs(body)
     if prompt_logprobs is not None:
@@ -165,7 +168,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         engine.abort([c.request_id for c in collectors])
         raise
     if body.stream:
-        streams = [engine.stream(c) for c in collectors]
+        streams = [buffered(body, engine.stream(c)) for c in collectors]
         return StreamingResponse(
             _stream(ctx, body, request_id, created, streams),
             media_type="text/event-stream",
@@ -271,6 +274,7 @@ def _response(
                     ctx.engine.tokenizer,
                     len(prefix),
                     body.return_tokens_as_token_ids,
+                    body.logprob_token_ids,
                 )
             if echoed is not None:
                 logprobs = concat_logprobs(echoed, logprobs)
@@ -343,6 +347,7 @@ async def _stream(
                         engine.tokenizer,
                         start,
                         body.return_tokens_as_token_ids,
+                        body.logprob_token_ids,
                     )
                 if echoed is not None:
                     logprobs = concat_logprobs(echoed, logprobs)

@@ -30,7 +30,7 @@ class ServerContext:
             lora: LoRARequest | None = self.loras.adapters.get(requested)
             if lora is not None:
                 return lora
-        check_model(requested, self.model_name, self.model_path)
+        check_model(requested, self.model_name, self.model_path, self.model_aliases)
         return None
 
     def response_model(self, requested: str | None) -> str:
@@ -46,6 +46,11 @@ class ServerContext:
     @property
     def model_name(self) -> str:
         return self.config.model.served_model_name or self.config.model.path
+
+    @property
+    def model_aliases(self) -> list[str]:
+        """The further served names (vLLM's ``--served-model-name a b``: ``b``)."""
+        return list(self.config.model.served_model_aliases)
 
     @property
     def model_path(self) -> str:

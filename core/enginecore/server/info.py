@@ -77,22 +77,23 @@ async def list_models(request: Request) -> dict[str, Any]:
         "object": "list",
         "data": [
             {
-                "id": ctx.model_name,
+                "id": name,
                 "object": "model",
                 "created": _STARTED,
                 "owned_by": "enginecore",
                 "root": ctx.model_path,
                 "max_model_len": ctx.engine.max_model_len,
-            },
-            *(ctx.loras.model_cards(_STARTED) if ctx.loras is not None else []),
-        ],
+            }
+            for name in (ctx.model_name, *ctx.model_aliases)
+        ]
+        + (ctx.loras.model_cards(_STARTED) if ctx.loras is not None else []),
     }
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     ctx = context(request)
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     engine = ctx.engine
     if (body.prompt is None) == (body.messages is None):
         return error_response(400, "give exactly one of 'prompt' and 'messages'")
@@ -117,7 +118,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     ctx = context(request)
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     vocab = ctx.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:

@@ -25,10 +25,17 @@ def _token(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool = False) -> 
     return text
 
 
-def _sampled_and_top(entry: dict[int, Logprob], num_top: int) -> tuple[tuple[Any, ...], list[Any]]:
-    # The engine lists the sampled token first, then the top-N by rank.
+def _sampled_and_top(
+    entry: dict[int, Logprob], num_top: int, listed: list[int] | None = None
+) -> tuple[tuple[Any, ...], list[Any]]:
+    # The engine lists the sampled token first, then the top-N by rank. With ids listed
+    # in ``logprob_token_ids``, vLLM shows every entry: the sampled token, then the ids in
+    # the request's order.
     items = list(entry.items())
     sampled = items[0]
+    if listed:
+        rest = [(t, entry[t]) for t in dict.fromkeys(listed) if t in entry and t != sampled[0]]
+        return sampled, [sampled, *rest]
     top = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
     return sampled, top[:num_top]
 
@@ -39,16 +46,17 @@ def completion_logprobs(
     tokenizer: Any,
     text_offset: int = 0,
     as_ids: bool = False,
+    listed: list[int] | None = None,
 ) -> dict[str, Any]:
     """The ``/v1/completions`` shape: parallel lists, ``top_logprobs`` as dicts. Like
     OpenAI's, each ``top_logprobs`` dict holds the sampled token too when it is not among
-    the top N (N + 1 entries then)."""
+    the top N (N + 1 entries then); with ``listed`` ids, those instead of the top N."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
         if not entry:
             continue
-        (token_id, lp), top = _sampled_and_top(entry, num_top)
+        (token_id, lp), top = _sampled_and_top(entry, num_top, listed)
         text = _token(token_id, lp, tokenizer, as_ids)
         tokens.append(text)
         token_logprobs.append(_value(lp))
@@ -127,14 +135,20 @@ def _chat_item(token_id: int, lp: Logprob, tokenizer: Any, as_ids: bool) -> dict
 
 
 def chat_logprobs(
-    entries: list[dict[int, Logprob]], num_top: int, tokenizer: Any, as_ids: bool = False
+    entries: list[dict[int, Logprob]],
+    num_top: int,
+    tokenizer: Any,
+    as_ids: bool = False,
+    listed: list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``/v1/chat/completions`` shape: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    """The ``/v1/chat/completions`` shape: ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``; with ``listed`` ids (``logprob_token_ids``), ``top_logprobs`` holds
+    the sampled token and those ids, in the request's order (vLLM's)."""
     content = []
     for entry in entries:
         if not entry:
             continue
-        (token_id, lp), top = _sampled_and_top(entry, num_top)
+        (token_id, lp), top = _sampled_and_top(entry, num_top, listed)
         item = _chat_item(token_id, lp, tokenizer, as_ids)
         item["top_logprobs"] = [_chat_item(t, p, tokenizer, as_ids) for t, p in top]
         content.append(item)

@@ -54,7 +54,10 @@ class LoRAModels:
                 raise ConfigError(f"lora_modules entry {name!r}: {exc}") from None
 
     def add(self, name: str, path: str) -> LoRARequest:
-        if name in self.adapters or name == self.base_name:
+        if name in self.adapters or name in (
+            self.base_name,
+            *self.config.model.served_model_aliases,
+        ):
             raise LoRAAdapterError(f"a model named {name!r} is already served")
         check_adapter(path, self.config.lora.max_lora_rank)
         lora = LoRARequest(name, next(self._ids), path)

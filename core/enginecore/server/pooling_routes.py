@@ -176,7 +176,7 @@ async def _vectors(
     body: EmbeddingRequest, request: Request, task: Literal["embed", "encode"], prefix: str
 ) -> tuple[ServerContext, str, list[RequestOutput]]:
     ctx = context(request)
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     pooler = _check_pooling_model(ctx)
     try:
         pooler.check_dimensions(body.dimensions)
@@ -269,7 +269,7 @@ def _pairs(first: str | list[str], second: str | list[str]) -> list[tuple[str, s
 @router.post("/v1/score")
 async def create_score(body: ScoreRequest, request: Request) -> Response:
     ctx = context(request)
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     _check_pooling_model(ctx)
     pairs = _pairs(body.text_1, body.text_2)
     try:
@@ -287,7 +287,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v2/rerank")
 async def create_rerank(body: RerankRequest, request: Request) -> Response:
     ctx = context(request)
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     _check_pooling_model(ctx)
     if not body.documents:
         raise APIError(400, "documents must not be empty", param="documents")

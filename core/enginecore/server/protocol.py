@@ -35,6 +35,9 @@ class StreamOptions(_StrictBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM: every chunk carries the running ``usage``."""
+    min_characters: int | None = Field(default=None, ge=0)
+    """vLLM: hold streamed text back until at least this many characters are pending (the
+    last chunk of each choice sends whatever is left)."""
 
 
 class StructuredOutputs(_StrictBody):
@@ -114,6 +117,9 @@ class SamplingFields(_StrictBody):
     ``token_ids``)."""
     return_tokens_as_token_ids: bool = False
     """Logprob tokens as ``"token_id:N"`` (for tokens that are not valid text alone)."""
+    logprob_token_ids: list[int] | None = None
+    """vLLM: the logprobs of exactly these token ids at each generated position, instead
+    of the top ``logprobs``/``top_logprobs`` (which must still be set); at most 128."""
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only N of the prompt's tokens (-1: as many as ``max_model_len`` allows)."""
     truncation_side: Literal["left", "right"] | None = None

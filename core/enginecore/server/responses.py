@@ -299,7 +299,7 @@ def _response(
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     ctx = context(request)
     engine = ctx.engine
-    check_model(body.model, ctx.model_name, ctx.model_path)
+    check_model(body.model, ctx.model_name, ctx.model_path, ctx.model_aliases)
     _check_unsupported(body, ctx.limits.reasoning_parser)
     history: list[dict[str, str]] = []
     store = _store(request)

@@ -7,7 +7,7 @@ from typing import Any
 
 from enginecore.config import ServerConfig
 from enginecore.errors import InvalidRequestError
-from enginecore.params import SamplingParams, StructuredOutputParams
+from enginecore.params import MAX_LOGPROB_TOKEN_IDS, SamplingParams, StructuredOutputParams
 from enginecore.server.client_quota import current_client
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import SamplingFields
@@ -16,10 +16,12 @@ from enginecore.server.protocol import SamplingFields
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
-def check_model(requested: str | None, served: str, path: str) -> None:
-    """A request may name the served model (or its path), or leave ``model`` out; any other
-    name is a 404, as OpenAI and vLLM answer it."""
-    if requested is not None and requested not in (served, path):
+def check_model(
+    requested: str | None, served: str, path: str, aliases: tuple[str, ...] | list[str] = ()
+) -> None:
+    """A request may name the served model (by any of its served names, or its path), or
+    leave ``model`` out; any other name is a 404, as OpenAI and vLLM answer it."""
+    if requested is not None and requested not in (served, path, *aliases):
         raise APIError(
             404,
             f"the model {requested!r} does not exist; this server serves {served!r}",
@@ -146,6 +148,34 @@ def structured_output(req: SamplingFields) -> StructuredOutputParams | None:
         raise APIError(400, str(exc), param=param) from None
 
 
+def listed_logprob_ids(req: SamplingFields, logprobs: int | None, vocab_size: int) -> list[int]:
+    """vLLM's ``logprob_token_ids``, checked in vLLM's words (an empty list: none)."""
+    listed = req.logprob_token_ids or []
+    if not listed:
+        return []
+    param = "logprob_token_ids"
+    if req.use_beam_search:
+        raise APIError(400, "`logprob_token_ids` is not supported with beam search.", param=param)
+    if logprobs is None:
+        raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set.", param=param)
+    if len(listed) > MAX_LOGPROB_TOKEN_IDS:
+        raise APIError(
+            400,
+            f"Requested logprob_token_ids of length {len(listed)}, which is greater than max "
+            f"allowed: {MAX_LOGPROB_TOKEN_IDS}",
+            param=param,
+        )
+    outside = [t for t in listed if not 0 <= t < vocab_size]
+    if outside:
+        raise APIError(
+            400,
+            f"token_id(s) {outside[:20]} in logprob_token_ids contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}",
+            param=param,
+        )
+    return listed
+
+
 def to_sampling_params(
     req: SamplingFields,
     limits: ServerConfig,
@@ -176,6 +206,11 @@ def to_sampling_params(
             )
         max_tokens = limit if max_tokens is None else max_tokens
     logprobs = resolve_logprobs(logprobs, limits, vocab_size, "logprobs")
+    optional: dict[str, Any] = {}
+    listed = listed_logprob_ids(req, logprobs, vocab_size)
+    if listed:  # the listed ids take the place of the top ones
+        optional["logprob_token_ids"] = listed
+        logprobs = None
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", param="seed")
     if req.stop_token_ids:
@@ -186,7 +221,6 @@ def to_sampling_params(
     admitted = current_client.get()
     if admitted is not None:  # the client's rank, for the fair_share policy (not the body's)
         extra["client_rank"] = admitted[1]
-    optional: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is None:
