@@ -4,16 +4,13 @@
   without stop strings or logprobs through a fast path: the request outputs, the text and
   the iteration statistics must be those of the general path, for every output kind and
   for the samples of an ``n > 1`` request.
-- The ``uni`` executor runs the worker inline (in the engine's thread) when one batch is
-  in flight at a time, and on its own thread with async scheduling; a blocking call with
-  a timeout still times out, and the next call waits for it.
+- On a CPU the model runner hands its step arrays to the model as they are (the host
+  staging copy is a GPU's): the greedy tokens are those of the staged path.
 """
 
 from __future__ import annotations
 
 import random
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -24,7 +21,6 @@ from enginecore.metrics.iteration import IterationStatsBuilder
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from enginecore.request import FinishReason
-from enginecore.testing.executor_contract import ExecutorContract
 
 TOKENIZER = make_tokenizer(1024)
 STEPS = 24
@@ -118,42 +114,32 @@ def test_plain_steps_fold_as_the_general_path_folds_them() -> None:
     assert final["final"].outputs[0].text  # detokenized along the fast path too
 
 
-class _SyncUni(ExecutorContract):
-    executor = "uni"
-    config_overrides = {"async_scheduling": False}
+def _greedy_outputs(tiny_llama: Any, model_refs: Any, stage_on_host: bool) -> dict[str, list[int]]:
+    from test_model_runner import PROMPTS, driver_for, make_runner
+
+    import enginecore_models.model_runner as model_runner_module
+    from enginecore.staging import StagingBuffer
+
+    class Staged(StagingBuffer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["stage_on_host"] = stage_on_host
+            super().__init__(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner_module, "StagingBuffer", Staged)
+        runner = make_runner(tiny_llama, model_refs)
+        # A budget that splits the longest prompt: chunks that sample nothing, then decodes.
+        driver = driver_for(runner, budget=24)
+        for name, prompt in PROMPTS.items():
+            driver.add(name, prompt, max_tokens=6)
+        outputs = driver.run()
+        assert all(not buf.direct for buf in runner._staging.values()) is stage_on_host
+    return outputs
 
 
-class _AsyncUni(ExecutorContract):
-    executor = "uni"
-    config_overrides = {"async_scheduling": True}
+def test_the_cpu_step_reads_its_arrays_as_the_staged_path_copies_them(tiny_llama, model_refs):
+    from test_model_runner import PROMPTS, hf_greedy
 
-
-def _thread_of(worker: Any) -> int:
-    return threading.get_ident()
-
-
-def _sleep(worker: Any, seconds: float) -> float:
-    time.sleep(seconds)
-    return time.monotonic()
-
-
-def _now(worker: Any) -> float:
-    return time.monotonic()
-
-
-@pytest.mark.parametrize(("contract", "inline"), [(_SyncUni, True), (_AsyncUni, False)])
-def test_uni_runs_the_step_inline_unless_batches_overlap(contract, inline) -> None:
-    executor = contract.make_executor()
-    try:
-        step = executor.collective_rpc(_thread_of, non_block=True, unique_reply_rank=0)
-        assert (step.result(timeout=30) == threading.get_ident()) is inline
-        assert executor.max_concurrent_batches == (1 if inline else 2)
-        # A timed blocking call still times out; the next call runs once it has ended.
-        started = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"timed out after 0\.2 s"):
-            executor.collective_rpc(_sleep, args=(1.0,), timeout=0.2)
-        assert time.monotonic() - started < 0.9
-        after = executor.collective_rpc(_now, unique_reply_rank=0)
-        assert after - started >= 1.0
-    finally:
-        executor.shutdown()
+    direct = _greedy_outputs(tiny_llama, model_refs, stage_on_host=False)
+    assert direct == _greedy_outputs(tiny_llama, model_refs, stage_on_host=True)
+    assert direct == {name: hf_greedy(tiny_llama, p, 6) for name, p in PROMPTS.items()}

@@ -16,67 +16,22 @@ from enginecore_executors.rpc import check_reply_rank, method_name
 __all__ = ["RankError", "UniProcExecutor", "method_name"]
 
 
-class _Inline:
-    """``ThreadPoolExecutor``'s ``submit`` and ``shutdown``, running each call at once in
-    the calling thread: with one batch at a time nothing overlaps the worker, and a
-    thread hand-off per call (two per step) only adds the wake-ups' latency.
-
-    A blocking call with a timeout runs on a side thread instead (:meth:`submit_timed`),
-    so that its caller can stop waiting; the next call waits for it to end, so calls
-    still apply in order."""
-
-    def __init__(self) -> None:
-        self._side: ThreadPoolExecutor | None = None
-        self._running: Future[Any] | None = None  # a timed call its caller gave up on
-
-    def _wait_for_timed(self) -> None:
-        running, self._running = self._running, None
-        if running is not None:
-            running.exception()  # its caller was told of the timeout; nothing to raise
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        self._wait_for_timed()
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as exc:  # delivered by result(), as from a thread
-            future.set_exception(exc)
-        return future
-
-    def submit_timed(self, fn: Callable[..., Any]) -> Future[Any]:
-        self._wait_for_timed()
-        if self._side is None:
-            self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
-        self._running = self._side.submit(fn)
-        return self._running
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        if self._side is not None:
-            self._side.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-
 class UniProcExecutor(Executor):
-    """Runs the worker in this process. With async scheduling, ``non_block`` calls run on
-    one background thread (torch releases the GIL in its kernels), so the engine can
-    schedule the next batch while this one computes; otherwise every call runs inline, in
-    the engine's thread."""
+    """Runs the worker in this process. ``non_block`` calls run on one background thread
+    (torch releases the GIL in its kernels), so the engine can schedule the next batch
+    while this one computes."""
 
     gathers_all_ranks = False  # one local worker (external_launcher: one rank of many)
 
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
-        self._thread: ThreadPoolExecutor | _Inline = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
-            if self.max_concurrent_batches > 1
-            else _Inline()
-        )
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
         self.worker = self._build_worker(plugin_host)
-        # Every torch call runs on the one worker thread (inline: the engine's thread),
-        # loading included: with libgomp, a second thread that has ever run an OpenMP
-        # region keeps its own thread team, and two teams on the same cores make every
-        # later parallel region sleep and wake instead of spinning (small ops in a decode
-        # step ran up to 10x slower).
+        # Every torch call runs on the one worker thread, loading included: with libgomp,
+        # a second thread that has ever run an OpenMP region keeps its own thread team,
+        # and two teams on the same cores make every later parallel region sleep and wake
+        # instead of spinning (small ops in a decode step ran up to 10x slower).
         self._thread.submit(self._start_worker).result()
 
     def _start_worker(self) -> None:
@@ -117,10 +72,7 @@ class UniProcExecutor(Executor):
             return self._thread.submit(call)
         # Blocking calls still go through the thread, so they queue behind in-flight work
         # in order instead of racing it.
-        if timeout is not None and isinstance(self._thread, _Inline):
-            future = self._thread.submit_timed(call)
-        else:
-            future = self._thread.submit(call)
+        future = self._thread.submit(call)
         try:
             return future.result(timeout)
         except FutureTimeout:
