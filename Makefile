@@ -29,7 +29,7 @@ lint: install
 	# Dead code: what vulture reports is removed; vulture_whitelist.py lists only names
 	# that are used from outside Python's view (hooks, entry points, protocol fields).
 	$(VENV)/bin/vulture
-	# Types: the package enginecore is checked strictly (pyproject's [tool.mypy]).
+	# Types: enginecore and the built-in distributions are checked strictly (pyproject's [tool.mypy]).
 	$(VENV)/bin/mypy
 	# Layering: the contracts of pyproject's [tool.importlinter].
 	$(VENV)/bin/lint-imports

@@ -30,7 +30,9 @@ is right and how fast it is.
 7. LoRA (also in ``--quick``): three PEFT adapters of different ranks and targets plus the
    base model in one batch on ``tiny``, float32, through the ``triton`` backend (its
    Triton shrink/expand kernels) and the ``torch`` backend (the torch kernels): greedy
-   agreement with transformers + PEFT per adapter.
+   agreement with transformers + PEFT per adapter, with CUDA graphs on: the decode steps
+   replay graphs captured with the dense LoRA kernels (``enginecore.lora.graph_inputs``),
+   and the stage fails when none replayed.
 
 ``--cpu-smoke`` runs every stage on the CPU with small shapes (the ``torch`` attention
 backend, the kernels under ``TRITON_INTERPRET=1``, a scaled-down copy of the 1B shape), so
@@ -544,6 +546,7 @@ def lora(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
     from enginecore import LLM, SamplingParams
     from enginecore.lora import LoRARequest
     from enginecore.lora.random_adapter import make_random_adapter
+    from enginecore_models.cuda_graphs import REPLAYED
 
     path = make_checkpoint(root, "tiny")
     shapes = [(8, ("q_proj", "v_proj")), (16, ("q_proj", "k_proj", "o_proj", "up_proj")),
@@ -576,12 +579,15 @@ def lora(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
             got = llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], params, lora_request=per_prompt
             )
+            counts = llm.collective_rpc(_graph_counts)[0]
+        if not setup.smoke and not counts.get(REPLAYED):
+            raise RuntimeError(f"LoRA ({backend}): no decode step replayed a CUDA graph: {counts}")
         diffs = [
             first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)
         ]
         report["lora"].append(
             {"backend": backend, "equal": sum(d is None for d in diffs), "of": len(diffs),
-             "first_difference": diffs}
+             "first_difference": diffs, "graph_steps": counts}
         )  # fmt: skip
         gc.collect()
         if not setup.smoke:
@@ -658,7 +664,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report.get("lora", []):
         lines.append(
             f"LoRA (tiny, fp32, 3 adapters + base, {r['backend']}): greedy = transformers + "
-            f"PEFT on {r['equal']}/{r['of']} prompts, first differences {r['first_difference']}"
+            f"PEFT on {r['equal']}/{r['of']} prompts, first differences {r['first_difference']}; "
+            f"steps {r['graph_steps']}"
         )
     return "\n".join(lines)
 

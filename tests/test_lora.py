@@ -19,6 +19,7 @@ from enginecore.config import make_config
 from enginecore.errors import ConfigError, InvalidRequestError
 from enginecore.lora import LoRARequest
 from enginecore.lora.random_adapter import make_random_adapter
+from enginecore.lora_request import LoRALoadReport
 
 pytest.importorskip("peft")
 
@@ -231,10 +232,16 @@ def test_scheduler_admits_at_most_max_loras_adapters_per_step() -> None:
                 lora_request=loras[i % 3] if i < 5 else None,
             )
         )
+    # No adapter is read yet: the base request runs, the others wait and ask for reads.
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"5"}
+    assert {lora.lora_int_id for lora in out.lora_loads} == {1, 2, 3}
+    sched.lora_admission.apply(LoRALoadReport(loaded=[1, 2, 3]))
     out = sched.schedule()
     ids = {r.lora_request.lora_int_id for r in sched.running if r.lora_request}
     assert len(ids) == 2
     assert set(out.num_scheduled_tokens) == {"0", "1", "3", "4", "5"}
+    assert out.lora_loads == []
     stats = sched.make_stats()
     assert stats.running_lora_adapters == {"a0": 2, "a1": 2}
     assert stats.waiting_lora_adapters == {"a2": 1}

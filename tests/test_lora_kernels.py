@@ -1,6 +1,7 @@
-"""The LoRA kernels: the Triton shrink/expand (run by Triton's interpreter on the CPU)
-equal the torch reference, and the reference equals the per-token formula, for a batch
-that mixes several adapters, tokens without one, and fused projections' stacked slices.
+"""The LoRA kernels: the Triton shrink/expand (run by Triton's interpreter on the CPU),
+the torch reference and the dense kernels CUDA graphs replay equal the per-token
+formula, for a batch that mixes several adapters, tokens without one, and fused
+projections' stacked slices.
 
 The Triton half runs in a fresh process with ``TRITON_INTERPRET=1``: the interpreter is
 chosen when ``triton.language`` is imported, which another test module may have done.
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from enginecore.lora.dense_kernels import DenseLoRAKernels
 from enginecore.lora.mapping import build_mapping
 from enginecore.lora.torch_kernels import TorchLoRAKernels
 
@@ -33,7 +35,8 @@ def batch(dtype: torch.dtype):
     t = int(lens.sum())
     x = torch.randn(t, IN, generator=gen).to(dtype)
     a = torch.randn(SLOTS, WIDTH, IN, generator=gen).to(dtype)
-    b = torch.randn(SLOTS, OUT, WIDTH, generator=gen).to(dtype)
+    # Slot-minor, as LoRALayer keeps B: [SLOTS, OUT, WIDTH] seen through a permute.
+    b = torch.randn(OUT, SLOTS, WIDTH, generator=gen).to(dtype).permute(1, 0, 2)
     y = torch.randn(t, OUT, generator=gen).to(dtype)
     return mapping, x, a, b, y, np.repeat(slots, lens)
 
@@ -64,6 +67,12 @@ def check_kernels(kernels, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_kernels_equal_the_formula(dtype) -> None:
     check_kernels(TorchLoRAKernels(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_kernels_equal_the_formula(dtype) -> None:
+    """The kernels CUDA graphs replay (every slot computed, masked per token)."""
+    check_kernels(DenseLoRAKernels(), dtype)
 
 
 def test_triton_kernels_equal_the_formula_under_the_interpreter() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import random
+import shutil
 
 import httpx
 import openai
@@ -123,6 +124,18 @@ def test_serve_lora_modules_interleaved_and_loaded_at_run_time(tiny_llama, tmp_p
             url + "/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": str(tmp_path)}
         )
         assert bad.status_code == 400 and "adapter_config.json" in bad.text
+        # One whose config and header pass but whose tensors the engine cannot take: the
+        # load answers once the engine has tried to read it, with the engine's reason.
+        broken = tmp_path / "broken"
+        shutil.copytree(paths["c"], broken)
+        config = broken / "adapter_config.json"
+        config.write_text(config.read_text().replace('"r": 4', '"r": 2'))
+        bad = httpx.post(
+            url + "/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": str(broken)}
+        )
+        assert bad.status_code == 400, bad.text
+        assert "'e'" in bad.text and str(broken) in bad.text and "rank r=2" in bad.text
+        assert "e" not in {m.id for m in client.models.list().data}
         metrics = httpx.get(url + "/metrics").text
         info = [
             line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")

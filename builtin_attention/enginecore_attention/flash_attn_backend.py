@@ -68,7 +68,7 @@ class FlashAttnBackend(TritonAttentionBackend):
         cu_k = torch.zeros_like(meta.query_start_loc)
         torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
         window = (-1, -1) if layer.sliding_window is None else (layer.sliding_window - 1, 0)
-        return self.varlen(
+        out: torch.Tensor = self.varlen(
             query,
             kv_cache[0],
             kv_cache[1],
@@ -82,3 +82,4 @@ class FlashAttnBackend(TritonAttentionBackend):
             softcap=layer.logits_soft_cap or 0.0,
             block_table=meta.block_table,
         )
+        return out

@@ -465,7 +465,7 @@ def paged_attention(
         )
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device: make it the tensors' one."""
     if (
         device.type == "cuda"
@@ -495,8 +495,10 @@ def _launch_attention(
     num_q_tiles = num_tokens // tiles.block_q + num_reqs
     # Decided from the arguments alone, never from max_seq_len: a CUDA graph captured on short
     # sequences is replayed on longer ones.
-    use_window = sliding_window is not None and sliding_window > 0
-    use_soft_cap = logits_soft_cap is not None and logits_soft_cap > 0
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    soft_cap = logits_soft_cap if logits_soft_cap is not None and logits_soft_cap > 0 else 0.0
+    use_window = window > 0
+    use_soft_cap = soft_cap > 0
     # Triton's interpreter multiplies bf16 operands of tl.dot as their raw 16-bit patterns, so
     # there the bf16 tiles are widened first. Products of bf16 values are exact in fp32, so this
     # matches what the GPU computes up to summation order.
@@ -534,8 +536,8 @@ def _launch_attention(
         head_size,
         kv_cache.shape[2],
         float(scale),
-        float(logits_soft_cap) if use_soft_cap else 0.0,
-        int(sliding_window) if use_window else 0,
+        float(soft_cap),
+        int(window),
         GROUP=tiles.group,
         GROUP_PAD=tiles.group_pad,
         BLOCK_Q=tiles.block_q,
@@ -607,8 +609,8 @@ def default_kv_splits(
     target = 2 * _multiprocessor_count(query.device.index)
     if num_programs >= target:
         return 1
-    by_length = triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT)
-    by_occupancy = triton.cdiv(target, num_programs)
+    by_length = int(triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT))
+    by_occupancy = int(triton.cdiv(target, num_programs))
     return max(1, min(_MAX_KV_SPLITS, by_length, by_occupancy))
 
 

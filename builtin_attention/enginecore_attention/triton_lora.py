@@ -63,7 +63,9 @@ def _bgmv(
     rows = mapping.sorted_rows
     if rows.numel() == 0:
         return
-    x, w = x.contiguous(), w.contiguous()
+    x = x.contiguous()
+    if w.stride(2) != 1:  # the kernel walks k contiguously; slot and row strides are free
+        w = w.contiguous()
     n_cols, k_dim = w.shape[1], w.shape[2]
     block_n = min(64, triton.next_power_of_2(n_cols))
     block_k = min(128, triton.next_power_of_2(k_dim))

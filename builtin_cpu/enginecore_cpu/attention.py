@@ -165,6 +165,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         if not self._mirrored:
             return super().attend_decodes(layer, query, key, value, kv_cache, metadata)
+        assert self.mirror is not None  # a mirrored step has its mirror
         return self.mirror.attend(query, key, value, kv_cache, layer.scale, layer.sliding_window)
 
     def attend_prefills(

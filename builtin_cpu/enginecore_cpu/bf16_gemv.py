@@ -29,7 +29,7 @@ ENV_SWITCH = "ENGINECORE_BF16_GEMV"
 KERNEL_MAX_ROWS = 8
 
 _P, _I64 = c_void_p, c_int64
-_SIGNATURE = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, c_int]
+_SIGNATURE = (_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, c_int)
 
 
 def cpu_has_avx512_bf16() -> bool:

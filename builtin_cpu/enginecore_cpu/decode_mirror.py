@@ -144,7 +144,8 @@ class DecodeMirror:
         keep = len(self.rows)
         used = max(self.row_len, default=0)
         grown = []
-        for old in self.layers or [None] * self.num_layers:
+        olds: Sequence[torch.Tensor | None] = self.layers or [None] * self.num_layers
+        for old in olds:
             new = zeroed((2, new_r, h, new_t + _T_PAD, d), self.dtype, self.device)
             if old is not None and keep and used:
                 new[:, :keep, :, :used] = old[:, :keep, :, :used]
@@ -277,6 +278,7 @@ class DecodeMirror:
     ) -> torch.Tensor:
         """Decode attention for the first ``num_rows`` tokens (one per row, in row order)."""
         step = self.step
+        assert step is not None  # set for the step being run
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
         _, _, h, cap, d = layer.shape

@@ -169,7 +169,8 @@ class FusedDecodeStep:
     # --- recording --------------------------------------------------------------------
 
     def _record(self, model: Any, kv_caches: list[torch.Tensor]) -> _Model:
-        stack = getattr(model, "model", None)
+        # The decoder stack, read by its declared block's layout (a backend names no model class).
+        stack: Any = getattr(model, "model", None)
         block = declared_block(stack)
         if block is None:
             raise Unsupported(f"{type(model).__name__} declares no fused decode block")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +36,12 @@ from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     RowParallelLinear,
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
+from enginecore.layers.weights import set_weight_attrs
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
 
@@ -80,8 +82,10 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
+        if not isinstance(layer, LinearBase):
+            raise TypeError(f"{self.name} makes the weights of linear layers, not {layer!r}")
         super().create_weights(layer, input_size, output_size, dtype)
-        float_loader = layer.weight.weight_loader
+        float_loader = layer.weight_loader  # the loader the parent class gave the weight
 
         def weight_loader(param: torch.Tensor, loaded: Any, shard: Any = None) -> None:
             if isinstance(loaded, QuantizedTensor):
@@ -91,15 +95,15 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             else:
                 float_loader(param, loaded, shard)
 
-        layer.weight.weight_loader = weight_loader
+        set_weight_attrs(layer.weight, {"weight_loader": weight_loader})
 
     def _load_blocks(
         self,
-        layer: nn.Module,
+        layer: LinearBase,
         param: torch.Tensor,
         loaded: QuantizedTensor,
         shard: Any,
-        float_loader,
+        float_loader: Callable[..., None],
     ) -> None:
         if isinstance(layer, RowParallelLinear) and layer.parallel.tp_size > 1:
             # A split of the input dimension cuts through blocks' rows: keep it in float.
@@ -114,24 +118,26 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
+        weight = cast(torch.Tensor, layer.weight)
         covered = sum(p.shape[0] for p in parts.values())
-        if parts and (kernels is None or covered != layer.weight.shape[0]):
+        if parts and (kernels is None or covered != weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float.
             for first, part in parts.items():
-                layer.weight.data[first : first + part.shape[0]] = dequantized_part(part)
+                weight.data[first : first + part.shape[0]] = dequantized_part(part)
             parts = {}
         if not parts and self._int8_wanted(layer, kernels):
-            parts = {0: per_channel_q8(layer.weight.data)}
+            parts = {0: per_channel_q8(weight.data)}
         if parts:
+            assert kernels is not None  # blocks are kept only where the kernels loaded
             merged = _merged(parts)
             setattr(layer, _BLOCKS, merged)
-            if self._afford(layer.weight.numel() * layer.weight.element_size()):
+            if self._afford(weight.numel() * weight.element_size()):
                 # Many-row steps (prefill) compute on a float32 copy, packed as a float
                 # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
                 # It is written straight into the column-major layout the float path
                 # keeps, which the parent class then finds in place (one copy, not two).
-                out, k = layer.weight.shape
-                dense = torch.empty(k, out, dtype=layer.weight.dtype).t()
+                out, k = weight.shape
+                dense = torch.empty(k, out, dtype=weight.dtype).t()
                 for first, part in merged:
                     values = _dequantize_with(kernels, part)
                     # 64 rows at a time: torch's transposing copy of a whole matrix runs
@@ -139,13 +145,13 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                     for row in range(0, part.shape[0], 64):
                         tile = values[row : row + 64]
                         dense[first + row : first + row + tile.shape[0]] = tile
-                layer.weight.data = dense
+                weight.data = dense
                 super().process_weights_after_loading(layer)
             else:
-                layer.weight.data = torch.empty(0)  # never filled: the blocks replace it
+                weight.data = torch.empty(0)  # never filled: the blocks replace it
             return
         super().process_weights_after_loading(layer)
-        weight = layer.weight
+        weight = cast(torch.Tensor, layer.weight)
         if (
             isinstance(layer, VocabParallelEmbedding)
             and kernels is not None
@@ -154,7 +160,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         ):
             setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
 
-    def _int8_wanted(self, layer: nn.Module, kernels: Any) -> bool:
+    def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
         return (
             self.config is not None
@@ -170,7 +176,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
-        if blocks is None or (_many_rows(x) and layer.weight.numel()):
+        if blocks is None or (_many_rows(x) and cast(torch.Tensor, layer.weight).numel()):
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)
 
@@ -178,23 +184,32 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         if getattr(layer, _BLOCKS, None) is not None and not (
-            _many_rows(x) and layer.weight.numel()
+            _many_rows(x) and cast(torch.Tensor, layer.weight).numel()
         ):
             return None
         return super().apply_silu_and_mul(layer, x, bias)
 
 
-def _needs_kquant(part: Part) -> bool:
+def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
     """Whether ``kquant_kernels`` multiplies ``part`` (Q5_K, Q6_K; Q4_K is ``quant_kernels``')."""
     return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
 
 
-def _dequantize_with(kernels: Any, part: Part) -> torch.Tensor:
+def _dequantize_with(kernels: quant_kernels.QuantKernels, part: Part) -> torch.Tensor:
     if isinstance(part, BlockWeight):
-        return kernels.dequantize(part.bits, part.qs, part.d, part.m)
+        values: torch.Tensor = kernels.dequantize(part.bits, part.qs, part.d, part.m)
+        return values
     if part.fmt == "Q4_K":
-        return kernels.dequantize_q4_k(part)
-    return kquant_kernels.load().dequantize_k(part)
+        values = kernels.dequantize_q4_k(part)
+        return values
+    return _kquant().dequantize_k(part)
+
+
+def _kquant() -> kquant_kernels.KQuantKernels:
+    """The 5- and 6-bit kernels: a layer keeps such blocks only where they loaded."""
+    kernels = kquant_kernels.load()
+    assert kernels is not None
+    return kernels
 
 
 def _many_rows(x: torch.Tensor) -> bool:
@@ -206,6 +221,7 @@ def blocks_linear(
 ) -> torch.Tensor:
     """``x W^T + b`` for W given as row ranges of blocks."""
     kernels = quant_kernels.load()
+    assert kernels is not None  # a layer keeps blocks only where the kernels loaded
     k = blocks[0][1].shape[1]
     n = sum(part.shape[0] for _, part in blocks)
     rows = x.reshape(-1, k)
@@ -224,7 +240,7 @@ def blocks_linear(
             if _needs_kquant(part):
                 if acts is None:
                     acts = kernels.quantize_rows(rows)
-                kquant_kernels.load().gemm_k(acts, part, target)
+                _kquant().gemm_k(acts, part, target)
             else:
                 kernels.linear(rows, part, target)
     if bias is not None:
@@ -239,13 +255,12 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
     merged: list[tuple[int, Part]] = []
     for first in sorted(parts):
         part = parts[first]
+        start, prev = merged[-1] if merged else (first, None)
         if (
-            merged
-            and isinstance(part, KQuantWeight)
-            and isinstance(merged[-1][1], KQuantWeight)
-            and merged[-1][1].fmt == part.fmt
+            isinstance(part, KQuantWeight)
+            and isinstance(prev, KQuantWeight)
+            and prev.fmt == part.fmt
         ):
-            start, prev = merged[-1]
             merged[-1] = (
                 start,
                 KQuantWeight(
@@ -256,12 +271,10 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
                 ),
             )
         elif (
-            merged
-            and isinstance(part, BlockWeight)
-            and isinstance(merged[-1][1], BlockWeight)
-            and merged[-1][1].kind == part.kind
+            isinstance(part, BlockWeight)
+            and isinstance(prev, BlockWeight)
+            and prev.kind == part.kind
         ):
-            start, prev = merged[-1]
             rows = prev.shape[0] + part.shape[0]
             merged[-1] = (
                 start,

@@ -54,7 +54,9 @@ def keep_freed_memory() -> bool:
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    taken = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    taken: bool = (
+        mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    )
     if not taken:
         logger.info("mallopt refused the thresholds; freed memory goes back to the OS")
     return taken

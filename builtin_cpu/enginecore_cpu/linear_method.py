@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import psutil
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from enginecore.config import EngineConfig
 from enginecore.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from enginecore.layers.linear import UnquantizedLinearMethod
+from enginecore.layers.linear import MergedColumnParallelLinear, UnquantizedLinearMethod
 from enginecore_cpu import bf16_gemv, cpu_kernels, packed_gemm, panel_gemm
 from enginecore_cpu.host_memory import keep_freed_memory
 
@@ -102,7 +103,7 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         return True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = layer.weight
+        weight = cast(torch.Tensor, layer.weight)
         if weight.device.type != "cpu":
             return
         # A head tied to the embedding keeps the rows its lookup wants; a bfloat16 weight
@@ -119,7 +120,7 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
                 weight.data = weight.data.float().t().contiguous().t()
             else:
                 weight.data = weight.data.t().contiguous().t()
-        if getattr(layer, "gated", False):
+        if isinstance(layer, MergedColumnParallelLinear) and layer.gated:
             setattr(weight, panel_gemm.GATED_HALF, layer.local_sizes[0])
         extra = packed_gemm.packed_bytes([weight])
         if extra and self._afford(extra):
@@ -128,9 +129,9 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return project(x, layer.weight, bias)
+        return project(x, cast(torch.Tensor, layer.weight), bias)
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        return project_silu_and_mul(x, layer.weight, bias)
+        return project_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)

@@ -195,12 +195,13 @@ def pack_weights(weights: list[torch.Tensor]) -> int:
     a weight that no longer qualifies loses it."""
     if panel_gemm.preferred():
         kernels = load_cpu_kernels()
+        assert kernels is not None  # preferred() means they loaded
         for weight in weights:
-            packed = None
+            panel: panel_gemm.PanelWeight | None = None
             if panel_gemm.eligible(weight):
                 half = panel_gemm.gated_half(weight)
-                packed = panel_gemm.PanelWeight(kernels, weight, half)
-            setattr(weight, _ATTR, packed)
+                panel = panel_gemm.PanelWeight(kernels, weight, half)
+            setattr(weight, _ATTR, panel)
         return sum(getattr(weight, _ATTR) is not None for weight in weights)
     lib = mkl()
     count = 0

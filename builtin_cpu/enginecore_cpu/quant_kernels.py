@@ -30,7 +30,7 @@ _SIGNATURES = {
     "ecq_dequantize_q8": [_I64, _I64, _P, _P, _P],
     "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
 }
-_LINEAR_SIGNATURE = [ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
+_LINEAR_SIGNATURE = (ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64)
 # What ``ecq_linear`` multiplies: 8-bit blocks, 4-bit ones with float32 or float16 scales,
 # Q4_K's (the others read past a weight's scales)
 _LINEAR_KINDS = frozenset({8, 4, Q4_HALF_SCALES, Q4_K_KIND})

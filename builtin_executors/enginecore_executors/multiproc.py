@@ -66,7 +66,7 @@ WORKER_MODULE = "enginecore_executors.mp_worker"
 
 @dataclass
 class _PendingCall:
-    future: Future
+    future: Future[Any]
     method: str
     reply_rank: int | None
     remaining: set[int]
@@ -87,7 +87,7 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+def _settle(future: Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
     try:
         if error is not None:
             future.set_exception(error)
@@ -97,7 +97,7 @@ def _settle(future: Future, *, result: Any = None, error: BaseException | None =
         pass  # already settled (e.g. failed by the monitor first)
 
 
-def _kill_all(procs: list[subprocess.Popen], grace: float) -> None:
+def _kill_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
     """Stop every worker process: wait ``grace`` s, then SIGTERM, then SIGKILL."""
     deadline = time.monotonic() + grace
     for proc in procs:
@@ -133,7 +133,7 @@ class MultiprocExecutor(CallGate, Executor):
         self._dead: str | None = None
         self._dead_rank: int | None = None
         self._closing = False
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.pids: list[int] = []
         self._dir = make_runtime_dir("mp-")  # mode 0700
         self._ctx = zmq.Context()
@@ -193,6 +193,7 @@ class MultiprocExecutor(CallGate, Executor):
                 process_group=0,
             )
             self.procs.append(proc)
+            assert proc.stdin is not None  # stdin=PIPE
             proc.stdin.write(pickle.dumps(boot, protocol=5))
             proc.stdin.close()
         self._wait_until_ready()
@@ -238,13 +239,13 @@ class MultiprocExecutor(CallGate, Executor):
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-    ) -> list[Any] | Any | Future:
+    ) -> list[Any] | Any | Future[Any]:
         name = self._admit_call(method, unique_reply_rank)
-        future: Future = Future()
+        future: Future[Any] = Future()
         with self._lock:
             call_id = self._next_call_id
             self._next_call_id += 1
@@ -369,7 +370,7 @@ class MultiprocExecutor(CallGate, Executor):
         )
         return message, rank
 
-    def _fail(self, rank: int, proc: subprocess.Popen) -> None:
+    def _fail(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self._declare_dead(describe_exit(rank, proc.pid, proc.returncode), rank)
 
     def _declare_dead(self, message: str, rank: int) -> None:

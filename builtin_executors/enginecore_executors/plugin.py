@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import enginecore
+from enginecore.registry import Registry
 
 
 @enginecore.hookimpl(trylast=True)
-def register_executors(registry) -> None:
+def register_executors(registry: Registry[Any]) -> None:
     registry.add(
         "uni",
         "enginecore_executors.uniproc:UniProcExecutor",
@@ -30,7 +33,7 @@ def register_executors(registry) -> None:
 
 
 @enginecore.hookimpl(trylast=True)
-def register_worker_rpcs(registry) -> None:
+def register_worker_rpcs(registry: Registry[Any]) -> None:
     from enginecore_executors.debug_rpcs import DEBUG_RPCS
 
     for name, (attr, summary) in DEBUG_RPCS.items():

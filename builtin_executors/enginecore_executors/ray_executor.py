@@ -24,6 +24,7 @@ Ray is an optional dependency: ``pip install 'enginecore[ray]'``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 
@@ -82,7 +83,7 @@ class RayWorkerActor:
 
         from enginecore.distributed import free_loopback_port
 
-        ip = ray.util.get_node_ip_address()
+        ip: str = ray.util.get_node_ip_address()
         if ip in ("127.0.0.1", "localhost"):
             return ip, free_loopback_port()
         import socket
@@ -94,9 +95,10 @@ class RayWorkerActor:
     def node_ip(self) -> str:
         import ray
 
-        return ray.util.get_node_ip_address()
+        ip: str = ray.util.get_node_ip_address()
+        return ip
 
-    def start(self, config_bytes: bytes, spec_bytes: bytes, init_method: str) -> tuple:
+    def start(self, config_bytes: bytes, spec_bytes: bytes, init_method: str) -> tuple[Any, ...]:
         """Build, join the process group, load weights. Returns ``(ok, pid or error)``."""
         from enginecore.config import EngineConfig
         from enginecore.interfaces import WorkerSpec
@@ -163,7 +165,7 @@ def _actor_class(ray: Any) -> Any:
     concurrency group, so the default group stays serial and keeps calls in order."""
 
     class EngineCoreRankActor(RayWorkerActor):
-        @ray.method(concurrency_group="monitor")
+        @ray.method(concurrency_group="monitor")  # type: ignore[untyped-decorator]  # ray: Any here (optional)
         def wait_forever(self) -> None:
             self._forever.wait()
 
@@ -175,22 +177,22 @@ _BROKEN_COLLECTIVE = ("Connection reset by peer", "Connection closed by peer", "
 
 
 def _combine(
-    futures: list[Future],
+    futures: list[Future[Any]],
     reply_rank: int | None,
     name: str,
-    on_death: Callable,
+    on_death: Callable[..., Any],
     on_error: Callable[[int, str, str], BaseException],
-) -> Future:
+) -> Future[Any]:
     """One Future over every rank's Future: results by rank, or the first rank error."""
-    combined: Future = Future()
+    combined: Future[Any] = Future()
     results: dict[int, Any] = {}
     lock = threading.Lock()
 
-    def settle(fn: Callable, value: Any) -> None:
+    def settle(fn: Callable[..., Any], value: Any) -> None:
         with contextlib.suppress(InvalidStateError):
             fn(value)
 
-    def done(rank: int, fut: Future) -> None:
+    def done(rank: int, fut: Future[Any]) -> None:
         try:
             ok, payload = fut.result()
         except Exception as exc:  # the actor died (RayActorError) or the task failed
@@ -216,11 +218,11 @@ def _combine(
             settle(combined.set_result, value)
 
     for rank, fut in enumerate(futures):
-        fut.add_done_callback(lambda f, r=rank: done(r, f))
+        fut.add_done_callback(functools.partial(done, rank))
     return combined
 
 
-def _copy_outcome(source: Future, target: Future) -> None:
+def _copy_outcome(source: Future[Any], target: Future[Any]) -> None:
     with contextlib.suppress(InvalidStateError):
         if source.exception() is not None:
             target.set_exception(source.exception())
@@ -245,7 +247,7 @@ class RayExecutor(CallGate, Executor):
         self._closing = False
         self._dead: str | None = None
         self._dead_rank: int | None = None
-        self._pending: set[Future] = set()
+        self._pending: set[Future[Any]] = set()
         self._lock = threading.Lock()
         self._started_ray = False
         self.actors: list[Any] = []
@@ -253,7 +255,7 @@ class RayExecutor(CallGate, Executor):
         self.node_ips: list[str] = []
         self.placement: Placement | None = None
         # execute_model's scheduler output and Future, held until sample_tokens sends both.
-        self._held_step: tuple[SchedulerOutput, Future] | None = None
+        self._held_step: tuple[SchedulerOutput, Future[Any]] | None = None
         if not ray.is_initialized():
             if par.ray_address:
                 ray.init(address=par.ray_address, log_to_driver=True)
@@ -341,11 +343,11 @@ class RayExecutor(CallGate, Executor):
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-    ) -> list[Any] | Any | Future:
+    ) -> list[Any] | Any | Future[Any]:
         self._send_held_step()
         return self._submit("call", method, args, kwargs, non_block, unique_reply_rank, timeout)
 
@@ -353,7 +355,7 @@ class RayExecutor(CallGate, Executor):
         self,
         actor_method: str,
         method: str | Callable[..., Any],
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
@@ -385,23 +387,45 @@ class RayExecutor(CallGate, Executor):
 
     # --- the step: one Ray round -------------------------------------------------------------
 
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[Any]: ...
+
+    @overload
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput | None: ...
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future | None:
+    ) -> ModelRunnerOutput | Future[Any] | None:
         """Held (non_block) until ``sample_tokens``, which sends both as one ``step``."""
         self._send_held_step()
         if not non_block:
             return super().execute_model(scheduler_output)
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._held_step = (scheduler_output, future)
         return future
 
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[True]
+    ) -> Future[Any]: ...
+
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[False] = ...
+    ) -> ModelRunnerOutput: ...
+
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
+    ) -> ModelRunnerOutput | Future[Any]:
         held, self._held_step = self._held_step, None
         if held is None:
-            return super().sample_tokens(grammar_output, non_block)
+            if non_block:
+                return super().sample_tokens(grammar_output, True)
+            return super().sample_tokens(grammar_output)
         scheduler_output, executed = held
         aggregator = self.kv_output_aggregator  # every rank's KV transfers count
         step = self._submit(
@@ -411,9 +435,9 @@ class RayExecutor(CallGate, Executor):
             non_block=True,
             unique_reply_rank=None if aggregator else self.output_rank,
         )
-        sampled: Future = Future()
+        sampled: Future[Any] = Future()
 
-        def split(done: Future) -> None:
+        def split(done: Future[Any]) -> None:
             error = done.exception()
             with contextlib.suppress(InvalidStateError):
                 if error is not None:
@@ -440,7 +464,7 @@ class RayExecutor(CallGate, Executor):
         sent = super().execute_model(scheduler_output, non_block=True)
         sent.add_done_callback(lambda done: _copy_outcome(done, executed))
 
-    def _forget(self, future: Future) -> None:
+    def _forget(self, future: Future[Any]) -> None:
         with self._lock:
             self._pending.discard(future)
 

@@ -93,7 +93,7 @@ def describe_exit(rank: int, pid: int, code: int | None) -> str:
 def encode_call(
     call_id: int,
     method: str | Callable[..., Any],
-    args: tuple,
+    args: tuple[Any, ...],
     kwargs: dict[str, Any] | None,
     reply_rank: int | None,
 ) -> bytes:
@@ -108,10 +108,11 @@ def decode_call(data: bytes) -> tuple[int, Any, bytes, int | None]:
     """``(call_id, method, payload, reply_rank)``; the payload and a callable method are
     unpickled by :func:`load_call` (inside the rank's error handling: a closure that
     cannot be unpickled on a rank is that call's error, not the rank's death)."""
-    return pickle.loads(data)
+    call: tuple[int, Any, bytes, int | None] = pickle.loads(data)
+    return call
 
 
-def load_call(method: Any, payload: bytes) -> tuple[Any, tuple, dict[str, Any]]:
+def load_call(method: Any, payload: bytes) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     if isinstance(method, tuple) and method and method[0] == _CALLABLE_TAG:
         method = pickle.loads(method[1])
     args, kwargs = pickle.loads(payload)
@@ -127,4 +128,5 @@ def encode_reply(call_id: int, rank: int, ok: bool, payload: Any) -> bytes:
 
 
 def decode_reply(data: bytes) -> tuple[int, int, bool, Any]:
-    return pickle.loads(data)
+    reply: tuple[int, int, bool, Any] = pickle.loads(data)
+    return reply

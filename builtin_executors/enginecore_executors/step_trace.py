@@ -24,9 +24,13 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from enginecore.runner_output import ModelRunnerOutput
+    from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 
 #: Bounds on the trace directory: files kept (the oldest go first).
 MAX_TRACE_FILES = 32
@@ -138,11 +142,11 @@ class StepTracer:
         self._written = 0
         self._lock = threading.Lock()
 
-    def execute_model(self, scheduler_output: Any) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         self._flush_pending()  # a step whose sample_tokens never came (a non-last PP rank)
         started = time.time()
         t0 = time.perf_counter()
-        result = self.worker.model_runner.execute_model(scheduler_output)
+        result: ModelRunnerOutput | None = self.worker.model_runner.execute_model(scheduler_output)
         self._pending = {
             "rank": self.rank,
             "step": self._done,
@@ -161,9 +165,9 @@ class StepTracer:
         data = to_jsonable(scheduler_output)
         return data if self.contents or not isinstance(data, dict) else redact_contents(data)
 
-    def sample_tokens(self, grammar_output: Any) -> Any:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        result = self.worker.model_runner.sample_tokens(grammar_output)
+        result: ModelRunnerOutput = self.worker.model_runner.sample_tokens(grammar_output)
         if self._pending is not None:
             self._pending["sample_tokens_s"] = time.perf_counter() - t0
             self._flush_pending()

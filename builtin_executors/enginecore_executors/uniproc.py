@@ -52,11 +52,11 @@ class UniProcExecutor(Executor):
         self,
         method: str | Callable[..., Any],
         timeout: float | None = None,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         non_block: bool = False,
         unique_reply_rank: int | None = None,
-    ) -> list[Any] | Any | Future:
+    ) -> list[Any] | Any | Future[Any]:
         check_reply_rank(unique_reply_rank, self.config.parallel.world_size)
         fn = self.worker.resolve_method(method)
         kwargs = kwargs or {}

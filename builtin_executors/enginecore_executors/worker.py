@@ -11,11 +11,11 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from enginecore.config import EngineConfig
+from enginecore.config import EngineConfig, ParallelConfig
 from enginecore.distributed import (
     SINGLE_RANK,
     ParallelContext,
@@ -37,6 +37,9 @@ from enginecore_executors.devices import (
     replica_cpu_cores,
 )
 from enginecore_executors.rpc_watchdog import call_within
+
+if TYPE_CHECKING:
+    from enginecore_executors.step_trace import StepTracer
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def resolve_device(config: EngineConfig, local_rank: int = 0, replica: int = 0) 
 BURST_MIN_PREFILL_TOKENS = 512
 
 
-def cpu_threads_per_rank(par: Any, reserve: bool = True) -> int:
+def cpu_threads_per_rank(par: ParallelConfig, reserve: bool = True) -> int:
     """Torch threads for one CPU rank: the cores this process may run on, less those
     reserved for the frontend (unless ``reserve`` is false), shared by the ranks on this
     host.
@@ -90,6 +93,9 @@ def prefill_tokens(scheduler_output: SchedulerOutput) -> int:
 
 
 class Worker(WorkerABC):
+    # The interface's Worker always has a runner; this one has it after load_model.
+    model_runner: ModelRunner
+
     def __init__(
         self,
         config: EngineConfig,
@@ -109,15 +115,13 @@ class Worker(WorkerABC):
         self.plugin_host = plugin_host
         self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
-        # The interface's Worker always has a runner; this one has it after load_model.
-        self.model_runner: ModelRunner | None = None  # type: ignore[assignment]
         self._rpcs: dict[str, Callable[..., Any]] = {}
         # CPU torch threads (set by init_device): per step, and for large prefill steps,
         # which borrow the cores reserved for the frontend (0: never).
         self.step_threads = 0
         self.burst_threads = 0
         # Set by the trace_next_steps worker RPC (a StepTracer) for the next N steps.
-        self.step_tracer: Any = None
+        self.step_tracer: StepTracer | None = None
         # This rank's local data-parallel replica (its devices and cores are that replica's).
         self.replica = local_replica_index()
 
@@ -304,7 +308,11 @@ class Worker(WorkerABC):
     # --- RPC dispatch -------------------------------------------------------------------
 
     def call_registered_rpc(
-        self, name: str, limit: float, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self,
+        name: str,
+        limit: float,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """The registered worker RPC ``name``, abandoned after ``limit`` seconds (see
         :mod:`enginecore_executors.rpc_watchdog`): a hung one never holds the worker."""
@@ -316,7 +324,8 @@ class Worker(WorkerABC):
         if callable(method):
             return lambda *a, **kw: method(self, *a, **kw)
         if not method.startswith("_") and callable(getattr(self, method, None)):
-            return getattr(self, method)
+            bound: Callable[..., Any] = getattr(self, method)
+            return bound
         fn = self._rpcs.get(method)
         if fn is None and method in self.worker_spec.worker_rpc_refs:
             fn = self._rpcs[method] = import_ref(self.worker_spec.worker_rpc_refs[method])

@@ -238,7 +238,7 @@ def _check_weight(bits: int, qs: Tensor, d: Tensor, m: Tensor) -> None:
         raise ValueError("block weights must be contiguous")
 
 
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device: make it the tensors' one."""
     if (
         device.type == "cuda"

@@ -18,6 +18,7 @@ the weight out in a float dtype, which would move more bytes than a half copy of
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from enginecore.layers.linear import (
     quantized_shard_rows,
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
+from enginecore.layers.weights import set_weight_attrs
 
 BLOCKS_ATTR = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
@@ -67,6 +69,8 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
     ) -> None:
+        if not isinstance(layer, LinearBase):
+            raise TypeError(f"{self.name} makes the weights of linear layers, not {layer!r}")
         # The float weight is made only when a float shard arrives: a layer loaded as blocks
         # never holds it, so loading a quantized model does not peak at the float model's
         # size. Until then the parameter is one element seen at the weight's shape.
@@ -86,15 +90,15 @@ class GGUFTritonLinearMethod(UnquantizedLinearMethod):
             else:
                 float_loader(param, loaded, shard)
 
-        weight.weight_loader = weight_loader
+        set_weight_attrs(weight, {"weight_loader": weight_loader})
 
     def _load_blocks(
         self,
-        layer: nn.Module,
+        layer: LinearBase,
         param: torch.Tensor,
         loaded: QuantizedTensor,
         shard: Any,
-        float_loader,
+        float_loader: Callable[..., None],
     ) -> None:
         if isinstance(layer, RowParallelLinear) and layer.parallel.tp_size > 1:
             # A split of the input dimension cuts through blocks' rows: keep it in float.
@@ -174,7 +178,7 @@ def blocks_linear(
     return out.view(*x.shape[:-1], n)
 
 
-def _materialize(layer: nn.Module) -> None:
+def _materialize(layer: LinearBase) -> None:
     """Give the float weight its own memory where it is still the one-element placeholder
     (or was dropped for blocks, before a reload)."""
     weight = layer.weight

@@ -16,6 +16,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class KVLayout:
     def shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def header(self) -> dict:
+    def header(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype}
 
 

@@ -217,7 +217,7 @@ class BlockServer:
         stats = self.stats
         stats.rejected_frames += 1
         try:
-            peer = first.get("Peer-Address")
+            peer = str(first.get("Peer-Address"))
         except zmq.ZMQError:
             peer = "unknown"
         if peer not in stats.logged_peers:

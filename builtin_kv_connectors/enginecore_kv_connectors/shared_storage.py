@@ -189,8 +189,9 @@ class SharedStorageScheduler(KVConnectorScheduler):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
-            if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
-                tracked.block_ids.extend(cached.new_block_ids[i])
+            new_block_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+            if new_block_ids:
+                tracked.block_ids.extend(new_block_ids)
             computed_before[req_id] = cached.num_computed_tokens[i]
         saves = []
         if self.saves_enabled:
@@ -246,8 +247,8 @@ class SharedStorageWorker(KVConnectorWorker):
         self.kv_caches: list[torch.Tensor] = []
         self.layout: KVLayout | None = None
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-shared-storage")
-        self._loads: dict[str, Future] = {}
-        self._writes: dict[str, list[Future]] = {}  # per request, until reported
+        self._loads: dict[str, Future[set[int]]] = {}
+        self._writes: dict[str, list[Future[None]]] = {}  # per request, until reported
         self._finished: set[str] = set()  # finished requests whose writes may be pending
         self._invalid_blocks: set[int] = set()
         self._failures: dict[str, str] = {}
@@ -332,15 +333,15 @@ class SharedStorageWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         done_recving = set()
-        for req_id, future in list(self._loads.items()):
-            if future.done():
+        for req_id, load in list(self._loads.items()):
+            if load.done():
                 del self._loads[req_id]
                 done_recving.add(req_id)
-                exc = future.exception()
+                exc = load.exception()
                 if exc is not None:
                     self._failures[req_id] = f"loading KV blocks failed: {exc!r}"
                 else:
-                    self._invalid_blocks |= future.result()
+                    self._invalid_blocks |= load.result()
         self._finished |= finished_req_ids & set(self._writes)
         done_sending = set()
         for req_id in list(self._writes):

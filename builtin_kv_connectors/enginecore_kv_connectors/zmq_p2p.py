@@ -323,7 +323,7 @@ class ZmqP2PWorker(KVConnectorWorker):
             )
         self.context = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-zmq-p2p-fetch")
-        self._fetches: dict[str, Future] = {}
+        self._fetches: dict[str, Future[None]] = {}
         self._lock = threading.Lock()
         self._invalid_blocks: set[int] = set()
         self._failures: dict[str, str] = {}
@@ -353,9 +353,9 @@ class ZmqP2PWorker(KVConnectorWorker):
             if self.server is None:
                 raise RuntimeError("a kv_consumer instance was asked to serve KV blocks")
             self.server.hold(job)
-        for job in metadata.fetches:
-            self._first_block[job.req_id] = job.block_ids[0]
-            self._fetches[job.req_id] = self._pool.submit(self._fetch, job)
+        for fetch in metadata.fetches:
+            self._first_block[fetch.req_id] = fetch.block_ids[0]
+            self._fetches[fetch.req_id] = self._pool.submit(self._fetch, fetch)
 
     def _fetch(self, job: FetchJob) -> None:
         socket = self.context.socket(zmq.DEALER)

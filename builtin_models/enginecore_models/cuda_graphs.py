@@ -9,7 +9,10 @@ refilling the static inputs in place: token ids, positions and the attention bac
 metadata, which a graph-capable backend keeps in persistent buffers.
 
 Graphs are used only with a backend that declares ``cuda_graphs``, one rank (no
-collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off. A
+collectives inside a graph) and no KV connector; ``enforce_eager`` turns them off. With
+LoRA each bucket gets a second graph whose projections add the adapters' delta through
+``enginecore.lora.graph_inputs`` (dense kernels over a persistent per-row slot buffer);
+a step with an adapter token replays that one, a step without replays the plain one. A
 module that cannot be captured says why through ``cuda_graph_blocker()`` (an MoE layer
 whose experts group tokens on the host, ``layers/moe.py``): then the model runs eager and
 the reason is logged.
@@ -33,6 +36,7 @@ reports):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from typing import Any
@@ -42,6 +46,7 @@ import torch
 
 from enginecore.layers.attention import AttentionBatch, AttentionContext
 from enginecore.layers.rotary import RotaryEmbedding
+from enginecore.lora.graph_inputs import LoRAGraphInputs
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +102,6 @@ def graphs_apply(runner: Any) -> bool:
         and not runner.worker_spec.kv_connector_ref
         # Graphs replay one block table; KV cache groups have one per group.
         and len(runner.kv_cache_group_windows) == 1
-        # Adapter slots change between steps; graphs would replay the captured mapping.
-        and getattr(runner, "lora", None) is None
     )
 
 
@@ -111,7 +114,10 @@ class DecodeGraphs:
         dev = runner.device
         self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (rows, with LoRA) -> graph and its output
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        lora = getattr(runner, "lora", None)
+        self.lora = LoRAGraphInputs(lora.state, top, dev) if lora is not None else None
         self.pool = torch.cuda.graph_pool_handle()
         self.counts: Counter[str] = Counter()  # steps replayed, and eager by reason
 
@@ -140,29 +146,40 @@ class DecodeGraphs:
     def capture(self) -> None:
         runner, backend = self.runner, self.runner.attn_backend
         torch.cuda.synchronize(runner.device)
+        variants = (False, True) if self.lora is not None else (False,)
         for size in reversed(self.sizes):  # largest first: smaller ones reuse its pool
             ctx = AttentionContext(backend, backend.build_metadata(self._padded(None, size)))
             ids, pos = self.ids[:size], self.positions[:size]
-            for _ in range(2):  # warm up (autotuning, lazy allocations) outside the graph
-                runner._forward(ids, pos, self.kv_caches, ctx)
-            torch.cuda.synchronize(runner.device)
-            # Per-step caches keyed on the (static) positions tensor were filled by the
-            # warm-up, outside the graph: drop them so the graph computes its own.
-            for module in runner.model.modules():
-                if isinstance(module, RotaryEmbedding):
-                    module.forget_step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = runner._forward(ids, pos, self.kv_caches, ctx)
-            self.graphs[size] = (graph, out)
+            for with_lora in variants:
+                with self._lora_capture(size, with_lora):
+                    for _ in range(2):  # warm up (autotuning, lazy allocations) outside
+                        runner._forward(ids, pos, self.kv_caches, ctx)
+                    torch.cuda.synchronize(runner.device)
+                    # Per-step caches keyed on the (static) positions tensor were filled
+                    # by the warm-up, outside the graph: drop them so the graph computes
+                    # its own.
+                    for module in runner.model.modules():
+                        if isinstance(module, RotaryEmbedding):
+                            module.forget_step()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = runner._forward(ids, pos, self.kv_caches, ctx)
+                self.graphs[(size, with_lora)] = (graph, out)
         torch.cuda.synchronize(runner.device)
+
+    def _lora_capture(self, size: int, with_lora: bool) -> contextlib.AbstractContextManager[None]:
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.capturing(size, with_lora)
 
     def handles(self, batch: AttentionBatch) -> bool:
         size, outcome = step_graph_plan(batch, self.sizes)
         self.counts[outcome] += 1
         return size is not None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> Any:
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
         n = len(batch.query_lens)
         size, _ = step_graph_plan(batch, self.sizes)
         assert size is not None, "run() follows handles()"
@@ -172,7 +189,8 @@ class DecodeGraphs:
         if size > n:
             self.ids[n:size].zero_()
             self.positions[n:size].zero_()
-        graph, out = self.graphs[size]
+        with_lora = self.lora is not None and self.lora.fill(size)
+        graph, out = self.graphs[(size, with_lora)]
         graph.replay()
         return out[:n]
 

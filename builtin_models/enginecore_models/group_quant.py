@@ -94,7 +94,9 @@ def _unpack(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     return out.reshape(rows, cols * 8)
 
 
-def _values(name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig):
+def _values(
+    name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [out, in], scales [out, groups], zeros [out, groups]) of one weight."""
     for needed in ("qweight", "qzeros", "scales"):
         if needed not in parts:
@@ -126,7 +128,9 @@ def _values(name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig):
     return q.t(), scales.t(), zeros.t().float()
 
 
-def _weight(name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig, blocks: bool):
+def _weight(
+    name: str, parts: dict[str, torch.Tensor], qc: GroupQuantConfig, blocks: bool
+) -> torch.Tensor | QuantizedTensor:
     q, scales, zeros = _values(name, parts, qc)
     k = q.shape[1]
     per_block = k // scales.shape[1] // BLOCK

@@ -14,7 +14,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from enginecore.lora.manager import LoRAManager
 from enginecore.params import SamplingParams
 from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
-from enginecore.scheduler_output import SchedulerOutput
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore.staging import DeviceEvents, HostCopy, StagingBuffer
 from enginecore.worker_component_errors import build_worker_component
 from enginecore_models.block_table import BlockTable
@@ -79,6 +79,14 @@ from enginecore_models.weight_loader import (
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@runtime_checkable
+class HasLogitsHead(Protocol):
+    """A model that computes logits says with which weight (its LM head or the tied
+    embedding), so that weight is prepared with the linear layers."""
+
+    def logits_head(self) -> VocabParallelEmbedding: ...
 
 
 @dataclass
@@ -259,11 +267,13 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.config, path, self.hf_config, self.device.type, self.dtype, refs
         )
 
-    def _weighted_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def _weighted_layers(self, model: torch.nn.Module) -> list[LinearBase | VocabParallelEmbedding]:
         """The linear layers, and the LM head where this stage computes logits (a head
         tied to the embedding is the embedding)."""
-        layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-        if self.parallel.is_last_pp_rank and hasattr(model, "logits_head"):
+        layers: list[LinearBase | VocabParallelEmbedding] = [
+            m for m in model.modules() if isinstance(m, LinearBase)
+        ]
+        if self.parallel.is_last_pp_rank and isinstance(model, HasLogitsHead):
             head = model.logits_head()
             if isinstance(head, VocabParallelEmbedding):
                 layers.append(head)
@@ -321,6 +331,12 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self._set_attention_backend()  # its spec counts cache tensors and groups
         windows = self.kv_cache_group_windows
         return None if windows == [None] else list(windows)
+
+    def _backend(self) -> AttentionBackend:
+        """The attention backend; only an encoder-only model runs without one."""
+        if self.attn_backend is None:
+            raise RuntimeError("this model runs without an attention backend (an encoder)")
+        return self.attn_backend
 
     def _set_attention_backend(self) -> None:
         self.attn_backend = self._make_attention_backend(self.model)
@@ -380,9 +396,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     # --- memory and KV cache ----------------------------------------------------------
 
     def get_kv_cache_block_bytes(self) -> int:
-        spec = self.attn_backend.spec
+        spec = self._backend().spec
         elem = torch.empty((), dtype=self.dtype).element_size()
-        shape = self.attn_backend.kv_cache_shape(1)
+        shape = self._backend().kv_cache_shape(1)
         return int(np.prod(shape)) * elem * spec.num_layers
 
     @torch.inference_mode()
@@ -404,7 +420,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             return cache_cfg.kv_cache_bytes
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_reserved(self.device) + self.attn_backend.workspace_bytes()
+        peak = torch.cuda.max_memory_reserved(self.device) + self._backend().workspace_bytes()
         if graphs_apply(self):
             peak += measure_graph_memory(self)
         # Memory used outside this process's torch allocator (other processes, NCCL).
@@ -419,7 +435,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         lens = [per_req] * (total // per_req) + ([total % per_req] if total % per_req else [])
         ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        ctx = AttentionContext(self.attn_backend, self.attn_backend.build_profile_metadata(lens))
+        ctx = AttentionContext(self._backend(), self._backend().build_profile_metadata(lens))
         hidden = self._forward(ids, positions, None, ctx)
         if self.parallel.is_last_pp_rank:
             # Every verified draft position needs its own row of logits.
@@ -432,7 +448,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         del hidden
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        tensors = self.attn_backend.allocate_kv_cache(num_blocks)
+        tensors = self._backend().allocate_kv_cache(num_blocks)
         if len(self.kv_cache_group_windows) > 1:
             tensors = [tensors[slot] for slot in self._layer_slots]  # one entry per layer
         self.kv_caches = tensors
@@ -440,8 +456,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
-        elif self.lora is None:  # a whole-step kernel knows nothing of adapters
-            self.fused_decode = self.attn_backend.fused_decode(self.model, self.kv_caches)
+        elif self.lora is None:  # one foreign call for the step: no point to add a delta
+            self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
@@ -538,8 +554,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 if by_group:
                     for table, ids in zip(tables, by_group, strict=True):
                         table.append(req_id, ids)
-            elif i < num_ids and new_ids[i]:
-                self.block_table.append(req_id, new_ids[i])
+            elif i < num_ids and (appended := new_ids[i]):
+                self.block_table.append(req_id, appended)
             if i < num_counts:
                 state.num_computed_tokens = num_computed[i]
             if i < num_token_lists and cached.new_token_ids[i]:
@@ -550,10 +566,18 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
 
     # --- the step -------------------------------------------------------------------
 
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        output = super().sample_tokens(grammar_output)
+        if self.lora is not None:
+            output.lora_report = self.lora.take_report()  # adapters read since the last step
+        return output
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
         self._update_states(so)
+        if self.lora is not None:
+            self.lora.start_loads(so.lora_loads)  # reads run off the step
         bridge = self.kv_connector
         if bridge is not None:
             bridge.begin_step(so)
@@ -580,7 +604,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             decodes = [r for r in decodes if r not in fresh]
         if decodes:
             view = _BatchView(self.requests, self.block_table)
-            decodes = self.attn_backend.order_decodes(decodes, view)
+            decodes = self._backend().order_decodes(decodes, view)
         order = decodes + prefills
         num_reqs = len(order)
 
@@ -708,8 +732,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 sample_rows.extend(range(cu, cu + n))
                 cu += n
                 sampled.append(i)
-                # Drafts come only from a drafter, which makes verify a list.
-                verify.append(drafts)  # type: ignore[union-attr]
+                if verify is None:  # drafts come only from a drafter, which makes verify a list
+                    raise EngineCoreError(f"request {state.req_id!r}: drafts without a drafter")
+                verify.append(drafts)
                 continue
             if end > len(state.token_ids):
                 raise EngineCoreError(
@@ -752,13 +777,14 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
-            hidden = self.fused_decode.run(ids_t, pos_t, batch)
+            fused: torch.Tensor = self.fused_decode.run(ids_t, pos_t, batch)
+            hidden = fused
         else:
-            meta = self.attn_backend.build_metadata(batch)
+            meta = self._backend().build_metadata(batch)
             ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
             if len(self.block_tables) > 1:
                 ctx.group_metadata = [meta] + [
-                    self.attn_backend.build_metadata(
+                    self._backend().build_metadata(
                         self._group_batch(batch, g, order, req_of_token, positions)
                     )
                     for g in range(1, len(self.block_tables))
@@ -802,6 +828,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             targets = torch.tensor(
                 state.prompt_token_ids[pos + 1 : pos + 1 + count], device=self.device
             )
+            assert state.prompt_logprobs is not None  # rows are of requests that asked
             state.prompt_logprobs.add(logits, targets)
 
     def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
@@ -840,7 +867,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         hidden states and send theirs on (torch.distributed point-to-point)."""
         par = self.parallel
         if par.pp_size == 1:
-            return self.model(ids, positions, kv_caches, ctx)
+            output: torch.Tensor = self.model(ids, positions, kv_caches, ctx)
+            return output
         import torch.distributed as dist
 
         received = None
@@ -849,7 +877,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 ids.shape[0], self.model.hidden_size, dtype=self.dtype, device=self.device
             )
             dist.recv(received, src=par.prev_pp_rank)
-        hidden = self.model(ids, positions, kv_caches, ctx, received)
+        hidden: torch.Tensor = self.model(ids, positions, kv_caches, ctx, received)
         if not par.is_last_pp_rank:
             dist.send(hidden.contiguous(), dst=par.next_pp_rank)
         return hidden

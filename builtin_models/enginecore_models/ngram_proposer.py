@@ -43,4 +43,5 @@ class NgramProposer(SpecDecodeProposer):
         if best is None or not best.size:
             return []
         start = int(best[-1]) + 1  # after the most recent earlier occurrence
-        return token_ids[start : start + max_num_drafts].tolist()
+        drafts: list[int] = token_ids[start : start + max_num_drafts].tolist()
+        return drafts

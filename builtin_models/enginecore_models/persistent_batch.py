@@ -15,7 +15,7 @@ read, no per-step rebuild).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -204,7 +204,10 @@ class PersistentBatch:
     # --- a step -------------------------------------------------------------------------
 
     def sampling_metadata(
-        self, rows: np.ndarray, rows_t: torch.Tensor, to_device: Any
+        self,
+        rows: np.ndarray,
+        rows_t: torch.Tensor,
+        to_device: Callable[[np.ndarray], torch.Tensor],
     ) -> SamplingMetadata:
         """The parameters of ``rows`` (this step's sampling rows, in logits order).
 

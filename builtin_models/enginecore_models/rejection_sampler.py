@@ -85,7 +85,9 @@ class SeededStreams:
         }
         self._generators = generators
 
-    def rewind(self, accepted: Sequence[list[int]], drafts: Sequence[list[int]], vocab: int):
+    def rewind(
+        self, accepted: Sequence[list[int]], drafts: Sequence[list[int]], vocab: int
+    ) -> None:
         for i, state in self._saved.items():
             num_used = len(accepted[i])
             if num_used == len(drafts[i]) + 1:

@@ -72,6 +72,12 @@ class SamplingPhase:
                 state.prompt_logprobs = None
         return taken or None
 
+    def _batch_rows(self, step: StepState) -> tuple[PersistentBatch, np.ndarray]:
+        """The persistent batch and the rows of ``step``'s sample requests (a step with
+        requests to sample has both)."""
+        assert self.batch is not None and step.batch_rows is not None
+        return self.batch, step.batch_rows
+
     def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> list[int]:
         """Every rank learns the output rank's sampled tokens (broadcast over the world).
 
@@ -110,9 +116,10 @@ class SamplingPhase:
             )
         if self.drafter is not None:
             return self._sample_speculative(step, grammar_output, index)
+        batch, rows = self._batch_rows(step)
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
             tokens = self._share_sampled(None, len(step.sample_req_ids))
-            self.batch.append_sampled(step.batch_rows, np.asarray(tokens, dtype=np.int64))
+            batch.append_sampled(rows, np.asarray(tokens, dtype=np.int64))
             for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
                 state = self.requests[req_id]
                 state.output_token_ids.append(token)
@@ -127,7 +134,6 @@ class SamplingPhase:
         logits = step.logits
         if grammar_output is not None and grammar_output.structured_output_request_ids:
             self._apply_grammar(logits, step.sample_req_ids, grammar_output)
-        batch, rows = self.batch, step.batch_rows
         rows_t = torch.from_numpy(rows).to(self.device)
 
         def to_device(values: np.ndarray) -> torch.Tensor:
@@ -140,6 +146,7 @@ class SamplingPhase:
         if self.parallel.world_size > 1:
             tokens = self._share_sampled(out.token_ids, len(rows))
             if out.logprobs is not None:
+                assert out.logprob_ids is not None and out.ranks is not None  # set together
                 lp = logprobs_lists(
                     out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), meta
                 )
@@ -148,6 +155,7 @@ class SamplingPhase:
             # The step's one device-to-host sync: ids (and logprobs) copied together.
             wanted = [out.token_ids]
             if out.logprobs is not None:
+                assert out.logprob_ids is not None and out.ranks is not None  # set together
                 wanted += [out.logprob_ids, out.logprobs, out.ranks]
             host = self.host_copy.start(wanted).wait()
             token_array = host[0]
@@ -179,6 +187,8 @@ class SamplingPhase:
     ) -> ModelRunnerOutput:
         """Verify this step's drafts (rejection_sampler.py), then propose the next ones."""
         assert self.drafter is not None and step.drafts is not None
+        assert self.batch is not None  # made by the first execute_model
+        batch = self.batch
         states = [self.requests[r] for r in step.sample_req_ids]
         drafts = step.drafts
         num_rows = len(states) + sum(len(d) for d in drafts)
@@ -226,7 +236,7 @@ class SamplingPhase:
         for state, d, tokens in zip(states, drafts, accepted, strict=True):
             state.output_token_ids.extend(tokens)
             state.token_ids.extend(tokens)
-            self.batch.append_tokens(self.batch.row_of[state.req_id], tokens)
+            batch.append_tokens(batch.row_of[state.req_id], tokens)
             state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
             i = index[state.req_id]
             sampled[i] = tokens
@@ -287,10 +297,10 @@ class SamplingPhase:
                 logit_rows.append(row_of[req_id])
         if not logit_rows:
             return
-        bitmask = np.asarray(grammar.grammar_bitmask, dtype=np.int32)
-        if len(mask_rows) != len(bitmask):  # some rows are partial prefills: drop theirs
-            bitmask = bitmask[mask_rows]
-        bitmask = torch.from_numpy(np.ascontiguousarray(bitmask)).to(self.device)
+        host_bitmask = np.asarray(grammar.grammar_bitmask, dtype=np.int32)
+        if len(mask_rows) != len(host_bitmask):  # some rows are partial prefills: drop theirs
+            host_bitmask = host_bitmask[mask_rows]
+        bitmask = torch.from_numpy(np.ascontiguousarray(host_bitmask)).to(self.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         apply_grammar_bitmask(logits, rows, bitmask)
 

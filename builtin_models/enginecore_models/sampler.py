@@ -254,7 +254,7 @@ class Sampler:
             or meta.output_counts is not None
         ):
             logits = logits.clone()
-        if meta.bias_rows is not None:
+        if meta.bias_rows is not None and meta.bias_values is not None:  # set together
             logits.index_put_((meta.bias_rows, meta.bias_cols), meta.bias_values, accumulate=True)
         if meta.ban_rows is not None:
             logits[meta.ban_rows, meta.ban_cols] = _NEG_INF
@@ -274,6 +274,7 @@ class Sampler:
         return DeviceSample(tokens, ids, vals, ranks)
 
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        assert meta.temperature is not None  # set whenever a row samples
         logits = logits / meta.temperature
         if meta.top_k is not None or meta.top_p is not None:
             free = self.host_reads_free
@@ -303,7 +304,9 @@ def row_argmax(x: torch.Tensor, fused_ops: FusedOps = NO_FUSED_OPS) -> torch.Ten
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     counts = meta.output_counts
+    # The penalties' tensors come with the counts.
     assert counts is not None
+    assert meta.frequency_penalty is not None and meta.presence_penalty is not None
     if meta.repetition_penalty is not None and meta.prompt_mask is not None:
         seen = meta.prompt_mask | (counts > 0)
         penalty = torch.where(seen, meta.repetition_penalty, 1.0)
@@ -409,7 +412,9 @@ def logprobs_lists(
     """The read-back rows of :func:`compute_logprobs`, each cut to what its request asked
     for (the sampled token, then its top ones or its listed ids); rows of requests that
     asked for none are empty lists with rank -1."""
-    out_ids, out_vals, out_ranks = [], [], []
+    out_ids: list[list[int]] = []
+    out_vals: list[list[float]] = []
+    out_ranks: list[int] = []
     listed_from = 1 + (meta.max_num_logprobs or 0)
     for i, n in enumerate(meta.num_logprobs):
         num_listed = meta.num_listed[i] if meta.num_listed else 0

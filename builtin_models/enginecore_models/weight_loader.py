@@ -67,7 +67,8 @@ def resolve_model_class(hf_config: Any, model_refs: dict[str, str]) -> type[nn.M
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in model_refs:
-            return import_ref(model_refs[arch])
+            model_cls: type[nn.Module] = import_ref(model_refs[arch])
+            return model_cls
     raise UnknownArchitectureError(
         f"no model registered for architecture(s) {archs or '[none in config.json]'}. "
         f"Registered: {', '.join(sorted(model_refs)) or 'none'}. A plugin can add one "
@@ -80,7 +81,8 @@ def checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
     if isinstance(value, torch.dtype):
         return value
     if isinstance(value, str) and hasattr(torch, value):
-        return getattr(torch, value)
+        dtype: torch.dtype = getattr(torch, value)
+        return dtype
     return None
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from enginecore.hookspecs import hookimpl
 from enginecore.registry import Registry
 
 
 @hookimpl(trylast=True)
-def register_reasoning_parsers(registry: Registry) -> None:
+def register_reasoning_parsers(registry: Registry[Any]) -> None:
     registry.add(
         "qwen3",
         "enginecore_reasoning_parsers.think_tags:Qwen3ReasoningParser",

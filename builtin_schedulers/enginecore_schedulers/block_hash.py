@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from enginecore.request import Request
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 NONE_HASH_SHA256: bytes = hashlib.sha256(b"enginecore/prefix-cache/none-hash/v1").digest()
 NONE_HASH_BUILTIN: int = 0x5EED_0F_B10C_4A54
 
-BlockHashFn = Callable[["BlockHash | None", Sequence[int], "str | None"], "BlockHash"]
+# The parent is the kind of hash the function returns (bytes or int), which the Callable
+# type cannot say: it takes that parent as Any.
+BlockHashFn = Callable[[Any, Sequence[int], "str | None"], "BlockHash"]
 
 
 def sha256_block_hash(
@@ -50,11 +52,9 @@ def builtin_block_hash(
     return hash((NONE_HASH_BUILTIN if parent is None else parent, tuple(token_ids), extra))
 
 
-# BlockHash is bytes or int; each function takes and returns one kind, which the
-# Callable type cannot say.
 HASH_FUNCTIONS: dict[str, BlockHashFn] = {
-    "sha256": sha256_block_hash,  # type: ignore[dict-item]
-    "builtin": builtin_block_hash,  # type: ignore[dict-item]
+    "sha256": sha256_block_hash,
+    "builtin": builtin_block_hash,
 }
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 BlockHash = bytes | int
+# The prefix-cache map's key: a block's hash, or (group, hash) in a KV cache group after the
+# first.
+CacheKey = BlockHash | tuple[int, BlockHash]
 
 
 class KVCacheBlock:
@@ -20,7 +23,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
+        self.block_hash: CacheKey | None = None
         # Intrusive links of the free list: removal from the middle is O(1).
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -121,7 +124,7 @@ class BlockPool:
         self.null_block = self.free_queue.popleft()
         # One block per hash. A duplicate (same content computed twice) stays unhashed,
         # so it is reused first when freed rather than shadowing the cached one.
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_blocks: dict[CacheKey, KVCacheBlock] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -135,7 +138,7 @@ class BlockPool:
         """Fraction of usable blocks held by requests (cached free blocks count as free)."""
         return 1.0 - self.free_queue.num_free / (self.num_blocks - 1)
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: CacheKey) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -160,7 +163,7 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+    def cache_block(self, block: KVCacheBlock, block_hash: CacheKey) -> bool:
         """Make a full block findable by its hash; False if another block already holds it."""
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return False

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from enginecore_schedulers.block_hash import BlockHasher
-from enginecore_schedulers.block_pool import BlockHash, BlockPool, KVCacheBlock
+from enginecore_schedulers.block_pool import BlockHash, BlockPool, CacheKey, KVCacheBlock
 
 if TYPE_CHECKING:
     from enginecore.request import Request
@@ -85,7 +85,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.hasher = BlockHasher(block_size, hash_algo)
-        windows = list(kv_cache_groups) if kv_cache_groups else [None]
+        windows: list[int | None] = list(kv_cache_groups) if kv_cache_groups else [None]
         for window in windows:
             if window is not None and (not isinstance(window, int) or window < 1):
                 raise ValueError(f"a KV cache group's sliding window must be >= 1, got {window!r}")
@@ -97,7 +97,7 @@ class KVCacheManager:
         self._reqs: dict[str, list[_RequestBlocks]] = {}
         self._stats = PrefixCacheStats()
 
-    def _cache_key(self, group: int, block_hash: BlockHash) -> BlockHash | tuple:
+    def _cache_key(self, group: int, block_hash: BlockHash) -> CacheKey:
         # Group 0 keys by the plain hash (one group: exactly the layout without groups).
         return block_hash if group == 0 else (group, block_hash)
 
@@ -166,7 +166,7 @@ class KVCacheManager:
             return hits, num_hit_tokens
         return (per_group[0] if self.num_groups == 1 else per_group), num_hit_tokens
 
-    def _sliding_hit(self, group: int, window: int, hashes: list, limit: int) -> int:
+    def _sliding_hit(self, group: int, window: int, hashes: list[BlockHash], limit: int) -> int:
         """The most leading blocks (at most ``limit``) after which this sliding group has
         every block the next token can see."""
         cached = self.block_pool.cached_blocks

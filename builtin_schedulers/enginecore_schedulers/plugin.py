@@ -6,12 +6,14 @@ with ``override=True``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from enginecore.hookspecs import hookimpl
 from enginecore.registry import Registry
 
 
 @hookimpl(trylast=True)
-def register_schedulers(registry: Registry) -> None:
+def register_schedulers(registry: Registry[Any]) -> None:
     registry.add(
         "default",
         "enginecore_schedulers.scheduler:DefaultScheduler",
@@ -21,7 +23,7 @@ def register_schedulers(registry: Registry) -> None:
 
 
 @hookimpl(trylast=True)
-def register_scheduling_policies(registry: Registry) -> None:
+def register_scheduling_policies(registry: Registry[Any]) -> None:
     registry.add(
         "fcfs",
         "enginecore_schedulers.policies:FCFSPolicy",

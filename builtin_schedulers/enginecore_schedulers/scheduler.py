@@ -35,7 +35,9 @@ from enginecore.protocol import (
 )
 from enginecore.request import Request, RequestStatus
 from enginecore.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from enginecore_schedulers.block_pool import KVCacheBlock
 from enginecore_schedulers.kv_cache_manager import KVCacheManager
+from enginecore_schedulers.lora_admission import LoRAAdmission
 from enginecore_schedulers.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -151,6 +153,8 @@ class DefaultScheduler(Scheduler):
         # LoRA: most distinct adapters per step (0: LoRA off), and this step's adapters.
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self._step_loras: set[int] = set()
+        # Adapters the workers have read: requests wait in the queue until theirs is.
+        self.lora_admission = LoRAAdmission() if self.max_loras else None
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -266,7 +270,9 @@ class DefaultScheduler(Scheduler):
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) + request.num_output_placeholders - computed
             # Never compute the last output token: prompt + max_tokens - 1 in total.
-            limit = request.num_prompt_tokens + request.max_tokens - 1 - computed
+            max_tokens = request.max_tokens
+            assert max_tokens is not None  # resolved by the engine against max_model_len
+            limit = request.num_prompt_tokens + max_tokens - 1 - computed
             if num_new > limit:
                 num_new = limit
             if 0 < threshold < num_new:
@@ -339,8 +345,10 @@ class DefaultScheduler(Scheduler):
             request.num_computed_tokens = computed
             if computed >= len(request.all_token_ids) + request.num_output_placeholders:
                 # This step samples a token, plus one per draft it may accept.
-                drafts = spec_tokens.get(request_id)
-                request.num_output_placeholders += 1 + len(drafts) if drafts else 1
+                scheduled_drafts = spec_tokens.get(request_id)
+                request.num_output_placeholders += (
+                    1 + len(scheduled_drafts) if scheduled_drafts else 1
+                )
             if request.sampling_params.structured_output is not None:
                 structured.append(request_id)
         if self._grouped:
@@ -395,6 +403,8 @@ class DefaultScheduler(Scheduler):
             structured_output_request_ids=structured,
             step_id=self._step_id,
         )
+        if self.lora_admission is not None and self.lora_admission.pending:
+            out.lora_loads = self.lora_admission.loads()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._last_num_scheduled_tokens = total
@@ -411,6 +421,28 @@ class DefaultScheduler(Scheduler):
             return False
         self._step_loras.add(lora.lora_int_id)
         return True
+
+    def _fail_lora_reads(self, failed: dict[int, str]) -> None:
+        """Fail the waiting requests naming an adapter the workers could not read (the
+        error is reported by this update); nothing else is touched."""
+        if not failed:
+            return
+        victims = [
+            r
+            for r in self.waiting.view()
+            if r.lora_request is not None and r.lora_request.lora_int_id in failed
+        ]
+        for request in self.finish_requests(
+            [r.request_id for r in victims], RequestStatus.FINISHED_ERROR
+        ):
+            assert request.lora_request is not None
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=_FINISH_REASON[RequestStatus.FINISHED_ERROR],
+                error=failed[request.lora_request.lora_int_id],
+            )
+            self._connector_failed.append((request.client_index, output))
 
     def _count_prompt_tokens(self, request: Request, computed: int, num_new: int) -> None:
         """Prompt tokens this step computes (not taken from a cache or a connector)."""
@@ -456,9 +488,14 @@ class DefaultScheduler(Scheduler):
             if self._policy_admits and not self.policy.admit(request, self._state(budget)):
                 skipped.append(waiting.pop())
                 continue
-            if self.max_loras and not self._lora_fits(request):
-                skipped.append(waiting.pop())  # its adapter waits for a free slot
-                continue
+            if self.max_loras:
+                assert self.lora_admission is not None
+                if not self.lora_admission.is_ready(request.lora_request):
+                    skipped.append(waiting.pop())  # its adapter is being read
+                    continue
+                if not self._lora_fits(request):
+                    skipped.append(waiting.pop())  # its adapter waits for a free slot
+                    continue
             if request.request_id in self._remote_ready:
                 # Its external KV has landed in the blocks it holds: compute the rest.
                 num_new = request.num_tokens - request.num_computed_tokens
@@ -482,14 +519,15 @@ class DefaultScheduler(Scheduler):
             num_external = 0
             if self.connector is not None:
                 try:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    matched, load_async = self.connector.get_num_new_matched_tokens(
                         request, num_hit
                     )
                 except Exception as exc:
                     self._fail_in_connector(waiting.pop(), exc)
                     continue
-                if num_external is None:
+                if matched is None:
                     break  # the connector asks us to retry later; keep the order strict
+                num_external = matched
             if num_hit + num_external >= request.num_tokens:
                 # Like a local hit: the last token is always computed, for its logits.
                 num_external = max(request.num_tokens - 1 - num_hit, 0)
@@ -531,7 +569,11 @@ class DefaultScheduler(Scheduler):
         return admitted
 
     def _start_remote_load(
-        self, request: Request, num_hit: int, hit_blocks: list, num_external: int
+        self,
+        request: Request,
+        num_hit: int,
+        hit_blocks: list[KVCacheBlock] | list[list[KVCacheBlock]],
+        num_external: int,
     ) -> bool:
         """Give the request blocks for its prefix hit and the external tokens, then park
         it in WAITING_FOR_REMOTE_KVS until the worker reports the load finished."""
@@ -543,7 +585,10 @@ class DefaultScheduler(Scheduler):
         request.num_computed_tokens = num_hit
         try:
             # Remote KV is only loaded with a connector.
-            self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+            connector = self.connector
+            if connector is None:
+                raise RuntimeError("remote KV is loaded only with a KV connector")
+            connector.update_state_after_alloc(
                 request, kv.get_block_ids(request.request_id), num_external
             )
         except Exception as exc:
@@ -604,6 +649,8 @@ class DefaultScheduler(Scheduler):
         finished: list[Request] = []
         from_running = from_waiting = False
         connector_output = runner_output.kv_connector_output
+        if self.lora_admission is not None and runner_output.lora_report is not None:
+            self._fail_lora_reads(self.lora_admission.apply(runner_output.lora_report))
         for client, failed_output in self._connector_failed:
             per_client.setdefault(client, []).append(failed_output)
         self._connector_failed = []
@@ -653,7 +700,8 @@ class DefaultScheduler(Scheduler):
             eos = None if params.ignore_eos else request.eos_token_id
             stop_ids = params.stop_token_ids
             max_tokens = request.max_tokens
-            status = 0
+            assert max_tokens is not None  # resolved by the engine against max_model_len
+            status: RequestStatus | None = None
             num_taken = 0
             # Stop checks in order: EOS, stop token, length. EOS and stop tokens win even
             # below min_tokens: a logits mask upstream keeps them from being sampled.
@@ -694,13 +742,12 @@ class DefaultScheduler(Scheduler):
             if request.events:
                 output.events = request.events
                 request.events = []
-            if status:
+            if status is not None:
                 if request.status == _RUNNING:
                     from_running = True
                 else:
                     from_waiting = True  # preempted: an in-flight output stopped it
-                # status is 0 (none) or a finished RequestStatus: here the latter.
-                request.status = status  # type: ignore[assignment]
+                request.status = status
                 output.finish_reason = _FINISH_REASON[status]
                 output.stop_reason = request.stop_reason
                 self._release(request)
@@ -729,8 +776,9 @@ class DefaultScheduler(Scheduler):
         """Failed transfers fail their request; finished loads resume theirs, recomputing
         from the first invalid block. Returns running requests that must be recomputed
         (a synchronous load into them was invalid)."""
-        # A KVConnectorOutput comes only from a connector.
-        self.connector.update_connector_output(out)  # type: ignore[union-attr]
+        if self.connector is None:
+            raise RuntimeError("KV connector output arrived without a KV connector")
+        self.connector.update_connector_output(out)
         self._num_kv_rejected_since_stats += out.num_rejected_messages
         kv = self.kv_cache_manager
         bs = self.block_size
@@ -774,13 +822,13 @@ class DefaultScheduler(Scheduler):
             if entry is None:
                 continue
             request, num_loaded = entry
-            bad = self._load_errors.pop(request_id, None)
+            load_errors = self._load_errors.pop(request_id, None)
             if request_id in out.failed_recving:
                 num_loaded = request.num_computed_tokens  # nothing landed: recompute
-            elif bad:
+            elif load_errors:
                 block_ids = kv.get_block_ids(request_id)
                 for i in range(request.num_computed_tokens // bs, num_loaded // bs):
-                    if block_ids[i] in bad:
+                    if block_ids[i] in load_errors:
                         num_loaded = i * bs  # recompute from the first invalid block
                         break
             self._num_kv_loaded_tokens_since_stats += num_loaded - request.num_computed_tokens
@@ -806,7 +854,12 @@ class DefaultScheduler(Scheduler):
     def has_requests(self) -> bool:
         # Blocks still held for a connector need steps: the workers report their end.
         return bool(
-            self.requests or self.finished_req_ids or self._delayed_free or self._aborted_loading
+            self.requests
+            or self.finished_req_ids
+            or self._delayed_free
+            or self._aborted_loading
+            # Adapter reads asked for (a run-time load with no request yet) need steps.
+            or (self.lora_admission is not None and self.lora_admission.pending)
         )
 
     def get_num_unfinished_requests(self) -> int:

@@ -6,7 +6,7 @@ import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from enginecore.errors import PluginContractError
 
@@ -71,7 +71,7 @@ class WaitingQueue:
         return (e[2] for e in sorted(self._heap, key=lambda e: (e[0], e[1])))
 
 
-class _HeapView(Sequence):
+class _HeapView(Sequence["Request"]):
     """The requests of a heap of ``(key, counter, request)`` entries, in heap order."""
 
     __slots__ = ("_heap",)
@@ -82,7 +82,11 @@ class _HeapView(Sequence):
     def __len__(self) -> int:
         return len(self._heap)
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> Request: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Request]: ...
+    def __getitem__(self, index: int | slice) -> Request | list[Request]:
         if isinstance(index, slice):
             return [entry[2] for entry in self._heap[index]]
         return self._heap[index][2]

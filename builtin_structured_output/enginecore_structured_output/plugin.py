@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from enginecore.hookspecs import hookimpl
 from enginecore.registry import Registry
 
 
 @hookimpl(trylast=True)
-def register_structured_output_backends(registry: Registry) -> None:
+def register_structured_output_backends(registry: Registry[Any]) -> None:
     registry.add(
         "xgrammar",
         "enginecore_structured_output.xgrammar_backend:XgrammarBackend",

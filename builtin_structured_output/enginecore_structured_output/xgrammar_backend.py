@@ -200,6 +200,8 @@ class XgrammarBackend(StructuredOutputBackend):
                 if not self.any_whitespace:
                     tag = compact_json_contents(tag)
                 return compiler.compile_structural_tag(tag)
+            if spec.grammar is None:
+                raise InvalidRequestError("structured output names no constraint")
             return compiler.compile_grammar(spec.grammar)
         except InvalidRequestError:
             raise

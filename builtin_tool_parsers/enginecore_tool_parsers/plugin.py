@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from enginecore.hookspecs import hookimpl
 from enginecore.registry import Registry
 
 
 @hookimpl(trylast=True)
-def register_tool_parsers(registry: Registry) -> None:
+def register_tool_parsers(registry: Registry[Any]) -> None:
     registry.add(
         "hermes",
         "enginecore_tool_parsers.hermes:HermesToolParser",

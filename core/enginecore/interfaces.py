@@ -937,7 +937,8 @@ class LoRAKernels(ABC):
 
     Each adapter in use holds a slot of stacked weights: ``a_stack`` ``[slots, R, in]``
     and ``b_stack`` ``[slots, out, R]`` (scale folded into B; a fused projection's
-    slices are stacked along R). ``mapping`` is the step's
+    slices are stacked along R; B may be a strided view, its last dimension contiguous).
+    ``mapping`` is the step's
     :class:`enginecore.lora.mapping.LoRABatchMapping`: ``token_slots`` (``[T]`` int64,
     ``-1`` for a token without an adapter), ``sorted_rows`` (the rows with an adapter,
     grouped by slot) and ``segments`` (``(slot, start, end)`` ranges of ``sorted_rows``).

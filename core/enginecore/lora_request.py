@@ -28,3 +28,13 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     def cache_key(self) -> str:
         """Keys this adapter's prefix-cache blocks: its name and its weights' path."""
         return f"lora:{self.lora_name}:{self.lora_path}"
+
+
+class LoRALoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model runner's adapter reads since its last step, by ``lora_int_id``: read and
+    ready to run (``loaded``), refused or unreadable with the reason (``failed``), and
+    dropped from host memory (``evicted``: a request naming it is read again)."""
+
+    loaded: list[int] = []
+    failed: dict[int, str] = {}
+    evicted: list[int] = []

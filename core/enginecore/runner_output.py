@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from enginecore.lora_request import LoRALoadReport
+
 
 class LogprobsLists(msgspec.Struct, kw_only=True):
     """Per request row: ``[sampled, top-1, ..., top-N]`` token ids and their logprobs."""
@@ -47,3 +49,5 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     num_draft_tokens: list[int] | None = None
     # Pooling runner: each pooling request whose prompt completed this step -> its vector.
     pooler_output: dict[str, list[float]] | None = None
+    # LoRA: adapters read, failed or evicted since the last step (None: nothing new).
+    lora_report: LoRALoadReport | None = None

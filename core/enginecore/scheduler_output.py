@@ -69,6 +69,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     structured_output_request_ids: list[str] = []
     kv_connector_metadata: Any = None
     step_id: int = 0
+    # LoRA adapters waiting requests name that the workers have not reported read: each
+    # worker starts reading those it is not reading yet, off the step (it reports them in
+    # ``ModelRunnerOutput.lora_report``).
+    lora_loads: list[LoRARequest] = []
 
 
 class GrammarOutput(msgspec.Struct, kw_only=True):

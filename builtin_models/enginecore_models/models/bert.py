@@ -7,7 +7,7 @@ parameter names as the checkpoint spells them. One rank (no tensor parallelism).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from enginecore.distributed import SINGLE_RANK, ParallelContext
 from enginecore.errors import UnsupportedModelError
 from enginecore.layers.weights import load_params
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -38,7 +38,8 @@ class BertEmbeddings(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
         x = x + self.token_type_embeddings.weight[0]
-        return self.LayerNorm(x)
+        output: torch.Tensor = self.LayerNorm(x)
+        return output
 
 
 class BertSelfAttention(nn.Module):
@@ -70,7 +71,8 @@ class BertDenseNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        output: torch.Tensor = self.LayerNorm(self.dense(x) + residual)
+        return output
 
 
 class BertAttention(nn.Module):
@@ -80,7 +82,8 @@ class BertAttention(nn.Module):
         self.output = BertDenseNorm(cfg, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
+        output: torch.Tensor = self.output(self.self(x, mask), x)
+        return output
 
 
 class BertIntermediate(nn.Module):
@@ -107,7 +110,8 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, mask)
-        return self.output(self.intermediate(x), x)
+        output: torch.Tensor = self.output(self.intermediate(x), x)
+        return output
 
 
 class BertEncoder(nn.Module):
@@ -146,7 +150,7 @@ class BertModel(nn.Module):
         t = input_ids.shape[1]
         keep = torch.arange(t, device=input_ids.device)[None, :] < lengths[:, None]
         mask = keep[:, None, None, :]  # [batch, 1, 1, keys]: padding keys are masked
-        x = self.embeddings(input_ids)
+        x: torch.Tensor = self.embeddings(input_ids)
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x

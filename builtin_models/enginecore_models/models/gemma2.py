@@ -11,7 +11,7 @@ layers their own RoPE base.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -85,9 +85,9 @@ class GemmaAttention(LlamaAttention):
 
 
 def _activation(cfg: Any) -> str:
-    return getattr(cfg, "hidden_activation", None) or getattr(
-        cfg, "hidden_act", "gelu_pytorch_tanh"
-    )
+    name = getattr(cfg, "hidden_activation", None)
+    fallback: str = getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+    return str(name) if name else fallback
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -122,17 +122,19 @@ class GemmaDecoderLayer(nn.Module):
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, ctx)
         if not self.sandwich_norms:  # Gemma: the Llama block
             hidden = hidden + attn
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            output: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+            return output
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        output = hidden + self.post_feedforward_layernorm(mlp)
+        return output
 
 
 class GemmaModel(nn.Module):
     def __init__(self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype) -> None:
         super().__init__()
         self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, parallel)
-        self.embed_tokens = None
+        self.embed_tokens: VocabParallelEmbedding | None = None
         if parallel.is_first_pp_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
@@ -151,7 +153,7 @@ class GemmaModel(nn.Module):
         self.norm = None
         if parallel.is_last_pp_rank:
             self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        head_dim = self.layers[self.start_layer].self_attn.head_dim
+        head_dim = cast(GemmaDecoderLayer, self.layers[self.start_layer]).self_attn.head_dim
         # Gemma 3 gives its sliding layers another RoPE base than its global ones.
         self.rotaries = nn.ModuleDict(
             {
@@ -169,7 +171,7 @@ class GemmaModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if hidden_states is None:
-            hidden = self.embed_tokens(input_ids) * self.normalizer
+            hidden: torch.Tensor = self.first_stage_embedding()(input_ids) * self.normalizer
         else:
             hidden = hidden_states
         for i in range(self.start_layer, self.end_layer):
@@ -177,6 +179,12 @@ class GemmaModel(nn.Module):
             rotary = self.rotaries[self.layer_types[i]]
             hidden = self.layers[i](positions, hidden, rotary, cache, ctx)
         return hidden if self.norm is None else self.norm(hidden)
+
+    def first_stage_embedding(self) -> VocabParallelEmbedding:
+        """The token embedding, which only the first pipeline stage holds."""
+        if self.embed_tokens is None:
+            raise RuntimeError("only the first pipeline stage embeds tokens")
+        return self.embed_tokens
 
 
 def _layer_rope(cfg: Any, layer_type: str) -> dict[str, Any]:
@@ -231,17 +239,21 @@ class GemmaForCausalLM(nn.Module):
         attn_metadata: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata, hidden_states)
+        output: torch.Tensor = self.model(
+            input_ids, positions, kv_caches, attn_metadata, hidden_states
+        )
+        return output
 
     def logits_head(self) -> VocabParallelEmbedding:
-        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return self.model.first_stage_embedding() if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = vocab_parallel_logits(hidden_states, self.logits_head())
         if self.final_soft_cap is None:
             return logits
         cap = self.final_soft_cap
-        return torch.tanh(logits / cap) * cap
+        output: torch.Tensor = torch.tanh(logits / cap) * cap
+        return output
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = set(dict(self.named_parameters()))

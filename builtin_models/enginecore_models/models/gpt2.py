@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from enginecore.layers import (
     vocab_parallel_logits,
 )
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -55,7 +55,8 @@ class GPT2Attention(nn.Module):
         t = hidden.shape[0]
         q, k, v = self.c_attn(hidden).view(t, 3, self.num_heads, self.head_dim).unbind(1)
         out = self.attn(q, k, v, kv_cache, ctx)
-        return self.c_proj(out.reshape(t, -1))
+        output: torch.Tensor = self.c_proj(out.reshape(t, -1))
+        return output
 
 
 class GPT2MLP(nn.Module):
@@ -74,7 +75,8 @@ class GPT2MLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        output: torch.Tensor = self.c_proj(self.act(self.c_fc(x)))
+        return output
 
 
 class GPT2Block(nn.Module):
@@ -90,7 +92,8 @@ class GPT2Block(nn.Module):
         self, hidden: torch.Tensor, kv_cache: torch.Tensor | None, ctx: AttentionContext
     ) -> torch.Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, ctx)
-        return hidden + self.mlp(self.ln_2(hidden))
+        output: torch.Tensor = hidden + self.mlp(self.ln_2(hidden))
+        return output
 
 
 class GPT2Model(nn.Module):
@@ -115,7 +118,8 @@ class GPT2Model(nn.Module):
         hidden = self.wte(input_ids) + self.wpe(positions)
         for i, block in enumerate(self.h):
             hidden = block(hidden, kv_caches[i] if kv_caches else None, ctx)
-        return self.ln_f(hidden)
+        output: torch.Tensor = self.ln_f(hidden)
+        return output
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -143,7 +147,8 @@ class GPT2LMHeadModel(nn.Module):
         kv_caches: list[torch.Tensor] | None,
         attn_context: AttentionContext,
     ) -> torch.Tensor:
-        return self.transformer(input_ids, positions, kv_caches, attn_context)
+        output: torch.Tensor = self.transformer(input_ids, positions, kv_caches, attn_context)
+        return output
 
     def logits_head(self) -> VocabParallelEmbedding:
         return self.transformer.wte  # tied LM head

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
@@ -97,7 +97,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, ctx)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        output: torch.Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return output
 
 
 @declares_block(DecodeBlock.LLAMA)
@@ -130,7 +131,7 @@ class LlamaMLP(nn.Module):
             parallel=parallel,
             dtype=dtype,
         )
-        act = hidden_act or getattr(cfg, "hidden_act", "silu")
+        act: str = hidden_act if hidden_act else getattr(cfg, "hidden_act", "silu")
         # Other activations than SiLU take the plain path (the fused kernels apply SiLU).
         self.activation = None if act == "silu" else get_activation(act)
         self.gate_up_proj.gated = self.activation is None
@@ -138,11 +139,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation is not None:
-            return self.down_proj(act_and_mul(self.activation, self.gate_up_proj(x)))
+            output: torch.Tensor = self.down_proj(
+                act_and_mul(self.activation, self.gate_up_proj(x))
+            )
+            return output
         fused = self.gate_up_proj.fused_silu_and_mul(x)
         if fused is None:
             fused = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(fused)
+        output = self.down_proj(fused)
+        return output
 
 
 @declares_block(DecodeBlock.LLAMA)
@@ -150,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. Architectures with the same block and another attention or MLP
     (Qwen3's QK norm, mixture-of-experts MLPs) override ``attention_cls`` / ``make_mlp``."""
 
-    attention_cls: type[nn.Module] = LlamaAttention
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(
         self,
@@ -201,7 +206,7 @@ class LlamaModel(nn.Module):
     others are parameter-free placeholders, so parameter names stay global), the first
     stage the embedding and the last stage the final norm."""
 
-    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(
         self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
@@ -209,7 +214,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers, parallel)
-        self.embed_tokens = None
+        self.embed_tokens: VocabParallelEmbedding | None = None
         if parallel.is_first_pp_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 cfg.vocab_size, cfg.hidden_size, parallel=parallel, dtype=dtype
@@ -221,12 +226,13 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = None
+        # An RMSNorm here; a model whose stack ends in another norm replaces it (and forward).
+        self.norm: nn.Module | None = None
         if parallel.is_last_pp_rank:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        attn = self.layers[self.start_layer].self_attn
+        first = cast(LlamaDecoderLayer, self.layers[self.start_layer])
         self.rotary = RotaryEmbedding(
-            attn.head_dim, cfg.max_position_embeddings, rope_parameters(cfg)
+            first.self_attn.head_dim, cfg.max_position_embeddings, rope_parameters(cfg)
         )
 
     def forward(
@@ -240,18 +246,32 @@ class LlamaModel(nn.Module):
         """``hidden_states`` is the previous stage's output (pipeline stages after the
         first); returns the final normed hidden states, or this stage's output."""
         if hidden_states is None:
-            hidden = self.embed_tokens(input_ids)
+            hidden: torch.Tensor = self.first_stage_embedding()(input_ids)
         else:  # the fused add + norm updates the stream in place: not the caller's tensor
             hidden = hidden_states.clone()
         residual = None
         for i in range(self.start_layer, self.end_layer):
             cache = kv_caches[i - self.start_layer] if kv_caches else None
-            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, cache, ctx)
+            layer_out: tuple[torch.Tensor, torch.Tensor] = self.layers[i](
+                positions, hidden, residual, self.rotary, cache, ctx
+            )
+            hidden, residual = layer_out
         if residual is None:  # a stage without layers
-            return hidden if self.norm is None else self.norm(hidden)
+            if self.norm is None:
+                return hidden
+            normed: torch.Tensor = self.norm(hidden)
+            return normed
         if self.norm is None:
             return residual + hidden
-        return self.norm.add_and_norm(hidden, residual)[0]
+        norm = self.norm
+        assert isinstance(norm, RMSNorm)  # a model with another norm has its own forward
+        return norm.add_and_norm(hidden, residual)[0]
+
+    def first_stage_embedding(self) -> VocabParallelEmbedding:
+        """The token embedding, which only the first pipeline stage holds."""
+        if self.embed_tokens is None:
+            raise RuntimeError("only the first pipeline stage embeds tokens")
+        return self.embed_tokens
 
 
 class LlamaForCausalLM(nn.Module):
@@ -309,11 +329,14 @@ class LlamaForCausalLM(nn.Module):
         attn_context: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_context, hidden_states)
+        output: torch.Tensor = self.model(
+            input_ids, positions, kv_caches, attn_context, hidden_states
+        )
+        return output
 
     def logits_head(self) -> VocabParallelEmbedding:
         """The weight that computes logits: the LM head, or the embedding it is tied to."""
-        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return self.model.first_stage_embedding() if self.lm_head is None else self.lm_head
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_logits(hidden_states, self.logits_head())

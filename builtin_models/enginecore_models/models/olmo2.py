@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from enginecore.distributed import ParallelContext
+from enginecore.distributed import SINGLE_RANK, ParallelContext
 from enginecore.errors import UnsupportedModelError
 from enginecore.layers import (
     AttentionContext,
@@ -41,7 +41,9 @@ class Olmo2RMSNorm(nn.Module):
         full_dim: int | None = None,
     ) -> None:
         super().__init__()
-        self.eps, self.parallel = eps, parallel
+        if parallel is None and full_dim not in (None, dim):
+            raise ValueError("a norm over a tensor-parallel slice needs its ParallelContext")
+        self.eps, self.parallel = eps, parallel or SINGLE_RANK
         self.full_dim = full_dim or dim
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self._load})
@@ -126,7 +128,7 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2Model(LlamaModel):
     # OLMo 2's layer takes the Llama layer's constructor arguments; it is not a subclass.
-    decoder_layer_cls = Olmo2DecoderLayer  # type: ignore[assignment]
+    decoder_layer_cls = Olmo2DecoderLayer
 
     def __init__(
         self, cfg: Any, parallel: ParallelContext, dtype: torch.dtype, is_qwen2: bool
@@ -143,11 +145,16 @@ class Olmo2Model(LlamaModel):
         ctx: AttentionContext,
         hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        hidden: torch.Tensor = (
+            self.first_stage_embedding()(input_ids) if hidden_states is None else hidden_states
+        )
         residual = None
         for i in range(self.start_layer, self.end_layer):
             cache = kv_caches[i - self.start_layer] if kv_caches else None
-            hidden, residual = self.layers[i](positions, hidden, residual, self.rotary, cache, ctx)
+            layer_out: tuple[torch.Tensor, torch.Tensor] = self.layers[i](
+                positions, hidden, residual, self.rotary, cache, ctx
+            )
+            hidden, residual = layer_out
         if residual is not None:
             hidden = residual + hidden
         return hidden if self.norm is None else self.norm(hidden)

@@ -33,7 +33,8 @@ class Qwen2MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self.experts(x, self.gate(x))
         shared = self.shared_expert(x)
-        return routed + F.sigmoid(self.shared_expert_gate(x)) * shared
+        output: torch.Tensor = routed + F.sigmoid(self.shared_expert_gate(x)) * shared
+        return output
 
 
 class Qwen2MoeDecoderLayer(LlamaDecoderLayer):

@@ -434,6 +434,15 @@ class AsyncLLM:
         )
         return results
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter into the engine now, before any request names it (vLLM's
+        ``add_lora``): returns once every worker holds it read; raises with the reason
+        when it cannot be read. Requests keep running meanwhile."""
+        added = await self._utility(
+            "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path
+        )
+        return bool(added)
+
     async def reset_prefix_cache(self) -> bool:
         reset: bool = await self._utility("reset_prefix_cache")
         return reset

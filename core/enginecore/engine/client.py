@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -62,7 +63,11 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         while self.engine.has_work():
-            outputs, _ = self._step()
+            outputs, executed = self._step()
+            if not outputs and not executed and not self.engine.batch_queue:
+                # Requests wait on work off the loop (an adapter read, a grammar, remote
+                # KV): yield to it as the engine process does.
+                time.sleep(0.001)
             if outputs:
                 merged = EngineCoreOutputs()
                 for client_outputs in outputs.values():

@@ -62,6 +62,8 @@ def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
         or scheduler_output.preempted_req_ids
         # KV connector: loads to start and transfers to poll, even in an empty step.
         or scheduler_output.kv_connector_metadata is not None
+        # LoRA: adapter reads to start, and finished reads to collect.
+        or bool(scheduler_output.lora_loads)
     )
 
 

@@ -7,6 +7,7 @@ on the input queue only when it has no work.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -16,6 +17,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -27,6 +29,7 @@ from enginecore.engine.core import EngineCore, StepResult
 from enginecore.engine.exit_deadline import STOP_GRACE, arm_exit_deadline
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError, RankError
+from enginecore.lora_request import LoRARequest
 from enginecore.plugin_attribution import with_attribution
 from enginecore.proc_title import set_process_title
 from enginecore.protocol import (
@@ -237,12 +240,25 @@ class EngineCoreProc(EngineCore):
                     f"Functions are sent by reference to their module: define the function "
                     f"inside another function, or make its module importable by the engine."
                 )
-            output.result = call(*args)
+            result = call(*args)
+            if isinstance(result, Future):  # answered when it resolves, off this loop
+                result.add_done_callback(functools.partial(self._answer, client_index, output))
+                return
+            output.result = result
         except Exception as exc:
             output.failure_message = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, RankError):  # rebuilt as a RankError in the frontend
                 output.failure_message = exc.detail
                 output.failure_rank, output.failure_method = exc.rank, exc.method
+        self.output_queue.put((client_index, EngineCoreOutputs(utility_output=output).stamp()))
+
+    def _answer(self, client_index: int, output: UtilityOutput, result: Future[Any]) -> None:
+        """The reply to a utility call whose answer came later (``add_lora``)."""
+        exc = result.exception()
+        if exc is not None:
+            output.failure_message = f"{type(exc).__name__}: {exc}"
+        else:
+            output.result = result.result()
         self.output_queue.put((client_index, EngineCoreOutputs(utility_output=output).stamp()))
 
     def _send_finished(
@@ -269,7 +285,22 @@ class EngineCoreProc(EngineCore):
             "is_paused": self.is_paused,
             "sleep": self.sleep,
             "wake_up": self.wake_up,
+            "add_lora": self.add_lora,
         }
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> Future[bool]:
+        """Read a LoRA adapter into the workers without a request (vLLM's ``add_lora``):
+        answered once it is read, or with the read's error; the loop keeps stepping."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
+        lora_request = LoRARequest(lora_name, lora_int_id, lora_path)
+        admission = getattr(self.scheduler, "lora_admission", None)
+        if admission is None:  # a scheduler that lets the workers read on first use
+            done: Future[bool] = Future()
+            done.set_result(True)
+            return done
+        future: Future[bool] = admission.request_load(lora_request)
+        return future
 
     def pause_scheduler(self, mode: str = "abort") -> None:
         if mode not in ("abort", "wait", "keep"):

@@ -62,6 +62,12 @@ def _fail(path: pathlib.Path, why: str) -> LoRAAdapterError:
 def check_adapter(lora_path: str, max_lora_rank: int) -> AdapterInfo:
     """Read and check the adapter's config and tensor names; raises
     :class:`LoRAAdapterError` naming what is refused and the setting involved."""
+    info = _check_config(lora_path, max_lora_rank)
+    _check_names(_tensor_names(info.weights_file, info.path), info)
+    return info
+
+
+def _check_config(lora_path: str, max_lora_rank: int) -> AdapterInfo:
     path = pathlib.Path(lora_path)
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
@@ -96,9 +102,19 @@ def check_adapter(lora_path: str, max_lora_rank: int) -> AdapterInfo:
     alpha = float(cfg.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     weights_file = path / "adapter_model.safetensors"
-    if not weights_file.is_file():
+    if not weights_file.exists():
         raise _fail(path, "no adapter_model.safetensors")
-    names = _tensor_names(weights_file, path)
+    return AdapterInfo(path, rank, scaling, [], weights_file)
+
+
+def _check_names(names: list[str], info: AdapterInfo) -> None:
+    """Refuse DoRA, embedding and unknown targets by tensor name; fills the targets."""
+    path = info.path
+    for name in names:
+        if "lora_magnitude_vector" in name:
+            raise _fail(path, f"tensor {name!r}: DoRA adapters are not served")
+        if "lora_embedding" in name:
+            raise _fail(path, f"tensor {name!r}: embedding adapters are not served")
     targets = sorted({_module_of(name, path).rsplit(".", 1)[-1] for name in names})
     bad = [t for t in targets if t not in SUPPORTED_TARGETS]
     if bad:
@@ -109,7 +125,7 @@ def check_adapter(lora_path: str, max_lora_rank: int) -> AdapterInfo:
         )
     if not names:
         raise _fail(path, "adapter_model.safetensors holds no LoRA weights")
-    return AdapterInfo(path, rank, scaling, targets, weights_file)
+    info.target_modules = targets
 
 
 def _tensor_names(weights_file: pathlib.Path, path: pathlib.Path) -> list[str]:
@@ -117,15 +133,9 @@ def _tensor_names(weights_file: pathlib.Path, path: pathlib.Path) -> list[str]:
 
     try:
         with safe_open(str(weights_file), framework="pt") as f:
-            names = list(f.keys())
+            return list(f.keys())
     except Exception as exc:
         raise _fail(path, f"adapter_model.safetensors cannot be read: {exc}") from None
-    for name in names:
-        if "lora_magnitude_vector" in name:
-            raise _fail(path, f"tensor {name!r}: DoRA adapters are not served")
-        if "lora_embedding" in name:
-            raise _fail(path, f"tensor {name!r}: embedding adapters are not served")
-    return names
 
 
 def _module_of(name: str, path: pathlib.Path) -> str:
@@ -136,15 +146,22 @@ def _module_of(name: str, path: pathlib.Path) -> str:
 
 
 def load_adapter(lora_path: str, lora_int_id: int, max_lora_rank: int) -> LoRAAdapter:
-    """Check the adapter, then read its weights (float32, on the host)."""
-    info = check_adapter(lora_path, max_lora_rank)
-    from safetensors.torch import load_file
+    """Check the adapter, then read its weights (float32, on the host).
 
-    tensors = load_file(str(info.weights_file))
+    The weights file is read whole with plain reads (no memory map), once: a slow or
+    streamed file (a network mount, a pipe) costs its read time and nothing more."""
+    info = _check_config(lora_path, max_lora_rank)
+    from safetensors.torch import load
+
+    try:
+        tensors = load(info.weights_file.read_bytes())
+    except Exception as exc:
+        raise _fail(info.path, f"adapter_model.safetensors cannot be read: {exc}") from None
+    _check_names(list(tensors), info)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _KEY.match(name)
-        assert match is not None  # check_adapter matched every name
+        assert match is not None  # _check_names matched every name
         pairs.setdefault(match.group("module"), {})[match.group("part")] = tensor
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in pairs.items():

@@ -5,7 +5,10 @@ A projection with LoRA holds ``a_stack`` ``[max_loras, slices * max_lora_rank, i
 (QKV, gate/up) stacks its slices along the rank dimension, B block-diagonal, so the
 whole projection's delta is one shrink and one expand. Each slice is sharded as the base
 layer's rows are (column-parallel: B's rows; row-parallel: A's columns, the partial
-delta joining the base output before the all-reduce).
+delta joining the base output before the all-reduce). B is stored slot-minor
+(``[out, max_loras, width]``, seen as ``[max_loras, out, width]``), so every slot's B
+is one ``[out, max_loras * width]`` matrix without a copy (the dense kernels that CUDA
+graphs replay multiply by it).
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ class LoRALayer:
             self.slice_offsets.append(self.slice_offsets[-1] + size)
         width = len(self.slice_sizes) * max_rank
         self.a_stack = torch.zeros(max_loras, width, in_local, dtype=dtype, device=device)
-        self.b_stack = torch.zeros(max_loras, out_local, width, dtype=dtype, device=device)
+        self.b_stack = torch.zeros(out_local, max_loras, width, dtype=dtype, device=device).permute(
+            1, 0, 2
+        )
 
     def set_slot(self, slot: int, slices: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's (A, scaled B) per slice (None: that slice not targeted)

@@ -2,14 +2,18 @@
 
 ``max_loras`` slots hold stacked weights on the device (the least recently used slot
 not needed by the step is overwritten when a new adapter comes in); up to
-``max_cpu_loras`` adapters stay read on the host (least recently used dropped), so an
-adapter that comes back is copied, not read again.
+``max_cpu_loras`` adapters stay read on the host (least recently used dropped, never
+one a request the runner holds names), so an adapter that comes back is copied, not
+read again. Adapters are read off the step (``loader``): ``start_loads`` begins the
+reads the scheduler asks for, each step collects the finished ones, and
+``take_report`` tells the scheduler which are ready, failed or evicted.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -19,8 +23,9 @@ from enginecore.errors import EngineCoreError
 from enginecore.interfaces import LoRAKernels
 from enginecore.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 from enginecore.lora.layer import LoRALayer, LoRAStepState
+from enginecore.lora.loader import AdapterLoader, load_error
 from enginecore.lora.mapping import build_mapping
-from enginecore.lora_request import LoRARequest
+from enginecore.lora_request import LoRALoadReport, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,82 @@ class LoRAManager:
         self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self.max_host = config.max_cpu_loras or config.max_loras
         self.request_lora: dict[str, LoRARequest] = {}
+        self.loader = AdapterLoader(self._read)
+        self._report = LoRALoadReport()
+
+    # --- reading adapters off the step ----------------------------------------------------
+
+    def _read(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """On a reader thread: read, check against this model, cast to the slots' dtype."""
+        adapter = load_adapter(
+            lora_request.lora_path, lora_request.lora_int_id, self.config.max_lora_rank
+        )
+        self._check_targets(adapter, lora_request)
+        adapter.weights = {
+            module: (a.to(self.dtype), b.to(self.dtype))
+            for module, (a, b) in adapter.weights.items()
+        }
+        return adapter
+
+    def start_loads(self, lora_requests: list[LoRARequest]) -> None:
+        """Begin reading the adapters the scheduler waits for that are neither read nor
+        being read; collect the reads finished since the last step."""
+        for lora_request in lora_requests:
+            lora_id = lora_request.lora_int_id
+            if lora_id in self.host:
+                # Read already (the scheduler asked before our report reached it).
+                self._mark(lora_id, loaded=True)
+            else:
+                self.loader.start(lora_request)
+        for lora_request, future in self.loader.finished():
+            self._collect(lora_request, future)
+        # Back within the bound once the requests that held adapters over it are gone.
+        self._evict_host(keep={lora.lora_int_id for lora in lora_requests})
+
+    def _collect(
+        self, lora_request: LoRARequest, future: Future[LoRAAdapter]
+    ) -> LoRAAdapter | None:
+        lora_id = lora_request.lora_int_id
+        exc = future.exception()
+        if exc is not None:
+            message = load_error(lora_request, exc)
+            logger.error("%s", message)
+            self._report.failed[lora_id] = message
+            return None
+        adapter = future.result()
+        self.host[lora_id] = adapter
+        self._mark(lora_id, loaded=True)
+        self._evict_host(keep={lora_id})
+        return adapter
+
+    def _mark(self, lora_id: int, *, loaded: bool) -> None:
+        """Report the adapter's latest state: read, or dropped from host memory."""
+        report = self._report
+        add, drop = (report.loaded, report.evicted) if loaded else (report.evicted, report.loaded)
+        if lora_id in drop:
+            drop.remove(lora_id)
+        if lora_id not in add:
+            add.append(lora_id)
+
+    def _evict_host(self, keep: set[int]) -> None:
+        """Drop the least recently used adapters beyond ``max_cpu_loras``, but neither
+        those in ``keep`` (read for waiting requests) nor one a request held here names:
+        those stay, over the bound, until their requests end."""
+        excess = len(self.host) - self.max_host
+        if excess <= 0:
+            return
+        held = {lora.lora_int_id for lora in self.request_lora.values()} | keep
+        for lora_id in [i for i in self.host if i not in held][:excess]:
+            del self.host[lora_id]
+            self._mark(lora_id, loaded=False)
+
+    def take_report(self) -> LoRALoadReport | None:
+        """What changed since the last call, for the scheduler (None: nothing)."""
+        report = self._report
+        if not (report.loaded or report.failed or report.evicted):
+            return None
+        self._report = LoRALoadReport()
+        return report
 
     # --- requests -----------------------------------------------------------------------
 
@@ -99,14 +180,17 @@ class LoRAManager:
         self.state.mapping = build_mapping(slots, query_lens, self.device)
 
     def _host_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter read; a read still in flight (this rank is behind another) or not
+        started (a scheduler that does not wait for reads) is waited for here."""
         lora_id = lora_request.lora_int_id
         adapter = self.host.get(lora_id)
         if adapter is None:
-            adapter = load_adapter(lora_request.lora_path, lora_id, self.config.max_lora_rank)
-            self._check_targets(adapter, lora_request)
-            self.host[lora_id] = adapter
-            while len(self.host) > self.max_host:
-                self.host.popitem(last=False)
+            if lora_id not in self.loader:
+                self.loader.start(lora_request)
+            lora_request, future = self.loader.wait(lora_id)
+            adapter = self._collect(lora_request, future)
+            if adapter is None:
+                raise LoRAAdapterError(self._report.failed[lora_id])
         self.host.move_to_end(lora_id)
         return adapter
 

@@ -5,8 +5,9 @@ Each adapter is a model name (``model: "name"`` in a request selects it) listed 
 (``allow_runtime_lora_updating``, or ``ENGINECORE_ALLOW_RUNTIME_LORA_UPDATING=1`` as
 vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` change the list without a restart. An adapter is checked
-when it is added (config, rank, targets); its weights are read by the engine on its
-first request.
+when it is added (config, rank, targets). A ``--lora-modules`` adapter's weights are read
+by the engine when a request first names it; a run-time load answers once the engine
+has read them (or with the reason it could not), while other requests keep running.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from enginecore.config import EngineConfig
+from enginecore.engine.mp_client import UtilityError
 from enginecore.errors import ConfigError
 from enginecore.lora.adapter import LoRAAdapterError, check_adapter
 from enginecore.lora_request import LoRARequest
@@ -102,9 +104,15 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
         raise APIError(400, "LoRA is off: start the server with --enable-lora")
     try:
         # Reads the adapter's config and safetensors header: off the event loop.
-        await asyncio.to_thread(loras.add, body.lora_name, body.lora_path)
+        lora = await asyncio.to_thread(loras.add, body.lora_name, body.lora_path)
     except LoRAAdapterError as exc:
         raise APIError(400, str(exc), param="lora_path") from None
+    try:
+        await context(request).engine.add_lora(lora)  # the engine reads the weights
+    except UtilityError as exc:
+        loras.adapters.pop(body.lora_name, None)
+        message = str(exc).removeprefix(f"{LoRAAdapterError.__name__}: ")
+        raise APIError(400, message, param="lora_path") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
