@@ -21,7 +21,7 @@ XgrammarBackend
 BertModel
 PoolingModelRunner
 StubModelRunner  # the executor contract's runner, by reference
-NullRunner  # tests/test_hooks.py registers it by reference
+NullRunner  # tests/plugins_api/test_hooks.py registers it by reference
 EchoForCausalLM  # a test plugin's model, by entry point
 NaiveAttentionBackend  # a test plugin's backend, by entry point
 TimingExecutor  # a test plugin's executor, by entry point

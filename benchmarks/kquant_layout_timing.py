@@ -2,7 +2,7 @@
 its scales per super-block of 256) against the same products with float32 scales kept
 beside the values, whose results they equal bit for bit: Q4_K against 4-bit blocks of 32
 with a float32 scale and offset each (``quant_kernels``' kind 4), Q5_K / Q6_K against one
-byte a value with a float32 scale per 16 values (``tests/kquant_byte_reference.c``).
+byte a value with a float32 scale per 16 values (``tests/models/kquant_byte_reference.c``).
 
 One ``--out`` x ``--in`` weight per format is multiplied by ``--rows`` activation rows with
 ``--threads`` OpenMP threads (Q4_K's candidates quantize the activations in the call, as
@@ -32,7 +32,7 @@ from enginecore.block_formats import kquant_blocks
 from enginecore.testing.quantizers import quantize_k
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 
-REFERENCE = Path(__file__).parents[1] / "tests" / "kquant_byte_reference.c"
+REFERENCE = Path(__file__).parents[1] / "tests" / "models" / "kquant_byte_reference.c"
 
 
 def _reference_lib(directory: Path) -> ctypes.CDLL:

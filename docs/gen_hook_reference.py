@@ -59,7 +59,8 @@ def render() -> str:
         "<!-- Generated from core/enginecore/hookspecs.py by docs/gen_hook_reference.py; "
         "do not edit. -->\n\n",
         inspect.cleandoc(hookspecs.__doc__ or "") + "\n\n",
-        "The tutorial and the interfaces are in [plugins.md](plugins.md).\n",
+        "The tutorial and the interfaces are in [plugins.md](plugins.md); enabling, failures,\n"
+        "diagnostics and versions in [plugin_operations.md](plugin_operations.md).\n",
     ]
     sections = _sections()
     for line, name, fn in _hooks():

@@ -9,7 +9,7 @@ There is no broadcast: every rank runs its own scheduler and they never exchange
 SchedulerOutputs. That is only correct because the built-in scheduler is deterministic
 by construction (decisions depend on arrival sequence numbers, priorities and token
 counts, never on wall-clock time or hash order), so identical engines fed identical
-requests plan identical steps. ``tests/test_external_launcher.py`` proves it step by
+requests plan identical steps. ``tests/executors/test_external_launcher.py`` proves it step by
 step with a real ``torchrun``. The sampled tokens are broadcast from the output rank
 inside the model runner, so every rank also holds identical outputs.
 

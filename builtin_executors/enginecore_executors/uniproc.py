@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from enginecore.config import EngineConfig
+from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import ConfigError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.registry import import_ref
@@ -26,7 +27,8 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, worker_spec: WorkerSpec, plugin_host: Any = None):
         super().__init__(config, worker_spec)
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="enginecore-uni")
+        # A daemon thread: a plugin hung in a forward pass must not keep the process alive.
+        self._thread = SerialThread("enginecore-uni")
         self.worker = self._build_worker(plugin_host)
         # Every torch call runs on the one worker thread, loading included: with libgomp,
         # a second thread that has ever run an OpenMP region keeps its own thread team,

@@ -26,8 +26,9 @@ class ComponentKind:
 
     name: str  # the registry's key: ``host.registry(name)``
     hook: str  # the hook spec whose implementations fill the registry
-    #: The class every entry must subclass (checked by ``enginecore plugins --check``);
-    #: None where entries are factories or modules of several shapes.
+    #: The class every entry must subclass (checked by ``enginecore plugins --check``, and
+    #: when registered for kinds with ``required_attributes``); None where entries are
+    #: factories or modules of several shapes.
     base: type | None = None
     #: The config key that selects an implementation, named in errors and hints.
     config_key: str | None = None
@@ -35,6 +36,15 @@ class ComponentKind:
     selected: Callable[[EngineConfig], list[str]] | None = None
     #: ``enginecore plugins`` shows each entry's priority and what it supports.
     described: bool = False
+    #: What the engine reads from every registered class, selected or not (``auto``
+    #: selection compares all candidates): checked when an entry is registered.
+    required_attributes: tuple[str, ...] = ()
+    #: ``(positional arguments, shape)`` the engine calls an entry with, checked when it
+    #: is registered: ``(1, "cls(config)")``.
+    called_with: tuple[int, str] | None = None
+    #: The expression of a plugin's code that reads the selected name, for the starter's
+    #: README (the config key under ``config.`` when None).
+    config_expr: str | None = None
 
     @property
     def label(self) -> str:
@@ -66,6 +76,7 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         interfaces.SchedulingPolicy,
         "scheduler.policy",
         lambda c: [c.scheduler.policy],
+        called_with=(1, "cls(config)"),
     ),
     ComponentKind(
         "executor",
@@ -81,20 +92,40 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         "model.runner",
         lambda c: [c.model.runner],
     ),
-    ComponentKind("model", "register_models"),
+    ComponentKind("model", "register_models", config_expr="config.model.path"),
     ComponentKind(
         "attention_backend",
         "register_attention_backends",
+        interfaces.AttentionBackend,
         config_key="model.attention_backend",
         selected=lambda c: _named(c.model.attention_backend, "auto"),
         described=True,
+        required_attributes=(
+            "priority",
+            "capabilities",
+            "default_block_size",
+            "unsupported_reason",
+            "build_metadata",
+            "forward",
+        ),
+        called_with=(1, "cls(spec)"),
     ),
     ComponentKind(
         "linear_method",
         "register_linear_methods",
+        interfaces.LinearMethod,
         config_key="model.linear_method",
         selected=lambda c: _named(c.model.linear_method, "auto"),
         described=True,
+        required_attributes=(
+            "priority",
+            "devices",
+            "dtypes",
+            "unsupported_reason",
+            "create_weights",
+            "apply",
+        ),
+        called_with=(1, "cls(config)"),
     ),
     ComponentKind(
         "kv_connector",
@@ -108,8 +139,11 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         interfaces.StatLogger,
         "observability.stat_loggers",
         lambda c: list(c.observability.stat_loggers),
+        config_expr="config.observability.stat_loggers[-1]",
     ),
-    ComponentKind("worker_rpc", "register_worker_rpcs"),
+    ComponentKind(
+        "worker_rpc", "register_worker_rpcs", called_with=(1, "fn(worker, *args, **kwargs)")
+    ),
     ComponentKind(
         "structured_output_backend",
         "register_structured_output_backends",
@@ -127,6 +161,7 @@ COMPONENT_KINDS: tuple[ComponentKind, ...] = (
         "register_tool_parsers",
         config_key="server.tool_call_parser",
         selected=lambda c: _named(c.server.tool_call_parser),
+        called_with=(1, "factory(tokenizer)"),
     ),
     ComponentKind(
         "reasoning_parser",

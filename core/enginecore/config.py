@@ -188,7 +188,9 @@ class EngineProcessConfig(_Section):
     """Seconds to wait for the engine process to load the model and answer the handshake."""
     execute_timeout: float | None = 300.0
     """Watchdog: seconds one step (execute_model, sample_tokens) may take on worker
-    processes (mp executor); beyond it in-flight requests fail naming the rank and the
+    processes (mp executor), or one step or added request in the engine core (in its own
+    process: plus a 5 s grace; in-process, ``multiprocessing = false``: exactly); beyond
+    it in-flight requests fail naming the rank, or the plugin found hanging, and the
     engine is declared dead. Null: no watchdog."""
 
     rpc_timeout: float = 60.0

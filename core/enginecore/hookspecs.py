@@ -75,6 +75,12 @@ def register_schedulers(registry: Registry[Any]) -> None:
     Most plugins should not need this hook: a new *scheduling policy*
     (``register_scheduling_policies``) changes ordering, admission and preemption and
     keeps async scheduling, chunked prefill and prefix caching for free.
+
+    The engine builds the scheduler once the KV cache size is known, as ``cls(config,
+    num_blocks=..., max_model_len=..., policy=..., kv_connector=..., log_stats=...)``; a
+    scheduler that sets ``supports_kv_cache_groups`` is also given ``kv_cache_groups=``
+    (each group's sliding window or None). Prove one with
+    :class:`enginecore.testing.SchedulerContract`.
     """
 
 
@@ -95,6 +101,12 @@ def register_scheduling_policies(registry: Registry[Any]) -> None:
     (offline, ``SamplingParams(extra={...})``). ``sort_key`` runs in the engine loop for
     every waiting request each step: it must return values comparable with each other
     (the error names the plugin otherwise) and must not block.
+
+    Built as ``cls(config)``, plus ``settings=`` when the plugin declares
+    ``plugin_settings``. :class:`enginecore.testing.SchedulingPolicyContract` checks
+    that fresh instances give the same order and the same admissions over 20 shuffles.
+    Examples: ``plugins/enginecore-sjf`` and the fair-share policy in
+    ``tests/plugins/enginecore-fair-share``.
     """
 
 
@@ -106,6 +118,26 @@ def register_executors(registry: Registry[Any]) -> None:
     ``"mp"``, ``"ray"``, ``"external_launcher"``; ``"auto"`` picks ``uni`` for a world
     size of one and ``mp`` otherwise (and ``mp`` for one CPU rank with
     ``cpu_reserved_cores`` > 0, as under ``enginecore serve``).
+
+    Built in the engine-core process as ``cls(config, worker_spec)``; the
+    :class:`enginecore.interfaces.WorkerSpec` carries the ``module:attr`` references the
+    workers import. Implement ``collective_rpc(method, timeout=None, args=(),
+    kwargs=None, non_block=False, unique_reply_rank=None)`` (vLLM's argument order, as
+    ``LLM.collective_rpc``: one result per rank in rank order, a rank's exception raised
+    as :class:`enginecore.errors.RankError` with its rank, ``non_block`` returning a
+    ``concurrent.futures.Future``, ``timeout`` honoured) and ``shutdown``; call
+    ``self._report_failure(message)`` when a rank dies. Prove it with
+    :class:`enginecore.testing.ExecutorContract` (``executor``: the name or the class;
+    ``world_size``).
+
+    A wrapping executor (``plugins/enginecore-echo-executor``) builds the inner one
+    through the registry with the same arguments,
+    ``make_plugin_manager(config.plugins.enabled,
+    config.plugins.disabled).registry("executor").get("uni")(config, worker_spec)``,
+    forwards ``collective_rpc`` and ``shutdown``, copies ``max_concurrent_batches`` and
+    passes ``register_failure_callback`` through, so the engine's death chain still
+    works. A ``wrapper=True`` implementation of this hook can register such a wrapper
+    for every executor at once.
     """
 
 
@@ -115,6 +147,9 @@ def register_model_runners(registry: Registry[Any]) -> None:
 
     Selected by ``model.runner`` (flat name ``runner``; default ``"torch"``). The runner is
     built inside each worker process.
+
+    Built as ``cls(config, worker_spec, device, parallel)``. Prove one with
+    :class:`enginecore.testing.ModelRunnerContract`.
     """
 
 
@@ -132,6 +167,13 @@ def register_models(registry: Registry[Any]) -> None:
     ``load_weights``. ``registry.add(..., features=[...])`` declares what the architecture
     supports, from ``"sliding_window"``, ``"moe"``, ``"gguf"``, ``"tp"``, ``"pp"``;
     ``enginecore models`` lists it.
+
+    A model that cannot serve an option its checkpoint asks for raises
+    :class:`enginecore.errors.UnsupportedModelError` (or ``NotImplementedError``) while
+    it is built: the error names the architecture and reaches the user as it is.
+    ``enginecore plugin new NAME --kind model`` writes a Llama-shaped model in this
+    form; ``tests/plugins/enginecore-echo-model`` is a complete model plugin (a scripted
+    ``EchoForCausalLM`` that keeps its context in the paged KV cache).
     """
 
 
@@ -163,6 +205,42 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     and ``model.attention_backend``; one whose registration is not an
     ``AttentionBackend`` subclass is dropped when registered and named by
     ``enginecore plugins --check``.
+
+    A backend names the block size it wants in ``default_block_size`` (16 unless it says
+    otherwise; ``flash_attn`` 256). While ``cache.block_size`` is unset, each backend is
+    judged at its own block size, and the engine, its scheduler and every rank take the
+    chosen backend's; a block size the user sets is used as is, and a backend that
+    cannot read it is passed over. Engines with a KV connector keep 16, so that they
+    agree on their blocks.
+
+    Built once per model runner as ``cls(spec)`` (an ``AttentionSpec``: this rank's
+    heads, head size, dtype, device, block size, limits). It allocates the cache
+    (``allocate_kv_cache(num_blocks)``, one tensor per layer), builds the step's
+    metadata (``build_metadata(batch)``: request ids, query and context lengths, block
+    table, slot mapping, decodes first) and, for each ``Attention`` layer, writes K/V
+    and attends (``forward(layer, q, k, v, kv_cache, metadata)``). Optional:
+    ``order_decodes`` (a backend with per-request state orders the decodes),
+    ``workspace_bytes`` (memory beyond the cache, reserved by profiling),
+    ``fused_ops()`` (an :class:`enginecore.layers.FusedOps` of fused norm, rotary,
+    activation and argmax kernels), ``fused_decode(model, kv_caches)`` (an object with
+    ``handles(batch)`` and ``run(input_ids, positions, batch)`` that computes a whole
+    decode step in fewer calls than the model's layers), ``lora_kernels()``,
+    ``release_kv_cache()`` (sleep). The GPU runner captures decode steps in CUDA graphs
+    only with a backend that declares them and keeps its metadata in persistent buffers.
+
+    With sliding-window layers the cache is laid out in KV cache groups:
+    ``spec.num_layers`` is then the number of cache tensors (layers of different groups
+    share them) and ``spec.num_kv_cache_groups`` the number of groups;
+    ``build_metadata`` is called once per group each step with that group's block table
+    and slot mapping (``batch.kv_cache_group``), and each layer receives its own group's
+    metadata (a backend that keeps metadata in persistent buffers needs one set per
+    group). Block-table entries before a sliding layer's window are stale or block 0 and
+    must stay masked. ``tests/plugins/enginecore-naive-attention`` is a complete
+    third-party backend.
+
+    Under ``"auto"`` a backend is passed over when its ``unsupported_reason(spec)``
+    classmethod returns a reason (not None) for the model's device, dtype, head size,
+    sliding window and soft-capping.
     """
 
 
@@ -194,6 +272,15 @@ def register_linear_methods(registry: Registry[Any]) -> None:
     has not returned after 30 s is logged as an error naming the method, its plugin and
     the layer. A method that raises in ``__init__`` fails start-up naming the method,
     its plugin and ``model.linear_method``.
+
+    Built once per runner as ``cls(config)``. Every linear layer calls
+    ``create_weights(layer, input_size, output_size, dtype)`` in its constructor,
+    ``process_weights_after_loading(layer)`` once the checkpoint is loaded and
+    ``apply(layer, x, bias)`` every forward; a gated gate/up projection may be computed
+    with its activation in ``apply_silu_and_mul``.
+
+    Under ``"auto"`` a method is passed over when its ``unsupported_reason(device,
+    dtype)`` classmethod returns a reason (not None).
     """
 
 
@@ -223,6 +310,11 @@ def register_kv_connectors(registry: Registry[Any]) -> None:
     400 naming the field) and put checks that need the configuration in
     ``check_transfer_params``. Never connect to an address a client supplies: take peers
     from the connector's configuration.
+
+    Configured by ``kv_transfer.role`` and ``kv_transfer.extra_config``. A
+    ``KVConnectorContract`` subclass sets ``connector`` and overrides
+    ``producer_kv_transfer(tmp_path)`` to return the ``kv_transfer`` settings the
+    connector needs.
     """
 
 
@@ -233,6 +325,15 @@ def register_stat_loggers(registry: Registry[Any]) -> None:
     Selected by the list ``observability.stat_loggers`` (built in: ``"logging"``,
     ``"prometheus"``). Stat loggers run in the frontend process and receive scheduler
     stats, iteration stats and per-finished-request stats.
+
+    Built as ``cls(config, engine_index)`` (plus ``settings=`` when the plugin declares
+    them); with data parallelism once per replica (``engine_index`` 0..N-1), each
+    receiving only its replica's steps. ``LLM``, ``AsyncLLM``, ``enginecore generate``
+    and ``enginecore serve`` call ``record()`` once per engine step, ``log()`` every
+    ``observability.log_stats_interval`` seconds and the optional ``close()`` (release
+    files and sockets) at shutdown. Prove one with
+    :class:`enginecore.testing.StatLoggerContract`; example:
+    ``plugins/enginecore-jsonl-stats``.
     """
 
 
@@ -254,6 +355,13 @@ def register_worker_rpcs(registry: Registry[Any]) -> None:
     its own in the worker, so past the limit the caller gets an error naming the RPC
     and the worker goes on serving; the stuck thread is abandoned, not stopped, so an
     RPC must not take locks the model's forward needs.
+
+    A rank that raises makes the call raise :class:`enginecore.errors.RankError`
+    (``.rank``, ``.method`` and the error's text) in every process mode. The worker
+    attributes an RPC may rely on: ``config``, ``rank``, ``local_rank``, ``device``,
+    ``parallel`` (``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``), ``model_runner``
+    (the torch runner's ``model`` is the ``torch.nn.Module``) and ``plugin_host``;
+    anything else on the worker is internal.
     """
 
 
@@ -267,6 +375,35 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     ``validate`` classmethod also runs in the frontend. Selected by
     ``structured_output.backend`` (flat name ``structured_output_backend``; default
     ``"xgrammar"``).
+
+    Each request gets its own :class:`enginecore.interfaces.StructuredOutputGrammar`
+    from ``new_grammar(compiled)``: ``accept_tokens(token_ids)`` (False: rejected, state
+    unchanged), ``rollback(num_tokens)``, ``fill_bitmask(bitmask, row)`` (int32 words;
+    bit j of word w allows token 32*w+j) and ``is_terminated()``. A
+    ``StructuredOutputParams`` carries exactly one of ``json``, ``json_object``,
+    ``regex``, ``choice``, ``grammar`` and ``structural_tag``; ``validate`` refuses the
+    kinds a backend does not support by raising
+    :class:`enginecore.errors.InvalidRequestError` (a 400 with its message).
+
+    How the engine drives every backend: ``validate(spec)`` runs in the frontend before
+    the request is queued. ``compile(spec)`` runs on a thread pool in the engine core,
+    cached by the constraint's kind and text (a JSON schema by its key-sorted text);
+    until it is ready the request waits as ``WAITING_FOR_GRAMMAR`` outside the
+    scheduler, so any scheduler works unchanged, and a compile error finishes only that
+    request (``finish_reason`` ``"error"``). Each step, while the forward pass runs, the
+    engine fills one bitmask for the batch (int32 ``[rows, ceil(vocab_size / 32)]``: a
+    row per structured request, plus one per draft token under speculative decoding,
+    filled after accepting the drafts before it and rolled back after) and the runner
+    masks the logits with it; ``vocab_size`` is the model's, so ids the tokenizer lacks
+    are never allowed. After the step ``accept_tokens`` advances each grammar by the
+    tokens its request sampled; with async scheduling, a batch whose structured requests
+    wait for a token still in flight runs its forward pass at once and samples once that
+    token has advanced the grammar. ``tests/helpers/token_trie_backend.py`` is a
+    complete second backend.
+
+    Constraints come from ``SamplingParams(structured_output=...)`` and the server's
+    ``response_format`` and ``guided_*`` fields; a ``backend`` name nobody registered
+    fails at start-up with the list of registered backends.
     """
 
 
@@ -282,6 +419,9 @@ def register_spec_decode_proposers(registry: Registry[Any]) -> None:
     ``speculative.num_speculative_tokens`` drafts per step. Verification keeps the output
     exactly as without speculation, so a proposer only changes speed; it must be
     deterministic, since every rank of a parallel engine proposes for itself.
+
+    Example: ``plugins/enginecore-cycle-proposer``; prove one with
+    :class:`enginecore.testing.SpecDecodeProposerContract`.
     """
 
 
@@ -294,6 +434,25 @@ def register_tool_parsers(registry: Registry[Any]) -> None:
     final)``; whole and streamed tool calls are derived from it). Selected by
     ``server.tool_call_parser`` (flag ``--tool-call-parser``; built in: ``"hermes"``,
     ``"llama3_json"``, ``"mistral"``, ``"pythonic"``, ``"qwen3_coder"``).
+
+    ``parse(text, final)`` returns a ``ParsedText``: the content so far (holding back
+    text that may begin a tool-call marker while ``final`` is false) and a
+    ``PartialToolCall(name, arguments)`` per call seen so far, the name only once it is
+    complete, the arguments a prefix of their final raw JSON text, ``invalid=True`` for
+    a finished call that does not parse. Parsing is on with
+    ``server.enable_auto_tool_choice``. Before the first ``parse`` the server sets
+    ``parser.tools`` to the request's ``tools`` (formats that write arguments as text
+    convert them by their JSON schema); override ``new_call_id()`` where a model family
+    expects its own id shape; ``keeps_special_tokens = True`` asks for the reply
+    detokenized with its special tokens, where the format's markers are special tokens
+    (the EOS that ends the reply is still left out). Prove one with
+    :class:`enginecore.testing.ToolParserContract`; ``enginecore plugin new NAME --kind
+    tool-parser`` starts a package.
+
+    The server derives the whole response (``message.tool_calls``, ``finish_reason:
+    "tool_calls"``) and the streamed deltas (id and name first, then argument fragments)
+    from ``parse``, so they always agree. Mistral's ``[TOOL_CALLS]`` is a marker that is
+    a special token.
     """
 
 
@@ -311,6 +470,19 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     and set its markers. Selected by ``server.reasoning_parser`` (flag
     ``--reasoning-parser``; built in: ``"qwen3"``, ``"deepseek_r1"``, ``"granite"``,
     ``"mistral"``).
+
+    The chat reply's ``reasoning_content`` and ``reasoning`` (vLLM's newer name; both
+    are sent), its streamed deltas and the Responses API's ``reasoning`` items all
+    derive from ``parse``, and tool-call parsing reads only the content.
+    ``start(prompt_tail)`` tells a parser that the chat template opened the think block
+    itself (DeepSeek-R1, Qwen3-Thinking) or closed it (``enable_thinking: false``).
+    ``keeps_special_tokens = True`` asks for the reply with its special tokens, for
+    markers that are special tokens (Magistral's ``[THINK]``). A
+    ``ThinkTagReasoningParser`` subclass sets ``start_markers``, ``end_markers`` and
+    ``untagged_is_reasoning`` (whether output with no opening marker is reasoning until
+    the end marker, or all content). Prove one with
+    :class:`enginecore.testing.ReasoningParserContract`; ``enginecore plugin new NAME
+    --kind reasoning-parser`` starts a package.
     """
 
 
@@ -324,6 +496,10 @@ def engine_started(config: EngineConfig, info: dict[str, Any]) -> None:
     ``config`` is the resolved :class:`enginecore.config.EngineConfig`; ``info`` holds the
     facts only known after start-up: ``max_model_len``, ``num_blocks``, ``block_size`` and
     ``components`` (the selected name and providing plugin of each component kind).
+
+    ``info`` also holds ``startup_seconds``; ``components`` maps each kind to ``"name
+    (from plugin)"``. An exception raised in any lifecycle observer is logged as
+    ``plugin 'x' raised in engine_started (ignored)``.
     """
 
 
@@ -344,6 +520,15 @@ def request_finished(request_stats: Any) -> None:
     ``request_stats`` is a :class:`enginecore.metrics.stats.FinishedRequestStats` with the
     request id, finish reason, token counts, timings and the user-supplied ``extra``
     metadata of the request.
+
+    Called alike under ``LLM``, ``AsyncLLM``, ``enginecore generate`` and ``enginecore
+    serve``, for aborted requests too. The fields: ``request_id``, ``finish_reason``
+    (``"stop"``, ``"length"``, ``"abort"`` or ``"error"``), ``num_prompt_tokens``,
+    ``num_generation_tokens``, ``e2e_latency``, ``queued_time``, ``prefill_time``,
+    ``inference_time``, ``decode_time``, ``ttft``, ``mean_tpot`` (seconds),
+    ``num_cached_tokens``, ``num_preemptions``, ``max_tokens_param`` and ``extra`` (the
+    request's ``SamplingParams(extra={...})``, passed through untouched). Use it for
+    billing or audit logs; use a stat logger for aggregate metrics.
     """
 
 
@@ -353,4 +538,6 @@ def engine_stopped(reason: str) -> None:
 
     ``reason`` is ``"shutdown"`` for an orderly stop, or the text of the error that killed
     the engine.
+
+    For example ``"EngineDeadError: executor failed: ..."``.
     """

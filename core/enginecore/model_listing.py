@@ -18,7 +18,7 @@ MODEL_FEATURES = {
 DOC_HEADER = """# Model architectures
 
 Generated from the model registry by `enginecore models --markdown` (built-in plugins
-only); `tests/test_models_listing.py` checks that this page matches it. Run
+only); `tests/models/test_models_listing.py` checks that this page matches it. Run
 `enginecore models` to see what is registered in your installation, plugins included.
 
 Each architecture is the name in a checkpoint's `config.json` `architectures` list.

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import importlib_metadata
 
-from enginecore.plugins import ENTRY_POINT_GROUP
+from enginecore.plugins import ENTRY_POINT_GROUP, is_builtin
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +29,7 @@ def _plugin_packages() -> dict[str, str]:
     by_dist = importlib_metadata.packages_distributions()
     plugins: dict[str, str] = {}
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.dist is not None:
+        if ep.dist is not None and not is_builtin(ep.name):
             plugins.setdefault(
                 ep.dist.name.lower(), f"{ep.name!r} (distribution {ep.dist.name} {ep.dist.version})"
             )
@@ -81,17 +81,44 @@ def attribute(exc: BaseException) -> str | None:
             plugin = packages.get(str(getattr(origin, "__module__", "")).split(".")[0])
             if plugin is not None:
                 return f"plugin {plugin}, in {getattr(origin, '__qualname__', origin)}"
-        frames = _frames(error.__traceback__)
-        for index in range(len(frames) - 1, -1, -1):
-            plugin = packages.get(frames[index][0].split(".")[0])
-            if plugin is None:
-                continue
-            # The way in: the outermost frame of the run of this plugin's frames.
-            first = index
-            while first > 0 and packages.get(frames[first - 1][0].split(".")[0]) == plugin:
-                first -= 1
-            return f"plugin {plugin}, in {frames[first][1]}"
+        where = _innermost_plugin_call(_frames(error.__traceback__), packages)
+        if where is not None:
+            return where
     return None
+
+
+def _way_in(frames: list[tuple[str, str]], packages: dict[str, str]) -> tuple[str, str, str] | None:
+    """``(plugin, module, qualified name)`` of the innermost run of one plugin's frames
+    (``frames`` outermost first), named by the way in: the run's outermost frame."""
+    for index in range(len(frames) - 1, -1, -1):
+        plugin = packages.get(frames[index][0].split(".")[0])
+        if plugin is None:
+            continue
+        first = index
+        while first > 0 and packages.get(frames[first - 1][0].split(".")[0]) == plugin:
+            first -= 1
+        return plugin, frames[first][0], frames[first][1]
+    return None
+
+
+def _innermost_plugin_call(frames: list[tuple[str, str]], packages: dict[str, str]) -> str | None:
+    """``"plugin 'x' (...), in Cls.method"`` (see :func:`_way_in`)."""
+    found = _way_in(frames, packages)
+    return f"plugin {found[0]}, in {found[2]}" if found is not None else None
+
+
+def running_plugin_call(frame: FrameType | None) -> tuple[str, str, str] | None:
+    """For a thread that is still running (``frame``: its innermost frame, from
+    ``sys._current_frames()``): ``(plugin described, module, qualified name)`` of the
+    plugin code it is in, or None when no plugin's code is on its stack."""
+    packages = _plugin_packages()
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        module = str(frame.f_globals.get("__name__", ""))
+        frames.append((module, getattr(code, "co_qualname", code.co_name)))
+        frame = frame.f_back
+    return _way_in(frames[::-1], packages) if packages else None
 
 
 def with_attribution(exc: BaseException, text: str) -> str:

@@ -39,24 +39,49 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "enginecore"
 
-# Built-in plugins, registered through the same path as third-party ones: the plugin's
-# name -> its module (each built-in is its own distribution, `builtin_<kind>/`).
-BUILTIN_PLUGINS: dict[str, str] = {
-    name: f"enginecore_{name.removeprefix('builtin_')}.plugin"
-    for name in (
-        "builtin_schedulers",
-        "builtin_executors",
-        "builtin_models",
-        "builtin_attention",
-        "builtin_cpu",
-        "builtin_gpu",
-        "builtin_kv_connectors",
-        "builtin_structured_output",
-        "builtin_stat_loggers",
-        "builtin_tool_parsers",
-        "builtin_reasoning_parsers",
-    )
-}
+#: Entry-point names that mark enginecore's own plugins: each ``builtin_<kind>/`` is a
+#: distribution declaring ``builtin_<kind> = "enginecore_<kind>.plugin"`` in this group.
+#: They load first and the allow-list does not apply to them.
+BUILTIN_PREFIX = "builtin_"
+#: The order built-ins load in (others found follow, by name). Load order breaks ties:
+#: ``auto`` takes the first of equal-priority candidates (``unquantized`` before ``gguf``).
+BUILTIN_LOAD_ORDER = (
+    "builtin_schedulers",
+    "builtin_executors",
+    "builtin_models",
+    "builtin_attention",
+    "builtin_cpu",
+    "builtin_gpu",
+    "builtin_kv_connectors",
+    "builtin_structured_output",
+    "builtin_stat_loggers",
+    "builtin_tool_parsers",
+    "builtin_reasoning_parsers",
+)
+
+
+def is_builtin(entry_point_name: str) -> bool:
+    return entry_point_name.startswith(BUILTIN_PREFIX)
+
+
+@functools.cache
+def builtin_plugins() -> dict[str, str]:
+    """The installed built-in plugins, found through their entry points: name -> module."""
+    found = {
+        ep.name: ep.value
+        for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if is_builtin(ep.name)
+    }
+    if not found:
+        logger.error(
+            "no built-in enginecore plugins are installed (no %r entry point starts "
+            "with %r): reinstall enginecore with its builtin_* distributions (make install)",
+            ENTRY_POINT_GROUP,
+            BUILTIN_PREFIX,
+        )
+    rank = {name: i for i, name in enumerate(BUILTIN_LOAD_ORDER)}
+    return dict(sorted(found.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))
+
 
 # Component kind -> the hook that fills its registry.
 COMPONENT_HOOKS: dict[str, str] = {kind.name: kind.hook for kind in COMPONENT_KINDS}
@@ -192,7 +217,9 @@ class PluginHost:
 
     # --- loading ------------------------------------------------------------------------
 
-    def load_builtins(self, modules: Mapping[str, str] = BUILTIN_PLUGINS) -> None:
+    def load_builtins(self, modules: Mapping[str, str] | None = None) -> None:
+        """The built-ins (all installed ones, or ``modules``: name -> module) first."""
+        modules = builtin_plugins() if modules is None else modules
         self._builtin_names = {*modules, *modules.values()}
         for short, module_name in modules.items():
             if not self.selection.allows(short, module_name, builtin=True):
@@ -203,6 +230,8 @@ class PluginHost:
     def load_entrypoints(self) -> None:
         installed: list[str] = []
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if is_builtin(ep.name):
+                continue  # load_builtins' (a subset may have been asked for)
             dist = ep.dist
             installed += [ep.name, dist.name if dist else ep.name]
             record = PluginRecord(
@@ -238,7 +267,7 @@ class PluginHost:
                     "Installed: %s.",
                     name,
                     did_you_mean(name, known),
-                    ", ".join(sorted(known - set(BUILTIN_PLUGINS.values()))) or "none",
+                    ", ".join(sorted(n for n in known if "." not in n)) or "none",
                 )
         for name in self.selection.enabled or []:
             if name not in installed and name not in builtins:
@@ -576,10 +605,11 @@ def make_plugin_manager(
     disabled: Iterable[str] = (),
     *,
     load_entrypoints: bool = True,
-    builtins: Mapping[str, str] = BUILTIN_PLUGINS,
+    builtins: Mapping[str, str] | None = None,
     strict: bool | None = None,
 ) -> PluginHost:
-    """Build a :class:`PluginHost`: built-ins first, then each entry point on its own.
+    """Build a :class:`PluginHost`: built-ins first (every installed one, or
+    ``builtins``), then each other entry point on its own.
 
     ``enabled``/``disabled`` come from the config's ``plugins`` section; the env vars
     ``ENGINECORE_PLUGINS`` (allow-list; empty means none), ``ENGINECORE_DISABLE_PLUGINS``,

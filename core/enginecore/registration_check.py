@@ -16,26 +16,19 @@ from __future__ import annotations
 import inspect
 from typing import Any, cast
 
-from enginecore import interfaces
+from enginecore.component_kinds import COMPONENT_KINDS
 
 #: Component kind -> the class its entries must subclass.
-EXPECTED_BASE: dict[str, type] = {
-    "scheduler": interfaces.Scheduler,
-    "scheduling_policy": interfaces.SchedulingPolicy,
-    "executor": interfaces.Executor,
-    "model_runner": interfaces.ModelRunner,
-    "stat_logger": interfaces.StatLogger,
-    "attention_backend": interfaces.AttentionBackend,
-    "linear_method": interfaces.LinearMethod,
-}
+EXPECTED_BASE: dict[str, type] = {k.name: k.base for k in COMPONENT_KINDS if k.base is not None}
 
 #: Component kind -> how many positional arguments the engine calls its factory with.
 CALLED_WITH: dict[str, tuple[int, str]] = {
-    "attention_backend": (1, "cls(spec)"),
-    "linear_method": (1, "cls(config)"),
-    "scheduling_policy": (1, "cls(config)"),
-    "worker_rpc": (1, "fn(worker, *args, **kwargs)"),
-    "tool_parser": (1, "factory(tokenizer)"),
+    k.name: k.called_with for k in COMPONENT_KINDS if k.called_with is not None
+}
+
+#: What the engine reads from every registered class of a kind, selected or not.
+REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    k.name: k.required_attributes for k in COMPONENT_KINDS if k.required_attributes
 }
 
 
@@ -56,28 +49,6 @@ def _call_problem(kind: str, name: str, factory: Any) -> str | None:
             f"its signature is {signature} ({exc})"
         )
     return None
-
-
-#: What the engine reads from every registered class of a kind, selected or not
-#: (``auto`` selection and ``enginecore plugins`` compare all candidates).
-REQUIRED_ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "attention_backend": (
-        "priority",
-        "capabilities",
-        "default_block_size",
-        "unsupported_reason",
-        "build_metadata",
-        "forward",
-    ),
-    "linear_method": (
-        "priority",
-        "devices",
-        "dtypes",
-        "unsupported_reason",
-        "create_weights",
-        "apply",
-    ),
-}
 
 
 def registration_problem(kind: str, name: str, factory: Any) -> str | None:

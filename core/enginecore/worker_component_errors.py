@@ -12,17 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from enginecore.component_kinds import KINDS
 from enginecore.errors import EngineCoreError
 from enginecore.interfaces import WorkerSpec
 from enginecore.startup_errors import ComponentStartupError
 
 T = TypeVar("T")
-
-#: Component kind -> the config key that selects it.
-WORKER_SELECTED_BY = {
-    "attention_backend": "model.attention_backend",
-    "linear_method": "model.linear_method",
-}
 
 
 def registered_name(cls: type, refs: dict[str, str]) -> str:
@@ -61,7 +56,7 @@ def build_worker_component(
     except Exception as exc:
         name = registered_name(cls, refs) if isinstance(cls, type) else repr(cls)
         provider, plugin = _provider(kind, name, spec)
-        key = WORKER_SELECTED_BY[kind]
+        key = KINDS[kind].config_key
         raise ComponentStartupError(
             f"{provider} failed to start: {type(exc).__name__}: {exc}. Fix the plugin, or "
             f"select another {kind.replace('_', ' ')} (config key {key}).",

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from enginecore.config import EngineConfig
+from enginecore.errors import EngineDeadError
 from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
 
 
@@ -44,46 +45,101 @@ class EngineCoreClient(ABC):
 class InprocClient(EngineCoreClient):
     """Runs the engine core in this process: each ``get_output`` runs engine steps.
 
-    For debugging (``multiprocessing = false``) and for ``external_launcher``.
-    """
+    For debugging (``multiprocessing = false``) and for ``external_launcher``. Every call
+    into the engine runs on its own thread within a limit (:mod:`.inproc_watchdog`): a
+    plugin that hangs fails the call, naming the plugin, instead of the frontend."""
 
     def __init__(self, config: EngineConfig, plugin_host: Any = None) -> None:
         from enginecore.engine.core import EngineCore
+        from enginecore.engine.inproc_watchdog import EngineWatchdog
+        from enginecore.plugins import make_plugin_manager
 
-        self.engine = EngineCore(config, plugin_host)
+        self.config = config
+        host = plugin_host or make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+        self._watchdog = EngineWatchdog(host)
+        limit = config.engine.ready_timeout
+        try:
+            self.engine = self._watchdog.call(
+                limit,
+                f"it was not ready within {limit:g} s (engine.ready_timeout)",
+                EngineCore,
+                config,
+                host,
+            )
+        except BaseException:
+            self._watchdog.close()
+            raise
         self.ready = self.engine.ready_response()
         self._step = self.engine.step_fn()
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread within ``engine.execute_timeout``."""
+        limit = self.config.engine.execute_timeout
+        if limit is not None:
+            what = f"{what} took longer than {limit:g} s (engine.execute_timeout)"
+        return self._watchdog.call(limit, what, fn, *args)
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine.add_request(request)
+        self._call("adding a request", self.engine.add_request, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.engine.abort_requests(request_ids)
+        if request_ids and self._watchdog.dead_error is None:
+            self._call("an abort", self.engine.abort_requests, request_ids)
 
-    def get_output(self) -> EngineCoreOutputs:
-        while self.engine.has_work():
-            outputs, executed = self._step()
-            if not outputs and not executed and not self.engine.batch_queue:
+    def _step_once(self) -> EngineCoreOutputs | None:
+        """One step's outputs; an empty batch once there is no work; None: step again."""
+        if not self.engine.has_work():
+            return EngineCoreOutputs()
+        outputs, executed = self._step()
+        if not outputs:
+            if not executed and not self.engine.batch_queue:
                 # Requests wait on work off the loop (an adapter read, a grammar, remote
                 # KV): yield to it as the engine process does.
                 time.sleep(0.001)
-            if outputs:
-                merged = EngineCoreOutputs()
-                for client_outputs in outputs.values():
-                    merged.outputs.extend(client_outputs.outputs)
-                    merged.scheduler_stats = client_outputs.scheduler_stats
-                return merged.stamp()
-        return EngineCoreOutputs().stamp()
+            return None
+        merged = EngineCoreOutputs()
+        for client_outputs in outputs.values():
+            merged.outputs.extend(client_outputs.outputs)
+            merged.scheduler_stats = client_outputs.scheduler_stats
+        return merged
+
+    def get_output(self) -> EngineCoreOutputs:
+        while (outputs := self._call("a step", self._step_once)) is None:
+            pass
+        stamped: EngineCoreOutputs = outputs.stamp()
+        return stamped
 
     def call_utility(self, method: str, *args: Any) -> Any:
         call = self.engine.utilities().get(method)
         if call is None:
             raise ValueError(f"{method!r} is not a utility method of the engine core")
-        return call(*args)
+        if method == "collective_rpc":
+            return self._call_rpc(call, *args)
+        return self._call(f"the {method!r} call", call, *args)
+
+    def _call_rpc(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A worker RPC within its own limit (the call's ``timeout``, else
+        ``engine.rpc_timeout`` for a registered one), plus the reply's grace."""
+        from enginecore.engine.core import RPC_REPLY_GRACE
+
+        method, timeout = [*args, None, None][:2]
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        registered = isinstance(method, str) and method in self.engine.plugins.registry(
+            "worker_rpc"
+        )
+        if timeout is None and registered:
+            timeout = self.config.engine.rpc_timeout
+        if timeout is None:
+            return self._call(f"collective_rpc {name!r}", call, *args)
+        limit = timeout + RPC_REPLY_GRACE
+        what = f"collective_rpc {name!r} did not return within {limit:g} s (its timeout)"
+        return self._watchdog.call(limit, what, call, *args)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self._watchdog.dead_error is None:
+            with contextlib.suppress(EngineDeadError):  # logged; the engine is abandoned
+                self._call("the shutdown", self.engine.shutdown)
+        self._watchdog.close()
 
 
 def use_multiprocessing(config: EngineConfig) -> bool:

@@ -7,6 +7,7 @@ on the input queue only when it has no work.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,6 +28,7 @@ from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.engine.core import EngineCore, StepResult
 from enginecore.engine.exit_deadline import STOP_GRACE, arm_exit_deadline
+from enginecore.engine.step_watchdog import StepWatchdog
 from enginecore.engine.wire_auth import secure_client
 from enginecore.errors import EngineDeadError, RankError
 from enginecore.lora_request import LoRARequest
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_READY = b"READY"
 HANDSHAKE_FAILED = b"FAILED"
 _STOP = object()
+#: Seconds a process whose step hung gives its output thread to tell the frontends.
+STEP_HUNG_EXIT = 2.0
 
 
 class EngineCoreProc(EngineCore):
@@ -65,6 +69,7 @@ class EngineCoreProc(EngineCore):
         self._deferred: deque[tuple[EngineCoreRequestType, Any]] = deque()
         self._shutdown_requested = False
         self._draining_since: float | None = None
+        self._watchdog: StepWatchdog | None = None  # from run_busy_loop on
         self.ctx = zmq.Context()
         # Several API servers (``--api-server-count``): one input and one output address
         # each, comma-separated; client i's outputs go to output address i.
@@ -158,11 +163,40 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         step = self.step_fn()
-        while True:
-            self._process_input_queue()
-            if self._shutdown_requested and self._finish_shutdown():
-                return
-            self._process_engine_step(step)
+        limit = self.config.engine.execute_timeout
+        self._watchdog = (
+            StepWatchdog(limit, self._step_hung, self.plugins) if limit is not None else None
+        )
+        try:
+            while True:
+                self._process_input_queue()
+                if self._shutdown_requested and self._finish_shutdown():
+                    return
+                with self._watched():
+                    self._process_engine_step(step)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.close()
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Within the step watchdog: a step, or an added or aborted request (which run
+        the policy's and the KV connector's code)."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            yield
+            return
+        watchdog.started()
+        try:
+            yield
+        finally:
+            watchdog.ended()
+
+    def _step_hung(self, message: str) -> None:
+        """A plugin holds the loop for good: tell the frontends why, then exit."""
+        logger.error("%s", message)
+        self.output_queue.put(EngineCoreOutputs(engine_dead=message).stamp())
+        arm_exit_deadline(STEP_HUNG_EXIT, "a step hung")
 
     def _process_input_queue(self) -> None:
         while self._deferred:
@@ -198,9 +232,11 @@ class EngineCoreProc(EngineCore):
 
     def _handle(self, kind: EngineCoreRequestType, message: Any) -> None:
         if kind is EngineCoreRequestType.ADD:
-            self._handle_add(message)
+            with self._watched():
+                self._handle_add(message)
         elif kind is EngineCoreRequestType.ABORT:
-            self.abort_requests(message)
+            with self._watched():
+                self.abort_requests(message)
         elif kind is EngineCoreRequestType.UTILITY:
             self._handle_utility(*message)
         elif kind is EngineCoreRequestType.EXECUTOR_FAILED:

@@ -13,32 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
+from enginecore.component_kinds import COMPONENT_KINDS
 from enginecore.errors import EngineCoreError
 from enginecore.starter.templates import INIT, KINDS, PLUGIN, PYPROJECT, README, Kind
 
 # The plugin-API range a new plugin declares: this major version.
 _NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*[A-Za-z0-9]$")
-_REGISTRY_KIND = {
-    "register_scheduling_policies": "scheduling_policy",
-    "register_executors": "executor",
-    "register_stat_loggers": "stat_logger",
-    "register_kv_connectors": "kv_connector",
-    "register_models": "model",
-    "register_attention_backends": "attention_backend",
-    "register_linear_methods": "linear_method",
-    "register_tool_parsers": "tool_parser",
-    "register_reasoning_parsers": "reasoning_parser",
-}
+_REGISTRY_KIND = {kind.hook: kind.name for kind in COMPONENT_KINDS}
 _CONFIG_EXPR = {
-    "scheduling_policy": "config.scheduler.policy",
-    "executor": "config.parallel.executor",
-    "stat_logger": "config.observability.stat_loggers[-1]",
-    "kv_connector": "config.kv_transfer.connector",
-    "model": "config.model.path",
-    "attention_backend": "config.model.attention_backend",
-    "linear_method": "config.model.linear_method",
-    "tool_parser": "config.server.tool_call_parser",
-    "reasoning_parser": "config.server.reasoning_parser",
+    kind.name: kind.config_expr or f"config.{kind.config_key}" for kind in COMPONENT_KINDS
+}
+_PARSER_KINDS = {
+    kind.name
+    for kind in COMPONENT_KINDS
+    if kind.config_key and kind.config_key.startswith("server.")
 }
 
 
@@ -93,7 +81,7 @@ def render(kind_name: str, names: PluginNames) -> dict[str, str]:
             f'`"architectures": ["{names.component}"]`, and the torch model runner builds '
             f"`{names.cls}` for it:\n\n```bash\nenginecore serve CHECKPOINT_DIR\n```"
         )
-    elif registry_kind in ("tool_parser", "reasoning_parser"):
+    elif registry_kind in _PARSER_KINDS:
         flags = (
             f"--enable-auto-tool-choice --tool-call-parser {names.component}"
             if registry_kind == "tool_parser"

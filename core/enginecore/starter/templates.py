@@ -401,34 +401,251 @@ def test_counts_tokens_and_finished_requests():
 KV_CONNECTOR = '''"""$cls: a KV connector in two halves joined by one per-step metadata object.
 
 The scheduler half (engine-core process) decides which prompt blocks to load or save;
-the worker half (inside each rank's forward pass) moves the bytes. This starter begins as
-enginecore's built-in ``shared_storage`` connector under a new name (blocks saved as
-checksummed files in ``kv_transfer.extra_config.path``), so it passes the conformance kit
-from the first run; replace the storage calls where the comments say.
+the worker half (inside each rank's forward pass) moves the bytes. This starter keeps
+every full prompt block it computes as one file under ``kv_transfer.extra_config.path``,
+named by a hash of the prompt prefix up to that block, and loads the longest run of
+saved blocks that prefixes a new prompt, so a second engine on the same directory
+computes only the rest. Loads and saves are synchronous (in the forward pass); replace
+``BlockStore`` to keep blocks elsewhere. Built only on ``enginecore.interfaces``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from enginecore_kv_connectors.shared_storage import (
-    SharedStorageScheduler,
-    SharedStorageWorker,
-)
-from enginecore.interfaces import KVConnectorFactory
+import torch
+
+from enginecore.interfaces import KVConnectorFactory, KVConnectorScheduler, KVConnectorWorker
 
 
-class ${cls}Scheduler(SharedStorageScheduler):
-    """Engine-core side. Override ``get_num_new_matched_tokens`` (how many prompt
-    tokens beyond the local prefix hit your store holds), ``update_state_after_alloc``,
-    ``build_connector_meta`` (the object the workers receive each step) and
-    ``request_finished`` (return ``(True, params)`` to keep blocks until saved)."""
+def block_keys(token_ids: list[int], block_size: int, salt: str | None) -> list[str]:
+    """One key per full block: a SHA-256 chain, so equal keys mean equal prefixes."""
+    keys, parent = [], hashlib.sha256((salt or "").encode()).digest()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        chunk = ",".join(map(str, token_ids[start : start + block_size])).encode()
+        parent = hashlib.sha256(parent + chunk).digest()
+        keys.append(parent.hex())
+    return keys
 
 
-class ${cls}Worker(SharedStorageWorker):
-    """Worker side. Override ``start_load_kv``/``wait_for_layer_load`` (copy KV into the
-    paged cache), ``save_kv_layer``/``wait_for_save`` and ``get_finished`` (the request
-    ids whose sends and loads completed)."""
+class BlockStore:
+    """Blocks as files, one directory per model and cache shape (blocks of another
+    model or dtype are never found), one file per rank's shard of a block."""
+
+    def __init__(self, config: Any) -> None:
+        path = config.kv_transfer.extra_config.get("path")
+        if not isinstance(path, str) or not path:
+            raise ValueError('$component needs kv_transfer.extra_config.path (a directory)')
+        par = config.parallel
+        shape = [config.model.path, config.model.dtype, config.cache.tokens_per_block]
+        shape += [par.tensor_parallel_size, par.pipeline_parallel_size]
+        namespace = hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
+        self.root = Path(path).expanduser() / namespace
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.world_size = par.world_size
+
+    def path(self, key: str, rank: int) -> Path:
+        return self.root / f"{key}.rank{rank}.pt"
+
+    def has(self, key: str) -> bool:
+        return all(self.path(key, rank).is_file() for rank in range(self.world_size))
+
+    def write(self, key: str, block: torch.Tensor, rank: int) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            torch.save(block, f)
+        os.replace(tmp, self.path(key, rank))  # readers see the whole file or none
+
+    def read(self, key: str, rank: int) -> torch.Tensor:
+        block: torch.Tensor = torch.load(self.path(key, rank), weights_only=True)
+        return block
+
+
+@dataclass
+class ${cls}Metadata:
+    """What the worker half does this step: request id -> (cache block ids, keys)."""
+
+    loads: dict[str, tuple[list[int], list[str]]] = field(default_factory=dict)
+    saves: dict[str, tuple[list[int], list[str]]] = field(default_factory=dict)
+
+    @property
+    def load_request_ids(self) -> set[str]:  # a failed load fails only these requests
+        return set(self.loads)
+
+    @property
+    def save_request_ids(self) -> set[str]:
+        return set(self.saves)
+
+
+@dataclass
+class _Tracked:
+    keys: list[str]  # the prompt's full blocks
+    block_ids: list[int]
+    num_saved: int = 0  # leading blocks saved (or found saved)
+
+
+class ${cls}Scheduler(KVConnectorScheduler):
+    """Engine-core side: which blocks the store holds, and what to load and save."""
+
+    def __init__(self, config: Any) -> None:
+        self.block_size = config.cache.tokens_per_block
+        self.loads_enabled = config.kv_transfer.role != "kv_producer"
+        self.saves_enabled = config.kv_transfer.role != "kv_consumer"
+        self.store = BlockStore(config)
+        self.tracked: dict[str, _Tracked] = {}
+        self.pending_loads: dict[str, tuple[list[int], list[str]]] = {}
+        self.saving: set[str] = set()  # requests with saves issued: their blocks are held
+
+    def _keys(self, request: Any) -> list[str]:
+        return block_keys(request.prompt_token_ids, self.block_size, request.cache_salt)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.loads_enabled:
+            return 0, False
+        # The prompt's last token is always computed: never match the block holding it.
+        usable = (request.num_prompt_tokens - 1) // self.block_size
+        found = 0
+        for key in self._keys(request)[:usable]:
+            if not self.store.has(key):
+                break
+            found += 1
+        external = found * self.block_size - num_computed_tokens
+        return (external, False) if external > 0 else (0, False)  # loaded in the forward
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        keys = self._keys(request)
+        self.tracked[request.request_id] = _Tracked(keys, list(block_ids))
+        if num_external_tokens:
+            first = request.num_computed_tokens // self.block_size
+            last = (request.num_computed_tokens + num_external_tokens) // self.block_size
+            self.pending_loads[request.request_id] = (
+                list(block_ids[first:last]),
+                keys[first:last],
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> ${cls}Metadata:
+        so = scheduler_output
+        computed_after: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.tracked:
+                self.tracked[new.req_id].block_ids = list(new.block_ids)
+                computed_after[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self.tracked:
+                continue
+            if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
+                self.tracked[req_id].block_ids.extend(cached.new_block_ids[i])
+            computed_after[req_id] = cached.num_computed_tokens[i]
+        meta = ${cls}Metadata(loads=self.pending_loads)
+        self.pending_loads = {}
+        for req_id, before in computed_after.items():
+            done = before + so.num_scheduled_tokens.get(req_id, 0)
+            save = self._due(req_id, done) if self.saves_enabled else None
+            if save is not None:
+                meta.saves[req_id] = save
+                self.saving.add(req_id)
+        return meta
+
+    def _due(self, req_id: str, num_computed: int) -> tuple[list[int], list[str]] | None:
+        """The full prompt blocks this step completes that the store lacks."""
+        tracked = self.tracked[req_id]
+        num_full = min(num_computed // self.block_size, len(tracked.keys))
+        due = [
+            (tracked.block_ids[i], tracked.keys[i])
+            for i in range(tracked.num_saved, num_full)
+            if not self.store.has(tracked.keys[i])
+        ]
+        tracked.num_saved = max(tracked.num_saved, num_full)
+        return ([b for b, _ in due], [k for _, k in due]) if due else None
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.tracked.pop(request.request_id, None)
+        self.pending_loads.pop(request.request_id, None)
+        if request.request_id in self.saving:
+            # A step saved from its blocks: held until the worker reports the save done.
+            self.saving.discard(request.request_id)
+            return True, None
+        return False, None
+
+
+class ${cls}Worker(KVConnectorWorker):
+    """Worker side: copies blocks between the paged cache and the store. Each layer's
+    cache is ``[2, num_blocks, block_size, kv_heads, head_dim]``; a stored block is this
+    rank's ``[layers, 2, block_size, kv_heads, head_dim]``."""
+
+    def __init__(self, config: Any, rank: int) -> None:
+        self.rank = rank
+        self.store = BlockStore(config)
+        self.kv_caches: list[torch.Tensor] = []
+        self.layer_index: dict[str, int] = {}
+        self.staged: dict[int, torch.Tensor] = {}  # layer -> [2, n, block_size, h, d]
+        self.saves: dict[str, tuple[list[int], list[str]]] = {}
+        self.saved: set[str] = set()  # requests with saves written, until reported
+        self.invalid: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.kv_caches = list(kv_caches.values())
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def start_load_kv(self, metadata: ${cls}Metadata | None) -> None:
+        if metadata is None:
+            return
+        for block_ids, keys in metadata.loads.values():
+            for block_id, key in zip(block_ids, keys, strict=True):
+                try:
+                    block = self.store.read(key, self.rank)
+                except (OSError, RuntimeError):  # gone or unreadable: recomputed
+                    self.invalid.add(block_id)
+                    continue
+                for layer, cache in enumerate(self.kv_caches):
+                    cache[:, block_id] = block[layer].to(cache.device, cache.dtype)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv loaded every layer before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, metadata: ${cls}Metadata | None
+    ) -> None:
+        if metadata is None or not metadata.saves:
+            return
+        self.saves = metadata.saves
+        ids = [b for block_ids, _ in metadata.saves.values() for b in block_ids]
+        index = torch.tensor(ids, dtype=torch.int64, device=kv_layer.device)
+        # Copied now: the cache blocks may be reused once the request is freed.
+        self.staged[self.layer_index[layer_name]] = kv_layer.index_select(1, index).cpu()
+
+    def wait_for_save(self) -> None:
+        if not self.staged:
+            return
+        staged, self.staged = self.staged, {}
+        layers = torch.stack([staged[i] for i in range(len(staged))])  # [L, 2, n, bs, h, d]
+        offset = 0
+        for req_id, (_, keys) in self.saves.items():
+            for key in keys:
+                self.store.write(key, layers[:, :, offset].clone(), self.rank)
+                offset += 1
+            self.saved.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        done_sending = finished_req_ids & self.saved
+        self.saved -= done_sending
+        return done_sending, set()  # loads are synchronous: nothing to report
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self.invalid = self.invalid, set()
+        return invalid
 
 
 class $cls(KVConnectorFactory):

@@ -1,0 +1,190 @@
+"""The CPU backend's fused decode step (``builtin_cpu/enginecore_cpu/decode_step.py``): a whole decode
+step of a Llama-family model with block-quantized weights in one foreign call, whose
+tokens and log-probabilities are the layer-by-layer path's bit for bit."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+from enginecore_cpu import cpu_kernels, quant_kernels
+from tests.helpers.gguf_writer import write_gguf
+
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None or quant_kernels.load() is None, reason="no C compiler"
+)
+pytestmark = needs_kernels
+
+# Prompts of different lengths, so steps hold one to four decoding rows, and mixed steps
+# (a prompt's chunk beside decodes) take the layers in between.
+PROMPTS = [list(range(3 + i, 3 + i + length)) for i, length in enumerate((5, 23, 41, 12))]
+
+
+def _generate(path: pathlib.Path, fused: bool, monkeypatch, **engine: Any) -> tuple[list, Any]:
+    """Each request's tokens and log-probabilities, and how many steps ran fused."""
+    from enginecore import LLM, SamplingParams
+
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1" if fused else "0")
+    llm = LLM(str(path), multiprocessing=False, max_num_batched_tokens=32, **engine)
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        steps = llm.collective_rpc(
+            lambda worker: getattr(worker.model_runner.fused_decode, "steps", None)
+        )[0]
+    finally:
+        llm.shutdown()
+    answers = [
+        (
+            o.outputs[0].token_ids,
+            [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+    return answers, steps
+
+
+def _same_as_layers(path: pathlib.Path, monkeypatch, **engine: Any) -> None:
+    fused, steps = _generate(path, True, monkeypatch, **engine)
+    layered, off = _generate(path, False, monkeypatch, **engine)
+    assert off is None  # switched off: no fused step was made
+    assert steps and steps >= 20, steps  # most of the 24 decode steps ran fused
+    assert fused == layered
+
+
+def _mixed_4_and_8_bits(name: str) -> str:
+    return "Q8_0" if "ffn_down" in name or "attn_v" in name else "Q4_1"
+
+
+def _q4_k_m(name: str) -> str:
+    """llama.cpp's Q4_K_M mix: V and the down projection in Q6_K, the rest in Q4_K."""
+    return "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
+
+
+def test_q4_1_and_q8_0_blocks_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypatch):
+    path = write_gguf(tiny_llama, tmp_path / "mixed.gguf", types=_mixed_4_and_8_bits)
+    _same_as_layers(path, monkeypatch)
+
+
+def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypatch):
+    """Q4_K beside Q6_K in one fused QKV: the 6-bit part takes the sub-block kernel."""
+    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
+    _same_as_layers(path, monkeypatch)
+
+
+def _q5_k_m(name: str) -> str:
+    """llama.cpp's Q5_K_M mix: V and the down projection in Q6_K, the rest in Q5_K."""
+    return "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q5_K"
+
+
+def test_q5_k_beside_q6_k_decodes_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypatch):
+    """Q and K in Q5_K, V in Q6_K in one fused QKV: two parts of the packed sub-block
+    kernel, one for each bit width."""
+    path = write_gguf(tiny_llama, tmp_path / "q5_k_m.gguf", types=_q5_k_m)
+    _same_as_layers(path, monkeypatch)
+
+
+def test_qwen2_qkv_bias_decodes_fused_as_layer_by_layer(tiny_qwen2, tmp_path, monkeypatch):
+    """Random (not zero) Q/K/V biases: the fused step adds them as the layers do."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    biased = tmp_path / "biased"
+    shutil.copytree(tiny_qwen2, biased)
+    tensors = load_file(biased / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+    save_file(tensors, biased / "model.safetensors")
+    path = write_gguf(biased, tmp_path / "qwen2.gguf", types=lambda name: "Q4_0")
+    _same_as_layers(path, monkeypatch)
+
+
+def test_int8_sliding_window_decodes_fused_as_layer_by_layer(checkpoint_factory, monkeypatch):
+    """A float checkpoint quantized to int8 at load, with a window shorter than the
+    prompts: the fused step attends over the window as the layers do."""
+    path = checkpoint_factory("mistral", sliding_window=16)
+    _same_as_layers(path, monkeypatch, quantization="int8")
+
+
+def test_float_weights_run_layer_by_layer(tiny_llama, monkeypatch):
+    """Without blocks (float32 weights, ``cpu_packed``) there is no fused step."""
+    _, steps = _generate(tiny_llama, True, monkeypatch)
+    assert steps is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_preempted_prefix_cached_batch_decodes_fused_as_layer_by_layer(
+    tiny_llama, monkeypatch, async_scheduling: bool
+):
+    """Sixteen requests through a KV cache too small for them (preemption drops mirror
+    rows mid-request), shared prefixes (cache hits), chunked prompts beside decodes, and
+    seeded sampling: the same tokens with the fused step as with the layers."""
+    from enginecore import LLM, SamplingParams
+    from tests.helpers.prompts import mixed_prompts
+
+    prompts = mixed_prompts(4)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1" if fused else "0")
+        with LLM(
+            tiny_llama,
+            quantization="int8",
+            multiprocessing=False,
+            async_scheduling=async_scheduling,
+            max_num_batched_tokens=32,
+            block_size=16,
+            prefix_caching=True,
+            num_blocks_override=24,
+        ) as llm:
+            params = [
+                SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+                if i % 2
+                else SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True)
+                for i in range(len(prompts))
+            ]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            steps = llm.collective_rpc(
+                lambda worker: getattr(worker.model_runner.fused_decode, "steps", None)
+            )[0]
+            assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no preemption forced"
+            assert any(o.num_cached_tokens > 0 for o in outs), "no prefix-cache hit"
+            runs[fused] = ([o.outputs[0].token_ids for o in outs], steps)
+    assert runs[True][1] and runs[False][1] is None
+    assert runs[True][0] == runs[False][0]
+
+
+def test_qwen3_qk_norm_decodes_fused_as_layer_by_layer(checkpoint_factory, tmp_path, monkeypatch):
+    """Qwen3 norms each query and key head before the rotation."""
+    path = write_gguf(checkpoint_factory("qwen3"), tmp_path / "qwen3.gguf", types=lambda n: "Q4_1")
+    _same_as_layers(path, monkeypatch)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_fused_step_is_made_again_after_sleep(tiny_llama, tmp_path, monkeypatch, level):
+    """Sleep frees the KV cache (level 2 the weights too); after the wake-up the step is
+    recorded over the new cache and weights, and decodes as before."""
+    from enginecore import LLM, SamplingParams
+
+    path = write_gguf(tiny_llama, tmp_path / "q4.gguf", types=lambda name: "Q4_1")
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), multiprocessing=False) as llm:
+
+        def steps() -> int:
+            return llm.collective_rpc(lambda w: w.model_runner.fused_decode.steps)[0]
+
+        before = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
+        assert steps() == 11
+        llm.collective_rpc(lambda w: w.sleep(level))
+        assert llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0] is None
+        llm.collective_rpc(lambda w: w.wake_up())
+        llm.reset_prefix_cache()
+        after = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
+        assert steps() == 11  # a new step, used for every decode
+        assert after == before

@@ -1,0 +1,254 @@
+"""Structured output on a random checkpoint: JSON schema, regex, choice, EBNF.
+
+Fifty constrained requests share one batch with unconstrained ones, with async
+scheduling on (engine in its own process) and off (in-process). Random weights loop on spaces,
+so JSON is generated without free whitespace (``disable_any_whitespace``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from enginecore import LLM, SamplingParams, StructuredOutputParams, make_config
+from enginecore.engine.core import EngineCore
+from enginecore.engine.input_processor import InputProcessor
+from enginecore.engine.tokenizer import load_tokenizer
+from enginecore.errors import InvalidRequestError, UnknownComponentError
+from enginecore.plugins import make_plugin_manager
+from enginecore.request import RequestStatus
+from tests.helpers.structured import CHOICES, check, mixed_batch
+from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["async-mp", "sync-inproc"])
+def llm(request, tiny_llama):
+    # Async scheduling with the engine in its own process; sync in this process.
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        async_scheduling=request.param,
+        multiprocessing=request.param,
+        disable_any_whitespace=True,
+        max_num_seqs=64,
+    ) as llm:
+        yield llm
+
+
+def prompts(n: int) -> list[str]:
+    return [f"request {i}: the answer is" for i in range(n)]
+
+
+def test_fifty_constrained_requests_in_a_mixed_batch(llm):
+    params = mixed_batch(50, 10)
+    outputs = llm.generate(prompts(len(params)), params)
+    free = [(i, p) for i, p in enumerate(params) if p.structured_output is None]
+    assert len(free) == 10
+    for p, out in zip(params, outputs, strict=True):
+        completion = out.outputs[0]
+        if p.structured_output is not None:
+            assert completion.finish_reason == "stop", completion
+            check(p.structured_output, completion.text)
+    # The masks touch only their own rows: unconstrained requests come out as they do alone.
+    alone = llm.generate([prompts(len(params))[i] for i, _ in free], [p for _, p in free])
+    for (i, _), out in zip(free, alone, strict=True):
+        assert outputs[i].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_ebnf_grammar_greedy_and_sampled(llm):
+    grammar = 'root ::= greeting " " name "!"\ngreeting ::= "hello" | "hi"\nname ::= [a-z] [a-z]?'
+    spec = StructuredOutputParams(grammar=grammar)
+    params = [
+        SamplingParams(max_tokens=20, temperature=t, seed=i, structured_output=spec)
+        for i, t in enumerate((0.0, 1.0, 1.5))
+    ]
+    for out in llm.generate(prompts(3), params):
+        assert re.fullmatch(r"(hello|hi) [a-z]{1,2}!", out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            StructuredOutputParams(json={"type": "objectx"}),
+            'invalid JSON schema: Unsupported type "objectx"',
+        ),
+        (StructuredOutputParams(json="{not json"), "invalid JSON schema: Failed to parse JSON"),
+        (StructuredOutputParams(regex="a(b"), "invalid regex: .*parenthesis is not closed"),
+        (
+            StructuredOutputParams(grammar='root ::= "a" | foo'),
+            'invalid grammar: .*"foo" is not defined',
+        ),
+        (StructuredOutputParams(choice=[]), "choice needs a non-empty list"),
+    ],
+)
+def test_invalid_constraint_is_refused_with_the_compilers_message(llm, spec, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.generate("hi", SamplingParams(max_tokens=4, structured_output=spec))
+    ok = llm.generate(
+        "hi",
+        SamplingParams(max_tokens=12, structured_output=StructuredOutputParams(choice=CHOICES)),
+    )
+    assert ok[0].outputs[0].text in CHOICES
+
+
+def test_exactly_one_constraint_kind():
+    with pytest.raises(InvalidRequestError, match="exactly one of"):
+        StructuredOutputParams(regex="a", choice=["a"])
+
+
+def test_unknown_backend_fails_at_startup_listing_the_available(tiny_llama):
+    with pytest.raises(
+        UnknownComponentError, match=r"'outlines'.*xgrammar \(from builtin_structured_output\)"
+    ):
+        LLM(tiny_llama, multiprocessing=False, structured_output_backend="outlines")
+
+
+# --- a second backend, selected by config, through a real plugin hook ------------------------
+
+
+@pytest.fixture(scope="module")
+def trie_engine_module(tiny_llama):
+    host = make_plugin_manager(load_entrypoints=False)
+    assert host.register_object(TokenTriePlugin(), "token-trie").loaded
+    config = make_config(
+        model=str(tiny_llama),
+        dtype="float32",
+        multiprocessing=False,
+        structured_output_backend="token_trie",
+    )
+    engine = EngineCore(config, host)
+    tokenizer = load_tokenizer(config)
+    processor = InputProcessor(config, tokenizer, engine.max_model_len, host)
+    yield engine, processor, tokenizer
+    TokenTrieBackend.gate.set()
+    engine.shutdown()
+
+
+@pytest.fixture()
+def trie_engine(trie_engine_module):
+    TokenTrieBackend.gate.set()
+    TokenTrieBackend.compiled = 0
+    yield trie_engine_module
+    TokenTrieBackend.gate.set()
+
+
+def _submit(engine, processor, request_id, params):
+    request, _ = processor.process(request_id, "the weather today is", params)
+    engine.add_request(request)
+
+
+def _run(engine, until=None) -> dict[str, dict]:
+    """Step like the engine process does (a short sleep when nothing could run)."""
+    results: dict[str, dict] = {}
+    step = engine.step_fn()
+    deadline = time.monotonic() + 120  # a hang fails the test instead of stalling the suite
+    while engine.has_work() and not (until is not None and until(results)):
+        assert time.monotonic() < deadline, f"engine still busy; results so far: {results}"
+        outputs, executed = step()
+        if not outputs and not executed:
+            time.sleep(0.001)
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                r = results.setdefault(
+                    out.request_id, {"tokens": [], "finish": None, "error": None}
+                )
+                r["tokens"] += out.new_token_ids
+                if out.finish_reason is not None:
+                    r["finish"], r["error"] = out.finish_reason, out.error
+    return results
+
+
+def test_second_backend_is_selected_and_constrains(trie_engine):
+    engine, processor, tokenizer = trie_engine
+    choices = ["sunny", "rain and wind", "fog"]
+    for i in range(4):
+        params = SamplingParams(
+            max_tokens=12,
+            temperature=1.0,
+            seed=i,
+            structured_output=StructuredOutputParams(choice=choices),
+        )
+        _submit(engine, processor, f"c{i}", params)
+    results = _run(engine)
+    for i in range(4):
+        tokens = results[f"c{i}"]["tokens"]
+        assert tokenizer.decode(tokens, skip_special_tokens=True) in choices
+    assert TokenTrieBackend.compiled == 1  # cached by the constraint's text
+    # Its validate() runs in the frontend: what it does not support is refused there.
+    with pytest.raises(InvalidRequestError, match="supports only choice"):
+        processor.process(
+            "r", "x", SamplingParams(structured_output=StructuredOutputParams(regex="a"))
+        )
+
+
+def test_request_waits_for_its_grammar_without_blocking_others(trie_engine):
+    engine, processor, _ = trie_engine
+    TokenTrieBackend.gate.clear()
+    _submit(
+        engine,
+        processor,
+        "slow",
+        SamplingParams(max_tokens=8, structured_output=StructuredOutputParams(choice=["a b"])),
+    )
+    _submit(engine, processor, "free", SamplingParams(max_tokens=8, temperature=0.0))
+    results = _run(engine, until=lambda r: r.get("free", {}).get("finish") is not None)
+    assert results["free"]["finish"] is not None
+    assert "slow" not in results
+    assert engine.structured_output.waiting_ids() == ["slow"]
+    assert engine.get_num_unfinished_requests() == 1
+    TokenTrieBackend.gate.set()
+    results = _run(engine)
+    assert results["slow"]["finish"] is not None and results["slow"]["error"] is None
+
+
+def test_abort_while_waiting_for_grammar(trie_engine):
+    engine, processor, _ = trie_engine
+    TokenTrieBackend.gate.clear()
+    _submit(
+        engine,
+        processor,
+        "w",
+        SamplingParams(structured_output=StructuredOutputParams(choice=["x"])),
+    )
+    waiting = engine.structured_output._waiting["w"][0]
+    assert waiting.status == RequestStatus.WAITING_FOR_GRAMMAR
+    engine.abort_requests(["w"])
+    assert waiting.status == RequestStatus.FINISHED_ABORTED
+    assert engine.get_num_unfinished_requests() == 0 and not engine.has_work()
+
+
+def test_compile_error_in_the_engine_fails_only_that_request(trie_engine):
+    engine, processor, _ = trie_engine
+    _submit(
+        engine,
+        processor,
+        "bad",
+        SamplingParams(structured_output=StructuredOutputParams(choice=["FAIL"])),
+    )
+    _submit(engine, processor, "good", SamplingParams(max_tokens=6, temperature=0.0))
+    results = _run(engine)
+    assert str(results["bad"]["finish"]) == "error"
+    assert results["bad"]["error"] == "the token_trie backend refuses 'FAIL'"
+    assert str(results["good"]["finish"]) == "length" and len(results["good"]["tokens"]) == 6
+
+
+@pytest.mark.slow
+def test_tensor_parallel_workers_get_the_bitmask(tiny_llama):
+    """The bitmask crosses the ``mp`` executor's broadcast to two ranks."""
+    with LLM(
+        tiny_llama,
+        dtype="float32",
+        executor="mp",
+        tensor_parallel_size=2,
+        multiprocessing=False,
+        disable_any_whitespace=True,
+    ) as llm:
+        params = mixed_batch(9, 3)
+        outputs = llm.generate(prompts(len(params)), params)
+        for p, out in zip(params, outputs, strict=True):
+            if p.structured_output is not None:
+                check(p.structured_output, out.outputs[0].text)

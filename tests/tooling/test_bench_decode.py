@@ -1,0 +1,91 @@
+"""``enginecore bench decode``: single-stream decode beside its weight-read bound, the
+bytes a GGUF file's decode step reads counted against gguf's own reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from enginecore.bench import weight_bound
+from tests.helpers.gguf_writer import write_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+def expected_bytes(path, experts: int = 0, used: int = 0) -> tuple[int, int]:
+    """(bytes a step reads, bytes of the file's tensors), from gguf's own reader: every
+    tensor, one embedding row (and all of it for a tied head), the routed experts' share."""
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    whole = sum(int(t.n_bytes) for t in tensors.values())
+    reads = 0
+    for name, tensor in tensors.items():
+        size = int(tensor.n_bytes)
+        if name == "token_embd.weight":
+            reads += size // int(tensor.shape[-1])
+            reads += 0 if "output.weight" in tensors else size
+        elif "_exps." in name:
+            reads += size * used // experts
+        else:
+            reads += size
+    return reads, whole
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory, checkpoint_factory):
+    return write_gguf(
+        checkpoint_factory("llama"), tmp_path_factory.mktemp("gguf") / "q8.gguf", quantize=True
+    )
+
+
+def test_a_decode_step_reads_every_weight_and_one_embedding_row(llama_gguf):
+    reads, whole = expected_bytes(llama_gguf)
+    assert weight_bound.gguf_bytes_per_token(llama_gguf) == reads
+    assert reads != whole  # the embedding is not read whole as a lookup table
+
+
+def test_a_mixture_of_experts_reads_only_its_routed_share(tmp_path, checkpoint_factory):
+    checkpoint = checkpoint_factory("qwen3_moe")
+    path = write_gguf(checkpoint, tmp_path / "moe.gguf", quantize=True)
+    config = json.loads((checkpoint / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]
+    used = config["num_experts_per_tok"]
+    assert 0 < used < experts
+    reads, _ = expected_bytes(path, experts, used)
+    assert weight_bound.gguf_bytes_per_token(path) == reads
+    all_experts, _ = expected_bytes(path, 1, 1)
+    assert reads < all_experts
+
+
+def test_the_bound_is_bandwidth_over_bytes():
+    bandwidth = weight_bound.measured_read_bandwidth(64 << 20, repeats=2)
+    # A read of memory on any machine this runs on: between 100 MB/s and 10 TB/s.
+    assert 1e8 < bandwidth < 1e13
+    bound = weight_bound.Bound(bytes_per_token=10**9, bandwidth=bandwidth)
+    assert bound.tokens_per_s == pytest.approx(bandwidth / 1e9)
+
+
+@pytest.mark.slow
+def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_path):
+    out = tmp_path / "decode.json"
+    command = [sys.executable, "-m", "enginecore.cli", "bench", "decode", str(llama_gguf)]
+    command += ["--input-len", "8", "--output-len", "8", "--rounds", "1"]
+    proc = subprocess.run(
+        [*command, "--output-json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bytes_per_token"] == weight_bound.gguf_bytes_per_token(llama_gguf)
+    assert result["decode_tokens_per_s"] > 0
+    assert result["bound_tokens_per_s"] == pytest.approx(
+        result["bandwidth_bytes_per_s"] / result["bytes_per_token"]
+    )
+    assert result["fraction_of_bound"] == pytest.approx(
+        result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
+    )
+    assert "weight-read bound" in proc.stdout and "% of it" in proc.stdout
