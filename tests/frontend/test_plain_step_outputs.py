@@ -1,19 +1,12 @@
-"""The per-step host path's shortcuts give what the general path gives.
-
-- The output processor folds a plain step (one new token, nothing else) of a request
-  without stop strings or logprobs through a fast path: the request outputs, the text and
-  the iteration statistics must be those of the general path, for every output kind and
-  for the samples of an ``n > 1`` request.
-- On a CPU the model runner hands its step arrays to the model as they are (the host
-  staging copy is a GPU's): the greedy tokens are those of the staged path.
-"""
+"""The output processor folds a plain step (one new token, nothing else) of a request
+without stop strings or logprobs through a fast path: the request outputs, the text and
+the iteration statistics must be those of the general path, for every output kind and for
+the samples of an ``n > 1`` request."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
-
-import pytest
 
 from enginecore.checkpoints import make_tokenizer
 from enginecore.engine.output import OutputKind, OutputProcessor
@@ -112,34 +105,3 @@ def test_plain_steps_fold_as_the_general_path_folds_them() -> None:
     final = {o.request_id: o for step in outputs for o in step if o.finished}
     assert all(len(c.token_ids) == STEPS for c in final["final"].outputs)
     assert final["final"].outputs[0].text  # detokenized along the fast path too
-
-
-def _greedy_outputs(tiny_llama: Any, model_refs: Any, stage_on_host: bool) -> dict[str, list[int]]:
-    from test_model_runner import PROMPTS, driver_for, make_runner
-
-    import enginecore_models.model_runner as model_runner_module
-    from enginecore.staging import StagingBuffer
-
-    class Staged(StagingBuffer):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["stage_on_host"] = stage_on_host
-            super().__init__(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model_runner_module, "StagingBuffer", Staged)
-        runner = make_runner(tiny_llama, model_refs)
-        # A budget that splits the longest prompt: chunks that sample nothing, then decodes.
-        driver = driver_for(runner, budget=24)
-        for name, prompt in PROMPTS.items():
-            driver.add(name, prompt, max_tokens=6)
-        outputs = driver.run()
-        assert all(not buf.direct for buf in runner._staging.values()) is stage_on_host
-    return outputs
-
-
-def test_the_cpu_step_reads_its_arrays_as_the_staged_path_copies_them(tiny_llama, model_refs):
-    from test_model_runner import PROMPTS, hf_greedy
-
-    direct = _greedy_outputs(tiny_llama, model_refs, stage_on_host=False)
-    assert direct == _greedy_outputs(tiny_llama, model_refs, stage_on_host=True)
-    assert direct == {name: hf_greedy(tiny_llama, p, 6) for name, p in PROMPTS.items()}
