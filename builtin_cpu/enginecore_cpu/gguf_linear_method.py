@@ -16,6 +16,11 @@ largest single read of a small model.
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
 llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
 and the kernels' timings.
+
+Loading a GGUF file, each layer's blocks are prepared once and kept on disk
+(``prepared_weights``); later loads map them and read no weight. The float32 copies for
+prefill are made after load on a background thread (``background_copies``): until a
+layer's copy is published, its many-row steps de-quantize the same tiles per call.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
+from enginecore.config import EngineConfig
 from enginecore.layers.embedding import VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
@@ -43,16 +49,24 @@ from enginecore.layers.linear import (
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import set_weight_attrs
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from enginecore_cpu.background_copies import BackgroundJobs
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
+from enginecore_cpu.prepared_weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
-# More rows than this: a float32 GEMM, on the de-quantized copy kept at load where memory
-# allows (prefill then runs as fast as a float32 model's), else on a copy made per call.
-# Where the two cross: benchmarks/RESULTS.md, "Other measurements behind the code".
+# More rows than this: float32 GEMMs, one per tile of the weight's rows, each tile taken
+# from the de-quantized copy made in the background where memory allows, else
+# de-quantized for the call. Where the two paths cross: benchmarks/RESULTS.md, "Other
+# measurements behind the code".
 DIRECT_MAX_ROWS = 32
+# A tile's float32 bytes: de-quantized per call, it stays in cache, where a whole weight
+# would be fresh memory (page faults) on every call. The copy is read in the same tiles,
+# so a step gives the same bits whether or not the copy is ready.
+_TILE_BYTES = 4 << 20
+_FLOAT = "gguf_float"  # layer attribute: the float32 copy [out, in], row-major, or None
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
-_PARTS = "_gguf_parts"  # while loading: {first output row: BlockWeight}
+_PARTS = "_gguf_parts"  # while loading: {first output row: the checkpoint's rows}
 
 
 class GGUFLinearMethod(CpuPackedLinearMethod):
@@ -61,6 +75,18 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
     priority = 0
     devices = ("cpu",)
     gguf_formats = (*gguf_blocks.FORMATS, *kquant_blocks.FORMATS, INT4_BLOCKS)
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        super().__init__(config)
+        self.float_copies = BackgroundJobs("gguf float copies")
+        self.prepared: PreparedWeights | None = None
+        model_path = getattr(getattr(config, "model", None), "path", None)
+        path = Path(model_path) if model_path else None
+        if path is not None and path.suffix == ".gguf" and PreparedWeights.enabled():
+            try:
+                self.prepared = PreparedWeights(path)
+            except OSError:
+                self.prepared = None  # no such file: the loader names the problem
 
     @classmethod
     def unsupported_reason(cls, device: str, dtype: str) -> str | None:
@@ -109,12 +135,28 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # A split of the input dimension cuts through blocks' rows: keep it in float.
             float_loader(param, _dequantized(loaded))
             return
-        parts = layer.__dict__.setdefault(_PARTS, {})
+        pieces = layer.__dict__.setdefault(_PARTS, {})
         for first, piece in quantized_shard_rows(layer, loaded, shard):
-            parts[first] = unpacked(piece)
+            pieces[first] = piece
+
+    def _prepared_key(self, pieces: dict[int, QuantizedTensor]) -> str | None:
+        """What the prepared-weight cache knows the layer by: its rows' sources."""
+        if self.prepared is None or not pieces or not all(p.source for p in pieces.values()):
+            return None
+        return "|".join(
+            f"{first}:{p.source}:{p.format}:{p.shape[0]}x{p.shape[1]}"
+            for first, p in sorted(pieces.items())
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[int, Part] = layer.__dict__.pop(_PARTS, {})
+        pieces: dict[int, QuantizedTensor] = layer.__dict__.pop(_PARTS, {})
+        key = self._prepared_key(pieces)
+        cached = self.prepared.load(key) if self.prepared is not None and key else None
+        parts: dict[int, Part]
+        if cached is not None:
+            parts = dict(cached)
+        else:
+            parts = {first: unpacked(piece) for first, piece in pieces.items()}
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
@@ -129,26 +171,16 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             parts = {0: per_channel_q8(weight.data)}
         if parts:
             assert kernels is not None  # blocks are kept only where the kernels loaded
-            merged = _merged(parts)
+            merged = cached if cached is not None else _merged(parts)
+            if key is not None and cached is None:
+                assert self.prepared is not None
+                self.prepared.save(key, merged)
             setattr(layer, _BLOCKS, merged)
-            if self._afford(weight.numel() * weight.element_size()):
-                # Many-row steps (prefill) compute on a float32 copy, packed as a float
-                # model's weights are: a prompt's GEMM is compute-bound, not read-bound.
-                # It is written straight into the column-major layout the float path
-                # keeps, which the parent class then finds in place (one copy, not two).
-                out, k = weight.shape
-                dense = torch.empty(k, out, dtype=weight.dtype).t()
-                for first, part in merged:
-                    values = _dequantize_with(kernels, part)
-                    # 64 rows at a time: torch's transposing copy of a whole matrix runs
-                    # 2-3x slower than of slices whose columns stay in cache.
-                    for row in range(0, part.shape[0], 64):
-                        tile = values[row : row + 64]
-                        dense[first + row : first + row + tile.shape[0]] = tile
-                weight.data = dense
-                super().process_weights_after_loading(layer)
-            else:
-                weight.data = torch.empty(0)  # never filled: the blocks replace it
+            setattr(layer, _FLOAT, None)
+            out, k = weight.shape
+            weight.data = torch.empty(0)  # never filled: the blocks replace it
+            if self._afford(out * k * 4):
+                self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
         super().process_weights_after_loading(layer)
         weight = cast(torch.Tensor, layer.weight)
@@ -158,7 +190,14 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             and weight.dtype == torch.float32
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
-            setattr(layer, _BLOCKS, [(0, gguf_blocks.quantize_q8(weight))])
+            # One such head a model: the file's key and its shape name it in the cache.
+            head_key = f"Q8_0 copy of the {type(layer).__name__} {tuple(weight.shape)}"
+            blocks = self.prepared.load(head_key) if self.prepared is not None else None
+            if blocks is None:
+                blocks = [(0, gguf_blocks.quantize_q8(weight))]
+                if self.prepared is not None:
+                    self.prepared.save(head_key, blocks)
+            setattr(layer, _BLOCKS, blocks)
 
     def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
@@ -176,18 +215,29 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
-        if blocks is None or (_many_rows(x) and cast(torch.Tensor, layer.weight).numel()):
+        if blocks is None:
             return super().apply(layer, x, bias)
-        return blocks_linear(blocks, x, bias)
+        return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        if getattr(layer, _BLOCKS, None) is not None and not (
-            _many_rows(x) and cast(torch.Tensor, layer.weight).numel()
-        ):
+        if getattr(layer, _BLOCKS, None) is not None:
             return None
         return super().apply_silu_and_mul(layer, x, bias)
+
+
+def _publish_float_copy(
+    layer: nn.Module, merged: list[tuple[int, Part]], kernels: quant_kernels.QuantKernels
+) -> None:
+    """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
+    the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
+    the one after the attribute is set."""
+    n = sum(part.shape[0] for _, part in merged)
+    dense = torch.empty(n, merged[0][1].shape[1], dtype=torch.float32)
+    for first, part in merged:
+        dense[first : first + part.shape[0]] = _dequantize_with(kernels, part)
+    setattr(layer, _FLOAT, dense)
 
 
 def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
@@ -212,14 +262,25 @@ def _kquant() -> kquant_kernels.KQuantKernels:
     return kernels
 
 
-def _many_rows(x: torch.Tensor) -> bool:
-    return x.numel() > DIRECT_MAX_ROWS * x.shape[-1]
+def _row_range(part: Part, start: int, length: int) -> Part:
+    """Output rows ``start`` to ``start + length`` of ``part`` (views, no copy)."""
+    length = min(length, part.shape[0] - start)
+    shape = (length, part.shape[1])
+    if isinstance(part, KQuantWeight):
+        qs, scales = part.qs[start : start + length], part.scales[start : start + length]
+        return KQuantWeight(part.fmt, qs, scales, shape)
+    qs, d, m = (t[start : start + length] for t in (part.qs, part.d, part.m))
+    return BlockWeight(part.bits, qs, d, m, shape)
 
 
 def blocks_linear(
-    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
+    blocks: list[tuple[int, Part]],
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x W^T + b`` for W given as row ranges of blocks."""
+    """``x W^T + b`` for W given as row ranges of blocks (and, where made, ``dense``: W
+    de-quantized, for many rows)."""
     kernels = quant_kernels.load()
     assert kernels is not None  # a layer keeps blocks only where the kernels loaded
     k = blocks[0][1].shape[1]
@@ -228,11 +289,20 @@ def blocks_linear(
     dtype = rows.dtype
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
-    if rows.shape[0] > DIRECT_MAX_ROWS:
-        weight = torch.cat([_dequantize_with(kernels, p) for _, p in blocks])
-        out = F.linear(rows, weight, bias)
-        return out.to(dtype).view(*x.shape[:-1], n)
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    if rows.shape[0] > DIRECT_MAX_ROWS:
+        tile = max(16, _TILE_BYTES // (4 * k))
+        for first, part in blocks:
+            for start in range(0, part.shape[0], tile):
+                at = first + start
+                if dense is not None:
+                    weight = dense[at : at + min(tile, part.shape[0] - start)]
+                else:
+                    weight = _dequantize_with(kernels, _row_range(part, start, tile))
+                out[:, at : at + weight.shape[0]] = F.linear(rows, weight)
+        if bias is not None:
+            out += bias
+        return out.to(dtype).view(*x.shape[:-1], n)
     if rows.shape[0]:
         acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
         for first, part in blocks:

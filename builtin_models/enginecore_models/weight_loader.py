@@ -188,14 +188,16 @@ def iter_gguf(
             and tensor.name.startswith("blk.")
             and len(shape) == 2
         ):
-            raw = torch.from_numpy(tensor.data).reshape(shape[0], -1)
+            # Mapped, not read: a linear method with the blocks prepared never touches them.
+            raw = reader.mapped(tensor).reshape(shape[0], -1)
             for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config):
-                yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape)
+                yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape, hf_name)
             continue
         named = list(hf_tensors(arch, tensor.name, dequantized(tensor), hf_config))
         if not named:
             logger.debug("skipping GGUF tensor %s", tensor.name)
         yield from named
+    reader.unmap()  # the pages the model did not keep are the page cache's again
 
 
 __all__ = ["MissingWeightsError", "load_params"]

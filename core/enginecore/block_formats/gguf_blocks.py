@@ -96,10 +96,13 @@ def quantize_q8(weight: torch.Tensor) -> BlockWeight:
 def dequantize(weight: BlockWeight) -> torch.Tensor:
     """The float32 weight [out, in] the blocks stand for."""
     out, k = weight.shape
+    # One float32 tensor written in place: fresh memory is most of the cost at the size
+    # of an embedding (a new tensor per step would fault its pages in again).
+    values = torch.empty(out, k // BLOCK, BLOCK, dtype=torch.float32)
     if weight.bits == 8:
-        q = weight.qs.reshape(out, k // BLOCK, BLOCK).float()
+        values.copy_(weight.qs.reshape(out, k // BLOCK, BLOCK))
     else:
-        low, high = weight.qs & 0x0F, weight.qs >> 4
-        q = torch.cat([low, high], dim=-1).float()
-    values = q * weight.d.float().unsqueeze(-1) + weight.m.float().unsqueeze(-1)
+        torch.bitwise_and(weight.qs, 0x0F, out=values[..., : BLOCK // 2])
+        torch.bitwise_right_shift(weight.qs, 4, out=values[..., BLOCK // 2 :])
+    values.mul_(weight.d.float().unsqueeze(-1)).add_(weight.m.float().unsqueeze(-1))
     return values.reshape(out, k)

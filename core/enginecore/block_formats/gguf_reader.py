@@ -7,9 +7,10 @@ engine needs the scalar fields and the tensor table; tokenizers are converted by
 transformers, once per file. This reader walks the same header (the GGUF format, versions
 2 and 3, either byte order) and keeps a string array as its length only. Numeric arrays
 are kept as arrays. A tensor's bytes are read from the file
-when asked for (``GGUFTensor.data``), not through a mapping: the copy is needed anyway
-(the loaded blocks outlive the reader), and touching a mapped file costs a page fault per
-4 KiB, which some virtual machines make slow and erratic.
+when asked for (``GGUFTensor.data``), or seen through a private mapping of the file
+(``GGUFMetadata.mapped``), which reads nothing until a page is touched: the loader hands
+quantized projections over mapped, so a linear method that finds them prepared already
+(the CPU's prepared-weight cache) never reads them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -102,6 +104,7 @@ class GGUFMetadata:
         import gguf
 
         self.path = str(pathlib.Path(path).resolve())
+        self._mapping: torch.Tensor | None = None
         with open(self.path, "rb") as file:
             header = _Header(file)
             if header.take(4) != MAGIC:
@@ -145,6 +148,26 @@ class GGUFMetadata:
                     header.order,
                 )
             )
+
+    def mapped(self, tensor: GGUFTensor) -> torch.Tensor:
+        """``tensor``'s bytes [rows..., bytes per row] (uint8) in a copy-on-write mapping of
+        the file: nothing is read until used, and writes never reach the file."""
+        import gguf
+
+        if tensor.tensor_type.name in NUMERIC_TENSOR_TYPES:
+            raise ValueError(f"{tensor.name} is a {tensor.tensor_type.name} tensor, not blocks")
+        if self._mapping is None:
+            size = os.path.getsize(self.path)
+            self._mapping = torch.from_file(self.path, shared=False, size=size, dtype=torch.uint8)
+        end = tensor.data_offset + tensor.n_bytes
+        if end > self._mapping.numel():
+            raise ValueError(f"{self.path}: the file ends inside tensor {tensor.name!r}")
+        dims = gguf.quant_shape_to_byte_shape(tuple(reversed(tensor.shape)), tensor.tensor_type)
+        return self._mapping[tensor.data_offset : end].view(dims)
+
+    def unmap(self) -> None:
+        """Drop this reader's mapping (tensors taken from it keep theirs alive)."""
+        self._mapping = None
 
     def vocab_size(self) -> int:
         """The model's vocabulary: ``{architecture}.vocab_size``, else the length of the

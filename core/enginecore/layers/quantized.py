@@ -12,16 +12,20 @@ class QuantizedTensor:
     """A weight in a file's block format: ``data`` holds each output row's blocks as raw
     bytes ([rows, bytes per row], uint8), ``shape`` the logical [out, in] float shape and
     ``format`` the block format's name (GGUF's type names: ``Q4_0``, ``Q4_1``, ``Q8_0``).
-    Row slicing and row permutation work on ``data`` as on the float weight."""
+    Row slicing and row permutation work on ``data`` as on the float weight. ``source``
+    names where the rows come from in the checkpoint (the tensor, then each row range
+    taken), or is empty: a linear method may key what it prepares from them by it."""
 
     data: torch.Tensor
     format: str
     shape: tuple[int, int]
+    source: str = ""
 
     def rows(self, start: int, length: int) -> QuantizedTensor:
         """Output rows ``start`` to ``start + length`` (a column-parallel shard)."""
+        source = f"{self.source}[{start}:{start + length}]" if self.source else ""
         return QuantizedTensor(
-            self.data.narrow(0, start, length), self.format, (length, self.shape[1])
+            self.data.narrow(0, start, length), self.format, (length, self.shape[1]), source
         )
 
 

@@ -1,0 +1,97 @@
+"""A GGUF file's load on CPU: seconds to a ready engine, the first request's time to its
+first token, and resident memory, with the prepared-weight cache cold and warm.
+
+Each run is a fresh process (``LLM(..., multiprocessing=False)``, so one process holds
+the engine and its memory is the engine's). ``first``: this file's prepared weights
+removed from the cache beforehand; ``warm``: prepared already. The first request is a
+128-token prompt and one output token, sent right after the engine is ready (the float32
+prefill copies are then still being made in the background); a second such request
+follows. With ``--baseline-src DIR`` (a source tree of another commit, for example
+``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
+both see the same machine load.
+
+    python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+RUN = """
+import json, sys, time
+started = time.perf_counter()
+import psutil
+from enginecore import LLM, SamplingParams
+imported = time.perf_counter()
+llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
+ready = time.perf_counter()
+params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+prompt = {"prompt_token_ids": list(range(300, 428))}
+t = time.perf_counter()
+first = llm.generate([prompt], params, use_tqdm=False)
+ttft = time.perf_counter() - t
+t = time.perf_counter()
+llm.generate([prompt], params, use_tqdm=False)
+second = time.perf_counter() - t
+rss = psutil.Process().memory_info().rss
+print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
+    "first_request_s": ttft, "second_request_s": second, "rss_gib": rss / 2**30,
+    "token": first[0].outputs[0].token_ids}))
+llm.shutdown()
+"""
+
+
+def source_path(tree: pathlib.Path) -> str:
+    """PYTHONPATH entries that put ``tree``'s packages before the installed ones."""
+    roots = [tree / "core", *sorted(p for p in tree.glob("builtin_*") if p.is_dir())]
+    return os.pathsep.join(str(p) for p in roots)
+
+
+def forget_prepared(model: str) -> None:
+    try:
+        from enginecore_cpu.prepared_weights import PreparedWeights
+    except ImportError:
+        return
+    import shutil
+
+    shutil.rmtree(PreparedWeights(model).directory, ignore_errors=True)
+
+
+def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
+    env = dict(os.environ, ENGINECORE_STARTUP_LOG="0")
+    if tree is not None:
+        env["PYTHONPATH"] = source_path(tree)
+    out = subprocess.run(
+        [sys.executable, "-c", RUN, model], env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"the run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--rounds", type=int, default=2, help="warm runs of each tree")
+    parser.add_argument("--baseline-src", type=pathlib.Path)
+    args = parser.parse_args()
+    model = str(pathlib.Path(args.model).resolve())
+    trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
+    if args.baseline_src:
+        trees.insert(0, ("baseline", args.baseline_src.resolve()))
+    print(f"load average {os.getloadavg()}")
+    for label in ["first"] + ["warm"] * args.rounds:
+        for name, tree in trees:
+            if label == "first" and tree is None:
+                forget_prepared(model)
+            print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

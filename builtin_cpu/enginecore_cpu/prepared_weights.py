@@ -1,0 +1,215 @@
+"""Quantized weights prepared once per GGUF file and CPU, kept on disk and mapped back.
+
+The ``gguf`` linear method multiplies blocks in its own layout (``block_formats``), which
+takes a pass over every weight to make from a file's. That pass runs once: its result,
+each layer's row ranges of blocks, is written here, and later loads map it (copy-on-write,
+nothing read until the kernels touch a page), so a warm load reads no weight and resident
+memory grows with what the model uses, as with a mapped GGUF file.
+
+Entries live under the kernel cache directory, in one directory per (GGUF file: resolved
+path, size, modification time; CPU: model name and flags; the block layouts' source), one
+file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
+A changed file, another CPU or a new layout finds another directory. An entry is written
+to a temporary file and renamed, so a reader never sees half of one; an entry that does
+not parse (cut short, another format, another layer's) is a miss, and the layer is
+prepared and written again.
+
+Entry format: ``MAGIC``, the header's length (8 bytes) and CRC-32 (4 bytes), the header
+(JSON: the layer's key, the data's length, and per part its kind, format, shape and its
+tensors' dtype, shape and offset), then from the next 64-byte boundary each tensor's
+bytes, each at a 64-byte boundary. The values themselves carry no checksum: checking one
+would read every weight at each load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
+from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.block_formats.parts import Part
+from enginecore_cpu import cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "ENGINECORE_PREPARED_WEIGHTS"
+MAGIC = b"ECPREP01"
+_PREFIX = struct.Struct("<8sQI")  # magic, header length, header CRC-32
+_ALIGN = 64
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.uint8, torch.int8, torch.float16, torch.float32)
+}
+
+Layer = list[tuple[int, Part]]  # (first output row, blocks), in row order
+
+
+def root() -> Path:
+    """Where every file's prepared weights live: beside the compiled kernels."""
+    return cpu_kernels.cache_dir() / "prepared_weights"
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags, as /proc/cpuinfo gives them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return model.strip() + "\n" + cpu_kernels._cpu_signature().strip()
+
+
+def _layout_signature() -> bytes:
+    """The block layouts' source: a change to how blocks are laid out starts a new cache."""
+    sources = (gguf_blocks.__file__, kquant_blocks.__file__, __file__)
+    return b"".join(hashlib.sha256(Path(s).read_bytes()).digest() for s in sources)
+
+
+class PreparedWeights:
+    """The prepared-weight cache of one GGUF file on this CPU."""
+
+    def __init__(self, gguf_path: str | os.PathLike[str], cpu: str | None = None) -> None:
+        path = Path(gguf_path).resolve()
+        stat = path.stat()
+        cpu = cpu or cpu_identity()
+        key = hashlib.sha256()
+        for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu):
+            key.update(item.encode() + b"\0")
+        key.update(_layout_signature())
+        self.directory = root() / key.hexdigest()[:24]
+        # Which file on which CPU the directory serves: a new one replaces older ones.
+        self._origin = f"{path}\0{hashlib.sha256(cpu.encode()).hexdigest()[:24]}"
+        self._writable = True  # until a write fails: then one warning, no more tries
+
+    @staticmethod
+    def enabled() -> bool:
+        return not cpu_kernels.switched_off(ENV_SWITCH)
+
+    def _replace_older(self) -> None:
+        """Start this file's directory, removing those of its earlier versions (another
+        modification time or block layout) and those of files that no longer exist;
+        other files' and other CPUs' stay."""
+        import shutil
+
+        for other in root().glob("*/origin"):
+            with contextlib.suppress(OSError, ValueError):
+                origin = other.read_text()
+                gone = not Path(origin.split("\0")[0]).exists()
+                if (origin == self._origin or gone) and other.parent != self.directory:
+                    shutil.rmtree(other.parent, ignore_errors=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "origin").write_text(self._origin)
+
+    def _entry(self, key: str) -> Path:
+        return self.directory / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".bin")
+
+    def load(self, key: str) -> Layer | None:
+        """The layer prepared under ``key``, mapped from disk; None when there is no
+        entry or it does not parse (the caller prepares the layer and saves it again)."""
+        path = self._entry(key)
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                magic, length, crc = _PREFIX.unpack(f.read(_PREFIX.size))
+                raw = f.read(length) if magic == MAGIC and length < size else b""
+            if len(raw) != length or zlib.crc32(raw) != crc:
+                raise ValueError("the header is cut short or damaged")
+            header = json.loads(raw)
+            base = _aligned(_PREFIX.size + length)
+            if header["key"] != key or base + int(header["data"]) != size:
+                raise ValueError("the entry is another layer's or cut short")
+            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            data = data[base:]
+            return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
+            return None
+
+    def save(self, key: str, layer: Layer) -> None:
+        """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
+        if not self._writable:
+            return
+        writes: list[tuple[torch.Tensor, int]] = []
+        parts = []
+        end = 0  # offsets count from the first 64-byte boundary after the header
+        for first, part in layer:
+            specs = []
+            for t in _fields(part):
+                dtype = str(t.dtype).removeprefix("torch.")
+                specs.append({"dtype": dtype, "shape": list(t.shape), "offset": end})
+                writes.append((t, end))
+                end = _aligned(end + t.numel() * t.element_size())
+            parts.append({**_describe(part), "first": first, "tensors": specs})
+        raw = json.dumps({"key": key, "parts": parts, "data": end}).encode()
+        base = _aligned(_PREFIX.size + len(raw))
+        try:
+            if not self.directory.is_dir():
+                self._replace_older()
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+                    for t, offset in writes:
+                        f.write(b"\0" * (base + offset - f.tell()))
+                        f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+                    f.write(b"\0" * (base + end - f.tell()))
+                os.replace(tmp, self._entry(key))
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            self._writable = False
+            logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _fields(part: Part) -> list[torch.Tensor]:
+    if isinstance(part, KQuantWeight):
+        return [part.qs, part.scales]
+    return [part.qs, part.d, part.m]
+
+
+def _describe(part: Part) -> dict[str, Any]:
+    if isinstance(part, KQuantWeight):
+        return {"kind": "kquant", "fmt": part.fmt, "shape": list(part.shape)}
+    return {"kind": "blocks", "bits": part.bits, "shape": list(part.shape)}
+
+
+def _tensor(spec: dict[str, Any], data: torch.Tensor) -> torch.Tensor:
+    dtype = _DTYPES[spec["dtype"]]
+    shape = [int(n) for n in spec["shape"]]
+    count = 1
+    for n in shape:
+        count *= n
+    start = int(spec["offset"])
+    end = start + count * dtype.itemsize
+    if start % _ALIGN or end > data.numel():
+        raise ValueError("a tensor lies outside the entry")
+    return data[start:end].view(dtype).view(shape)
+
+
+def _part(spec: dict[str, Any], data: torch.Tensor) -> Part:
+    shape = (int(spec["shape"][0]), int(spec["shape"][1]))
+    fields = [_tensor(t, data) for t in spec["tensors"]]
+    if spec["kind"] == "kquant":
+        qs, scales = fields
+        return KQuantWeight(str(spec["fmt"]), qs, scales, shape)
+    qs, d, m = fields
+    return BlockWeight(int(spec["bits"]), qs, d, m, shape)

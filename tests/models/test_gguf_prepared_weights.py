@@ -1,0 +1,241 @@
+"""A GGUF file's blocks prepared once per file and CPU, kept on disk and mapped back; the
+float32 prefill copies made in the background without holding up a request."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from enginecore.block_formats.parts import dequantized_part, unpacked
+from enginecore.distributed import SINGLE_RANK
+from enginecore.layers.linear import RowParallelLinear, use_linear_method
+from enginecore.layers.quantized import QuantizedTensor
+from enginecore_cpu import gguf_linear_method, prepared_weights, quant_kernels
+from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS, GGUFLinearMethod
+from enginecore_cpu.prepared_weights import PreparedWeights
+
+gguf = pytest.importorskip("gguf")
+
+needs_kernels = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+# Byte offsets of each block's float16 fields (scales, minimums) in GGUF's layouts.
+HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+HALF_OFFSETS["Q6_K"] = (208,)
+
+
+def random_tensor(fmt: str, rows: int = 64, cols: int = 512, seed: int = 0) -> QuantizedTensor:
+    """Random bytes in ``fmt``'s blocks, their float16 fields small finite numbers."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]]
+    count = rows * cols // block
+    data = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    for offset in HALF_OFFSETS[fmt]:
+        halves = rng.uniform(1e-3, 2e-2, size=count).astype(np.float16)
+        data[:, offset : offset + 2] = halves.view(np.uint8).reshape(count, 2)
+    raw = torch.from_numpy(data.reshape(rows, -1))
+    return QuantizedTensor(raw, fmt, (rows, cols))
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    root = tmp_path / "prepared"
+    monkeypatch.setattr(prepared_weights, "root", lambda: root)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_torch_dequantization_is_ggufs_bit_for_bit(fmt):
+    """The loader de-quantizes embeddings in torch: the same float32 bits as gguf's numpy."""
+    tensor = random_tensor(fmt)
+    want = gguf.quants.dequantize(tensor.data.numpy(), gguf.GGMLQuantizationType[fmt])
+    got = dequantized_part(unpacked(tensor)).numpy()
+    assert np.array_equal(want.reshape(got.shape).view(np.uint32), got.view(np.uint32))
+
+
+def assert_same_parts(got: list[tuple[int, Any]], want: list[tuple[int, Any]]) -> None:
+    assert [first for first, _ in got] == [first for first, _ in want]
+    for (_, mine), (_, theirs) in zip(got, want, strict=True):
+        assert type(mine) is type(theirs) and mine.shape == theirs.shape
+        assert mine.kind == theirs.kind
+        for name in ("qs", "d", "m", "scales"):
+            a, b = getattr(mine, name, None), getattr(theirs, name, None)
+            if b is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, cache_root):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    layer = [(0, unpacked(random_tensor("Q4_0"))), (64, unpacked(random_tensor("Q6_K", 32)))]
+    layer += [(96, unpacked(random_tensor("Q8_0", 16)))]
+    cache = PreparedWeights(model, cpu="cpu A")
+    assert cache.load("layer 0") is None
+    cache.save("layer 0", layer)
+    assert_same_parts(PreparedWeights(model, cpu="cpu A").load("layer 0"), layer)
+    assert cache.load("layer 1") is None
+    # another CPU's flags, or the file changed (its time, its size): another cache
+    assert PreparedWeights(model, cpu="cpu B").load("layer 0") is None
+    stat = model.stat()
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert PreparedWeights(model, cpu="cpu A").load("layer 0") is None
+    PreparedWeights(model, cpu="cpu A").save("layer 0", layer)
+    model.write_bytes(model.read_bytes() + b"\0")
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert PreparedWeights(model, cpu="cpu A").load("layer 0") is None
+    # The file's new version replaces its older entries on this CPU, not another CPU's.
+    PreparedWeights(model, cpu="cpu B").save("layer 0", layer)
+    PreparedWeights(model, cpu="cpu A").save("layer 0", layer)
+    kept = {p.parent for p in cache_root.glob("*/origin")}
+    assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")}
+    # A file that no longer exists loses its entries when another file's are started.
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(b"GGUF")
+    PreparedWeights(gone, cpu="cpu A").save("layer 0", layer)
+    gone.unlink()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    PreparedWeights(other, cpu="cpu A").save("layer 0", layer)
+    kept = {p.parent for p in cache_root.glob("*/origin")}
+    assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")} | {
+        PreparedWeights(other, cpu="cpu A").directory
+    }
+
+
+@pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])
+def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, damage, caplog):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    layer = [(0, unpacked(random_tensor("Q4_K")))]
+    cache = PreparedWeights(model, cpu="cpu")
+    cache.save("layer", layer)
+    (entry,) = cache.directory.glob("*.bin")
+    raw = bytearray(entry.read_bytes())
+    if damage == "header byte":
+        raw[40] ^= 0xFF
+    elif damage == "cut data":
+        raw = raw[:-100]
+    elif damage == "cut header":
+        raw = raw[:30]
+    elif damage == "empty":
+        raw = bytearray()
+    else:  # an entry that names another layer, under this one's name
+        cache.save("other", layer)
+        raw = bytearray(next(p for p in cache.directory.glob("*.bin") if p != entry).read_bytes())
+    entry.write_bytes(bytes(raw))
+    assert cache.load("layer") is None
+    assert "preparing again" in caplog.text
+    cache.save("layer", layer)
+    assert_same_parts(cache.load("layer"), layer)
+
+
+def test_an_unwritable_cache_warns_once_and_loads_as_without_it(tmp_path, cache_root, caplog):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    cache_root.parent.mkdir(exist_ok=True)
+    cache_root.write_bytes(b"not a directory")  # every write under it fails
+    cache = PreparedWeights(model, cpu="cpu")
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    for name in ("a", "b", "c"):
+        cache.save(name, layer)
+        assert cache.load(name) is None
+    assert caplog.text.count("could not keep prepared weights") == 1
+    assert "unreadable" not in caplog.text  # no entry is a plain miss
+
+
+@needs_kernels
+def test_a_request_completes_while_the_float_copy_waits():
+    """The float32 copy for many-row steps is a background job: with the job held back,
+    a prefill-sized step runs on the blocks, and the copy appears only once the job runs
+    (counted by the jobs' own count, not by time); with it the step gives the same bits."""
+    torch.manual_seed(0)
+    method = GGUFLinearMethod(None)
+    with use_linear_method(method):
+        layer = RowParallelLinear(512, 96, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)
+    loaded = random_tensor("Q4_K", 96, 512)
+    bias = torch.randn(96)
+    params = dict(layer.named_parameters())
+    params["weight"].weight_loader(params["weight"], loaded)
+    params["bias"].weight_loader(params["bias"], bias)
+    x = torch.randn(DIRECT_MAX_ROWS + 40, 512)
+    want = F.linear(x, dequantized_part(unpacked(loaded)), bias)
+    method.float_copies.pause()
+    try:
+        method.process_weights_after_loading(layer)
+        assert method.float_copies.pending == 1
+        before = layer(x)
+        assert method.float_copies.done == 0 and layer.gguf_float is None
+    finally:
+        method.float_copies.resume()
+    assert method.float_copies.wait(timeout=60)
+    assert method.float_copies.done == 1 and layer.gguf_float is not None
+    after = layer(x)
+    torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(before, after)  # the same bits whenever the copy lands
+
+
+def _q4_k_m(name: str) -> str:
+    """llama.cpp's Q4_K_M mix: V and the down projection in Q6_K, the rest in Q4_K."""
+    return "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
+
+
+@needs_kernels
+def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
+    tiny_llama, tmp_path, cache_root, monkeypatch
+):
+    """Load without the cache (the weights prepared in memory), then twice with it: the
+    first writes each layer's entry, the second maps them and prepares nothing. Greedy
+    tokens are the same each time, a prefill-sized prompt's included: the first two
+    answer on the float copies, the last while every copy is still held back."""
+    from enginecore import LLM, SamplingParams
+    from tests.helpers.gguf_writer import write_gguf
+
+    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
+    methods: list[GGUFLinearMethod] = []
+    original_init = GGUFLinearMethod.__init__
+
+    def init(self, config=None):
+        original_init(self, config)
+        methods.append(self)
+        self.float_copies.pause()
+
+    monkeypatch.setattr(GGUFLinearMethod, "__init__", init)
+    prepared = []
+    original_unpacked = gguf_linear_method.unpacked
+
+    def counting_unpacked(tensor):
+        prepared.append(tensor.source)
+        return original_unpacked(tensor)
+
+    monkeypatch.setattr(gguf_linear_method, "unpacked", counting_unpacked)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(5, 90))}]
+    answers, unpacked_counts = [], []
+    for run, switch in enumerate(["0", "1", "1"]):
+        monkeypatch.setenv(prepared_weights.ENV_SWITCH, switch)
+        prepared.clear()
+        llm = LLM(str(path), multiprocessing=False)
+        copies = methods[-1].float_copies
+        try:
+            if run < 2:
+                copies.resume()
+                assert copies.wait(timeout=120) and copies.done > 0
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if run == 2:  # answered with every float copy still waiting
+                assert copies.done == 0 and copies.pending > 0
+            answers.append([o.outputs[0].token_ids for o in outs])
+        finally:
+            if run == 2:
+                copies.resume()
+            llm.shutdown()
+        unpacked_counts.append(len(prepared))
+    assert answers[0] == answers[1] == answers[2], answers
+    assert unpacked_counts[0] == unpacked_counts[1] > 0 and unpacked_counts[2] == 0
+    assert len(list(cache_root.glob("*/*.bin"))) > 0
