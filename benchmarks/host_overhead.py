@@ -15,19 +15,35 @@ is the median over the steady decode steps of milliseconds per step, and its par
 - ``output``: the frontend's output processing (detokenization, request outputs)
 - ``loop``: the step's wall time less the parts above (engine loop, thread hand-off);
   with async scheduling the worker's parts overlap the engine's, so it can be negative
+- ``cpu``: the CPU time the whole process (every thread) spent in the step; on a busy
+  machine it moves less than the wall time, which includes waiting for a core
+- ``cpu10``: the 10th percentile of ``cpu`` over the steps: the step's cost when least
+  disturbed by other processes (their cache misses and shared cores inflate the median)
 
     python benchmarks/host_overhead.py [--sizes 1,16,64,256,512] [--steps 200]
+
+To compare two versions of the code on a busy machine, give another checkout with
+``--against`` (e.g. ``git worktree add ../main main``): each row then runs both versions
+alternately, each run in a process of its own with that checkout's source roots first on
+``PYTHONPATH``, ``--rounds`` times, and prints both with the ratio of their median steps.
+Compare the ratio, not figures taken at different times.
+
+    python benchmarks/host_overhead.py --against ../main --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # One torch thread: the forward is nearly free, and on a loaded host a team of OpenMP
@@ -121,6 +137,9 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         max_num_batched_tokens=max(2048, num_reqs * 16),
         max_model_len=256 + steps,
         log_stats_interval=0,
+        # Room for every request's blocks many times over: a cache sized from free RAM
+        # would only lengthen each run's start (the block pool lists every block).
+        kv_cache_bytes=256 << 20,
     )
     try:
         timers = Timers()
@@ -137,10 +156,11 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         while llm.output_processor.has_unfinished_requests():
             timers.spent.update(dict.fromkeys(PARTS, 0.0))
             timers.scheduled.clear()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             engine_outputs = llm.engine_client.get_output()
             llm._process_step(engine_outputs)
             wall = time.perf_counter() - t0
+            cpu = time.process_time() - c0
             full_decode = timers.scheduled and all(
                 so.total_num_scheduled_tokens == num_reqs == len(so.num_scheduled_tokens)
                 for so in timers.scheduled
@@ -154,10 +174,60 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
             row["prep"] -= row["forward"]
             row["loop"] = wall - sum(row[p] for p in PARTS)
             row["step"] = wall
+            row["cpu"] = cpu
             rows.append(row)
-        return {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+        result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
+        result["cpu10"] = statistics.quantiles([r["cpu"] for r in rows], n=10)[0] * 1e3
+        return result
     finally:
         llm.shutdown()
+
+
+def source_path(checkout: Path) -> str:
+    """``PYTHONPATH`` putting ``checkout``'s source roots (``core/``, ``builtin_*/``) first."""
+    roots = [checkout / "core", *sorted(checkout.glob("builtin_*"))]
+    rest = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(r) for r in roots] + ([rest] if rest else []))
+
+
+def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[str, float]:
+    """One :func:`run` in a fresh process importing ``checkout``'s code."""
+    env = dict(os.environ, PYTHONPATH=source_path(checkout))
+    cmd = [sys.executable, __file__, "--model", model, "--sizes", str(n), "--modes", mode]
+    out = subprocess.run(
+        [*cmd, "--steps", str(steps), "--json"], env=env, check=True, capture_output=True, text=True
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def compare(model: str, against: Path, args: argparse.Namespace) -> None:
+    here = Path(__file__).resolve().parent.parent
+    cols = ("step", *PARTS, "loop", "cpu", "cpu10")
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
+    for n in (int(s) for s in args.sizes.split(",") if s):
+        for mode in args.modes.split(","):
+            runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}
+            for _ in range(args.rounds):
+                runs["against"].append(run_in(against, model, n, args.steps, mode))
+                runs["this"].append(run_in(here, model, n, args.steps, mode))
+            for name, rows in runs.items():
+                med = {c: statistics.median(r[c] for r in rows) for c in cols}
+                print(
+                    f"{mode:>6} {n:>5} {name:>7} " + " ".join(f"{med[c]:>8.3f}" for c in cols),
+                    flush=True,
+                )
+            for col in ("step", "cpu", "cpu10"):
+                got = {k: [r[col] for r in v] for k, v in runs.items()}
+                ratio = statistics.median(got["against"]) / statistics.median(got["this"])
+                print(
+                    f"{'':>6} {'':>5} {col}: this {ratio:.2f}x as fast (ms per round: this "
+                    f"{', '.join(f'{s:.2f}' for s in got['this'])}; against "
+                    f"{', '.join(f'{s:.2f}' for s in got['against'])})",
+                    flush=True,
+                )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 def main() -> None:
@@ -166,10 +236,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", help="a checkpoint to use instead of the made one")
     parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--against", type=Path, help="another checkout, run alternately")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations with --against")
+    parser.add_argument("--json", action="store_true", help="one size and mode: a JSON line")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(tmp)
-        cols = ("step", *PARTS, "loop")
+        if args.against is not None:
+            compare(model, args.against.resolve(), args)
+            return
+        if args.json:
+            r = run(model, int(args.sizes), args.steps, args.modes == "async")
+            print(json.dumps(r))
+            return
+        cols = ("step", *PARTS, "loop", "cpu", "cpu10")
         print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):

@@ -104,12 +104,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # which KV cache groups share: grouped models decode from the paged cache.
         if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
             return req_ids
-        order = self.mirror.plan(
-            req_ids,
-            {r: batch_view[r][0] for r in req_ids},
-            {r: batch_view[r][1] for r in req_ids},
-            self._caches,
+        # Block ids are read only for requests new to the mirror (the runner's view gives
+        # a context length alone, other views a (length, block ids) pair).
+        context_len = getattr(batch_view, "context_len", None)
+        lens = (
+            {r: context_len(r) for r in req_ids}
+            if context_len is not None
+            else {r: batch_view[r][0] for r in req_ids}
         )
+        order = self.mirror.plan(req_ids, lens, lambda r: batch_view[r][1], self._caches)
         if order is None:  # the mirror cannot hold this batch: plain paged attention
             return req_ids
         self._mirrored = True

@@ -336,6 +336,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
         attend_unit_avx512(qh, K, V, start, len, scale, o, G, NV);                       \
         return 1;                                                                       \
     }
+    EC_CASE(1, 2) EC_CASE(2, 2) EC_CASE(4, 2) EC_CASE(8, 2)
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
     EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
 #undef EC_CASE
@@ -432,6 +433,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
         attend_unit_avx2(qh, K, V, start, len, scale, o, G, NV);                         \
         return 1;                                                                       \
     }
+    EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
     EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
     EC_CASE(1, 16) EC_CASE(2, 16) EC_CASE(4, 16) EC_CASE(8, 16)
 #undef EC_CASE

@@ -17,7 +17,7 @@ length; otherwise SDPA attends every row over the longest, with a mask.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -173,26 +173,27 @@ class DecodeMirror:
         self,
         decodes: list[str],
         context_lens: dict[str, int],
-        block_ids: dict[str, list[int]],
+        block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> list[str] | None:
         """Order this step's decode requests by row, filling rows for newcomers.
 
-        Returns the decode order, or None when the mirror cannot hold the batch (the
-        caller then uses plain paged attention for this step).
+        ``context_lens`` holds exactly the decodes; ``block_ids`` gives a request's
+        blocks (read for newcomers only). Returns the decode order, or None when the
+        mirror cannot hold the batch (the caller then uses plain paged attention for this
+        step).
         """
         self.step = None
-        wanted = set(decodes)
-        # A row is reusable only if it holds exactly the request's context so far.
-        stale = [
-            r
-            for r, rid in enumerate(self.rows)
-            if rid not in wanted or self.row_len[r] != context_lens[rid]
-        ]
+        # A row is reusable only if it holds exactly the request's context so far (a
+        # request not decoding this step has no length here: -1 matches no row).
+        lens_of = context_lens.get
+        row_len = self.row_len
+        stale = [r for r, rid in enumerate(self.rows) if lens_of(rid, -1) != row_len[r]]
         self._remove_rows(stale)
-        newcomers = [rid for rid in decodes if rid not in self.row_of]
+        row_of = self.row_of
+        newcomers = [rid for rid in decodes if rid not in row_of]
         n = len(self.rows) + len(newcomers)
-        kv_len = max(context_lens[rid] for rid in decodes) + 1
+        kv_len = max(context_lens.values()) + 1
         if not self._ensure(n, kv_len):
             self.reset()
             return None
@@ -230,7 +231,7 @@ class DecodeMirror:
         self,
         newcomers: list[str],
         context_lens: dict[str, int],
-        block_ids: dict[str, list[int]],
+        block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> None:
         start = len(self.rows)
@@ -245,7 +246,7 @@ class DecodeMirror:
         nb = -(-longest // block_size)
         table = torch.zeros((len(newcomers), nb), dtype=torch.int64)
         for i, rid in enumerate(newcomers):
-            ids = block_ids[rid][:nb]
+            ids = block_ids(rid)[:nb]
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         kernels = cpu_kernels.kernels_for(kv_caches[0], self.layers[0])
         if kernels is not None:

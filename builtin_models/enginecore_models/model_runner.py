@@ -115,6 +115,10 @@ class _BatchView:
     def __getitem__(self, req_id: str) -> tuple[int, np.ndarray]:
         return self.requests[req_id].num_computed_tokens, self.table.block_ids(req_id)
 
+    def context_len(self, req_id: str) -> int:
+        """``self[req_id][0]`` without reading the block ids."""
+        return self.requests[req_id].num_computed_tokens
+
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
     samples_tokens = True  # the pooling runner computes no logits
@@ -473,7 +477,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         buf = self._staging.get(name)
         if buf is None or buf.device_buf.shape[0] < len(values):
             size = max(len(values), self._max_num_batched_tokens(), 1)
-            buf = StagingBuffer((size,), torch.int64, self.device, self.events)
+            # On a CPU the step's arrays are the model's inputs as they are.
+            buf = StagingBuffer((size,), torch.int64, self.device, self.events, stage_on_host=False)
             self._staging[name] = buf
         return buf.fill(values)
 
@@ -529,25 +534,31 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                         new.num_computed_tokens,
                     )
         cached = so.scheduled_cached_reqs
+        requests = self.requests
+        grouped = len(tables) > 1
+        new_group_ids, new_ids = cached.new_group_block_ids, cached.new_block_ids
+        num_group_ids, num_ids = len(new_group_ids), len(new_ids)
+        # With speculation the scheduler counts draft slots optimistically until it sees
+        # how many were accepted: this runner's own count is exact.
+        num_computed = cached.num_computed_tokens if self.drafter is None else []
+        num_counts, num_token_lists = len(num_computed), len(cached.new_token_ids)
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
+            state = requests.get(req_id)
             if state is None:
                 raise EngineCoreError(
                     f"scheduler sent cached request {req_id!r} that this model runner does "
                     "not hold (it was never added, or was finished/preempted)"
                 )
-            if len(tables) > 1 and i < len(cached.new_group_block_ids):
-                by_group = cached.new_group_block_ids[i]
+            if grouped and i < num_group_ids:
+                by_group = new_group_ids[i]
                 if by_group:
                     for table, ids in zip(tables, by_group, strict=True):
                         table.append(req_id, ids)
-            elif i < len(cached.new_block_ids) and (new_ids := cached.new_block_ids[i]):
-                self.block_table.append(req_id, new_ids)
-            if i < len(cached.num_computed_tokens) and self.drafter is None:
-                # With speculation the scheduler counts draft slots optimistically until
-                # it sees how many were accepted: this runner's own count is exact.
-                state.num_computed_tokens = cached.num_computed_tokens[i]
-            if i < len(cached.new_token_ids) and cached.new_token_ids[i]:
+            elif i < num_ids and (appended := new_ids[i]):
+                self.block_table.append(req_id, appended)
+            if i < num_counts:
+                state.num_computed_tokens = num_computed[i]
+            if i < num_token_lists and cached.new_token_ids[i]:
                 # Only when this rank does not sample (pipeline parallelism).
                 state.output_token_ids.extend(cached.new_token_ids[i])
                 state.token_ids.extend(cached.new_token_ids[i])

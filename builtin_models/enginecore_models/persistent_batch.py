@@ -45,10 +45,10 @@ class PersistentBatch:
         self.row_of: dict[str, int] = {}
         self.params: list[SamplingParams] = []
         self.generators: list[torch.Generator | None] = []
-        self.output_lens: list[int] = []
         rows = 64
         self.tokens = np.zeros((rows, 256), dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.output_lens = np.zeros(rows, dtype=np.int64)  # tokens sampled so far
         self.greedy = np.ones(rows, dtype=bool)
         self.penalised = np.zeros(rows, dtype=bool)
         # Rows needing per-request work when sampled: logit_bias, min_tokens, a seed,
@@ -79,6 +79,7 @@ class PersistentBatch:
                 return out
 
             self.num_tokens = widen(self.num_tokens, 0)
+            self.output_lens = widen(self.output_lens, 0)
             self.greedy = widen(self.greedy, True)
             self.penalised = widen(self.penalised, False)
             self.special = widen(self.special, False)
@@ -108,7 +109,7 @@ class PersistentBatch:
         self.row_of[req_id] = row
         self.params.append(params)
         self.generators.append(generator)
-        self.output_lens.append(len(output_token_ids))
+        self.output_lens[row] = len(output_token_ids)
         self.tokens[row, : len(prompt_token_ids)] = prompt_token_ids
         self.tokens[row, len(prompt_token_ids) : n] = output_token_ids
         self.num_tokens[row] = n
@@ -158,7 +159,6 @@ class PersistentBatch:
             self.req_ids.pop()
             self.params.pop()
             self.generators.pop()
-            self.output_lens.pop()
 
     def _move(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
@@ -166,10 +166,9 @@ class PersistentBatch:
         self.row_of[req_id] = dst
         self.params[dst] = self.params[src]
         self.generators[dst] = self.generators[src]
-        self.output_lens[dst] = self.output_lens[src]
         n = int(self.num_tokens[src])
         self.tokens[dst, :n] = self.tokens[src, :n]
-        for arr in (self.num_tokens, self.greedy, self.penalised, self.special):
+        for arr in (self.num_tokens, self.output_lens, self.greedy, self.penalised, self.special):
             arr[dst] = arr[src]
         for arr in self.cols.values():
             arr[dst] = arr[src]
@@ -193,9 +192,7 @@ class PersistentBatch:
             self._grow(0, int(ends.max()) + 1)
         self.tokens[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
-        output_lens = self.output_lens
-        for row in rows.tolist():
-            output_lens[row] += 1
+        self.output_lens[rows] += 1  # rows are distinct: one token each
 
     def count_sampled(self, rows: torch.Tensor, rows_np: np.ndarray, tokens: torch.Tensor) -> None:
         """Advance the penalised rows' output counts by this step's tokens, on the device."""

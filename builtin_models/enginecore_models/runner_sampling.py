@@ -168,7 +168,11 @@ class SamplingPhase:
             state = requests[req_id]
             state.output_token_ids.append(token)
             state.token_ids.append(token)
-            sampled[index[req_id]] = [token]
+        if len(tokens) == len(sampled):  # every request sampled, in batch order
+            sampled = [[token] for token in tokens]
+        else:
+            for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
+                sampled[index[req_id]] = [token]
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index=index,

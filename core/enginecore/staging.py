@@ -70,7 +70,11 @@ class StagingBuffer:
         device: torch.device,
         events: DeviceEvents | None = None,
         num_host_buffers: int = 2,
+        stage_on_host: bool = True,
     ) -> None:
+        # ``stage_on_host=False`` on a CPU: the values are already where the model reads
+        # them, and ``fill`` hands them over as they are (the copy is the GPU's seam).
+        self.direct = not stage_on_host and device.type == "cpu"
         self.device_buf = torch.zeros(shape, dtype=dtype, device=device)
         pin = device.type == "cuda"
         self.hosts = [
@@ -83,11 +87,16 @@ class StagingBuffer:
 
     def ready(self) -> bool:
         """Whether the next host buffer may be written without waiting."""
+        if self.direct:
+            return True
         event = self._read_by[self._next]
         return event is None or event.query()
 
     def fill(self, values: np.ndarray) -> torch.Tensor:
-        """Copy ``values`` into the device buffer's leading part; returns that part."""
+        """Copy ``values`` into the device buffer's leading part; returns that part (direct:
+        ``values`` themselves, as a tensor; the caller makes them anew each step)."""
+        if self.direct:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=self._arrays[0].dtype))
         i = self._next
         event = self._read_by[i]
         if event is not None and not event.query():

@@ -210,10 +210,11 @@ def _mirror_attention(query, layer, lens, scale, window):
     return out
 
 
-# (query heads, KV heads, head dim): the AVX-512 or AVX2 versions (dims 64 and 128, 1 to 8
-# query heads per KV head) and the portable one (any other dim, here with 6 per KV head).
+# (query heads, KV heads, head dim): the AVX-512 or AVX2 versions (dims 32, 64 and 128, 1
+# to 8 query heads per KV head) and the portable one (any other dim, here with 6 per KV head).
 @pytest.mark.parametrize(
-    "hq,hkv,d", [(4, 2, 64), (8, 1, 64), (8, 8, 128), (16, 4, 128), (12, 2, 40)]
+    "hq,hkv,d",
+    [(2, 1, 32), (8, 2, 32), (4, 2, 64), (8, 1, 64), (8, 8, 128), (16, 4, 128), (12, 2, 40)],
 )
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_attends_each_row_over_its_own_length(gen, hq, hkv, d, window):

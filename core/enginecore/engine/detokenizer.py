@@ -48,6 +48,18 @@ class IncrementalDetokenizer:
         new, self._slow_text = full[len(getattr(self, "_slow_text", "")) :], full
         return new
 
+    @property
+    def streams_plainly(self) -> bool:
+        """Whether :meth:`add_token` serves this request: a fast tokenizer, no stop
+        strings to search for."""
+        return self._stream is not None and not self.stop
+
+    def add_token(self, token_id: int) -> None:
+        """:meth:`update` for one token of a request that :attr:`streams_plainly`."""
+        piece = self._stream.step(self._backend, token_id)  # type: ignore[union-attr]
+        if piece:
+            self.text += piece
+
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (text is then cut)."""
         new_text = self._decode_new(token_ids)

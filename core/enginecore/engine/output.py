@@ -115,10 +115,23 @@ class RequestState:
         self.times = RequestTimes(arrival=time.monotonic())
         self._sent_text = 0
         self._sent_tokens = 0
+        # Whether a plain step (one token, nothing else) may take the fast path of
+        # OutputProcessor.process_outputs: no logprobs, no stop strings to search for.
+        self.plain = self.logprobs is None and (
+            self.detokenizer is None or self.detokenizer.streams_plainly
+        )
 
     @property
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer else ""
+
+    def apply_token(self, token_id: int, now: float) -> None:
+        """:meth:`apply` for a plain step of a :attr:`plain` request past its first token:
+        one new token and nothing else (no events, no finish, no logprobs)."""
+        if self.detokenizer is not None:
+            self.detokenizer.add_token(token_id)
+        self.times.last_token = now
+        self.token_ids.append(token_id)
 
     def apply(self, out: EngineCoreOutput, now: float) -> str | None:
         """Fold one step's output in. Returns a stop string if one was found."""
@@ -287,6 +300,20 @@ class ParentRequest:
         return f"{index}_{request_id}"
 
 
+def _is_plain_step(out: EngineCoreOutput) -> bool:
+    """One new token and nothing else: no finish, no events, no logprobs or other payload."""
+    return (
+        len(out.new_token_ids) == 1
+        and out.finish_reason is None
+        and out.events is None
+        and out.new_logprob_token_ids is None
+        and out.prompt_logprobs is None
+        and out.kv_transfer_params is None
+        and out.error is None
+        and out.pooling_output is None
+    )
+
+
 class OutputProcessor:
     """Folds each step's EngineCoreOutputs into per-request state and builds RequestOutputs."""
 
@@ -393,10 +420,21 @@ class OutputProcessor:
         now = time.monotonic() if now is None else now
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
+        states = self.states
         for out in outputs:
-            state = self.states.get(out.request_id)
+            state = states.get(out.request_id)
             if state is None:
                 continue  # aborted in the frontend meanwhile
+            if state.plain and _is_plain_step(out) and state.times.last_token is not None:
+                # Most of a decode step's outputs: one token, nothing else.
+                if stats is not None:
+                    stats.next_token(now - state.times.last_token)
+                state.apply_token(out.new_token_ids[0], now)
+                if state.output_kind is not OutputKind.FINAL_ONLY or state.parent is not None:
+                    request_output = self._make_output(state, False)
+                    if request_output is not None:
+                        ready.append((state, request_output))
+                continue
             before = TokenTimes(state) if stats is not None else None
             if state.apply(out, now) is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)  # the engine does not know yet

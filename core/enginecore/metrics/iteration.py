@@ -43,6 +43,13 @@ class IterationStatsBuilder:
         else:
             stats.inter_token_latencies.append(now - before.last_token)
 
+    def next_token(self, gap: float) -> None:
+        """:meth:`observe` for one more token of a request that already had its first,
+        ``gap`` seconds after the one before."""
+        stats = self.stats
+        stats.num_generation_tokens += 1
+        stats.inter_token_latencies.append(gap)
+
     def finish(self, stats: FinishedRequestStats, state: Any = None) -> None:
         self.stats.finished_requests.append(stats)
         if state is not None:

@@ -1,0 +1,107 @@
+"""The output processor folds a plain step (one new token, nothing else) of a request
+without stop strings or logprobs through a fast path: the request outputs, the text and
+the iteration statistics must be those of the general path, for every output kind and for
+the samples of an ``n > 1`` request."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from enginecore.checkpoints import make_tokenizer
+from enginecore.engine.output import OutputKind, OutputProcessor
+from enginecore.metrics.iteration import IterationStatsBuilder
+from enginecore.params import SamplingParams
+from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
+from enginecore.request import FinishReason
+
+TOKENIZER = make_tokenizer(1024)
+STEPS = 24
+
+
+def _requests() -> list[tuple[str, SamplingParams, OutputKind]]:
+    return [
+        ("delta", SamplingParams(max_tokens=STEPS), OutputKind.DELTA),
+        ("cumulative", SamplingParams(max_tokens=STEPS), OutputKind.CUMULATIVE),
+        ("final", SamplingParams(max_tokens=STEPS), OutputKind.FINAL_ONLY),
+        ("specials", SamplingParams(max_tokens=STEPS, skip_special_tokens=False), OutputKind.DELTA),
+        ("pair", SamplingParams(max_tokens=STEPS, n=2), OutputKind.CUMULATIVE),
+        ("pair_final", SamplingParams(max_tokens=STEPS, n=2), OutputKind.FINAL_ONLY),
+        # Not plain: stop strings and logprobs always take the general path.
+        ("stops", SamplingParams(max_tokens=STEPS, stop=["zz"]), OutputKind.DELTA),
+    ]
+
+
+def _steps(engine_ids: list[str]) -> list[list[EngineCoreOutput]]:
+    """First tokens with events, plain steps (ids over the whole vocabulary, special ones
+    and pieces of multi-byte characters included), then a step that finishes each."""
+    rng = random.Random(0)
+    vocab = len(TOKENIZER)
+    steps = [
+        [
+            EngineCoreOutput(
+                rid,
+                [rng.randrange(vocab)],
+                events=[(EngineCoreEventType.SCHEDULED, 1.0)],
+                num_cached_tokens=4,
+            )
+            for rid in engine_ids
+        ]
+    ]
+    for _ in range(STEPS - 2):
+        steps.append([EngineCoreOutput(rid, [rng.randrange(vocab)]) for rid in engine_ids])
+    steps.append(
+        [
+            EngineCoreOutput(rid, [rng.randrange(vocab)], finish_reason=FinishReason.LENGTH)
+            for rid in engine_ids
+        ]
+    )
+    return steps
+
+
+def _fold(fast: bool) -> tuple[list[Any], list[Any], int]:
+    """Every step's request outputs and statistics; how many outputs took ``apply``."""
+    processor = OutputProcessor(TOKENIZER)
+    engine_ids: list[str] = []
+    for rid, params, kind in _requests():
+        request = EngineCoreRequest(rid, [5, 6, 7], params, arrival_time=0.0)
+        engine_ids += [
+            r.request_id for r in processor.add_engine_request(request, None, output_kind=kind)
+        ]
+    general_calls = 0
+    for state in processor.states.values():
+        state.times.arrival = 0.0  # the same clock in both runs
+        if not fast:
+            state.plain = False
+        apply = state.apply
+
+        def counted(out: EngineCoreOutput, now: float, apply: Any = apply) -> str | None:
+            nonlocal general_calls
+            general_calls += 1
+            return apply(out, now)
+
+        state.apply = counted  # type: ignore[method-assign]
+    outputs, stats = [], []
+    for i, step in enumerate(_steps(engine_ids)):
+        now = 2.0 + i
+        builder = IterationStatsBuilder(now)
+        ready, to_abort = processor.process_outputs(step, now, builder)
+        assert to_abort == []
+        outputs.append([out for _, out in ready])
+        stats.append(builder.stats)
+    assert not processor.has_unfinished_requests()
+    return outputs, stats, general_calls
+
+
+def test_plain_steps_fold_as_the_general_path_folds_them() -> None:
+    fast_outputs, fast_stats, fast_general = _fold(fast=True)
+    outputs, stats, general = _fold(fast=False)
+    assert fast_outputs == outputs
+    assert fast_stats == stats
+    engine_requests = 5 + 2 + 2  # n=2 requests count twice
+    assert general == engine_requests * STEPS
+    # Only the stop-string request, the first and the finishing step go the general way.
+    assert fast_general == engine_requests * 2 + (STEPS - 2)
+    final = {o.request_id: o for step in outputs for o in step if o.finished}
+    assert all(len(c.token_ids) == STEPS for c in final["final"].outputs)
+    assert final["final"].outputs[0].text  # detokenized along the fast path too
