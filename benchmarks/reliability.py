@@ -3,6 +3,7 @@
 
     python benchmarks/reliability.py [--streams 500] [--disconnects 200] [--requests 2000]
     python benchmarks/reliability.py --checks attacks   # only the attack rows
+    python benchmarks/reliability.py --checks faults    # only the fault rows
 
 Rows: concurrent streams held with no error; client disconnects with the KV cache back to
 0; the bad-input corpus (4xx / 5xx / dropped connections); server memory growth over
@@ -15,7 +16,11 @@ disconnects of queued completions, chat, responses and beam-search streams (seco
 until the KV cache and the queue are empty), one client flooding the queue (another
 client's latency, FCFS and ``fair_share``), a slow-header flood (a normal request's
 p50/p99 and ``/health`` during it) and the server's memory after ``--store-requests``
-maximal Responses requests.
+maximal Responses requests. The fault rows (:mod:`reliability_faults`): one address
+holding ``--address-sockets`` connections past its cap (what it gets, another address's
+latency), ``--kv-requests`` long requests at once into a 16-block KV cache (answered in
+full, preemptions, the cache empty after), SIGKILL of the engine mid-prefill and of the
+frontend mid-stream (the error named, exit status, processes and temporary files left).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 import httpx
 import psutil
 import reliability_attacks as attacks
+import reliability_faults as faults
 
 STREAM = {"prompt": "go", "max_tokens": 400, "ignore_eos": True, "stream": True}
 BAD_BODIES = [
@@ -94,7 +100,11 @@ class Server:
         return psutil.Process(self.proc.pid)
 
     def engine(self) -> psutil.Process:
-        return next(p for p in self.process().children() if "core_proc" in " ".join(p.cmdline()))
+        def is_engine(p: psutil.Process) -> bool:  # its start-up command, or its title
+            command = " ".join(p.cmdline())
+            return "core_proc" in command or command.startswith("EngineCore_DP")
+
+        return next(p for p in self.process().children() if is_engine(p))
 
     def left_behind(self) -> int:
         return sum(1 for p in self.tree if p.is_running() and p.status() != "zombie")
@@ -250,12 +260,16 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--disconnects", type=int, default=200)
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--checks", default="base,attacks", help="base, attacks or both")
+    parser.add_argument(
+        "--checks", default="base,attacks,faults", help="base, attacks, faults (any of them)"
+    )
     parser.add_argument("--junk", type=int, default=1000, help="junk frames to the KV server")
     parser.add_argument("--queued", type=int, default=50, help="streams per kind, dropped")
     parser.add_argument("--flood-streams", type=int, default=400)
     parser.add_argument("--slow-connections", type=int, default=3000)
     parser.add_argument("--store-requests", type=int, default=2000)
+    parser.add_argument("--address-sockets", type=int, default=200)
+    parser.add_argument("--kv-requests", type=int, default=12)
     args = parser.parse_args()
     checks = set(args.checks.split(","))
     rows: list[tuple[str, dict]] = []
@@ -268,6 +282,8 @@ def main() -> None:
             model = str(make_random_checkpoint(workdir / "model"))
         if "attacks" in checks:
             rows += attack_rows(model, workdir, args)
+        if "faults" in checks:
+            rows += fault_rows(model, workdir, args)
         if "base" in checks:
             rows += base_rows(model, workdir, args)
     print("| check | result |")
@@ -304,6 +320,44 @@ def attack_rows(model: str, workdir: Path, args: argparse.Namespace) -> list[tup
     server = Server(model, workdir, "--scheduling-policy", "fair_share", "--stat-loggers", "")
     try:
         rows.append(("queue flood (fair_share)", attacks.queue_flood(server, args.flood_streams)))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--max-num-seqs-per-client", "0", "--stat-loggers", "")
+    try:
+        flood = attacks.queue_flood(server, args.flood_streams)
+        rows.append(("queue flood (fcfs, no per-client cap)", flood))
+    finally:
+        server.close()
+    return rows
+
+
+def fault_rows(model: str, workdir: Path, args: argparse.Namespace) -> list[tuple[str, dict]]:
+    rows: list[tuple[str, dict]] = []
+    server = Server(model, workdir, "--max-open-connections-per-client", "100")
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        rows.append(
+            (
+                "connections per address (cap 100)",
+                faults.connections_per_address(server, port, args.address_sockets),
+            )
+        )
+    finally:
+        server.close()
+    small_kv = ("--num-blocks-override", "16", "--max-model-len", "256", "--no-prefix-caching")
+    server = Server(model, workdir, *small_kv)
+    try:
+        rows.append(("KV exhaustion (16 blocks)", faults.kv_exhaustion(server, args.kv_requests)))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--max-model-len", "4096", "--max-num-batched-tokens", "16")
+    try:
+        rows.append(("SIGKILL engine mid-prefill", faults.kill_engine_mid_prefill(server)))
+    finally:
+        server.close()
+    server = Server(model, workdir, "--stat-loggers", "")
+    try:
+        rows.append(("SIGKILL frontend mid-stream", faults.kill_frontend_mid_stream(server)))
     finally:
         server.close()
     return rows

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import stat
 import threading
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from enginecore.runner_output import ModelRunnerOutput
     from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 
+logger = logging.getLogger(__name__)
 #: Bounds on the trace directory: files kept (the oldest go first).
 MAX_TRACE_FILES = 32
 _TRACE_GLOB = "enginecore-trace-*.jsonl"
@@ -182,15 +184,31 @@ class StepTracer:
             if self._written + len(text) > MAX_TRACE_BYTES:
                 self.close()  # the trace stops at its size bound
                 return
-            self._file.write(text)
+            try:
+                self._file.write(text)
+            except OSError as exc:  # a full disk stops the trace, never the step
+                self._give_up(exc)
+                return
             self._written += len(text)
             self._done += 1
             if self._done >= self.num_steps:
                 self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()  # flushes: a full disk shows here
+            except OSError as exc:
+                self._give_up(exc)
+        if getattr(self.worker, "step_tracer", None) is self:
+            self.worker.step_tracer = None
+
+    def _give_up(self, exc: OSError) -> None:
+        logger.warning("step trace %s stopped, it cannot be written: %s", self.path, exc)
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
         if getattr(self.worker, "step_tracer", None) is self:
             self.worker.step_tracer = None

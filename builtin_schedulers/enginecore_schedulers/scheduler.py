@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from enginecore.distributed import resolve_device_type
 from enginecore.errors import KV_TRANSFER_ERROR_PREFIX
 from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
 from enginecore.protocol import (
@@ -38,6 +40,7 @@ from enginecore.scheduler_output import CachedRequestData, NewRequestData, Sched
 from enginecore_schedulers.block_pool import KVCacheBlock
 from enginecore_schedulers.kv_cache_manager import KVCacheManager
 from enginecore_schedulers.lora_admission import LoRAAdmission
+from enginecore_schedulers.step_share import StepShare
 from enginecore_schedulers.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -52,6 +55,12 @@ _PREEMPTED = RequestStatus.PREEMPTED
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 _FINISH_REASON = {s: RequestStatus.finish_reason(s) for s in RequestStatus}
+#: The per-client cap's default on CPUs (``scheduler.max_num_seqs_per_client`` unset).
+CPU_SEQS_PER_CLIENT = 16
+#: Steps the per-client cap holds after the last time several clients had work: a client
+#: whose request just finished often sends the next at once (a conversation, a client
+#: that sends one request at a time), and should not find a full-size step in flight.
+SHARE_HOLD_STEPS = 32
 
 
 @dataclass
@@ -155,6 +164,12 @@ class DefaultScheduler(Scheduler):
         self._step_loras: set[int] = set()
         # Adapters the workers have read: requests wait in the queue until theirs is.
         self.lora_admission = LoRAAdmission() if self.max_loras else None
+        # Per-client cap on requests in a step while several clients have work: each
+        # request's client (the policy's client_key) and unfinished requests per client.
+        self.max_num_seqs_per_client = _seqs_per_client(config)
+        self._shared_until_step = 0  # the cap holds until this step
+        self.client_of: dict[str, Hashable] = {}
+        self.unfinished_per_client: Counter[Hashable] = Counter()
 
     # --- requests in and out ---------------------------------------------------------
 
@@ -173,7 +188,10 @@ class DefaultScheduler(Scheduler):
         if request.max_tokens is None or request.max_tokens > room:
             request.max_tokens = room
         request.status = RequestStatus.WAITING
+        client = self.policy.client_key(request)
         self.requests[request.request_id] = request
+        self.client_of[request.request_id] = client
+        self.unfinished_per_client[client] += 1
         self.waiting.push(request)
         if self.log_stats:
             request.events.append((EngineCoreEventType.QUEUED, time.monotonic()))
@@ -211,6 +229,11 @@ class DefaultScheduler(Scheduler):
         them, or still loads into them (then they are freed when the load reports)."""
         request_id = request.request_id
         del self.requests[request_id]
+        client = self.client_of.pop(request_id)
+        if self.unfinished_per_client[client] > 1:
+            self.unfinished_per_client[client] -= 1
+        else:
+            del self.unfinished_per_client[client]
         self.finished_req_ids.add(request_id)
         self._remote_ready.discard(request_id)
         loading = self._waiting_for_remote.pop(request_id, None) is not None
@@ -261,6 +284,10 @@ class DefaultScheduler(Scheduler):
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
         self._step_loras = set()
+        # With several clients at work, one client's requests this step are capped.
+        if self.max_num_seqs_per_client and len(self.unfinished_per_client) > 1:
+            self._shared_until_step = self._step_id + SHARE_HOLD_STEPS
+        share = StepShare(self) if self._step_id <= self._shared_until_step else None
 
         # 1. Running requests first, in running order.
         i = 0
@@ -281,6 +308,8 @@ class DefaultScheduler(Scheduler):
                 num_new = budget
             if num_new <= 0:
                 continue  # waiting for outputs of batches in flight
+            if share is not None and share.full(request):
+                continue  # its client has its share of this step: it waits its turn
             if self.max_loras and not self._lora_fits(request):
                 continue  # max_loras other adapters run this step
             drafts = (
@@ -299,6 +328,8 @@ class DefaultScheduler(Scheduler):
                 if victim.request_id in num_scheduled:
                     # Already scheduled this step: take its tokens back.
                     budget += num_scheduled.pop(victim.request_id)
+                    if share is not None:
+                        share.give_back(victim)
                     spec_tokens.pop(victim.request_id, None)
                     j = scheduled_running.index(victim)
                     del scheduled_running[j]
@@ -321,11 +352,16 @@ class DefaultScheduler(Scheduler):
                 num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if share is not None:
+                share.take(request)
+        if share is not None and share.turned_away:
+            # Those that ran go to the back: the ones turned away run first next step.
+            running[:] = share.rotate(running, num_scheduled)
 
         # 2. Waiting requests in policy order; none in a step that had to preempt.
         scheduled_new: list[Request] = []
         if not preempted and self.waiting:
-            scheduled_new = self._admit_waiting(budget, threshold, num_scheduled)
+            scheduled_new = self._admit_waiting(budget, threshold, num_scheduled, share)
             for request in scheduled_new:
                 budget -= num_scheduled[request.request_id]
 
@@ -471,7 +507,11 @@ class DefaultScheduler(Scheduler):
         return request.spec_token_ids[: min(self.num_spec_tokens, room)]
 
     def _admit_waiting(
-        self, budget: int, threshold: int, num_scheduled: dict[str, int]
+        self,
+        budget: int,
+        threshold: int,
+        num_scheduled: dict[str, int],
+        share: StepShare | None = None,
     ) -> list[Request]:
         """Admit waiting requests while budget, ``max_num_seqs`` and blocks allow."""
         kv = self.kv_cache_manager
@@ -479,8 +519,19 @@ class DefaultScheduler(Scheduler):
         running = self.running
         admitted: list[Request] = []
         skipped: list[Request] = []
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+        if share is not None:
+            share.count_waiting(self.running)
+        while waiting and budget > 0:
+            if share is not None and not share.admissible:
+                break  # every client with waiting requests has its share of this step
+            if len(running) >= self.max_num_seqs and (
+                share is None or not self._free_a_seat(share, num_scheduled)
+            ):
+                break
             request = waiting.peek()
+            if share is not None and share.full(request):
+                skipped.append(waiting.pop())  # behind another client's turn
+                continue
             if request.num_output_placeholders:
                 # Preempted while a batch holding it was in flight: resume only once that
                 # output has arrived, or the same position would be sampled twice.
@@ -514,6 +565,8 @@ class DefaultScheduler(Scheduler):
                 admitted.append(request)
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
+                if share is not None:
+                    share.admit(request)
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_external = 0
@@ -564,9 +617,37 @@ class DefaultScheduler(Scheduler):
             admitted.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if share is not None:
+                share.admit(request)
         for request in skipped:
             waiting.push(request)
         return admitted
+
+    def _free_a_seat(self, share: StepShare, num_scheduled: dict[str, int]) -> bool:
+        """Every seat (``max_num_seqs``) is taken while another client waits: preempt one
+        request of the client holding the most seats, if beyond an equal share, among
+        those that did not run this step. That client admits nothing more this step."""
+        client_of = self.client_of
+        held = Counter(client_of[r.request_id] for r in self.running)
+        client, seats = held.most_common(1)[0]
+        if seats <= self.max_num_seqs // len(self.unfinished_per_client):
+            return False
+        if not share.others_waiting(client):
+            return False
+        idle = [
+            r
+            for r in self.running
+            if client_of[r.request_id] == client and r.request_id not in num_scheduled
+        ]
+        if not idle:
+            return False
+        victim = self.policy.pick_preemption_victim(idle)
+        self.running.remove(victim)
+        self._preempt(victim)
+        self._pending_preempted.add(victim.request_id)
+        self._num_preemptions_since_stats += 1
+        share.close(client)
+        return True
 
     def _start_remote_load(
         self,
@@ -862,6 +943,10 @@ class DefaultScheduler(Scheduler):
             or (self.lora_admission is not None and self.lora_admission.pending)
         )
 
+    def loading_remote_ids(self) -> Iterable[str]:
+        """Requests parked while a KV connector loads their blocks."""
+        return self._waiting_for_remote.keys()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
@@ -932,10 +1017,21 @@ class DefaultScheduler(Scheduler):
             ("waiting for remote KV", self._waiting_for_remote),
             ("aborted while loading", self._aborted_loading),
             ("load errors", self._load_errors),
+            ("clients of requests", self.client_of),
         ):
             if value:
                 problems.append(f"{name} not empty: {sorted(_ids(value))[:20]}")
         return problems + self.kv_cache_manager.leak_report()
+
+
+def _seqs_per_client(config: EngineConfig) -> int:
+    """``max_num_seqs_per_client``, resolved: unset, 16 on CPUs and off on GPUs, whose
+    decode steps are memory-bound (a step's time grows little with its size, so the cap
+    would cost the capped client throughput without shortening anyone's steps)."""
+    cap = config.scheduler.max_num_seqs_per_client
+    if cap is not None:
+        return cap
+    return CPU_SEQS_PER_CLIENT if resolve_device_type(config.model.device) == "cpu" else 0
 
 
 def _ids(items: Any) -> list[str]:

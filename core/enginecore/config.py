@@ -128,12 +128,20 @@ class SchedulerConfig(_Section):
     """Cap on one prefill chunk while other requests compete (0: no cap)."""
     async_scheduling: bool = True
     """Schedule step N+1 while step N computes (placeholders for unsampled tokens)."""
+    max_num_seqs_per_client: int | None = None
+    """While more than one client has unfinished requests (and for 32 steps after), at
+    most this many of one client's requests run in a step, taking turns, so one client's
+    flood cannot make every step slow for the others; a new client's request is admitted
+    ahead of the flooder's queue (0: no cap; unset: 16 on CPUs, 0 on GPUs). A client is
+    what the policy's ``client_key`` names: under ``enginecore serve``, its address."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs_per_client is not None and self.max_num_seqs_per_client < 0:
+            raise ValueError("max_num_seqs_per_client must be >= 0")
 
 
 class ParallelConfig(_Section):
@@ -276,6 +284,10 @@ class ServerConfig(_Section):
     max_open_connections: int = 2048
     """Most open HTTP connections; beyond it a new request gets 503 at once (``/health``,
     ``/ping``, ``/metrics`` and ``/version`` still answer, within a small reserve)."""
+    max_open_connections_per_client: int = 1024
+    """Most open HTTP connections from one client address; beyond it that address's new
+    requests get 503 at once (and, past a small reserve, its new connections are closed),
+    while other addresses still connect. Behind a proxy every client shares its address."""
     request_header_timeout: float = 10.0
     """Seconds a connection may take to send a request's headers (slow-header clients
     are disconnected)."""
@@ -332,6 +344,7 @@ class ServerConfig(_Section):
             "max_pending_requests_per_client",
             "max_stored_response_bytes",
             "max_open_connections",
+            "max_open_connections_per_client",
             "api_server_count",
         ):
             if getattr(self, name) < 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
@@ -86,6 +86,17 @@ class SchedulingPolicy(ABC):
         The default preempts the request that sorts last (the newest under FCFS).
         """
         return max(running, key=self.sort_key)
+
+    def client_key(self, request: Request) -> Hashable:
+        """Which client ``request`` belongs to, for the per-client cap on requests in one
+        step (``scheduler.max_num_seqs_per_client``, applied while more than one client
+        has unfinished requests). Called once per request, when it is added.
+
+        The default reads ``client`` in ``SamplingParams.extra``, which ``enginecore
+        serve`` sets to the client's address; requests without one (offline ``LLM`` use)
+        are one client. Override to group by tenant, API key or adapter instead.
+        """
+        return (request.extra or {}).get("client")
 
 
 class Scheduler(ABC):

@@ -89,6 +89,7 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     result: Any = None
     failure_rank: int | None = None  # set: a worker RPC raised on this rank (RankError)
     failure_method: str | None = None
+    failure_engine_dead: bool = False  # set: the engine or one of its workers died in it
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

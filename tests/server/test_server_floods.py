@@ -17,9 +17,12 @@ import pytest
 from tests.helpers.serve_process import serve, stop
 
 MAX_OPEN = 100
+PER_ADDRESS = 20  # open connections from one address
 HEADER_TIMEOUT = 3.0
+BODY_TIMEOUT = 3.0
 PER_CLIENT = 4
 STORE_BYTES = 200_000
+MAX_SEQS = 4  # seats in a step
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +35,12 @@ def server(tiny_llama, tmp_path_factory):
         *("--dtype", "float32", "--max-model-len", "512", "--num-blocks-override", "256"),
         *("--max-open-connections", str(MAX_OPEN)),
         *("--request-header-timeout", str(HEADER_TIMEOUT)),
+        *("--request-body-timeout", str(BODY_TIMEOUT)),
+        *("--max-open-connections-per-client", str(PER_ADDRESS)),
         *("--max-pending-requests-per-client", str(PER_CLIENT)),
         *("--max-stored-response-bytes", str(STORE_BYTES)),
         *("--scheduling-policy", "fair_share"),
+        *("--max-num-seqs", str(MAX_SEQS), "--max-num-seqs-per-client", "2"),
         env=env,
     )
     try:
@@ -53,8 +59,10 @@ def _complete(server, client: httpx.Client | None = None, **extra) -> httpx.Resp
 def test_slow_headers_neither_lock_out_new_clients_nor_health_checks(server):
     flood = []
     try:
-        for _ in range(MAX_OPEN + 30):  # past the limit, within the probes' reserve
-            sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=5)
+        for i in range(MAX_OPEN + 30):  # past the limit, within the probes' reserve
+            # From seven addresses, each under its own limit: the server's limit is hit.
+            source = (f"127.0.0.{3 + i % 7}", 0)
+            sock = socket.create_connection(("127.0.0.1", server["port"]), 5, source)
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             flood.append(sock)
         started = time.monotonic()
@@ -74,6 +82,85 @@ def test_slow_headers_neither_lock_out_new_clients_nor_health_checks(server):
     finally:
         for sock in flood:
             sock.close()
+
+
+def _slow_header_socket(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (without waiting)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    finally:
+        sock.setblocking(True)
+
+
+def test_one_address_cannot_hold_every_connection(server):
+    from enginecore.server.connection_limits import PROBE_RESERVE
+
+    port = server["port"]
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    held: list[socket.socket] = []
+    try:
+        held += [_slow_header_socket(port) for _ in range(PER_ADDRESS)]
+        refused = _complete(server)  # the address's next request
+        assert refused.status_code == 503, refused.text
+        assert refused.headers.get("retry-after") == "1"
+        assert "max_open_connections_per_client" in refused.json()["error"]["message"]
+        assert httpx.get(f"{server['url']}/health", timeout=5).status_code == 200
+        # Past the probes' reserve, the address's new connections are closed at once,
+        # while those it holds (headers not yet timed out) are still open.
+        held += [_slow_header_socket(port) for _ in range(PROBE_RESERVE)]
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        held.append(extra)
+        assert extra.recv(1) == b"", "a connection past the reserve was accepted"
+        assert not _closed_by_server(held[0]), "the held connections were closed"
+        # Another address is served all along.
+        answer = _complete(server, other)
+        assert answer.status_code == 200, answer.text
+    finally:
+        other.close()
+        for sock in held:
+            sock.close()
+
+
+def test_a_trickled_body_is_cut_off_while_others_are_served(server):
+    sock = socket.create_connection(("127.0.0.1", server["port"]), timeout=5)
+    length = 10_000
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % length
+    )
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    sent, served, cut_off = 1, False, False
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < BODY_TIMEOUT + 10:  # bounded: 10 s past the limit
+            if not served:  # another client, while the trickle runs
+                answer = _complete(server, other)
+                assert answer.status_code == 200, answer.text
+                served = True
+            if _closed_by_server(sock):
+                cut_off = True
+                break
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                cut_off = True
+                break
+            sent += 1
+            time.sleep(0.2)
+    finally:
+        other.close()
+        sock.close()
+    assert cut_off, "a body trickled past request_body_timeout was kept open"
+    assert sent < length and time.monotonic() - started >= BODY_TIMEOUT - 0.5
 
 
 def test_one_client_cannot_fill_the_queue_for_another(server):
@@ -96,6 +183,44 @@ def test_one_client_cannot_fill_the_queue_for_another(server):
         assert answer.status_code == 200, answer.text
         assert all(f.result().status_code == 200 for f in held)
     other.close()
+
+
+def _running(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("enginecore:num_requests_running")
+    )
+
+
+def test_a_flooders_seats_make_room_for_another_client(server):
+    """One client's long requests hold every seat (``max_num_seqs``): another client's
+    short request still runs at once (the flooder's latest is preempted, recomputed
+    later) and ends while every long request is still running; those end in full."""
+    tokens = 150
+    ended: dict[int, float] = {}
+
+    def hold(i: int) -> httpx.Response:
+        answer = _complete(server, max_tokens=tokens, ignore_eos=True)
+        ended[i] = time.monotonic()
+        return answer
+
+    other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    with concurrent.futures.ThreadPoolExecutor(MAX_SEQS) as pool:
+        held = [pool.submit(hold, i) for i in range(MAX_SEQS)]
+        deadline = time.monotonic() + 30
+        while _running(server["url"]) < MAX_SEQS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(server["url"]) == MAX_SEQS and not ended, "the seats were not all held"
+        answer = _complete(server, other)
+        other_ended = time.monotonic()
+        assert answer.status_code == 200, answer.text
+        answers = [f.result() for f in held]
+    other.close()
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [tokens] * MAX_SEQS
+    assert other_ended < min(ended.values()), "the other client waited for a seat"
 
 
 def test_free_form_strings_count_and_the_responses_store_is_bounded_in_bytes(server):

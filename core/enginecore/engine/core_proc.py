@@ -283,6 +283,7 @@ class EngineCoreProc(EngineCore):
             output.result = result
         except Exception as exc:
             output.failure_message = f"{type(exc).__name__}: {exc}"
+            output.failure_engine_dead = isinstance(exc, EngineDeadError)
             if isinstance(exc, RankError):  # rebuilt as a RankError in the frontend
                 output.failure_message = exc.detail
                 output.failure_rank, output.failure_method = exc.rank, exc.method

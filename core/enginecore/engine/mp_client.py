@@ -414,6 +414,8 @@ def _resolve(future: Any, utility_output: Any) -> None:
                 utility_output.failure_message or "",
             )
         )
+    elif utility_output.failure_engine_dead:  # a worker died: the engine goes down too
+        future.set_exception(EngineDeadError(utility_output.failure_message or "engine died"))
     elif utility_output.failure_message is not None:
         future.set_exception(UtilityError(utility_output.failure_message))
     else:

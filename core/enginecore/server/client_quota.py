@@ -8,9 +8,11 @@ address: raise the limit there).
 Beyond ``server.max_pending_requests_per_client`` a new generation request from that
 client is answered 429 with ``Retry-After`` before it is parsed; its request counts until
 its response has been sent in full (a stream: until it ends or the client disconnects).
-Under the ``fair_share`` scheduling policy each admitted request also carries its rank
-among that client's pending requests (``client_rank`` in ``SamplingParams.extra``), which
-the policy orders by, interleaving clients; other policies leave ``extra`` as sent.
+Each admitted request carries its client's key (``client`` in ``SamplingParams.extra``),
+by which the scheduler bounds one client's requests in a step while others wait
+(``scheduler.max_num_seqs_per_client``); under the ``fair_share`` scheduling policy also
+its rank among that client's pending requests (``client_rank``), which the policy orders
+by, interleaving clients. Both replace whatever the body's metadata says.
 """
 
 from __future__ import annotations
@@ -25,8 +27,19 @@ GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
 )
 
-#: The admitted request's ``(client key, rank among its pending requests)``.
-current_client: ContextVar[tuple[str, int] | None] = ContextVar("current_client", default=None)
+#: The admitted request's ``(client key, rank among its pending requests or None)``.
+current_client: ContextVar[tuple[str, int | None] | None] = ContextVar(
+    "current_client", default=None
+)
+
+
+def client_fields() -> dict[str, Any]:
+    """What the server adds to the admitted request's ``SamplingParams.extra``."""
+    admitted = current_client.get()
+    if admitted is None:
+        return {}
+    key, rank = admitted
+    return {"client": key} if rank is None else {"client": key, "client_rank": rank}
 
 
 def client_key(scope: dict[str, Any]) -> str:
@@ -57,7 +70,7 @@ class ClientQuota:
             await _too_many(send, held, self.limit)
             return
         self.pending[key] = held + 1
-        token = current_client.set((key, held) if self.rank_requests else None)
+        token = current_client.set((key, held if self.rank_requests else None))
         try:
             await self.app(scope, receive, send)
         finally:

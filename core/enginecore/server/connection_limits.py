@@ -9,7 +9,9 @@ protocol here (uvicorn's httptools protocol, with three additions) instead:
 * past ``server.max_open_connections`` answers a new request 503 with ``Retry-After`` at
   once (the probes ``/health``, ``/ping``, ``/metrics`` and ``/version`` still answer);
 * past that limit plus :data:`PROBE_RESERVE` closes a new connection at once, so a flood
-  cannot exhaust the process's file descriptors.
+  cannot exhaust the process's file descriptors;
+* the same per client address with ``server.max_open_connections_per_client``, so one
+  address cannot hold every connection while others are refused.
 
 The limit is also kept below the process's open-file limit (``RLIMIT_NOFILE``), with
 room for the engine's own sockets and files.
@@ -21,6 +23,7 @@ import asyncio
 import json
 import logging
 import resource
+from collections import Counter
 from typing import Any
 
 from enginecore.config import ServerConfig
@@ -52,15 +55,23 @@ def effective_max_connections(configured: int) -> int:
 
 
 async def _overloaded(scope: Any, receive: Any, send: Any) -> None:
+    await _refuse(
+        send,
+        "the server has too many open connections (server limit max_open_connections); retry later",
+    )
+
+
+async def _overloaded_by_client(scope: Any, receive: Any, send: Any) -> None:
+    await _refuse(
+        send,
+        "this client address has too many open connections (server limit "
+        "max_open_connections_per_client); close some, then retry",
+    )
+
+
+async def _refuse(send: Any, message: str) -> None:
     body = json.dumps(
-        {
-            "error": {
-                "message": "the server has too many open connections (server limit "
-                "max_open_connections); retry later",
-                "type": "ServiceUnavailableError",
-                "code": 503,
-            }
-        }
+        {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
     ).encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -80,21 +91,38 @@ def http_protocol(limits: ServerConfig) -> type[Any] | None:
     except ImportError:
         return None
     max_open = effective_max_connections(limits.max_open_connections)
+    per_client = limits.max_open_connections_per_client
     header_timeout = limits.request_header_timeout
     body_timeout = limits.request_body_timeout
+    open_per_client: Counter[str] = Counter()  # this server's connections by address
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _read_timer: asyncio.TimerHandle | None = None
+        _address: str | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_open + PROBE_RESERVE:
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+            self._address = address
+            open_per_client[address] += 1
+            if (
+                len(self.connections) > max_open + PROBE_RESERVE
+                or open_per_client[address] > per_client + PROBE_RESERVE
+            ):
                 transport.close()  # a flood: refuse before it costs more than a socket
                 return
             self._arm(header_timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            address, self._address = self._address, None
+            if address is not None:
+                left = open_per_client[address] - 1
+                if left > 0:
+                    open_per_client[address] = left
+                else:
+                    del open_per_client[address]
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -105,9 +133,14 @@ def http_protocol(limits: ServerConfig) -> type[Any] | None:
 
         def on_headers_complete(self) -> None:
             self._arm(body_timeout)
-            over = len(self.connections) > max_open
-            if over and self.url.split(b"?", 1)[0].decode("latin-1") not in PUBLIC_PATHS:
-                app, self.app = self.app, _overloaded
+            if len(self.connections) > max_open:
+                refusal = _overloaded
+            elif self._address is not None and open_per_client[self._address] > per_client:
+                refusal = _overloaded_by_client
+            else:
+                refusal = None
+            if refusal and self.url.split(b"?", 1)[0].decode("latin-1") not in PUBLIC_PATHS:
+                app, self.app = self.app, refusal
                 try:
                     super().on_headers_complete()
                 finally:

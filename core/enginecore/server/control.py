@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from enginecore.engine.mp_client import UtilityError
+from enginecore.errors import EngineDeadError
 from enginecore.server.context import context
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import CollectiveRPCRequest, PauseMode
@@ -93,4 +94,6 @@ async def collective_rpc(body: CollectiveRPCRequest, request: Request) -> dict[s
         )
     except UtilityError as exc:
         raise APIError(400, f"collective_rpc {body.method!r} failed: {exc}") from None
+    except EngineDeadError as exc:  # a worker died during the call: not the caller's fault
+        raise APIError(503, f"collective_rpc {body.method!r} failed: {exc}") from None
     return {"results": _jsonable(results)}

@@ -25,6 +25,7 @@ from enginecore.engine.pooling_api import cosine_similarity
 from enginecore.errors import InvalidRequestError
 from enginecore.params import SamplingParams
 from enginecore.pooling import PoolerConfig, PoolingParams, checkpoint_pooler_config
+from enginecore.server.client_quota import client_fields
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError
 from enginecore.server.limits import tokenize_prompts
@@ -115,7 +116,7 @@ async def _pool(
             raise APIError(400, f"input {i} has token ids outside [0, {vocab})", param="input")
         item.clear()
         item["prompt_token_ids"] = ids
-    sampling = SamplingParams(max_tokens=1, pooling=params)
+    sampling = SamplingParams(max_tokens=1, pooling=params, extra=client_fields() or None)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     collectors = []
     try:

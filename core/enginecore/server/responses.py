@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.params import SamplingParams
+from enginecore.server.client_quota import client_fields
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.limits import check_capacity, check_prompt_tokens
@@ -213,6 +214,7 @@ def _sampling_params(ctx: ServerContext, body: ResponsesRequest) -> SamplingPara
     extra = dict(body.metadata or {})
     if body.user is not None:
         extra["user"] = body.user
+    extra.update(client_fields())  # the client's key and rank (not the body's)
     try:
         return SamplingParams(max_tokens=max_tokens, extra=extra or None, **optional)
     except EngineCoreError as exc:

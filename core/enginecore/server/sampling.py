@@ -8,7 +8,7 @@ from typing import Any
 from enginecore.config import ServerConfig
 from enginecore.errors import InvalidRequestError
 from enginecore.params import MAX_LOGPROB_TOKEN_IDS, SamplingParams, StructuredOutputParams
-from enginecore.server.client_quota import current_client
+from enginecore.server.client_quota import client_fields
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import SamplingFields
 
@@ -218,9 +218,7 @@ def to_sampling_params(
     extra: dict[str, Any] = dict(req.metadata or {})
     if req.user is not None:
         extra["user"] = req.user
-    admitted = current_client.get()
-    if admitted is not None:  # the client's rank, for the fair_share policy (not the body's)
-        extra["client_rank"] = admitted[1]
+    extra.update(client_fields())  # the client's key and rank (not the body's)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is None:
