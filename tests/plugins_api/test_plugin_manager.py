@@ -158,7 +158,7 @@ def test_each_builtin_declares_its_own_entry_point():
 
     import importlib_metadata
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     folders = sorted(p.parent for p in root.glob("builtin_*/pyproject.toml"))
     assert len(folders) >= 10
     installed = {ep.name: ep.value for ep in importlib_metadata.entry_points(group="enginecore")}
