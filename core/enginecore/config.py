@@ -584,6 +584,8 @@ def _merge_into(tree: dict[str, dict[str, Any]], data: dict[str, Any], where: st
                     section.setdefault("config", {})[field_name] = field_value
                     continue
                 section[field_name] = field_value  # unknown fields: msgspec names them
+        elif key == "served_model_name" and isinstance(value, list):
+            _merge_served_names(tree, value, where)
         elif key in FLAT_NAMES:
             section_name, field_name = FLAT_NAMES[key]
             tree.setdefault(section_name, {})[field_name] = value
@@ -591,6 +593,14 @@ def _merge_into(tree: dict[str, dict[str, Any]], data: dict[str, Any], where: st
             tree[key] = msgspec.to_builtins(value)
         else:
             raise ConfigError(_unknown_key_message(key, where))
+
+
+def _merge_served_names(tree: dict[str, dict[str, Any]], names: list[Any], where: str) -> None:
+    """Several served names, as vLLM takes them: the first reported, the rest aliases."""
+    if not names:
+        raise ConfigError(f"served_model_name {where} is an empty list: give at least one name")
+    model = tree.setdefault("model", {})
+    model["served_model_name"], model["served_model_aliases"] = names[0], list(names[1:])
 
 
 def _is_plugin_table(key: str, value: Any) -> bool:

@@ -191,3 +191,13 @@ def test_every_config_flag_has_help_text() -> None:
     add_config_flags(parser)
     bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert bare == [] or bare == ["-h"], f"flags without help: {bare}"
+
+
+def test_several_served_model_names_as_a_list_are_the_first_name_and_aliases() -> None:
+    """``LLM(served_model_name=["a", "b"])`` and a config file's list, as vLLM's EngineArgs take it."""
+    config = make_config(served_model_name=["a", "b", "c"])
+    assert config.model.served_model_name == "a"
+    assert config.model.served_model_aliases == ["b", "c"]
+    assert make_config(served_model_name=["only"]).model.served_model_aliases == []
+    with pytest.raises(ConfigError, match="served_model_name"):
+        make_config(served_model_name=[])
