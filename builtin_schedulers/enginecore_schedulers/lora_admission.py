@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from enginecore.lora.adapter import LoRAAdapterError
-from enginecore.lora_request import LoRALoadReport, LoRARequest
+from enginecore.lora_request import LoRAAdapterError, LoRALoadReport, LoRARequest
 
 
 class LoRAAdmission:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from enginecore.errors import InvalidRequestError
+
 
 class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """An adapter by name, integer id and path (a PEFT directory with
@@ -38,3 +40,9 @@ class LoRALoadReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     loaded: list[int] = []
     failed: dict[int, str] = {}
     evicted: list[int] = []
+
+
+class LoRAAdapterError(InvalidRequestError):
+    """The adapter cannot be served: missing files, a feature or rank this engine does not
+    take. The message names the adapter and the setting. (Here, with the torch-free wire
+    types, so that the scheduler can name a failed read without importing torch.)"""

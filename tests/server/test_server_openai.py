@@ -364,7 +364,8 @@ def test_jsonl_plugin_end_to_end(server, client, model):
     while out.id not in server.finished_records() and time.monotonic() < deadline:
         time.sleep(0.1)
     record = server.finished_records()[out.id]
-    assert record["extra"] == {"team": "search", "user": "alice"}
+    # ``client``: the address the server puts there for the per-client share of a step.
+    assert record["extra"] == {"team": "search", "user": "alice", "client": "127.0.0.1"}
     assert record["finish_reason"] == "length" and record["num_generation_tokens"] == 4
     lines = server.stats_lines()
     steps = [line["scheduler"]["step_counter"] for line in lines if line["scheduler"]]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from enginecore.errors import InvalidRequestError
+from enginecore.lora_request import LoRAAdapterError
 
 # The projections adapters may target, by their Hugging Face names.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -27,11 +27,6 @@ SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_[AB])(?:\.[^.]+)?\.weight$"
 )
-
-
-class LoRAAdapterError(InvalidRequestError):
-    """The adapter cannot be served: missing files, a feature or rank this engine does not
-    take. The message names the adapter and the setting."""
 
 
 @dataclass

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from enginecore.lora.adapter import LoRAAdapter, LoRAAdapterError
-from enginecore.lora_request import LoRARequest
+from enginecore.lora.adapter import LoRAAdapter
+from enginecore.lora_request import LoRAAdapterError, LoRARequest
 
 logger = logging.getLogger(__name__)
 

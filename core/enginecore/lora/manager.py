@@ -21,11 +21,11 @@ import torch
 from enginecore.config import LoRAConfig
 from enginecore.errors import EngineCoreError
 from enginecore.interfaces import LoRAKernels
-from enginecore.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from enginecore.lora.adapter import LoRAAdapter, load_adapter
 from enginecore.lora.layer import LoRALayer, LoRAStepState
 from enginecore.lora.loader import AdapterLoader, load_error
 from enginecore.lora.mapping import build_mapping
-from enginecore.lora_request import LoRALoadReport, LoRARequest
+from enginecore.lora_request import LoRAAdapterError, LoRALoadReport, LoRARequest
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from enginecore.config import EngineConfig
 from enginecore.engine.mp_client import UtilityError
 from enginecore.errors import ConfigError
-from enginecore.lora.adapter import LoRAAdapterError, check_adapter
-from enginecore.lora_request import LoRARequest
+from enginecore.lora.adapter import check_adapter
+from enginecore.lora_request import LoRAAdapterError, LoRARequest
 from enginecore.server.context import context
 from enginecore.server.errors import APIError
 
