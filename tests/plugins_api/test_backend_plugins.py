@@ -87,6 +87,7 @@ with LLM(config_file=sys.argv[1]) as llm:
 """
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_hook_register_attention_backends(naive_env, tiny_llama, tmp_path):
     """The installed backend, named in a config file, serves transformers' greedy tokens
     in one mixed batch with chunked prefill and a prefix-cache hit."""

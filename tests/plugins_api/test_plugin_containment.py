@@ -168,6 +168,7 @@ def test_start_up_failures_name_the_component_plugin_and_key(broken_env, tiny_ll
     assert "storage bucket unreachable" in messages["kv_connector"]
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_a_hung_worker_rpc_is_abandoned_and_the_server_keeps_serving(
     broken_env, tiny_llama, tmp_path
 ):
@@ -219,6 +220,7 @@ llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
 """
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_no_engine_process_outlives_a_killed_frontend_stuck_in_a_plugin(broken_env, tiny_llama):
     """The engine loop is stuck in a policy's sort_key; the frontend is SIGKILLed; the
     engine process (and any worker) is gone within the stop grace."""
@@ -422,6 +424,7 @@ def _run_in_process_hangs(broken_env, tiny_llama, cases) -> dict:
     return report
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_in_process_engine_hangs_are_bounded_and_named(broken_env, tiny_llama):
     """``LLM(multiprocessing=False)``: a policy hanging in ``sort_key`` fails the call
     after ``engine.execute_timeout`` naming the plugin and the method, and every later

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from enginecore.cli import main
 
 
+@pytest.mark.slow  # over 10 s; `make test-all` runs it
 def test_bench_throughput_reports_the_median_of_its_repetitions(tiny_llama, tmp_path, capsys):
     result_file = tmp_path / "throughput.json"
     argv = ["bench", "throughput", str(tiny_llama), "--num-prompts", "3", "--input-len", "8"]
