@@ -107,18 +107,6 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
  * (elements 16-31). The activations are rearranged to that order once per call
  * (``permute_rows``), so no weight byte is shuffled: per 4 blocks two dot-product
  * instructions and one scale multiply, where the 256-bit loop needs four of each. */
-#if defined(__AVX512VNNI__)
-#define DOT512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
-#define DOT256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#define DOT128(acc, u, s) _mm_dpbusd_epi32(acc, u, s)
-#else
-#define DOT512(acc, u, s) \
-    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
-#define DOT256(acc, u, s) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
-#define DOT128(acc, u, s) \
-    _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1)))
-#endif
 
 /* Group size at block b of nb: 4 while four remain, then 2, then 1. */
 static inline int64_t group_at(int64_t b, int64_t nb) {
