@@ -1,10 +1,11 @@
-"""The K-quant products (Q4_K, Q5_K, Q6_K) in every build this CPU can run, against gguf's
-numpy de-quantization of the same super-blocks.
+"""The block products (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in every build this CPU can run,
+against gguf's numpy de-quantization of the same blocks.
 
 Each build (what the engine builds here; on an AVX-512 CPU the same without VNNI; AVX2;
-plain C) multiplies random super-blocks by quantized activations, one row (the batch-1
-decode step's one-row kernels) and several, on one thread and on two; the reference is the
-float64 sum of gguf's de-quantized weight times the same 8-bit activations.
+plain C) multiplies the blocks of random weights by quantized activations, one row (the
+batch-1 decode step's one-row kernels) and several, on one thread and on two; the
+reference is the float64 sum of gguf's de-quantized weight times the same 8-bit
+activations.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import ctypes
 import pathlib
 import platform
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from enginecore.block_formats import kquant_blocks
+from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.testing.quantizers import quantize_k
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
 
@@ -51,7 +53,9 @@ def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
                 cpu_kernels.instruction_set = lambda level=level: level  # type: ignore[method-assign]
             for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE):
                 copy = pathlib.Path(shutil.copy(source, directory))
-                path = cpu_kernels.build(directory, source=copy, stem=copy.stem, extra_isa=extra_isa)
+                path = cpu_kernels.build(
+                    directory, source=copy, stem=copy.stem, extra_isa=extra_isa
+                )
                 out[f"{name}/{copy.stem}"] = ctypes.CDLL(str(path))
         finally:
             cpu_kernels.instruction_set = own_level  # type: ignore[method-assign]
@@ -65,14 +69,19 @@ def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [(13, 256), (6, 1280), (40, 2048)])
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("build", [name for name, _ in _BUILDS])
 def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, rows, threads):
     n, k = shape
     torch.manual_seed(n * k + rows)
-    raw = quantize_k(torch.randn(n, k), fmt)
+    w = torch.randn(n, k)
+    if fmt.endswith("_K"):
+        raw = quantize_k(w, fmt)
+        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k))
+    else:
+        raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
+        part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
     weight = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[fmt]), np.float64)
-    part = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k))
     x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # blocks of unlike scales
     acts = quant_kernels.load().quantize_rows(x)
     x_values = (acts.q.reshape(rows, -1, 32).double() * acts.scale.double()[..., None]).reshape(
@@ -84,7 +93,7 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        if fmt == "Q4_K":
+        if fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"):
             lib = builds[f"{build}/quant_kernels"]
             lib.ecq_linear.restype = ctypes.c_int
             qs, d, m = (ctypes.c_void_p(a) for a in part.pointers)
