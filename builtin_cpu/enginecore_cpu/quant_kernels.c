@@ -24,6 +24,7 @@
 #define QK 32
 #define ECQ_Q4_HALF 20 /* ecq_linear's kind for 4-bit blocks with float16 scales */
 #define ECQ_Q4_0_HALF 21 /* ... float16 scales d and offsets -8 d, formed from d (Q4_0) */
+#define ECQ_Q8_HALF 22   /* ... and for 8-bit blocks with float16 scales (Q8_0's file's) */
 #define ECQ_Q4_K 24    /* ... and for Q4_K's, scales per super-block (kquant_blocks.py) */
 
 /* Where a 4-bit product's block scales and offsets come from: float32 or float16 arrays,
@@ -345,14 +346,18 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     }
 }
 
-/* The same for 8-bit weights: wq [N, K] signed bytes, wd [N, nb]. */
-void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float *wd,
-                 const int8_t *xq, const float *xd, float *out, int64_t ldo) {
+/* The same for 8-bit weights: wq [N, K] signed bytes, wd [N, nb] float32 or, where
+ * ``half`` (a constant in each inlined copy), float16. */
+static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, int64_t K,
+                                                          const int8_t *wq, const void *wd,
+                                                          int half, const int8_t *xq,
+                                                          const float *xd, float *out,
+                                                          int64_t ldo) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wrow = wq + n * K;
-        const float *d = wd + n * nb;
+        const char *d = (const char *)wd + n * nb * (half ? 2 : 4);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
 #if defined(__AVX2__)
@@ -368,7 +373,8 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float 
                     const int64_t row = r0 + r;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
                     const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(wabs, _mm256_sign_epi8(x, w)));
-                    acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xd[row * nb + b]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(
+                        dot, _mm256_set1_ps(scale_at(d, b, half) * xd[row * nb + b]), acc[r]);
                 }
             }
             for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]);
@@ -381,13 +387,21 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float 
                     const int8_t *x = xq + row * K + b * QK;
                     int dot = 0;
                     for (int i = 0; i < QK; i++) dot += q[i] * x[i];
-                    total += d[b] * xd[row * nb + b] * (float)dot;
+                    total += scale_at(d, b, half) * xd[row * nb + b] * (float)dot;
                 }
                 out[row * ldo + n] = total;
             }
 #endif
         }
     }
+}
+
+void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *wd, int half,
+                 const int8_t *xq, const float *xd, float *out, int64_t ldo) {
+    if (half)
+        gemm_q8(M, N, K, wq, wd, 1, xq, xd, out, ldo);
+    else
+        gemm_q8(M, N, K, wq, wd, 0, xq, xd, out, ldo);
 }
 
 /* The float32 weight [N, K] of 4-bit blocks (for many rows of activations, where one
@@ -444,7 +458,8 @@ void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, 
  * here: one call per projection (kind 4: wq, wd, wm as ``ecq_gemm_q4``, ECQ_Q4_HALF the
  * same with float16 wd, wm, ECQ_Q4_0_HALF float16 wd with wm unused (offsets -8 wd: a
  * decode step reads a tenth fewer bytes of Q4_0), ECQ_Q4_K wd Q4_K's scale bytes and wm
- * unused; 8: ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the scratch memory cannot be had. */
+ * unused; 8: ``ecq_gemm_q8``, wm unused, ECQ_Q8_HALF the same with float16 wd). Returns
+ * 0, or -1 when the scratch memory cannot be had. */
 int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const void *wq, const void *wd, const void *wm, float *out, int64_t ldo) {
     const int64_t nb = K / QK;
@@ -459,8 +474,8 @@ int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int6
     }
     float *xs = xd + M * nb;
     ecq_quantize_rows(x, ldx, M, K, xq, xd, xs);
-    if (kind == 8)
-        ecq_gemm_q8(M, N, K, (const int8_t *)wq, (const float *)wd, xq, xd, out, ldo);
+    if (kind == 8 || kind == ECQ_Q8_HALF)
+        ecq_gemm_q8(M, N, K, (const int8_t *)wq, wd, kind == ECQ_Q8_HALF, xq, xd, out, ldo);
     else
         ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm,
                     kind == ECQ_Q4_K      ? SCALES_Q4K

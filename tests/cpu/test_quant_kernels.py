@@ -131,6 +131,25 @@ def test_q4_0_forms_its_offsets_from_its_scales(rows: int, k: int):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("k", [32, 96, 576])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8_0_float16_scales_give_the_float32_scales_bits(rows: int, k: int):
+    """Q8_0 keeps the file's float16 scales: the product is the one with the same scales
+    widened to float32, bit for bit."""
+    torch.manual_seed(k * 7 + rows)
+    wide = random_q8(23, k)
+    wide.d = wide.d.half().float()
+    half = BlockWeight(8, wide.qs, wide.d.half(), wide.m.half(), wide.shape)
+    assert (half.kind, wide.kind) == (gguf_blocks.Q8_HALF_SCALES, 8)
+    kernels = quant_kernels.load()
+    x = torch.randn(rows, k)
+    got, want = torch.empty(rows, 23), torch.empty(rows, 23)
+    kernels.linear(x, half, got)
+    kernels.linear(x, wide, want)
+    assert torch.equal(got, want)
+    assert torch.equal(gguf_blocks.dequantize(half), gguf_blocks.dequantize(wide))
+
+
 def test_q4_0_scales_beyond_float16_after_the_offset_stay_float32():
     """Q4_0's offset is -8 d: where that overflows float16, both stay float32."""
     from gguf import GGMLQuantizationType
