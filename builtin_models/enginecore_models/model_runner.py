@@ -161,7 +161,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # step's one device-to-host copy.
         self.batch: PersistentBatch | None = None
         self.events = DeviceEvents(self.device)
-        self.host_copy = HostCopy(self.events, self.device)
+        spec = config.speculative
+        rows = config.scheduler.max_num_seqs * (
+            1 + (spec.num_speculative_tokens if spec.enabled else 0)
+        )
+        self.host_copy = HostCopy(self.events, self.device, min_rows=rows)
         self._staging: dict[str, StagingBuffer] = {}
         self.kv_connector: KVConnectorBridge | None = None
         self.drafter: Drafter | None = None
@@ -822,14 +826,21 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     def _gather_prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
     ) -> None:
-        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``)."""
-        for state, row, count, pos in rows:
+        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``); the
+        targets go to the device in one staged copy, and nothing is read back."""
+        targets = np.concatenate(
+            [
+                np.asarray(state.prompt_token_ids[pos + 1 : pos + 1 + count], dtype=np.int64)
+                for state, _, count, pos in rows
+            ]
+        )
+        targets_t = self._stage("prompt_logprob_targets", targets)
+        offset = 0
+        for state, row, count, _ in rows:
             logits = self.model.compute_logits(hidden[row : row + count])
-            targets = torch.tensor(
-                state.prompt_token_ids[pos + 1 : pos + 1 + count], device=self.device
-            )
             assert state.prompt_logprobs is not None  # rows are of requests that asked
-            state.prompt_logprobs.add(logits, targets)
+            state.prompt_logprobs.add(logits, targets_t[offset : offset + count])
+            offset += count
 
     def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
         """Each request's drafts this step and its query length (1 + drafts).
