@@ -57,12 +57,18 @@ from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
     unsupported_feature,
 )
-from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
+from enginecore_models.cuda_graphs import (
+    DecodeGraphs,
+    graphs_apply,
+    measure_graph_memory,
+    piecewise_graphs_apply,
+)
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
 from enginecore_models.lora_support import make_lora_manager
 from enginecore_models.persistent_batch import PersistentBatch
+from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore_models.runner_sampling import SamplingPhase, StepState
 from enginecore_models.sampler import (
@@ -142,6 +148,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.kv_caches: list[torch.Tensor] | None = None
         self.attn_backend: AttentionBackend | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
+        # Multi-token steps replayed in pieces (piecewise_graphs.py; model.piecewise_cuda_graphs).
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.fused_decode: Any = None  # the backend's whole decode step, where it has one
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
@@ -460,6 +468,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
+            if piecewise_graphs_apply(self):
+                seam = CudaGraphSeam(self.device)
+                self.piecewise_graphs = PiecewiseGraphs(self, self.kv_caches, seam)
+                self.piecewise_graphs.capture()
         elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
         if self.kv_connector is not None:
@@ -783,6 +795,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
             fused: torch.Tensor = self.fused_decode.run(ids_t, pos_t, batch)
             hidden = fused
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.handles(batch):
+            meta = self._backend().build_metadata(batch)
+            hidden = self.piecewise_graphs.run(ids_t, pos_t, meta)
         else:
             meta = self._backend().build_metadata(batch)
             ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
@@ -897,6 +912,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
         self.decode_graphs = None
+        self.piecewise_graphs = None
         self.fused_decode = None
         if self.attn_backend is not None:
             self.attn_backend.release_kv_cache()
