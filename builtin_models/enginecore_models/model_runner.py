@@ -489,12 +489,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         return self.batch
 
     def _stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device through this input's staging buffer (staging.py)."""
+        """``values`` on the device through this input's staging buffer (staging.py):
+        pinned host memory and a non-blocking copy, never a copy that waits for the
+        device."""
         buf = self._staging.get(name)
-        if buf is None or buf.device_buf.shape[0] < len(values):
+        dtype = torch.from_numpy(values[:0]).dtype
+        if buf is None or buf.device_buf.shape[0] < len(values) or buf.device_buf.dtype != dtype:
             size = max(len(values), self._max_num_batched_tokens(), 1)
             # On a CPU the step's arrays are the model's inputs as they are.
-            buf = StagingBuffer((size,), torch.int64, self.device, self.events, stage_on_host=False)
+            buf = StagingBuffer((size,), dtype, self.device, self.events, stage_on_host=False)
             self._staging[name] = buf
         return buf.fill(values)
 

@@ -207,29 +207,30 @@ class PersistentBatch:
         self,
         rows: np.ndarray,
         rows_t: torch.Tensor,
-        to_device: Callable[[np.ndarray], torch.Tensor],
+        to_device: Callable[[str, np.ndarray], torch.Tensor],
     ) -> SamplingMetadata:
         """The parameters of ``rows`` (this step's sampling rows, in logits order).
 
-        ``to_device`` stages a host array onto the device (the runner's staging)."""
+        ``to_device(name, array)`` stages a host array onto the device through the
+        runner's staging buffer of that name (pinned, never a blocking copy)."""
         vocab = self.vocab_size
         greedy = self.greedy[rows]
         all_greedy = bool(greedy.all())
         cols = self.cols
 
         def col(name: str) -> torch.Tensor:
-            return to_device(cols[name][rows]).unsqueeze(1)
+            return to_device(name, cols[name][rows]).unsqueeze(1)
 
         temperature = greedy_rows = top_k = top_p = min_p = None
         top_k_max = 0
         if not all_greedy:
             temperature = col("temperature")
             if greedy.any():
-                greedy_rows = to_device(greedy)
+                greedy_rows = to_device("greedy", greedy)
             random = ~greedy
             ks = cols["top_k"][rows]
             if (ks[random] < vocab).any():
-                top_k = to_device(ks)
+                top_k = to_device("top_k", ks)
                 top_k_max = int(ks.max())
             if (cols["top_p"][rows][random] < 1.0).any():
                 top_p = col("top_p")

@@ -8,7 +8,7 @@ state. A mixin of :class:`TorchModelRunner`, kept apart so each file reads on it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +67,7 @@ class SamplingPhase:
     _step: StepState | None
     batch: PersistentBatch | None
     host_copy: HostCopy
+    _stage: Callable[[str, np.ndarray], torch.Tensor]  # the runner's staged host->device copy
 
     def _read_back(
         self, wanted: list[torch.Tensor], sample_req_ids: list[str]
@@ -149,10 +150,10 @@ class SamplingPhase:
             logits = step.logits
             if grammar_output is not None and grammar_output.structured_output_request_ids:
                 self._apply_grammar(logits, step.sample_req_ids, grammar_output)
-            rows_t = torch.from_numpy(rows).to(self.device)
+            rows_t = self._stage("sample_batch_rows", rows)
 
-            def to_device(values: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
+            def to_device(name: str, values: np.ndarray) -> torch.Tensor:
+                return self._stage(f"sampling_{name}", values)
 
             meta = batch.sampling_metadata(rows, rows_t, to_device)
             out = self.sampler.sample(logits, meta)

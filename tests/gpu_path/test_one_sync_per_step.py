@@ -13,7 +13,7 @@ import pytest
 
 from enginecore import SamplingParams
 from tests.helpers.model_runner import PROMPTS, driver_for, make_runner
-from tests.helpers.sync_counter import count_reads
+from tests.helpers.sync_counter import BlockingCopyCounter, count_reads
 
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=8),
@@ -45,6 +45,28 @@ def test_decode_steps_read_the_device_once(tiny_llama, model_refs):
         assert all(len(t) == 1 for t in out.sampled_token_ids)
         per_step.append(list(counter.reads))
     assert per_step == [["event.synchronize"]] * 3
+
+
+def test_sampling_inputs_are_staged_without_a_blocking_copy(tiny_llama, model_refs):
+    """The sampling half of a decode step (every sampling feature) puts its row indices
+    and parameters on the device through the pinned staging buffers: no copy that
+    waits for the forward queued before it."""
+    runner = make_runner(tiny_llama, model_refs)
+    driver = driver_for(runner, budget=256)
+    for i, params in enumerate(PARAMS):
+        driver.add(f"r{i}", PROMPTS["c"][: 8 + i], max_tokens=8, params=params)
+    driver.step()
+    counter = BlockingCopyCounter()
+    sample_tokens = runner.sample_tokens
+
+    def counted(grammar):
+        with counter:
+            return sample_tokens(grammar)
+
+    runner.sample_tokens = counted
+    for _ in range(2):
+        driver.step()
+    assert counter.copies == []
 
 
 def test_listed_logprob_token_ids_ride_the_same_copy(tiny_llama, model_refs):

@@ -53,3 +53,22 @@ def count_reads(runner: Any) -> SyncCounter:
     counter = SyncCounter()
     runner.events.record = lambda: CountingEvent(counter)
     return counter
+
+
+class BlockingCopyCounter(TorchFunctionMode):
+    """Counts copies onto a device that are not ``non_blocking``: on CUDA such a copy from
+    host memory synchronises the stream (it waits for the queued forward). On a CPU they
+    show as ``.to(device)`` / ``torch.tensor(..., device=...)`` calls naming a device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("to", "tensor", "as_tensor") and not kwargs.get("non_blocking"):
+            positional = [a for a in args[1:] if isinstance(a, torch.device | str)]
+            if kwargs.get("device") is not None or positional:
+                self.copies.append(name)
+        return func(*args, **kwargs)
