@@ -495,7 +495,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         buf = self._staging.get(name)
         dtype = torch.from_numpy(values[:0]).dtype
         if buf is None or buf.device_buf.shape[0] < len(values) or buf.device_buf.dtype != dtype:
-            size = max(len(values), self._max_num_batched_tokens(), 1)
+            # Doubling: arrays that grow step by step (penalised outputs) reallocate rarely.
+            grown = 2 * buf.device_buf.shape[0] if buf is not None else 0
+            size = max(len(values), grown, self._max_num_batched_tokens(), 1)
             # On a CPU the step's arrays are the model's inputs as they are.
             buf = StagingBuffer((size,), dtype, self.device, self.events, stage_on_host=False)
             self._staging[name] = buf

@@ -230,6 +230,7 @@ class SamplingPhase:
                 self.eos_token_ids,
                 logits.shape[-1],
                 self.device,
+                lambda name, values: self._stage(f"verify_{name}", values),
             )
             out = self.sampler.sample(logits, meta)
             targets_t = out.token_ids

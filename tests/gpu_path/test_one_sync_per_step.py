@@ -53,7 +53,11 @@ def test_sampling_inputs_are_staged_without_a_blocking_copy(tiny_llama, model_re
     waits for the forward queued before it."""
     runner = make_runner(tiny_llama, model_refs)
     driver = driver_for(runner, budget=256)
-    for i, params in enumerate(PARAMS):
+    special = [
+        SamplingParams(temperature=0.9, logit_bias={5: 2.0}, min_tokens=6, max_tokens=8),
+        SamplingParams(temperature=0.0, logprob_token_ids=[5, 1, 40], max_tokens=8),
+    ]
+    for i, params in enumerate([*PARAMS, *special]):
         driver.add(f"r{i}", PROMPTS["c"][: 8 + i], max_tokens=8, params=params)
     driver.step()
     counter = BlockingCopyCounter()
@@ -144,10 +148,18 @@ def test_verify_steps_read_the_device_once(tiny_llama, model_refs):
         num_speculative_tokens=3,
     )
     counter = count_reads(runner)
+    copies = BlockingCopyCounter()
     driver = SpecDriver(runner)
     for i, params in enumerate(SPEC_PARAMS):
         driver.add(f"s{i}", PROMPTS["c"][: 12 + i], params)
     driver.step()  # the prompts
+    sample_tokens = runner.sample_tokens
+
+    def counted(grammar):
+        with copies:
+            return sample_tokens(grammar)
+
+    runner.sample_tokens = counted
     verified = 0
     for _ in range(4):
         counter.reads.clear()
@@ -156,6 +168,7 @@ def test_verify_steps_read_the_device_once(tiny_llama, model_refs):
         verified += sum(out.num_draft_tokens)
         assert counter.reads == ["event.synchronize"]
     assert verified > 0  # the repeating prompts give the proposer drafts to verify
+    assert copies.copies == []  # the verify rows' parameters are staged too
 
 
 class SpecDriver:
