@@ -14,8 +14,9 @@ piece ``i + 1``, and so on.
 The cut needs no change to the model: the forward runs with an attention backend proxy
 (:class:`_SplitBackend`) whose ``forward`` is the boundary. What a capture records is the
 pieces' graphs and, per attention call, the layer and the tensors it read (memory of the
-graph pool that the replays rewrite in place); attention writes its output into one
-persistent buffer that the next piece reads (``out`` rows past the real tokens are zero).
+graph pool that the replays rewrite in place); attention writes its output into a
+persistent buffer (one per shape, shared by the layers) that the next piece reads (rows
+past the real tokens are zero).
 Padding rows embed token 0 at position 0: being row-wise, they never touch real rows,
 and their attention is skipped, so they write no KV.
 
@@ -141,6 +142,7 @@ class _AttentionCall:
     key: torch.Tensor
     value: torch.Tensor
     kv_cache: torch.Tensor | None
+    out: torch.Tensor  # where its output goes (the next piece reads it)
 
 
 @dataclass
@@ -181,7 +183,9 @@ class PiecewiseGraphs:
         top, dev = self.sizes[-1], runner.device
         self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.out: torch.Tensor | None = None  # attention's output, shared by every layer
+        # Attention's output, one buffer per shape shared by every layer of that shape
+        # (the piece after an attention op reads it before the next op writes it).
+        self.outs: dict[tuple[int, ...], torch.Tensor] = {}
         self.captured: dict[int, _Captured] = {}
         self.counts: Counter[str] = Counter()  # steps by outcome (gpu_check.py prints it)
         # Set around one forward through the split.
@@ -192,10 +196,13 @@ class PiecewiseGraphs:
     # --- the cut --------------------------------------------------------------------
 
     def _out(self, query: torch.Tensor) -> torch.Tensor:
-        top = self.sizes[-1]
-        if self.out is None or self.out.shape[1:] != query.shape[1:]:
-            self.out = torch.zeros((top, *query.shape[1:]), dtype=query.dtype, device=query.device)
-        return self.out[: query.shape[0]]
+        shape = tuple(query.shape[1:])
+        out = self.outs.get(shape)
+        if out is None or out.dtype != query.dtype:
+            top = self.sizes[-1]
+            out = torch.zeros((top, *shape), dtype=query.dtype, device=query.device)
+            self.outs[shape] = out
+        return out[: query.shape[0]]
 
     def cut(
         self,
@@ -210,7 +217,7 @@ class PiecewiseGraphs:
             assert self._pieces is not None
             self._pieces.append(self.seam.end())
         out = self._out(query)  # allocated outside any capture
-        call = _AttentionCall(layer, query, key, value, kv_cache)
+        call = _AttentionCall(layer, query, key, value, kv_cache, out)
         if self._calls is not None:
             self._calls.append(call)
         if self._live is not None:
@@ -283,11 +290,9 @@ class PiecewiseGraphs:
             return self.run_eager(ids, positions, metadata)
         n, size = self._fill(ids, positions)
         captured = self.captured[size]
-        out = self.out
-        assert out is not None  # made by the capture
         for piece, call in zip(captured.pieces, captured.calls, strict=False):
             piece()
-            self._attend(call, out[:size], metadata, n)
+            self._attend(call, call.out, metadata, n)
         captured.pieces[-1]()
         return captured.hidden[:n]
 

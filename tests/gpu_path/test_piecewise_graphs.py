@@ -63,6 +63,11 @@ def test_capture_records_a_piece_per_cut_and_one_buffer(tiny_llama, model_refs):
         assert [c.layer for c in captured.calls] == layers
         assert all(c.query.shape[0] == size for c in captured.calls)
         assert captured.hidden.shape[0] == size
-    assert pieces.out is not None and pieces.out.shape[0] == 16  # one buffer, every size
+    # One attention buffer, shared by every layer and size.
+    assert len(pieces.outs) == 1
+    (buffer,) = pieces.outs.values()
+    assert buffer.shape[0] == 16
+    for captured in pieces.captured.values():
+        assert all(c.out.data_ptr() == buffer.data_ptr() for c in captured.calls)
     # Capturing runs no attention: the KV cache is untouched.
     assert all(bool((a == b).all()) for a, b in zip(before, runner.kv_caches, strict=True))
