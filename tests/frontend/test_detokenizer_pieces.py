@@ -178,7 +178,7 @@ def _detokenizer_text(tokenizer: Any, ids: list[int], skip: bool, seed: int) -> 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_text_is_the_decode_streams_byte_for_byte(tokenizer: Any, skip: bool) -> None:
-    assert piece_table(tokenizer, skip), "no piece table for this tokenizer"
+    assert piece_table(tokenizer), "no piece table for this tokenizer"
     compared = 0
     for seed, ids in enumerate(_sequences(tokenizer, seed=int(skip))):
         try:
@@ -214,7 +214,7 @@ class _CountingStream:
 def test_the_table_serves_most_tokens_of_text(
     tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    table = piece_table(tokenizer, True)
+    table = piece_table(tokenizer)
     assert len(table) > len(tokenizer) // 2
     monkeypatch.setattr(detokenizer_module, "_decode_stream", _CountingStream)
     _CountingStream.steps = 0
@@ -236,7 +236,7 @@ def test_no_table_for_a_decoder_that_joins_tokens() -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    assert build_piece_table(fast, True) == {}
+    assert build_piece_table(fast) == {}
     detok = IncrementalDetokenizer(fast, SamplingParams())
     for token_id in (1, 2, 3, 1, 2):
         detok.add_token(token_id)

@@ -323,7 +323,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         if tokenizer is not None:  # built now rather than on the first request's step
-            piece_table(tokenizer, skip_special_tokens=True)
+            piece_table(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 

@@ -30,8 +30,9 @@ _CONTEXT_FREE_DECODERS = frozenset(
     {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
 )
 
-# One table per tokenizer and skip_special_tokens setting, dropped with the tokenizer.
-_tables: weakref.WeakKeyDictionary[Any, dict[bool, dict[int, str]]] = weakref.WeakKeyDictionary()
+# One table per tokenizer, dropped with it. Added tokens (special ones among them) are never
+# in a table, so ``skip_special_tokens`` does not change it.
+_tables: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -47,12 +48,12 @@ def _decoder_steps(backend: Any) -> set[str] | None:
     return types if types and types <= _CONTEXT_FREE_DECODERS else None
 
 
-def _reference_tokens(backend: Any, ids: list[int], skip_special_tokens: bool) -> list[int]:
+def _reference_tokens(backend: Any, ids: list[int]) -> list[int]:
     """Two tokens with plain text of their own, ending in different characters."""
     found: list[int] = []
     last_chars: set[str] = set()
     for token_id in ids:
-        text = backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+        text = backend.decode([token_id])
         if text and "\ufffd" not in text and text[-1] not in last_chars:
             found.append(token_id)
             last_chars.add(text[-1])
@@ -61,7 +62,7 @@ def _reference_tokens(backend: Any, ids: list[int], skip_special_tokens: bool) -
     return found
 
 
-def build_piece_table(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
+def build_piece_table(tokenizer: Any) -> dict[int, str]:
     """Token id -> the text it adds after any token in the table (empty: no fast path)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     steps = _decoder_steps(backend) if backend is not None else None
@@ -72,15 +73,13 @@ def build_piece_table(tokenizer: Any, skip_special_tokens: bool) -> dict[int, st
         vocab = backend.get_vocab(with_added_tokens=False)
         excluded.update(i for token, i in vocab.items() if _BYTE_PIECE.fullmatch(token))
     ids = [i for i in range(backend.get_vocab_size(with_added_tokens=True)) if i not in excluded]
-    references = _reference_tokens(backend, ids, skip_special_tokens)
+    references = _reference_tokens(backend, ids)
     if len(references) < 2:
         return {}
     pieces: dict[int, str] | None = None
     for ref in references:
-        prefix = backend.decode([ref], skip_special_tokens=skip_special_tokens)
-        texts = backend.decode_batch(
-            [[ref, i] for i in ids], skip_special_tokens=skip_special_tokens
-        )
+        prefix = backend.decode([ref])
+        texts = backend.decode_batch([[ref, i] for i in ids])
         after: dict[int, str] = {}
         for token_id, text in zip(ids, texts, strict=True):
             piece = text[len(prefix) :]
@@ -93,13 +92,12 @@ def build_piece_table(tokenizer: Any, skip_special_tokens: bool) -> dict[int, st
     return pieces or {}
 
 
-def piece_table(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
-    """:func:`build_piece_table`, built once per tokenizer and setting."""
+def piece_table(tokenizer: Any) -> dict[int, str]:
+    """:func:`build_piece_table`, built once per tokenizer."""
     try:
-        per_setting = _tables.setdefault(tokenizer, {})
+        table = _tables.get(tokenizer)
     except TypeError:  # a tokenizer that cannot be weakly referenced: not cached
-        return build_piece_table(tokenizer, skip_special_tokens)
-    table = per_setting.get(skip_special_tokens)
+        return build_piece_table(tokenizer)
     if table is None:
-        table = per_setting[skip_special_tokens] = build_piece_table(tokenizer, skip_special_tokens)
+        table = _tables[tokenizer] = build_piece_table(tokenizer)
     return table
