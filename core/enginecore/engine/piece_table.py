@@ -19,6 +19,7 @@ fallback, no skipped special token). Anything else falls back to ``DecodeStream`
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import weakref
@@ -40,9 +41,9 @@ _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 def _decoder_steps(backend: Any) -> set[str] | None:
     """The decoder's step types, or None if one of them is not context-free."""
-    decoder = json.loads(backend.to_str()).get("decoder")
-    if decoder is None:
+    if backend.decoder is None:
         return None
+    decoder = json.loads(backend.decoder.__getstate__())
     steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
     types = {step.get("type") for step in steps}
     return types if types and types <= _CONTEXT_FREE_DECODERS else None
@@ -79,7 +80,8 @@ def build_piece_table(tokenizer: Any) -> dict[int, str]:
     pieces: dict[int, str] | None = None
     for ref in references:
         prefix = backend.decode([ref])
-        texts = backend.decode_batch([[ref, i] for i in ids])
+        # Tuples, not lists: tens of thousands of new lists set off the garbage collector.
+        texts = backend.decode_batch(list(zip(itertools.repeat(ref), ids)))
         after: dict[int, str] = {}
         for token_id, text in zip(ids, texts, strict=True):
             piece = text[len(prefix) :]
