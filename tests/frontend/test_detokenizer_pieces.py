@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from typing import Any, Literal
 
 import pytest
@@ -16,7 +17,9 @@ from tokenizers.decoders import DecodeStream
 
 from enginecore.checkpoints import make_demo_checkpoint, make_tokenizer
 from enginecore.engine import detokenizer as detokenizer_module
+from enginecore.engine import piece_table as piece_table_module
 from enginecore.engine.detokenizer import IncrementalDetokenizer
+from enginecore.engine.output import OutputProcessor
 from enginecore.engine.piece_table import build_piece_table, piece_table
 from enginecore.params import SamplingParams
 
@@ -241,3 +244,27 @@ def test_no_table_for_a_decoder_that_joins_tokens() -> None:
     for token_id in (1, 2, 3, 1, 2):
         detok.add_token(token_id)
     assert detok.text == _stream_text(fast, [1, 2, 3, 1, 2], True)
+
+
+def test_start_up_does_not_wait_for_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The output processor starts the table's build and returns; a request decoded
+    before the table lands goes through the stream, with the same text."""
+    tokenizer = make_tokenizer(8192)  # a fresh object: no table built for it yet
+    gate = threading.Event()
+    build = piece_table_module.build_piece_table
+
+    def gated_build(tok: Any) -> dict[int, str]:
+        assert gate.wait(10), "the table's build held up start-up"
+        return build(tok)
+
+    monkeypatch.setattr(piece_table_module, "build_piece_table", gated_build)
+    OutputProcessor(tokenizer)
+    assert not gate.is_set()
+    assert piece_table(tokenizer, wait_for_background=False) == {}
+    ids = tokenizer.encode("Streams decode while the table is built. " * 4)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    for token_id in ids:
+        detok.add_token(token_id)
+    assert detok.text == _stream_text(tokenizer, ids, True)
+    gate.set()
+    assert len(piece_table(tokenizer)) > len(tokenizer) // 2

@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         self._looked_up: int | None = None
         if self._backend is not None:
             self._stream = _decode_stream(self.skip_special_tokens)
-            self._pieces = piece_table(tokenizer)
+            self._pieces = piece_table(tokenizer, wait_for_background=False)
 
     def _piece(self, token_id: int) -> str:
         """The text ``token_id`` adds (empty while it completes nothing), looked up when

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from enginecore.engine.detokenizer import IncrementalDetokenizer
-from enginecore.engine.piece_table import piece_table
+from enginecore.engine.piece_table import build_in_background
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
@@ -322,8 +322,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        if tokenizer is not None:  # built now rather than on the first request's step
-            piece_table(tokenizer)
+        if tokenizer is not None:  # built off start-up rather than on a request's step
+            build_in_background(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 

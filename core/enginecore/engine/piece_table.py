@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
+import threading
 import weakref
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Decoders that act on each token's string alone (Fuse joins, Strip then acts on the
 # joined text's ends, Metaspace strips the first token's leading space only).
@@ -34,6 +38,9 @@ _CONTEXT_FREE_DECODERS = frozenset(
 # One table per tokenizer, dropped with it. Added tokens (special ones among them) are never
 # in a table, so ``skip_special_tokens`` does not change it.
 _tables: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+# Tables being built on a background thread: set when the table lands.
+_building: weakref.WeakKeyDictionary[Any, threading.Event] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -94,12 +101,48 @@ def build_piece_table(tokenizer: Any) -> dict[int, str]:
     return pieces or {}
 
 
-def piece_table(tokenizer: Any) -> dict[int, str]:
-    """:func:`build_piece_table`, built once per tokenizer."""
+def build_in_background(tokenizer: Any) -> None:
+    """Start building ``tokenizer``'s table on a daemon thread, so that start-up does not
+    wait for it; detokenizers made before it lands decode through the stream."""
+    with _lock:
+        try:
+            if tokenizer in _tables or tokenizer in _building:
+                return
+            done = _building[tokenizer] = threading.Event()
+        except TypeError:  # cannot be weakly referenced: built when first asked for
+            return
+
+    def build() -> None:
+        try:
+            table = build_piece_table(tokenizer)
+        except Exception:  # the stream serves every token without a table
+            logger.warning("no detokenizer piece table for this tokenizer", exc_info=True)
+            table = {}
+        with _lock:
+            _tables[tokenizer] = table
+            _building.pop(tokenizer, None)
+        done.set()
+
+    threading.Thread(target=build, name="piece-table", daemon=True).start()
+
+
+def piece_table(tokenizer: Any, *, wait_for_background: bool = True) -> dict[int, str]:
+    """:func:`build_piece_table`, built once per tokenizer. While a background build is
+    running, an empty table unless ``wait_for_background``."""
     try:
-        table = _tables.get(tokenizer)
+        with _lock:
+            table = _tables.get(tokenizer)
+            pending = _building.get(tokenizer)
     except TypeError:  # a tokenizer that cannot be weakly referenced: not cached
         return build_piece_table(tokenizer)
-    if table is None:
-        table = _tables[tokenizer] = build_piece_table(tokenizer)
+    if table is not None:
+        return table
+    if pending is not None:
+        if not wait_for_background:
+            return {}
+        pending.wait()
+        return _tables.get(tokenizer, {})
+    table = build_piece_table(tokenizer)
+    with _lock:
+        _tables.setdefault(tokenizer, table)
     return table
