@@ -165,7 +165,9 @@ class EngineCore:
         out (None: one group, every position kept). Sliding layers keep only their window
         where the scheduler manages groups and no KV connector moves blocks (a connector
         sees one block table); otherwise the runners keep one group, the window a mask."""
-        allow = kv_connector is None and self.components.scheduler_cls.supports_kv_cache_groups
+        allow = kv_connector is None and getattr(
+            self.components.scheduler_cls, "supports_kv_cache_groups", False
+        )
         groups = self.executor.collective_rpc(
             runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
         )

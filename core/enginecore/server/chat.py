@@ -164,6 +164,7 @@ def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest) -> ToolPlan:
         backend_registry=plugins.registry("structured_output_backend"),
         backend_name=ctx.config.structured_output.backend,
         tokenizer=ctx.engine.tokenizer,
+        parser_timeout=ctx.config.engine.frontend_plugin_timeout,
     )
 
 
@@ -225,6 +226,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         ctx.limits.reasoning_parser,
         engine.tokenizer,
         prompt_ids,
+        ctx.config.engine.frontend_plugin_timeout,
     )
     params = constrain_after_reasoning(params, reasoner)
     if any(p is not None and p.keeps_special_tokens for p in (plan.parser, reasoner)):

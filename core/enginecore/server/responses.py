@@ -322,6 +322,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         ctx.limits.reasoning_parser,
         engine.tokenizer,
         prompt_ids,
+        ctx.config.engine.frontend_plugin_timeout,
     )
     if reasoner is not None and reasoner.keeps_special_tokens:
         params = params.clone(skip_special_tokens=False)  # the markers are special tokens
