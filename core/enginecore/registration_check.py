@@ -73,11 +73,11 @@ def registration_problem(kind: str, name: str, factory: Any) -> str | None:
         return _call_problem(kind, name, factory)
     if kind == "kv_connector":
         return factory_problem(kind, name, factory)
-    base = EXPECTED_BASE.get(kind)
-    if base is not None:  # built only when selected, where a failure names it; but an
+    selected_base = EXPECTED_BASE.get(kind)
+    if selected_base is not None:  # built only when selected, where a failure names it; but an
         # implementation that cannot take the engine's call is refused now (one that is
         # not an implementation at all is named by ``enginecore plugins --check``)
-        if inspect.isclass(factory) and issubclass(factory, base):
+        if inspect.isclass(factory) and issubclass(factory, selected_base):
             return _call_problem(kind, name, factory)
         return None
     if not callable(factory):

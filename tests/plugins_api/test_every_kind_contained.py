@@ -211,4 +211,108 @@ def test_a_component_raising_at_start_up_is_named_with_its_config_key(start_fail
     assert start_failures["children"] == [], "an engine process outlived its failed start"
 
 
-RUN_TIME_KINDS: dict[str, str] = {}
+RUN_TIME_SCRIPT = """
+import json, sys, time
+import psutil
+from enginecore import LLM, SamplingParams, StructuredOutputParams
+from enginecore_broken_parts import plugin
+
+model = sys.argv[1]
+report = {}
+greedy = SamplingParams(max_tokens=4, temperature=0.0)
+
+# One engine shares the kinds that fail per call: stat loggers, a worker RPC, a grammar.
+loggers = ["counting_logger", "record_raising_logger", "record_hanging_logger"]
+with LLM(model=model, stat_loggers=loggers, frontend_plugin_timeout=1,
+         structured_output_backend="raising_grammar") as llm:
+    started = time.monotonic()
+    first = llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)
+    recorded = len(plugin.RECORDED)
+    later = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    report["stat_logger"] = {
+        "served": [len(o.outputs[0].token_ids) for o in first + later],
+        "seconds": time.monotonic() - started,
+        "disabled": sorted(llm.stat_loggers.names[i] for i in llm.stat_loggers.disabled),
+        "kept_recording": len(plugin.RECORDED) > recorded > 0,
+    }
+    try:
+        llm.collective_rpc("raising_rpc")
+        report["worker_rpc"] = None
+    except Exception as exc:
+        report["worker_rpc"] = f"{type(exc).__name__}: {exc}"
+    constrained = SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(
+        choice=["yes", "no"]))
+    outs = llm.generate([[5, 6, 7], [8, 9]], [constrained, greedy], use_tqdm=False)
+    report["structured_output_backend"] = outs[0].error
+    report["grammar_other_request"] = len(outs[1].outputs[0].token_ids)
+
+with LLM(model=model, kv_connector="raising_load_connector") as llm:
+    outs = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    report["kv_connector"] = outs[0].error
+report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps(report))
+"""
+
+#: Kind -> what its run-time error must name besides the plugin (the method, the
+#: component and its config key).
+RUN_TIME_KINDS = {
+    "stat_logger": ["RecordRaisingStatLogger.record", "RecordHangingStatLogger.record"],
+    "worker_rpc": ["raising_rpc", "profiler not attached"],
+    "structured_output_backend": [
+        "raising_grammar",
+        "structured_output.backend",
+        "grammar compiler not installed",
+    ],
+    "kv_connector": [
+        "RaisingLoadWorker.start_load_kv",
+        "KV connector 'raising_load_connector'",
+        "config key kv_transfer.connector",
+        "remote cache returned a short read",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def run_time_failures(broken_env, tiny_llama) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_TIME_SCRIPT, str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report: dict = json.loads(done.stdout.strip().splitlines()[-1])
+    report["stderr"] = done.stderr
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(RUN_TIME_KINDS))
+def test_a_component_failing_at_run_time_is_named_and_contained(run_time_failures, kind):
+    assert run_time_failures["children"] == [], "an engine process outlived its LLM"
+    if kind == "stat_logger":
+        # The broken loggers are disabled and named once each; the calls were served
+        # within the frontend's limit and the working logger kept recording.
+        stats = run_time_failures["stat_logger"]
+        assert stats["served"] == [4, 4, 4], stats
+        assert stats["disabled"] == ["record_hanging_logger", "record_raising_logger"], stats
+        assert stats["kept_recording"], stats
+        assert stats["seconds"] < 60, stats
+        lines = run_time_failures["stderr"].splitlines()
+        for method in RUN_TIME_KINDS[kind]:
+            named = [line for line in lines if f"in {method};" in line]
+            assert len(named) == 1, named or run_time_failures["stderr"][-3000:]
+            assert f"from {PLUGIN}" in named[0] and "it is disabled" in named[0], named
+        assert (
+            "did not return within 1 s (config key engine.frontend_plugin_timeout)"
+            in (run_time_failures["stderr"])
+        )
+        return
+    message = run_time_failures[kind]
+    assert message is not None, f"{kind}: nothing failed"
+    assert "plugin 'broken_parts'" in message, message
+    for needed in RUN_TIME_KINDS[kind]:
+        assert needed in message, message
+    if kind == "structured_output_backend":  # the unconstrained request was served
+        assert run_time_failures["grammar_other_request"] == 4

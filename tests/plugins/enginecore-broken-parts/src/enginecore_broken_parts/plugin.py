@@ -203,6 +203,17 @@ class RaisingGrammarBackend:
 # --- raising or hanging at run time, in the frontend --------------------------------------
 
 
+#: The steps the working logger was given, read by tests running the frontend in-process.
+RECORDED: list[int] = []
+
+
+class CountingStatLogger(StatLogger):
+    """Works: counts the steps it is given."""
+
+    def record(self, scheduler_stats, iteration_stats, engine_index=0):
+        RECORDED.append(engine_index)
+
+
 class RecordRaisingStatLogger(StatLogger):
     def record(self, scheduler_stats, iteration_stats, engine_index=0):
         raise RuntimeError("metrics sink rejected the sample")
@@ -352,6 +363,7 @@ def register_models(registry):
 @enginecore.hookimpl
 def register_stat_loggers(registry):
     registry.add("raising_logger", RaisingStatLogger)
+    registry.add("counting_logger", CountingStatLogger)
     registry.add("record_raising_logger", RecordRaisingStatLogger)
     registry.add("record_hanging_logger", RecordHangingStatLogger)
 
