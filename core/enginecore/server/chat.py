@@ -466,6 +466,6 @@ async def _stream(
         if include_usage:
             final = usage(prompt_tokens, completion_tokens, cached_tokens)
             yield sse({**base, "choices": [], "usage": final})
-    except EngineCoreError as exc:
+    except (EngineCoreError, APIError) as exc:  # APIError: a parser failed (named)
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

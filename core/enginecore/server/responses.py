@@ -504,7 +504,7 @@ async def _stream(
                 yield _event(
                     "response.output_text.delta", next(seq), delta=piece, logprobs=[], **where
                 )
-    except EngineCoreError as exc:
+    except (EngineCoreError, APIError) as exc:  # APIError: a parser failed (named)
         error = error_body(status_of(exc), str(exc))["error"]
         yield _event(
             "error", next(seq), code=str(error["code"]), message=error["message"], param=None
