@@ -12,6 +12,7 @@ seconds; past it :class:`PluginCallTimeout` is raised and the stuck thread is ab
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -31,12 +32,16 @@ def call_bounded(
     args: tuple[Any, ...],
     timeout: float,
     kwargs: dict[str, Any] | None = None,
+    abandoned: Callable[[Future[Any]], None] | None = None,
 ) -> Any:
-    """``fn(*args, **kwargs)`` on ``thread``, waiting at most ``timeout`` seconds."""
+    """``fn(*args, **kwargs)`` on ``thread``, waiting at most ``timeout`` seconds; past
+    it the call's future (still running) is handed to ``abandoned``."""
     future = thread.submit(fn, *args, **(kwargs or {}))
     try:
         return future.result(timeout)
     except FutureTimeout:
+        if abandoned is not None:
+            abandoned(future)
         raise PluginCallTimeout(
             f"did not return within {timeout:g} s (config key {TIMEOUT_KEY})"
         ) from None

@@ -76,6 +76,11 @@ class ChoiceReasoningStream:
     def __init__(self, parser: ReasoningParser | None) -> None:
         self._stream = ReasoningStream(parser) if parser is not None else None
 
+    @property
+    def parses(self) -> bool:
+        """Whether a parser splits the text (else it is all content)."""
+        return self._stream is not None
+
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if self._stream is None:
             return "", text

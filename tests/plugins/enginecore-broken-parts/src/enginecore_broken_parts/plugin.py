@@ -6,6 +6,7 @@ could never use (dropped when added), a component that raises while it starts, a
 the kind runs per step or per request, one that raises or hangs at run time or returns
 the wrong shapes."""
 
+import sys
 import threading
 
 import enginecore
@@ -230,6 +231,10 @@ class RecordHangingStatLogger(StatLogger):
         threading.Event().wait()
 
 
+#: Written by :class:`HangingToolParser` as it starts to hang.
+PARSE_ENTERED = "hanging_tool_parser: parse entered"
+
+
 class RaisingToolParser(ToolParser):
     def parse(self, text, final):
         raise RuntimeError("tool grammar table missing")
@@ -237,6 +242,8 @@ class RaisingToolParser(ToolParser):
 
 class HangingToolParser(ToolParser):
     def parse(self, text, final):
+        # Said on stderr (the server's log), so a test knows a request is held here.
+        print(f"{PARSE_ENTERED} {text!r}", file=sys.stderr, flush=True)
         threading.Event().wait()
 
 
