@@ -527,7 +527,9 @@ def register_tool_parsers(registry: Registry[Any]) -> None:
     bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A parser that raises
     or does not return in time fails that request alone with a 500 naming the parser,
     its plugin, ``server.tool_call_parser`` and the method; other requests keep being
-    served.
+    served (the server waits for parsers off its event loop). At most 4 of a parser's
+    calls past the limit are left running; while that many run, requests that need the
+    parser are refused with a 503 naming it.
     """
 
 
@@ -563,7 +565,9 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     request's own, bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A
     parser that raises or does not return in time fails that request alone with a 500
     naming the parser, its plugin, ``server.reasoning_parser`` and the method; other
-    requests keep being served.
+    requests keep being served (the server waits for parsers off its event loop). At
+    most 4 of a parser's calls past the limit are left running; while that many run,
+    requests that need the parser are refused with a 503 naming it.
     """
 
 
