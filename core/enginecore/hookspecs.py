@@ -561,10 +561,12 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     :class:`enginecore.testing.ReasoningParserContract`; ``enginecore plugin new NAME
     --kind reasoning-parser`` starts a package.
 
-    Time limit: the factory, ``start`` and each ``parse`` run on a thread of the
-    request's own, bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A
-    parser that raises or does not return in time fails that request alone with a 500
-    naming the parser, its plugin, ``server.reasoning_parser`` and the method; other
+    Time limit: the factory, ``start``, each ``parse`` and ``extract_reasoning`` (the
+    whole reply's split) run on a thread of the request's own, bounded by
+    ``engine.frontend_plugin_timeout`` (5 s by default). A parser that raises or does
+    not return in time fails that request alone with a 500 (an ``error`` event once a
+    stream has begun) naming the parser, its plugin, ``server.reasoning_parser`` and
+    the method; other
     requests keep being served (the server waits for parsers off its event loop). At
     most 4 of a parser's calls past the limit are left running; while that many run,
     requests that need the parser are refused with a 503 naming it.
