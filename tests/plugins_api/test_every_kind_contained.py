@@ -410,3 +410,72 @@ def test_a_component_hanging_at_run_time_is_bounded_and_named(hangs, case):
     assert f"in {PLUGIN}, in {method} ({component}" in error, error
     assert hangs[case]["seconds"] < 60, hangs[case]
     assert hangs["non_daemon_threads"] == [] and hangs["children"] == [], hangs
+
+
+WRONG_SHAPES_SCRIPT = """
+import json, sys
+from enginecore import LLM, SamplingParams, StructuredOutputParams
+
+report = {}
+greedy = SamplingParams(max_tokens=4, temperature=0.0)
+constrained = SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(
+    choice=["yes", "no"]))
+for key, overrides in json.loads(sys.argv[2]).items():
+    with LLM(model=sys.argv[1], multiprocessing=False, **overrides) as llm:
+        params = [constrained, greedy] if "structured_output_backend" in overrides else greedy
+        try:
+            outs = llm.generate([[5, 6, 7, 5, 6], [8, 9]], params, use_tqdm=False)
+            report[key] = {"errors": [o.error for o in outs],
+                           "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        except Exception as exc:
+            report[key] = {"raised": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(report))
+"""
+
+#: Case -> (LLM overrides, the method the error must name, what it says was wrong).
+WRONG_SHAPES = {
+    "long_drafts": (
+        {"speculative_method": "long_drafts_proposer", "num_speculative_tokens": 2},
+        "LongDraftsProposer.propose",
+        "4 drafts where at most 2 were asked for",
+    ),
+    "float_drafts": (
+        {"speculative_method": "float_drafts_proposer", "num_speculative_tokens": 2},
+        "FloatDraftsProposer.propose",
+        "0.5, which is not a token id",
+    ),
+    "grammar_bitmask": (
+        {"structured_output_backend": "no_token_grammar"},
+        "NoTokenGrammar.fill_bitmask",
+        "allows no token",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def wrong_shapes(broken_env, tiny_llama) -> dict:
+    selections = {key: overrides for key, (overrides, *_) in WRONG_SHAPES.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", WRONG_SHAPES_SCRIPT, str(tiny_llama), json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(WRONG_SHAPES))
+def test_a_component_returning_the_wrong_shape_is_named(wrong_shapes, case):
+    """Drafts of the wrong length or type, a grammar row that allows nothing: a named
+    error, not silently wrong tokens or a bare exception."""
+    _, method, wrong = WRONG_SHAPES[case]
+    outcome = wrong_shapes[case]
+    message = outcome.get("raised") or outcome["errors"][0]
+    assert message is not None, f"{case}: served as if nothing were wrong: {outcome}"
+    assert f"[raised by {PLUGIN}, in {method}]" in message, message
+    assert wrong in message, message
+    if case == "grammar_bitmask":  # the unconstrained request is served
+        assert outcome["errors"][1] is None and len(outcome["tokens"][1]) == 4, outcome

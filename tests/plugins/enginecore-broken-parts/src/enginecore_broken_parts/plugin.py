@@ -16,6 +16,8 @@ from enginecore.interfaces import (
     KVConnectorWorker,
     SchedulingPolicy,
     StatLogger,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
 )
 from enginecore.layers import UnquantizedLinearMethod
 from enginecore.layers.torch_attention import TorchAttentionBackend
@@ -182,6 +184,50 @@ class HangingProposer:
 
     def propose(self, token_ids, max_num_drafts):
         threading.Event().wait()
+
+
+# --- returning the wrong shapes at run time ---------------------------------------------
+
+
+class LongDraftsProposer:
+    """Proposes more drafts than it was asked for."""
+
+    def __init__(self, config):
+        pass
+
+    def propose(self, token_ids, max_num_drafts):
+        return [int(t) for t in token_ids[-1:]] * (max_num_drafts + 2)
+
+
+class FloatDraftsProposer(LongDraftsProposer):
+    """Proposes probabilities where token ids belong."""
+
+    def propose(self, token_ids, max_num_drafts):
+        return [0.5] * max_num_drafts
+
+
+class NoTokenGrammar(StructuredOutputGrammar):
+    """Clears its row: no token is ever allowed."""
+
+    def accept_tokens(self, token_ids):
+        return True
+
+    def rollback(self, num_tokens):
+        pass
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+
+    def is_terminated(self):
+        return False
+
+
+class NoTokenGrammarBackend(StructuredOutputBackend):
+    def compile(self, spec):
+        return spec
+
+    def new_grammar(self, compiled):
+        return NoTokenGrammar()
 
 
 # --- raising while it starts, for the kinds built only when selected --------------------
@@ -432,12 +478,15 @@ def register_stat_loggers(registry):
 def register_spec_decode_proposers(registry):
     registry.add("raising_proposer", RaisingProposer)
     registry.add("hanging_proposer", HangingProposer)
+    registry.add("long_drafts_proposer", LongDraftsProposer)
+    registry.add("float_drafts_proposer", FloatDraftsProposer)
     registry.add("not_callable_proposer", NOT_CALLABLE)
 
 
 @enginecore.hookimpl
 def register_structured_output_backends(registry):
     registry.add("raising_grammar", RaisingGrammarBackend)
+    registry.add("no_token_grammar", NoTokenGrammarBackend)
     registry.add("not_callable_grammar", NOT_CALLABLE)
 
 
