@@ -467,7 +467,9 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     request naming a plugin's backend and ``structured_output.backend``.
     ``fill_bitmask``, ``accept_tokens`` and ``rollback`` run in each step, bounded by
     ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
-    naming the plugin and the method).
+    naming the plugin and the method). A grammar that is not terminated must allow at
+    least one token: a row ``fill_bitmask`` leaves empty fails that request naming the
+    plugin and ``fill_bitmask`` (the row is not used).
     """
 
 
@@ -490,7 +492,11 @@ def register_spec_decode_proposers(registry: Registry[Any]) -> None:
     Time limit: ``propose`` runs in each step on the worker, bounded by
     ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
     naming the plugin and the method); a proposer that raises in ``__init__`` fails
-    start-up naming it, its plugin and ``speculative.speculative_method``.
+    start-up naming it, its plugin and ``speculative.speculative_method``. ``propose``
+    must return at most ``max_num_drafts`` integer token ids (a list, tuple or 1-D
+    integer array); anything else is a
+    :class:`enginecore.errors.PluginContractError` naming the plugin and ``propose``
+    (the engine dies of it, as of an exception raised there).
     """
 
 
