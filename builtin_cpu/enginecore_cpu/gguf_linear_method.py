@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats import parts as block_parts
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
@@ -78,7 +79,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         super().__init__(config)
-        self.float_copies = BackgroundJobs("gguf float copies")
+        self.float_copies = BackgroundJobs("gguf float copies", start_on_demand=True)
         self.prepared: PreparedWeights | None = None
         model_path = getattr(getattr(config, "model", None), "path", None)
         path = Path(model_path) if model_path else None
@@ -180,14 +181,16 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             out, k = weight.shape
             weight.data = torch.empty(0)  # never filled: the blocks replace it
             if self._afford(out * k * 4):
-                self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
+                jobs = self.float_copies
+                self.float_copies.submit(
+                    lambda: _publish_float_copy(layer, merged, kernels, jobs.checkpoint)
+                )
             return
-        super().process_weights_after_loading(layer)
-        weight = cast(torch.Tensor, layer.weight)
         if (
             isinstance(layer, VocabParallelEmbedding)
             and kernels is not None
             and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
             # One such head a model: the file's key and its shape name it in the cache.
@@ -198,6 +201,28 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 if self.prepared is not None:
                     self.prepared.save(head_key, blocks)
             setattr(layer, _BLOCKS, blocks)
+            # The logits come from the blocks: the table stays as the lookup reads it
+            # (packing or transposing it would copy a table no product reads).
+            return
+        super().process_weights_after_loading(layer)
+
+    def embedding_table(self, layer: nn.Module, blocks: QuantizedTensor) -> torch.Tensor | None:
+        """A GGUF file's token embedding as float32, kept in the prepared-weight cache:
+        later loads map it, and only the rows looked up are ever read (the de-quantizing
+        and copying of the whole table held up every load)."""
+        weight = cast(torch.Tensor, layer.weight)
+        if self.prepared is None or not blocks.source or weight.dtype != torch.float32:
+            return None
+        out, k = blocks.shape
+        key = f"float32 table of {blocks.source} ({blocks.format}, {out}x{k})"
+        table = self.prepared.load_table(key)
+        if table is None:
+            table = block_parts.dequantized_part(block_parts.unpacked(blocks))
+            self.prepared.save_table(key, table)
+            # Mapped back where it was written: resident only where looked up.
+            mapped = self.prepared.load_table(key)
+            table = table if mapped is None else mapped
+        return table
 
     def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
@@ -217,7 +242,12 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         blocks = getattr(layer, _BLOCKS, None)
         if blocks is None:
             return super().apply(layer, x, bias)
-        return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
+        copies = self.float_copies
+        if not copies.pending:
+            return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
+        copies.begin()  # the first step: the load is over
+        with copies.yielding():
+            return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -228,15 +258,24 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
 
 def _publish_float_copy(
-    layer: nn.Module, merged: list[tuple[int, Part]], kernels: quant_kernels.QuantKernels
+    layer: nn.Module,
+    merged: list[tuple[int, Part]],
+    kernels: quant_kernels.QuantKernels,
+    checkpoint: Callable[[], None],
 ) -> None:
     """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
-    the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
-    the one after the attribute is set."""
+    the weight on every call. Runs on ``float_copies``' thread, a tile at a time, each
+    after ``checkpoint`` (which waits out a running step); steps use the copy from the
+    one after the attribute is set."""
+    k = merged[0][1].shape[1]
     n = sum(part.shape[0] for _, part in merged)
-    dense = torch.empty(n, merged[0][1].shape[1], dtype=torch.float32)
+    dense = torch.empty(n, k, dtype=torch.float32)
+    tile = max(16, _TILE_BYTES // (4 * k))
     for first, part in merged:
-        dense[first : first + part.shape[0]] = _dequantize_with(kernels, part)
+        for start in range(0, part.shape[0], tile):
+            checkpoint()
+            rows = _dequantize_with(kernels, _row_range(part, start, tile))
+            dense[first + start : first + start + rows.shape[0]] = rows
     setattr(layer, _FLOAT, dense)
 
 

@@ -230,10 +230,15 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_tensors(
-    arch: str, name: str, weight: torch.Tensor, hf_config: Any
-) -> Iterator[tuple[str, torch.Tensor]]:
+    arch: str,
+    name: str,
+    weight: torch.Tensor,
+    hf_config: Any,
+    unpermute: Callable[[torch.Tensor, int], Any] = unpermute_rope,
+) -> Iterator[tuple[str, Any]]:
     """The HF tensors one GGUF tensor holds (none for what the model does not use; every
-    expert's slice for a 3-D expert tensor)."""
+    expert's slice for a 3-D expert tensor). ``unpermute(weight, heads)`` undoes the
+    rotary interleave of a Llama q/k weight (a caller may defer it)."""
     if name in TOP_LEVEL_NAMES:
         if arch in ("gemma2", "gemma3") and name == "output_norm.weight":
             weight = weight - 1
@@ -261,5 +266,6 @@ def hf_tensors(
         heads = hf_config.num_attention_heads
         if kind == "attn_k":
             heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        weight = unpermute_rope(weight, heads)
+        yield f"{prefix}.{target}.{suffix}", unpermute(weight, heads)
+        return
     yield f"{prefix}.{target}.{suffix}", weight
