@@ -10,14 +10,6 @@ results come out either way.
 
 A job publishes its result with a single attribute assignment, which a step on another
 thread sees either before or after, never halfway.
-
-Jobs give way to steps: a step runs inside :meth:`BackgroundJobs.yielding`, and a job
-calls :meth:`BackgroundJobs.checkpoint` between its pieces (a few MiB of work each), which
-waits while any step runs. Two thread pools computing at once on the same cores slowed a
-step several times over (the first request after load was the slowest of all), where a
-piece left running costs it at most that piece. With ``start_on_demand`` the thread
-starts at :meth:`begin` (the first step) or :meth:`wait`, not at the first submit, so the
-jobs leave the rest of the load to itself.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +32,7 @@ _running: weakref.WeakSet[BackgroundJobs] = weakref.WeakSet()
 class BackgroundJobs:
     """A queue of jobs run in order on one daemon thread, started with the first job."""
 
-    def __init__(self, name: str, *, start_on_demand: bool = False) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
         self.done = 0  # jobs finished (or failed), for callers that wait by count
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -49,53 +41,19 @@ class BackgroundJobs:
         self._finished = threading.Condition()
         self._submitted = 0
         self._stopping = False
-        self._held = start_on_demand  # jobs wait for begin() (or wait())
-        self._steps = 0  # steps running now, which jobs wait out between pieces
-        self._quiet = threading.Condition()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._submitted += 1
         self._queue.put(job)
-        if not self._held:
-            self._start()
-
-    def begin(self) -> None:
-        """Start running the jobs submitted (and those to come)."""
-        if self._held:
-            self._held = False
-            if self._submitted:
-                self._start()
-
-    def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
             _running.add(self)
 
-    @contextlib.contextmanager
-    def yielding(self) -> Iterator[None]:
-        """Run the block (a step) with the jobs waiting at their next checkpoint."""
-        with self._quiet:
-            self._steps += 1
-        try:
-            yield
-        finally:
-            with self._quiet:
-                self._steps -= 1
-                if not self._steps:
-                    self._quiet.notify_all()
-
-    def checkpoint(self) -> None:
-        """Called by a job between its pieces: returns once no step runs."""
-        with self._quiet:
-            self._quiet.wait_for(lambda: not self._steps or self._stopping)
-
     def stop(self) -> None:
         """Skip the jobs not started and wait for the running one: a thread still inside
         torch when the interpreter exits aborts the process."""
         self._stopping = True
-        with self._quiet:
-            self._quiet.notify_all()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -113,7 +71,6 @@ class BackgroundJobs:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far is done; returns whether they are."""
-        self.begin()
         with self._finished:
             return self._finished.wait_for(lambda: self.pending == 0, timeout)
 

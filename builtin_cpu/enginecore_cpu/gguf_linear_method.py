@@ -79,7 +79,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         super().__init__(config)
-        self.float_copies = BackgroundJobs("gguf float copies", start_on_demand=True)
+        self.float_copies = BackgroundJobs("gguf float copies")
         self.prepared: PreparedWeights | None = None
         model_path = getattr(getattr(config, "model", None), "path", None)
         path = Path(model_path) if model_path else None
@@ -181,10 +181,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             out, k = weight.shape
             weight.data = torch.empty(0)  # never filled: the blocks replace it
             if self._afford(out * k * 4):
-                jobs = self.float_copies
-                self.float_copies.submit(
-                    lambda: _publish_float_copy(layer, merged, kernels, jobs.checkpoint)
-                )
+                self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
         if (
             isinstance(layer, VocabParallelEmbedding)
@@ -242,12 +239,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         blocks = getattr(layer, _BLOCKS, None)
         if blocks is None:
             return super().apply(layer, x, bias)
-        copies = self.float_copies
-        if not copies.pending:
-            return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
-        copies.begin()  # the first step: the load is over
-        with copies.yielding():
-            return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
+        return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -258,24 +250,15 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
 
 def _publish_float_copy(
-    layer: nn.Module,
-    merged: list[tuple[int, Part]],
-    kernels: quant_kernels.QuantKernels,
-    checkpoint: Callable[[], None],
+    layer: nn.Module, merged: list[tuple[int, Part]], kernels: quant_kernels.QuantKernels
 ) -> None:
     """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
-    the weight on every call. Runs on ``float_copies``' thread, a tile at a time, each
-    after ``checkpoint`` (which waits out a running step); steps use the copy from the
-    one after the attribute is set."""
-    k = merged[0][1].shape[1]
+    the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
+    the one after the attribute is set."""
     n = sum(part.shape[0] for _, part in merged)
-    dense = torch.empty(n, k, dtype=torch.float32)
-    tile = max(16, _TILE_BYTES // (4 * k))
+    dense = torch.empty(n, merged[0][1].shape[1], dtype=torch.float32)
     for first, part in merged:
-        for start in range(0, part.shape[0], tile):
-            checkpoint()
-            rows = _dequantize_with(kernels, _row_range(part, start, tile))
-            dense[first + start : first + start + rows.shape[0]] = rows
+        dense[first : first + part.shape[0]] = _dequantize_with(kernels, part)
     setattr(layer, _FLOAT, dense)
 
 

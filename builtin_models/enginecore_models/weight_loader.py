@@ -185,13 +185,21 @@ class _RopeOrderedTensor(QuantizedTensor):
     that finds the layer prepared never reads them, and reordering them read a quarter of
     a layer's bytes at every load."""
 
-    def __init__(self, rows: _RopeRows, fmt: str, shape: tuple[int, int], source: str) -> None:
-        self._rows = rows
+    def __init__(
+        self, rows: _RopeRows, fmt: str, shape: tuple[int, int], source: str, start: int = 0
+    ) -> None:
+        self._rows, self._start = rows, start
         self.format, self.shape, self.source = fmt, shape, source
 
     @functools.cached_property
     def data(self) -> torch.Tensor:  # type: ignore[override]
-        return unpermute_rope(self._rows.raw, self._rows.heads)
+        ordered = unpermute_rope(self._rows.raw, self._rows.heads)
+        return ordered.narrow(0, self._start, self.shape[0])
+
+    def rows(self, start: int, length: int) -> QuantizedTensor:
+        source = f"{self.source}[{start}:{start + length}]" if self.source else ""
+        shape = (length, self.shape[1])
+        return _RopeOrderedTensor(self._rows, self.format, shape, source, self._start + start)
 
 
 # The token embedding: handed over in blocks too, the embedding asks its linear method for

@@ -299,35 +299,3 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     assert "unreadable" in caplog.text
     assert torch.equal(again.weight, want)
     assert entries[0].stat().st_size > 200  # written again
-
-
-def test_background_jobs_start_on_demand_and_wait_out_steps():
-    """Jobs submitted ``start_on_demand`` run only from ``begin`` (or ``wait``) on, and a
-    job's piece after a ``checkpoint`` never runs while a step is inside ``yielding``."""
-    import threading
-    import time
-
-    from enginecore_cpu.background_copies import BackgroundJobs
-
-    jobs = BackgroundJobs("test jobs on demand", start_on_demand=True)
-    first_piece = threading.Event()
-    seen: list[bool] = []
-    in_step = [False]
-
-    def job() -> None:
-        first_piece.set()
-        jobs.checkpoint()
-        seen.append(in_step[0])
-
-    jobs.submit(job)
-    assert jobs.pending == 1
-    assert not any(t.name == jobs.name for t in threading.enumerate())
-    with jobs.yielding():
-        in_step[0] = True
-        jobs.begin()
-        assert first_piece.wait(timeout=60)
-        time.sleep(0.3)  # room for a checkpoint that let the piece through
-        in_step[0] = False
-    assert jobs.wait(timeout=60)
-    assert seen == [False]
-    jobs.stop()
