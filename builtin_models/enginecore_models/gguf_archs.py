@@ -71,8 +71,6 @@ EXPERT_TENSORS = {
 def gguf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, Any]) -> Any:
     """The transformers config of a GGUF file of ``arch``; ``field(key, default)`` reads
     its metadata, ``tensors`` maps tensor names to the reader's tensors."""
-    import transformers
-
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported "
@@ -174,7 +172,14 @@ def gguf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, 
             if attn_factor is not None:
                 rope["attention_factor"] = float(attn_factor)
     kwargs["rope_parameters"] = rope
-    config = getattr(transformers, config_cls)(**kwargs)
+    if arch == "llama":
+        from enginecore_models.gguf_llama_config import gguf_llama_config
+
+        config = gguf_llama_config(**kwargs)
+    else:
+        import transformers
+
+        config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [hf_arch]
     return config
 
