@@ -47,8 +47,9 @@ __getattr__
 _hf_child
 
 # Attributes read by libraries: torch's matmul precision, tokenizers' pre-tokenizer,
-# ZeroMQ's CURVE socket options; pytest's collect_ignore.
+# ZeroMQ's CURVE socket options; pytest's collect_ignore; transformers' config field.
 _.allow_tf32
+_.use_cache
 _.pre_tokenizer
 _.curve_server
 _.curve_serverkey

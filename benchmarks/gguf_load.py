@@ -5,10 +5,13 @@ Each run is a fresh process (``LLM(..., multiprocessing=False)``, so one process
 the engine and its memory is the engine's). ``first``: this file's prepared weights
 removed from the cache beforehand; ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready (the float32
-prefill copies are then still being made in the background); a second such request
-follows. With ``--baseline-src DIR`` (a source tree of another commit, for example
+prefill copies are then still being made in the background); a second and a third follow,
+each with other tokens (the same prompt again would be served from the prefix cache).
+Resident memory is taken when the engine is ready and after the three requests. With
+``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
-both see the same machine load.
+both see the same machine load; the other tree keeps its kernels and prepared weights
+in a cache of its own (``DIR/.enginecore-cache``).
 
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR]
 """
@@ -30,18 +33,20 @@ from enginecore import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
 ready = time.perf_counter()
+rss_ready = psutil.Process().memory_info().rss
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-prompt = {"prompt_token_ids": list(range(300, 428))}
-t = time.perf_counter()
-first = llm.generate([prompt], params, use_tqdm=False)
-ttft = time.perf_counter() - t
-t = time.perf_counter()
-llm.generate([prompt], params, use_tqdm=False)
-second = time.perf_counter() - t
+def timed(start):
+    prompt = {"prompt_token_ids": list(range(start, start + 128))}
+    t = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    return time.perf_counter() - t, out[0].outputs[0].token_ids
+ttft, token = timed(300)
+second, _ = timed(1300)
+third, _ = timed(2300)
 rss = psutil.Process().memory_info().rss
 print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
-    "first_request_s": ttft, "second_request_s": second, "rss_gib": rss / 2**30,
-    "token": first[0].outputs[0].token_ids}))
+    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
+    "rss_ready_gib": rss_ready / 2**30, "rss_gib": rss / 2**30, "token": token}))
 llm.shutdown()
 """
 
@@ -62,10 +67,17 @@ def forget_prepared(model: str) -> None:
     shutil.rmtree(PreparedWeights(model).directory, ignore_errors=True)
 
 
+def baseline_cache(tree: pathlib.Path) -> pathlib.Path:
+    """The baseline's own cache (kernels, prepared weights): two trees sharing one would
+    replace each other's prepared weights of the same file at every run."""
+    return tree / ".enginecore-cache"
+
+
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
     env = dict(os.environ, ENGINECORE_STARTUP_LOG="0")
     if tree is not None:
         env["PYTHONPATH"] = source_path(tree)
+        env["ENGINECORE_CACHE_DIR"] = str(baseline_cache(tree))
     out = subprocess.run(
         [sys.executable, "-c", RUN, model], env=env, capture_output=True, text=True, check=False
     )
@@ -89,6 +101,10 @@ def main() -> None:
         for name, tree in trees:
             if label == "first" and tree is None:
                 forget_prepared(model)
+            elif label == "first" and tree is not None:
+                import shutil
+
+                shutil.rmtree(baseline_cache(tree) / "prepared_weights", ignore_errors=True)
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 
