@@ -10,8 +10,9 @@ each with other tokens (the same prompt again would be served from the prefix ca
 Resident memory is taken when the engine is ready and after the three requests. With
 ``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
-both see the same machine load; the other tree keeps its kernels and prepared weights
-in a cache of its own (``DIR/.enginecore-cache``).
+both see the same machine load. Each tree keeps its kernels and prepared weights in a
+cache of its own (``TREE/.enginecore-cache``), so that neither run finds what another
+checkout, or the other tree, prepared.
 
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR]
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -57,27 +59,20 @@ def source_path(tree: pathlib.Path) -> str:
     return os.pathsep.join(str(p) for p in roots)
 
 
-def forget_prepared(model: str) -> None:
-    try:
-        from enginecore_cpu.prepared_weights import PreparedWeights
-    except ImportError:
-        return
-    import shutil
-
-    shutil.rmtree(PreparedWeights(model).directory, ignore_errors=True)
+THIS_TREE = pathlib.Path(__file__).resolve().parents[1]
 
 
-def baseline_cache(tree: pathlib.Path) -> pathlib.Path:
-    """The baseline's own cache (kernels, prepared weights): two trees sharing one would
+def tree_cache(tree: pathlib.Path) -> pathlib.Path:
+    """A tree's own cache (kernels, prepared weights): two trees sharing one would
     replace each other's prepared weights of the same file at every run."""
     return tree / ".enginecore-cache"
 
 
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
     env = dict(os.environ, ENGINECORE_STARTUP_LOG="0")
+    env["ENGINECORE_CACHE_DIR"] = str(tree_cache(tree or THIS_TREE))
     if tree is not None:
         env["PYTHONPATH"] = source_path(tree)
-        env["ENGINECORE_CACHE_DIR"] = str(baseline_cache(tree))
     out = subprocess.run(
         [sys.executable, "-c", RUN, model], env=env, capture_output=True, text=True, check=False
     )
@@ -99,12 +94,10 @@ def main() -> None:
     print(f"load average {os.getloadavg()}")
     for label in ["first"] + ["warm"] * args.rounds:
         for name, tree in trees:
-            if label == "first" and tree is None:
-                forget_prepared(model)
-            elif label == "first" and tree is not None:
-                import shutil
-
-                shutil.rmtree(baseline_cache(tree) / "prepared_weights", ignore_errors=True)
+            if label == "first":
+                shutil.rmtree(
+                    tree_cache(tree or THIS_TREE) / "prepared_weights", ignore_errors=True
+                )
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 
