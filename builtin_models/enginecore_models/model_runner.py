@@ -464,6 +464,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             factory = import_ref(self.worker_spec.kv_connector_ref)()
             connector = factory.worker_side(self.config, self.parallel.rank)
             self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
+        if self.lora is not None:
+            self.lora.finish_preload()  # --lora-modules, read meanwhile; a bad one fails here
 
     # --- request state --------------------------------------------------------------
 
@@ -577,6 +579,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         so = scheduler_output
         self._update_states(so)
         if self.lora is not None:
+            if so.lora_removals:
+                self.lora.remove(so.lora_removals)  # unloaded: slots and host copies freed
             self.lora.start_loads(so.lora_loads)  # reads run off the step
         bridge = self.kv_connector
         if bridge is not None:
