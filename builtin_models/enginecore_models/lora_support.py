@@ -11,11 +11,29 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from enginecore.interfaces import AttentionBackend
 from enginecore.lora.manager import LoRAManager
 from enginecore.lora.modules import host_capacity, lora_module_requests, preloaded_requests
 from enginecore.lora.torch_kernels import TorchLoRAKernels
 
 logger = logging.getLogger(__name__)
+_fused_decode_noted = False
+
+
+def note_fused_decode_off(backend: Any) -> None:
+    """Say once per process why a backend's whole-step decode kernel is not used with
+    LoRA: it runs every projection inside one foreign call, with no point between them
+    where the adapters' delta could be added, so decode steps run layer by layer."""
+    global _fused_decode_noted
+    if _fused_decode_noted or type(backend).fused_decode is AttentionBackend.fused_decode:
+        return
+    _fused_decode_noted = True
+    logger.info(
+        "LoRA: the %s attention backend's fused decode step is off (it runs every "
+        "projection in one foreign call, with no point to add the adapters' delta); "
+        "decode steps run layer by layer",
+        type(backend).__name__,
+    )
 
 
 def make_lora_manager(runner: Any) -> LoRAManager:

@@ -61,7 +61,7 @@ from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_gr
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
-from enginecore_models.lora_support import make_lora_manager
+from enginecore_models.lora_support import make_lora_manager, note_fused_decode_off
 from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore_models.runner_sampling import SamplingPhase, StepState
@@ -458,6 +458,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.decode_graphs.capture()
         elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
+        else:
+            note_fused_decode_off(self._backend())
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:

@@ -104,9 +104,7 @@ def test_lora_modules_are_read_at_start_up(tiny_llama, adapters):
             assert generate(llm, lora) == peft_tokens(base, adapters[name])
         assert llm.collective_rpc("lora_state")[0]["reads_started"] == 2  # no read
         # The third module is read when first asked for, under its id.
-        assert generate(llm, LoRARequest("c", 3, adapters["c"])) == peft_tokens(
-            base, adapters["c"]
-        )
+        assert generate(llm, LoRARequest("c", 3, adapters["c"])) == peft_tokens(base, adapters["c"])
         assert llm.collective_rpc("lora_state")[0]["reads_started"] == 3
         # An id of a module with another path would be served the module's weights.
         with pytest.raises(ValueError, match="lora_int_id 1 is the --lora-modules adapter 'a'"):

@@ -102,13 +102,17 @@ class LoRAManager:
         for lora_request in self._checking:
             try:
                 check_adapter(lora_request.lora_path, self.config.max_lora_rank)
-            except LoRAAdapterError as exc:
-                raise EngineCoreError(f"--lora-modules: {load_error(lora_request, exc)}") from None
+            except LoRAAdapterError as refused:
+                raise EngineCoreError(
+                    f"--lora-modules: {load_error(lora_request, refused)}"
+                ) from None
         for lora_request in preloading:
             _, future = self.loader.wait(lora_request.lora_int_id)
-            exc = future.exception()
-            if exc is not None:
-                raise EngineCoreError(f"--lora-modules: {load_error(lora_request, exc)}") from None
+            failed = future.exception()
+            if failed is not None:
+                raise EngineCoreError(
+                    f"--lora-modules: {load_error(lora_request, failed)}"
+                ) from None
             self.host[lora_request.lora_int_id] = future.result()
         in_slots = preloading[: self.config.max_loras]
         for lora_request in in_slots:
