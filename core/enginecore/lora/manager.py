@@ -99,7 +99,8 @@ class LoRAManager:
         device slots (the rest stay read in host memory). An adapter that cannot be read
         or served fails start-up, naming the adapter, its path and the setting."""
         preloading, self._preloading = self._preloading, []
-        for lora_request in self._checking:
+        checking, self._checking = self._checking, []
+        for lora_request in checking:
             try:
                 check_adapter(lora_request.lora_path, self.config.max_lora_rank)
             except LoRAAdapterError as refused:
