@@ -88,24 +88,30 @@ def generate(llm: LLM, lora: LoRARequest | None) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
-def test_lora_modules_are_read_at_start_up(tiny_llama, adapters):
-    """Three modules, one device slot, two kept in host memory: the first two are read at
-    start (one in the slot), the third on first use; requests naming the first two
-    start no read and get PEFT's tokens."""
+@pytest.mark.parametrize("executor,tp", [("uni", 1), pytest.param("mp", 2, marks=pytest.mark.slow)])
+def test_lora_modules_are_read_at_start_up(tiny_llama, adapters, executor, tp):
+    """Three modules, one device slot, two kept in host memory: every rank reads the
+    first two at start (one in the slot), the third on first use; requests naming the
+    first two start no read and get PEFT's tokens."""
     modules = [f"{name}={adapters[name]}" for name in ("a", "b", "c")]
-    with LLM(**settings(tiny_llama, modules, max_loras=1, max_cpu_loras=2)) as llm:
-        (state,) = llm.collective_rpc("lora_state")
-        assert state["reads_started"] == 2
-        assert sorted(state["host"]) == [1, 2] and state["host_bytes"] > 0
-        assert state["slots"] == {"1": 0} and state["free_slots"] == 0
+    overrides = {"executor": executor, "tensor_parallel_size": tp}
+    with LLM(**settings(tiny_llama, modules, max_loras=1, max_cpu_loras=2, **overrides)) as llm:
+        states = llm.collective_rpc("lora_state")
+        assert len(states) == tp
+        for state in states:
+            assert state["reads_started"] == 2
+            assert sorted(state["host"]) == [1, 2] and state["host_bytes"] > 0
+            assert state["slots"] == {"1": 0} and state["free_slots"] == 0
         base = str(tiny_llama)
         for lora_id, name in ((2, "b"), (1, "a")):
             lora = LoRARequest(name, lora_id, adapters[name])
             assert generate(llm, lora) == peft_tokens(base, adapters[name])
-        assert llm.collective_rpc("lora_state")[0]["reads_started"] == 2  # no read
+        for state in llm.collective_rpc("lora_state"):
+            assert state["reads_started"] == 2  # no read
         # The third module is read when first asked for, under its id.
         assert generate(llm, LoRARequest("c", 3, adapters["c"])) == peft_tokens(base, adapters["c"])
-        assert llm.collective_rpc("lora_state")[0]["reads_started"] == 3
+        for state in llm.collective_rpc("lora_state"):
+            assert state["reads_started"] == 3
         # An id of a module with another path would be served the module's weights.
         with pytest.raises(ValueError, match="lora_int_id 1 is the --lora-modules adapter 'a'"):
             generate(llm, LoRARequest("other", 1, adapters["b"]))
