@@ -33,6 +33,11 @@ is right and how fast it is.
    agreement with transformers + PEFT per adapter, with CUDA graphs on: the decode steps
    replay graphs captured with the dense LoRA kernels (``enginecore.lora.graph_inputs``),
    and the stage fails when none replayed.
+8. Piecewise graphs (also in ``--quick``): ``tiny``, float32, ``piecewise_cuda_graphs``
+   on and a 64-token budget, through both backends: prompts in chunks beside decoding
+   rows replay the pieces captured between the attention ops
+   (``builtin_models/enginecore_models/piecewise_graphs.py``), attention eager; greedy
+   agreement with transformers, and the stage fails when no step replayed the pieces.
 
 ``--cpu-smoke`` runs every stage on the CPU with small shapes (the ``torch`` attention
 backend, the kernels under ``TRITON_INTERPRET=1``, a scaled-down copy of the 1B shape), so
@@ -594,6 +599,44 @@ def lora(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
             torch.cuda.empty_cache()
 
 
+def _piecewise_counts(worker: Any) -> dict[str, int]:
+    """Multi-token steps that replayed piecewise graphs, and those run eager by reason."""
+    pieces = worker.model_runner.piecewise_graphs
+    return dict(pieces.counts) if pieces is not None else {}
+
+
+def piecewise(setup: Setup, root: pathlib.Path, report: dict[str, Any]) -> None:
+    """``tiny``, float32, ``piecewise_cuda_graphs`` on, a 64-token budget: prompts in
+    chunks beside decoding rows replay the pieces between their attention ops. Greedy
+    tokens against transformers; fails when no step replayed the pieces."""
+    from enginecore import LLM, SamplingParams
+    from enginecore_models.piecewise_graphs import PIECEWISE
+
+    path = make_checkpoint(root, "tiny")
+    prompts = mixed_prompts(setup.prompts)
+    n = setup.new_tokens
+    want = hf_greedy(setup, path, prompts, torch.float32, n)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    report["piecewise"] = []
+    for backend in setup.backends:
+        with LLM(
+            str(path), dtype="float32", attention_backend=backend, piecewise_cuda_graphs=True,
+            max_num_batched_tokens=64, multiprocessing=False, **setup.engine_args(),
+        ) as llm:  # fmt: skip
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            counts = llm.collective_rpc(_piecewise_counts)[0]
+        setup.free()
+        if not setup.smoke and not counts.get(PIECEWISE):
+            raise RuntimeError(f"piecewise ({backend}): no step replayed the pieces: {counts}")
+        diffs = [
+            first_difference(o.outputs[0].token_ids, w) for o, w in zip(got, want, strict=True)
+        ]
+        report["piecewise"].append(
+            {"backend": backend, "equal": sum(d is None for d in diffs), "of": len(diffs),
+             "first_difference": diffs, "steps": counts}
+        )  # fmt: skip
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"GPU: {report['gpu']}; torch {report['torch']}", ""]
     lines += ["| size | dtype | backend | greedy = transformers |", "|---|---|---|---|"]
@@ -667,6 +710,12 @@ def markdown(report: dict[str, Any]) -> str:
             f"PEFT on {r['equal']}/{r['of']} prompts, first differences {r['first_difference']}; "
             f"steps {r['graph_steps']}"
         )
+    for r in report.get("piecewise", []):
+        lines.append(
+            f"Piecewise graphs (tiny, fp32, chunked prefill, {r['backend']}): greedy = "
+            f"transformers on {r['equal']}/{r['of']} prompts, first differences "
+            f"{r['first_difference']}; steps {r['steps']}"
+        )
     return "\n".join(lines)
 
 
@@ -705,6 +754,7 @@ def main() -> int:
             ("int8_model", lambda: int8_model(setup, root, report)),
             ("moe", lambda: moe_graphs(setup, root, report)),
             ("lora", lambda: lora(setup, root, report)),
+            ("piecewise", lambda: piecewise(setup, root, report)),
         ]
         if not args.quick:
             stages += [

@@ -25,10 +25,10 @@ reports):
 
 - a decode-only step of at most ``max_num_seqs`` rows: the graph of the next bucket;
 - a step with a row of several query tokens (a prefill, a chunk of one, or a speculative
-  verification): eager. Its token count and attention shapes vary step to step; a graph
-  would have to be piecewise (attention eager between captured pieces, per token-count
-  bucket), and such a step's GEMMs over hundreds of tokens are compute-bound, so launch
-  overhead is a small share of it. Not done;
+  verification): its attention shapes vary step to step, so with
+  ``model.piecewise_cuda_graphs`` it replays the pieces between its attention ops, padded
+  to a token count (``piecewise_graphs.py``), attention eager; otherwise, and past the
+  largest padded count, eager;
 - whole runners run eager with several KV cache groups (a graph replays one block
   table), TP/PP > 1 (collectives are not captured), a KV connector (its per-layer hooks
   run on the host) or a module that says it cannot be captured (``graphs_apply``).
@@ -47,6 +47,7 @@ import torch
 from enginecore.layers.attention import AttentionBatch, AttentionContext
 from enginecore.layers.rotary import RotaryEmbedding
 from enginecore.lora.graph_inputs import LoRAGraphInputs
+from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,20 @@ def graphs_apply(runner: Any) -> bool:
         # Graphs replay one block table; KV cache groups have one per group.
         and len(runner.kv_cache_group_windows) == 1
     )
+
+
+def piecewise_graphs_apply(runner: Any) -> bool:
+    """Whether multi-token steps are captured in pieces too (``piecewise_graphs.py``):
+    asked for (``model.piecewise_cuda_graphs``), and without LoRA, whose per-step
+    adapter mapping the pieces do not take as an input (said once)."""
+    if not runner.config.model.piecewise_cuda_graphs or not graphs_apply(runner):
+        return False
+    if getattr(runner, "lora", None) is not None:
+        if not getattr(runner, "_piecewise_lora_logged", False):
+            logger.warning("piecewise CUDA graphs are off with LoRA: multi-token steps run eager")
+            runner._piecewise_lora_logged = True
+        return False
+    return True
 
 
 class DecodeGraphs:
@@ -201,8 +216,12 @@ def measure_graph_memory(runner: Any) -> int:
     caches = runner.attn_backend.allocate_kv_cache(1)
     graphs = DecodeGraphs(runner, caches)
     graphs.capture()
+    pieces = None
+    if piecewise_graphs_apply(runner):
+        pieces = PiecewiseGraphs(runner, caches, CudaGraphSeam(runner.device))
+        pieces.capture()
     used = torch.cuda.memory_reserved(runner.device) - before
-    del graphs, caches
+    del graphs, pieces, caches
     torch.cuda.empty_cache()
     logger.info(
         "CUDA graphs for %d batch sizes take %.1f MiB",

@@ -57,12 +57,18 @@ from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
     unsupported_feature,
 )
-from enginecore_models.cuda_graphs import DecodeGraphs, graphs_apply, measure_graph_memory
+from enginecore_models.cuda_graphs import (
+    DecodeGraphs,
+    graphs_apply,
+    measure_graph_memory,
+    piecewise_graphs_apply,
+)
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
 from enginecore_models.lora_support import make_lora_manager, note_fused_decode_off
 from enginecore_models.persistent_batch import PersistentBatch
+from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
 from enginecore_models.runner_sampling import SamplingPhase, StepState
 from enginecore_models.sampler import (
@@ -142,6 +148,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.kv_caches: list[torch.Tensor] | None = None
         self.attn_backend: AttentionBackend | None = None
         self.decode_graphs: DecodeGraphs | None = None  # CUDA only (cuda_graphs.py)
+        # Multi-token steps replayed in pieces (piecewise_graphs.py; model.piecewise_cuda_graphs).
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.fused_decode: Any = None  # the backend's whole decode step, where it has one
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
@@ -161,7 +169,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # step's one device-to-host copy.
         self.batch: PersistentBatch | None = None
         self.events = DeviceEvents(self.device)
-        self.host_copy = HostCopy(self.events, self.device)
+        spec = config.speculative
+        rows = config.scheduler.max_num_seqs * (
+            1 + (spec.num_speculative_tokens if spec.enabled else 0)
+        )
+        self.host_copy = HostCopy(self.events, self.device, min_rows=rows)
         self._staging: dict[str, StagingBuffer] = {}
         self.kv_connector: KVConnectorBridge | None = None
         self.drafter: Drafter | None = None
@@ -456,6 +468,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if graphs_apply(self):
             self.decode_graphs = DecodeGraphs(self, self.kv_caches)
             self.decode_graphs.capture()
+            if piecewise_graphs_apply(self):
+                seam = CudaGraphSeam(self.device)
+                self.piecewise_graphs = PiecewiseGraphs(self, self.kv_caches, seam)
+                self.piecewise_graphs.capture()
         elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
         else:
@@ -477,12 +493,17 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         return self.batch
 
     def _stage(self, name: str, values: np.ndarray) -> torch.Tensor:
-        """``values`` on the device through this input's staging buffer (staging.py)."""
+        """``values`` on the device through this input's staging buffer (staging.py):
+        pinned host memory and a non-blocking copy, never a copy that waits for the
+        device."""
         buf = self._staging.get(name)
-        if buf is None or buf.device_buf.shape[0] < len(values):
-            size = max(len(values), self._max_num_batched_tokens(), 1)
+        dtype = torch.from_numpy(values[:0]).dtype
+        if buf is None or buf.device_buf.shape[0] < len(values) or buf.device_buf.dtype != dtype:
+            # Doubling: arrays that grow step by step (penalised outputs) reallocate rarely.
+            grown = 2 * buf.device_buf.shape[0] if buf is not None else 0
+            size = max(len(values), grown, self._max_num_batched_tokens(), 1)
             # On a CPU the step's arrays are the model's inputs as they are.
-            buf = StagingBuffer((size,), torch.int64, self.device, self.events, stage_on_host=False)
+            buf = StagingBuffer((size,), dtype, self.device, self.events, stage_on_host=False)
             self._staging[name] = buf
         return buf.fill(values)
 
@@ -785,6 +806,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
             fused: torch.Tensor = self.fused_decode.run(ids_t, pos_t, batch)
             hidden = fused
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.handles(batch):
+            meta = self._backend().build_metadata(batch)
+            hidden = self.piecewise_graphs.run(ids_t, pos_t, meta)
         else:
             meta = self._backend().build_metadata(batch)
             ctx = AttentionContext(self.attn_backend, meta, bridge, batch)
@@ -828,14 +852,21 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     def _gather_prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[RequestState, int, int, int]]
     ) -> None:
-        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``)."""
-        for state, row, count, pos in rows:
+        """Score each chunk's next prompt tokens (see ``prompt_logprobs.py``); the
+        targets go to the device in one staged copy, and nothing is read back."""
+        targets = np.concatenate(
+            [
+                np.asarray(state.prompt_token_ids[pos + 1 : pos + 1 + count], dtype=np.int64)
+                for state, _, count, pos in rows
+            ]
+        )
+        targets_t = self._stage("prompt_logprob_targets", targets)
+        offset = 0
+        for state, row, count, _ in rows:
             logits = self.model.compute_logits(hidden[row : row + count])
-            targets = torch.tensor(
-                state.prompt_token_ids[pos + 1 : pos + 1 + count], device=self.device
-            )
             assert state.prompt_logprobs is not None  # rows are of requests that asked
-            state.prompt_logprobs.add(logits, targets)
+            state.prompt_logprobs.add(logits, targets_t[offset : offset + count])
+            offset += count
 
     def _drafts_to_verify(self, so: SchedulerOutput) -> tuple[dict[str, int], dict[str, list[int]]]:
         """Each request's drafts this step and its query length (1 + drafts).
@@ -892,6 +923,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
         self.decode_graphs = None
+        self.piecewise_graphs = None
         self.fused_decode = None
         if self.attn_backend is not None:
             self.attn_backend.release_kv_cache()

@@ -207,29 +207,30 @@ class PersistentBatch:
         self,
         rows: np.ndarray,
         rows_t: torch.Tensor,
-        to_device: Callable[[np.ndarray], torch.Tensor],
+        to_device: Callable[[str, np.ndarray], torch.Tensor],
     ) -> SamplingMetadata:
         """The parameters of ``rows`` (this step's sampling rows, in logits order).
 
-        ``to_device`` stages a host array onto the device (the runner's staging)."""
+        ``to_device(name, array)`` stages a host array onto the device through the
+        runner's staging buffer of that name (pinned, never a blocking copy)."""
         vocab = self.vocab_size
         greedy = self.greedy[rows]
         all_greedy = bool(greedy.all())
         cols = self.cols
 
         def col(name: str) -> torch.Tensor:
-            return to_device(cols[name][rows]).unsqueeze(1)
+            return to_device(name, cols[name][rows]).unsqueeze(1)
 
         temperature = greedy_rows = top_k = top_p = min_p = None
         top_k_max = 0
         if not all_greedy:
             temperature = col("temperature")
             if greedy.any():
-                greedy_rows = to_device(greedy)
+                greedy_rows = to_device("greedy", greedy)
             random = ~greedy
             ks = cols["top_k"][rows]
             if (ks[random] < vocab).any():
-                top_k = to_device(ks)
+                top_k = to_device("top_k", ks)
                 top_k_max = int(ks.max())
             if (cols["top_p"][rows][random] < 1.0).any():
                 top_p = col("top_p")
@@ -267,13 +268,19 @@ class PersistentBatch:
         )
         special = self.special[rows]
         if special.any():
-            self._special_rows(meta, rows, np.flatnonzero(special).tolist())
+            self._special_rows(meta, rows, np.flatnonzero(special).tolist(), to_device)
         return meta
 
-    def _special_rows(self, meta: SamplingMetadata, rows: np.ndarray, which: list[int]) -> None:
+    def _special_rows(
+        self,
+        meta: SamplingMetadata,
+        rows: np.ndarray,
+        which: list[int],
+        to_device: Callable[[str, np.ndarray], torch.Tensor],
+    ) -> None:
         """logit_bias, min_tokens bans, seeded generators and logprobs: per request, only
         for the rows that have one."""
-        vocab, dev = self.vocab_size, self.device
+        vocab = self.vocab_size
         bias: tuple[list[int], list[int], list[float]] = ([], [], [])
         ban: tuple[list[int], list[int]] = ([], [])
         num_logprobs: list[int | None] = [None] * len(rows)
@@ -298,15 +305,15 @@ class PersistentBatch:
                 meta.generators[i] = gen
             num_logprobs[i] = p.logprobs
         if bias[0]:
-            meta.bias_rows = torch.tensor(bias[0], dtype=torch.int64, device=dev)
-            meta.bias_cols = torch.tensor(bias[1], dtype=torch.int64, device=dev)
-            meta.bias_values = torch.tensor(bias[2], dtype=torch.float32, device=dev)
+            meta.bias_rows = to_device("bias_rows", np.asarray(bias[0], dtype=np.int64))
+            meta.bias_cols = to_device("bias_cols", np.asarray(bias[1], dtype=np.int64))
+            meta.bias_values = to_device("bias_values", np.asarray(bias[2], dtype=np.float32))
         if ban[0]:
-            meta.ban_rows = torch.tensor(ban[0], dtype=torch.int64, device=dev)
-            meta.ban_cols = torch.tensor(ban[1], dtype=torch.int64, device=dev)
+            meta.ban_rows = to_device("ban_rows", np.asarray(ban[0], dtype=np.int64))
+            meta.ban_cols = to_device("ban_cols", np.asarray(ban[1], dtype=np.int64))
         if any(k is not None for k in num_logprobs):
             if any(self.params[int(rows[i])].logprob_token_ids for i in which):
                 params = [self.params[int(row)] for row in rows]
-                meta.listed_ids, meta.num_listed = listed_logprob_ids(params, vocab, dev)
+                meta.listed_ids, meta.num_listed = listed_logprob_ids(params, vocab, to_device)
             meta.max_num_logprobs = top_k_logprobs(num_logprobs, meta.num_listed)
             meta.num_logprobs = num_logprobs

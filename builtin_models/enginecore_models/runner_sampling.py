@@ -8,7 +8,7 @@ state. A mixin of :class:`TorchModelRunner`, kept apart so each file reads on it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from enginecore.distributed import ParallelContext
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
+from enginecore_models.prompt_logprobs import device_rows, split_rows
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore_models.sampler import (
     Sampler,
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
     from enginecore_models.drafter import Drafter
     from enginecore_models.model_runner import RequestState
     from enginecore_models.persistent_batch import PersistentBatch
+
+
+# The step's copy, by name (each keeps its own host buffer across steps).
+_COPY_NAMES = ("sampled", "logprob_ids", "logprobs", "logprob_ranks")
+_PROMPT_COPY_NAMES = ("prompt_logprob_ids", "prompt_logprobs", "prompt_logprob_ranks")
 
 
 @dataclass
@@ -61,16 +67,33 @@ class SamplingPhase:
     _step: StepState | None
     batch: PersistentBatch | None
     host_copy: HostCopy
+    _stage: Callable[[str, np.ndarray], torch.Tensor]  # the runner's staged host->device copy
 
-    def _take_prompt_logprobs(self, req_ids: list[str]) -> dict[str, LogprobsLists] | None:
-        """Finished prompt logprobs of requests whose first token is sampled this step."""
+    def _read_back(
+        self, wanted: list[torch.Tensor], sample_req_ids: list[str]
+    ) -> tuple[list[np.ndarray], dict[str, LogprobsLists] | None]:
+        """The step's one device-to-host copy: ``wanted`` (the sampled ids, then the
+        logprobs' ids, values and ranks where asked; as arrays, in order) and the prompt
+        logprobs of requests whose first token is sampled this step."""
+        done = []
+        for req_id in sample_req_ids:
+            acc = self.requests[req_id].prompt_logprobs
+            if acc is not None and acc.complete:
+                done.append((req_id, acc))
+        accumulators = [acc for _, acc in done]
+        named = dict(zip(_COPY_NAMES, wanted, strict=False))
+        packed = device_rows(accumulators) if done else []
+        named.update(zip(_PROMPT_COPY_NAMES, packed, strict=False))
+        host = self.host_copy.start(named).wait()
+        arrays = [host[name] for name in _COPY_NAMES[: len(wanted)]]
+        if not done:
+            return arrays, None
+        prompt_arrays = [host[name] for name in _PROMPT_COPY_NAMES[: len(packed)]]
         taken = {}
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            if state.prompt_logprobs is not None and state.prompt_logprobs.complete:
-                taken[req_id] = state.prompt_logprobs.result()
-                state.prompt_logprobs = None
-        return taken or None
+        for (req_id, _), result in zip(done, split_rows(accumulators, prompt_arrays), strict=True):
+            taken[req_id] = result
+            self.requests[req_id].prompt_logprobs = None
+        return arrays, taken
 
     def _batch_rows(self, step: StepState) -> tuple[PersistentBatch, np.ndarray]:
         """The persistent batch and the rows of ``step``'s sample requests (a step with
@@ -78,8 +101,9 @@ class SamplingPhase:
         assert self.batch is not None and step.batch_rows is not None
         return self.batch, step.batch_rows
 
-    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> list[int]:
-        """Every rank learns the output rank's sampled tokens (broadcast over the world).
+    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Every rank learns the output rank's sampled tokens (broadcast over the world),
+        left on the device for the step's one copy.
 
         Ranks that sampled the same logits would agree anyway; the broadcast makes it a
         guarantee, and gives earlier pipeline stages the tokens they embed next step.
@@ -90,7 +114,7 @@ class SamplingPhase:
         if tokens is not None:
             buf.copy_(tokens)
         dist.broadcast(buf, src=self.parallel.output_rank)
-        return buf.tolist()
+        return buf
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -98,7 +122,8 @@ class SamplingPhase:
 
         Output rows follow ``req_ids`` (every scheduled request); a partial prefill chunk
         gets ``[]``. ``logprobs`` (when any request asked) has a row per request too,
-        empty with rank -1 for requests that did not ask or sampled nothing.
+        empty with rank -1 for requests that did not ask or sampled nothing. Results are
+        read back from the device once, in one copy (``_read_back``).
         """
         step, self._step = self._step, None
         if step is None or not step.req_ids:
@@ -117,51 +142,35 @@ class SamplingPhase:
         if self.drafter is not None:
             return self._sample_speculative(step, grammar_output, index)
         batch, rows = self._batch_rows(step)
+        meta = None
+        logprob_tensors: list[torch.Tensor] = []
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
-            tokens = self._share_sampled(None, len(step.sample_req_ids))
-            batch.append_sampled(rows, np.asarray(tokens, dtype=np.int64))
-            for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
-                state = self.requests[req_id]
-                state.output_token_ids.append(token)
-                state.token_ids.append(token)
-                sampled[index[req_id]] = [token]
-            return ModelRunnerOutput(
-                req_ids=step.req_ids,
-                req_id_to_index=index,
-                sampled_token_ids=sampled,
-                kv_connector_output=step.kv_connector_output,
-            )
-        logits = step.logits
-        if grammar_output is not None and grammar_output.structured_output_request_ids:
-            self._apply_grammar(logits, step.sample_req_ids, grammar_output)
-        rows_t = torch.from_numpy(rows).to(self.device)
-
-        def to_device(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
-
-        meta = batch.sampling_metadata(rows, rows_t, to_device)
-        out = self.sampler.sample(logits, meta)
-        batch.count_sampled(rows_t, rows, out.token_ids)
-        lp = None
-        if self.parallel.world_size > 1:
-            tokens = self._share_sampled(out.token_ids, len(rows))
-            if out.logprobs is not None:
-                assert out.logprob_ids is not None and out.ranks is not None  # set together
-                lp = logprobs_lists(
-                    out.logprob_ids.tolist(), out.logprobs.tolist(), out.ranks.tolist(), meta
-                )
-            token_array = np.asarray(tokens, dtype=np.int64)
+            token_t = self._share_sampled(None, len(rows))
         else:
-            # The step's one device-to-host sync: ids (and logprobs) copied together.
-            wanted = [out.token_ids]
+            logits = step.logits
+            if grammar_output is not None and grammar_output.structured_output_request_ids:
+                self._apply_grammar(logits, step.sample_req_ids, grammar_output)
+            rows_t = self._stage("sample_batch_rows", rows)
+
+            def to_device(name: str, values: np.ndarray) -> torch.Tensor:
+                return self._stage(f"sampling_{name}", values)
+
+            meta = batch.sampling_metadata(rows, rows_t, to_device)
+            out = self.sampler.sample(logits, meta)
+            batch.count_sampled(rows_t, rows, out.token_ids)
+            token_t = out.token_ids
+            if self.parallel.world_size > 1:
+                token_t = self._share_sampled(out.token_ids, len(rows))
             if out.logprobs is not None:
                 assert out.logprob_ids is not None and out.ranks is not None  # set together
-                wanted += [out.logprob_ids, out.logprobs, out.ranks]
-            host = self.host_copy.start(wanted).wait()
-            token_array = host[0]
-            tokens = token_array.tolist()
-            if out.logprobs is not None:
-                lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
+                logprob_tensors = [out.logprob_ids, out.logprobs, out.ranks]
+        host, prompt_logprobs = self._read_back([token_t, *logprob_tensors], step.sample_req_ids)
+        token_array = host[0]
+        tokens = token_array.tolist()
+        lp = None
+        if logprob_tensors:
+            assert meta is not None  # logprobs come from this rank's sampler
+            lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
         batch.append_sampled(rows, token_array)
         requests = self.requests
         for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
@@ -178,14 +187,15 @@ class SamplingPhase:
             req_id_to_index=index,
             sampled_token_ids=sampled,
             logprobs=self._full_logprobs(lp, step, index),
-            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            prompt_logprobs=prompt_logprobs,
             kv_connector_output=step.kv_connector_output,
         )
 
     def _sample_speculative(
         self, step: StepState, grammar_output: GrammarOutput | None, index: dict[str, int]
     ) -> ModelRunnerOutput:
-        """Verify this step's drafts (rejection_sampler.py), then propose the next ones."""
+        """Verify this step's drafts (rejection_sampler.py), then propose the next ones.
+        Targets, logprobs and prompt logprobs come back in the step's one copy."""
         assert self.drafter is not None and step.drafts is not None
         assert self.batch is not None  # made by the first execute_model
         batch = self.batch
@@ -194,8 +204,9 @@ class SamplingPhase:
         num_rows = len(states) + sum(len(d) for d in drafts)
         logprobs = None
         if step.logits is None:  # an earlier pipeline stage: learn the targets
-            targets = self._share_sampled(None, num_rows)
-            accepted = accept(targets, drafts)
+            shared = self._share_sampled(None, num_rows)
+            host, prompt_logprobs = self._read_back([shared], step.sample_req_ids)
+            accepted = accept(host[0].tolist(), drafts)
         else:
             logits = step.logits
             owner, outputs = expand_rows(
@@ -219,16 +230,24 @@ class SamplingPhase:
                 self.eos_token_ids,
                 logits.shape[-1],
                 self.device,
+                lambda name, values: self._stage(f"verify_{name}", values),
             )
-            out = self.sampler(logits, meta)
+            out = self.sampler.sample(logits, meta)
+            targets_t = out.token_ids
             if self.parallel.world_size > 1:
-                targets = self._share_sampled(out.token_ids, num_rows)
-            else:
-                targets = out.token_ids.tolist()
-            accepted = accept(targets, drafts)
-            streams.rewind(accepted, drafts, logits.shape[-1])
+                targets_t = self._share_sampled(out.token_ids, num_rows)
+            logprob_tensors: list[torch.Tensor] = []
             if out.logprobs is not None:
-                logprobs = self._spec_logprobs(out.logprobs, step, accepted, index)
+                assert out.logprob_ids is not None and out.ranks is not None  # set together
+                logprob_tensors = [out.logprob_ids, out.logprobs, out.ranks]
+            host, prompt_logprobs = self._read_back(
+                [targets_t, *logprob_tensors], step.sample_req_ids
+            )
+            accepted = accept(host[0].tolist(), drafts)
+            streams.rewind(accepted, drafts, logits.shape[-1])
+            if logprob_tensors:
+                lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
+                logprobs = self._spec_logprobs(lp, step, accepted, index)
         n = len(step.req_ids)
         sampled: list[list[int]] = [[] for _ in range(n)]
         num_drafts = [0] * n
@@ -251,7 +270,7 @@ class SamplingPhase:
             req_id_to_index=index,
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(step.sample_req_ids),
+            prompt_logprobs=prompt_logprobs,
             kv_connector_output=step.kv_connector_output,
             draft_token_ids=next_drafts,
             num_draft_tokens=num_drafts,

@@ -17,7 +17,7 @@ batch; the other rows draw from one shared generator in a single call.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,13 +63,30 @@ class SamplingMetadata:
     num_listed: list[int] | None = None
 
 
-def _pad(rows: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+def _pad(rows: Sequence[Sequence[int]], fill: int) -> np.ndarray:
     width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), fill, dtype=torch.int64)
+    out = np.full((len(rows), max(width, 1)), fill, dtype=np.int64)
     for i, r in enumerate(rows):
         if r:
-            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+            out[i, : len(r)] = r
     return out
+
+
+# Puts a named host array on the device. The runner passes its staging (pinned host
+# buffers, non-blocking copies); the default is a plain copy, for callers off the step.
+ToDevice = Callable[[str, np.ndarray], torch.Tensor]
+
+
+def plain_to_device(device: torch.device) -> ToDevice:
+    def put(name: str, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+    return put
+
+
+def put_2d(to_device: ToDevice, name: str, values: np.ndarray) -> torch.Tensor:
+    """A 2-D array through a 1-D staging buffer, viewed back in its shape."""
+    return to_device(name, values.reshape(-1)).view(values.shape)
 
 
 def build_sampling_metadata(
@@ -80,12 +97,15 @@ def build_sampling_metadata(
     eos_token_ids: Sequence[int],
     vocab_size: int,
     device: torch.device,
+    to_device: ToDevice | None = None,
 ) -> SamplingMetadata:
-    """Collect one step's per-request parameters into batch tensors."""
+    """Collect one step's per-request parameters into batch tensors (through
+    ``to_device``, by name, where given)."""
     n = len(params)
+    put = to_device if to_device is not None else plain_to_device(device)
 
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    def col(name: str, values: list[float]) -> torch.Tensor:
+        return put(name, np.asarray(values, dtype=np.float32)).unsqueeze(1)
 
     greedy = [p.greedy for p in params]
     all_greedy = all(greedy)
@@ -94,30 +114,31 @@ def build_sampling_metadata(
     top_k_max = 0
     if not all_greedy:
         temperature = col(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+            "temperature",
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
         )
         if any(greedy):
-            greedy_rows = torch.tensor(greedy, device=device)
+            greedy_rows = put("greedy", np.asarray(greedy, dtype=np.bool_))
         if any(0 < p.top_k < vocab_size for p in random_params):
             ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            top_k = put("top_k", np.asarray(ks, dtype=np.int64))
             top_k_max = max(ks)
         if any(p.top_p < 1.0 for p in random_params):
-            top_p = col([p.top_p for p in params])
+            top_p = col("top_p", [p.top_p for p in params])
         if any(p.min_p > 0.0 for p in random_params):
-            min_p = col([p.min_p for p in params])
+            min_p = col("min_p", [p.min_p for p in params])
 
     presence = frequency = repetition = counts = prompt_mask = None
     if any(p.needs_penalties for p in params):
-        presence = col([p.presence_penalty for p in params])
-        frequency = col([p.frequency_penalty for p in params])
-        repetition = col([p.repetition_penalty for p in params])
-        out_ids = _pad(output_token_ids, vocab_size).to(device)
+        presence = col("presence", [p.presence_penalty for p in params])
+        frequency = col("frequency", [p.frequency_penalty for p in params])
+        repetition = col("repetition", [p.repetition_penalty for p in params])
+        out_ids = put_2d(put, "output_ids", _pad(output_token_ids, vocab_size))
         counts = torch.zeros(n, vocab_size + 1, device=device)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
         counts = counts[:, :vocab_size]
         if any(p.repetition_penalty != 1.0 for p in params):
-            prompt_ids = _pad(prompt_token_ids, vocab_size).to(device)
+            prompt_ids = put_2d(put, "prompt_ids", _pad(prompt_token_ids, vocab_size))
             prompt_mask = torch.zeros(n, vocab_size + 1, dtype=torch.bool, device=device)
             prompt_mask.scatter_(1, prompt_ids, True)
             prompt_mask = prompt_mask[:, :vocab_size]
@@ -131,9 +152,9 @@ def build_sampling_metadata(
                     rows.append(i)
                     cols.append(int(tok))
                     vals.append(float(val))
-        bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-        bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-        bias_values = torch.tensor(vals, dtype=torch.float32, device=device)
+        bias_rows = put("bias_rows", np.asarray(rows, dtype=np.int64))
+        bias_cols = put("bias_cols", np.asarray(cols, dtype=np.int64))
+        bias_values = put("bias_values", np.asarray(vals, dtype=np.float32))
 
     ban_rows = ban_cols = None
     ban_r: list[int] = []
@@ -148,11 +169,11 @@ def build_sampling_metadata(
                     ban_r.append(i)
                     ban_c.append(tok)
     if ban_r:
-        ban_rows = torch.tensor(ban_r, dtype=torch.int64, device=device)
-        ban_cols = torch.tensor(ban_c, dtype=torch.int64, device=device)
+        ban_rows = put("ban_rows", np.asarray(ban_r, dtype=np.int64))
+        ban_cols = put("ban_cols", np.asarray(ban_c, dtype=np.int64))
 
     num_logprobs = [p.logprobs for p in params]
-    listed_ids, num_listed = listed_logprob_ids(params, vocab_size, device)
+    listed_ids, num_listed = listed_logprob_ids(params, vocab_size, put)
     return SamplingMetadata(
         all_greedy=all_greedy,
         greedy_rows=greedy_rows,
@@ -180,7 +201,7 @@ def build_sampling_metadata(
 
 
 def listed_logprob_ids(
-    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+    params: Sequence[SamplingParams], vocab_size: int, to_device: ToDevice
 ) -> tuple[torch.Tensor | None, list[int] | None]:
     """The rows' ``logprob_token_ids`` as one padded tensor and each row's count (ids the
     logits do not cover are dropped: the frontend refuses them, a direct caller gets no
@@ -188,7 +209,7 @@ def listed_logprob_ids(
     if not any(p.logprob_token_ids for p in params):
         return None, None
     rows = [[t for t in p.logprob_token_ids or () if 0 <= t < vocab_size] for p in params]
-    return _pad(rows, 0).to(device), [len(r) for r in rows]
+    return put_2d(to_device, "listed_ids", _pad(rows, 0)), [len(r) for r in rows]
 
 
 def top_k_logprobs(

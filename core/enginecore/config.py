@@ -55,6 +55,8 @@ class ModelConfig(_Section):
     """``auto``: with ``linear_method`` ``auto``, a GGUF file's block-quantized projections (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and an AWQ / GPTQ checkpoint's 4-bit weights stay quantized where the ``gguf`` method runs (CPU, float32), and float checkpoints stay float; ``int8``: a float checkpoint's projections are quantized to int8 per output channel (weight-only; CPU, float32); ``none``: every weight is de-quantized at load."""
     enforce_eager: bool = False
     """Never capture CUDA graphs (the GPU runner captures decode batches otherwise)."""
+    piecewise_cuda_graphs: bool = False
+    """Also capture steps with prefill or verification rows in pieces between their attention ops (attention eager), per padded token count; more start-up time and graph memory."""
     generation_config: Literal["auto", "vllm"] = "auto"
     """``auto``: the checkpoint's generation_config.json sampling values are the defaults of
     requests that leave them out; ``vllm``: they are not (vLLM's --generation-config)."""

@@ -17,6 +17,7 @@ recorded. Tests replace it with an instrumented stream to drive the same code on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
@@ -112,46 +113,49 @@ class StagingBuffer:
 
 
 class HostCopy:
-    """The step's device-to-host copy: started without waiting, read after one wait."""
+    """The step's device-to-host copy: started without waiting, read after one wait.
 
-    def __init__(self, events: DeviceEvents, device: torch.device) -> None:
+    Host buffers are kept per name (the sampled ids, logprobs, prompt logprobs...), so
+    steps that copy different sets reuse them; each grows to at least ``min_rows`` rows
+    (the most a step samples), so steady decoding never allocates pinned memory.
+    """
+
+    def __init__(self, events: DeviceEvents, device: torch.device, min_rows: int = 1) -> None:
         self.events = events
         self.pin = device.type == "cuda"
-        # Per position in ``start``'s list: the host buffer and its numpy view (made
-        # once, so reading the copy back is plain numpy).
-        self._host: list[tuple[torch.Tensor, np.ndarray]] = []
+        self.min_rows = min_rows
+        # Per name: the host buffer and its numpy view (made once, so reading the copy
+        # back is plain numpy).
+        self._host: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
 
-    def _buffer(self, i: int, like: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-        if i < len(self._host):
-            buf, array = self._host[i]
+    def _buffer(self, name: str, like: torch.Tensor) -> np.ndarray:
+        n = like.shape[0]
+        held = self._host.get(name)
+        if held is not None:
+            buf, array = held
             fits = buf.dtype == like.dtype and buf.shape[1:] == like.shape[1:]
-            if fits and buf.shape[0] >= like.shape[0]:
-                return buf[: like.shape[0]], array[: like.shape[0]]
-        size = max(like.shape[0], 2 * self._host[i][0].shape[0] if i < len(self._host) else 0)
+            if fits and buf.shape[0] >= n:
+                buf[:n].copy_(like, non_blocking=True)
+                return array[:n]
+        size = max(n, self.min_rows, 2 * held[0].shape[0] if held is not None else 0)
         buf = torch.empty((size, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pin)
-        entry = (buf, buf.numpy())
-        if i < len(self._host):
-            self._host[i] = entry
-        else:
-            self._host.append(entry)
-        return buf[: like.shape[0]], entry[1][: like.shape[0]]
+        self._host[name] = (buf, buf.numpy())
+        buf[:n].copy_(like, non_blocking=True)
+        return self._host[name][1][:n]
 
-    def start(self, tensors: list[torch.Tensor]) -> PendingCopy:
+    def start(self, tensors: Mapping[str, torch.Tensor]) -> PendingCopy:
         """Queue copies of ``tensors`` to host memory; nothing waits here. The arrays
-        :meth:`PendingCopy.wait` returns are reused by the next ``start``."""
-        staged = []
-        for i, t in enumerate(tensors):
-            host, array = self._buffer(i, t)
-            host.copy_(t, non_blocking=True)
-            staged.append(array)
+        :meth:`PendingCopy.wait` returns (by the same names) are reused by the next
+        ``start``."""
+        staged = {name: self._buffer(name, t) for name, t in tensors.items()}
         return PendingCopy(staged, self.events.record())
 
 
 class PendingCopy:
-    def __init__(self, host: list[np.ndarray], event: CopyEvent) -> None:
+    def __init__(self, host: dict[str, np.ndarray], event: CopyEvent) -> None:
         self.host, self.event = host, event
 
-    def wait(self) -> list[np.ndarray]:
+    def wait(self) -> dict[str, np.ndarray]:
         """The one host sync of a step: the copied values, as arrays."""
         self.event.synchronize()
         return self.host

@@ -70,6 +70,7 @@ def test_cpu_smoke_runs_every_stage(tmp_path):
         "decode",
         "moe",
         "lora",
+        "piecewise",
     }
     assert all(r["equal"] == r["of"] for r in report["parity"])
     assert [(r["batch"], r["cuda_graphs"]) for r in report["decode"]["rows"]] == [
@@ -85,3 +86,4 @@ def test_cpu_smoke_runs_every_stage(tmp_path):
     assert moe["groupings"] == ["loop"] and moe["equal"] == moe["of"]
     assert "Decode steps (Llama-3.2-1B shape" in result.stdout
     assert [r["equal"] for r in report["lora"]] == [r["of"] for r in report["lora"]]
+    assert [r["equal"] for r in report["piecewise"]] == [r["of"] for r in report["piecewise"]]

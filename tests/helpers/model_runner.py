@@ -10,7 +10,9 @@ from enginecore.testing.model_runner_contract import RunnerDriver
 from enginecore_models.model_runner import TorchModelRunner
 
 
-def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
+def make_runner(
+    path, model_refs, *, block_size=4, num_blocks=256, proposer_ref=None, parallel=None, **overrides
+):
     config = make_config(
         model=str(path), dtype="float32", block_size=block_size, max_model_len=512, **overrides
     )
@@ -18,8 +20,12 @@ def make_runner(path, model_refs, *, block_size=4, num_blocks=256, **overrides):
         worker_ref="enginecore_executors.worker:Worker",
         model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
+        spec_decode_proposer_ref=proposer_ref,
     )
-    runner = TorchModelRunner(config, spec, torch.device("cpu"))
+    if parallel is None:
+        runner = TorchModelRunner(config, spec, torch.device("cpu"))
+    else:
+        runner = TorchModelRunner(config, spec, torch.device("cpu"), parallel)
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)
     return runner

@@ -19,7 +19,7 @@ VOCAB = 50
 EOS = [2]
 
 
-def _to_device(values: np.ndarray) -> torch.Tensor:
+def _to_device(name: str, values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values))
 
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from enginecore.engine.piece_table import piece_table
 from enginecore.params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenizers.decoders import DecodeStream
+
+
+def _decode_stream(skip_special_tokens: bool) -> DecodeStream:
+    from tokenizers.decoders import DecodeStream
+
+    return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -16,6 +23,11 @@ class IncrementalDetokenizer:
     Fast tokenizers use the tokenizers library's ``DecodeStream`` (it buffers partial
     UTF-8 sequences); other tokenizers fall back to decoding the whole output each step.
     Stop strings are searched only in the tail that the new text could complete.
+
+    A token whose text does not depend on its neighbours (see
+    :mod:`enginecore.engine.piece_table`) following another such token is looked up
+    instead of decoded; the stream is then stale, and before it decodes again it is
+    restarted from the last token, which leaves it where it would have been.
     """
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
@@ -28,19 +40,41 @@ class IncrementalDetokenizer:
         self._stream: DecodeStream | None = None
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._ids: list[int] = []  # only for the slow path
+        self._pieces: dict[int, str] = {}
+        # Whether the last token is in the table and the stream's text ends after it.
+        self._steady = False
+        # Set when tokens were looked up: the last of them, to restart the stream from.
+        self._looked_up: int | None = None
         if self._backend is not None:
-            from tokenizers.decoders import DecodeStream
+            self._stream = _decode_stream(self.skip_special_tokens)
+            self._pieces = piece_table(tokenizer, wait_for_background=False)
 
-            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+    def _piece(self, token_id: int) -> str:
+        """The text ``token_id`` adds (empty while it completes nothing), looked up when
+        it and the token before are in the piece table, else from the stream."""
+        if self._steady:
+            piece = self._pieces.get(token_id)
+            if piece is not None:
+                self._looked_up = token_id
+                return piece
+        return self._stream_piece(token_id)
+
+    def _stream_piece(self, token_id: int) -> str:
+        stream = self._stream
+        assert stream is not None  # only fast tokenizers have a piece table
+        if self._looked_up is not None:
+            # The stream's state after one table token is that of a stream that started
+            # with it (its text ended there; no partial sequence was pending).
+            stream = self._stream = _decode_stream(self.skip_special_tokens)
+            stream.step(self._backend, self._looked_up)
+            self._looked_up = None
+        piece = stream.step(self._backend, token_id)
+        self._steady = bool(piece) and token_id in self._pieces
+        return piece or ""
 
     def _decode_new(self, token_ids: list[int]) -> str:
         if self._stream is not None:
-            pieces = []
-            for token_id in token_ids:
-                piece = self._stream.step(self._backend, token_id)
-                if piece:
-                    pieces.append(piece)
-            return "".join(pieces)
+            return "".join([self._piece(token_id) for token_id in token_ids])
         self._ids.extend(token_ids)
         full: str = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
@@ -56,9 +90,11 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """:meth:`update` for one token of a request that :attr:`streams_plainly`."""
-        piece = self._stream.step(self._backend, token_id)  # type: ignore[union-attr]
-        if piece:
-            self.text += piece
+        if self._steady and (piece := self._pieces.get(token_id)) is not None:
+            self._looked_up = token_id
+        else:
+            piece = self._stream_piece(token_id)
+        self.text += piece
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (text is then cut)."""

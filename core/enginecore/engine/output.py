@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from enginecore.engine.detokenizer import IncrementalDetokenizer
+from enginecore.engine.piece_table import build_in_background
 from enginecore.metrics.iteration import IterationStatsBuilder, TokenTimes, finished_request_stats
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
@@ -120,6 +121,8 @@ class RequestState:
         self.plain = self.logprobs is None and (
             self.detokenizer is None or self.detokenizer.streams_plainly
         )
+        # Whether a step that does not finish it still makes a RequestOutput.
+        self.streams_every_step = output_kind is not OutputKind.FINAL_ONLY or parent is not None
 
     @property
     def text(self) -> str:
@@ -319,6 +322,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None:  # built off start-up rather than on a request's step
+            build_in_background(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -421,16 +426,18 @@ class OutputProcessor:
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
         states = self.states
+        gaps: list[float] = []  # inter-token latencies of the plain steps, for ``stats``
         for out in outputs:
             state = states.get(out.request_id)
             if state is None:
                 continue  # aborted in the frontend meanwhile
-            if state.plain and _is_plain_step(out) and state.times.last_token is not None:
+            times = state.times
+            last_token = times.last_token
+            if state.plain and last_token is not None and _is_plain_step(out):
                 # Most of a decode step's outputs: one token, nothing else.
-                if stats is not None:
-                    stats.next_token(now - state.times.last_token)
+                gaps.append(now - last_token)
                 state.apply_token(out.new_token_ids[0], now)
-                if state.output_kind is not OutputKind.FINAL_ONLY or state.parent is not None:
+                if state.streams_every_step:
                     request_output = self._make_output(state, False)
                     if request_output is not None:
                         ready.append((state, request_output))
@@ -448,6 +455,8 @@ class OutputProcessor:
             request_output = self._make_output(state, finished)
             if request_output is not None:
                 ready.append((state, request_output))
+        if stats is not None and gaps:
+            stats.next_tokens(gaps)
         return ready, to_abort
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:

@@ -43,12 +43,12 @@ class IterationStatsBuilder:
         else:
             stats.inter_token_latencies.append(now - before.last_token)
 
-    def next_token(self, gap: float) -> None:
-        """:meth:`observe` for one more token of a request that already had its first,
-        ``gap`` seconds after the one before."""
+    def next_tokens(self, gaps: list[float]) -> None:
+        """:meth:`observe` for one more token of each of several requests that already
+        had their first, ``gaps`` seconds after the one before (one gap per request)."""
         stats = self.stats
-        stats.num_generation_tokens += 1
-        stats.inter_token_latencies.append(gap)
+        stats.num_generation_tokens += len(gaps)
+        stats.inter_token_latencies.extend(gaps)
 
     def finish(self, stats: FinishedRequestStats, state: Any = None) -> None:
         self.stats.finished_requests.append(stats)
