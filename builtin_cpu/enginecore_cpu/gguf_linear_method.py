@@ -270,7 +270,7 @@ def _row_range(part: Part, start: int, length: int) -> Part:
         qs, scales = part.qs[start : start + length], part.scales[start : start + length]
         return KQuantWeight(part.fmt, qs, scales, shape)
     qs, d, m = (t[start : start + length] for t in (part.qs, part.d, part.m))
-    return BlockWeight(part.bits, qs, d, m, shape)
+    return BlockWeight(part.bits, qs, d, m, shape, part.symmetric)
 
 
 def blocks_linear(
@@ -354,6 +354,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
                     torch.cat([prev.d, part.d]),
                     torch.cat([prev.m, part.m]),
                     (rows, part.shape[1]),
+                    part.symmetric,
                 ),
             )
         else:

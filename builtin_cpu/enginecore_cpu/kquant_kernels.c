@@ -19,7 +19,9 @@
  * then its two halves get their integer dot products, VNNI's vpdpbusd where the CPU has
  * it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each output sums
  * xd (d0 <q0, x0> + d1 <q1, x1>) + m xs, with the same integer sums per vector lane and
- * the same float operations in the same order as a product over one byte a value.
+ * the same float operations in the same order as a product over one byte a value. One
+ * activation row on AVX-512 (the batch-1 decode step) takes a kernel of its own that
+ * reads a pair of blocks a register (``gemv512``).
  */
 #include <stdint.h>
 #include <string.h>
@@ -213,6 +215,112 @@ static inline __attribute__((always_inline)) void any_tile(
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ECK_AVX512 1
+/* One activation row on AVX-512 (the batch-1 decode step): a pair record's 64 values in
+ * one register, with nothing shuffled. Its 32 low-nibble bytes are loaded into both
+ * halves and the upper half shifted by 4 (block 2p in bytes 0-31, block 2p + 1 in 32-63,
+ * the order of the activations), the 5th (and 6th) bits added under byte masks formed
+ * from the pair's bit-plane words, and the 64 products summed by one dot-product
+ * instruction. Q6_K's values stay unsigned (0-63): its -32 d sc per value becomes one
+ * offset a row, sum over runs of 16 of d sc xd (-32 sum(x)), with the activations' run
+ * sums formed once a call, as Q5_K's offsets are. Two accumulators over alternate pairs
+ * keep the FMA latency off the loop's path. */
+
+/* The activation terms a call shares: per run of 16 values (Q6_K) the block's scale xd
+ * (``xd16``) and -32 xd times the run's sum of bytes (``xoff16``). */
+static void row_terms(int64_t K, const int8_t *xq, const float *xd, float *xd16,
+                      float *xoff16) {
+    for (int64_t h = 0; h < K / HALF; h++) {
+        int sum = 0;
+        for (int i = 0; i < HALF; i++) sum += xq[h * HALF + i];
+        xd16[h] = xd[h / 2];
+        xoff16[h] = -32.f * xd[h / 2] * (float)sum;
+    }
+}
+
+/* sum_i a[i] b[i] over ``count`` floats (a multiple of 8). */
+static inline float dot_f32(const float *a, const float *b, int64_t count) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= count; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < count) {
+        const __mmask16 left = (__mmask16)((1u << (count - i)) - 1u);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(left, a + i), _mm512_maskz_loadu_ps(left, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* Pair ``p`` of weight row ``wrow`` against the activations: the dot products, times
+ * ``scales`` (a float per lane), added to ``acc``. */
+static inline __attribute__((always_inline)) __m512 pair512(int planes, const uint8_t *wrow,
+                                                            int64_t p, const int8_t *xq,
+                                                            __m512 scales, __m512 acc) {
+    const uint8_t *pair = wrow + p * record_bytes(planes);
+    _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)pair));
+    __m512i w = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0F));
+    uint64_t a, b = 0;
+    memcpy(&a, pair + 2 * HALF, 8);
+    if (planes == 2) memcpy(&b, pair + 2 * HALF + 8, 8);
+    /* Q5_K: the two blocks' 5th-bit words, in order; Q6_K: (5th, 6th) of block 2p, then
+     * of 2p + 1 */
+    const uint64_t fifth = planes == 2 ? (a & 0xFFFFFFFFu) | (b << 32) : a;
+    w = _mm512_mask_add_epi8(w, _cvtu64_mask64(fifth), w, _mm512_set1_epi8(16));
+    if (planes == 2) {
+        const uint64_t sixth = (a >> 32) | (b & 0xFFFFFFFF00000000ull);
+        w = _mm512_mask_add_epi8(w, _cvtu64_mask64(sixth), w, _mm512_set1_epi8(32));
+    }
+    const __m512i x = _mm512_loadu_si512((const void *)(xq + p * 2 * QK));
+    const __m512i dot = DOT512(_mm512_setzero_si512(), w, x);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+}
+
+/* The lane scales of pair ``p`` from ``sx`` (each run's scale times its activation
+ * scale): Q6_K's four runs of 16, four lanes each; Q5_K's two blocks, eight lanes each. */
+static inline __attribute__((always_inline)) __m512 lane_scales(int planes, const float *sx,
+                                                                int64_t p) {
+    if (planes == 2)
+        return _mm512_permutexvar_ps(
+            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+            _mm512_castps128_ps512(_mm_loadu_ps(sx + 4 * p)));
+    return _mm512_permutexvar_ps(
+        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+        _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sx + 2 * p)))));
+}
+
+static inline __attribute__((always_inline)) void gemv512(
+    int planes, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh, const int8_t *xq,
+    const float *xd, const float *xs, float *out) {
+    const int64_t nb = K / QK, pairs = nb / 2, rec = record_bytes(planes);
+    const int64_t runs = planes == 2 ? 2 * nb : nb; /* scales a row */
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
+    float xd16[planes == 2 ? 2 * nb : 1], xoff16[planes == 2 ? 2 * nb : 1];
+    if (planes == 2) row_terms(K, xq, xd, xd16, xoff16);
+    const float *xrun = planes == 2 ? xd16 : xd; /* each run's activation scale */
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wrow = wq + n * pairs * rec;
+        float d[runs], m[nb], sx[runs];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
+        for (int64_t i = 0; i < runs; i += 16) {
+            const __mmask16 left = runs - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - i)) - 1u);
+            _mm512_mask_storeu_ps(sx + i, left, _mm512_mul_ps(_mm512_maskz_loadu_ps(left, d + i),
+                                                              _mm512_maskz_loadu_ps(left, xrun + i)));
+        }
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p += 2) { /* pairs is a multiple of 4 */
+            acc0 = pair512(planes, wrow, p, xq, lane_scales(planes, sx, p), acc0);
+            acc1 = pair512(planes, wrow, p + 1, xq, lane_scales(planes, sx, p + 1), acc1);
+        }
+        const float offset = planes == 2 ? dot_f32(d, xoff16, runs) : dot_f32(m, xs, nb);
+        out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset;
+    }
+}
+#endif
+
 /* The product for one layout (``planes`` a constant in each inlined copy). */
 static inline __attribute__((always_inline)) void gemm(
     int planes, int64_t M, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh,
@@ -220,6 +328,12 @@ static inline __attribute__((always_inline)) void gemm(
     const int64_t nb = K / QK, rec = record_bytes(planes);
     const int64_t scales_per_block = planes == 2 ? 2 : 1;
     const int64_t hstride = nb / 8 * scale_bytes(planes);
+#if defined(ECK_AVX512)
+    if (M == 1) {
+        gemv512(planes, N, K, wq, wh, xq, xd, xs, out);
+        return;
+    }
+#endif
 #if defined(__AVX2__)
     /* weight rows a tile: 4 for one activation row, 2 for two, else one (and 4 rows) */
 #if defined(__AVX512BW__) && defined(__AVX512VL__)

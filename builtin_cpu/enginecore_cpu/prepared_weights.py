@@ -189,7 +189,12 @@ def _fields(part: Part) -> list[torch.Tensor]:
 def _describe(part: Part) -> dict[str, Any]:
     if isinstance(part, KQuantWeight):
         return {"kind": "kquant", "fmt": part.fmt, "shape": list(part.shape)}
-    return {"kind": "blocks", "bits": part.bits, "shape": list(part.shape)}
+    return {
+        "kind": "blocks",
+        "bits": part.bits,
+        "shape": list(part.shape),
+        "symmetric": part.symmetric,
+    }
 
 
 def _tensor(spec: dict[str, Any], data: torch.Tensor) -> torch.Tensor:
@@ -212,4 +217,4 @@ def _part(spec: dict[str, Any], data: torch.Tensor) -> Part:
         qs, scales = fields
         return KQuantWeight(str(spec["fmt"]), qs, scales, shape)
     qs, d, m = fields
-    return BlockWeight(int(spec["bits"]), qs, d, m, shape)
+    return BlockWeight(int(spec["bits"]), qs, d, m, shape, bool(spec.get("symmetric", False)))

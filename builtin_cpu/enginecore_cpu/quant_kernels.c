@@ -23,26 +23,36 @@
 
 #define QK 32
 #define ECQ_Q4_HALF 20 /* ecq_linear's kind for 4-bit blocks with float16 scales */
+#define ECQ_Q4_0_HALF 21 /* ... float16 scales d and offsets -8 d, formed from d (Q4_0) */
+#define ECQ_Q8_HALF 22   /* ... and for 8-bit blocks with float16 scales (Q8_0's file's) */
 #define ECQ_Q4_K 24    /* ... and for Q4_K's, scales per super-block (kquant_blocks.py) */
 
 /* Where a 4-bit product's block scales and offsets come from: float32 or float16 arrays,
  * one of each a block, or Q4_K's super-block scale bytes. */
 #define SCALES_F32 0
 #define SCALES_F16 1
+#define SCALES_F16_SYM 3 /* float16 d, offsets -8 d: m is never read */
 #define SCALES_Q4K 2
 
 /* The row's scales and offsets as the kernel reads them: ``d`` and ``m`` as given, or for
- * Q4_K (``d`` the row's scale bytes) expanded into ``d32``, ``m32`` [nb]. */
+ * Q4_K (``d`` the row's scale bytes) expanded into ``d32``, ``m32`` [nb]; returns the
+ * mode they are read in. */
 static inline __attribute__((always_inline)) int row_scales(int mode, const char **d,
                                                             const char **m, int64_t nb,
                                                             float *d32, float *m32) {
-    if (mode != SCALES_Q4K) return mode == SCALES_F16;
+    if (mode != SCALES_Q4K) return mode;
     /* the next row's scale bytes, so its expansion does not wait on them */
     for (int64_t at = 0; at < nb * 2; at += 64) __builtin_prefetch(*d + nb * 2 + at);
     for (int64_t s = 0; s < nb / 8; s++)
         k4_expand((const uint8_t *)*d + s * K4_SCALE_BYTES, d32 + 8 * s, m32 + 8 * s);
     *d = (const char *)d32, *m = (const char *)m32;
-    return 0;
+    return SCALES_F32;
+}
+
+/* Block b's offset: m[b], or -8 d[b] for SCALES_F16_SYM (exact: a power of two). */
+static inline __attribute__((always_inline)) float offset_at(const void *m, const void *d,
+                                                             int64_t b, int mode) {
+    return mode == SCALES_F16_SYM ? -8.f * scale_at(d, b, 1) : scale_at(m, b, mode == SCALES_F16);
 }
 
 /* x [M, K] (row stride ldx) -> xq [M, K] int8, xd [M, K/32] scales, xs [M, K/32] =
@@ -107,18 +117,6 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
  * (elements 16-31). The activations are rearranged to that order once per call
  * (``permute_rows``), so no weight byte is shuffled: per 4 blocks two dot-product
  * instructions and one scale multiply, where the 256-bit loop needs four of each. */
-#if defined(__AVX512VNNI__)
-#define DOT512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
-#define DOT256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#define DOT128(acc, u, s) _mm_dpbusd_epi32(acc, u, s)
-#else
-#define DOT512(acc, u, s) \
-    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
-#define DOT256(acc, u, s) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
-#define DOT128(acc, u, s) \
-    _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1)))
-#endif
 
 /* Group size at block b of nb: 4 while four remain, then 2, then 1. */
 static inline int64_t group_at(int64_t b, int64_t nb) {
@@ -199,7 +197,7 @@ static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uin
 static inline __attribute__((always_inline)) float dot_row_q4(
     const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
     const float *xs, int64_t nb, int mode) {
-    const int half = mode == SCALES_F16;
+    const int half = mode == SCALES_F16 || mode == SCALES_F16_SYM;
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
     if (mode == SCALES_Q4K) {
@@ -220,6 +218,8 @@ static inline __attribute__((always_inline)) float dot_row_q4(
     const uint8_t *q4k = (const uint8_t *)d; /* SCALES_Q4K: the row's scale bytes */
     for (; i + 16 <= nb; i += 16) {
         const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 0)
+                          : mode == SCALES_F16_SYM
+                              ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + i))))
                           : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
                                  : _mm512_loadu_ps((const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
@@ -228,6 +228,8 @@ static inline __attribute__((always_inline)) float dot_row_q4(
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
         /* Q4_K: nb is a multiple of 8, so 8 blocks are left */
         const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 1)
+                          : mode == SCALES_F16_SYM
+                              ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)d + i)))
                           : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
                                  : _mm512_maskz_loadu_ps(left, (const float *)m + i);
         acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
@@ -284,11 +286,14 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                 continue;
             }
             float d32[expanded], m32[expanded];
-            const int half = row_scales(mode, &d, &m, nb, d32, m32);
+            const int rmode = row_scales(mode, &d, &m, nb, d32, m32);
             for (int64_t r = 0; r < M; r++)
                 out[r * ldo + n] =
-                    half ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 1)
-                         : dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, 0);
+                    rmode == SCALES_F16_SYM
+                        ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, SCALES_F16_SYM)
+                    : rmode == SCALES_F16
+                        ? dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, SCALES_F16)
+                        : dot_row_q4(wrow, d, m, xp + r * K, xd + r * nb, xs + r * nb, nb, SCALES_F32);
         }
         if (xp != stack_rows) free(xp);
         return;
@@ -300,7 +305,8 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         const char *d = (const char *)wd + n * nb * scale_bytes;
         const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
         float d32[expanded], m32[expanded];
-        const int half = row_scales(mode, &d, &m, nb, d32, m32);
+        const int rmode = row_scales(mode, &d, &m, nb, d32, m32);
+        const int half = rmode != SCALES_F32;
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -316,7 +322,7 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                     const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(w, x));
                     acc[r] = _mm256_fmadd_ps(
                         dot, _mm256_set1_ps(scale_at(d, b, half) * xd[row * nb + b]), acc[r]);
-                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
+                    offset[r] += offset_at(m, d, b, rmode) * xs[row * nb + b];
                 }
             }
             for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]) + offset[r];
@@ -331,7 +337,7 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                     for (int i = 0; i < QK / 2; i++)
                         dot += (q[i] & 0x0F) * x[i] + (q[i] >> 4) * x[i + QK / 2];
                     total += scale_at(d, b, half) * xd[row * nb + b] * (float)dot;
-                    offset[r] += scale_at(m, b, half) * xs[row * nb + b];
+                    offset[r] += offset_at(m, d, b, rmode) * xs[row * nb + b];
                 }
                 out[row * ldo + n] = total + offset[r];
             }
@@ -340,14 +346,18 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     }
 }
 
-/* The same for 8-bit weights: wq [N, K] signed bytes, wd [N, nb]. */
-void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float *wd,
-                 const int8_t *xq, const float *xd, float *out, int64_t ldo) {
+/* The same for 8-bit weights: wq [N, K] signed bytes, wd [N, nb] float32 or, where
+ * ``half`` (a constant in each inlined copy), float16. */
+static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, int64_t K,
+                                                          const int8_t *wq, const void *wd,
+                                                          int half, const int8_t *xq,
+                                                          const float *xd, float *out,
+                                                          int64_t ldo) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wrow = wq + n * K;
-        const float *d = wd + n * nb;
+        const char *d = (const char *)wd + n * nb * (half ? 2 : 4);
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
 #if defined(__AVX2__)
@@ -363,7 +373,8 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float 
                     const int64_t row = r0 + r;
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + row * K + b * QK));
                     const __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(wabs, _mm256_sign_epi8(x, w)));
-                    acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d[b] * xd[row * nb + b]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(
+                        dot, _mm256_set1_ps(scale_at(d, b, half) * xd[row * nb + b]), acc[r]);
                 }
             }
             for (int r = 0; r < rows; r++) out[(r0 + r) * ldo + n] = hsum(acc[r]);
@@ -376,13 +387,21 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const float 
                     const int8_t *x = xq + row * K + b * QK;
                     int dot = 0;
                     for (int i = 0; i < QK; i++) dot += q[i] * x[i];
-                    total += d[b] * xd[row * nb + b] * (float)dot;
+                    total += scale_at(d, b, half) * xd[row * nb + b] * (float)dot;
                 }
                 out[row * ldo + n] = total;
             }
 #endif
         }
     }
+}
+
+void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *wd, int half,
+                 const int8_t *xq, const float *xd, float *out, int64_t ldo) {
+    if (half)
+        gemm_q8(M, N, K, wq, wd, 1, xq, xd, out, ldo);
+    else
+        gemm_q8(M, N, K, wq, wd, 0, xq, xd, out, ldo);
 }
 
 /* The float32 weight [N, K] of 4-bit blocks (for many rows of activations, where one
@@ -437,8 +456,10 @@ void ecq_dequantize_q8(int64_t N, int64_t K, const int8_t *wq, const float *wd, 
 
 /* out [M, N] = x [M, K] (row stride ldx) times the blocks' weight, activations quantized
  * here: one call per projection (kind 4: wq, wd, wm as ``ecq_gemm_q4``, ECQ_Q4_HALF the
- * same with float16 wd, wm, ECQ_Q4_K wd Q4_K's scale bytes and wm unused; 8:
- * ``ecq_gemm_q8``, wm unused). Returns 0, or -1 when the scratch memory cannot be had. */
+ * same with float16 wd, wm, ECQ_Q4_0_HALF float16 wd with wm unused (offsets -8 wd: a
+ * decode step reads a tenth fewer bytes of Q4_0), ECQ_Q4_K wd Q4_K's scale bytes and wm
+ * unused; 8: ``ecq_gemm_q8``, wm unused, ECQ_Q8_HALF the same with float16 wd). Returns
+ * 0, or -1 when the scratch memory cannot be had. */
 int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                const void *wq, const void *wd, const void *wm, float *out, int64_t ldo) {
     const int64_t nb = K / QK;
@@ -453,12 +474,13 @@ int ecq_linear(int kind, const float *x, int64_t ldx, int64_t M, int64_t N, int6
     }
     float *xs = xd + M * nb;
     ecq_quantize_rows(x, ldx, M, K, xq, xd, xs);
-    if (kind == 8)
-        ecq_gemm_q8(M, N, K, (const int8_t *)wq, (const float *)wd, xq, xd, out, ldo);
+    if (kind == 8 || kind == ECQ_Q8_HALF)
+        ecq_gemm_q8(M, N, K, (const int8_t *)wq, wd, kind == ECQ_Q8_HALF, xq, xd, out, ldo);
     else
         ecq_gemm_q4(M, N, K, (const uint8_t *)wq, wd, wm,
                     kind == ECQ_Q4_K      ? SCALES_Q4K
                     : kind == ECQ_Q4_HALF ? SCALES_F16
+                    : kind == ECQ_Q4_0_HALF ? SCALES_F16_SYM
                                           : SCALES_F32,
                     xq, xd, xs, out, ldo);
     if (!small) free(xq), free(xd);

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import torch
 
-from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
+from enginecore.block_formats.gguf_blocks import (
+    Q4_0_HALF_SCALES,
+    Q4_HALF_SCALES,
+    Q8_HALF_SCALES,
+    BlockWeight,
+)
 from enginecore.block_formats.kquant_blocks import Q4_K_KIND, KQuantWeight
 from enginecore_cpu import cpu_kernels
 
@@ -31,9 +36,9 @@ _SIGNATURES = {
     "ecq_dequantize_q4k": [_I64, _I64, _P, _P, _P],
 }
 _LINEAR_SIGNATURE = (ctypes.c_int, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64)
-# What ``ecq_linear`` multiplies: 8-bit blocks, 4-bit ones with float32 or float16 scales,
-# Q4_K's (the others read past a weight's scales)
-_LINEAR_KINDS = frozenset({8, 4, Q4_HALF_SCALES, Q4_K_KIND})
+# What ``ecq_linear`` multiplies: 8-bit and 4-bit blocks with float32 or float16 scales
+# (Q4_0's offsets formed from them), Q4_K's (the others read past a weight's scales)
+_LINEAR_KINDS = frozenset({8, Q8_HALF_SCALES, 4, Q4_HALF_SCALES, Q4_0_HALF_SCALES, Q4_K_KIND})
 
 
 def _vnni() -> tuple[str, list[str]] | None:

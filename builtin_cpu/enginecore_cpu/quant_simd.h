@@ -20,6 +20,23 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* acc + the sums of four products of unsigned and signed bytes per 32-bit lane, at 512,
+ * 256 and 128 bits: VNNI's vpdpbusd, or AVX-512BW's vpmaddubsw + vpmaddwd. */
+#if defined(__AVX512VNNI__)
+#define DOT512(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define DOT256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define DOT128(acc, u, s) _mm_dpbusd_epi32(acc, u, s)
+#else
+#define DOT512(acc, u, s) \
+    _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+#define DOT256(acc, u, s) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define DOT128(acc, u, s) \
+    _mm_add_epi32(acc, _mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1)))
+#endif
+#endif
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

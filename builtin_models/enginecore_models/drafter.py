@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from enginecore.config import EngineConfig
-from enginecore.interfaces import SpecDecodeProposer
+from enginecore.interfaces import SpecDecodeProposer, WorkerSpec
 from enginecore.registry import import_ref
+from enginecore.worker_component_errors import build_worker_component
 
 
 class TokenBuffer:
@@ -43,9 +44,17 @@ class TokenBuffer:
 class Drafter:
     """Builds the configured proposer and asks it for each request's next drafts."""
 
-    def __init__(self, config: EngineConfig, proposer_ref: str) -> None:
-        cls = import_ref(proposer_ref)
-        self.proposer: SpecDecodeProposer = cls(config)
+    def __init__(
+        self, config: EngineConfig, proposer_ref: str, spec: WorkerSpec | None = None
+    ) -> None:
+        name = config.speculative.speculative_method or proposer_ref
+        self.proposer: SpecDecodeProposer = build_worker_component(
+            "spec_decode_proposer",
+            lambda: import_ref(proposer_ref)(config),
+            {name: proposer_ref},
+            spec,
+            name=name,
+        )
         self.num_spec_tokens = config.speculative.num_speculative_tokens
 
     def propose(self, buffer: TokenBuffer, token_ids: list[int]) -> list[int]:

@@ -5,6 +5,7 @@ it; attention calls :meth:`wait_for_layer_load` / :meth:`save_layer` per layer (
 ``AttentionMetadata.kv_connector``). An exception from the connector never escapes into
 the step: it fails the requests the step's metadata names (``load_request_ids`` /
 ``save_request_ids``, else every request of the step), and the engine frees their blocks.
+Each such error names the connector, its plugin and the config key that selected it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch
 
+from enginecore.component_kinds import KINDS
 from enginecore.interfaces import KVConnectorWorker
+from enginecore.plugin_attribution import attribute_origin
 from enginecore.runner_output import KVConnectorOutput
 from enginecore.scheduler_output import SchedulerOutput
 
@@ -26,9 +29,20 @@ def layer_name(index: int) -> str:
     return f"layer.{index}"
 
 
+def describe_connector(connector: KVConnectorWorker, name: str) -> str:
+    """``"KV connector 'x' from plugin 'p' (distribution d 1.0), config key
+    kv_transfer.connector"``: what a worker-side connector error names."""
+    origin = attribute_origin(type(connector))
+    source = f" from {origin}" if origin else ""
+    return f"KV connector {name!r}{source}, config key {KINDS['kv_connector'].config_key}"
+
+
 class KVConnectorBridge:
-    def __init__(self, connector: KVConnectorWorker, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, connector: KVConnectorWorker, kv_caches: list[torch.Tensor], name: str = ""
+    ) -> None:
         self.connector = connector
+        self.described = describe_connector(connector, name or type(connector).__name__)
         self._names: dict[int, str] = {}
         self.bind_caches(kv_caches)
         self._metadata: Any = None
@@ -95,7 +109,7 @@ class KVConnectorBridge:
         try:
             rejected = int(connector.get_num_rejected_messages())
         except Exception:
-            logger.exception("KV connector get_num_rejected_messages raised")
+            logger.exception("%s: get_num_rejected_messages raised", self.described)
             rejected = 0
         return KVConnectorOutput(
             finished_sending=set(done_sending or ()),
@@ -126,7 +140,7 @@ class KVConnectorBridge:
 
     def _fail(self, req_ids: set[str], where: str, exc: Exception) -> None:
         name = type(self.connector).__name__
-        message = f"{name}.{where} raised {type(exc).__name__}: {exc}"
+        message = f"{name}.{where} raised {type(exc).__name__}: {exc} ({self.described})"
         logger.error("%s (requests: %s)", message, sorted(req_ids))
         for req_id in req_ids:
             self._failures.setdefault(req_id, message)

@@ -51,7 +51,7 @@ from enginecore.registry import import_ref
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore.staging import DeviceEvents, HostCopy, StagingBuffer
-from enginecore.worker_component_errors import build_worker_component
+from enginecore.worker_component_errors import build_worker_component, worker_component_error
 from enginecore_models.block_table import BlockTable
 from enginecore_models.checkpoint_support import (
     check_supported_checkpoint,
@@ -179,7 +179,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.drafter: Drafter | None = None
         self.lora: LoRAManager | None = None  # LoRA adapters (enable_lora)
         if config.speculative.enabled and worker_spec.spec_decode_proposer_ref:
-            self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref)
+            self.drafter = Drafter(config, worker_spec.spec_decode_proposer_ref, worker_spec)
 
     # --- loading --------------------------------------------------------------------
 
@@ -235,6 +235,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 model = model_cls(self.hf_config, self.parallel, self.dtype)
         except (NotImplementedError, UnsupportedModelError) as exc:
             raise unsupported_feature(self.hf_config, path, exc) from exc
+        except EngineCoreError:
+            raise
+        except Exception as exc:  # the model plugin's own failure, named as the model's
+            architecture = (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+            raise worker_component_error("model", architecture, self.worker_spec, exc) from exc
         startup_log.logger.info("loading weights from %s", path)
         started = time.perf_counter()
         keep = method_cls.gguf_formats
@@ -479,9 +484,16 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
-            factory = import_ref(self.worker_spec.kv_connector_ref)()
-            connector = factory.worker_side(self.config, self.parallel.rank)
-            self.kv_connector = KVConnectorBridge(connector, self.kv_caches)
+            ref = self.worker_spec.kv_connector_ref
+            name = self.config.kv_transfer.connector or ref
+            connector = build_worker_component(
+                "kv_connector",
+                lambda: import_ref(ref)().worker_side(self.config, self.parallel.rank),
+                {name: ref},
+                self.worker_spec,
+                name=name,
+            )
+            self.kv_connector = KVConnectorBridge(connector, self.kv_caches, name)
         if self.lora is not None:
             self.lora.finish_preload()  # --lora-modules, read meanwhile; a bad one fails here
 

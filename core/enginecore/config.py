@@ -207,12 +207,19 @@ class EngineProcessConfig(_Section):
     """Seconds a registered worker RPC (``collective_rpc(name)``, ``enginecore rpc``) may
     run when the call gives no timeout; past it the call fails naming the RPC and the
     worker goes on serving (the RPC's thread is abandoned)."""
+    frontend_plugin_timeout: float = 5.0
+    """Seconds one call of plugin code in the frontend (a stat logger's ``record`` or
+    ``log``, a tool or reasoning parser's ``parse``) may take; past it a stat logger is
+    disabled and named, a parser fails its request (500 naming the parser), and the
+    call's thread is abandoned."""
 
     def __post_init__(self) -> None:
         if self.execute_timeout is not None and self.execute_timeout <= 0:
             raise ValueError("execute_timeout must be > 0 (or null: no watchdog)")
         if self.rpc_timeout <= 0:
             raise ValueError("rpc_timeout must be > 0")
+        if self.frontend_plugin_timeout <= 0:
+            raise ValueError("frontend_plugin_timeout must be > 0")
 
 
 class KVTransferConfig(_Section):

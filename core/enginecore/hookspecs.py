@@ -81,6 +81,13 @@ def register_schedulers(registry: Registry[Any]) -> None:
     scheduler that sets ``supports_kv_cache_groups`` is also given ``kv_cache_groups=``
     (each group's sliding window or None). Prove one with
     :class:`enginecore.testing.SchedulerContract`.
+
+    Time limit: the scheduler runs in the engine loop, bounded by the step watchdog,
+    ``engine.execute_timeout`` (300 s by default; in the engine's own process plus a
+    5 s grace, in-process exactly). Past it every in-flight request fails with
+    :class:`enginecore.errors.EngineDeadError` naming the plugin and the method found
+    running, and the engine process exits. Building it counts against
+    ``engine.ready_timeout`` (600 s).
     """
 
 
@@ -107,6 +114,11 @@ def register_scheduling_policies(registry: Registry[Any]) -> None:
     that fresh instances give the same order and the same admissions over 20 shuffles.
     Examples: ``plugins/enginecore-sjf`` and the fair-share policy in
     ``tests/plugins/enginecore-fair-share``.
+
+    Time limit: ``sort_key``, ``admit`` and ``pick_preemption_victim`` run in the engine
+    loop, bounded by ``engine.execute_timeout`` (300 s by default, plus a 5 s grace in
+    the engine's own process); past it the engine is declared dead with an error naming
+    the policy, its plugin, the method and ``scheduler.policy``, and its process exits.
     """
 
 
@@ -138,6 +150,12 @@ def register_executors(registry: Registry[Any]) -> None:
     passes ``register_failure_callback`` through, so the engine's death chain still
     works. A ``wrapper=True`` implementation of this hook can register such a wrapper
     for every executor at once.
+
+    Time limit: start-up (building the executor and its workers) is bounded by
+    ``engine.ready_timeout`` (600 s by default); each step by ``engine.execute_timeout``
+    (300 s; the ``mp`` executor's workers enforce it per rank and name the rank);
+    ``collective_rpc`` by the call's ``timeout``. Past a step's limit in-flight requests
+    fail, the engine is declared dead and its process exits.
     """
 
 
@@ -150,6 +168,11 @@ def register_model_runners(registry: Registry[Any]) -> None:
 
     Built as ``cls(config, worker_spec, device, parallel)``. Prove one with
     :class:`enginecore.testing.ModelRunnerContract`.
+
+    Time limit: ``load_model``, profiling and KV cache set-up count against
+    ``engine.ready_timeout`` (600 s by default: start-up fails naming the runner); each
+    ``execute_model`` / ``sample_tokens`` against ``engine.execute_timeout`` (300 s;
+    past it the engine is declared dead naming the plugin and method found running).
     """
 
 
@@ -174,6 +197,11 @@ def register_models(registry: Registry[Any]) -> None:
     ``enginecore plugin new NAME --kind model`` writes a Llama-shaped model in this
     form; ``tests/plugins/enginecore-echo-model`` is a complete model plugin (a scripted
     ``EchoForCausalLM`` that keeps its context in the paged KV cache).
+
+    Time limit: building the model and loading its weights count against
+    ``engine.ready_timeout`` (600 s by default); a forward pass against
+    ``engine.execute_timeout`` (300 s). An exception while the model is built fails
+    start-up naming the architecture, its plugin and ``model.path``.
     """
 
 
@@ -241,6 +269,14 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     Under ``"auto"`` a backend is passed over when its ``unsupported_reason(spec)``
     classmethod returns a reason (not None) for the model's device, dtype, head size,
     sliding window and soft-capping.
+
+    Time limit: ``__init__`` and the profiling pass count against ``engine.ready_timeout``
+    (600 s by default); ``build_metadata`` and ``forward`` run in each step, bounded by
+    ``engine.execute_timeout`` (300 s; in the engine's own process plus a 5 s grace).
+    Past it in-flight requests fail with an error naming the backend, its plugin,
+    ``model.attention_backend`` and the method, and the engine process exits. A
+    ``forward`` whose output does not have the query's shape and dtype fails the step
+    naming the backend (checked once per new shape).
     """
 
 
@@ -281,6 +317,12 @@ def register_linear_methods(registry: Registry[Any]) -> None:
 
     Under ``"auto"`` a method is passed over when its ``unsupported_reason(device,
     dtype)`` classmethod returns a reason (not None).
+
+    Time limit: weight preparation counts against ``engine.ready_timeout`` (600 s by
+    default; reported after 30 s per layer, as above); ``apply`` runs in each step,
+    bounded by ``engine.execute_timeout`` (300 s): past it the engine is declared dead
+    naming the method, its plugin and ``model.linear_method``. An ``apply`` whose output
+    has the wrong shape or dtype fails the step naming the method.
     """
 
 
@@ -315,6 +357,14 @@ def register_kv_connectors(registry: Registry[Any]) -> None:
     ``KVConnectorContract`` subclass sets ``connector`` and overrides
     ``producer_kv_transfer(tmp_path)`` to return the ``kv_transfer`` settings the
     connector needs.
+
+    Time limit: the scheduler half runs in the engine loop and the worker half in each
+    step, both bounded by ``engine.execute_timeout`` (300 s by default; in the engine's
+    own process plus a 5 s grace): past it the engine is declared dead naming the
+    plugin, the half and ``kv_transfer.connector``. An exception from the worker half
+    fails only the requests its step's metadata names (error text naming the connector,
+    its plugin and ``kv_transfer.connector``); ``worker_side`` raising fails start-up
+    with the same names.
     """
 
 
@@ -334,6 +384,12 @@ def register_stat_loggers(registry: Registry[Any]) -> None:
     files and sockets) at shutdown. Prove one with
     :class:`enginecore.testing.StatLoggerContract`; example:
     ``plugins/enginecore-jsonl-stats``.
+
+    Time limit: each call (``record``, ``log``, ``log_engine_initialized``, ``close``...)
+    runs on the logger's own thread, bounded by ``engine.frontend_plugin_timeout`` (5 s
+    by default). A logger that raises or does not return in time is named once (its
+    plugin and the method) and disabled; the other loggers keep logging and no client
+    waits longer than the limit.
     """
 
 
@@ -405,6 +461,14 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     Constraints come from ``SamplingParams(structured_output=...)`` and the server's
     ``response_format`` and ``guided_*`` fields; a ``backend`` name nobody registered
     fails at start-up with the list of registered backends.
+
+    Time limit: ``validate`` runs in the frontend and ``compile`` on the engine's compile
+    threads, off the engine loop (a compile that never returns holds only the requests
+    waiting for that grammar, which a client may abort); a compile error fails the
+    request naming a plugin's backend and ``structured_output.backend``.
+    ``fill_bitmask``, ``accept_tokens`` and ``rollback`` run in each step, bounded by
+    ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
+    naming the plugin and the method).
     """
 
 
@@ -423,6 +487,11 @@ def register_spec_decode_proposers(registry: Registry[Any]) -> None:
 
     Example: ``plugins/enginecore-cycle-proposer``; prove one with
     :class:`enginecore.testing.SpecDecodeProposerContract`.
+
+    Time limit: ``propose`` runs in each step on the worker, bounded by
+    ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
+    naming the plugin and the method); a proposer that raises in ``__init__`` fails
+    start-up naming it, its plugin and ``speculative.speculative_method``.
     """
 
 
@@ -454,6 +523,14 @@ def register_tool_parsers(registry: Registry[Any]) -> None:
     "tool_calls"``) and the streamed deltas (id and name first, then argument fragments)
     from ``parse``, so they always agree. Mistral's ``[TOOL_CALLS]`` is a marker that is
     a special token.
+
+    Time limit: the factory and each ``parse`` run on a thread of the request's own,
+    bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A parser that raises
+    or does not return in time fails that request alone with a 500 naming the parser,
+    its plugin, ``server.tool_call_parser`` and the method; other requests keep being
+    served (the server waits for parsers off its event loop). At most 4 of a parser's
+    calls past the limit are left running; while that many run, requests that need the
+    parser are refused with a 503 naming it.
     """
 
 
@@ -484,6 +561,14 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     the end marker, or all content). Prove one with
     :class:`enginecore.testing.ReasoningParserContract`; ``enginecore plugin new NAME
     --kind reasoning-parser`` starts a package.
+
+    Time limit: the factory, ``start`` and each ``parse`` run on a thread of the
+    request's own, bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A
+    parser that raises or does not return in time fails that request alone with a 500
+    naming the parser, its plugin, ``server.reasoning_parser`` and the method; other
+    requests keep being served (the server waits for parsers off its event loop). At
+    most 4 of a parser's calls past the limit are left running; while that many run,
+    requests that need the parser are refused with a 503 naming it.
     """
 
 

@@ -41,8 +41,10 @@ def _call_problem(kind: str, name: str, factory: Any) -> str | None:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
         return None
+    # A plugin that declares settings is also given ``settings=``.
+    settings = {"settings": None} if "settings" in signature.parameters else {}
     try:
-        signature.bind(*([None] * count))
+        signature.bind(*([None] * count), **settings)
     except TypeError as exc:
         return (
             f"{kind.replace('_', ' ')} {name!r} cannot be called as {shape}: "
@@ -71,7 +73,12 @@ def registration_problem(kind: str, name: str, factory: Any) -> str | None:
         return _call_problem(kind, name, factory)
     if kind == "kv_connector":
         return factory_problem(kind, name, factory)
-    if kind in EXPECTED_BASE:  # built only when selected, where a failure names it
+    selected_base = EXPECTED_BASE.get(kind)
+    if selected_base is not None:  # built only when selected, where a failure names it; but an
+        # implementation that cannot take the engine's call is refused now (one that is
+        # not an implementation at all is named by ``enginecore plugins --check``)
+        if inspect.isclass(factory) and issubclass(factory, selected_base):
+            return _call_problem(kind, name, factory)
         return None
     if not callable(factory):
         return f"{label} {name!r} is {factory!r}, which is not callable"

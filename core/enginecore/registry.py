@@ -153,6 +153,15 @@ class Registry(Generic[T]):
             features=tuple(features),
         )
 
+    def _key_hint(self) -> str:
+        """``". Select another scheduler (config key scheduler.name)."``, or ``""``."""
+        from enginecore.component_kinds import KINDS
+
+        kind = KINDS.get(self.kind.replace(" ", "_"))
+        if kind is None or kind.config_key is None:
+            return ""
+        return f". Fix the plugin, or select another {kind.label} (config key {kind.config_key})"
+
     def _log_override(self, name: str, new: str, old: str) -> None:
         logger.info(
             "%s %r from plugin %r overrides the one from plugin %r", self.kind, name, new, old
@@ -189,13 +198,15 @@ class Registry(Generic[T]):
             except Exception as exc:
                 raise PluginLoadError(
                     f"{self.kind} {name!r} from plugin {entry.plugin!r} could not be imported "
-                    f"from {entry.ref!r}: {type(exc).__name__}: {exc}"
+                    f"from {entry.ref!r}: {type(exc).__name__}: {exc}{self._key_hint()}"
                 ) from exc
             from enginecore.registration_check import registration_problem
 
             problem = registration_problem(self.kind.replace(" ", "_"), name, factory)
             if problem is not None:
-                raise PluginLoadError(f"plugin {entry.plugin!r} registered {problem}")
+                raise PluginLoadError(
+                    f"plugin {entry.plugin!r} registered {problem}{self._key_hint()}"
+                )
             entry.factory = factory
         return entry.factory
 

@@ -1,5 +1,6 @@
-"""Start-up failures of the components a worker builds (the attention backend and the
-linear method), named as the component's, not the executor's.
+"""Start-up failures of the components a worker builds (the attention backend, the
+linear method and the worker half of a KV connector), named as the component's, not the
+executor's.
 
 The worker holds only ``module:attr`` references, so on failure it looks the plugin up
 in a plugin manager built with the engine's plugin selection: the message names the
@@ -46,21 +47,35 @@ def build_worker_component(
     refs: dict[str, str],
     spec: WorkerSpec | None,
     *args: Any,
+    name: str | None = None,
 ) -> T:
     """``cls(*args)``; what it raises (other than an enginecore error) is reported as the
-    component's start-up failure, with the original chained as ``__cause__``."""
+    component's start-up failure, with the original chained as ``__cause__``. ``name``:
+    the registered name, where ``cls`` is not the registered class itself."""
     try:
         return cls(*args)
     except EngineCoreError:
         raise
     except Exception as exc:
-        name = registered_name(cls, refs) if isinstance(cls, type) else repr(cls)
-        provider, plugin = _provider(kind, name, spec)
-        key = KINDS[kind].config_key
-        raise ComponentStartupError(
-            f"{provider} failed to start: {type(exc).__name__}: {exc}. Fix the plugin, or "
-            f"select another {kind.replace('_', ' ')} (config key {key}).",
-            kind=kind,
-            name=name,
-            plugin=plugin,
-        ) from exc
+        if name is None:
+            name = registered_name(cls, refs) if isinstance(cls, type) else repr(cls)
+        raise worker_component_error(kind, name, spec, exc) from exc
+
+
+#: What selects a component of a kind that no config key names by its registered name.
+SELECTED_BY = {"model": ("checkpoint", "model.path")}
+
+
+def worker_component_error(
+    kind: str, name: str, spec: WorkerSpec | None, exc: Exception
+) -> ComponentStartupError:
+    """The start-up failure of the ``kind`` registered as ``name``, which raised ``exc``."""
+    provider, plugin = _provider(kind, name, spec)
+    what, key = SELECTED_BY.get(kind, (kind.replace("_", " "), KINDS[kind].config_key))
+    return ComponentStartupError(
+        f"{provider} failed to start: {type(exc).__name__}: {exc}. Fix the plugin, or "
+        f"select another {what} (config key {key}).",
+        kind=kind,
+        name=name,
+        plugin=plugin,
+    )

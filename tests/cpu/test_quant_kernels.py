@@ -112,6 +112,44 @@ def test_float16_scales_give_the_float32_scales_bits(rows: int, k: int):
     assert torch.equal(gguf_blocks.dequantize(half), gguf_blocks.dequantize(wide))
 
 
+@pytest.mark.parametrize("k", [32, 96, 224, 576, 1184])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q4_0_forms_its_offsets_from_its_scales(rows: int, k: int):
+    """A Q4_0 weight's offsets are -8 d: the kernel forms them from ``d`` and never reads
+    ``m`` (NaN here), with the bits of the product that reads them."""
+    torch.manual_seed(k * 3 + rows)
+    wide = random_q4(41, k, symmetric=True)
+    d = wide.d.half()
+    read = BlockWeight(4, wide.qs, d, (-8.0 * d.float()).half(), wide.shape)
+    formed = BlockWeight(4, wide.qs, d, torch.full_like(d, float("nan")), wide.shape, True)
+    assert (formed.kind, read.kind) == (gguf_blocks.Q4_0_HALF_SCALES, gguf_blocks.Q4_HALF_SCALES)
+    kernels = quant_kernels.load()
+    x = torch.randn(rows, k)
+    got, want = torch.empty(rows, 41), torch.empty(rows, 41)
+    kernels.linear(x, formed, got)
+    kernels.linear(x, read, want)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [32, 96, 576])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q8_0_float16_scales_give_the_float32_scales_bits(rows: int, k: int):
+    """Q8_0 keeps the file's float16 scales: the product is the one with the same scales
+    widened to float32, bit for bit."""
+    torch.manual_seed(k * 7 + rows)
+    wide = random_q8(23, k)
+    wide.d = wide.d.half().float()
+    half = BlockWeight(8, wide.qs, wide.d.half(), wide.m.half(), wide.shape)
+    assert (half.kind, wide.kind) == (gguf_blocks.Q8_HALF_SCALES, 8)
+    kernels = quant_kernels.load()
+    x = torch.randn(rows, k)
+    got, want = torch.empty(rows, 23), torch.empty(rows, 23)
+    kernels.linear(x, half, got)
+    kernels.linear(x, wide, want)
+    assert torch.equal(got, want)
+    assert torch.equal(gguf_blocks.dequantize(half), gguf_blocks.dequantize(wide))
+
+
 def test_q4_0_scales_beyond_float16_after_the_offset_stay_float32():
     """Q4_0's offset is -8 d: where that overflows float16, both stay float32."""
     from gguf import GGMLQuantizationType
@@ -124,3 +162,4 @@ def test_q4_0_scales_beyond_float16_after_the_offset_stay_float32():
         assert blocks.d.dtype == blocks.m.dtype == dtype
         assert torch.isfinite(blocks.m).all()
         assert torch.equal(blocks.m, -8.0 * blocks.d)
+        assert blocks.symmetric == (dtype == torch.float16)

@@ -189,10 +189,15 @@ def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path, m
     )
     torch.manual_seed(5)
     i64 = ctypes.c_int64
+    # One activation row on AVX-512 runs the one-row kernel, whose sums go 64 values a
+    # vector (tests/cpu/test_block_kernel_variants.py checks it against gguf's values).
+    one_row_kernel = level == "host" and cpu_kernels.instruction_set() == "x86-64-v4"
     for fmt, (n, k), threads in _bit_exact_cases("Q5_K", "Q6_K"):
         part = _k_part(fmt, n, k)
         q, d, m = _byte_layout(part)
         for rows, x in _activations(k, threads):
+            if rows == 1 and one_row_kernel:
+                continue
             acts = quant_kernels.load().quantize_rows(x)
             got, want = _outputs(rows, n)
             common = (_p(acts.q), _p(acts.scale), _p(acts.scaled_sum))

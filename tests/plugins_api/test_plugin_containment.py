@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,31 +33,7 @@ from enginecore.layers.preparation_watch import REPORT_AFTER
 from enginecore.plugins import make_plugin_manager
 from tests.helpers.serve_process import serve, stop
 
-BROKEN_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-broken-parts"
 ENGINECORE = Path(sys.executable).parent / "enginecore"
-
-
-@pytest.fixture(scope="module")
-def broken_env(tmp_path_factory) -> dict[str, str]:
-    """The package pip-installed into a private target dir, on the children's PYTHONPATH
-    only (this process's plugin managers must not see it)."""
-    tmp = tmp_path_factory.mktemp("broken-plugin")
-    source = tmp / "src"
-    shutil.copytree(BROKEN_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    target = tmp / "site"
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
-    command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
-    command += ["--target", str(target), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("ENGINECORE_") or k == "ENGINECORE_CACHE_DIR"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
-    return env
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -73,7 +48,7 @@ def test_a_bad_registration_is_dropped_and_named_by_the_listing(broken_env):
     assert "Traceback" not in result.stdout + result.stderr
     block = result.stdout[result.stdout.index("broken_parts  (") :]
     # The valid entries are listed, the bad one is not among them but named as rejected.
-    assert "    worker_rpc: hang, ping\n" in block
+    assert "    worker_rpc: hang, ping, raising_rpc\n" in block
     linear_line = next(line for line in block.splitlines() if "linear_method:" in line)
     assert "not_a_linear" not in linear_line and "raising_linear" in linear_line
     assert "    rejected: linear_method 'not_a_linear': " in block
@@ -94,7 +69,7 @@ def test_check_fails_naming_the_plugin_and_the_entry(broken_env):
     listed = json.loads(run_cli("plugins", "--json", env=broken_env).stdout)
     [record] = [r for r in listed if r["name"] == "broken_parts"]
     assert record["error"] is None  # the plugin loaded; one entry was dropped
-    assert list(record["rejected"]) == ["linear_method 'not_a_linear'"]
+    assert "linear_method 'not_a_linear'" in record["rejected"]
 
 
 DEFAULT_ENGINE = """
@@ -310,10 +285,7 @@ HANGING_PREPARATION = """
 import sys
 from enginecore import LLM
 
-try:
-    LLM(model=sys.argv[1], linear_method="hanging_prepare_linear", ready_timeout=45)
-except Exception as exc:
-    print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
+LLM(model=sys.argv[1], linear_method="hanging_prepare_linear")
 """
 
 
@@ -322,18 +294,39 @@ def test_a_linear_method_hanging_in_weight_preparation_is_reported_while_it_hang
     broken_env, tiny_llama
 ):
     """Reported once a layer has taken REPORT_AFTER seconds, naming the method, its
-    plugin and the layer, well before engine.ready_timeout gives up."""
-    done = subprocess.run(
+    plugin and the layer, while start-up still waits (engine.ready_timeout, 600 s by
+    default, has not given up: the frontend is still running when the report arrives)."""
+    frontend = subprocess.Popen(
         [sys.executable, "-c", HANGING_PREPARATION, str(tiny_llama)],
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env=broken_env,
+        start_new_session=True,
     )
-    assert "FAILED:" in done.stdout, done.stdout + done.stderr[-3000:]
-    [report] = [line for line in done.stderr.splitlines() if "has been preparing layer" in line]
-    assert "linear method HangingPrepareLinear from plugin 'broken_parts'" in report
-    assert f"for {REPORT_AFTER:.0f} s" in report and "model.layers.0." in report, report
+    seen: list[str] = []
+    try:
+        assert frontend.stderr is not None
+        # Event-driven: read the log as it comes until the report (or the end of it).
+        for line in frontend.stderr:
+            seen.append(line)
+            if "has been preparing layer" in line:
+                break
+        report = seen[-1] if seen else ""
+        assert "has been preparing layer" in report, "".join(seen)[-3000:]
+        assert frontend.poll() is None, "start-up gave up before the report"
+        assert "linear method HangingPrepareLinear from plugin 'broken_parts'" in report
+        assert f"for {REPORT_AFTER:.0f} s" in report and "model.layers.0." in report, report
+    finally:
+        try:
+            children = psutil.Process(frontend.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        os.killpg(frontend.pid, signal.SIGKILL)
+        frontend.wait(30)
+        for child in children:
+            if child.is_running():
+                child.kill()
 
 
 IN_PROCESS_HANGS = """
@@ -392,6 +385,7 @@ HUNG_COMPONENTS = {
     "sort_key": "scheduling policy 'hanging_sort', config key scheduler.policy",
     "attention": "attention backend 'hanging_attention', config key model.attention_backend",
     "prepare": "linear method 'hanging_prepare_linear', config key model.linear_method",
+    "kv_load": "the worker half of a KV connector, config key kv_transfer.connector",
 }
 
 

@@ -1,8 +1,8 @@
 """GGUF's 32-element block formats (Q8_0, Q4_0, Q4_1) in the layout ``quant_kernels``
 multiplies: per output row, the quantized values, and each block's scale ``d`` and
 offset ``m`` (value = q d + m; Q4_0's q - 8 becomes m = -8 d, so one kernel serves both
-4-bit formats). Q4_0 and Q4_1 keep ``d`` and ``m`` in float16, where the file's values
-are exact: a decode step reads a sixth fewer bytes than with float32 scales.
+4-bit formats). Q8_0, Q4_0 and Q4_1 keep ``d`` and ``m`` in float16, where the file's
+values are exact: a decode step reads the file's bytes, not float32 scales.
 
 GGUF stores a block as float16 ``d`` (and ``m`` for Q4_1) then the values; Q4 packs
 element j in the low nibble of byte j and element j + 16 in its high nibble, which the
@@ -20,6 +20,8 @@ from enginecore.layers.quantized import INT4_BLOCKS, int4_block_parts
 
 BLOCK = 32
 Q4_HALF_SCALES = 20  # ECQ_Q4_HALF in quant_kernels.c: 4-bit blocks, float16 d and m
+Q4_0_HALF_SCALES = 21  # ECQ_Q4_0_HALF: float16 d, offsets -8 d formed from d (m not read)
+Q8_HALF_SCALES = 22  # ECQ_Q8_HALF: 8-bit blocks, float16 d
 # format -> (bytes per block, half-precision header values per block)
 _LAYOUT = {"Q8_0": (2 + BLOCK, 1), "Q4_0": (2 + BLOCK // 2, 1), "Q4_1": (4 + BLOCK // 2, 2)}
 FORMATS = tuple(_LAYOUT)
@@ -29,13 +31,15 @@ FORMATS = tuple(_LAYOUT)
 class BlockWeight:
     """A weight [out, in] in 32-element blocks: ``bits`` 4 (``qs`` [out, in/32, 16]
     uint8, two values a byte) or 8 (``qs`` [out, in] int8), ``d`` and ``m`` [out, in/32]
-    float32, or float16 for 4 bits (``m`` zero for 8 bits)."""
+    float32 or float16 (``m`` zero for 8 bits). ``symmetric``: ``m`` is -8 ``d``
+    (Q4_0), so the kernels form the offsets from ``d`` instead of reading ``m``."""
 
     bits: int
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor
     shape: tuple[int, int]
+    symmetric: bool = False
 
     @cached_property
     def pointers(self) -> tuple[int, int, int]:
@@ -44,9 +48,12 @@ class BlockWeight:
 
     @property
     def kind(self) -> int:
-        """What ``ecq_linear`` is told: 8, 4, or ``Q4_HALF_SCALES``."""
+        """What ``ecq_linear`` is told: 8, 4, ``Q8_HALF_SCALES``, ``Q4_HALF_SCALES`` or
+        ``Q4_0_HALF_SCALES``."""
+        if self.bits == 8 and self.d.dtype == torch.float16:
+            return Q8_HALF_SCALES
         if self.bits == 4 and self.d.dtype == torch.float16:
-            return Q4_HALF_SCALES
+            return Q4_0_HALF_SCALES if self.symmetric else Q4_HALF_SCALES
         return self.bits
 
     @property
@@ -72,7 +79,6 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeig
     payload = blocks[..., 2 * halves :]
     if fmt == "Q8_0":
         qs = payload.contiguous().view(torch.int8).reshape(out, k)
-        d = d.float()
         return BlockWeight(8, qs, d, torch.zeros_like(d), shape)
     if fmt == "Q4_1":
         m = header[..., 1].contiguous()
@@ -80,7 +86,8 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeig
         m = (-8.0 * d.float()).half()
         if not torch.equal(m.float(), -8.0 * d.float()):  # out of float16's range
             d, m = d.float(), -8.0 * d.float()
-    return BlockWeight(4, payload.contiguous(), d, m, shape)
+    symmetric = fmt == "Q4_0" and d.dtype == torch.float16
+    return BlockWeight(4, payload.contiguous(), d, m, shape, symmetric)
 
 
 def quantize_q8(weight: torch.Tensor) -> BlockWeight:

@@ -16,7 +16,7 @@ from typing import Any
 from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
-from enginecore.errors import EngineCoreError, InvalidRequestError
+from enginecore.errors import EngineCoreError, InvalidRequestError, RankError
 from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
 from enginecore.protocol import (
@@ -29,7 +29,7 @@ from enginecore.registry import import_ref
 from enginecore.request import FinishReason, Request, RequestStatus
 from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
-from enginecore.startup_errors import build_component
+from enginecore.startup_errors import build_component, describe_provider
 from enginecore.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,9 @@ class EngineCore:
         out (None: one group, every position kept). Sliding layers keep only their window
         where the scheduler manages groups and no KV connector moves blocks (a connector
         sees one block table); otherwise the runners keep one group, the window a mask."""
-        allow = kv_connector is None and self.components.scheduler_cls.supports_kv_cache_groups
+        allow = kv_connector is None and getattr(
+            self.components.scheduler_cls, "supports_kv_cache_groups", False
+        )
         groups = self.executor.collective_rpc(
             runner_kv_cache_groups, args=(allow,), unique_reply_rank=0
         )
@@ -553,9 +555,15 @@ class EngineCore:
             # Plugin code: each worker runs it where it can be abandoned (rpc_watchdog).
             limit = timeout if timeout is not None else self.config.engine.rpc_timeout
             call_args = (method, limit, tuple(args), kwargs or {})
-            registered: list[Any] = self.executor.collective_rpc(
-                "call_registered_rpc", args=call_args, timeout=limit + RPC_REPLY_GRACE
-            )
+            try:
+                registered: list[Any] = self.executor.collective_rpc(
+                    "call_registered_rpc", args=call_args, timeout=limit + RPC_REPLY_GRACE
+                )
+            except RankError as exc:  # named as the RPC's, with its plugin
+                if exc.method != "call_registered_rpc":
+                    raise
+                provider, _ = describe_provider(self.plugins, "worker_rpc", method)
+                raise RankError(exc.rank, method, f"{exc.detail} ({provider})") from exc
             return registered
         results: list[Any] = self.executor.collective_rpc(
             method, args=args, kwargs=kwargs, timeout=timeout

@@ -25,9 +25,10 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from enginecore.component_kinds import COMPONENT_KINDS
+from enginecore.component_kinds import COMPONENT_KINDS, KINDS
 from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import EngineDeadError
+from enginecore.interfaces import KVConnectorScheduler, KVConnectorWorker
 from enginecore.plugin_attribution import running_plugin_call
 from enginecore.plugins import PluginHost
 
@@ -110,4 +111,10 @@ def _component_of(host: PluginHost, module: str, qualname: str) -> str | None:
             if registry.entry(name).ref in (f"{module}:{owner}", f"{module}:{qualname}"):
                 key = f", config key {kind.config_key}" if kind.config_key else ""
                 return f"{kind.label} {name!r}{key}"
+    # A KV connector's halves are built by its registered factory, not registered.
+    cls = getattr(sys.modules.get(module), owner, None)
+    halves = (KVConnectorWorker, KVConnectorScheduler)
+    if isinstance(cls, type) and issubclass(cls, halves):
+        half = "worker" if issubclass(cls, KVConnectorWorker) else "scheduler"
+        return f"the {half} half of a KV connector, config key {KINDS['kv_connector'].config_key}"
     return None

@@ -1,7 +1,9 @@
 """Fans each step's stats out to the selected stat loggers, in the frontend process.
 
-A logger that raises is reported once and then skipped for that call: a broken plugin
-never breaks serving.
+Each logger's calls run on a thread of its own, each bounded by
+``engine.frontend_plugin_timeout`` (:mod:`enginecore.frontend_plugin_calls`). A logger
+that raises or does not return in time is named once (its plugin and the method) and
+disabled; the others keep logging: a broken plugin never breaks or freezes serving.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from enginecore.engine.serial_thread import SerialThread
+from enginecore.frontend_plugin_calls import PluginCallTimeout, call_bounded
 from enginecore.interfaces import IterationStats, StatLogger
 from enginecore.protocol import SchedulerStats
 from enginecore.startup_errors import ComponentStartupError, build_component, describe_provider
@@ -27,6 +31,8 @@ class StatLoggerManager:
     def __init__(self, config: Any, plugin_host: Any, engine_index: int = 0) -> None:
         registry = plugin_host.registry("stat_logger")
         self.config = config
+        self._host = plugin_host
+        self.timeout: float = config.engine.frontend_plugin_timeout
         self.loggers: list[StatLogger] = []
         self.names: list[str] = []
         self.engines: list[int | None] = []  # the replica each logger records; None: all
@@ -47,21 +53,50 @@ class StatLoggerManager:
                 self.loggers.append(aggregate(config, indexes))
                 self.names.append(f"{name} (all engines)")
                 self.engines.append(None)
-        self._warned: set[str] = set()
+        self._threads: dict[int, SerialThread] = {}
+        self.disabled: set[int] = set()  # positions of loggers that raised or hung
+
+    def _call(self, position: int, method: str, *args: Any) -> None:
+        """One logger's ``method(*args)``, bounded; a failure disables that logger."""
+        if position in self.disabled:
+            return
+        call = getattr(self.loggers[position], method, None)
+        if call is None:  # a duck-typed logger without the optional method
+            return
+        thread = self._threads.get(position)
+        if thread is None:
+            thread = self._threads[position] = SerialThread(
+                f"enginecore-stat-logger-{self.names[position]}"
+            )
+        try:
+            call_bounded(thread, call, args, self.timeout)
+        except Exception as exc:
+            self._disable(position, method, exc)
+
+    def _disable(self, position: int, method: str, exc: Exception) -> None:
+        self.disabled.add(position)
+        name = self.names[position]
+        try:
+            provider, _ = describe_provider(self._host, "stat_logger", name)
+        except Exception:  # an aggregate twin ("logging (all engines)") is not registered
+            provider = f"stat logger {name!r}"
+        cls = type(self.loggers[position]).__qualname__
+        what = str(exc) if isinstance(exc, PluginCallTimeout) else "raised"
+        logger.error(
+            "%s %s in %s.%s; it is disabled, the other stat loggers keep logging",
+            provider,
+            what,
+            cls,
+            method,
+            exc_info=None if isinstance(exc, PluginCallTimeout) else exc,
+        )
+        thread = self._threads.pop(position, None)
+        if thread is not None:
+            thread.shutdown(wait=False)
 
     def _call_all(self, method: str, *args: Any) -> None:
-        for name, stat_logger in zip(self.names, self.loggers, strict=True):
-            call = getattr(stat_logger, method, None)
-            if call is None:  # a duck-typed logger without the optional method
-                continue
-            try:
-                call(*args)
-            except Exception:
-                if f"{name}.{method}" not in self._warned:
-                    self._warned.add(f"{name}.{method}")
-                    logger.exception(
-                        "stat logger %r raised in %s (further errors hidden)", name, method
-                    )
+        for position in range(len(self.loggers)):
+            self._call(position, method, *args)
 
     def record(
         self,
@@ -69,18 +104,11 @@ class StatLoggerManager:
         iteration_stats: IterationStats | None,
         engine_index: int = 0,
     ) -> None:
-        for position, (name, stat_logger) in enumerate(zip(self.names, self.loggers, strict=True)):
+        for position in range(len(self.loggers)):
             wanted = self.engines[position] if position < len(self.engines) else None
             if wanted is not None and wanted != engine_index:
                 continue
-            try:
-                stat_logger.record(scheduler_stats, iteration_stats, engine_index)
-            except Exception:
-                if f"{name}.record" not in self._warned:
-                    self._warned.add(f"{name}.record")
-                    logger.exception(
-                        "stat logger %r raised in record (further errors hidden)", name
-                    )
+            self._call(position, "record", scheduler_stats, iteration_stats, engine_index)
 
     def log(self) -> None:
         self._call_all("log")
@@ -105,24 +133,17 @@ class StatLoggerManager:
         # A rejection belongs to no replica: one call per selected logger name, so that
         # the per-replica copies of a logger do not count it once each.
         seen: set[str] = set()
-        for name, stat_logger in zip(self.names, self.loggers, strict=True):
-            call = getattr(stat_logger, "record_admission_rejection", None)
-            if name in seen or call is None:
+        for position, name in enumerate(self.names):
+            if name in seen:
                 continue
             seen.add(name)
-            try:
-                call(reason)
-            except Exception:
-                logger.exception("stat logger %r raised in record_admission_rejection", name)
+            self._call(position, "record_admission_rejection", reason)
 
     def close(self) -> None:
-        for stat_logger in self.loggers:
-            close = getattr(stat_logger, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception:
-                    logger.exception("stat logger %r raised in close", stat_logger)
+        self._call_all("close")
+        threads, self._threads = self._threads, {}
+        for thread in threads.values():
+            thread.shutdown(wait=False)
 
 
 def _check_stat_logger(plugin_host: Any, name: str, stat_logger: Any) -> None:

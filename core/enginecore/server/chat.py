@@ -18,6 +18,7 @@ from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.reasoning_parsers import ReasoningParser
 from enginecore.server.beam import beam_search_output, beam_search_params, single
+from enginecore.server.contained_parsers import run_parsing
 from enginecore.server.context import ServerContext, context
 from enginecore.server.dp_rank import requested_rank
 from enginecore.server.errors import APIError, error_body, status_of
@@ -164,6 +165,7 @@ def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest) -> ToolPlan:
         backend_registry=plugins.registry("structured_output_backend"),
         backend_name=ctx.config.structured_output.backend,
         tokenizer=ctx.engine.tokenizer,
+        parser_timeout=ctx.config.engine.frontend_plugin_timeout,
     )
 
 
@@ -200,7 +202,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     if body.prompt_logprobs is not None:
         params = params.clone(prompt_logprobs=body.prompt_logprobs)
-    plan = _tool_plan(ctx, body)
+    plan = await run_parsing(
+        bool(body.tools and ctx.limits.tool_call_parser), _tool_plan, ctx, body
+    )
     if plan.structured_output is not None:
         if params.structured_output is not None:
             raise APIError(
@@ -220,13 +224,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if 0 < len(prompt_ids) < engine.max_model_len:  # else the engine names the prompt's fault
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         check_max_tokens(requested, len(prompt_ids), engine.max_model_len, param)
-    reasoner = new_reasoning_parser(
+    reasoner = await run_parsing(
+        bool(ctx.limits.reasoning_parser),
+        new_reasoning_parser,
         engine.plugins.registry("reasoning_parser"),
         ctx.limits.reasoning_parser,
         engine.tokenizer,
         prompt_ids,
+        ctx.config.engine.frontend_plugin_timeout,
     )
-    params = constrain_after_reasoning(params, reasoner)
+    parsing = plan.parser is not None or reasoner is not None
+    params = await run_parsing(parsing, constrain_after_reasoning, params, reasoner)
     if any(p is not None and p.keeps_special_tokens for p in (plan.parser, reasoner)):
         params = params.clone(skip_special_tokens=False)  # the markers are special tokens
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -267,9 +275,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             output = await unless_disconnected(request, search)
         except ClientDisconnected:
             return Response(status_code=499)
-        return JSONResponse(
-            _response(ctx, body, request_id, created, output, num_top, plan, reasoner)
+        reply = await run_parsing(
+            parsing, _response, ctx, body, request_id, created, output, num_top, plan, reasoner
         )
+        return JSONResponse(reply)
     kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
     collector = engine.add_request(
         request_id,
@@ -302,7 +311,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         output = await unless_disconnected(request, final())
     except ClientDisconnected:
         return Response(status_code=499)
-    return JSONResponse(_response(ctx, body, request_id, created, output, num_top, plan, reasoner))
+    reply = await run_parsing(
+        parsing, _response, ctx, body, request_id, created, output, num_top, plan, reasoner
+    )
+    return JSONResponse(reply)
 
 
 def _response(
@@ -425,6 +437,13 @@ async def _stream(
                 )
         tool_streams = {i: plan.stream() for i in range(body.n)}
         reasoning_streams = {i: ChoiceReasoningStream(reasoner) for i in range(body.n)}
+        parsing = plan.parser is not None or reasoner is not None
+
+        def split(index: int, text: str, finished: bool) -> tuple[str, dict[str, Any]]:
+            """The choice's new ``(reasoning, delta)``: both parsers, in one call."""
+            thought, content = reasoning_streams[index].feed(text, finished)
+            return thought, tool_streams[index].delta(content, finished)
+
         async for output in outputs:
             prompt_tokens = len(output.prompt_token_ids)
             cached_tokens = output.num_cached_tokens
@@ -443,8 +462,9 @@ async def _stream(
                     )
                 tools = tool_streams[completion.index]
                 finished = completion.finish_reason is not None
-                thought, text = reasoning_streams[completion.index].feed(completion.text, finished)
-                delta = tools.delta(text, finished)
+                thought, delta = await run_parsing(
+                    parsing, split, completion.index, completion.text, finished
+                )
                 if thought and body.include_reasoning:
                     delta = {**reasoning_fields(thought), **delta}
                 finish_reason = completion.finish_reason
@@ -464,6 +484,6 @@ async def _stream(
         if include_usage:
             final = usage(prompt_tokens, completion_tokens, cached_tokens)
             yield sse({**base, "choices": [], "usage": final})
-    except EngineCoreError as exc:
+    except (EngineCoreError, APIError) as exc:  # APIError: a parser failed (named)
         yield sse(error_body(status_of(exc), str(exc)))
     yield DONE

@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
+from enginecore.config import EngineProcessConfig
 from enginecore.params import SamplingParams
 from enginecore.reasoning_parsers import ReasoningParser, ReasoningStream
+from enginecore.server.contained_parsers import build_contained_parser
 
 #: Prompt tokens decoded for the parser's ``start``: enough for any marker and the blank
 #: lines a template writes around it.
@@ -21,12 +23,19 @@ PROMPT_TAIL_TOKENS = 16
 
 
 def new_reasoning_parser(
-    registry: Any, name: str | None, tokenizer: Any, prompt_ids: list[int]
+    registry: Any,
+    name: str | None,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    timeout: float = EngineProcessConfig().frontend_plugin_timeout,
 ) -> ReasoningParser | None:
-    """The request's parser, told how the prompt ends; None without a configured parser."""
+    """The request's parser, told how the prompt ends; None without a configured parser.
+    Its ``parse`` and ``start`` are bounded by ``timeout`` and named when they fail."""
     if not name:
         return None
-    parser: ReasoningParser = registry.get(name)(tokenizer)
+    parser: ReasoningParser = build_contained_parser(
+        "reasoning_parser", name, registry.get(name), tokenizer, timeout
+    )
     tail = ""
     if tokenizer is not None and prompt_ids:
         tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -66,6 +75,11 @@ class ChoiceReasoningStream:
 
     def __init__(self, parser: ReasoningParser | None) -> None:
         self._stream = ReasoningStream(parser) if parser is not None else None
+
+    @property
+    def parses(self) -> bool:
+        """Whether a parser splits the text (else it is all content)."""
+        return self._stream is not None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if self._stream is None:

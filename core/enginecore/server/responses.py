@@ -31,6 +31,7 @@ from enginecore.engine.output import OutputKind, RequestOutput
 from enginecore.errors import EngineCoreError
 from enginecore.params import SamplingParams
 from enginecore.server.client_quota import client_fields
+from enginecore.server.contained_parsers import run_parsing
 from enginecore.server.context import ServerContext, context
 from enginecore.server.errors import APIError, error_body, status_of
 from enginecore.server.limits import check_capacity, check_prompt_tokens
@@ -317,11 +318,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         check_max_tokens(
             body.max_output_tokens, len(prompt_ids), engine.max_model_len, "max_output_tokens"
         )
-    reasoner = new_reasoning_parser(
+    reasoner = await run_parsing(
+        bool(ctx.limits.reasoning_parser),
+        new_reasoning_parser,
         engine.plugins.registry("reasoning_parser"),
         ctx.limits.reasoning_parser,
         engine.tokenizer,
         prompt_ids,
+        ctx.config.engine.frontend_plugin_timeout,
     )
     if reasoner is not None and reasoner.keeps_special_tokens:
         params = params.clone(skip_special_tokens=False)  # the markers are special tokens
@@ -380,7 +384,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     usage = _usage(
         len(output.prompt_token_ids), len(output.outputs[0].token_ids), output.num_cached_tokens
     )
-    return JSONResponse(finish(output.outputs[0].text, output, usage))
+    reply = await run_parsing(reasoner is not None, finish, output.outputs[0].text, output, usage)
+    return JSONResponse(reply)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -468,7 +473,9 @@ async def _stream(
             completion_tokens += len(completion.token_ids)
             finished = completion.finish_reason is not None
             raw.append(completion.text)
-            piece_of_thought, piece = reasoning.feed(completion.text, finished)
+            piece_of_thought, piece = await run_parsing(
+                reasoning.parses, reasoning.feed, completion.text, finished
+            )
             if piece_of_thought and not opened:
                 opened.append("reasoning")
                 at = {"item_id": reasoning_id, "output_index": 0}
@@ -503,7 +510,7 @@ async def _stream(
                 yield _event(
                     "response.output_text.delta", next(seq), delta=piece, logprobs=[], **where
                 )
-    except EngineCoreError as exc:
+    except (EngineCoreError, APIError) as exc:  # APIError: a parser failed (named)
         error = error_body(status_of(exc), str(exc))["error"]
         yield _event(
             "error", next(seq), code=str(error["code"]), message=error["message"], param=None
@@ -526,5 +533,5 @@ async def _stream(
     yield _event(
         "response.completed",
         next(seq),
-        response=finish("".join(raw), last, usage),
+        response=await run_parsing(reasoning.parses, finish, "".join(raw), last, usage),
     )

@@ -15,8 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from enginecore.config import EngineProcessConfig
 from enginecore.params import StructuredOutputParams
 from enginecore.registry import Registry
+from enginecore.server.contained_parsers import build_contained_parser
 from enginecore.server.errors import APIError
 from enginecore.server.protocol import ChatCompletionRequest, NamedToolChoice
 from enginecore.tool_parsers import ExtractedToolCalls, ToolCall, ToolCallStream, ToolParser
@@ -51,6 +53,7 @@ def plan_tools(
     backend_registry: Registry[Any] | None,
     backend_name: str,
     tokenizer: Any,
+    parser_timeout: float = EngineProcessConfig().frontend_plugin_timeout,
 ) -> ToolPlan:
     """Validate ``tools``/``tool_choice`` (400 on anything wrong) and decide what to do."""
     tools = body.tools or []
@@ -80,7 +83,9 @@ def plan_tools(
             )
         assert parser_registry is not None
         plan.mode = "auto"
-        plan.parser = parser_registry.get(parser_name)(tokenizer)
+        plan.parser = build_contained_parser(
+            "tool_parser", parser_name, parser_registry.get(parser_name), tokenizer, parser_timeout
+        )
         plan.parser.tools = template_tools or []
         return plan
     tool = None

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from enginecore.errors import InvalidRequestError
+from enginecore.plugins import is_builtin
 from enginecore.request import Request, RequestStatus
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
+from enginecore.startup_errors import describe_provider
 from enginecore.structured_output.keys import grammar_key
 
 if TYPE_CHECKING:
@@ -46,6 +48,11 @@ class StructuredOutputManager:
         self._registry = plugins.registry("structured_output_backend")
         # Fails at start-up, listing the available backends, when the name is unknown.
         self.backend_provider = self._registry.entry(self.backend_name).plugin
+        #: A plugin's backend is named in its compile errors, with the config key.
+        self.described = ""
+        if not is_builtin(self.backend_provider):
+            provider, _ = describe_provider(plugins, "structured_output_backend", self.backend_name)
+            self.described = f" ({provider}, config key structured_output.backend)"
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -125,7 +132,8 @@ class StructuredOutputManager:
                 self.grammars[request_id] = self._get_backend().new_grammar(future.result())
             except Exception as exc:
                 request.status = RequestStatus.FINISHED_ERROR
-                failed.append((request, compile_error_message(request, exc)))
+                message = compile_error_message(request, exc)
+                failed.append((request, message + self.described))
                 continue
             spec = request.sampling_params.structured_output
             if spec is not None and spec.reasoning_end:

@@ -1,0 +1,114 @@
+"""The block products (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in every build this CPU can run,
+against gguf's numpy de-quantization of the same blocks.
+
+Each build (what the engine builds here; on an AVX-512 CPU the same without VNNI; AVX2;
+plain C) multiplies the blocks of random weights by quantized activations, one row (the
+batch-1 decode step's one-row kernels) and several, on one thread and on two; the
+reference is the float64 sum of gguf's de-quantized weight times the same 8-bit
+activations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import platform
+import shutil
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.testing.quantizers import quantize_k
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+pytestmark = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AVX512 = _X86 and cpu_kernels.instruction_set() == "x86-64-v4"
+# (name, x86-64 level or None for the engine's own build, whether to add VNNI)
+_BUILDS = [
+    ("host", None),
+    *([("x86-64-v4 without VNNI", "x86-64-v4")] if _AVX512 else []),
+    *([("x86-64-v3", "x86-64-v3"), ("x86-64", "x86-64")] if _X86 else []),
+]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
+    """Both K-quant sources compiled for every build in ``_BUILDS``, loaded."""
+    out: dict[str, ctypes.CDLL] = {}
+    own_level = cpu_kernels.instruction_set
+    for name, level in _BUILDS:
+        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        shutil.copy(kquant_kernels.SOURCE.with_name("quant_simd.h"), directory)
+        extra_isa = quant_kernels._vnni() if level is None else None
+        try:
+            if level is not None:
+                cpu_kernels.instruction_set = lambda level=level: level  # type: ignore[method-assign]
+            for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE):
+                copy = pathlib.Path(shutil.copy(source, directory))
+                path = cpu_kernels.build(
+                    directory, source=copy, stem=copy.stem, extra_isa=extra_isa
+                )
+                out[f"{name}/{copy.stem}"] = ctypes.CDLL(str(path))
+        finally:
+            cpu_kernels.instruction_set = own_level  # type: ignore[method-assign]
+    return out
+
+
+def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", [(13, 256), (6, 1280), (40, 2048)])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("build", [name for name, _ in _BUILDS])
+def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, rows, threads):
+    n, k = shape
+    torch.manual_seed(n * k + rows)
+    w = torch.randn(n, k)
+    if fmt.endswith("_K"):
+        raw = quantize_k(w, fmt)
+        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k))
+    else:
+        raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
+        part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
+    weight = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[fmt]), np.float64)
+    x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # blocks of unlike scales
+    acts = quant_kernels.load().quantize_rows(x)
+    x_values = (acts.q.reshape(rows, -1, 32).double() * acts.scale.double()[..., None]).reshape(
+        rows, k
+    )
+    want = x_values @ torch.from_numpy(weight.reshape(n, k)).T
+    got = torch.full((rows, n + 3), float("nan"))  # a row stride beyond the outputs
+    i64 = ctypes.c_int64
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if fmt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K"):
+            lib = builds[f"{build}/quant_kernels"]
+            lib.ecq_linear.restype = ctypes.c_int
+            qs, d, m = (ctypes.c_void_p(a) for a in part.pointers)
+            status = lib.ecq_linear(
+                ctypes.c_int(part.kind), _p(x), i64(k), i64(rows), i64(n), i64(k), qs, d, m,
+                _p(got), i64(n + 3),
+            )  # fmt: skip
+            assert status == 0
+        else:
+            builds[f"{build}/kquant_kernels"].eck_gemm_k(
+                i64(rows), i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.scales),
+                _p(acts.q), _p(acts.scale), _p(acts.scaled_sum), _p(got), i64(n + 3),
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    scale = want.abs().max().item()
+    assert (got[:, :n].double() - want).abs().max().item() <= 2e-6 * scale, (build, fmt)
+    assert got[:, n:].isnan().all()  # nothing written past the outputs
