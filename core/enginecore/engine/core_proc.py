@@ -226,9 +226,25 @@ class EngineCoreProc(EngineCore):
             except queue.Empty:
                 return
             if kind is EngineCoreRequestType.ABORT:
+                self._drop_deferred_adds(message)
                 self.abort_requests(message)
             else:
                 self._deferred.append((kind, message))
+
+    def _drop_deferred_adds(self, request_ids: list[str]) -> None:
+        """An abort applied now also cancels its request's add if that waits in
+        ``_deferred`` (both arrived during this forward pass): applied first, the abort
+        would miss the request, which would then run to its end for nobody."""
+        if not self._deferred:
+            return
+        gone = set(request_ids)
+        kept = [
+            (kind, message)
+            for kind, message in self._deferred
+            if not (kind is EngineCoreRequestType.ADD and message.request_id in gone)
+        ]
+        if len(kept) != len(self._deferred):
+            self._deferred = deque(kept)
 
     def _handle(self, kind: EngineCoreRequestType, message: Any) -> None:
         if kind is EngineCoreRequestType.ADD:
