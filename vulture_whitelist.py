@@ -32,6 +32,7 @@ aggregate_over_engines
 # Worker and engine methods called by name (collective_rpc, the utility channel).
 memory_snapshot
 model_summary
+lora_state
 trace_next_steps
 get_pid
 get_rank
