@@ -32,6 +32,7 @@ aggregate_over_engines
 # Worker and engine methods called by name (collective_rpc, the utility channel).
 memory_snapshot
 model_summary
+lora_state
 trace_next_steps
 get_pid
 get_rank
@@ -47,8 +48,9 @@ __getattr__
 _hf_child
 
 # Attributes read by libraries: torch's matmul precision, tokenizers' pre-tokenizer,
-# ZeroMQ's CURVE socket options; pytest's collect_ignore.
+# ZeroMQ's CURVE socket options; pytest's collect_ignore; transformers' config field.
 _.allow_tf32
+_.use_cache
 _.pre_tokenizer
 _.curve_server
 _.curve_serverkey

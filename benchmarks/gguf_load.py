@@ -5,10 +5,14 @@ Each run is a fresh process (``LLM(..., multiprocessing=False)``, so one process
 the engine and its memory is the engine's). ``first``: this file's prepared weights
 removed from the cache beforehand; ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready (the float32
-prefill copies are then still being made in the background); a second such request
-follows. With ``--baseline-src DIR`` (a source tree of another commit, for example
+prefill copies are then still being made in the background); a second and a third follow,
+each with other tokens (the same prompt again would be served from the prefix cache).
+Resident memory is taken when the engine is ready and after the three requests. With
+``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
-both see the same machine load.
+both see the same machine load. Each tree keeps its kernels and prepared weights in a
+cache of its own (``TREE/.enginecore-cache``), so that neither run finds what another
+checkout, or the other tree, prepared.
 
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR]
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -30,18 +35,20 @@ from enginecore import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
 ready = time.perf_counter()
+rss_ready = psutil.Process().memory_info().rss
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-prompt = {"prompt_token_ids": list(range(300, 428))}
-t = time.perf_counter()
-first = llm.generate([prompt], params, use_tqdm=False)
-ttft = time.perf_counter() - t
-t = time.perf_counter()
-llm.generate([prompt], params, use_tqdm=False)
-second = time.perf_counter() - t
+def timed(start):
+    prompt = {"prompt_token_ids": list(range(start, start + 128))}
+    t = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    return time.perf_counter() - t, out[0].outputs[0].token_ids
+ttft, token = timed(300)
+second, _ = timed(1300)
+third, _ = timed(2300)
 rss = psutil.Process().memory_info().rss
 print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
-    "first_request_s": ttft, "second_request_s": second, "rss_gib": rss / 2**30,
-    "token": first[0].outputs[0].token_ids}))
+    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
+    "rss_ready_gib": rss_ready / 2**30, "rss_gib": rss / 2**30, "token": token}))
 llm.shutdown()
 """
 
@@ -52,18 +59,18 @@ def source_path(tree: pathlib.Path) -> str:
     return os.pathsep.join(str(p) for p in roots)
 
 
-def forget_prepared(model: str) -> None:
-    try:
-        from enginecore_cpu.prepared_weights import PreparedWeights
-    except ImportError:
-        return
-    import shutil
+THIS_TREE = pathlib.Path(__file__).resolve().parents[1]
 
-    shutil.rmtree(PreparedWeights(model).directory, ignore_errors=True)
+
+def tree_cache(tree: pathlib.Path) -> pathlib.Path:
+    """A tree's own cache (kernels, prepared weights): two trees sharing one would
+    replace each other's prepared weights of the same file at every run."""
+    return tree / ".enginecore-cache"
 
 
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
     env = dict(os.environ, ENGINECORE_STARTUP_LOG="0")
+    env["ENGINECORE_CACHE_DIR"] = str(tree_cache(tree or THIS_TREE))
     if tree is not None:
         env["PYTHONPATH"] = source_path(tree)
     out = subprocess.run(
@@ -87,8 +94,10 @@ def main() -> None:
     print(f"load average {os.getloadavg()}")
     for label in ["first"] + ["warm"] * args.rounds:
         for name, tree in trees:
-            if label == "first" and tree is None:
-                forget_prepared(model)
+            if label == "first":
+                shutil.rmtree(
+                    tree_cache(tree or THIS_TREE) / "prepared_weights", ignore_errors=True
+                )
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 

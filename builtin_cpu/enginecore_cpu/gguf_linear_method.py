@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats import parts as block_parts
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
@@ -182,12 +183,11 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             if self._afford(out * k * 4):
                 self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
-        super().process_weights_after_loading(layer)
-        weight = cast(torch.Tensor, layer.weight)
         if (
             isinstance(layer, VocabParallelEmbedding)
             and kernels is not None
             and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
             and weight.shape[1] % gguf_blocks.BLOCK == 0
         ):
             # One such head a model: the file's key and its shape name it in the cache.
@@ -198,6 +198,28 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 if self.prepared is not None:
                     self.prepared.save(head_key, blocks)
             setattr(layer, _BLOCKS, blocks)
+            # The logits come from the blocks: the table stays as the lookup reads it
+            # (packing or transposing it would copy a table no product reads).
+            return
+        super().process_weights_after_loading(layer)
+
+    def embedding_table(self, layer: nn.Module, blocks: QuantizedTensor) -> torch.Tensor | None:
+        """A GGUF file's token embedding as float32, kept in the prepared-weight cache:
+        later loads map it, and only the rows looked up are ever read (the de-quantizing
+        and copying of the whole table held up every load)."""
+        weight = cast(torch.Tensor, layer.weight)
+        if self.prepared is None or not blocks.source or weight.dtype != torch.float32:
+            return None
+        out, k = blocks.shape
+        key = f"float32 table of {blocks.source} ({blocks.format}, {out}x{k})"
+        table = self.prepared.load_table(key)
+        if table is None:
+            table = block_parts.dequantized_part(block_parts.unpacked(blocks))
+            self.prepared.save_table(key, table)
+            # Mapped back where it was written: resident only where looked up.
+            mapped = self.prepared.load_table(key)
+            table = table if mapped is None else mapped
+        return table
 
     def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""

@@ -2,7 +2,8 @@
 
 The ``gguf`` linear method multiplies blocks in its own layout (``block_formats``), which
 takes a pass over every weight to make from a file's. That pass runs once: its result,
-each layer's row ranges of blocks, is written here, and later loads map it (copy-on-write,
+each layer's row ranges of blocks, is written here (and so is the float table of
+a token embedding the file holds in blocks, looked up row by row), and later loads map it (copy-on-write,
 nothing read until the kernels touch a page), so a warm load reads no weight and resident
 memory grows with what the model uses, as with a mapped GGUF file.
 
@@ -32,7 +33,7 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,6 +55,7 @@ _DTYPES = {
 }
 
 Layer = list[tuple[int, Part]]  # (first output row, blocks), in row order
+_Entry = list[tuple[int, Part | torch.Tensor]]  # a layer, or one float table at row 0
 
 
 def root() -> Path:
@@ -118,6 +120,27 @@ class PreparedWeights:
     def load(self, key: str) -> Layer | None:
         """The layer prepared under ``key``, mapped from disk; None when there is no
         entry or it does not parse (the caller prepares the layer and saves it again)."""
+        entry = self._load(key)
+        if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
+            return None
+        return cast(Layer, entry)
+
+    def load_table(self, key: str) -> torch.Tensor | None:
+        """The float table kept under ``key`` (a token embedding's), mapped from disk."""
+        entry = self._load(key)
+        if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
+            return None
+        return entry[0][1]
+
+    def save_table(self, key: str, table: torch.Tensor) -> None:
+        """Keep ``table`` under ``key``; a failure to write only costs the next load time."""
+        self._save(key, [(0, table)])
+
+    def save(self, key: str, layer: Layer) -> None:
+        """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
+        self._save(key, list(layer))
+
+    def _load(self, key: str) -> _Entry | None:
         path = self._entry(key)
         try:
             size = path.stat().st_size
@@ -139,8 +162,7 @@ class PreparedWeights:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
-    def save(self, key: str, layer: Layer) -> None:
-        """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
+    def _save(self, key: str, layer: _Entry) -> None:
         if not self._writable:
             return
         writes: list[tuple[torch.Tensor, int]] = []
@@ -180,13 +202,17 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _fields(part: Part) -> list[torch.Tensor]:
+def _fields(part: Part | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(part, torch.Tensor):
+        return [part]
     if isinstance(part, KQuantWeight):
         return [part.qs, part.scales]
     return [part.qs, part.d, part.m]
 
 
-def _describe(part: Part) -> dict[str, Any]:
+def _describe(part: Part | torch.Tensor) -> dict[str, Any]:
+    if isinstance(part, torch.Tensor):
+        return {"kind": "table", "shape": list(part.shape)}
     if isinstance(part, KQuantWeight):
         return {"kind": "kquant", "fmt": part.fmt, "shape": list(part.shape)}
     return {
@@ -210,9 +236,14 @@ def _tensor(spec: dict[str, Any], data: torch.Tensor) -> torch.Tensor:
     return data[start:end].view(dtype).view(shape)
 
 
-def _part(spec: dict[str, Any], data: torch.Tensor) -> Part:
+def _part(spec: dict[str, Any], data: torch.Tensor) -> Part | torch.Tensor:
     shape = (int(spec["shape"][0]), int(spec["shape"][1]))
     fields = [_tensor(t, data) for t in spec["tensors"]]
+    if spec["kind"] == "table":
+        (table,) = fields
+        if tuple(table.shape) != shape:
+            raise ValueError("a table's shape differs from its part's")
+        return table
     if spec["kind"] == "kquant":
         qs, scales = fields
         return KQuantWeight(str(spec["fmt"]), qs, scales, shape)

@@ -154,10 +154,20 @@ def trace_next_steps(worker: Any, n: int, path: Any = None) -> str:
     return str(tracer.path)
 
 
+def lora_state(worker: Any) -> dict[str, Any]:
+    """This rank's LoRA adapters (``enable_lora``): adapter id -> device slot, free
+    slots, adapters read in host memory and their bytes, and the reads begun so far."""
+    manager = getattr(getattr(worker, "model_runner", None), "lora", None)
+    if manager is None:
+        raise ValueError("lora_state: this worker serves no LoRA adapters (enable_lora is off)")
+    return {**_parallel_info(worker), **manager.stats()}
+
+
 DEBUG_RPCS = {
     "memory_snapshot": ("memory_snapshot", "per-rank device/host memory and KV cache size"),
     "kv_cache_stats": ("kv_cache_stats", "KV cache shape, bytes and blocks in use per rank"),
     "model_summary": ("model_summary", "layers, dtypes, parameter counts and sharding"),
+    "lora_state": ("lora_state", "LoRA adapters per rank: device slots, host copies, reads"),
     "trace_next_steps": (
         "trace_next_steps",
         "trace_next_steps(n): record the next n SchedulerOutputs and timings to a JSONL file",

@@ -2,7 +2,9 @@
 
 This is how a deployment grows past one machine: the ranks may sit on any nodes of a Ray
 cluster (``parallel.ray_address``), each actor hosts the same generic ``Worker`` as the
-``mp`` executor, and the TP/PP process group rendezvous at rank 0's node. When no address
+``mp`` executor, and the TP/PP process group rendezvous through a file in an owner-only
+directory when every rank is on the engine's node (no port), or else at rank 0's node
+through a TCP store bound to that node's address only. When no address
 is configured a private local cluster is started, bound to 127.0.0.1 (never exposed).
 
 - placement: one bundle per rank (``{"CPU": 1}``, plus ``{"GPU": 1}`` on CUDA); each
@@ -28,6 +30,7 @@ import functools
 import logging
 import os
 import pickle
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +44,7 @@ from enginecore.config import EngineConfig
 from enginecore.errors import ConfigError, EngineShutdownError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.runner_output import ModelRunnerOutput
+from enginecore.runtime_dirs import make_runtime_dir
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore_executors.ray_placement import (
     Placement,
@@ -77,20 +81,20 @@ class RayWorkerActor:
         self._forever = threading.Event()
         self.tasks_served = {"call": 0, "step": 0}  # how the calls arrived (one round a step)
 
-    def node_ip_and_port(self) -> tuple[str, int]:
-        """An address the other ranks can reach this node on (rank 0 hosts the rendezvous)."""
+    def rendezvous(self) -> str:
+        """The TCP init_method of the ranks' process group, hosted here (rank 0): a
+        socket bound on this node's address only, held until the store takes it."""
         import ray
 
-        from enginecore.distributed import free_loopback_port
+        from enginecore.distributed import hold_rendezvous_port
 
-        ip: str = ray.util.get_node_ip_address()
-        if ip in ("127.0.0.1", "localhost"):
-            return ip, free_loopback_port()
-        import socket
+        return hold_rendezvous_port(ray.util.get_node_ip_address())
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+    def node_id(self) -> str:
+        import ray
+
+        node: str = ray.get_runtime_context().get_node_id()
+        return node
 
     def node_ip(self) -> str:
         import ray
@@ -254,6 +258,7 @@ class RayExecutor(CallGate, Executor):
         self.pids: list[int] = []
         self.node_ips: list[str] = []
         self.placement: Placement | None = None
+        self._rendezvous_dir: str | None = None
         # execute_model's scheduler output and Future, held until sample_tokens sends both.
         self._held_step: tuple[SchedulerOutput, Future[Any]] | None = None
         if not ray.is_initialized():
@@ -311,8 +316,7 @@ class RayExecutor(CallGate, Executor):
                     scheduling_strategy=strategy,
                 ).remote(rank)
             )
-        ip, port = ray.get(self.actors[0].node_ip_and_port.remote(), timeout=timeout)
-        init_method = f"tcp://{ip}:{port}"
+        init_method = self._rendezvous(timeout)
         config_bytes = msgspec.msgpack.encode(self.config)
         spec_bytes = msgspec.msgpack.encode(self.worker_spec)
         refs = [a.start.remote(config_bytes, spec_bytes, init_method) for a in self.actors]
@@ -336,6 +340,19 @@ class RayExecutor(CallGate, Executor):
         self.pids = [ray.get(r)[1] for r in refs]
         self.node_ips = ray.get([a.node_ip.remote() for a in self.actors], timeout=timeout)
         self._sentinels = [a.wait_forever.remote() for a in self.actors]
+
+    def _rendezvous(self, timeout: float) -> str:
+        """Ranks all on this node meet through a file in an owner-only directory (no port
+        at all); ranks on several nodes through a TCP store bound to rank 0's node
+        address only (torch's store is unauthenticated: keep those nodes on a private
+        network)."""
+        ray = self.ray
+        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout)
+        if set(nodes) == {ray.get_runtime_context().get_node_id()}:
+            self._rendezvous_dir = make_runtime_dir("ray-")  # mode 0700
+            return f"file://{self._rendezvous_dir}/rendezvous"
+        init_method: str = ray.get(self.actors[0].rendezvous.remote(), timeout=timeout)
+        return init_method
 
     # --- calls ------------------------------------------------------------------------------
 
@@ -545,5 +562,7 @@ class RayExecutor(CallGate, Executor):
         for future in pending:
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(EngineShutdownError("the executor was shut down"))
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
         if self._started_ray:
             ray.shutdown()

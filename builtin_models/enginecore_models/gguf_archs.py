@@ -71,8 +71,6 @@ EXPERT_TENSORS = {
 def gguf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, Any]) -> Any:
     """The transformers config of a GGUF file of ``arch``; ``field(key, default)`` reads
     its metadata, ``tensors`` maps tensor names to the reader's tensors."""
-    import transformers
-
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported "
@@ -174,7 +172,14 @@ def gguf_config(arch: str, field: Callable[[str, Any], Any], tensors: dict[str, 
             if attn_factor is not None:
                 rope["attention_factor"] = float(attn_factor)
     kwargs["rope_parameters"] = rope
-    config = getattr(transformers, config_cls)(**kwargs)
+    if arch == "llama":
+        from enginecore_models.gguf_llama_config import gguf_llama_config
+
+        config = gguf_llama_config(**kwargs)
+    else:
+        import transformers
+
+        config = getattr(transformers, config_cls)(**kwargs)
     config.architectures = [hf_arch]
     return config
 
@@ -230,10 +235,15 @@ def unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_tensors(
-    arch: str, name: str, weight: torch.Tensor, hf_config: Any
-) -> Iterator[tuple[str, torch.Tensor]]:
+    arch: str,
+    name: str,
+    weight: torch.Tensor,
+    hf_config: Any,
+    unpermute: Callable[[torch.Tensor, int], Any] = unpermute_rope,
+) -> Iterator[tuple[str, Any]]:
     """The HF tensors one GGUF tensor holds (none for what the model does not use; every
-    expert's slice for a 3-D expert tensor)."""
+    expert's slice for a 3-D expert tensor). ``unpermute(weight, heads)`` undoes the
+    rotary interleave of a Llama q/k weight (a caller may defer it)."""
     if name in TOP_LEVEL_NAMES:
         if arch in ("gemma2", "gemma3") and name == "output_norm.weight":
             weight = weight - 1
@@ -261,5 +271,6 @@ def hf_tensors(
         heads = hf_config.num_attention_heads
         if kind == "attn_k":
             heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        weight = unpermute_rope(weight, heads)
+        yield f"{prefix}.{target}.{suffix}", unpermute(weight, heads)
+        return
     yield f"{prefix}.{target}.{suffix}", weight

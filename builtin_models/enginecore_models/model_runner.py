@@ -66,7 +66,7 @@ from enginecore_models.cuda_graphs import (
 from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
-from enginecore_models.lora_support import make_lora_manager
+from enginecore_models.lora_support import make_lora_manager, note_fused_decode_off
 from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
@@ -479,6 +479,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 self.piecewise_graphs.capture()
         elif self.lora is None:  # one foreign call for the step: no point to add a delta
             self.fused_decode = self._backend().fused_decode(self.model, self.kv_caches)
+        else:
+            note_fused_decode_off(self._backend())
         if self.kv_connector is not None:
             self.kv_connector.bind_caches(self.kv_caches)
         elif self.worker_spec.kv_connector_ref:
@@ -492,6 +494,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 name=name,
             )
             self.kv_connector = KVConnectorBridge(connector, self.kv_caches, name)
+        if self.lora is not None:
+            self.lora.finish_preload()  # --lora-modules, read meanwhile; a bad one fails here
 
     # --- request state --------------------------------------------------------------
 
@@ -610,6 +614,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         so = scheduler_output
         self._update_states(so)
         if self.lora is not None:
+            if so.lora_removals:
+                self.lora.remove(so.lora_removals)  # unloaded: slots and host copies freed
             self.lora.start_loads(so.lora_loads)  # reads run off the step
         bridge = self.kv_connector
         if bridge is not None:

@@ -14,7 +14,7 @@ import json
 import logging
 import pathlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import MissingWeightsError, load_params
 from enginecore.registry import import_ref
 from enginecore_models.checkpoint_support import SUPPORTED_WEIGHTS
-from enginecore_models.gguf_archs import dequantized, gguf_config, hf_tensors
+from enginecore_models.gguf_archs import dequantized, gguf_config, hf_tensors, unpermute_rope
 from enginecore_models.group_quant import group_quant_config, iter_group_quantized
 
 logger = logging.getLogger(__name__)
@@ -173,25 +173,64 @@ def gguf_hf_config(path: str | pathlib.Path) -> Any:
     return gguf_config(reader.field("general.architecture"), reader.field, tensors)
 
 
+class _RopeRows(NamedTuple):
+    """A Llama q/k weight's blocks in llama.cpp's rotary order, and its heads."""
+
+    raw: torch.Tensor
+    heads: int
+
+
+class _RopeOrderedTensor(QuantizedTensor):
+    """q/k blocks whose rows take HF's rotary order when first read: a linear method
+    that finds the layer prepared never reads them, and reordering them read a quarter of
+    a layer's bytes at every load."""
+
+    def __init__(
+        self, rows: _RopeRows, fmt: str, shape: tuple[int, int], source: str, start: int = 0
+    ) -> None:
+        self._rows, self._start = rows, start
+        self.format, self.shape, self.source = fmt, shape, source
+
+    @functools.cached_property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        ordered = unpermute_rope(self._rows.raw, self._rows.heads)
+        return ordered.narrow(0, self._start, self.shape[0])
+
+    def rows(self, start: int, length: int) -> QuantizedTensor:
+        source = f"{self.source}[{start}:{start + length}]" if self.source else ""
+        shape = (length, self.shape[1])
+        return _RopeOrderedTensor(self._rows, self.format, shape, source, self._start + start)
+
+
+# The token embedding: handed over in blocks too, the embedding asks its linear method for
+# a table (one kept from an earlier load, mapped) before de-quantizing it.
+EMBEDDING = "token_embd.weight"
+
+
 def iter_gguf(
     path: str | pathlib.Path, hf_config: Any, keep_quantized: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, Any]]:
     """GGUF tensors under HF names and in HF layouts: de-quantized, or, for a layer's 2-D
     projection in a block format named in ``keep_quantized``, its blocks (row order
-    fixed like a float weight's) as a :class:`QuantizedTensor`."""
+    fixed like a float weight's) as a :class:`QuantizedTensor`; so is the token
+    embedding in such a format."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
     arch = reader.field("general.architecture")
     for tensor in startup_log.progress(reader.tensors, len(reader.tensors), "reading weights"):
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if (
             tensor.tensor_type.name in keep_quantized
-            and tensor.name.startswith("blk.")
+            and (tensor.name.startswith("blk.") or tensor.name == EMBEDDING)
             and len(shape) == 2
         ):
             # Mapped, not read: a linear method with the blocks prepared never touches them.
             raw = reader.mapped(tensor).reshape(shape[0], -1)
-            for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config):
-                yield hf_name, QuantizedTensor(rows, tensor.tensor_type.name, shape, hf_name)
+            fmt = tensor.tensor_type.name
+            for hf_name, rows in hf_tensors(arch, tensor.name, raw, hf_config, _RopeRows):
+                if isinstance(rows, _RopeRows):
+                    yield hf_name, _RopeOrderedTensor(rows, fmt, shape, hf_name)
+                else:
+                    yield hf_name, QuantizedTensor(rows, fmt, shape, hf_name)
             continue
         named = list(hf_tensors(arch, tensor.name, dequantized(tensor), hf_config))
         if not named:

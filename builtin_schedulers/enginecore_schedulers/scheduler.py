@@ -18,6 +18,7 @@ time or hash iteration order, so identical engines produce identical outputs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from enginecore.distributed import resolve_device_type
 from enginecore.errors import KV_TRANSFER_ERROR_PREFIX
 from enginecore.interfaces import Scheduler, SchedulerState, SchedulingPolicy
+from enginecore.lora.modules import preloaded_requests
 from enginecore.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -163,7 +165,11 @@ class DefaultScheduler(Scheduler):
         self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         self._step_loras: set[int] = set()
         # Adapters the workers have read: requests wait in the queue until theirs is.
-        self.lora_admission = LoRAAdmission() if self.max_loras else None
+        self.lora_admission = (
+            LoRAAdmission(ready=[r.lora_int_id for r in preloaded_requests(config.lora)])
+            if self.max_loras
+            else None
+        )
         # Per-client cap on requests in a step while several clients have work: each
         # request's client (the policy's client_key) and unfinished requests per client.
         self.max_num_seqs_per_client = _seqs_per_client(config)
@@ -441,6 +447,8 @@ class DefaultScheduler(Scheduler):
         )
         if self.lora_admission is not None and self.lora_admission.pending:
             out.lora_loads = self.lora_admission.loads()
+        if self.lora_admission is not None and self.lora_admission.removing:
+            out.lora_removals = self.lora_admission.removals(self._lora_ids_in_use())
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._last_num_scheduled_tokens = total
@@ -457,6 +465,14 @@ class DefaultScheduler(Scheduler):
             return False
         self._step_loras.add(lora.lora_int_id)
         return True
+
+    def _lora_ids_in_use(self) -> set[int]:
+        """The adapters the requests this scheduler holds name (they finish first)."""
+        return {
+            r.lora_request.lora_int_id
+            for r in itertools.chain(self.running, self.waiting.view())
+            if r.lora_request is not None
+        }
 
     def _fail_lora_reads(self, failed: dict[int, str]) -> None:
         """Fail the waiting requests naming an adapter the workers could not read (the

@@ -90,6 +90,37 @@ def replica_env(par: ParallelConfig, replica: int) -> dict[str, str]:
     return {REPLICA_ENV: str(replica)}
 
 
+#: Listening sockets this process bound for a TCP rendezvous it hosts, by init_method.
+_HELD_RENDEZVOUS: dict[str, socket.socket] = {}
+
+
+def hold_rendezvous_port(ip: str) -> str:
+    """Bind a listening socket on ``ip`` only and return its ``tcp://`` init_method: the
+    rank that hosts the rendezvous (this process) hands it to torch's TCP store, which
+    would otherwise listen on every interface whatever address it is given."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((ip, 0))
+    sock.listen(128)
+    host = f"[{ip}]" if family == socket.AF_INET6 else ip
+    init_method = f"tcp://{host}:{sock.getsockname()[1]}"
+    _HELD_RENDEZVOUS[init_method] = sock
+    return init_method
+
+
+def _held_store(init_method: str, world_size: int, timeout: Any) -> Any:
+    """The TCP store on the socket ``hold_rendezvous_port`` bound here, or None."""
+    sock = _HELD_RENDEZVOUS.pop(init_method, None)
+    if sock is None:
+        return None
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    host, port = sock.getsockname()[:2]
+    store = TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
+    # The prefix torch puts on the store it makes from an init_method (the other ranks').
+    return PrefixStore("default_pg", store)
+
+
 def free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the rendezvous of one executor's ranks)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -162,13 +193,20 @@ def init_distributed(
 
     world_size = tp_size * pp_size
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _held_store(init_method, world_size, timeout) if rank == 0 else None
+        if store is not None:
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        else:
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
     elif dist.get_world_size() != world_size:
         raise RuntimeError(
             f"torch.distributed is already initialized with world size "

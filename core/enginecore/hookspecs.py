@@ -402,7 +402,8 @@ def register_worker_rpcs(registry: Registry[Any]) -> None:
     return value (which must be msgpack- or pickle-serialisable) is sent back per rank.
 
     Built in (for debugging; ``enginecore rpc NAME`` calls them on a running server):
-    ``memory_snapshot``, ``kv_cache_stats``, ``model_summary`` and ``trace_next_steps(n)``.
+    ``memory_snapshot``, ``kv_cache_stats``, ``model_summary``, ``lora_state`` (each
+    rank's LoRA slots, host copies and reads) and ``trace_next_steps(n)``.
     Only names registered here can be called from outside (``enginecore rpc``,
     ``POST /collective_rpc``), never a Worker's own methods.
 

@@ -1008,6 +1008,14 @@ class LinearMethod(ABC):
         logically); each parameter's ``weight_loader`` should be ``layer.weight_loader``,
         which copies this rank's shard."""
 
+    def embedding_table(self, layer: Any, blocks: Any) -> Any:
+        """The float table of a token embedding (or an LM head) that the loader handed over
+        in one of ``gguf_formats``, as an ``enginecore.layers.quantized.QuantizedTensor``:
+        a tensor of ``layer.weight``'s shape and dtype that becomes the weight as it is
+        (a table kept from an earlier load and mapped from disk, say), or None (the
+        default) to have the blocks de-quantized and copied into the weight."""
+        return None
+
     def process_weights_after_loading(self, layer: Any) -> None:
         """Called once per layer after every weight is loaded (and again after a reload).
         Also called for an LM head (a :class:`enginecore.layers.VocabParallelEmbedding`

@@ -73,6 +73,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # worker starts reading those it is not reading yet, off the step (it reports them in
     # ``ModelRunnerOutput.lora_report``).
     lora_loads: list[LoRARequest] = []
+    # LoRA adapters unloaded that no request names any more (``lora_int_id``): each
+    # worker frees their device slots and host copies (reported as ``evicted``).
+    lora_removals: list[int] = []
 
 
 class GrammarOutput(msgspec.Struct, kw_only=True):

@@ -44,6 +44,7 @@ RENAMED: dict[str, str] = {
     "-tp": "--tensor-parallel-size",
     "-pp": "--pipeline-parallel-size",
     "-dp": "--data-parallel-size",
+    "--data-parallel-address": "--data-parallel-host",
     "--kv-cache-memory-bytes": "--kv-cache-bytes",
     "--num-gpu-blocks-override": "--num-blocks-override",
 }

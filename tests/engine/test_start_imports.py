@@ -211,3 +211,18 @@ def test_the_server_launcher_leaves_the_http_stack_for_later():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_importing_the_offline_api_leaves_torch_transformers_and_http_for_later():
+    """``from enginecore import LLM`` imports neither torch (the frontend tokenizes
+    without it; the engine process imports it while the tokenizer loads) nor
+    transformers nor the HTTP stack."""
+    code = (
+        "import sys; from enginecore import LLM, SamplingParams; "
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'transformers') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]"

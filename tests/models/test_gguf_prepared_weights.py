@@ -193,7 +193,8 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
     """Load without the cache (the weights prepared in memory), then twice with it: the
     first writes each layer's entry, the second maps them and prepares nothing. Greedy
     tokens are the same each time, a prefill-sized prompt's included: the first two
-    answer on the float copies, the last while every copy is still held back."""
+    answer on the float copies, the last while every copy is still held back. The last
+    also leaves the q/k blocks in the file's rotary order (it never reads them)."""
     from enginecore import LLM, SamplingParams
     from tests.helpers.gguf_writer import write_gguf
 
@@ -215,12 +216,23 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
         return original_unpacked(tensor)
 
     monkeypatch.setattr(gguf_linear_method, "unpacked", counting_unpacked)
+    from enginecore_models import weight_loader
+
+    reordered = []  # q/k blocks put in HF's rotary order: never on a warm load
+    original_unpermute = weight_loader.unpermute_rope
+
+    def counting_unpermute(raw, heads):
+        reordered.append(heads)
+        return original_unpermute(raw, heads)
+
+    monkeypatch.setattr(weight_loader, "unpermute_rope", counting_unpermute)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(5, 90))}]
-    answers, unpacked_counts = [], []
+    answers, unpacked_counts, reorder_counts = [], [], []
     for run, switch in enumerate(["0", "1", "1"]):
         monkeypatch.setenv(prepared_weights.ENV_SWITCH, switch)
         prepared.clear()
+        reordered.clear()
         llm = LLM(str(path), multiprocessing=False)
         copies = methods[-1].float_copies
         try:
@@ -236,6 +248,54 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
                 copies.resume()
             llm.shutdown()
         unpacked_counts.append(len(prepared))
+        reorder_counts.append(len(reordered))
     assert answers[0] == answers[1] == answers[2], answers
     assert unpacked_counts[0] == unpacked_counts[1] > 0 and unpacked_counts[2] == 0
+    assert reorder_counts[0] == reorder_counts[1] > 0 and reorder_counts[2] == 0
     assert len(list(cache_root.glob("*/*.bin"))) > 0
+
+
+@needs_kernels
+def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
+    tmp_path, cache_root, monkeypatch, caplog
+):
+    """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
+    prepared weights: the next load maps it and de-quantizes nothing, lookups give the
+    bits of the de-quantized blocks, and a damaged entry is a miss, written again."""
+    from enginecore.block_formats import parts
+    from enginecore.layers.embedding import VocabParallelEmbedding
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    raw = random_tensor("Q4_K", 64, 512)
+    blocks = QuantizedTensor(raw.data, raw.format, raw.shape, "model.embed_tokens.weight")
+    want = dequantized_part(unpacked(blocks))
+    ids = torch.tensor([0, 5, 63, 5])
+
+    def load() -> VocabParallelEmbedding:
+        method = GGUFLinearMethod(None)
+        method.prepared = PreparedWeights(source)
+        with use_linear_method(method):
+            table = VocabParallelEmbedding(64, 512, parallel=SINGLE_RANK, dtype=torch.float32)
+        table.weight.weight_loader(table.weight, blocks)
+        return table
+
+    first = load()
+    assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
+    entries = list(cache_root.glob("*/*.bin"))
+    assert len(entries) == 1
+
+    def no_dequantizing(part):
+        raise AssertionError("the embedding was de-quantized on a warm load")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parts, "dequantized_part", no_dequantizing)
+        warm = load()
+    assert torch.equal(warm.weight, want) and torch.equal(warm(ids), want[ids])
+    assert warm.weight.untyped_storage().nbytes() == entries[0].stat().st_size  # mapped
+
+    entries[0].write_bytes(entries[0].read_bytes()[:200])  # cut short
+    again = load()
+    assert "unreadable" in caplog.text
+    assert torch.equal(again.weight, want)
+    assert entries[0].stat().st_size > 200  # written again

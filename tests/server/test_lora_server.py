@@ -60,6 +60,10 @@ def test_serve_lora_modules_interleaved_and_loaded_at_run_time(tiny_llama, tmp_p
         "c": make_random_adapter(
             tiny_llama, tmp_path / "c", r=4, target_modules=("gate_proj",), seed=3
         ),
+        # What "c" is loaded again from after it is unloaded.
+        "c2": make_random_adapter(
+            tiny_llama, tmp_path / "c2", r=8, target_modules=("q_proj", "o_proj"), seed=4
+        ),
     }
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 8192) for _ in range(9 + 3 * i)] for i in range(3)]
@@ -144,6 +148,14 @@ def test_serve_lora_modules_interleaved_and_loaded_at_run_time(tiny_llama, tmp_p
         gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "c"})
         assert gone.status_code == 200
         assert "c" not in {m.id for m in client.models.list().data}
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.completions.create(model="c", prompt=prompts[0], max_tokens=2)
         assert complete("a", 0)[1] == expected[("a", 0)]
+        # The same name loaded again from another path serves the new weights.
+        answer = httpx.post(
+            url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(paths["c2"])}
+        )
+        assert answer.status_code == 200, answer.text
+        assert complete("c", 0)[1] == peft_tokens(tiny_llama, str(paths["c2"]), prompts[0])
     finally:
         stop(proc)

@@ -70,6 +70,8 @@ def test_vllm_flag_spellings_set_our_settings(tiny_llama):
         "extra_config": {"path": "/kv"},
     }
     assert _config_show(tiny_llama, "--runner", "generate")["model"]["runner"] == "torch"
+    dp = _config_show(tiny_llama, "--data-parallel-address", "10.0.0.5")
+    assert dp["parallel"]["data_parallel_host"] == "10.0.0.5"
     fitted = _config_show(tiny_llama, "--max-model-len", "auto")
     assert fitted["model"]["max_model_len"] is None
 

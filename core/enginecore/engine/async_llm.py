@@ -443,6 +443,13 @@ class AsyncLLM:
         )
         return bool(added)
 
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter from every worker (vLLM's ``remove_lora``): requests
+        already sent with it finish first; returns once the workers have freed its device
+        slot and host copy (False: the scheduler does not track adapters)."""
+        removed = await self._utility("remove_lora", lora_int_id)
+        return bool(removed)
+
     async def reset_prefix_cache(self) -> bool:
         reset: bool = await self._utility("reset_prefix_cache")
         return reset

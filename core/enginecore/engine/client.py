@@ -192,9 +192,11 @@ def start_engine(
     )
     from enginecore.engine.tokenizer import load_tokenizer
     from enginecore.plugins import make_plugin_manager
+    from enginecore.writable_dirs import check_writable_dirs
 
     check_model_path(config)
     check_parallel_layout(config)
+    check_writable_dirs(config)
     configured_chat_template(config)  # a missing template file fails here
     if plugins is None:
         plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)

@@ -64,6 +64,7 @@ def _has_work_for_workers(scheduler_output: SchedulerOutput) -> bool:
         or scheduler_output.kv_connector_metadata is not None
         # LoRA: adapter reads to start, and finished reads to collect.
         or bool(scheduler_output.lora_loads)
+        or bool(scheduler_output.lora_removals)
     )
 
 

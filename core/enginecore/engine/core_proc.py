@@ -226,9 +226,25 @@ class EngineCoreProc(EngineCore):
             except queue.Empty:
                 return
             if kind is EngineCoreRequestType.ABORT:
+                self._drop_deferred_adds(message)
                 self.abort_requests(message)
             else:
                 self._deferred.append((kind, message))
+
+    def _drop_deferred_adds(self, request_ids: list[str]) -> None:
+        """An abort applied now also cancels its request's add if that waits in
+        ``_deferred`` (both arrived during this forward pass): applied first, the abort
+        would miss the request, which would then run to its end for nobody."""
+        if not self._deferred:
+            return
+        gone = set(request_ids)
+        kept = [
+            (kind, message)
+            for kind, message in self._deferred
+            if not (kind is EngineCoreRequestType.ADD and message.request_id in gone)
+        ]
+        if len(kept) != len(self._deferred):
+            self._deferred = deque(kept)
 
     def _handle(self, kind: EngineCoreRequestType, message: Any) -> None:
         if kind is EngineCoreRequestType.ADD:
@@ -323,6 +339,7 @@ class EngineCoreProc(EngineCore):
             "sleep": self.sleep,
             "wake_up": self.wake_up,
             "add_lora": self.add_lora,
+            "remove_lora": self.remove_lora,
         }
 
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> Future[bool]:
@@ -337,6 +354,20 @@ class EngineCoreProc(EngineCore):
             done.set_result(True)
             return done
         future: Future[bool] = admission.request_load(lora_request)
+        return future
+
+    def remove_lora(self, lora_int_id: int) -> Future[bool]:
+        """Unload a LoRA adapter from every worker (vLLM's ``remove_lora``): requests
+        already queued or running with it finish first; answered once the workers have
+        freed its device slot and host copy."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA is off: start the engine with enable_lora (--enable-lora)")
+        admission = getattr(self.scheduler, "lora_admission", None)
+        if admission is None:  # a scheduler that does not track adapters: nothing to wait on
+            done: Future[bool] = Future()
+            done.set_result(False)
+            return done
+        future: Future[bool] = admission.request_removal(lora_int_id)
         return future
 
     def pause_scheduler(self, mode: str = "abort") -> None:

@@ -11,6 +11,7 @@ from enginecore.config import EngineConfig
 from enginecore.errors import InvalidRequestError
 from enginecore.kv_transfer_params import KVTransferParamsValidator
 from enginecore.lora.adapter import check_adapter
+from enginecore.lora.modules import lora_module_requests
 from enginecore.lora_request import LoRARequest
 from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreRequest
@@ -54,6 +55,7 @@ class InputProcessor:
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
         self.structured_output = StructuredOutputValidator(config, plugins)
         self._checked_loras: set[tuple[int, str]] = set()
+        self._lora_modules = {r.lora_int_id: r for r in lora_module_requests(config.lora)}
         self.kv_transfer_params = KVTransferParamsValidator(config, plugins)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -162,6 +164,14 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is off: "
                 "start the engine with enable_lora (--enable-lora)"
+            )
+        module = self._lora_modules.get(lora_request.lora_int_id)
+        if module is not None and module.lora_path != lora_request.lora_path:
+            # The workers hold the start-up adapter under this id: it would be served.
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r}: lora_int_id "
+                f"{lora_request.lora_int_id} is the --lora-modules adapter "
+                f"{module.lora_name!r} ({module.lora_path}); give another id"
             )
         key = (lora_request.lora_int_id, lora_request.lora_path)
         if key not in self._checked_loras:

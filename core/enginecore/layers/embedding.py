@@ -18,6 +18,7 @@ from torch import nn
 from enginecore.distributed import ParallelContext
 from enginecore.layers.linear import current_linear_method
 from enginecore.layers.parallel import tp_all_gather_last_dim, tp_all_reduce
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore.layers.weights import default_weight_loader, make_param, set_weight_attrs
 
 
@@ -38,7 +39,14 @@ class VocabParallelEmbedding(nn.Module):
         # Computes the logits where this table serves as the LM head.
         self.linear_method = current_linear_method()
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+    def weight_loader(
+        self, param: torch.Tensor, loaded: torch.Tensor | QuantizedTensor, shard: Any = None
+    ) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            table = self._table_from_blocks(param, loaded)
+            if table is None:
+                return
+            loaded = table
         if self.parallel.tp_size == 1:
             default_weight_loader(param, loaded)
             return
@@ -50,6 +58,27 @@ class VocabParallelEmbedding(nn.Module):
         n = self.vocab_end - self.vocab_start
         param.data.zero_()
         default_weight_loader(param.data[:n], loaded[self.vocab_start : self.vocab_end])
+
+    def _table_from_blocks(
+        self, param: torch.Tensor, blocks: QuantizedTensor
+    ) -> torch.Tensor | None:
+        """A table the loader kept in blocks (a GGUF file's): the linear method's table for
+        it, which becomes the weight (None returned: nothing left to copy), else the
+        blocks de-quantized, to copy as a float checkpoint's."""
+        if self.parallel.tp_size == 1:
+            table = self.linear_method.embedding_table(self, blocks)
+            if table is not None:
+                if table.shape != param.shape or table.dtype != param.dtype:
+                    raise ValueError(
+                        f"{type(self.linear_method).__name__}.embedding_table gave "
+                        f"{tuple(table.shape)} {table.dtype} for a {tuple(param.shape)} "
+                        f"{param.dtype} weight"
+                    )
+                param.data = table
+                return None
+        from enginecore.block_formats.parts import dequantized_part, unpacked
+
+        return dequantized_part(unpacked(blocks))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:

@@ -15,11 +15,12 @@ import math
 import pathlib
 import re
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from enginecore.lora_request import LoRAAdapterError
+
+if TYPE_CHECKING:  # the frontend checks adapters without importing torch
+    import torch
 
 # The projections adapters may target, by their Hugging Face names.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

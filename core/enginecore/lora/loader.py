@@ -36,6 +36,7 @@ class AdapterLoader:
     def __init__(self, read: Callable[[LoRARequest], LoRAAdapter]) -> None:
         self._read = read
         self._reads: dict[int, tuple[LoRARequest, Future[LoRAAdapter]]] = {}
+        self.reads_started = 0  # every read begun (the ``lora_state`` RPC reports it)
 
     def __contains__(self, lora_int_id: int) -> bool:
         return lora_int_id in self._reads
@@ -48,6 +49,7 @@ class AdapterLoader:
             "reading LoRA adapter %r from %s", lora_request.lora_name, lora_request.lora_path
         )
         future: Future[LoRAAdapter] = Future()
+        self.reads_started += 1
         self._reads[lora_request.lora_int_id] = (lora_request, future)
         threading.Thread(
             target=self._run,
@@ -68,6 +70,10 @@ class AdapterLoader:
         for lora, _ in done:
             del self._reads[lora.lora_int_id]
         return done
+
+    def discard(self, lora_int_id: int) -> None:
+        """Forget a read in flight (its adapter was unloaded); its thread ends unheard."""
+        self._reads.pop(lora_int_id, None)
 
     def wait(self, lora_int_id: int) -> tuple[LoRARequest, Future[LoRAAdapter]]:
         """Block until the read of this adapter is done; it leaves the reads in flight."""

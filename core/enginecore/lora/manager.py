@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,10 +22,11 @@ import torch
 from enginecore.config import LoRAConfig
 from enginecore.errors import EngineCoreError
 from enginecore.interfaces import LoRAKernels
-from enginecore.lora.adapter import LoRAAdapter, load_adapter
+from enginecore.lora.adapter import LoRAAdapter, check_adapter, load_adapter
 from enginecore.lora.layer import LoRALayer, LoRAStepState
 from enginecore.lora.loader import AdapterLoader, load_error
 from enginecore.lora.mapping import build_mapping
+from enginecore.lora.modules import host_capacity
 from enginecore.lora_request import LoRAAdapterError, LoRALoadReport, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -74,10 +76,88 @@ class LoRAManager:
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.free_slots = list(range(config.max_loras))
         self.host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
-        self.max_host = config.max_cpu_loras or config.max_loras
+        self.max_host = host_capacity(config)
         self.request_lora: dict[str, LoRARequest] = {}
         self.loader = AdapterLoader(self._read)
         self._report = LoRALoadReport()
+        self._preloading: list[LoRARequest] = []
+        self._checking: list[LoRARequest] = []
+
+    # --- start-up adapters (lora_modules) ------------------------------------------------
+
+    def preload(self, lora_requests: list[LoRARequest], checked: list[LoRARequest]) -> None:
+        """Begin reading the start-up adapters on background threads: they read while
+        the rest of start-up (memory profiling, the KV cache, graphs) goes on. Those in
+        ``checked`` (beyond ``max_cpu_loras``) are only checked now, read on first use."""
+        self._preloading = list(lora_requests)
+        self._checking = list(checked)
+        for lora_request in lora_requests:
+            self.loader.start(lora_request)
+
+    def finish_preload(self) -> None:
+        """Wait for the start-up reads and copy the first ``max_loras`` adapters into the
+        device slots (the rest stay read in host memory). An adapter that cannot be read
+        or served fails start-up, naming the adapter, its path and the setting."""
+        preloading, self._preloading = self._preloading, []
+        checking, self._checking = self._checking, []
+        for lora_request in checking:
+            try:
+                check_adapter(lora_request.lora_path, self.config.max_lora_rank)
+            except LoRAAdapterError as refused:
+                raise EngineCoreError(
+                    f"--lora-modules: {load_error(lora_request, refused)}"
+                ) from None
+        for lora_request in preloading:
+            _, future = self.loader.wait(lora_request.lora_int_id)
+            failed = future.exception()
+            if failed is not None:
+                raise EngineCoreError(
+                    f"--lora-modules: {load_error(lora_request, failed)}"
+                ) from None
+            self.host[lora_request.lora_int_id] = future.result()
+        in_slots = preloading[: self.config.max_loras]
+        for lora_request in in_slots:
+            self._slot_for(lora_request, set())
+        if preloading:
+            logger.info(
+                "LoRA adapters read at start-up: %s in device slots (max_loras=%d)%s",
+                ", ".join(repr(r.lora_name) for r in in_slots),
+                self.config.max_loras,
+                "; "
+                + ", ".join(repr(r.lora_name) for r in preloading[len(in_slots) :])
+                + f" in host memory (max_cpu_loras={self.max_host})"
+                if len(preloading) > len(in_slots)
+                else "",
+            )
+
+    # --- unloading ----------------------------------------------------------------------
+
+    def remove(self, lora_ids: list[int]) -> None:
+        """Adapters unloaded (no request here names them any more): free their device
+        slots and host copies and forget their reads in flight."""
+        for lora_id in lora_ids:
+            slot = self.slot_of.pop(lora_id, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+            self.host.pop(lora_id, None)
+            self.loader.discard(lora_id)
+            self._mark(lora_id, loaded=False)
+            logger.info("LoRA adapter %d unloaded (slot %s freed)", lora_id, slot)
+
+    def stats(self) -> dict[str, Any]:
+        """What this worker holds (the ``lora_state`` RPC): adapter id -> device slot,
+        the adapters read in host memory and their bytes, and the reads begun so far."""
+        return {
+            "slots": {str(lora_id): slot for lora_id, slot in self.slot_of.items()},
+            "free_slots": len(self.free_slots),
+            "host": list(self.host),
+            "host_bytes": sum(
+                a.nbytes + b.nbytes
+                for adapter in self.host.values()
+                for a, b in adapter.weights.values()
+            ),
+            "reads_started": self.loader.reads_started,
+        }
 
     # --- reading adapters off the step ----------------------------------------------------
 

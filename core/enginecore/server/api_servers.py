@@ -74,6 +74,7 @@ def _check(config: EngineConfig) -> None:
     from enginecore.engine.preflight import check_model_path
     from enginecore.plugins import make_plugin_manager
     from enginecore.server.launch import check_tool_config
+    from enginecore.writable_dirs import check_writable_dirs
 
     if config.parallel.data_parallel_size > 1:
         raise ConfigError(
@@ -83,6 +84,7 @@ def _check(config: EngineConfig) -> None:
     if not config.engine.multiprocessing:
         raise ConfigError("api_server_count > 1 needs the engine core in its own process")
     check_model_path(config)
+    check_writable_dirs(config)
     configured_chat_template(config)
     plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
     check_components(config, plugins)

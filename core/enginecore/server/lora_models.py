@@ -5,9 +5,12 @@ Each adapter is a model name (``model: "name"`` in a request selects it) listed 
 (``allow_runtime_lora_updating``, or ``ENGINECORE_ALLOW_RUNTIME_LORA_UPDATING=1`` as
 vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` change the list without a restart. An adapter is checked
-when it is added (config, rank, targets). A ``--lora-modules`` adapter's weights are read
-by the engine when a request first names it; a run-time load answers once the engine
-has read them (or with the reason it could not), while other requests keep running.
+when it is added (config, rank, targets). The ``--lora-modules`` adapters are read by
+the workers while the engine starts (``enginecore.lora.modules``, which also gives their
+ids); a run-time load answers once the engine has read them (or with the reason it could
+not), while other requests keep running. An unload frees the workers' copies once the
+requests already sent with the adapter have finished; a request naming it afterwards is
+a 404.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from enginecore.config import EngineConfig
 from enginecore.engine.mp_client import UtilityError
 from enginecore.errors import ConfigError
 from enginecore.lora.adapter import check_adapter
+from enginecore.lora.modules import lora_module_requests
 from enginecore.lora_request import LoRAAdapterError, LoRARequest
 from enginecore.server.context import context
 from enginecore.server.errors import APIError
@@ -45,30 +49,34 @@ class LoRAModels:
         self.config = config
         self.base_name = config.model.served_model_name or config.model.path
         self.adapters: dict[str, LoRARequest] = {}
-        self._ids = itertools.count(1)
-        for entry in config.lora.lora_modules:
-            name, _, path = entry.partition("=")
-            if not config.lora.enable_lora:
-                raise ConfigError("lora_modules needs enable_lora (--enable-lora)")
+        if config.lora.lora_modules and not config.lora.enable_lora:
+            raise ConfigError("lora_modules needs enable_lora (--enable-lora)")
+        modules = lora_module_requests(config.lora)
+        # Run-time loads take the ids after the start-up adapters' (the workers hold
+        # those under 1..N).
+        self._ids = itertools.count(len(modules) + 1)
+        for lora in modules:
             try:
-                self.add(name, path)
+                self.add(lora.lora_name, lora.lora_path, lora.lora_int_id)
             except LoRAAdapterError as exc:
-                raise ConfigError(f"lora_modules entry {name!r}: {exc}") from None
+                raise ConfigError(f"lora_modules entry {lora.lora_name!r}: {exc}") from None
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, lora_int_id: int | None = None) -> LoRARequest:
         if name in self.adapters or name in (
             self.base_name,
             *self.config.model.served_model_aliases,
         ):
             raise LoRAAdapterError(f"a model named {name!r} is already served")
         check_adapter(path, self.config.lora.max_lora_rank)
-        lora = LoRARequest(name, next(self._ids), path)
+        lora = LoRARequest(name, lora_int_id or next(self._ids), path)
         self.adapters[name] = lora
         return lora
 
-    def remove(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
+    def remove(self, name: str) -> LoRARequest:
+        lora = self.adapters.pop(name, None)
+        if lora is None:
             raise APIError(404, f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+        return lora
 
     def model_cards(self, created: int) -> list[dict[str, Any]]:
         return [
@@ -120,5 +128,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
 async def unload_lora_adapter(
     body: UnloadLoRAAdapterRequest, request: Request
 ) -> PlainTextResponse:
-    context(request).loras.remove(body.lora_name)
+    lora = context(request).loras.remove(body.lora_name)  # new requests naming it: 404
+    # Every worker frees its copies once the requests sent with it have finished.
+    await context(request).engine.remove_lora(lora.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
