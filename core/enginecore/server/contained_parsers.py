@@ -37,10 +37,14 @@ from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import EngineCoreError
 from enginecore.frontend_plugin_calls import TIMEOUT_KEY, PluginCallTimeout, call_bounded
 from enginecore.plugin_attribution import attribute_origin
+from enginecore.reasoning_parsers.base import ReasoningParser
 from enginecore.server.errors import APIError
 
 #: The parser methods the server calls, bounded on each instance.
 BOUNDED_METHODS = ("parse", "start", "extract_reasoning")
+
+#: Defaults left unwrapped: they only call ``parse``, which is bounded and named itself.
+_DEFAULTS = {ReasoningParser.extract_reasoning}
 
 #: Calls of one parser past their limit that may still hold their threads.
 MAX_ABANDONED_CALLS = 4
@@ -147,7 +151,7 @@ def build_contained_parser(
     ref = weakref.ref(parser)
     for method in BOUNDED_METHODS:
         original = getattr(type(parser), method, None)
-        if callable(original):
+        if callable(original) and original not in _DEFAULTS:
             where = f"in {type(parser).__qualname__}.{method}"
             bounded = _bounded(ref, original, where, thread, timeout, described, abandoned)
             setattr(parser, method, bounded)
