@@ -68,7 +68,7 @@ def test_requests_aborted_right_after_they_are_added_generate_nothing(tiny_llama
         assert pull.poll(240_000), "the engine did not answer the handshake"
         assert pull.recv_multipart()[0] == HANDSHAKE_READY
         # A long request keeps the engine in forward passes.
-        send(EngineCoreRequestType.ADD, _request("long", 200))
+        send(EngineCoreRequestType.ADD, _request("long", 2_000))
         while tokens.get("long", 0) < 5:
             assert read(60_000), "the long request produced nothing"
         for i in range(PAIRS):
@@ -76,13 +76,13 @@ def test_requests_aborted_right_after_they_are_added_generate_nothing(tiny_llama
             send(EngineCoreRequestType.ABORT, [f"gone-{i}"])
             read(0)
             time.sleep(0.005)
-        while "long" not in finished:
+        # Ten more steps: a deferred add that escaped its abort is in the batch by now.
+        target = tokens["long"] + 10
+        while tokens["long"] < target:
             assert read(60_000), "the long request stopped"
-        while read(500):  # anything still on its way
-            pass
         leaked = {rid: n for rid, n in tokens.items() if rid.startswith("gone-") and n}
         assert not leaked, f"aborted requests ran on: {leaked}"
-        assert tokens["long"] == 200
+
     finally:
         proc.terminate()
         proc.wait(30)
