@@ -8,10 +8,14 @@ placeholder slots, which the runner fills from the drafts it keeps (``state.draf
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from enginecore.config import EngineConfig
+from enginecore.errors import PluginContractError
 from enginecore.interfaces import SpecDecodeProposer, WorkerSpec
+from enginecore.plugin_attribution import with_attribution
 from enginecore.registry import import_ref
 from enginecore.worker_component_errors import build_worker_component
 
@@ -59,4 +63,35 @@ class Drafter:
 
     def propose(self, buffer: TokenBuffer, token_ids: list[int]) -> list[int]:
         drafts = self.proposer.propose(buffer.view(token_ids), self.num_spec_tokens)
-        return [int(t) for t in drafts[: self.num_spec_tokens]]
+        return self._checked(drafts)
+
+    def _checked(self, drafts: Any) -> list[int]:
+        """The drafts as ints; anything but at most ``num_spec_tokens`` integer token ids
+        is named (a float would be truncated into some unrelated token)."""
+        wrong = None
+        if isinstance(drafts, np.ndarray) and drafts.ndim != 1:
+            wrong = f"an array of shape {drafts.shape}"
+        elif not isinstance(drafts, (list, tuple, np.ndarray)):
+            wrong = repr(drafts)
+        elif len(drafts) > self.num_spec_tokens:
+            wrong = f"{len(drafts)} drafts where at most {self.num_spec_tokens} were asked for"
+        else:
+            for token in drafts:
+                if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+                    wrong = f"{token!r}, which is not a token id"
+                    break
+                if token < 0:
+                    wrong = f"{token}, a negative token id"
+                    break
+        if wrong is None:
+            return [int(t) for t in drafts]
+        method = type(self.proposer).propose
+        text = (
+            f"spec decode proposer {type(self.proposer).__qualname__}.propose returned "
+            f"{wrong}; it must return at most max_num_drafts "
+            f"({self.num_spec_tokens}) token ids (config key speculative.speculative_method)"
+        )
+        # Named here: a worker's error reaches the frontend as text, origin lost.
+        raise PluginContractError(
+            with_attribution(PluginContractError(text, origin=method), text), origin=method
+        )

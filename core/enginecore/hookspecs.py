@@ -468,7 +468,9 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     request naming a plugin's backend and ``structured_output.backend``.
     ``fill_bitmask``, ``accept_tokens`` and ``rollback`` run in each step, bounded by
     ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
-    naming the plugin and the method).
+    naming the plugin and the method). A grammar that is not terminated must allow at
+    least one token: a row ``fill_bitmask`` leaves empty fails that request naming the
+    plugin and ``fill_bitmask`` (the row is not used).
     """
 
 
@@ -491,7 +493,11 @@ def register_spec_decode_proposers(registry: Registry[Any]) -> None:
     Time limit: ``propose`` runs in each step on the worker, bounded by
     ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
     naming the plugin and the method); a proposer that raises in ``__init__`` fails
-    start-up naming it, its plugin and ``speculative.speculative_method``.
+    start-up naming it, its plugin and ``speculative.speculative_method``. ``propose``
+    must return at most ``max_num_drafts`` integer token ids (a list, tuple or 1-D
+    integer array); anything else is a
+    :class:`enginecore.errors.PluginContractError` naming the plugin and ``propose``
+    (the engine dies of it, as of an exception raised there).
     """
 
 
@@ -562,10 +568,12 @@ def register_reasoning_parsers(registry: Registry[Any]) -> None:
     :class:`enginecore.testing.ReasoningParserContract`; ``enginecore plugin new NAME
     --kind reasoning-parser`` starts a package.
 
-    Time limit: the factory, ``start`` and each ``parse`` run on a thread of the
-    request's own, bounded by ``engine.frontend_plugin_timeout`` (5 s by default). A
-    parser that raises or does not return in time fails that request alone with a 500
-    naming the parser, its plugin, ``server.reasoning_parser`` and the method; other
+    Time limit: the factory, ``start``, each ``parse`` and ``extract_reasoning`` (the
+    whole reply's split) run on a thread of the request's own, bounded by
+    ``engine.frontend_plugin_timeout`` (5 s by default). A parser that raises or does
+    not return in time fails that request alone with a 500 (an ``error`` event once a
+    stream has begun) naming the parser, its plugin, ``server.reasoning_parser`` and
+    the method; other
     requests keep being served (the server waits for parsers off its event loop). At
     most 4 of a parser's calls past the limit are left running; while that many run,
     requests that need the parser are refused with a 503 naming it.

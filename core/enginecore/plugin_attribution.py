@@ -124,4 +124,6 @@ def running_plugin_call(frame: FrameType | None) -> tuple[str, str, str] | None:
 def with_attribution(exc: BaseException, text: str) -> str:
     """``text`` followed by `` [raised by plugin ..., in ...]`` when a plugin raised it."""
     where = attribute(exc)
-    return f"{text} [raised by {where}]" if where else text
+    if not where or f"[raised by {where}]" in text:  # none, or named where it was raised
+        return text
+    return f"{text} [raised by {where}]"

@@ -316,3 +316,166 @@ def test_a_component_failing_at_run_time_is_named_and_contained(run_time_failure
         assert needed in message, message
     if kind == "structured_output_backend":  # the unconstrained request was served
         assert run_time_failures["grammar_other_request"] == 4
+
+
+HANG_SCRIPT = """
+import json, sys, threading, time
+import psutil
+from enginecore import LLM, SamplingParams
+
+report = {}
+for key, overrides in json.loads(sys.argv[1]).items():
+    started = time.monotonic()
+    try:
+        llm = LLM(multiprocessing=False, execute_timeout=2, ready_timeout=60, **overrides)
+        try:
+            llm.generate([[5, 6, 7, 5, 6]], SamplingParams(max_tokens=4), use_tqdm=False)
+            report[key] = {"error": None}
+        finally:
+            llm.shutdown()
+    except Exception as exc:
+        report[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    report[key]["seconds"] = time.monotonic() - started
+threads = [t for t in threading.enumerate() if t is not threading.main_thread()]
+report["non_daemon_threads"] = [t.name for t in threads if not t.daemon]
+report["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
+print(json.dumps(report))
+"""
+
+#: Case -> (LLM overrides, the method the error must name, the component and its config
+#: key). The engine runs in-process with ``engine.execute_timeout`` 2 s; ``model`` is a
+#: copy of the tiny Llama whose config.json names the plugin's hanging architecture.
+HANG_CASES = {
+    "scheduler": (
+        {"scheduler_name": "hanging_scheduler"},
+        "HangingScheduler.schedule",
+        "scheduler 'hanging_scheduler', config key scheduler.name",
+    ),
+    "executor": (
+        {"executor": "hanging_executor"},
+        "HangingExecutor.execute_model",
+        "executor 'hanging_executor', config key parallel.executor",
+    ),
+    "model_runner": (
+        {"runner": "hanging_runner"},
+        "HangingRunner.execute_model",
+        "model runner 'hanging_runner', config key model.runner",
+    ),
+    "model": (
+        {},
+        "HangingForCausalLM.forward",
+        "model 'HangingForCausalLM', the checkpoint's architecture, config key model.path",
+    ),
+    "spec_decode_proposer": (
+        {"speculative_method": "hanging_proposer", "num_speculative_tokens": 2},
+        "HangingProposer.propose",
+        "spec decode proposer 'hanging_proposer', config key speculative.speculative_method",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hangs(broken_env, tiny_llama, tmp_path_factory) -> dict:
+    hanging_model = tmp_path_factory.mktemp("hanging-model") / "ckpt"
+    shutil.copytree(tiny_llama, hanging_model)
+    hf_config = json.loads((hanging_model / "config.json").read_text())
+    hf_config["architectures"] = ["HangingForCausalLM"]
+    (hanging_model / "config.json").write_text(json.dumps(hf_config))
+    selections = {
+        key: {"model": str(hanging_model if key == "model" else tiny_llama), **overrides}
+        for key, (overrides, *_) in HANG_CASES.items()
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", HANG_SCRIPT, json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=600,  # each hang is bounded by its 2 s watchdog: far less than this
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # the process exits, hung threads or not
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(HANG_CASES))
+def test_a_component_hanging_at_run_time_is_bounded_and_named(hangs, case):
+    """A step stuck in the component fails the request past ``engine.execute_timeout``
+    naming the plugin, the method, the component and its config key; nothing that would
+    hold the process (a child, a non-daemon thread) is left."""
+    _, method, component = HANG_CASES[case]
+    error = hangs[case]["error"]
+    assert error is not None, f"{case}: the request was served"
+    assert error.startswith("EngineDeadError: the engine core is stuck: "), error
+    assert "a step took longer than 2 s (engine.execute_timeout)" in error, error
+    assert f"in {PLUGIN}, in {method} ({component}" in error, error
+    assert hangs[case]["seconds"] < 60, hangs[case]
+    assert hangs["non_daemon_threads"] == [] and hangs["children"] == [], hangs
+
+
+WRONG_SHAPES_SCRIPT = """
+import json, sys
+from enginecore import LLM, SamplingParams, StructuredOutputParams
+
+report = {}
+greedy = SamplingParams(max_tokens=4, temperature=0.0)
+constrained = SamplingParams(max_tokens=4, structured_output=StructuredOutputParams(
+    choice=["yes", "no"]))
+for key, overrides in json.loads(sys.argv[2]).items():
+    with LLM(model=sys.argv[1], multiprocessing=False, **overrides) as llm:
+        params = [constrained, greedy] if "structured_output_backend" in overrides else greedy
+        try:
+            outs = llm.generate([[5, 6, 7, 5, 6], [8, 9]], params, use_tqdm=False)
+            report[key] = {"errors": [o.error for o in outs],
+                           "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        except Exception as exc:
+            report[key] = {"raised": f"{type(exc).__name__}: {exc}"}
+print(json.dumps(report))
+"""
+
+#: Case -> (LLM overrides, the method the error must name, what it says was wrong).
+WRONG_SHAPES = {
+    "long_drafts": (
+        {"speculative_method": "long_drafts_proposer", "num_speculative_tokens": 2},
+        "LongDraftsProposer.propose",
+        "4 drafts where at most 2 were asked for",
+    ),
+    "float_drafts": (
+        {"speculative_method": "float_drafts_proposer", "num_speculative_tokens": 2},
+        "FloatDraftsProposer.propose",
+        "0.5, which is not a token id",
+    ),
+    "grammar_bitmask": (
+        {"structured_output_backend": "no_token_grammar"},
+        "NoTokenGrammar.fill_bitmask",
+        "allows no token",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def wrong_shapes(broken_env, tiny_llama) -> dict:
+    selections = {key: overrides for key, (overrides, *_) in WRONG_SHAPES.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", WRONG_SHAPES_SCRIPT, str(tiny_llama), json.dumps(selections)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=broken_env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(WRONG_SHAPES))
+def test_a_component_returning_the_wrong_shape_is_named(wrong_shapes, case):
+    """Drafts of the wrong length or type, a grammar row that allows nothing: a named
+    error, not silently wrong tokens or a bare exception."""
+    _, method, wrong = WRONG_SHAPES[case]
+    outcome = wrong_shapes[case]
+    message = outcome.get("raised") or outcome["errors"][0]
+    assert message is not None, f"{case}: served as if nothing were wrong: {outcome}"
+    assert f"[raised by {PLUGIN}, in {method}]" in message, message
+    assert wrong in message, message
+    if case == "grammar_bitmask":  # the unconstrained request is served
+        assert outcome["errors"][1] is None and len(outcome["tokens"][1]) == 4, outcome

@@ -15,6 +15,7 @@ event loop, so another client's completion sent meanwhile is answered first.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -157,5 +158,71 @@ def test_a_hung_parser_holds_only_its_own_request(broken_env, tiny_llama, tmp_pa
         assert (
             len(errors) == 1 and "HangingToolParser.parse did not return within 15 s" in errors[0]
         )
+    finally:
+        stop(proc)
+
+
+def _responses_stream(url: str, model: str) -> tuple[int, list[dict]]:
+    """A streamed Responses request: its status and the events received before the end."""
+    payload = {"model": model, "input": "hello", "max_output_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/responses", json=payload, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+        return reply.status_code, [json.loads(line[len("data: ") :]) for line in lines]
+
+
+@pytest.mark.slow
+def test_a_hanging_reasoning_parser_fails_only_its_own_requests(broken_env, tiny_llama, tmp_path):
+    """Chat (plain and streamed) and a streamed Responses request end past the 1 s limit
+    naming the parser, its plugin, its config key and the method; others are served."""
+    flags = ["--reasoning-parser", "hanging_reasoning_parser", *LIMIT]
+    proc, url = serve(tiny_llama, tmp_path / "serve.log", *flags, env=broken_env)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+        model = client.models.list().data[0].id
+        named = (
+            f"reasoning parser 'hanging_reasoning_parser' from {PLUGIN}, config key "
+            "server.reasoning_parser: in HangingReasoningParser.parse did not return within "
+            "1 s (config key engine.frontend_plugin_timeout)"
+        )
+        started = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+        assert named in str(failed.value), failed.value
+        assert named in _stream_error(url, model)
+        status, events = _responses_stream(url, model)
+        assert status == 200 and events[-1]["type"] == "error", events
+        assert named in events[-1]["message"], events[-1]
+        assert time.monotonic() - started < 50  # bounded, not held by the hung parser
+        _others_are_served(client, url, model)
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_a_reasoning_parser_failing_on_the_whole_reply_sends_an_error_event(
+    broken_env, tiny_llama, tmp_path
+):
+    """A parser whose streamed deltas parse but whose whole-reply split raises: the
+    streamed Responses request ends with an ``error`` event naming it (not a broken
+    connection, not a completed response); plain Responses gets a 500 naming it."""
+    flags = ["--reasoning-parser", "final_raising_reasoning_parser", *LIMIT]
+    proc, url = serve(tiny_llama, tmp_path / "serve.log", *flags, env=broken_env)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
+        model = client.models.list().data[0].id
+        named = (
+            f"reasoning parser 'final_raising_reasoning_parser' from {PLUGIN}, config key "
+            "server.reasoning_parser: in FinalRaisingReasoningParser.extract_reasoning raised "
+            "RuntimeError: think markers unbalanced"
+        )
+        status, events = _responses_stream(url, model)
+        assert status == 200, events
+        kinds = [event["type"] for event in events]
+        assert kinds[-1] == "error" and "response.completed" not in kinds, kinds
+        assert named in events[-1]["message"], events[-1]
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.responses.create(model=model, input="hello", max_output_tokens=4)
+        assert named in str(failed.value), failed.value
+        _others_are_served(client, url, model)
     finally:
         stop(proc)

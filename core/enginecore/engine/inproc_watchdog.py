@@ -101,6 +101,16 @@ def where_stuck(threads: list[int | None], host: PluginHost | None = None) -> st
     return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+def _selected_by(kind: str, config_key: str | None) -> str:
+    """``", config key scheduler.policy"``: what selected a component of ``kind``."""
+    from enginecore.worker_component_errors import SELECTED_BY
+
+    if kind in SELECTED_BY:  # a model: the architecture its checkpoint names
+        what, key = SELECTED_BY[kind]
+        return f", the {what}'s architecture, config key {key}"
+    return f", config key {config_key}" if config_key else ""
+
+
 def _component_of(host: PluginHost, module: str, qualname: str) -> str | None:
     """``"scheduling policy 'x', config key scheduler.policy"`` for the registered entry
     whose class holds ``qualname`` (a method of it), or None."""
@@ -109,8 +119,7 @@ def _component_of(host: PluginHost, module: str, qualname: str) -> str | None:
         registry = host.registry(kind.name)
         for name in registry:
             if registry.entry(name).ref in (f"{module}:{owner}", f"{module}:{qualname}"):
-                key = f", config key {kind.config_key}" if kind.config_key else ""
-                return f"{kind.label} {name!r}{key}"
+                return f"{kind.label} {name!r}{_selected_by(kind.name, kind.config_key)}"
     # A KV connector's halves are built by its registered factory, not registered.
     cls = getattr(sys.modules.get(module), owner, None)
     halves = (KVConnectorWorker, KVConnectorScheduler)

@@ -2,12 +2,13 @@
 
 A parser is plugin code the server runs for every reply (``parse`` on each streamed
 delta, ``start`` once). :func:`build_contained_parser` builds one for a request on a
-daemon thread of the request's own and replaces its ``parse`` and ``start`` with calls
-on that thread bounded by ``engine.frontend_plugin_timeout``
-(:mod:`enginecore.frontend_plugin_calls`): a parser that raises or does not return
-fails that request alone, with a 500 naming the parser, its plugin, the config key that
-selected it and the method; the other requests keep being served. The thread ends with
-the parser.
+daemon thread of the request's own and replaces its ``parse``, ``start`` and
+``extract_reasoning`` (the whole reply's split) with calls on that thread bounded by
+``engine.frontend_plugin_timeout`` (:mod:`enginecore.frontend_plugin_calls`): a
+parser that raises or does not return fails that request alone, with a 500 (an
+``error`` event once a stream has begun) naming the parser, its plugin, the config key
+that selected it and the method; the other requests keep being served. The thread ends
+with the parser.
 
 The server never waits for a parser on its event loop: every piece of route code that
 builds or calls the request's parsers runs through :func:`run_parsing`, on a waiter thread
@@ -36,10 +37,14 @@ from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import EngineCoreError
 from enginecore.frontend_plugin_calls import TIMEOUT_KEY, PluginCallTimeout, call_bounded
 from enginecore.plugin_attribution import attribute_origin
+from enginecore.reasoning_parsers.base import ReasoningParser
 from enginecore.server.errors import APIError
 
 #: The parser methods the server calls, bounded on each instance.
-BOUNDED_METHODS = ("parse", "start")
+BOUNDED_METHODS = ("parse", "start", "extract_reasoning")
+
+#: Defaults left unwrapped: they only call ``parse``, which is bounded and named itself.
+_DEFAULTS = {ReasoningParser.extract_reasoning}
 
 #: Calls of one parser past their limit that may still hold their threads.
 MAX_ABANDONED_CALLS = 4
@@ -124,8 +129,9 @@ def _bounded(
 def build_contained_parser(
     kind: str, name: str, factory: Callable[..., Any], tokenizer: Any, timeout: float
 ) -> Any:
-    """``factory(tokenizer)`` with its ``parse`` and ``start`` bounded and named; refused
-    (503) while :data:`MAX_ABANDONED_CALLS` of the parser's calls past their limit run."""
+    """``factory(tokenizer)`` with its ``parse``, ``start`` and ``extract_reasoning``
+    bounded and named; refused (503) while :data:`MAX_ABANDONED_CALLS` of the parser's
+    calls past their limit run."""
     key = (kind, name)
     held = _ABANDONED.count(key)
     if held >= MAX_ABANDONED_CALLS:
@@ -145,7 +151,7 @@ def build_contained_parser(
     ref = weakref.ref(parser)
     for method in BOUNDED_METHODS:
         original = getattr(type(parser), method, None)
-        if callable(original):
+        if callable(original) and original not in _DEFAULTS:
             where = f"in {type(parser).__qualname__}.{method}"
             bounded = _bounded(ref, original, where, thread, timeout, described, abandoned)
             setattr(parser, method, bounded)

@@ -30,7 +30,8 @@ def new_reasoning_parser(
     timeout: float = EngineProcessConfig().frontend_plugin_timeout,
 ) -> ReasoningParser | None:
     """The request's parser, told how the prompt ends; None without a configured parser.
-    Its ``parse`` and ``start`` are bounded by ``timeout`` and named when they fail."""
+    Its ``parse``, ``start`` and ``extract_reasoning`` are bounded by ``timeout`` and
+    named when they fail."""
     if not name:
         return None
     parser: ReasoningParser = build_contained_parser(

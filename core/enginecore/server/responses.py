@@ -510,6 +510,11 @@ async def _stream(
                 yield _event(
                     "response.output_text.delta", next(seq), delta=piece, logprobs=[], **where
                 )
+        assert last is not None
+        usage = _usage(prompt_tokens, completion_tokens, cached)
+        # The whole reply's split runs the parser once more: a failure there is an error
+        # event too, sent before anything says the text is done.
+        completed = await run_parsing(reasoning.parses, finish, "".join(raw), last, usage)
     except (EngineCoreError, APIError) as exc:  # APIError: a parser failed (named)
         error = error_body(status_of(exc), str(exc))["error"]
         yield _event(
@@ -528,10 +533,4 @@ async def _stream(
         output_index=where["output_index"],
         item=_message_item(item_id, full, "completed"),
     )
-    assert last is not None
-    usage = _usage(prompt_tokens, completion_tokens, cached)
-    yield _event(
-        "response.completed",
-        next(seq),
-        response=await run_parsing(reasoning.parses, finish, "".join(raw), last, usage),
-    )
+    yield _event("response.completed", next(seq), response=completed)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from enginecore.errors import InvalidRequestError
+from enginecore.errors import InvalidRequestError, PluginContractError
+from enginecore.plugin_attribution import with_attribution
 from enginecore.plugins import is_builtin
 from enginecore.request import Request, RequestStatus
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
@@ -61,6 +62,8 @@ class StructuredOutputManager:
         self.grammars: dict[str, StructuredOutputGrammar] = {}
         # Requests whose output is still reasoning: unconstrained until the end marker.
         self.reasoning: dict[str, ReasoningGate] = {}
+        #: Request id -> why its grammar failed while filling the bitmask (named).
+        self._broken: dict[str, str] = {}
         self._words = 0  # bitmask width in int32 words, known once the backend is built
 
     # --- backend and compilation --------------------------------------------------------
@@ -152,6 +155,7 @@ class StructuredOutputManager:
                 finished.append(waiting[0])
             self.grammars.pop(request_id, None)
             self.reasoning.pop(request_id, None)
+            self._broken.pop(request_id, None)
         return finished
 
     def waiting_ids(self) -> list[str]:
@@ -183,6 +187,8 @@ class StructuredOutputManager:
             for i in range(len(tokens) + 1):
                 if not grammar.is_terminated():
                     grammar.fill_bitmask(bitmask, row + i)
+                    if not bitmask[row + i].any():
+                        self._allows_nothing(request_id, grammar, bitmask, row + i)
                 if i == len(tokens) or not grammar.accept_tokens(tokens[i : i + 1]):
                     break
                 advanced += 1
@@ -192,6 +198,21 @@ class StructuredOutputManager:
         return GrammarOutput(
             structured_output_request_ids=list(request_ids), grammar_bitmask=bitmask
         )
+
+    def _allows_nothing(
+        self, request_id: str, grammar: StructuredOutputGrammar, bitmask: np.ndarray, row: int
+    ) -> None:
+        """A row the grammar cleared: the sampler would pick from no token at all (an
+        arbitrary one). The row is opened again and the request fails, naming the method."""
+        bitmask[row] = -1
+        method = type(grammar).fill_bitmask
+        error = PluginContractError(
+            f"the {self.backend_name!r} grammar's {type(grammar).__qualname__}.fill_bitmask "
+            "wrote a row that allows no token (a grammar that is not terminated must allow "
+            f"at least one){self.described}",
+            origin=method,
+        )
+        self._broken[request_id] = with_attribution(error, str(error))
 
     def accept_sampled(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -205,6 +226,9 @@ class StructuredOutputManager:
         grammars = self.grammars
         if not grammars:
             return rejected
+        for request_id in [r for r in self._broken if r in grammars]:
+            del grammars[request_id]
+            rejected.append((request_id, self._broken.pop(request_id)))
         index = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
         for request_id in scheduler_output.structured_output_request_ids:
@@ -237,6 +261,7 @@ class StructuredOutputManager:
                 if output.finish_reason is not None:
                     self.grammars.pop(output.request_id, None)
                     self.reasoning.pop(output.request_id, None)
+                    self._broken.pop(output.request_id, None)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -16,11 +16,17 @@ from enginecore.interfaces import (
     KVConnectorWorker,
     SchedulingPolicy,
     StatLogger,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
 )
 from enginecore.layers import UnquantizedLinearMethod
 from enginecore.layers.torch_attention import TorchAttentionBackend
 from enginecore.reasoning_parsers import ThinkTagReasoningParser
 from enginecore.tool_parsers import ToolParser
+from enginecore_executors.uniproc import UniProcExecutor
+from enginecore_models.model_runner import TorchModelRunner
+from enginecore_models.models.llama import LlamaForCausalLM
+from enginecore_schedulers.scheduler import DefaultScheduler
 
 plugin_api_versions = ">=1.0,<2"
 
@@ -142,6 +148,88 @@ class HangingPolicy(SchedulingPolicy):
         threading.Event().wait()  # holds the engine loop for good
 
 
+# --- hanging at run time, in the engine: each built on a working built-in -------------
+
+
+class HangingScheduler(DefaultScheduler):
+    def schedule(self):
+        if self.waiting or self.running:  # the first step with work to do never ends
+            threading.Event().wait()
+        return super().schedule()
+
+
+class HangingExecutor(UniProcExecutor):
+    def execute_model(self, scheduler_output, non_block=False):
+        threading.Event().wait()
+
+
+class HangingRunner(TorchModelRunner):
+    def execute_model(self, scheduler_output):
+        threading.Event().wait()
+
+
+class HangingForCausalLM(LlamaForCausalLM):
+    """Serves the first forward pass (the start-up's profiling run), then hangs."""
+
+    def forward(self, *args, **kwargs):
+        if getattr(self, "profiled", False):
+            threading.Event().wait()
+        self.profiled = True
+        return super().forward(*args, **kwargs)
+
+
+class HangingProposer:
+    def __init__(self, config):
+        pass
+
+    def propose(self, token_ids, max_num_drafts):
+        threading.Event().wait()
+
+
+# --- returning the wrong shapes at run time ---------------------------------------------
+
+
+class LongDraftsProposer:
+    """Proposes more drafts than it was asked for."""
+
+    def __init__(self, config):
+        pass
+
+    def propose(self, token_ids, max_num_drafts):
+        return [int(t) for t in token_ids[-1:]] * (max_num_drafts + 2)
+
+
+class FloatDraftsProposer(LongDraftsProposer):
+    """Proposes probabilities where token ids belong."""
+
+    def propose(self, token_ids, max_num_drafts):
+        return [0.5] * max_num_drafts
+
+
+class NoTokenGrammar(StructuredOutputGrammar):
+    """Clears its row: no token is ever allowed."""
+
+    def accept_tokens(self, token_ids):
+        return True
+
+    def rollback(self, num_tokens):
+        pass
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0
+
+    def is_terminated(self):
+        return False
+
+
+class NoTokenGrammarBackend(StructuredOutputBackend):
+    def compile(self, spec):
+        return spec
+
+    def new_grammar(self, compiled):
+        return NoTokenGrammar()
+
+
 # --- raising while it starts, for the kinds built only when selected --------------------
 
 
@@ -257,6 +345,13 @@ class HangingReasoningParser(ThinkTagReasoningParser):
         threading.Event().wait()
 
 
+class FinalRaisingReasoningParser(ThinkTagReasoningParser):
+    """Splits every streamed delta, but fails the whole reply's split."""
+
+    def extract_reasoning(self, text):
+        raise RuntimeError("think markers unbalanced")
+
+
 def raising_rpc(worker):
     raise RuntimeError("profiler not attached")
 
@@ -348,22 +443,26 @@ def register_worker_rpcs(registry):
 @enginecore.hookimpl
 def register_schedulers(registry):
     registry.add("raising_scheduler", RaisingScheduler)
+    registry.add("hanging_scheduler", HangingScheduler)
     registry.add("missing_scheduler", "enginecore_broken_parts.plugin:NoSuchScheduler")
 
 
 @enginecore.hookimpl
 def register_executors(registry):
     registry.add("raising_executor", RaisingExecutor)
+    registry.add("hanging_executor", HangingExecutor)
 
 
 @enginecore.hookimpl
 def register_model_runners(registry):
     registry.add("raising_runner", RaisingRunner)
+    registry.add("hanging_runner", HangingRunner)
 
 
 @enginecore.hookimpl
 def register_models(registry):
     registry.add("RaisingForCausalLM", raising_model)
+    registry.add("HangingForCausalLM", HangingForCausalLM)
     registry.add("NotCallableForCausalLM", NOT_CALLABLE)
 
 
@@ -378,12 +477,16 @@ def register_stat_loggers(registry):
 @enginecore.hookimpl
 def register_spec_decode_proposers(registry):
     registry.add("raising_proposer", RaisingProposer)
+    registry.add("hanging_proposer", HangingProposer)
+    registry.add("long_drafts_proposer", LongDraftsProposer)
+    registry.add("float_drafts_proposer", FloatDraftsProposer)
     registry.add("not_callable_proposer", NOT_CALLABLE)
 
 
 @enginecore.hookimpl
 def register_structured_output_backends(registry):
     registry.add("raising_grammar", RaisingGrammarBackend)
+    registry.add("no_token_grammar", NoTokenGrammarBackend)
     registry.add("not_callable_grammar", NOT_CALLABLE)
 
 
@@ -398,4 +501,5 @@ def register_tool_parsers(registry):
 def register_reasoning_parsers(registry):
     registry.add("raising_reasoning_parser", RaisingReasoningParser)
     registry.add("hanging_reasoning_parser", HangingReasoningParser)
+    registry.add("final_raising_reasoning_parser", FinalRaisingReasoningParser)
     registry.add("not_callable_reasoning_parser", NOT_CALLABLE)
