@@ -232,7 +232,11 @@ def test_compile_error_in_the_engine_fails_only_that_request(trie_engine):
     _submit(engine, processor, "good", SamplingParams(max_tokens=6, temperature=0.0))
     results = _run(engine)
     assert str(results["bad"]["finish"]) == "error"
-    assert results["bad"]["error"] == "the token_trie backend refuses 'FAIL'"
+    # The backend's own words, then the plugin that raised them and the key that chose it.
+    assert results["bad"]["error"] == (
+        "the token_trie backend refuses 'FAIL' (structured output backend 'token_trie' from "
+        "plugin 'token-trie' (distribution <object>), config key structured_output.backend)"
+    )
     assert str(results["good"]["finish"]) == "length" and len(results["good"]["tokens"]) == 6
 
 
