@@ -8,17 +8,16 @@ Reads are counted through each worker's loader (the ``lora_state`` RPC), not tim
 
 from __future__ import annotations
 
-import functools
 import shutil
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from enginecore import LLM, SamplingParams
 from enginecore.lora.random_adapter import make_random_adapter
 from enginecore.lora_request import LoRARequest
+from tests.helpers.peft_reference import peft_greedy
 from tests.helpers.serve_process import free_port
 
 pytest.importorskip("peft")
@@ -27,23 +26,8 @@ MAX_TOKENS = 6
 PROMPT = [11, 523, 87, 1999, 4, 250, 31, 77, 908]
 
 
-@functools.lru_cache(maxsize=4)
 def peft_tokens(base: str, adapter: str | None) -> list[int]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    with torch.inference_mode():
-        out = model.eval().generate(
-            torch.tensor([PROMPT]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(PROMPT) :].tolist()
+    return peft_greedy(base, adapter, tuple(PROMPT), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
