@@ -4,31 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.echo_model import ECHO_PLUGIN
+from tests.helpers.plugin_install import install_to_target, with_on_path
 
 
 @pytest.fixture(scope="module")
 def echo_env(tmp_path_factory) -> dict[str, str]:
     """The echo-model plugin pip-installed into a private target dir (on PYTHONPATH)."""
-    tmp = tmp_path_factory.mktemp("echo-plugin")
-    source = tmp / "src"
-    shutil.copytree(ECHO_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    target = tmp / "site"
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
-    command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
-    command += ["--target", str(target), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
+    target = install_to_target(ECHO_PLUGIN, tmp_path_factory.mktemp("echo-plugin"))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    with_on_path(env, target)
     return env
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from enginecore.layers import UnquantizedLinearMethod
 from enginecore.plugins import make_plugin_manager
 from enginecore_models.model_runner import TorchModelRunner
 from tests.helpers.hf_reference import greedy_reference
+from tests.helpers.plugin_install import install_to_target, with_on_path
 
 NAIVE_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-naive-attention"
 
@@ -38,18 +38,9 @@ NAIVE_PLUGIN = Path(__file__).parents[1] / "plugins" / "enginecore-naive-attenti
 def naive_env(tmp_path_factory) -> dict[str, str]:
     """The plugin pip-installed into a private target dir (on PYTHONPATH of children
     only: this process's plugin managers must not see it)."""
-    tmp = tmp_path_factory.mktemp("naive-plugin")
-    source = tmp / "src"
-    shutil.copytree(NAIVE_PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    target = tmp / "site"
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-input"]
-    command += ["--disable-pip-version-check", "--no-deps", "--no-build-isolation"]
-    command += ["--target", str(target), str(source)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        pytest.fail(f"pip install failed:\n{result.stdout}\n{result.stderr}")
+    target = install_to_target(NAIVE_PLUGIN, tmp_path_factory.mktemp("naive-plugin"))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    with_on_path(env, target)
     return env
 
 
