@@ -9,10 +9,16 @@ The context is read back from the engine's paged KV cache: each position's token
 stored in its K slot (one attention layer, one KV head of size 1, written by whichever
 attention backend runs), so the model sees exactly what the engine's block tables,
 prefix cache and chunked prefill give it. It imports only ``enginecore``.
+
+``ECHO_MODEL_STEP_DELAY_S`` (seconds, default 0) makes every forward that long, so a
+streaming test sees one token per step even when its client reads slower than the echo
+model writes (the frontend merges the deltas a slow reader has not taken yet).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +38,7 @@ class EchoForCausalLM(nn.Module):
         self.logit = nn.Parameter(torch.ones(1, dtype=dtype))  # the chosen token's logit
         self.hidden_size = self.vocab_size
         self.attn = Attention(num_heads=1, head_dim=1, scale=1.0)  # declares the cache
+        self.step_delay_s = float(os.environ.get("ECHO_MODEL_STEP_DELAY_S", "0"))
 
     def next_token(self, context: list[int]) -> int:
         pads = [i for i, t in enumerate(context) if t == self.pad_id]
@@ -55,6 +62,8 @@ class EchoForCausalLM(nn.Module):
         out = torch.zeros(len(input_ids), self.vocab_size, dtype=self.logit.dtype)
         if kv_caches is None:  # the memory-profiling pass
             return out.to(input_ids.device)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         cache = kv_caches[0]
         ids = input_ids.to(cache.dtype).view(-1, 1, 1)
         self.attn(ids, ids, ids, cache, attn_context)  # writes each token id as its K
