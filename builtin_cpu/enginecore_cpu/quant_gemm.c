@@ -80,7 +80,29 @@ static inline int has_offsets(int kind) {
  * 4 x 4 transposes of 32-bit words. */
 static inline void put_blocks(uint8_t *pu, int64_t b, const uint8_t *vals) {
     uint8_t *dst = pu + b * 8 * 4 * PW;
-#if defined(__SSE2__)
+#if defined(ECG_ZMM)
+    /* Per half h: four loads of four columns' words (column-major), two word permutes
+     * that pair columns 0-7 and 8-15 by word, then 128-bit lane shuffles that give each
+     * group of 4 inputs its 16 columns. */
+    const __m512i even = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(2));
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *src = vals + h * PW * 16;
+        const __m512i c0 = _mm512_load_si512((const void *)src);
+        const __m512i c1 = _mm512_load_si512((const void *)(src + 64));
+        const __m512i c2 = _mm512_load_si512((const void *)(src + 128));
+        const __m512i c3 = _mm512_load_si512((const void *)(src + 192));
+        const __m512i a01 = _mm512_permutex2var_epi32(c0, even, c1); /* words 0, 1: cols 0-7 */
+        const __m512i a23 = _mm512_permutex2var_epi32(c0, odd, c1);
+        const __m512i b01 = _mm512_permutex2var_epi32(c2, even, c3); /* cols 8-15 */
+        const __m512i b23 = _mm512_permutex2var_epi32(c2, odd, c3);
+        uint8_t *o = dst + 4 * h * 4 * PW;
+        _mm512_store_si512((void *)o, _mm512_shuffle_i64x2(a01, b01, 0x44));
+        _mm512_store_si512((void *)(o + 64), _mm512_shuffle_i64x2(a01, b01, 0xEE));
+        _mm512_store_si512((void *)(o + 128), _mm512_shuffle_i64x2(a23, b23, 0x44));
+        _mm512_store_si512((void *)(o + 192), _mm512_shuffle_i64x2(a23, b23, 0xEE));
+    }
+#elif defined(__SSE2__)
     for (int h = 0; h < 2; h++)
         for (int q = 0; q < 4; q++) {
             const uint8_t *src = vals + (h * PW + 4 * q) * 16;
