@@ -453,7 +453,9 @@ int ecg_gemm(int kind, int64_t M, int64_t N, int64_t K, const void *wq, const vo
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
+        /* Panels handed out one at a time: a thread the OS takes away for a while (a
+         * shared machine) leaves its panels to the others instead of holding the call. */
+#pragma omp for schedule(dynamic, 1)
         for (int64_t p = 0; p < panels; p++) {
             if (pu == NULL || pd == NULL || pm == NULL) continue;
             const int64_t n0 = p * PW, cols = N - n0 < PW ? N - n0 : PW;
