@@ -16,6 +16,10 @@ shared machine CPU time, on one thread, is what stays comparable; ``--threads 2 
 on a quiet one).
 
     python benchmarks/quant_gemm_rows.py [--rows 2,8,32,128,512] [--formats Q4_0,Q4_K]
+
+``--level x86-64-v3`` (and ``--avx-vnni``) builds ``quant_gemm`` for that x86-64 level
+instead of this CPU's own, to see an AVX2 CPU's kernel on an AVX-512 one; run it under
+``MKL_ENABLE_INSTRUCTIONS=AVX2`` so that the float32 paths' GEMM is AVX2's too.
 """
 
 from __future__ import annotations
@@ -46,11 +50,34 @@ def _weight(fmt: str, n: int, k: int) -> Any:
     return gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
 
 
-def measure(fmt: str, rows_list: list[int], rounds: int, clock: Callable[[], float]) -> list[str]:
-    from enginecore_cpu import gguf_linear_method as glm
-    from enginecore_cpu import quant_gemm, quant_kernels
+def _gemm_for(level: str | None, avx_vnni: bool) -> Any:
+    """``quant_gemm`` as the engine builds it here, or for the x86-64 ``level``."""
+    import tempfile
+    from pathlib import Path
 
-    kernels, gemm = quant_kernels.load(), quant_gemm.load()
+    from enginecore_cpu import cpu_kernels, quant_gemm
+
+    if level is None:
+        return quant_gemm.load()
+    own = cpu_kernels.instruction_set
+    cpu_kernels.instruction_set = lambda: level  # type: ignore[assignment]
+    try:
+        extra = ("avxvnni", ["-mavxvnni"]) if avx_vnni else None
+        path = cpu_kernels.build(
+            Path(tempfile.mkdtemp()), source=quant_gemm.SOURCE, stem="quant_gemm", extra_isa=extra
+        )
+    finally:
+        cpu_kernels.instruction_set = own  # type: ignore[assignment]
+    return quant_gemm.QuantGemm(path, vnni=avx_vnni)
+
+
+def measure(
+    fmt: str, rows_list: list[int], rounds: int, clock: Callable[[], float], gemm: Any
+) -> list[str]:
+    from enginecore_cpu import gguf_linear_method as glm
+    from enginecore_cpu import quant_kernels
+
+    kernels = quant_kernels.load()
     assert kernels is not None and gemm is not None, "the C kernels did not build"
     parts = [_weight(fmt, n, k) for n, k in SHAPES]
     dense = [glm._dequantize_with(kernels, part) for part in parts]
@@ -106,7 +133,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--wall", action="store_true", help="wall-clock time, not CPU time")
+    parser.add_argument("--level", help="build quant_gemm for this x86-64 level (x86-64-v3)")
+    parser.add_argument("--avx-vnni", action="store_true", help="with --level: add AVX-VNNI")
     args = parser.parse_args()
+    gemm = _gemm_for(args.level, args.avx_vnni)
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.wall else time.process_time
     rows = [int(r) for r in args.rows.split(",")]
@@ -115,7 +145,7 @@ def main() -> None:
     print(f"| format | rows | {' | '.join(PATHS)} | float32 / gemm |")
     print("|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
-        for line in measure(fmt, rows, args.rounds, clock):
+        for line in measure(fmt, rows, args.rounds, clock, gemm):
             print(line, flush=True)
 
 

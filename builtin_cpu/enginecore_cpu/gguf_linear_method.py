@@ -60,10 +60,13 @@ from enginecore_cpu.prepared_weights import PreparedWeights
 logger = logging.getLogger(__name__)
 
 # Rows from which a product takes ``quant_gemm`` rather than the one-row kernels, per
-# layout: where the two cross (benchmarks/RESULTS.md, "Prefill on the quantized blocks").
-# Its fixed cost is decoding each block once a call; the one-row kernels' grows with the
-# rows (a block unpacked per four rows).
+# layout: where the two cross with the CPU's VNNI (benchmarks/RESULTS.md, "Other
+# measurements behind the code"), and without it (AVX2's vpmaddubsw: the 4-bit formats'
+# one-row kernels stay ahead to past 32 rows; docs/quantization.md, "Prefill on the
+# blocks"). Its fixed cost is decoding each block once a call; the one-row kernels' grows
+# with the rows (a block unpacked per four rows).
 GEMM_FROM_ROWS = {"Q4": 12, "Q8": 8, "Q4_K": 12, "Q5_K": 8, "Q6_K": 12}
+GEMM_FROM_ROWS_NO_VNNI = {"Q4": 64, "Q8": 16, "Q4_K": 64, "Q5_K": 16, "Q6_K": 16}
 # Without ``quant_gemm`` (its build failed): more rows than this take float32 GEMMs, one
 # per tile of the weight's rows de-quantized for the call. The fused decode step takes
 # batches up to this size.
@@ -283,11 +286,13 @@ def _row_range(part: Part, start: int, length: int) -> Part:
     return BlockWeight(part.bits, qs, d, m, shape, part.symmetric)
 
 
-def gemm_from_rows(part: Part) -> int:
-    """The rows from which ``part`` is multiplied by ``quant_gemm`` (``GEMM_FROM_ROWS``)."""
+def gemm_from_rows(part: Part, vnni: bool) -> int:
+    """The rows from which ``part`` is multiplied by ``quant_gemm`` (``GEMM_FROM_ROWS``,
+    or ``GEMM_FROM_ROWS_NO_VNNI`` for a library built without VNNI)."""
+    table = GEMM_FROM_ROWS if vnni else GEMM_FROM_ROWS_NO_VNNI
     if isinstance(part, KQuantWeight):
-        return GEMM_FROM_ROWS[part.fmt]
-    return GEMM_FROM_ROWS["Q8" if part.bits == 8 else "Q4"]
+        return table[part.fmt]
+    return table["Q8" if part.bits == 8 else "Q4"]
 
 
 def blocks_linear(
@@ -318,7 +323,7 @@ def blocks_linear(
         acts = None  # quantized once for the kernels that take them so
         for first, part in blocks:
             target = out[:, first:] if first else out
-            if gemm is not None and count >= gemm_from_rows(part):
+            if gemm is not None and count >= gemm_from_rows(part, gemm.vnni):
                 acts = kernels.quantize_rows(rows) if acts is None else acts
                 gemm.gemm(acts, part, target)
             elif _needs_kquant(part):

@@ -40,7 +40,8 @@ def extra_isa() -> tuple[str, list[str]] | None:
 
 
 class QuantGemm:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, vnni: bool) -> None:
+        self.vnni = vnni  # built with VNNI's dot product (AVX-512 VNNI or AVX-VNNI)
         self.lib = ctypes.CDLL(str(path))
         self._gemm = self.lib.ecg_gemm
         self._gemm.argtypes, self._gemm.restype = _SIGNATURE, ctypes.c_int
@@ -86,7 +87,7 @@ def load() -> QuantGemm | None:
                 _failed = True
                 return None
             try:
-                _loaded = QuantGemm(build())
+                _loaded = QuantGemm(build(), vnni=extra_isa() is not None)
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _failed = True
                 logger.warning("many-row quantized CPU kernels unavailable: %s", exc)
