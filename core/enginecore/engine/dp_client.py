@@ -53,7 +53,7 @@ from enginecore.engine.mp_client import (
     take_output_async,
 )
 from enginecore.engine.send_queue import SendQueue
-from enginecore.engine.wire_auth import stop_authenticator
+from enginecore.engine.wire_auth import authenticator_problem, stop_authenticator
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -223,6 +223,11 @@ class _DPClientBase(EngineCoreClient):
             if index not in self.coordinator.dead:
                 with contextlib.suppress(EngineDeadError):  # its requests failed already
                     self._send(index, EngineCoreRequestType.ABORT, ids)
+
+    def wire_problem(self) -> str | None:
+        """Why the replicas' TCP sockets are not guarded (their key-checking or
+        handshake-watching thread died), or None; ``/health`` answers 503 with it."""
+        return authenticator_problem(self.ctx)
 
     def engine_of(self, request_id: str) -> int | None:
         """The replica serving an engine request (None once it finished)."""
