@@ -12,6 +12,7 @@ import time
 import pytest
 
 from enginecore import LLM, SamplingParams
+from enginecore.errors import ConfigError
 from enginecore.lora.random_adapter import make_random_adapter
 from enginecore.lora_request import LoRAAdapterError, LoRARequest
 from tests.helpers.peft_reference import peft_greedy
@@ -95,3 +96,13 @@ def test_llm_remove_lora_frees_every_rank_and_refuses_the_name(tiny_llama, adapt
         for rank in llm.collective_rpc("lora_state"):
             assert rank["host"] == [2], rank
         assert tokens(llm, again, SHORT) == peft_greedy(base, second, PROMPT, SHORT)
+
+
+def test_in_process_engine_refuses_lora_calls_by_name(tiny_llama):
+    with LLM(
+        tiny_llama, dtype="float32", multiprocessing=False, enable_lora=True, stat_loggers=[]
+    ) as llm:
+        with pytest.raises(ConfigError, match=r"LLM\.remove_lora needs the engine core in its own"):
+            llm.remove_lora("a")
+        with pytest.raises(ConfigError, match=r"LLM\.add_lora needs .*\(multiprocessing = false"):
+            llm.add_lora(LoRARequest("a", 1, "/nonexistent"))

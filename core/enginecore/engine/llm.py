@@ -21,7 +21,7 @@ from enginecore.engine.lora_names import LoRANames
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.engine.pooling_api import PoolingMethods
-from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.errors import ConfigError, EngineDeadError, InvalidRequestError
 from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
 from enginecore.lora_request import LoRARequest
@@ -366,7 +366,7 @@ class LLM(PoolingMethods):
         ``add_lora``); raises with the reason when it cannot be read. Also brings back a
         name :meth:`remove_lora` removed."""
         added = bool(
-            self.engine_client.call_utility(
+            self._lora_call(
                 "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path
             )
         )
@@ -379,11 +379,22 @@ class LLM(PoolingMethods):
         ``generate`` running in another thread) finish with it; returns once every
         worker has freed its device slot and host copy. A request naming it afterwards
         is refused until :meth:`add_lora` loads it again."""
-        removed = [
-            bool(self.engine_client.call_utility("remove_lora", lora_int_id))
-            for lora_int_id in self._lora_names.remove(lora_name)
-        ]
-        return all(removed)
+        self._lora_calls_possible("remove_lora")
+        ids = self._lora_names.remove(lora_name)
+        return all([bool(self._lora_call("remove_lora", lora_int_id)) for lora_int_id in ids])
+
+    def _lora_calls_possible(self, method: str) -> None:
+        from enginecore.engine.client import InprocClient
+
+        if isinstance(self.engine_client, InprocClient):
+            raise ConfigError(
+                f"LLM.{method} needs the engine core in its own process: it is off "
+                "(multiprocessing = false, or the external_launcher executor)"
+            )
+
+    def _lora_call(self, method: str, *args: Any) -> Any:
+        self._lora_calls_possible(method)
+        return self.engine_client.call_utility(method, *args)
 
     def reset_prefix_cache(self) -> bool:
         reset: bool = self.engine_client.call_utility("reset_prefix_cache")
