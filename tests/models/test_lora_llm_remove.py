@@ -98,6 +98,7 @@ def test_llm_remove_lora_frees_every_rank_and_refuses_the_name(tiny_llama, adapt
         assert tokens(llm, again, SHORT) == peft_greedy(base, second, PROMPT, SHORT)
 
 
+@pytest.mark.slow  # a whole engine for one message
 def test_in_process_engine_refuses_lora_calls_by_name(tiny_llama):
     with LLM(
         tiny_llama, dtype="float32", multiprocessing=False, enable_lora=True, stat_loggers=[]
