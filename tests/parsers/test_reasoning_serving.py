@@ -72,8 +72,8 @@ def server(echo_env, qwen3_checkpoint, tmp_path_factory):
     flags = ["--num-blocks-override", "200", "--max-num-batched-tokens", "64"]
     flags += ["--reasoning-parser", "qwen3"]
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    # Each step takes 20 ms, so the reply streams token by token even on a loaded host.
-    env = dict(echo_env, ECHO_MODEL_STEP_DELAY_S="0.02")
+    # Each step takes 5 ms, so the reply streams in pieces even on a loaded host.
+    env = dict(echo_env, ECHO_MODEL_STEP_DELAY_S="0.005")
     proc, url = serve(qwen3_checkpoint, log_path, *flags, env=env)
     yield url
     stop(proc)
