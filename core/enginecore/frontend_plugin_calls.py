@@ -42,6 +42,9 @@ def call_bounded(
     except FutureTimeout:
         if abandoned is not None:
             abandoned(future)
-        raise PluginCallTimeout(
-            f"did not return within {timeout:g} s (config key {TIMEOUT_KEY})"
-        ) from None
+        raise timed_out(timeout) from None
+
+
+def timed_out(timeout: float) -> PluginCallTimeout:
+    """The error of a call past its limit, naming the limit and its config key."""
+    return PluginCallTimeout(f"did not return within {timeout:g} s (config key {TIMEOUT_KEY})")
