@@ -34,14 +34,15 @@ class TestLogger(StatLogger):
 
 
 class SlowLogger(TestLogger):
-    """A metrics push that takes 100 ms per step."""
+    """A metrics push that takes 100 ms (or ``delay``) per step."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = SLOW_RECORD_S) -> None:
         super().__init__()
+        self.delay = delay
         self.recorded = 0
 
     def record(self, scheduler_stats, iteration_stats, engine_index=0):
-        time.sleep(SLOW_RECORD_S)
+        time.sleep(self.delay)
         self.recorded += 1
 
 
@@ -93,9 +94,11 @@ def step(manager: StatLoggerManager, tokens: int = 1) -> None:
 
 
 def test_a_step_loop_does_not_wait_for_a_slow_logger(tiny_llama):
-    steps = 100
+    steps = 60
     slow, counting = SlowLogger(), CountingLogger()
     with LLM(tiny_llama, max_model_len=256, num_blocks_override=32, stat_loggers=[]) as llm:
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([[5, 6, 7]], warm, use_tqdm=False)  # kernels built on first use
         for name, stat_logger in (("slow", slow), ("counting", counting)):
             llm.stat_loggers.loggers.append(stat_logger)
             llm.stat_loggers.names.append(name)
@@ -114,17 +117,18 @@ def test_a_step_loop_does_not_wait_for_a_slow_logger(tiny_llama):
 
 
 def test_a_busy_logger_keeps_a_bounded_backlog_and_counts_the_rest(caplog):
-    slow, counting = SlowLogger(), CountingLogger()
+    steps, delay = 3 * MAX_PENDING_RECORDS, 0.02
+    slow, counting = SlowLogger(delay), CountingLogger()
     manager = manager_with(slow, counting)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="enginecore.metrics.manager"):
-        for _ in range(40):
+        for _ in range(steps):
             step(manager)
-    assert time.monotonic() - started < 40 * SLOW_RECORD_S / 8
+    assert time.monotonic() - started < steps * delay / 2
     manager.flush()
-    assert counting.records == 40
-    assert MAX_PENDING_RECORDS <= slow.recorded < 40
-    assert slow.recorded + manager.dropped[0] == 40
+    assert counting.records == steps
+    assert MAX_PENDING_RECORDS <= slow.recorded < steps
+    assert slow.recorded + manager.dropped[0] == steps
     assert 1 not in manager.dropped
     busy = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
     assert len(busy) == 1 and "'logger0'" in busy[0], busy  # warned once, not per record

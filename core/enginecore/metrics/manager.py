@@ -15,9 +15,10 @@ serving.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from enginecore.frontend_plugin_calls import PluginCallTimeout, call_bounded
+from enginecore.frontend_plugin_calls import PluginCallTimeout, timed_out
 from enginecore.interfaces import IterationStats, StatLogger
 from enginecore.metrics.logger_lane import MAX_PENDING_RECORDS, LoggerLane
 from enginecore.protocol import SchedulerStats
@@ -107,9 +108,11 @@ class StatLoggerManager:
             return
         if not self._settle(position):
             return
-        lane = self._lanes[position]
+        future = self._lanes[position].call(method, call, args)
         try:
-            call_bounded(lane.thread, call, args, self.timeout)
+            future.result(self.timeout)
+        except FutureTimeout:
+            self._disable(position, method, timed_out(self.timeout))
         except Exception as exc:
             self._disable(position, method, exc)
 
