@@ -5,7 +5,8 @@ per step, yet a logger that hangs or raises has to be noticed and a slow one mus
 hold memory without bound. A lane keeps its logger's calls in order in a deque: handing
 a record over is an append. Its daemon thread, once woken, runs what is there, then
 lingers :data:`LINGER_S` and runs what came meanwhile, so a logger's thread wakes at
-most once per linger however short the steps. At most :data:`MAX_PENDING_RECORDS`
+most once per linger however short the steps (a call someone waits for, as
+:meth:`LoggerLane.wait`'s, cuts the linger short). At most :data:`MAX_PENDING_RECORDS`
 records wait; the caller drops and counts the rest. The lane knows which call runs now
 and since when, and the first record that raised, so the caller can check at its next
 call, without waiting, whether an earlier one failed or has run past its time limit.
@@ -82,7 +83,11 @@ class LoggerLane:
             while not self._closed:
                 while calls and not self._closed:
                     self._run_one(*calls.popleft())
-                time.sleep(LINGER_S)  # the next steps' records, run in this wake-up
+                # The next steps' records, run in this wake-up; a call someone waits for
+                # (or close) cuts the linger short.
+                if self._wake.wait(LINGER_S):
+                    self._wake.clear()
+                    continue
                 if not calls:
                     self._asleep = True
                     if not calls:  # a call that came just now saw the thread awake
