@@ -230,3 +230,13 @@ def test_a_waited_call_comes_after_the_records_handed_over(method):
     getattr(manager, method)()
     assert calls == ["record"] * 3 + [method]
     manager.close()
+
+
+def test_a_logger_without_close_runs_every_record_before_shutdown():
+    slow = SlowLogger(0.01)
+    assert not hasattr(slow, "close")
+    manager = manager_with(slow)
+    for _ in range(5):
+        manager.record(None, IterationStats(num_generation_tokens=1))
+    manager.close()
+    assert slow.recorded == 5

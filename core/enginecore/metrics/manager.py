@@ -203,6 +203,7 @@ class StatLoggerManager:
             self._call(position, "record_admission_rejection", reason)
 
     def close(self) -> None:
+        self.flush()  # a logger without ``close`` still runs the records handed to it
         self._call_all("close")
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
