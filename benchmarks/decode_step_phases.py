@@ -1,0 +1,131 @@
+"""What a single-stream decode step of a GGUF model (the demo's by default) is made of.
+
+The engine runs in this process (``multiprocessing=False``) with the fused decode step
+built with ``-DECD_PROFILE``, which adds each phase's wall time up inside the C step.
+One greedy request of ``--tokens`` tokens is timed after a warm-up, ``--rounds`` times;
+the best round is printed per step: the whole engine step (generate's wall time over
+its tokens), the model runner's ``execute_model`` and ``sample_tokens``, the fused C
+call and, inside it, each phase summed over the layers; then ``compute_logits`` (the LM
+head). Thread count as the engine picks it (``--threads`` to force one), and the cost
+of one empty OpenMP region (fork and join) on as many threads.
+
+    python benchmarks/decode_step_phases.py [MODEL.gguf] [--tokens 128] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+import statistics
+from typing import Any
+
+PHASES = (  # ecd_decode_step's on the first thread: work, then the wait after it
+    "team start",
+    "norms",
+    "qkv",
+    "  wait",
+    "rotary, K/V append, attention",
+    "  wait",
+    "o",
+    "  wait",
+    "gate_up",
+    "silu",
+    "  wait",
+    "down",
+    "  wait",
+    "final norm, team stop",
+)
+
+
+def _profiled_library() -> ctypes.CDLL:
+    from enginecore_cpu import decode_step
+
+    path = decode_step.build(("profile", ["-DECD_PROFILE"]))
+    lib = ctypes.CDLL(str(path))
+    lib.ecd_decode_step.argtypes = decode_step._load().ecd_decode_step.argtypes
+    lib.ecd_decode_step.restype = ctypes.c_int
+    if hasattr(lib, "ecd_profile_read"):
+        lib.ecd_profile_read.argtypes = [ctypes.c_void_p]
+    decode_step._lib = lib  # the engine's fused step loads this build
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", help="a .gguf file (default: the demo model's)")
+    parser.add_argument("--context", type=int, default=128, help="positions cached before")
+    parser.add_argument("--repeats", type=int, default=200, help="replays of the step")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    args = parser.parse_args()
+
+    import torch
+
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import find_demo_gguf
+
+    if args.threads:  # before torch starts its team; the engine then keeps it
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    lib = _profiled_library()
+    profile = getattr(lib, "ecd_profile_read", lambda phases: None)
+    model = args.model or str(find_demo_gguf())
+    llm = LLM(model, multiprocessing=False, max_model_len=args.context + 64)
+    report: list[str] = []
+    try:
+        worker = llm.collective_rpc(lambda w: w)[0]
+        runner = worker.model_runner
+        step = runner.fused_decode
+        if step is None:
+            raise SystemExit("this model does not take the fused decode step")
+        fused_run = step.run
+        phases = (ctypes.c_double * 16)()
+
+        def replay(ids: Any, positions: Any, batch: Any) -> Any:
+            """At the context asked for, the same step again and again (it writes the
+            same K/V to the same places each time), then the LM head on its output."""
+            hidden = fused_run(ids, positions, batch)
+            if int(positions[0]) != args.context:
+                return hidden
+            for _ in range(10):
+                fused_run(ids, positions, batch)
+            profile(phases)
+            times = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                fused_run(ids, positions, batch)
+                times.append(time.perf_counter() - started)
+            profile(phases)
+            head = []
+            for _ in range(args.repeats // 4):
+                started = time.perf_counter()
+                runner.model.compute_logits(hidden)
+                head.append(time.perf_counter() - started)
+            n = args.repeats
+            report.append(f"{'fused step (median / best)':40s} "
+                          f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms")
+            for name, ns in zip(PHASES, phases, strict=False) if any(phases) else ():
+                report.append(f"  {name:38s} {ns / 1e6 / n:8.3f} ms")
+            if any(phases):
+                report.append(f"  {'(sum)':38s} {sum(phases[: len(PHASES)]) / 1e6 / n:8.3f} ms")
+            report.append(f"{'LM head (median / best)':40s} "
+                          f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms")
+            return hidden
+
+        step.run = replay
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        prompt = {"prompt_token_ids": [100 + i % 20000 for i in range(args.context)]}
+        llm.generate([prompt], params, use_tqdm=False)
+        if not report:
+            raise SystemExit("no fused step ran at that context")
+        threads = torch.get_num_threads()
+        print(f"{model}: one decode row at position {args.context}, {threads} threads, "
+              f"{args.repeats} replays")
+        print("\n".join(report))
+    finally:
+        llm.shutdown()
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
