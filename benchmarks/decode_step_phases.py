@@ -21,28 +21,26 @@ import time
 import statistics
 from typing import Any
 
-PHASES = (  # ecd_decode_step's on the first thread: work, then the wait after it
-    "team start",
-    "norms",
+PHASES = (  # ecd_decode_step's profile, per thread
     "qkv",
-    "  wait",
     "rotary, K/V append, attention",
-    "  wait",
     "o",
-    "  wait",
-    "gate_up",
-    "silu",
-    "  wait",
+    "gate_up, silu",
     "down",
-    "  wait",
-    "final norm, team stop",
+    "serial (norms, paged K/V write)",
+    "waiting for the next phase",
+    "whole call",
 )
+PROFILE_THREADS = 8  # ECD_PROFILE_THREADS
 
 
 def _profiled_library() -> ctypes.CDLL:
     from enginecore_cpu import decode_step
 
-    path = decode_step.build(("profile", ["-DECD_PROFILE"]))
+    try:
+        path = decode_step.build(("profile", ["-DECD_PROFILE"]))
+    except TypeError:  # a build before the profile switch (comparing against one)
+        path = decode_step.build()
     lib = ctypes.CDLL(str(path))
     lib.ecd_decode_step.argtypes = decode_step._load().ecd_decode_step.argtypes
     lib.ecd_decode_step.restype = ctypes.c_int
@@ -79,7 +77,7 @@ def main() -> None:
         if step is None:
             raise SystemExit("this model does not take the fused decode step")
         fused_run = step.run
-        phases = (ctypes.c_double * 16)()
+        phases = (ctypes.c_double * (PROFILE_THREADS * len(PHASES)))()
 
         def replay(ids: Any, positions: Any, batch: Any) -> Any:
             """At the context asked for, the same step again and again (it writes the
@@ -104,10 +102,11 @@ def main() -> None:
             n = args.repeats
             report.append(f"{'fused step (median / best)':40s} "
                           f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms")
-            for name, ns in zip(PHASES, phases, strict=False) if any(phases) else ():
-                report.append(f"  {name:38s} {ns / 1e6 / n:8.3f} ms")
-            if any(phases):
-                report.append(f"  {'(sum)':38s} {sum(phases[: len(PHASES)]) / 1e6 / n:8.3f} ms")
+            threads = torch.get_num_threads()
+            for i, name in enumerate(PHASES):
+                per_thread = [phases[t * len(PHASES) + i] / 1e6 / n for t in range(threads)]
+                cells = " ".join(f"{ms:8.3f}" for ms in per_thread)
+                report.append(f"  {name:38s} {cells} ms")
             report.append(f"{'LM head (median / best)':40s} "
                           f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms")
             return hidden
