@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import time
 import statistics
+import time
 from typing import Any
 
 PHASES = (  # ecd_decode_step's profile, per thread
@@ -100,15 +100,19 @@ def main() -> None:
                 runner.model.compute_logits(hidden)
                 head.append(time.perf_counter() - started)
             n = args.repeats
-            report.append(f"{'fused step (median / best)':40s} "
-                          f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms")
+            report.append(
+                f"{'fused step (median / best)':40s} "
+                f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms"
+            )
             threads = torch.get_num_threads()
             for i, name in enumerate(PHASES):
                 per_thread = [phases[t * len(PHASES) + i] / 1e6 / n for t in range(threads)]
                 cells = " ".join(f"{ms:8.3f}" for ms in per_thread)
                 report.append(f"  {name:38s} {cells} ms")
-            report.append(f"{'LM head (median / best)':40s} "
-                          f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms")
+            report.append(
+                f"{'LM head (median / best)':40s} "
+                f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms"
+            )
             return hidden
 
         step.run = replay
@@ -118,8 +122,10 @@ def main() -> None:
         if not report:
             raise SystemExit("no fused step ran at that context")
         threads = torch.get_num_threads()
-        print(f"{model}: one decode row at position {args.context}, {threads} threads, "
-              f"{args.repeats} replays")
+        print(
+            f"{model}: one decode row at position {args.context}, {threads} threads, "
+            f"{args.repeats} replays"
+        )
         print("\n".join(report))
     finally:
         llm.shutdown()

@@ -175,10 +175,13 @@ def build(
     texts = []
     for path in (source, *serial_sources):
         text = path.read_bytes()
-        texts += [text, *(path.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text))]
-    key = hashlib.sha256(
-        b"\0".join([*texts, " ".join(flags).encode(), host.encode()])
-    ).hexdigest()[:16]
+        texts += [
+            text,
+            *(path.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text)),
+        ]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), host.encode()])).hexdigest()[
+        :16
+    ]
     directory = directory or cache_dir() / "cpu_kernels"
     target = directory / f"{stem}_{isa}_{key}.so"
     if target.exists():

@@ -308,9 +308,14 @@ class FusedDecodeStep:
         return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        threads: int | None = None,
     ) -> torch.Tensor:
-        """The final normed hidden states [n, hidden] of the step's decode tokens."""
+        """The final normed hidden states [n, hidden] of the step's decode tokens, on
+        ``threads`` threads (default: torch's)."""
         mirror = self.backend.mirror
         step = mirror.step
         if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
@@ -326,7 +331,7 @@ class FusedDecodeStep:
         status = self.lib.ecd_decode_step(
             ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),
             slots.ctypes.data, step.lens.data_ptr(), self._mirror_ptrs,
-            mirror.layers[0].shape[3], out.data_ptr(), torch.get_num_threads(),
+            mirror.layers[0].shape[3], out.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
             raise MemoryError(f"no scratch memory for a decode step of {n} rows")
