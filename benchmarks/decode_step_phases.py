@@ -1,15 +1,17 @@
 """What a single-stream decode step of a GGUF model (the demo's by default) is made of.
 
 The engine runs in this process (``multiprocessing=False``) with the fused decode step
-built with ``-DECD_PROFILE``, which adds each phase's wall time up inside the C step.
-One greedy request of ``--tokens`` tokens is timed after a warm-up, ``--rounds`` times;
-the best round is printed per step: the whole engine step (generate's wall time over
-its tokens), the model runner's ``execute_model`` and ``sample_tokens``, the fused C
-call and, inside it, each phase summed over the layers; then ``compute_logits`` (the LM
-head). Thread count as the engine picks it (``--threads`` to force one), and the cost
-of one empty OpenMP region (fork and join) on as many threads.
+built with ``-DECD_PROFILE``. One greedy request of a ``--context``-token prompt is
+served; its first decode step is then run again ``--repeats`` times (it writes the same
+K/V to the same places each time): the median and best time of the fused call, each
+thread's time per kind of work (products, attention, the serial norms) and waiting for
+the next phase, summed over the layers, per call; then the LM head (``compute_logits``)
+on its output. Threads as the engine picks them (``--threads`` to set them); the
+kernels built for this CPU, or with ``--isa`` for another x86-64 level (the AVX2 ones
+on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
 
-    python benchmarks/decode_step_phases.py [MODEL.gguf] [--tokens 128] [--rounds 3]
+    python benchmarks/decode_step_phases.py [MODEL.gguf] [--context 128] [--threads N]
+        [--isa x86-64-v3]
 """
 
 from __future__ import annotations
@@ -50,12 +52,19 @@ def _profiled_library() -> ctypes.CDLL:
     return lib
 
 
+def path_of(lib: ctypes.CDLL) -> str:
+    return os.path.basename(lib._name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", nargs="?", help="a .gguf file (default: the demo model's)")
     parser.add_argument("--context", type=int, default=128, help="positions cached before")
     parser.add_argument("--repeats", type=int, default=200, help="replays of the step")
     parser.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    parser.add_argument(
+        "--isa", help="build the kernels for this x86-64 level (x86-64-v3: the AVX2 variants)"
+    )
     args = parser.parse_args()
 
     import torch
@@ -65,6 +74,10 @@ def main() -> None:
 
     if args.threads:  # before torch starts its team; the engine then keeps it
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.isa:
+        from enginecore_cpu import cpu_kernels
+
+        cpu_kernels.instruction_set = lambda: args.isa  # type: ignore[assignment]
     lib = _profiled_library()
     profile = getattr(lib, "ecd_profile_read", lambda phases: None)
     model = args.model or str(find_demo_gguf())
