@@ -137,7 +137,7 @@ def main() -> None:
         threads = torch.get_num_threads()
         print(
             f"{model}: one decode row at position {args.context}, {threads} threads, "
-            f"{args.repeats} replays"
+            f"{args.repeats} replays, {path_of(lib)}"
         )
         print("\n".join(report))
     finally:

@@ -164,9 +164,9 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
 
 #define ECD_ROW_ALIGN 16 /* rows a chunk of a product starts at a multiple of */
 #define ECD_CHUNKS_PER_THREAD 4 /* chunks a phase is cut into, per thread */
-/* Cycles a thread spins for the next phase before it sleeps: a phase takes a few to a few
- * tens of microseconds, but a thread the OS has paused can take milliseconds, and a
- * spinning thread then takes the core it needs. */
+/* Cycles a thread spins for the next phase before it sleeps: longer than a phase of a
+ * small model's layer takes, far shorter than the OS pauses a thread for (a spinning
+ * thread would then take the core the paused one needs). */
 #define ECD_SPIN_CYCLES 200000
 
 static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }

@@ -6,9 +6,12 @@ a model whose classes declare the block this step computes (``enginecore.layers.
 the Llama block, or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
 float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
 tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
-of the same kernels in the same order, so its hidden states are the layers' bit for bit.
-Everything else (prompts, mixed steps, other models and methods) takes the layers.
-``ENGINECORE_FUSED_DECODE=0`` switches it off.
+of the same kernels on the same values, so its hidden states are the layers' bit for bit.
+The call runs one OpenMP team whose threads take chunks of each product and of attention
+from a shared counter (see ``decode_step.c``); the kernels are built into the step's own
+library without their OpenMP loops (:data:`SERIAL_SOURCES`). Everything else (prompts,
+mixed steps, other models and methods) takes the layers. ``ENGINECORE_FUSED_DECODE=0``
+switches it off.
 """
 
 from __future__ import annotations
@@ -342,8 +345,8 @@ class FusedDecodeStep:
 
 
 # The kernels the step calls, compiled into its library without their own OpenMP
-# teams: the step's team splits the work, and an inner team (even of one thread) costs a
-# microsecond or two a call, some twenty calls a layer.
+# teams: the step's team splits the work, and starting an inner team (even of one
+# thread) costs more than many of these small calls' work.
 SERIAL_SOURCES = (cpu_kernels.SOURCE, quant_kernels.SOURCE, kquant_kernels.SOURCE)
 
 
