@@ -167,7 +167,9 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
 /* Cycles a thread spins for the next phase before it sleeps: longer than a phase of a
  * small model's layer takes, far shorter than the OS pauses a thread for (a spinning
  * thread would then take the core the paused one needs). */
+#ifndef ECD_SPIN_CYCLES
 #define ECD_SPIN_CYCLES 200000
+#endif
 
 static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 
