@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
@@ -218,20 +219,26 @@ def _compile(
     serial_flags = [f for f in flags if f not in ("-fopenmp", "-shared")] + ["-fopenmp-simd"]
     try:
         with tempfile.TemporaryDirectory(dir=directory) as objects:
-            commands = [
-                [compiler, *serial_flags, "-c", str(path), "-o", f"{objects}/{i}.o"]
-                for i, path in enumerate(serial_sources)
-            ]
             linked = [f"{objects}/{i}.o" for i in range(len(serial_sources))]
-            commands.append([compiler, *flags, str(source), *linked, "-o", tmp, "-lm"])
-            for command in commands:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            # the serial objects compile side by side, then link with the source
+            with ThreadPoolExecutor(max_workers=max(1, len(serial_sources))) as pool:
+                runs = [
+                    pool.submit(_run_compiler, [compiler, *serial_flags, "-c", str(path), "-o", o])
+                    for path, o in zip(serial_sources, linked, strict=True)
+                ]
+                for run in runs:
+                    run.result()
+            _run_compiler([compiler, *flags, str(source), *linked, "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _run_compiler(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
 
 
 def build_in_background(*builds: Callable[[], Path]) -> None:
