@@ -10,10 +10,11 @@ activations.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import os
 import pathlib
 import platform
-import shutil
 from typing import Any
 
 import numpy as np
@@ -39,27 +40,33 @@ _BUILDS = [
 ]
 
 
+def _build(name: str, level: str | None, source: pathlib.Path) -> ctypes.CDLL:
+    """``source`` compiled for one build of ``_BUILDS``: the engine's own build is the one
+    in the engine's cache (the file the engine loads); another level is asked for by a
+    later ``-march``, which overrides the engine's (the compiler keeps the last one)."""
+    if level is None:
+        extra_isa = quant_kernels._vnni()
+    elif level == cpu_kernels.instruction_set():
+        extra_isa = None  # this CPU's level without the VNNI instructions
+    else:
+        extra_isa = (f"as-{level}", [f"-march={level}"])
+    stem = f"enginecore_{source.stem}"  # the engine's name for its own build
+    path = cpu_kernels.build(source=source, stem=stem, extra_isa=extra_isa)
+    return ctypes.CDLL(str(path))
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """Both K-quant sources compiled for every build in ``_BUILDS``, loaded."""
-    out: dict[str, ctypes.CDLL] = {}
-    own_level = cpu_kernels.instruction_set
-    for name, level in _BUILDS:
-        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        shutil.copy(kquant_kernels.SOURCE.with_name("quant_simd.h"), directory)
-        extra_isa = quant_kernels._vnni() if level is None else None
-        try:
-            if level is not None:
-                cpu_kernels.instruction_set = lambda level=level: level  # type: ignore[method-assign]
-            for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE):
-                copy = pathlib.Path(shutil.copy(source, directory))
-                path = cpu_kernels.build(
-                    directory, source=copy, stem=copy.stem, extra_isa=extra_isa
-                )
-                out[f"{name}/{copy.stem}"] = ctypes.CDLL(str(path))
-        finally:
-            cpu_kernels.instruction_set = own_level  # type: ignore[method-assign]
-    return out
+def builds() -> dict[str, ctypes.CDLL]:
+    """Both K-quant sources compiled for every build in ``_BUILDS``, loaded (compiled side
+    by side: each compiler runs on a core of its own)."""
+    jobs = {
+        f"{name}/{source.stem}": (name, level, source)
+        for name, level in _BUILDS
+        for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE)
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {key: pool.submit(_build, *job) for key, job in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
