@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import os
-import pathlib
 import platform
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.testing.quantizers import quantize_k
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from tests.helpers.kernel_builds import build_for
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -40,32 +40,17 @@ _BUILDS = [
 ]
 
 
-def _build(name: str, level: str | None, source: pathlib.Path) -> ctypes.CDLL:
-    """``source`` compiled for one build of ``_BUILDS``: the engine's own build is the one
-    in the engine's cache (the file the engine loads); another level is asked for by a
-    later ``-march``, which overrides the engine's (the compiler keeps the last one)."""
-    if level is None:
-        extra_isa = quant_kernels._vnni()
-    elif level == cpu_kernels.instruction_set():
-        extra_isa = None  # this CPU's level without the VNNI instructions
-    else:
-        extra_isa = (f"as-{level}", [f"-march={level}"])
-    stem = f"enginecore_{source.stem}"  # the engine's name for its own build
-    path = cpu_kernels.build(source=source, stem=stem, extra_isa=extra_isa)
-    return ctypes.CDLL(str(path))
-
-
 @pytest.fixture(scope="module")
 def builds() -> dict[str, ctypes.CDLL]:
     """Both K-quant sources compiled for every build in ``_BUILDS``, loaded (compiled side
     by side: each compiler runs on a core of its own)."""
     jobs = {
-        f"{name}/{source.stem}": (name, level, source)
+        f"{name}/{source.stem}": ("host" if level is None else level, source)
         for name, level in _BUILDS
         for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE)
     }
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {key: pool.submit(_build, *job) for key, job in jobs.items()}
+        futures = {key: pool.submit(build_for, *job) for key, job in jobs.items()}
         return {key: future.result() for key, future in futures.items()}
 
 
