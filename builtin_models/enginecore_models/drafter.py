@@ -61,13 +61,16 @@ class Drafter:
         )
         self.num_spec_tokens = config.speculative.num_speculative_tokens
 
-    def propose(self, buffer: TokenBuffer, token_ids: list[int]) -> list[int]:
+    def propose(self, buffer: TokenBuffer, token_ids: list[int], vocab_size: int) -> list[int]:
+        """The next drafts; :class:`PluginContractError` naming the proposer if they are
+        malformed (the runner fails that request only)."""
         drafts = self.proposer.propose(buffer.view(token_ids), self.num_spec_tokens)
-        return self._checked(drafts)
+        return self._checked(drafts, vocab_size)
 
-    def _checked(self, drafts: Any) -> list[int]:
-        """The drafts as ints; anything but at most ``num_spec_tokens`` integer token ids
-        is named (a float would be truncated into some unrelated token)."""
+    def _checked(self, drafts: Any, vocab_size: int) -> list[int]:
+        """The drafts as ints; anything but at most ``num_spec_tokens`` token ids of the
+        vocabulary is named (a float would be truncated into some unrelated token, an id
+        past the vocabulary would index past the embedding table)."""
         wrong = None
         if isinstance(drafts, np.ndarray) and drafts.ndim != 1:
             wrong = f"an array of shape {drafts.shape}"
@@ -83,13 +86,17 @@ class Drafter:
                 if token < 0:
                     wrong = f"{token}, a negative token id"
                     break
+                if token >= vocab_size:
+                    wrong = f"{token}, past the vocabulary (token ids are 0..{vocab_size - 1})"
+                    break
         if wrong is None:
             return [int(t) for t in drafts]
         method = type(self.proposer).propose
         text = (
             f"spec decode proposer {type(self.proposer).__qualname__}.propose returned "
             f"{wrong}; it must return at most max_num_drafts "
-            f"({self.num_spec_tokens}) token ids (config key speculative.speculative_method)"
+            f"({self.num_spec_tokens}) token ids of the model's vocabulary "
+            "(config key speculative.speculative_method)"
         )
         # Named here: a worker's error reaches the frontend as text, origin lost.
         raise PluginContractError(

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from enginecore.distributed import ParallelContext
+from enginecore.errors import PluginContractError
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
@@ -56,9 +57,10 @@ class StepState:
 
 class SamplingPhase:
     """Needs the runner's ``requests``, ``sampler``, ``drafter``, ``parallel``, ``device``,
-    ``eos_token_ids`` and the ``_step`` that ``execute_model`` left."""
+    ``eos_token_ids``, ``hf_config`` and the ``_step`` that ``execute_model`` left."""
 
     requests: dict[str, RequestState]
+    hf_config: Any
     sampler: Sampler
     drafter: Drafter | None
     parallel: ParallelContext
@@ -252,6 +254,7 @@ class SamplingPhase:
         sampled: list[list[int]] = [[] for _ in range(n)]
         num_drafts = [0] * n
         next_drafts: list[list[int]] = [[] for _ in range(n)]
+        draft_errors: dict[str, str] = {}
         for state, d, tokens in zip(states, drafts, accepted, strict=True):
             state.output_token_ids.extend(tokens)
             state.token_ids.extend(tokens)
@@ -263,7 +266,13 @@ class SamplingPhase:
             if state.sampling_params.structured_output is None:
                 if state.token_buffer is None:
                     state.token_buffer = TokenBuffer()
-                state.drafts = self.drafter.propose(state.token_buffer, state.token_ids)
+                try:
+                    state.drafts = self.drafter.propose(
+                        state.token_buffer, state.token_ids, self.hf_config.vocab_size
+                    )
+                except PluginContractError as exc:  # malformed drafts: this request fails
+                    state.drafts = []
+                    draft_errors[state.req_id] = str(exc)
                 next_drafts[i] = state.drafts
         return ModelRunnerOutput(
             req_ids=step.req_ids,
@@ -274,6 +283,7 @@ class SamplingPhase:
             kv_connector_output=step.kv_connector_output,
             draft_token_ids=next_drafts,
             num_draft_tokens=num_drafts,
+            request_errors=draft_errors or None,
         )
 
     @staticmethod

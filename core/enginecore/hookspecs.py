@@ -494,10 +494,12 @@ def register_spec_decode_proposers(registry: Registry[Any]) -> None:
     ``engine.execute_timeout`` (300 s by default; past it the engine is declared dead
     naming the plugin and the method); a proposer that raises in ``__init__`` fails
     start-up naming it, its plugin and ``speculative.speculative_method``. ``propose``
-    must return at most ``max_num_drafts`` integer token ids (a list, tuple or 1-D
-    integer array); anything else is a
-    :class:`enginecore.errors.PluginContractError` naming the plugin and ``propose``
-    (the engine dies of it, as of an exception raised there).
+    must return at most ``max_num_drafts`` integer token ids of the model's vocabulary
+    (``0 <= id < vocab_size``; a list, tuple or 1-D integer array); anything else fails
+    that request only, with a :class:`enginecore.errors.PluginContractError` message
+    naming ``propose``, what was wrong and ``speculative.speculative_method`` (the
+    tokens the request already had are kept; the other requests run on). An exception
+    raised in ``propose`` itself kills the engine.
     """
 
 

@@ -51,3 +51,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     pooler_output: dict[str, list[float]] | None = None
     # LoRA: adapters read, failed or evicted since the last step (None: nothing new).
     lora_report: LoRALoadReport | None = None
+    # Requests that cannot go on (a proposer's malformed drafts): id -> the error, named.
+    # The engine finishes each with it after this step's tokens; the others run on.
+    request_errors: dict[str, str] | None = None

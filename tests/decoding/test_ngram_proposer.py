@@ -89,7 +89,7 @@ def test_the_builtin_is_registered_and_bad_settings_are_refused() -> None:
     assert entry.plugin == "builtin_models"
     config = make_config(speculative_method="ngram", num_speculative_tokens=2)
     drafter = Drafter(config, entry.ref)
-    assert drafter.propose(TokenBuffer(), [1, 2, 3, 1, 2, 3, 1]) == [2, 3]
+    assert drafter.propose(TokenBuffer(), [1, 2, 3, 1, 2, 3, 1], vocab_size=100) == [2, 3]
     with pytest.raises(ConfigError, match="needs num_speculative_tokens >= 1"):
         make_config(speculative_method="ngram")
     with pytest.raises(ConfigError, match="ngram_prompt_lookup_max must be >="):

@@ -72,8 +72,8 @@ def server(echo_env, qwen3_checkpoint, tmp_path_factory):
     flags = ["--num-blocks-override", "200", "--max-num-batched-tokens", "64"]
     flags += ["--reasoning-parser", "qwen3"]
     flags += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    # Each step takes 20 ms, so the reply streams token by token even on a loaded host.
-    env = dict(echo_env, ECHO_MODEL_STEP_DELAY_S="0.02")
+    # Each step takes 5 ms, so the reply streams in pieces even on a loaded host.
+    env = dict(echo_env, ECHO_MODEL_STEP_DELAY_S="0.005")
     proc, url = serve(qwen3_checkpoint, log_path, *flags, env=env)
     yield url
     stop(proc)
@@ -220,3 +220,77 @@ def test_responses_api_streams_reasoning_then_text(client):
     assert added == ["reasoning", "message"]
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+# --- streamed answers equal the non-streamed ones -----------------------------------------
+
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+#: Replies whose streamed deltas, put together, must give the non-streamed message: the
+#: final parse at the end of a stream (tool calls, reasoning) included.
+WHOLE_VS_STREAMED = {
+    "reasoning_then_content": THOUGHT,
+    "reasoning_then_call": f"<think>I need the weather.</think>{CALL}",
+    "content_then_call": f"Let me check.\n{CALL}",
+    "two_calls_and_trailing_text": f"<think>Two cities.</think>{CALL}\n<tool_call>{PARIS}"
+    "</tool_call>\nDone.",
+    "call_inside_the_thinking": f"<think>Maybe {CALL}?</think>No call after all.",
+    "malformed_call": '<think>Try.</think><tool_call>{"name": "get_weather", "arguments": '
+    "{city: Paris}}</tool_call>",
+    "unterminated_call": f"<think>Try.</think><tool_call>{PARIS}",
+    "cut_short_in_a_call": f"<think>Go.</think>{CALL}",
+    "cut_short_while_thinking": THOUGHT,
+}
+MAX_TOKENS = {"cut_short_in_a_call": 16, "cut_short_while_thinking": 5}
+#: A call malformed after the stream announced it (as in vLLM, a call streams while it is
+#: written): it cannot be taken back, but the stream then carries the whole text as
+#: content and finishes with ``stop``, as the whole answer does; nothing is lost.
+ANNOUNCED_THEN_MALFORMED = {"malformed_call"}
+
+
+def _whole(choice) -> dict:
+    message = choice.message
+    calls = [(c.function.name, c.function.arguments, c.type) for c in message.tool_calls or []]
+    return {
+        "content": message.content or "",
+        "reasoning": _field(message, "reasoning_content") or "",
+        "tool_calls": calls,
+        "finish_reason": choice.finish_reason,
+    }
+
+
+def _streamed(chunks) -> dict:
+    content = reasoning = ""
+    calls: list[list] = []
+    finish = None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content += delta.content or ""
+        reasoning += _field(delta, "reasoning_content") or ""
+        for item in delta.tool_calls or []:
+            if item.index == len(calls):
+                assert item.id and item.function.name, "the first delta names the call"
+                calls.append([item.function.name, "", item.type])
+            calls[item.index][1] += item.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return {
+        "content": content,
+        "reasoning": reasoning,
+        "tool_calls": [tuple(c) for c in calls],
+        "finish_reason": finish,
+    }
+
+
+@pytest.mark.parametrize("case", sorted(WHOLE_VS_STREAMED))
+def test_the_streamed_answer_equals_the_whole_one(client, case):
+    """qwen3 reasoning and hermes tool calls together, as Qwen3 is served."""
+    kw = dict(tools=[WEATHER], max_tokens=MAX_TOKENS.get(case, 200))
+    whole = _whole(_chat(client, WHOLE_VS_STREAMED[case], **kw).choices[0])
+    streamed = _streamed(_chat(client, WHOLE_VS_STREAMED[case], stream=True, **kw))
+    if case in ANNOUNCED_THEN_MALFORMED:
+        assert whole["tool_calls"] == [] and whole["finish_reason"] == "stop"
+        assert [name for name, _, _ in streamed.pop("tool_calls")] == ["get_weather"]
+        whole.pop("tool_calls")
+    assert streamed == whole

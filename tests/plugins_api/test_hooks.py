@@ -319,7 +319,7 @@ def test_hook_register_spec_decode_proposers():
     # Workers import the proposer from the reference the engine resolved.
     drafter = Drafter(config, components.worker_spec.spec_decode_proposer_ref)
     assert isinstance(drafter.proposer, RepeatLastToken)
-    assert drafter.propose(TokenBuffer(), [5, 6, 7]) == [7, 7, 7]
+    assert drafter.propose(TokenBuffer(), [5, 6, 7], vocab_size=100) == [7, 7, 7]
     with pytest.raises(UnknownComponentError, match="ngram"):
         resolve_components(make_config(speculative_method="nope", num_speculative_tokens=1), host)
 

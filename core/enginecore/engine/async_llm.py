@@ -415,6 +415,9 @@ class AsyncLLM:
                 f"data-parallel replica {index} of {coordinator.size} is dead ({reason}); "
                 f"the other replicas still serve"
             )
+        wire_problem = getattr(self.engine_client, "wire_problem", None)
+        if wire_problem is not None and (problem := wire_problem()) is not None:
+            raise EngineDeadError(problem)
         try:
             await asyncio.wait_for(self._utility("ping"), HEALTH_TIMEOUT)
         except TimeoutError:

@@ -415,6 +415,8 @@ class EngineCore:
         grammar_rejections: list[tuple[str, str]] | None = None,
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.request_errors:
+            self._fail_requests(outputs, runner_output.request_errors)
         if scheduler_output.structured_output_request_ids:
             if grammar_rejections is None:  # not advanced ahead of the update
                 grammar_rejections = self.structured_output.accept_sampled(
@@ -434,6 +436,23 @@ class EngineCore:
             # One stats record per step, on client 0's outputs (created if it had none).
             outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return outputs
+
+    def _fail_requests(self, outputs: dict[int, EngineCoreOutputs], errors: dict[str, str]) -> None:
+        """Finish with its error each request the runner could not go on with (its
+        tokens of this step are kept); one that finished anyway this step stays as is."""
+        failing = {
+            output.request_id: output
+            for client_outputs in outputs.values()
+            for output in client_outputs.outputs
+            if output.request_id in errors and output.finish_reason is None
+        }
+        if not failing:
+            return
+        for request_id, output in failing.items():
+            logger.error("request %s failed: %s", request_id, errors[request_id])
+            output.finish_reason = FinishReason.ERROR
+            output.error = errors[request_id]
+        self.scheduler.finish_requests(list(failing), RequestStatus.FINISHED_ERROR)
 
     def _settle_grammars(
         self, outputs: dict[int, EngineCoreOutputs], rejected: list[tuple[str, str]]

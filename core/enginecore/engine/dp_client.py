@@ -53,7 +53,7 @@ from enginecore.engine.mp_client import (
     take_output_async,
 )
 from enginecore.engine.send_queue import SendQueue
-from enginecore.engine.wire_auth import stop_authenticator
+from enginecore.engine.wire_auth import authenticator_problem, stop_authenticator
 from enginecore.errors import EngineCoreError, EngineDeadError
 from enginecore.protocol import (
     EngineCoreOutputs,
@@ -70,8 +70,8 @@ def combine_utility_results(method: str, results: list[Any]) -> Any:
     """One answer from every live replica's answer to a fanned-out utility call."""
     if method == "collective_rpc":
         return [result for replica in results for result in replica]  # replica-major
-    if method in ("reset_prefix_cache", "is_paused", "is_sleeping"):
-        return all(results)
+    if method in ("reset_prefix_cache", "is_paused", "is_sleeping", "add_lora", "remove_lora"):
+        return all(results)  # done only if every replica did it
     if method == "get_num_unfinished_requests":
         return sum(results)
     return results[0]
@@ -223,6 +223,11 @@ class _DPClientBase(EngineCoreClient):
             if index not in self.coordinator.dead:
                 with contextlib.suppress(EngineDeadError):  # its requests failed already
                     self._send(index, EngineCoreRequestType.ABORT, ids)
+
+    def wire_problem(self) -> str | None:
+        """Why the replicas' TCP sockets are not guarded (their key-checking or
+        handshake-watching thread died), or None; ``/health`` answers 503 with it."""
+        return authenticator_problem(self.ctx)
 
     def engine_of(self, request_id: str) -> int | None:
         """The replica serving an engine request (None once it finished)."""
@@ -430,6 +435,9 @@ class DPSyncMPClient(_DPClientBase):
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._stop = threading.Event()
         self._installs: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # A socket is not thread-safe: ``LLM.remove_lora`` may send from another thread
+        # while ``generate`` sends aborts.
+        self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
 
@@ -440,6 +448,10 @@ class DPSyncMPClient(_DPClientBase):
         """Never blocks on a dead replica: a PUSH socket whose peer is gone would wait
         forever, so a full or peerless socket is a cue to check the replica's life."""
         frames = [kind.value, *self.encoder.encode(payload)]
+        with self._send_lock:
+            self._send_frames(index, frames)
+
+    def _send_frames(self, index: int, frames: list[Any]) -> None:
         engine = self.engines[index]
         while True:
             try:

@@ -140,12 +140,15 @@ class RayEngine(_EngineProcess):
         connect_host = ray.util.get_node_ip_address() if host in _ANY_HOST else host
         # TCP: CURVE servers that admit only this replica's key (wire_auth.py).
         keys = CurveKeys.new()
-        authenticator_for(ctx).allow(keys.client_public)
+        authenticator = authenticator_for(ctx)
+        authenticator.allow(keys.client_public)
         self.input_socket = ctx.socket(zmq.PUSH)
         secure_server(self.input_socket, keys)
+        authenticator.watch(self.input_socket)
         input_port = self.input_socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
         self.output_socket = ctx.socket(zmq.PULL)
         secure_server(self.output_socket, keys)
+        authenticator.watch(self.output_socket)
         output_port = self.output_socket.bind_to_random_port(f"tcp://{_bind_host(host)}")
         bundles = replica_bundles(config, use_gpu=use_gpu)
         self.placement_group = placement_group(

@@ -17,10 +17,11 @@ from enginecore.engine.chat_template import Message, render_chat
 from enginecore.engine.client import EngineCoreClient, start_engine
 from enginecore.engine.dp_coordinator import check_data_parallel_rank
 from enginecore.engine.input_processor import InputProcessor, PromptType
+from enginecore.engine.lora_names import LoRANames
 from enginecore.engine.model_defaults import configured_chat_template, sampling_defaults
 from enginecore.engine.output import OutputKind, OutputProcessor, RequestOutput
 from enginecore.engine.pooling_api import PoolingMethods
-from enginecore.errors import EngineDeadError, InvalidRequestError
+from enginecore.errors import ConfigError, EngineDeadError, InvalidRequestError
 from enginecore.hub import resolve_model
 from enginecore.interfaces import IterationStats
 from enginecore.lora_request import LoRARequest
@@ -74,6 +75,7 @@ class LLM(PoolingMethods):
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self._lora_names = LoRANames()
         self._next_log = time.monotonic() + self.config.observability.log_stats_interval
         self.stat_loggers.log_engine_initialized(self.engine_client.ready)
 
@@ -107,6 +109,7 @@ class LLM(PoolingMethods):
             raise InvalidRequestError("priority needs one value per prompt")
         ranks = self._as_rank_list(data_parallel_rank, len(prompt_list))
         loras = self._as_lora_list(lora_request, len(prompt_list))
+        self._lora_names.use(loras)
         states = self._validate_all(prompt_list, params_list, priority, loras)
         for (request, _), rank in zip(states, ranks, strict=True):
             request.data_parallel_rank = rank
@@ -357,6 +360,41 @@ class LLM(PoolingMethods):
             "collective_rpc", method, timeout, args, kwargs
         )
         return results
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter into every worker now, before a request names it (vLLM's
+        ``add_lora``); raises with the reason when it cannot be read. Also brings back a
+        name :meth:`remove_lora` removed."""
+        added = bool(
+            self._lora_call(
+                "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path
+            )
+        )
+        self._lora_names.added(lora_request)
+        return added
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload the LoRA adapter served as ``lora_name`` (as the server's
+        ``/v1/unload_lora_adapter``): requests already sent with it (from a
+        ``generate`` running in another thread) finish with it; returns once every
+        worker has freed its device slot and host copy. A request naming it afterwards
+        is refused until :meth:`add_lora` loads it again."""
+        self._lora_calls_possible("remove_lora")
+        ids = self._lora_names.remove(lora_name)
+        return all([bool(self._lora_call("remove_lora", lora_int_id)) for lora_int_id in ids])
+
+    def _lora_calls_possible(self, method: str) -> None:
+        from enginecore.engine.client import InprocClient
+
+        if isinstance(self.engine_client, InprocClient):
+            raise ConfigError(
+                f"LLM.{method} needs the engine core in its own process: it is off "
+                "(multiprocessing = false, or the external_launcher executor)"
+            )
+
+    def _lora_call(self, method: str, *args: Any) -> Any:
+        self._lora_calls_possible(method)
+        return self.engine_client.call_utility(method, *args)
 
     def reset_prefix_cache(self) -> bool:
         reset: bool = self.engine_client.call_utility("reset_prefix_cache")

@@ -279,8 +279,15 @@ class SyncMPClient(_MPClientBase):
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self._utility_futures: dict[int, Future[Any]] = {}
         self._stop = threading.Event()
+        # A socket is not thread-safe: ``LLM.remove_lora`` may send from another thread
+        # while ``generate`` sends aborts.
+        self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        with self._send_lock:
+            super()._send(kind, payload)
 
     def _read_outputs(self) -> None:
         poller = zmq.Poller()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 
 
@@ -63,14 +64,30 @@ def secure_client(socket: zmq.Socket[bytes], client_keys: dict[str, bytes] | Non
 
 class ClientKeyAuthenticator:
     """The ZAP handler of one ZeroMQ context: admits CURVE clients whose public key was
-    registered (one per replica), refuses every other peer."""
+    registered (one per replica), refuses every other peer. The refusals on the sockets
+    it :meth:`watch` es are counted and logged (:mod:`.refused_peers`)."""
 
     def __init__(self, ctx: zmq.Context[Any]) -> None:
+        from enginecore.engine.refused_peers import RefusedPeers
+
         self._allowed: set[bytes] = set()
         self._lock = threading.Lock()
         self._auth = ThreadAuthenticator(ctx)
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self)
+        self.refused = RefusedPeers()
+
+    def watch(self, socket: zmq.Socket[Any]) -> None:
+        self.refused.watch(socket)
+
+    def problem(self) -> str | None:
+        """Why this context's sockets are not guarded as they should be (a thread that
+        died), or None."""
+        if not self._auth.is_alive():
+            return "the data-parallel sockets' key-checking (ZAP) thread is dead"
+        if not self.refused.alive():
+            return "the data-parallel sockets' handshake-watching thread is dead"
+        return None
 
     def allow(self, client_public: bytes) -> None:
         with self._lock:
@@ -83,7 +100,16 @@ class ClientKeyAuthenticator:
             return key in self._allowed
 
     def stop(self) -> None:
-        self._auth.stop()
+        self.refused.stop()
+        if self._auth.is_alive():
+            self._auth.stop()
+            return
+        # Its thread died: nothing reads the control pipe, where a TERMINATE would block
+        # for good. Close the sockets it left instead.
+        if self._auth.pipe is not None:
+            self._auth.pipe.close(0)
+            self._auth.pipe = None  # type: ignore[assignment]
+        Authenticator.stop(self._auth)
 
 
 _AUTHENTICATORS: weakref.WeakKeyDictionary[Any, ClientKeyAuthenticator] = (
@@ -97,6 +123,13 @@ def authenticator_for(ctx: Any) -> ClientKeyAuthenticator:
     if auth is None:
         auth = _AUTHENTICATORS[ctx] = ClientKeyAuthenticator(ctx)
     return auth
+
+
+def authenticator_problem(ctx: Any) -> str | None:
+    """What is wrong with the context's authenticator, if it has one (see
+    :meth:`ClientKeyAuthenticator.problem`)."""
+    auth = _AUTHENTICATORS.get(ctx)
+    return None if auth is None else auth.problem()
 
 
 def stop_authenticator(ctx: Any) -> None:

@@ -120,10 +120,12 @@ class ToolCallStream:
         self.text = ""
         self.sent_content = 0
         self.sent_calls: list[_SentCall] = []
+        self.spoiled = False  # a call already announced proved malformed at the end
 
     @property
     def called(self) -> bool:
-        return bool(self.sent_calls)
+        """Whether the reply is tool calls (the stream then finishes with ``tool_calls``)."""
+        return bool(self.sent_calls) and not self.spoiled
 
     def feed(self, delta_text: str, final: bool = False) -> dict[str, Any]:
         """The delta (``content`` and/or ``tool_calls``) that ``delta_text`` adds; may be {}."""
@@ -131,10 +133,16 @@ class ToolCallStream:
         parsed = self.parser.parse(self.text, final)
         delta: dict[str, Any] = {}
         spoiled = any(c.invalid or c.name is None for c in parsed.calls)
-        if final and spoiled and not self.sent_calls:
+        if final and spoiled:
             # As a whole response: a reply with a malformed call is all content (the
-            # content sent so far is the start of the text, in every format).
-            parsed = ParsedText(content=self.text)
+            # content sent so far is the start of the text, in every format). Calls
+            # already announced cannot be taken back: the rest of the text follows as
+            # content and the reply is not a tool call, so nothing of it is lost.
+            self.spoiled = bool(self.sent_calls)
+            if len(self.text) > self.sent_content:
+                delta["content"] = self.text[self.sent_content :]
+                self.sent_content = len(self.text)
+            return delta
         if len(parsed.content) > self.sent_content:
             delta["content"] = parsed.content[self.sent_content :]
             self.sent_content = len(parsed.content)
