@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
@@ -154,11 +155,14 @@ def build(
     source: Path = SOURCE,
     stem: str = "enginecore_cpu_kernels",
     extra_isa: tuple[str, list[str]] | None = None,
+    serial_sources: tuple[Path, ...] = (),
 ) -> Path:
     """Compile ``source`` (if this source, these flags and this CPU have no build yet)
     and return its path. ``extra_isa`` (a name suffix, compiler flags) adds instructions
-    beyond the x86-64 level. Raises ``RuntimeError`` with the compiler's output on
-    failure."""
+    beyond the x86-64 level. ``serial_sources`` are compiled into the same library
+    without OpenMP's threads (``-fopenmp-simd``: their loops run on the calling thread,
+    vectorized as in their own builds). Raises ``RuntimeError`` with the compiler's
+    output on failure."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
@@ -169,18 +173,23 @@ def build(
     host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
     # The local headers the source includes are part of what is built (quant_simd.h);
     # a source that includes none is not rebuilt when one of them changes.
-    text = source.read_bytes()
-    headers = [source.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text)]
-    key = hashlib.sha256(
-        b"\0".join([text, *headers, " ".join(flags).encode(), host.encode()])
-    ).hexdigest()[:16]
+    texts = []
+    for path in (source, *serial_sources):
+        text = path.read_bytes()
+        texts += [
+            text,
+            *(path.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text)),
+        ]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), host.encode()])).hexdigest()[
+        :16
+    ]
     directory = directory or cache_dir() / "cpu_kernels"
     target = directory / f"{stem}_{isa}_{key}.so"
     if target.exists():
         return target
     with _build_lock(target):  # a build started in the background: wait for it
         if not target.exists():
-            _compile(compiler, flags, source, target, isa)
+            _compile(compiler, flags, source, target, isa, serial_sources)
     return target
 
 
@@ -193,26 +202,43 @@ _build_locks: dict[Path, threading.Lock] = {}
 _build_locks_guard = threading.Lock()
 
 
-def _compile(compiler: str, flags: list[str], source: Path, target: Path, isa: str) -> None:
+def _compile(
+    compiler: str,
+    flags: list[str],
+    source: Path,
+    target: Path,
+    isa: str,
+    serial_sources: tuple[Path, ...] = (),
+) -> None:
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     startup_log.logger.info("building %s for %s (once per CPU level; cached)", source.name, isa)
     # Build beside the target and rename: concurrent processes never load a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
+    serial_flags = [f for f in flags if f not in ("-fopenmp", "-shared")] + ["-fopenmp-simd"]
     try:
-        done = subprocess.run(
-            [compiler, *flags, str(source), "-o", tmp, "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        with tempfile.TemporaryDirectory(dir=directory) as objects:
+            linked = [f"{objects}/{i}.o" for i in range(len(serial_sources))]
+            # the serial objects compile side by side, then link with the source
+            with ThreadPoolExecutor(max_workers=max(1, len(serial_sources))) as pool:
+                runs = [
+                    pool.submit(_run_compiler, [compiler, *serial_flags, "-c", str(path), "-o", o])
+                    for path, o in zip(serial_sources, linked, strict=True)
+                ]
+                for run in runs:
+                    run.result()
+            _run_compiler([compiler, *flags, str(source), *linked, "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _run_compiler(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
 
 
 def build_in_background(*builds: Callable[[], Path]) -> None:

@@ -1,15 +1,69 @@
 /* A whole decode step of a Llama-family model in one call (see decode_step.py).
  *
  * The step runs the same kernels the layers call one by one (cpu_kernels.c,
- * quant_kernels.c, kquant_kernels.c), through their addresses, in the same order and
- * with the same arguments, so its hidden states are the layers' bit for bit; what it
- * saves is the interpreter between them (about 150 module calls and 300 foreign calls a
- * step on a 30-layer model). Functions returning int give -1 when an index is out of
- * range (the kernels' own checks) and -2 without scratch memory.
+ * quant_kernels.c, kquant_kernels.c), through their addresses, on the same values, so
+ * its hidden states are the layers' bit for bit; what it saves is the interpreter
+ * between them (about 150 module calls and 300 foreign calls a step on a 30-layer
+ * model) and the thread team's start and stop around each kernel.
+ *
+ * One OpenMP team runs the whole step as a sequence of phases, five a layer: QKV,
+ * attention, O, gate/up (with SiLU on the same columns) and down. A phase is cut into
+ * chunks (output rows of a product, split where a thread may start: ECD_ROW_ALIGN rows;
+ * or attention's (row, KV head) units, each rotating, appending and attending its own
+ * heads) that the threads take from a shared counter, so a thread the OS has paused
+ * (a busy laptop, a shared machine) holds up one chunk instead of a fixed share. Whoever
+ * finishes a phase's last chunk runs the small serial work after it (the residual add
+ * and RMS norm, the paged-cache write) and opens the next phase. Every output element
+ * is computed by the same code whichever thread takes it, so the split changes no bit.
+ * The kernels are this library's serial builds (decode_step.py), so no inner team is
+ * started. Functions returning int give -1 when an index is out of range (checked
+ * before the team starts) and -2 without scratch memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
+#include <sched.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#else
+#include <time.h>
+#endif
+#include <stdatomic.h>
+
+/* Built with -DECD_PROFILE (benchmarks/decode_step_phases.py), each thread adds its time
+ * per kind of work, its waits for the next phase, and (the first thread) the whole call
+ * into ecd_profile, which ecd_profile_read hands out ([ECD_PROFILE_THREADS][PH_COUNT])
+ * and clears. */
+enum { PH_QKV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, PH_SERIAL, PH_WAIT, PH_CALL, PH_COUNT };
+#define ECD_PROFILE_THREADS 8
+#ifdef ECD_PROFILE
+#include <time.h>
+static double ecd_profile[ECD_PROFILE_THREADS][PH_COUNT];
+static double now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+#define PROFILE_START(var) const double var = now_ns()
+#define PROFILE_ADD(thread, kind, since)                                                   \
+    do {                                                                                   \
+        if ((thread) < ECD_PROFILE_THREADS) ecd_profile[thread][kind] += now_ns() - (since); \
+    } while (0)
+int ecd_profile_read(double *out) {
+    memcpy(out, ecd_profile, sizeof(ecd_profile));
+    memset(ecd_profile, 0, sizeof(ecd_profile));
+    return ECD_PROFILE_THREADS * PH_COUNT;
+}
+#else
+#define PROFILE_START(var) ((void)0)
+#define PROFILE_ADD(thread, kind, since) ((void)0)
+#endif
 
 typedef void (*rms_norm_fn)(const float *, int64_t, float *, int64_t, int, const float *,
                             float *, int64_t, int64_t, float, int);
@@ -46,11 +100,13 @@ typedef struct {
 
 /* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
  * Q5_K / Q6_K (eck_gemm_k's bits; d the scale bytes, m unused), else ecq_linear's kind
- * (Q4_K among them). */
+ * (Q4_K among them); each weight row's bytes in qs, d and m (m_row 0 where m is not
+ * read), so that a thread can take a range of rows. */
 typedef struct {
     int64_t kind, first, rows;
     const void *qs;
     const void *d, *m;
+    int64_t qs_row, d_row, m_row;
 } ecd_part;
 
 typedef struct {
@@ -76,31 +132,252 @@ typedef struct {
     const ecd_layer *layers;
 } ecd_model;
 
-/* out [n, p->out] = x [n, p->in] W^T (+ bias), part by part as blocks_linear does: the
- * K-quant parts share one quantization of x (into xq, xd, xs). */
-static int project(const ecd_kernels *k, const ecd_proj *p, const float *x, int64_t n,
-                   float *out, int8_t *xq, float *xd, float *xs) {
+/* out [n, p->out] rows [lo, hi) of x [n, p->in] W^T (+ bias), part by part as
+ * blocks_linear does: the K-quant parts quantize x into xq, xd, xs (this thread's).
+ * A row's value does not depend on which rows are computed with it. */
+static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x, int64_t n,
+                        float *out, int64_t lo, int64_t hi, int8_t *xq, float *xd, float *xs) {
     int quantized = 0;
     for (int64_t i = 0; i < p->num_parts; i++) {
         const ecd_part *part = &p->parts[i];
-        float *target = out + part->first;
+        const int64_t a = lo > part->first ? lo : part->first;
+        const int64_t b = hi < part->first + part->rows ? hi : part->first + part->rows;
+        if (a >= b) continue;
+        const int64_t skip = a - part->first;
+        const char *qs = (const char *)part->qs + skip * part->qs_row;
+        const char *d = (const char *)part->d + skip * part->d_row;
+        const char *m = part->m == NULL ? NULL : (const char *)part->m + skip * part->m_row;
+        float *target = out + a;
         if (part->kind == 5 || part->kind == 6) {
             if (!quantized) k->quantize_rows(x, p->in, n, p->in, xq, xd, xs);
             quantized = 1;
-            k->gemm_k(n, part->rows, p->in, part->kind, (const uint8_t *)part->qs,
-                      (const uint8_t *)part->d, xq, xd, xs, target, p->out);
-        } else if (k->linear((int)part->kind, x, p->in, n, part->rows, p->in, part->qs, part->d,
-                             part->m, target, p->out)) {
+            k->gemm_k(n, b - a, p->in, part->kind, (const uint8_t *)qs, (const uint8_t *)d, xq,
+                      xd, xs, target, p->out);
+        } else if (k->linear((int)part->kind, x, p->in, n, b - a, p->in, qs, d, m, target,
+                             p->out)) {
             return -2;
         }
     }
     if (p->bias != NULL)
         for (int64_t r = 0; r < n; r++)
-            for (int64_t j = 0; j < p->out; j++) out[r * p->out + j] += p->bias[j];
+            for (int64_t j = lo; j < hi; j++) out[r * p->out + j] += p->bias[j];
     return 0;
 }
 
+#define ECD_ROW_ALIGN 16 /* rows a chunk of a product starts at a multiple of */
+#define ECD_CHUNKS_PER_THREAD 4 /* chunks a phase is cut into, per thread */
+/* Cycles a thread spins for the next phase before it sleeps: longer than a phase of a
+ * small model's layer takes, far shorter than the OS pauses a thread for (a spinning
+ * thread would then take the core the paused one needs). */
+#ifndef ECD_SPIN_CYCLES
+#define ECD_SPIN_CYCLES 200000
+#endif
+
 static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static int64_t aligned_floats(int64_t floats) { return (floats + 15) / 16 * 16; }
+
+/* Rows of `count` a chunk takes, for `threads` threads: a multiple of ECD_ROW_ALIGN. */
+static int64_t chunk_rows(int64_t count, int threads) {
+    if (threads == 1) return count;
+    const int64_t want = (count + ECD_CHUNKS_PER_THREAD * threads - 1) /
+                         (ECD_CHUNKS_PER_THREAD * threads);
+    return max_i64(ECD_ROW_ALIGN, (want + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN * ECD_ROW_ALIGN);
+}
+
+enum { STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES };
+
+/* A phase's chunk counters, a cache line each so threads taking chunks of one phase
+ * do not contend with the phase word. */
+typedef struct {
+    _Atomic int64_t next, done;
+    char pad[48];
+} ecd_counter;
+
+/* What a step's threads share. */
+typedef struct {
+    const ecd_model *m;
+    int64_t n;
+    const int64_t *positions, *slots, *lens;
+    float *const *mirror;
+    int64_t mirror_cap;
+    float *out;
+    float *residual, *normed, *qkv, *qk, *attn, *proj, *gate_up, *act;
+    int64_t chunk[STAGES]; /* rows (units for attention) a chunk of each stage takes */
+    int64_t count[STAGES]; /* chunks of each stage */
+    ecd_counter *counters; /* [num_layers * STAGES] */
+    _Atomic int32_t phase __attribute__((aligned(64))); /* the open phase (a futex word) */
+    _Atomic int32_t sleepers; /* threads asleep on it, or about to be */
+    _Atomic int status;
+} ecd_run;
+
+/* Stage s's chunk c of layer l; `own` is the thread's scratch: xq, xd, xs and SiLU's
+ * columns. Returns 0, or -2 without scratch memory in a kernel. */
+static int run_chunk(ecd_run *st, int64_t l, int s, int64_t c, float *own) {
+    const ecd_model *m = st->m;
+    const ecd_kernels *k = &m->k;
+    const ecd_layer *layer = &m->layers[l];
+    const int64_t n = st->n, hd = m->head_dim, h = m->hidden, inter = m->inter;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size, group = m->heads / m->kv_heads;
+    const int64_t blocks = max_i64(max_i64(h, q_size), inter) / 32;
+    float *xd = own, *xs = own + aligned_floats(n * blocks);
+    int8_t *xq = (int8_t *)(xs + aligned_floats(n * blocks));
+    float *silu_in = (float *)xq + aligned_floats((n * blocks * 32 + 3) / 4);
+    const int64_t lo = c * st->chunk[s];
+    if (s == STAGE_QKV) {
+        const int64_t hi = lo + st->chunk[s] < qkv_size ? lo + st->chunk[s] : qkv_size;
+        return project_rows(k, &layer->qkv, st->normed, n, st->qkv, lo, hi, xq, xd, xs);
+    }
+    if (s == STAGE_ATTENTION) {
+        /* Q and K heads, side by side: in the fused projection, or normed into qk */
+        float *heads = layer->q_norm != NULL ? st->qk : st->qkv;
+        const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
+        const int64_t r = c / m->kv_heads, kh = c % m->kv_heads;
+        const float *row = st->qkv + r * qkv_size;
+        float *q_at = heads + r * stride + kh * group * hd;
+        float *k_at = heads + r * stride + q_size + kh * hd;
+        const float *v_at = row + q_size + kv_size + kh * hd;
+        if (layer->q_norm != NULL) {
+            k->rms_norm(row + kh * group * hd, hd, NULL, 0, 0, layer->q_norm, q_at, group, hd,
+                        m->eps, 1);
+            k->rms_norm(row + q_size + kh * hd, hd, NULL, 0, 0, layer->k_norm, k_at, 1, hd,
+                        m->eps, 1);
+        }
+        const int64_t *pos = st->positions + r;
+        k->rotary(q_at, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
+        k->rotary(k_at, 0, 1, 1, hd, pos, m->cos, m->sin, m->max_pos, 1);
+        const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd;
+        float *mk = st->mirror[2 * l] + at, *mv = st->mirror[2 * l + 1] + at;
+        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1);
+        k->decode_attention(q_at, 0, mk, mv, st->lens + r, 1, 1, group, hd, st->mirror_cap,
+                            layer->window, m->scale, st->attn + c * group * hd, 1);
+        return 0;
+    }
+    if (s == STAGE_O) {
+        const int64_t hi = lo + st->chunk[s] < h ? lo + st->chunk[s] : h;
+        return project_rows(k, &layer->o, st->attn, n, st->proj, lo, hi, xq, xd, xs);
+    }
+    if (s == STAGE_DOWN) {
+        const int64_t hi = lo + st->chunk[s] < h ? lo + st->chunk[s] : h;
+        return project_rows(k, &layer->down, st->act, n, st->proj, lo, hi, xq, xd, xs);
+    }
+    /* gate columns [lo, hi) and the same up columns, then their SiLU product */
+    const int64_t hi = lo + st->chunk[s] < inter ? lo + st->chunk[s] : inter;
+    int status = project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, lo, hi, xq, xd, xs);
+    status |= project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, inter + lo,
+                           inter + hi, xq, xd, xs);
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = st->gate_up + r * 2 * inter;
+        memcpy(silu_in, g + lo, (hi - lo) * sizeof(float));
+        memcpy(silu_in + (hi - lo), g + inter + lo, (hi - lo) * sizeof(float));
+        k->silu_and_mul(silu_in, st->act + r * inter + lo, 1, hi - lo, 1);
+    }
+    return status;
+}
+
+/* The serial work after stage s of layer l, by the thread that finished it. */
+static void after_stage(ecd_run *st, int64_t l, int s) {
+    const ecd_model *m = st->m;
+    const ecd_kernels *k = &m->k;
+    const ecd_layer *layer = &m->layers[l];
+    const int64_t n = st->n, h = m->hidden, hd = m->head_dim;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    if (s == STAGE_ATTENTION) {
+        /* the paged cache, which later prompts read (this step reads the mirror) */
+        const float *heads = layer->q_norm != NULL ? st->qk : st->qkv;
+        const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
+        k->write_kv(layer->k_cache, layer->v_cache, heads + q_size, stride,
+                    st->qkv + q_size + kv_size, qkv_size, st->slots, n, kv_size,
+                    layer->cache_slots, 1);
+    } else if (s == STAGE_O) {
+        k->rms_norm(st->proj, h, st->residual, h, 1, layer->post_norm, st->normed, n, h, m->eps,
+                    1);
+    } else if (s == STAGE_DOWN) {
+        const int last = l + 1 == m->num_layers;
+        k->rms_norm(st->proj, h, st->residual, h, 1,
+                    last ? m->final_norm : m->layers[l + 1].input_norm,
+                    last ? st->out : st->normed, n, h, m->eps, 1);
+    }
+}
+
+/* A fast clock for the spin budget: the time-stamp counter, elsewhere nanoseconds. */
+static uint64_t cycles(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return __rdtsc();
+#else
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+#endif
+}
+
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+}
+
+/* Open phase p (its work and the serial work after it done), waking sleeping threads. */
+static void open_phase(ecd_run *st, int32_t p) {
+    atomic_store(&st->phase, p);
+#ifdef __linux__
+    if (atomic_load(&st->sleepers) > 0)
+        syscall(SYS_futex, (int32_t *)&st->phase, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+#endif
+}
+
+/* The first open phase after p: spinning a while, then asleep until one opens. */
+static int32_t wait_after(ecd_run *st, int32_t p) {
+    int32_t open;
+    const uint64_t start = cycles();
+    while ((open = atomic_load_explicit(&st->phase, memory_order_acquire)) <= p) {
+        if (cycles() - start < ECD_SPIN_CYCLES) {
+            cpu_relax();
+            continue;
+        }
+#ifdef __linux__
+        atomic_fetch_add(&st->sleepers, 1);
+        /* the opener either sees this sleeper or changed the word before the wait */
+        if ((open = atomic_load(&st->phase)) <= p)
+            syscall(SYS_futex, (int32_t *)&st->phase, FUTEX_WAIT_PRIVATE, open, NULL, NULL, 0);
+        atomic_fetch_sub(&st->sleepers, 1);
+#else
+        sched_yield();
+#endif
+    }
+    return open;
+}
+
+/* One thread's part of the step: chunks of each open phase until the last is done. */
+static void take_chunks(ecd_run *st, int t, float *own) {
+    (void)t; /* the profile's index */
+    const int32_t phases = (int32_t)(st->m->num_layers * STAGES);
+    int32_t p = 0;
+    while (p < phases) {
+        const int64_t l = p / STAGES;
+        const int s = (int)(p % STAGES);
+        ecd_counter *counter = &st->counters[p];
+        for (;;) {
+            const int64_t c = atomic_fetch_add(&counter->next, 1);
+            if (c >= st->count[s]) break;
+            PROFILE_START(work);
+            if (run_chunk(st, l, s, c, own)) atomic_store(&st->status, -2);
+            PROFILE_ADD(t, s, work);
+            if (atomic_fetch_add(&counter->done, 1) + 1 == st->count[s]) {
+                PROFILE_START(serial);
+                after_stage(st, l, s);
+                PROFILE_ADD(t, PH_SERIAL, serial);
+                open_phase(st, p + 1);
+                break;
+            }
+        }
+        PROFILE_START(wait);
+        p = wait_after(st, p); /* a late thread may find several phases done */
+        PROFILE_ADD(t, PH_WAIT, wait);
+    }
+}
 
 /* The final normed hidden states out [n, hidden] of n decoding rows: token ids[r] at
  * positions[r], its K/V written to paged slot slots[r] and to position lens[r] - 1 of
@@ -109,71 +386,64 @@ static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int64_t *positions,
                     const int64_t *slots, const int64_t *lens, float *const *mirror,
                     int64_t mirror_cap, float *out, int nthreads) {
+    PROFILE_START(call);
     const ecd_kernels *k = &m->k;
     const int64_t h = m->hidden, hd = m->head_dim;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t widest_in = max_i64(max_i64(h, q_size), m->inter);
-    for (int64_t r = 0; r < n; r++)
+    /* The kernels' own index checks, made once here: nothing fails inside the team. */
+    for (int64_t r = 0; r < n; r++) {
         if (ids[r] < 0 || ids[r] >= m->vocab) return -1;
-    const int64_t blocks = widest_in / 32;
-    /* Each buffer 64-byte aligned, as torch's tensors are: a kernel's vector loop may
-     * split a row by its alignment, and the rows must round as they do in the layers. */
-    const int64_t sizes[] = {n * h,        n * h,          n * qkv_size,  n * (q_size + kv_size),
-                             n * q_size,   n * h,          2 * n * m->inter, n * m->inter,
-                             n * blocks,   n * blocks,     (n * widest_in + 3) / 4};
-    float *buf[11];
-    int64_t total = 0;
-    for (int i = 0; i < 11; i++) total += (sizes[i] + 15) / 16 * 16;
-    float *scratch = aligned_alloc(64, total * sizeof(float));
-    if (scratch == NULL) return -2;
-    for (int i = 0, at = 0; i < 11; at += (sizes[i] + 15) / 16 * 16, i++) buf[i] = scratch + at;
-    float *residual = buf[0], *normed = buf[1], *qkv = buf[2], *qk = buf[3], *attn = buf[4];
-    float *proj = buf[5], *gate_up = buf[6], *act = buf[7], *xd = buf[8], *xs = buf[9];
-    int8_t *xq = (int8_t *)buf[10];
-    int status = 0;
-    for (int64_t r = 0; r < n; r++)
-        memcpy(residual + r * h, m->embed + ids[r] * h, h * sizeof(float));
-    for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
-        const ecd_layer *layer = &m->layers[l];
-        /* the first layer norms the embedding; later ones add the previous MLP first */
-        k->rms_norm(l ? proj : residual, h, residual, h, l > 0, layer->input_norm, normed, n, h,
-                    m->eps, nthreads);
-        if ((status = project(k, &layer->qkv, normed, n, qkv, xq, xd, xs))) break;
-        /* Q and K heads, side by side: in the fused projection, or normed into qk */
-        float *heads = qkv;
-        int64_t stride = qkv_size;
-        if (layer->q_norm != NULL) {
-            heads = qk, stride = q_size + kv_size;
-            for (int64_t r = 0; r < n; r++) {
-                k->rms_norm(qkv + r * qkv_size, hd, NULL, 0, 0, layer->q_norm, qk + r * stride,
-                            m->heads, hd, m->eps, nthreads);
-                k->rms_norm(qkv + r * qkv_size + q_size, hd, NULL, 0, 0, layer->k_norm,
-                            qk + r * stride + q_size, m->kv_heads, hd, m->eps, nthreads);
-            }
-        }
-        if ((status = k->rotary(heads, stride, n, m->heads + m->kv_heads, hd, positions, m->cos,
-                                m->sin, m->max_pos, nthreads)))
-            break;
-        const float *key = heads + q_size, *value = qkv + q_size + kv_size;
-        if ((status = k->write_kv(layer->k_cache, layer->v_cache, key, stride, value, qkv_size,
-                                  slots, n, kv_size, layer->cache_slots, nthreads)))
-            break;
-        if ((status = k->mirror_append(mirror[2 * l], mirror[2 * l + 1], key, stride, value,
-                                       qkv_size, lens, n, m->kv_heads, hd, mirror_cap, nthreads)))
-            break;
-        if ((status = k->decode_attention(heads, stride, mirror[2 * l], mirror[2 * l + 1], lens,
-                                          n, m->kv_heads, m->heads / m->kv_heads, hd, mirror_cap,
-                                          layer->window, m->scale, attn, nthreads)))
-            break;
-        if ((status = project(k, &layer->o, attn, n, proj, xq, xd, xs))) break;
-        k->rms_norm(proj, h, residual, h, 1, layer->post_norm, normed, n, h, m->eps, nthreads);
-        if ((status = project(k, &layer->gate_up, normed, n, gate_up, xq, xd, xs))) break;
-        k->silu_and_mul(gate_up, act, n, m->inter, nthreads);
-        status = project(k, &layer->down, act, n, proj, xq, xd, xs);
+        if (positions[r] < 0 || positions[r] >= m->max_pos) return -1;
+        if (lens[r] < 1 || lens[r] > mirror_cap) return -1;
+        for (int64_t l = 0; l < m->num_layers; l++)
+            if (slots[r] < 0 || slots[r] >= m->layers[l].cache_slots) return -1;
     }
-    if (status == 0)
-        k->rms_norm(proj, h, residual, h, 1, m->final_norm, out, n, h, m->eps, nthreads);
+    if (n < 1 || m->num_layers < 1) return -1;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t blocks = widest_in / 32;
+    /* Shared products, then each thread's own scratch (xd, xs, xq, SiLU's columns). Each
+     * buffer 64-byte aligned, as torch's tensors are: a kernel's vector loop may split a
+     * row by its alignment, and the rows must round as they do in the layers. */
+    const int64_t sizes[] = {n * h,        n * h,          n * qkv_size, n * (q_size + kv_size),
+                             n * q_size,   n * h,          2 * n * m->inter, n * m->inter};
+    const int64_t own_size = 2 * aligned_floats(n * blocks) +
+                             aligned_floats((n * blocks * 32 + 3) / 4) +
+                             aligned_floats(2 * m->inter);
+    int64_t shared_total = 0;
+    for (int i = 0; i < 8; i++) shared_total += aligned_floats(sizes[i]);
+    const int64_t counter_floats = aligned_floats(
+        (int64_t)(m->num_layers * STAGES * sizeof(ecd_counter) + sizeof(ecd_run)) / 4 + 1);
+    float *scratch = aligned_alloc(
+        64, (shared_total + counter_floats + nthreads * own_size) * sizeof(float));
+    if (scratch == NULL) return -2;
+    float *buf[8];
+    for (int i = 0, at = 0; i < 8; at += aligned_floats(sizes[i]), i++) buf[i] = scratch + at;
+    ecd_run *st = (ecd_run *)(scratch + shared_total);
+    memset(st, 0, counter_floats * sizeof(float));
+    st->counters = (ecd_counter *)(st + 1);
+    float *own_base = scratch + shared_total + counter_floats;
+    st->m = m, st->n = n, st->positions = positions, st->slots = slots, st->lens = lens;
+    st->mirror = mirror, st->mirror_cap = mirror_cap, st->out = out;
+    st->residual = buf[0], st->normed = buf[1], st->qkv = buf[2], st->qk = buf[3];
+    st->attn = buf[4], st->proj = buf[5], st->gate_up = buf[6], st->act = buf[7];
+    /* the first layer norms the embedding */
+    for (int64_t r = 0; r < n; r++)
+        memcpy(st->residual + r * h, m->embed + ids[r] * h, h * sizeof(float));
+    k->rms_norm(st->residual, h, st->residual, h, 0, m->layers[0].input_norm, st->normed, n, h,
+                m->eps, 1);
+    /* sized for the threads asked for: a smaller team takes the same chunks */
+    const int64_t rows[STAGES] = {qkv_size, m->kv_heads, h, m->inter, h};
+    for (int s = 0; s < STAGES; s++) {
+        st->chunk[s] = s == STAGE_ATTENTION ? 1 : chunk_rows(rows[s], nthreads);
+        st->count[s] = s == STAGE_ATTENTION ? n * m->kv_heads
+                                            : (rows[s] + st->chunk[s] - 1) / st->chunk[s];
+    }
+#pragma omp parallel num_threads(nthreads)
+    take_chunks(st, omp_get_thread_num(), own_base + omp_get_thread_num() * own_size);
+    const int status = atomic_load(&st->status);
     free(scratch);
+    PROFILE_ADD(0, PH_CALL, call);
     return status;
 }

@@ -6,9 +6,12 @@ a model whose classes declare the block this step computes (``enginecore.layers.
 the Llama block, or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
 float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
 tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
-of the same kernels in the same order, so its hidden states are the layers' bit for bit.
-Everything else (prompts, mixed steps, other models and methods) takes the layers.
-``ENGINECORE_FUSED_DECODE=0`` switches it off.
+of the same kernels on the same values, so its hidden states are the layers' bit for bit.
+The call runs one OpenMP team whose threads take chunks of each product and of attention
+from a shared counter (see ``decode_step.c``); the kernels are built into the step's own
+library without their OpenMP loops (:data:`SERIAL_SOURCES`). Everything else (prompts,
+mixed steps, other models and methods) takes the layers. ``ENGINECORE_FUSED_DECODE=0``
+switches it off.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
 from enginecore.layers.attention import AttentionBatch
 from enginecore.layers.decode_block import DecodeBlock, declared_block
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 SOURCE = cpu_kernels.SOURCE.with_name("decode_step.c")
 ENV_SWITCH = "ENGINECORE_FUSED_DECODE"
 _SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (KQuantWeight.kind)
+_OFFSET_KINDS = (4, Q4_HALF_SCALES)  # 4-bit blocks whose offsets m are read (not Q4_0's)
 
 
 class _Kernels(Structure):
@@ -62,6 +67,9 @@ class _Part(Structure):
         ("qs", c_void_p),
         ("d", c_void_p),
         ("m", c_void_p),
+        ("qs_row", c_int64),
+        ("d_row", c_int64),
+        ("m_row", c_int64),
     ]
 
 
@@ -126,23 +134,28 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), c_void_p).value or 0
 
 
-def _kernels(needs_subblocks: bool) -> _Kernels:
-    cpu, quant = cpu_kernels.load(), quant_kernels.load()
-    if cpu is None or quant is None:
+def _kernels(lib: ctypes.CDLL, needs_subblocks: bool) -> _Kernels:
+    """The kernels' addresses in the step's own library (their serial builds), where the
+    layers' builds are switched on and load."""
+    if cpu_kernels.load() is None or quant_kernels.load() is None:
         raise Unsupported("the C kernels are off or could not be built")
-    kquant = kquant_kernels.load() if needs_subblocks else None
-    if needs_subblocks and kquant is None:
+    if needs_subblocks and kquant_kernels.load() is None:
         raise Unsupported("the K-quant kernel is off or could not be built")
     return _Kernels(
-        rms_norm=_address(cpu.lib, "ec_rms_norm"),
-        rotary=_address(cpu.lib, "ec_rotary"),
-        silu_and_mul=_address(cpu.lib, "ec_silu_and_mul"),
-        write_kv=_address(cpu.lib, "ec_write_kv"),
-        mirror_append=_address(cpu.lib, "ec_mirror_append"),
-        decode_attention=_address(cpu.lib, "ec_decode_attention"),
-        linear=_address(quant.lib, "ecq_linear"),
-        quantize_rows=_address(quant.lib, "ecq_quantize_rows"),
-        gemm_k=_address(kquant.lib, "eck_gemm_k") if kquant is not None else 0,
+        **{
+            field: _address(lib, name)
+            for field, name in (
+                ("rms_norm", "ec_rms_norm"),
+                ("rotary", "ec_rotary"),
+                ("silu_and_mul", "ec_silu_and_mul"),
+                ("write_kv", "ec_write_kv"),
+                ("mirror_append", "ec_mirror_append"),
+                ("decode_attention", "ec_decode_attention"),
+                ("linear", "ecq_linear"),
+                ("quantize_rows", "ecq_quantize_rows"),
+                ("gemm_k", "eck_gemm_k"),
+            )
+        }
     )
 
 
@@ -152,6 +165,21 @@ def _pointer(tensor: torch.Tensor | None, what: str) -> int:
     if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise Unsupported(f"{what} is not a contiguous float32 CPU tensor")
     return tensor.data_ptr()
+
+
+def _row_bytes(part: Any) -> tuple[int, int, int]:
+    """Bytes a weight row takes in each array a kernel reads (values, scales, offsets; 0
+    for offsets it does not read), so that a thread can start at any row."""
+    reads_offsets = isinstance(part, BlockWeight) and part.kind in _OFFSET_KINDS
+    tensors = [part.qs, part.d if isinstance(part, BlockWeight) else part.scales]
+    if reads_offsets:
+        tensors.append(part.m)
+    sizes = []
+    for tensor in tensors:
+        if tensor.shape[0] != part.shape[0] or not tensor.is_contiguous():
+            raise Unsupported("a weight part whose arrays are not contiguous rows")
+        sizes.append(tensor[0].numel() * tensor.element_size())
+    return sizes[0], sizes[1], sizes[2] if reads_offsets else 0
 
 
 class FusedDecodeStep:
@@ -196,7 +224,7 @@ class FusedDecodeStep:
         array = (_Layer * len(records))(*(rec[0] for rec in records))
         self._keep.append(array)
         return _Model(
-            k=_kernels(needs_subblocks),
+            k=_kernels(self.lib, needs_subblocks),
             num_layers=len(records),
             hidden=embed.shape[1],
             heads=heads,
@@ -266,7 +294,7 @@ class FusedDecodeStep:
             raise Unsupported("a projection is not kept in blocks (linear method gguf)")
         parts = []
         for first, part in blocks:
-            parts.append(_Part(part.kind, first, part.shape[0], *part.pointers))
+            parts.append(_Part(part.kind, first, part.shape[0], *part.pointers, *_row_bytes(part)))
         array = (_Part * len(parts))(*parts)
         self._keep.append(array)
         all_parts.extend(parts)
@@ -283,9 +311,14 @@ class FusedDecodeStep:
         return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        threads: int | None = None,
     ) -> torch.Tensor:
-        """The final normed hidden states [n, hidden] of the step's decode tokens."""
+        """The final normed hidden states [n, hidden] of the step's decode tokens, on
+        ``threads`` threads (default: torch's)."""
         mirror = self.backend.mirror
         step = mirror.step
         if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
@@ -301,7 +334,7 @@ class FusedDecodeStep:
         status = self.lib.ecd_decode_step(
             ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),
             slots.ctypes.data, step.lens.data_ptr(), self._mirror_ptrs,
-            mirror.layers[0].shape[3], out.data_ptr(), torch.get_num_threads(),
+            mirror.layers[0].shape[3], out.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
             raise MemoryError(f"no scratch memory for a decode step of {n} rows")
@@ -311,9 +344,22 @@ class FusedDecodeStep:
         return out
 
 
-def build() -> Path:
-    """Compile ``decode_step.c`` into the cache (if not there yet); its path."""
-    return cpu_kernels.build(source=SOURCE, stem="enginecore_decode_step")
+# The kernels the step calls, compiled into its library without their own OpenMP
+# teams: the step's team splits the work, and starting an inner team (even of one
+# thread) costs more than many of these small calls' work.
+SERIAL_SOURCES = (cpu_kernels.SOURCE, quant_kernels.SOURCE, kquant_kernels.SOURCE)
+
+
+def build(extra_flags: tuple[str, list[str]] | None = None) -> Path:
+    """Compile ``decode_step.c`` with the kernels it calls into the cache (if not there
+    yet); its path. ``extra_flags``: a name suffix and compiler flags added to the
+    build's (the profiling build of ``benchmarks/decode_step_phases.py``)."""
+    isa = quant_kernels._vnni()  # the instructions the block kernels are built with
+    if extra_flags is not None:
+        isa = (f"{isa[0]}-{extra_flags[0]}", isa[1] + extra_flags[1]) if isa else extra_flags
+    return cpu_kernels.build(
+        source=SOURCE, stem="enginecore_decode_step", extra_isa=isa, serial_sources=SERIAL_SOURCES
+    )
 
 
 _lock = threading.Lock()

@@ -261,6 +261,53 @@ static inline __attribute__((always_inline)) float dot_row_q4(
 }
 #endif
 
+#if defined(__AVX2__) && !defined(ECQ_AVX512)
+/* One output of 4-bit weights against one activation row (AVX2; ``mode`` a constant in
+ * each inlined copy, SCALES_Q4K already expanded to SCALES_F32): two blocks at a time in
+ * two accumulators and the offsets eight blocks at a time, all in registers, so no
+ * block waits on the previous one's sum. */
+static inline __attribute__((always_inline)) float dot_row_q4_avx2(
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xq, const float *xd,
+    const float *xs, int64_t nb, int mode) {
+    const int half = mode != SCALES_F32;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        _mm_prefetch((const char *)(wrow + b * (QK / 2)) + PREFETCH_BYTES, _MM_HINT_T0);
+        const __m256i w0 = unpack_nibbles(wrow + b * (QK / 2));
+        const __m256i w1 = unpack_nibbles(wrow + (b + 1) * (QK / 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
+                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w1, x1)),
+                               _mm256_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]), acc1);
+    }
+    if (b < nb) {
+        const __m256i w0 = unpack_nibbles(wrow + b * (QK / 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
+                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc0);
+    }
+    /* the offsets: sum_b m_b d_x,b sum(q_x,b) */
+    __m256 offsets = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= nb; i += 8) {
+        const __m256 wm =
+            mode == SCALES_F16_SYM
+                ? _mm256_mul_ps(_mm256_set1_ps(-8.f),
+                                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)d + i))))
+            : mode == SCALES_F16
+                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m + i)))
+                : _mm256_loadu_ps((const float *)m + i);
+        offsets = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + i), offsets);
+    }
+    float total = hsum(_mm256_add_ps(acc0, acc1)) + hsum(offsets);
+    for (; i < nb; i++) total += offset_at(m, d, i, mode) * xs[i];
+    return total;
+}
+#endif
+
 /* out[r, n] (row stride ldo) = sum_k x[r, k] w[n, k] for 4-bit weights: wq [N, nb, 16],
  * wd, wm [N, nb] (float16 or float32 as ``mode`` says), or for SCALES_Q4K wd [N, nb / 8,
  * K4_SCALE_BYTES] and wm unused. */
@@ -307,6 +354,16 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         float d32[expanded], m32[expanded];
         const int rmode = row_scales(mode, &d, &m, nb, d32, m32);
         const int half = rmode != SCALES_F32;
+#if defined(__AVX2__) && !defined(ECQ_AVX512)
+        if (M == 1) { /* a decode step's row */
+            out[n] = rmode == SCALES_F16_SYM
+                         ? dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F16_SYM)
+                     : rmode == SCALES_F16
+                         ? dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F16)
+                         : dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F32);
+            continue;
+        }
+#endif
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};

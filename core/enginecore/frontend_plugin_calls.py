@@ -6,7 +6,9 @@ one thread (``LLM``), so a plugin call that never returns would freeze all of th
 such call runs on a daemon :class:`~enginecore.engine.serial_thread.SerialThread` owned
 by the plugin object, and the caller waits at most ``engine.frontend_plugin_timeout``
 seconds; past it :class:`PluginCallTimeout` is raised and the stuck thread is abandoned
-(it never keeps the process alive).
+(it never keeps the process alive). A stat logger's per-step ``record`` is not waited
+for at all (:mod:`enginecore.metrics.logger_lane`); a call of it past the limit is
+noticed at the logger's next call.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def call_bounded(
     except FutureTimeout:
         if abandoned is not None:
             abandoned(future)
-        raise PluginCallTimeout(
-            f"did not return within {timeout:g} s (config key {TIMEOUT_KEY})"
-        ) from None
+        raise timed_out(timeout) from None
+
+
+def timed_out(timeout: float) -> PluginCallTimeout:
+    """The error of a call past its limit, naming the limit and its config key."""
+    return PluginCallTimeout(f"did not return within {timeout:g} s (config key {TIMEOUT_KEY})")

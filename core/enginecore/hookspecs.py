@@ -387,9 +387,12 @@ def register_stat_loggers(registry: Registry[Any]) -> None:
 
     Time limit: each call (``record``, ``log``, ``log_engine_initialized``, ``close``...)
     runs on the logger's own thread, bounded by ``engine.frontend_plugin_timeout`` (5 s
-    by default). A logger that raises or does not return in time is named once (its
-    plugin and the method) and disabled; the other loggers keep logging and no client
-    waits longer than the limit.
+    by default). The step does not wait for ``record``: a logger still busy keeps at
+    most 32 records waiting and later ones are dropped (and counted); a record that
+    raised or runs past the limit is noticed at the logger's next call. The other
+    calls are waited for, after the records handed over before them. A logger that
+    raises or does not return in time is named once (its plugin and the method) and
+    disabled; the other loggers keep logging and no client waits longer than the limit.
     """
 
 

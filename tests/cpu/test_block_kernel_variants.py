@@ -10,10 +10,10 @@ activations.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
-import pathlib
+import os
 import platform
-import shutil
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.testing.quantizers import quantize_k
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from tests.helpers.kernel_builds import build_for
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -40,26 +41,17 @@ _BUILDS = [
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
-    """Both K-quant sources compiled for every build in ``_BUILDS``, loaded."""
-    out: dict[str, ctypes.CDLL] = {}
-    own_level = cpu_kernels.instruction_set
-    for name, level in _BUILDS:
-        directory = tmp_path_factory.mktemp(name.replace(" ", "-"))
-        shutil.copy(kquant_kernels.SOURCE.with_name("quant_simd.h"), directory)
-        extra_isa = quant_kernels._vnni() if level is None else None
-        try:
-            if level is not None:
-                cpu_kernels.instruction_set = lambda level=level: level  # type: ignore[method-assign]
-            for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE):
-                copy = pathlib.Path(shutil.copy(source, directory))
-                path = cpu_kernels.build(
-                    directory, source=copy, stem=copy.stem, extra_isa=extra_isa
-                )
-                out[f"{name}/{copy.stem}"] = ctypes.CDLL(str(path))
-        finally:
-            cpu_kernels.instruction_set = own_level  # type: ignore[method-assign]
-    return out
+def builds() -> dict[str, ctypes.CDLL]:
+    """Both K-quant sources compiled for every build in ``_BUILDS``, loaded (compiled side
+    by side: each compiler runs on a core of its own)."""
+    jobs = {
+        f"{name}/{source.stem}": ("host" if level is None else level, source)
+        for name, level in _BUILDS
+        for source in (kquant_kernels.SOURCE, quant_kernels.SOURCE)
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {key: pool.submit(build_for, *job) for key, job in jobs.items()}
+        return {key: future.result() for key, future in futures.items()}
 
 
 def _p(tensor: torch.Tensor) -> ctypes.c_void_p:

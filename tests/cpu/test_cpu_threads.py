@@ -62,20 +62,26 @@ def test_auto_executor_puts_a_serving_cpu_rank_in_its_own_process(settings, expe
     assert pick_executor_name(make_config(model="m", **settings)) == expected
 
 
+@pytest.fixture(scope="module")
+def reserving_llm(tiny_llama):
+    """One engine keeping a core, shared: each test leaves its threads as it found them."""
+    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
+        yield llm
+
+
 @pytest.mark.skipif(CORES < 2, reason="needs two cores to reserve one")
 @pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS overrides it")
-def test_the_engine_process_runs_the_threads_it_was_given(tiny_llama) -> None:
+def test_the_engine_process_runs_the_threads_it_was_given(reserving_llm) -> None:
     def torch_threads(worker) -> int:  # nested: sent by value to the engine process
         return torch.get_num_threads()
 
-    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
-        assert llm.collective_rpc(torch_threads) == [CORES - 1]
-        assert llm.generate(["hello"])[0].outputs[0].token_ids  # and it still generates
+    assert reserving_llm.collective_rpc(torch_threads) == [CORES - 1]
+    assert reserving_llm.generate(["hello"])[0].outputs[0].token_ids  # and it still generates
 
 
 @pytest.mark.skipif(CORES < 2, reason="needs two cores to reserve one")
 @pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS overrides it")
-def test_large_prefill_steps_borrow_the_reserved_cores(tiny_llama) -> None:
+def test_large_prefill_steps_borrow_the_reserved_cores(reserving_llm, tiny_llama) -> None:
     def threads_per_step(worker) -> list[int]:  # nested: sent by value to the worker
         from types import SimpleNamespace
 
@@ -92,10 +98,11 @@ def test_large_prefill_steps_borrow_the_reserved_cores(tiny_llama) -> None:
             seen.append(torch.get_num_threads())
         return seen
 
-    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=1) as llm:
-        assert llm.collective_rpc(threads_per_step) == [[CORES, CORES - 1, CORES, CORES - 1]]
-        assert llm.generate(["hello"])[0].outputs[0].token_ids
-        assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [CORES - 1]
+    llm = reserving_llm
+    assert llm.collective_rpc(threads_per_step) == [[CORES, CORES - 1, CORES, CORES - 1]]
+    assert llm.generate(["hello"])[0].outputs[0].token_ids
+    assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [CORES - 1]
 
-    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=0) as llm:  # nothing to borrow
+    # Nothing to borrow (the same worker code in this process: no engine process to start).
+    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=0, multiprocessing=False) as llm:
         assert llm.collective_rpc(lambda worker: worker.burst_threads) == [0]

@@ -8,6 +8,7 @@ import pathlib
 from typing import Any
 
 import pytest
+import torch
 
 from enginecore_cpu import cpu_kernels, quant_kernels
 from tests.helpers.gguf_writer import write_gguf
@@ -72,6 +73,36 @@ def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypat
     """Q4_K beside Q6_K in one fused QKV: the 6-bit part takes the sub-block kernel."""
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     _same_as_layers(path, monkeypatch)
+
+
+def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama, tmp_path):
+    """The threads take chunks of rows and attention units as they come: each of the
+    first decode steps (one to four rows), run again on 1, 2, 3 and 5 threads, gives the
+    hidden states it gave on the engine's (running it again writes the same K/V to the
+    same places). Q4_K beside Q6_K in one product: chunks of both formats."""
+    from enginecore import LLM, SamplingParams
+
+    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
+    runs: list[list[torch.Tensor]] = []
+    with LLM(str(path), multiprocessing=False, max_num_batched_tokens=32) as llm:
+        step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
+        fused_run = step.run
+
+        def run_on_several(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
+            hidden = fused_run(ids, positions, batch)
+            if len(runs) < 6:
+                runs.append(
+                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in (1, 2, 3, 5)]
+                )
+            return hidden
+
+        step.run = run_on_several
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert len(runs) == 6 and max(hidden.shape[0] for hidden, *_ in runs) > 1
+    for hidden, *again in runs:
+        for other in again:
+            assert torch.equal(hidden, other)
 
 
 def _q5_k_m(name: str) -> str:

@@ -34,7 +34,9 @@ def test_a_cached_hub_id_is_served_under_its_id(tiny_llama, tmp_path):
     code = (
         "import sys\n"
         "from enginecore import LLM, SamplingParams\n"
-        "with LLM(model=sys.argv[1], max_model_len=64, num_blocks_override=16) as llm:\n"
+        # The engine in this process: the id is resolved before any engine starts.
+        "with LLM(model=sys.argv[1], max_model_len=64, num_blocks_override=16,\n"
+        "         multiprocessing=False) as llm:\n"
         "    print(llm.config.model.served_model_name)\n"
         "    print(llm.config.model.path)\n"
         "    out = llm.generate(['hi'], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)\n"

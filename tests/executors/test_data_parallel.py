@@ -225,6 +225,7 @@ def test_async_requests_spread_over_replicas_and_stats_are_per_engine(loop, dp_e
     assert sorted(owners) == [0, 0, 0, 0, 1, 1, 1, 1]
     for prompt, tokens in zip(prompts, results, strict=True):
         assert_matches_reference(tokens, greedy_reference(llm.config.model.path, prompt, 6), "dp")
+    llm.stat_loggers.flush()  # the steps hand their records over without waiting
     tokens_by_engine = {0: 0, 1: 0}
     for index, _, iteration in llm.recorder.records:
         if iteration is not None:

@@ -268,3 +268,36 @@ def test_start_up_does_not_wait_for_the_table(monkeypatch: pytest.MonkeyPatch) -
     assert detok.text == _stream_text(tokenizer, ids, True)
     gate.set()
     assert len(piece_table(tokenizer)) > len(tokenizer) // 2
+
+
+def test_a_request_made_before_the_table_lands_takes_it_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request added while the table is built (every request of a server's first
+    moments) decodes through the stream until the table lands, then looks its tokens up,
+    with the same text as the stream alone."""
+    tokenizer = make_tokenizer(8192)  # a fresh object: no table built for it yet
+    gate = threading.Event()
+    build = piece_table_module.build_piece_table
+
+    def gated_build(tok: Any) -> dict[int, str]:
+        assert gate.wait(10)
+        return build(tok)
+
+    monkeypatch.setattr(piece_table_module, "build_piece_table", gated_build)
+    monkeypatch.setattr(detokenizer_module, "_decode_stream", _CountingStream)
+    OutputProcessor(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    before = tokenizer.encode("Decoded through the stream while the table is built. " * 2)
+    after = tokenizer.encode(" Then looked up once it has landed. " * 8)
+    _CountingStream.steps = 0
+    for token_id in before:
+        detok.add_token(token_id)
+    assert _CountingStream.steps == len(before)  # no table yet: every token decoded
+    gate.set()
+    assert len(piece_table(tokenizer)) > len(tokenizer) // 2  # waits for the build
+    _CountingStream.steps = 0
+    for token_id in after:
+        detok.add_token(token_id)
+    assert _CountingStream.steps <= 3, f"{_CountingStream.steps} of {len(after)} tokens decoded"
+    assert detok.text == _stream_text(tokenizer, before + after, True)

@@ -43,6 +43,7 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
 from tests.helpers.hf_reference import greedy_reference  # noqa: E402
+from tests.helpers.kernel_builds import build_for  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compiler")
 K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")
@@ -117,19 +118,17 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _LEVELS = ["host", *(["x86-64-v3", "x86-64"] if _X86 else [])]
 
 
-def _build(level: str, directory: pathlib.Path, monkeypatch, *sources: pathlib.Path) -> list:
+def _build(level: str, directory: pathlib.Path, *sources: pathlib.Path) -> list:
     """``sources`` compiled for ``level`` (the x86-64 level, or ``host``: what the engine
-    builds here; ``x86-64`` takes the plain C loops), loaded."""
-    extra_isa = quant_kernels._vnni()
-    if level != "host":
-        monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: level)
-        extra_isa = None
-    shutil.copy(pathlib.Path(kquant_kernels.SOURCE).with_name("quant_simd.h"), directory)
+    builds here; ``x86-64`` takes the plain C loops), loaded: the engine's own sources
+    through its kernel cache, a test's source in ``directory``."""
     libs = []
     for source in sources:
-        copy = pathlib.Path(shutil.copy(source, directory))
-        path = cpu_kernels.build(directory, source=copy, stem=copy.stem, extra_isa=extra_isa)
-        libs.append(ctypes.CDLL(str(path)))
+        if source.parent == kquant_kernels.SOURCE.parent:
+            libs.append(build_for(level, source))
+            continue
+        shutil.copy(kquant_kernels.SOURCE.with_name("quant_simd.h"), directory)
+        libs.append(build_for(level, pathlib.Path(shutil.copy(source, directory)), directory))
     return libs
 
 
@@ -183,11 +182,9 @@ def _outputs(rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_kernels
 @pytest.mark.parametrize("level", _LEVELS)
-def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path, monkeypatch):
+def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path):
     reference_source = pathlib.Path(__file__).with_name("kquant_byte_reference.c")
-    kernel, reference = _build(
-        level, tmp_path, monkeypatch, kquant_kernels.SOURCE, reference_source
-    )
+    kernel, reference = _build(level, tmp_path, kquant_kernels.SOURCE, reference_source)
     torch.manual_seed(5)
     i64 = ctypes.c_int64
     # One activation row on AVX-512 runs the one-row kernel, whose sums go 64 values a
@@ -215,8 +212,8 @@ def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path, m
 
 @needs_kernels
 @pytest.mark.parametrize("level", _LEVELS)
-def test_q4_k_multiplies_as_float32_scales_bit_for_bit(level, tmp_path, monkeypatch):
-    (kernel,) = _build(level, tmp_path, monkeypatch, quant_kernels.SOURCE)
+def test_q4_k_multiplies_as_float32_scales_bit_for_bit(level, tmp_path):
+    (kernel,) = _build(level, tmp_path, quant_kernels.SOURCE)
     kernel.ecq_linear.restype = ctypes.c_int
     torch.manual_seed(8)
     i64 = ctypes.c_int64

@@ -12,16 +12,17 @@ from tests.helpers.echo_model import ECHO_PLUGIN
 from tests.helpers.plugin_install import install_to_target, with_on_path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def echo_env(tmp_path_factory) -> dict[str, str]:
-    """The echo-model plugin pip-installed into a private target dir (on PYTHONPATH)."""
+    """The echo-model plugin pip-installed into a private target dir (on PYTHONPATH), once
+    for every module that serves it."""
     target = install_to_target(ECHO_PLUGIN, tmp_path_factory.mktemp("echo-plugin"))
     env = dict(os.environ)
     with_on_path(env, target)
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def echo_checkpoint(tmp_path_factory) -> Path:
     # Loaded from its file, not imported as the installed package: this test process must
     # not see the plugin's entry point (other tests build plugin managers here).

@@ -4,28 +4,20 @@ transformers and vLLM define beam search alike; see test_beam_search.py for EOS)
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import openai
 import pytest
 import torch
 
 from tests.helpers.hf_reference import load_reference
-from tests.helpers.serve_process import serve, stop
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 USER = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-beam") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    flags = ["--max-model-len", "512", "--num-blocks-override", "200", "--dtype", "float32"]
-    proc, url = serve(tiny_llama, log_path, *flags, env=env)
-    yield url
-    stop(proc)
+def server_url(plain_server_url):
+    return plain_server_url
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.helpers.plugin_install import install_to_target, with_on_path
 from tests.helpers.serve_process import API_KEY, Server, serve, stop
 
 MAX_MODEL_LEN = 2048
+JSONL_PLUGIN = Path(__file__).parents[2] / "plugins" / "enginecore-jsonl-stats"
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +30,9 @@ def server(tiny_llama, tmp_path_factory):
     log_path = tmp / "server.log"
     env = dict(os.environ)
     env.update(ENGINECORE_JSONL_STATS_PATH=str(stats_path), ENGINECORE_API_KEY=API_KEY)
+    # The server finds the plugin as a user's pip install makes it findable, whatever this
+    # venv holds (the example packages are installed into it only by their own tests).
+    with_on_path(env, install_to_target(JSONL_PLUGIN, tmp / "jsonl-plugin"))
     flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "400"]
     flags += ["--stat-loggers", "logging,jsonl", "--enable-sleep-mode", "--enable-dev-endpoints"]
     proc, url = serve(tiny_llama, log_path, *flags, env=env)

@@ -4,26 +4,18 @@ of the same conversation (greedy), streamed and not."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import openai
 import pytest
 
 from enginecore.server.responses import ResponseStore
-from tests.helpers.serve_process import serve, stop
 
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-responses") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    flags = ["--max-model-len", "512", "--num-blocks-override", "200"]
-    proc, url = serve(tiny_llama, log_path, *flags, env=env)
-    yield url
-    stop(proc)
+def server_url(plain_server_url):
+    return plain_server_url
 
 
 @pytest.fixture(scope="module")

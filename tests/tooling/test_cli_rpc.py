@@ -98,11 +98,15 @@ def test_trace_next_steps_takes_no_path_from_the_network(enginecore_server, tmp_
 
 
 def test_trace_files_are_bounded_in_number(enginecore_server, trace_dir):
+    import httpx
+
     from enginecore_executors.step_trace import MAX_TRACE_FILES
 
+    # The endpoint the command calls (the command itself is the other tests' subject).
+    body = {"method": "trace_next_steps", "args": [1]}
     for _ in range(MAX_TRACE_FILES + 3):
-        result = rpc("trace_next_steps", "1", "--url", enginecore_server.url)
-        assert result.returncode == 0, result.stderr
+        answer = httpx.post(f"{enginecore_server.url}/collective_rpc", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
     assert len(list(trace_dir.glob("enginecore-trace-*.jsonl"))) == MAX_TRACE_FILES
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
-from enginecore.engine.piece_table import piece_table
+from enginecore.engine.piece_table import pending_build, piece_table
 from enginecore.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ class IncrementalDetokenizer:
     A token whose text does not depend on its neighbours (see
     :mod:`enginecore.engine.piece_table`) following another such token is looked up
     instead of decoded; the stream is then stale, and before it decodes again it is
-    restarted from the last token, which leaves it where it would have been.
+    restarted from the last token, which leaves it where it would have been. A request
+    made while the table is still being built takes it up when it lands.
     """
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
@@ -45,8 +47,11 @@ class IncrementalDetokenizer:
         self._steady = False
         # Set when tokens were looked up: the last of them, to restart the stream from.
         self._looked_up: int | None = None
+        # Set while the table is built in the background: checked before each decode.
+        self._table_lands: threading.Event | None = None
         if self._backend is not None:
             self._stream = _decode_stream(self.skip_special_tokens)
+            self._table_lands = pending_build(tokenizer)
             self._pieces = piece_table(tokenizer, wait_for_background=False)
 
     def _piece(self, token_id: int) -> str:
@@ -62,6 +67,9 @@ class IncrementalDetokenizer:
     def _stream_piece(self, token_id: int) -> str:
         stream = self._stream
         assert stream is not None  # only fast tokenizers have a piece table
+        if self._table_lands is not None and self._table_lands.is_set():
+            self._table_lands = None
+            self._pieces = piece_table(self.tokenizer, wait_for_background=False)
         if self._looked_up is not None:
             # The stream's state after one table token is that of a stream that started
             # with it (its text ended there; no partial sequence was pending).

@@ -306,6 +306,9 @@ class LLM(PoolingMethods):
         finally:
             if progress is not None:
                 progress.close()
+        # The steps' records were handed to the stat loggers without waiting: once the
+        # call returns, their metrics count every step of it.
+        self.stat_loggers.flush()
         return [finished[rid] for rid in request_ids if rid in finished]
 
     def _process_step(self, engine_outputs: Any) -> tuple[list[Any], list[str]]:

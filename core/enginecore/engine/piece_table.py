@@ -126,6 +126,15 @@ def build_in_background(tokenizer: Any) -> None:
     threading.Thread(target=build, name="piece-table", daemon=True).start()
 
 
+def pending_build(tokenizer: Any) -> threading.Event | None:
+    """The event set when ``tokenizer``'s background build lands; None when none runs."""
+    try:
+        with _lock:
+            return _building.get(tokenizer)
+    except TypeError:  # cannot be weakly referenced: never built in the background
+        return None
+
+
 def piece_table(tokenizer: Any, *, wait_for_background: bool = True) -> dict[int, str]:
     """:func:`build_piece_table`, built once per tokenizer. While a background build is
     running, an empty table unless ``wait_for_background``."""

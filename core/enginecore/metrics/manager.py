@@ -1,19 +1,26 @@
 """Fans each step's stats out to the selected stat loggers, in the frontend process.
 
-Each logger's calls run on a thread of its own, each bounded by
-``engine.frontend_plugin_timeout`` (:mod:`enginecore.frontend_plugin_calls`). A logger
-that raises or does not return in time is named once (its plugin and the method) and
-disabled; the others keep logging: a broken plugin never breaks or freezes serving.
+Each logger's calls run on a thread of its own (:class:`LoggerLane`). A step hands
+``record`` over without waiting for it; a logger still busy with earlier records keeps
+at most :data:`MAX_PENDING_RECORDS` of them waiting, and later ones are dropped and
+counted (never queued without bound). A record that raised, or one still running past
+``engine.frontend_plugin_timeout``, is noticed at the logger's next call or at
+:meth:`StatLoggerManager.flush`. The other methods (``log``, ``close``...) are rare and
+waited for, bounded by the same limit (:mod:`enginecore.frontend_plugin_calls`). A
+logger that raises or does not return in time is named once (its plugin and the method)
+and disabled; the others keep logging: a broken plugin never breaks, freezes or slows
+serving.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from enginecore.engine.serial_thread import SerialThread
-from enginecore.frontend_plugin_calls import PluginCallTimeout, call_bounded
+from enginecore.frontend_plugin_calls import PluginCallTimeout, timed_out
 from enginecore.interfaces import IterationStats, StatLogger
+from enginecore.metrics.logger_lane import MAX_PENDING_RECORDS, LoggerLane
 from enginecore.protocol import SchedulerStats
 from enginecore.startup_errors import ComponentStartupError, build_component, describe_provider
 
@@ -53,27 +60,83 @@ class StatLoggerManager:
                 self.loggers.append(aggregate(config, indexes))
                 self.names.append(f"{name} (all engines)")
                 self.engines.append(None)
-        self._threads: dict[int, SerialThread] = {}
+        self._lanes: dict[int, LoggerLane] = {}
         self.disabled: set[int] = set()  # positions of loggers that raised or hung
+        #: Records dropped per logger position while it was busy with earlier ones.
+        self.dropped: dict[int, int] = {}
+
+    def _lane(self, position: int) -> LoggerLane | None:
+        """The logger's lane, its earlier calls checked; None once it is disabled."""
+        if position in self.disabled:
+            return None
+        lane = self._lanes.get(position)
+        if lane is None:
+            lane = self._lanes[position] = LoggerLane(
+                f"enginecore-stat-logger-{self.names[position]}"
+            )
+            return lane
+        failure = lane.failure(self.timeout)
+        if failure is not None:
+            self._disable(position, *failure)
+            return None
+        return lane
+
+    def _submit(self, position: int, method: str, *args: Any) -> None:
+        """One logger's ``method(*args)`` handed over without waiting."""
+        call = getattr(self.loggers[position], method, None)
+        if call is None:
+            return
+        lane = self._lane(position)
+        if lane is None:
+            return
+        if not lane.submit(method, call, args):
+            dropped = self.dropped.get(position, 0)
+            self.dropped[position] = dropped + 1
+            if dropped == 0:
+                logger.warning(
+                    "stat logger %r is busy with %d earlier records; further records "
+                    "are dropped while it is (counted in StatLoggerManager.dropped)",
+                    self.names[position],
+                    MAX_PENDING_RECORDS,
+                )
 
     def _call(self, position: int, method: str, *args: Any) -> None:
-        """One logger's ``method(*args)``, bounded; a failure disables that logger."""
-        if position in self.disabled:
-            return
+        """One logger's ``method(*args)``, waited for after its earlier calls, bounded; a
+        failure disables that logger."""
         call = getattr(self.loggers[position], method, None)
         if call is None:  # a duck-typed logger without the optional method
             return
-        thread = self._threads.get(position)
-        if thread is None:
-            thread = self._threads[position] = SerialThread(
-                f"enginecore-stat-logger-{self.names[position]}"
-            )
+        if not self._settle(position):
+            return
+        future = self._lanes[position].call(method, call, args)
         try:
-            call_bounded(thread, call, args, self.timeout)
+            future.result(self.timeout)
+        except FutureTimeout:
+            self._disable(position, method, timed_out(self.timeout))
         except Exception as exc:
             self._disable(position, method, exc)
 
-    def _disable(self, position: int, method: str, exc: Exception) -> None:
+    def _settle(self, position: int) -> bool:
+        """Wait for the logger's records handed over so far (each bounded); False once
+        it is disabled."""
+        lane = self._lane(position)
+        if lane is None:
+            return False
+        failure = lane.wait(self.timeout)
+        if failure is not None:
+            self._disable(position, *failure)
+            return False
+        return True
+
+    def flush(self) -> None:
+        """Wait until every logger has run the records handed to it so far (bounded per
+        record by ``engine.frontend_plugin_timeout``); a failure among them disables its
+        logger. Read a logger's state after this, not while steps are in flight."""
+        for position in range(len(self.loggers)):
+            if position in self._lanes:
+                self._settle(position)
+
+    def _disable(self, position: int, method: str, exc: BaseException) -> None:
         self.disabled.add(position)
         name = self.names[position]
         try:
@@ -90,9 +153,9 @@ class StatLoggerManager:
             method,
             exc_info=None if isinstance(exc, PluginCallTimeout) else exc,
         )
-        thread = self._threads.pop(position, None)
-        if thread is not None:
-            thread.shutdown(wait=False)
+        lane = self._lanes.pop(position, None)
+        if lane is not None:
+            lane.close()
 
     def _call_all(self, method: str, *args: Any) -> None:
         for position in range(len(self.loggers)):
@@ -108,7 +171,7 @@ class StatLoggerManager:
             wanted = self.engines[position] if position < len(self.engines) else None
             if wanted is not None and wanted != engine_index:
                 continue
-            self._call(position, "record", scheduler_stats, iteration_stats, engine_index)
+            self._submit(position, "record", scheduler_stats, iteration_stats, engine_index)
 
     def log(self) -> None:
         self._call_all("log")
@@ -140,10 +203,11 @@ class StatLoggerManager:
             self._call(position, "record_admission_rejection", reason)
 
     def close(self) -> None:
+        self.flush()  # a logger without ``close`` still runs the records handed to it
         self._call_all("close")
-        threads, self._threads = self._threads, {}
-        for thread in threads.values():
-            thread.shutdown(wait=False)
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()
 
 
 def _check_stat_logger(plugin_host: Any, name: str, stat_logger: Any) -> None:

@@ -49,8 +49,13 @@ async def ping(request: Request) -> Response:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics() -> Response:
+async def metrics(request: Request) -> Response:
     """Prometheus text exposition of the ``enginecore:*`` metrics (and process metrics)."""
+    # The steps' records reach the loggers without the step waiting; a scrape counts
+    # every step finished before it (waited for off the event loop, bounded).
+    stat_loggers = getattr(context(request).engine, "stat_loggers", None)
+    if stat_loggers is not None:
+        await asyncio.to_thread(stat_loggers.flush)
     registry = prometheus_client.REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # several API servers: all of theirs
         from prometheus_client import multiprocess

@@ -1,0 +1,149 @@
+"""What a single-stream decode step of a GGUF model (the demo's by default) is made of.
+
+The engine runs in this process (``multiprocessing=False``) with the fused decode step
+built with ``-DECD_PROFILE``. One greedy request of a ``--context``-token prompt is
+served; its first decode step is then run again ``--repeats`` times (it writes the same
+K/V to the same places each time): the median and best time of the fused call, each
+thread's time per kind of work (products, attention, the serial norms) and waiting for
+the next phase, summed over the layers, per call; then the LM head (``compute_logits``)
+on its output. Threads as the engine picks them (``--threads`` to set them); the
+kernels built for this CPU, or with ``--isa`` for another x86-64 level (the AVX2 ones
+on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
+
+    python benchmarks/decode_step_phases.py [MODEL.gguf] [--context 128] [--threads N]
+        [--isa x86-64-v3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+from typing import Any
+
+PHASES = (  # ecd_decode_step's profile, per thread
+    "qkv",
+    "rotary, K/V append, attention",
+    "o",
+    "gate_up, silu",
+    "down",
+    "serial (norms, paged K/V write)",
+    "waiting for the next phase",
+    "whole call",
+)
+PROFILE_THREADS = 8  # ECD_PROFILE_THREADS
+
+
+def _profiled_library() -> ctypes.CDLL:
+    from enginecore_cpu import decode_step
+
+    try:
+        path = decode_step.build(("profile", ["-DECD_PROFILE"]))
+    except TypeError:  # a build before the profile switch (comparing against one)
+        path = decode_step.build()
+    lib = ctypes.CDLL(str(path))
+    lib.ecd_decode_step.argtypes = decode_step._load().ecd_decode_step.argtypes
+    lib.ecd_decode_step.restype = ctypes.c_int
+    if hasattr(lib, "ecd_profile_read"):
+        lib.ecd_profile_read.argtypes = [ctypes.c_void_p]
+    decode_step._lib = lib  # the engine's fused step loads this build
+    return lib
+
+
+def path_of(lib: ctypes.CDLL) -> str:
+    return os.path.basename(lib._name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", nargs="?", help="a .gguf file (default: the demo model's)")
+    parser.add_argument("--context", type=int, default=128, help="positions cached before")
+    parser.add_argument("--repeats", type=int, default=200, help="replays of the step")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    parser.add_argument(
+        "--isa", help="build the kernels for this x86-64 level (x86-64-v3: the AVX2 variants)"
+    )
+    args = parser.parse_args()
+
+    import torch
+
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import find_demo_gguf
+
+    if args.threads:  # before torch starts its team; the engine then keeps it
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.isa:
+        from enginecore_cpu import cpu_kernels
+
+        cpu_kernels.instruction_set = lambda: args.isa  # type: ignore[assignment]
+    lib = _profiled_library()
+    profile = getattr(lib, "ecd_profile_read", lambda phases: None)
+    model = args.model or str(find_demo_gguf())
+    llm = LLM(model, multiprocessing=False, max_model_len=args.context + 64)
+    report: list[str] = []
+    try:
+        worker = llm.collective_rpc(lambda w: w)[0]
+        runner = worker.model_runner
+        step = runner.fused_decode
+        if step is None:
+            raise SystemExit("this model does not take the fused decode step")
+        fused_run = step.run
+        phases = (ctypes.c_double * (PROFILE_THREADS * len(PHASES)))()
+
+        def replay(ids: Any, positions: Any, batch: Any) -> Any:
+            """At the context asked for, the same step again and again (it writes the
+            same K/V to the same places each time), then the LM head on its output."""
+            hidden = fused_run(ids, positions, batch)
+            if int(positions[0]) != args.context:
+                return hidden
+            for _ in range(10):
+                fused_run(ids, positions, batch)
+            profile(phases)
+            times = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                fused_run(ids, positions, batch)
+                times.append(time.perf_counter() - started)
+            profile(phases)
+            head = []
+            for _ in range(args.repeats // 4):
+                started = time.perf_counter()
+                runner.model.compute_logits(hidden)
+                head.append(time.perf_counter() - started)
+            n = args.repeats
+            report.append(
+                f"{'fused step (median / best)':40s} "
+                f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms"
+            )
+            threads = torch.get_num_threads()
+            for i, name in enumerate(PHASES):
+                per_thread = [phases[t * len(PHASES) + i] / 1e6 / n for t in range(threads)]
+                cells = " ".join(f"{ms:8.3f}" for ms in per_thread)
+                report.append(f"  {name:38s} {cells} ms")
+            report.append(
+                f"{'LM head (median / best)':40s} "
+                f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms"
+            )
+            return hidden
+
+        step.run = replay
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        prompt = {"prompt_token_ids": [100 + i % 20000 for i in range(args.context)]}
+        llm.generate([prompt], params, use_tqdm=False)
+        if not report:
+            raise SystemExit("no fused step ran at that context")
+        threads = torch.get_num_threads()
+        print(
+            f"{model}: one decode row at position {args.context}, {threads} threads, "
+            f"{args.repeats} replays, {path_of(lib)}"
+        )
+        print("\n".join(report))
+    finally:
+        llm.shutdown()
+    print(f"load average {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
