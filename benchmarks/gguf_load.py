@@ -4,9 +4,9 @@ first token, and resident memory, with the prepared-weight cache cold and warm.
 Each run is a fresh process (``LLM(..., multiprocessing=False)``, so one process holds
 the engine and its memory is the engine's). ``first``: this file's prepared weights
 removed from the cache beforehand; ``warm``: prepared already. The first request is a
-128-token prompt and one output token, sent right after the engine is ready (the float32
-prefill copies are then still being made in the background); a second and a third follow,
-each with other tokens (the same prompt again would be served from the prefix cache).
+128-token prompt and one output token, sent right after the engine is ready; a second
+and a third follow, each with other tokens (the same prompt again would be served from the
+prefix cache).
 Resident memory is taken when the engine is ready and after the three requests. With
 ``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so

@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts of 64 random tokens")
     parser.add_argument("--no-demo", action="store_true", help="only the --small checkpoint")
     args = parser.parse_args()
-    # Every row through the integer kernels, as a decode step computes it.
+    # Every row through integer kernels (the one-row ones, or quant_gemm's for prompts),
+    # never the float fallback, as the engine computes them.
     gguf_linear_method.DIRECT_MAX_ROWS = 1 << 30
     gen = torch.Generator().manual_seed(0)
     rows = [

@@ -4,8 +4,8 @@ kernels.
 
 Each format's weight (``--out`` x ``--in``, the inputs a multiple of 256 so every
 format applies) is multiplied by ``--rows`` activation rows: by the integer kernels
-(activations quantized to 8 bits, as a decode step computes), by de-quantize + float32
-GEMM (the path above ``DIRECT_MAX_ROWS``), and by ``F.linear`` on the de-quantized
+(activations quantized to 8 bits, as the engine computes), by de-quantize + float32
+GEMM (the path above ``DIRECT_MAX_ROWS`` where ``quant_gemm`` did not build), and by ``F.linear`` on the de-quantized
 weight held in float32; torch's ``_weight_int8pack_mm`` (int8 per channel) and
 ``_weight_int4pack_mm_for_cpu`` (4-bit, groups of 32) run on the same shape. The
 candidates run in turn, round after round (the machine may be shared), and each one's
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore.testing import quantizers
-from enginecore_cpu import gguf_linear_method
+from enginecore_cpu import gguf_linear_method, quant_kernels
 from enginecore_cpu.gguf_linear_method import (
     blocks_linear,
     per_channel_q8,
@@ -109,12 +109,11 @@ def main() -> None:
 
 
 def _dequantize_gemm(blocks, x: torch.Tensor) -> torch.Tensor:
-    saved = gguf_linear_method.DIRECT_MAX_ROWS
-    gguf_linear_method.DIRECT_MAX_ROWS = -1
-    try:
-        return blocks_linear(blocks, x)
-    finally:
-        gguf_linear_method.DIRECT_MAX_ROWS = saved
+    kernels = quant_kernels.load()
+    assert kernels is not None
+    return torch.cat(
+        [F.linear(x, gguf_linear_method._dequantize_with(kernels, part)) for _, part in blocks], 1
+    )
 
 
 if __name__ == "__main__":

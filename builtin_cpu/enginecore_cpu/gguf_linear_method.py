@@ -17,10 +17,14 @@ Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the er
 llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
 and the kernels' timings.
 
+Many rows (prefill) take ``quant_gemm``: the activations quantized once, each weight
+block decoded once a call and used for every row, faster than a float32 GEMM on a
+de-quantized copy at every row count measured, so no float copy is made and a model
+stays at its file's size in memory. Few rows take the one-row kernels, which read each
+block once per four rows and need no decoding.
+
 Loading a GGUF file, each layer's blocks are prepared once and kept on disk
-(``prepared_weights``); later loads map them and read no weight. The float32 copies for
-prefill are made after load on a background thread (``background_copies``): until a
-layer's copy is published, its many-row steps de-quantize the same tiles per call.
+(``prepared_weights``); later loads map them and read no weight.
 """
 
 from __future__ import annotations
@@ -49,23 +53,27 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import set_weight_attrs
-from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
-from enginecore_cpu.background_copies import BackgroundJobs
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernels
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
 from enginecore_cpu.prepared_weights import PreparedWeights
 
 logger = logging.getLogger(__name__)
 
-# More rows than this: float32 GEMMs, one per tile of the weight's rows, each tile taken
-# from the de-quantized copy made in the background where memory allows, else
-# de-quantized for the call. Where the two paths cross: benchmarks/RESULTS.md, "Other
-# measurements behind the code".
+# Rows from which a product takes ``quant_gemm`` rather than the one-row kernels, per
+# layout: where the two cross with the CPU's VNNI (benchmarks/RESULTS.md, "Other
+# measurements behind the code"), and without it (AVX2's vpmaddubsw: the 4-bit formats'
+# one-row kernels stay ahead to past 32 rows; docs/quantization.md, "Prefill on the
+# blocks"). Its fixed cost is decoding each block once a call; the one-row kernels' grows
+# with the rows (a block unpacked per four rows).
+GEMM_FROM_ROWS = {"Q4": 12, "Q8": 8, "Q4_K": 12, "Q5_K": 8, "Q6_K": 12}
+GEMM_FROM_ROWS_NO_VNNI = {"Q4": 64, "Q8": 16, "Q4_K": 64, "Q5_K": 16, "Q6_K": 16}
+# Without ``quant_gemm`` (its build failed): more rows than this take float32 GEMMs, one
+# per tile of the weight's rows de-quantized for the call. The fused decode step takes
+# batches up to this size.
 DIRECT_MAX_ROWS = 32
 # A tile's float32 bytes: de-quantized per call, it stays in cache, where a whole weight
-# would be fresh memory (page faults) on every call. The copy is read in the same tiles,
-# so a step gives the same bits whether or not the copy is ready.
+# would be fresh memory (page faults) on every call.
 _TILE_BYTES = 4 << 20
-_FLOAT = "gguf_float"  # layer attribute: the float32 copy [out, in], row-major, or None
 _BLOCKS = "gguf_blocks"  # layer attribute: [(first output row, BlockWeight)], row order
 _PARTS = "_gguf_parts"  # while loading: {first output row: the checkpoint's rows}
 
@@ -79,7 +87,6 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         super().__init__(config)
-        self.float_copies = BackgroundJobs("gguf float copies")
         self.prepared: PreparedWeights | None = None
         model_path = getattr(getattr(config, "model", None), "path", None)
         path = Path(model_path) if model_path else None
@@ -102,6 +109,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         builds = super().kernel_builds()
         if not cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
             builds.append(quant_kernels.build)
+            builds.append(quant_gemm.build)
             if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
                 builds.append(decode_step.build)
         return builds
@@ -177,11 +185,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
             setattr(layer, _BLOCKS, merged)
-            setattr(layer, _FLOAT, None)
-            out, k = weight.shape
             weight.data = torch.empty(0)  # never filled: the blocks replace it
-            if self._afford(out * k * 4):
-                self.float_copies.submit(lambda: _publish_float_copy(layer, merged, kernels))
             return
         if (
             isinstance(layer, VocabParallelEmbedding)
@@ -239,7 +243,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         blocks = getattr(layer, _BLOCKS, None)
         if blocks is None:
             return super().apply(layer, x, bias)
-        return blocks_linear(blocks, x, bias, getattr(layer, _FLOAT, None))
+        return blocks_linear(blocks, x, bias)
 
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -247,19 +251,6 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if getattr(layer, _BLOCKS, None) is not None:
             return None
         return super().apply_silu_and_mul(layer, x, bias)
-
-
-def _publish_float_copy(
-    layer: nn.Module, merged: list[tuple[int, Part]], kernels: quant_kernels.QuantKernels
-) -> None:
-    """Many-row steps (prefill) are compute-bound: a float32 copy saves them de-quantizing
-    the weight on every call. Runs on ``float_copies``' thread; steps use the copy from
-    the one after the attribute is set."""
-    n = sum(part.shape[0] for _, part in merged)
-    dense = torch.empty(n, merged[0][1].shape[1], dtype=torch.float32)
-    for first, part in merged:
-        dense[first : first + part.shape[0]] = _dequantize_with(kernels, part)
-    setattr(layer, _FLOAT, dense)
 
 
 def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
@@ -295,14 +286,19 @@ def _row_range(part: Part, start: int, length: int) -> Part:
     return BlockWeight(part.bits, qs, d, m, shape, part.symmetric)
 
 
+def gemm_from_rows(part: Part, vnni: bool) -> int:
+    """The rows from which ``part`` is multiplied by ``quant_gemm`` (``GEMM_FROM_ROWS``,
+    or ``GEMM_FROM_ROWS_NO_VNNI`` for a library built without VNNI)."""
+    table = GEMM_FROM_ROWS if vnni else GEMM_FROM_ROWS_NO_VNNI
+    if isinstance(part, KQuantWeight):
+        return table[part.fmt]
+    return table["Q8" if part.bits == 8 else "Q4"]
+
+
 def blocks_linear(
-    blocks: list[tuple[int, Part]],
-    x: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    dense: torch.Tensor | None = None,
+    blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x W^T + b`` for W given as row ranges of blocks (and, where made, ``dense``: W
-    de-quantized, for many rows)."""
+    """``x W^T + b`` for W given as row ranges of blocks."""
     kernels = quant_kernels.load()
     assert kernels is not None  # a layer keeps blocks only where the kernels loaded
     k = blocks[0][1].shape[1]
@@ -312,26 +308,26 @@ def blocks_linear(
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.float().contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
-    if rows.shape[0] > DIRECT_MAX_ROWS:
+    count = rows.shape[0]
+    gemm = quant_gemm.load() if count >= min(GEMM_FROM_ROWS.values()) else None
+    if gemm is None and count > DIRECT_MAX_ROWS:
         tile = max(16, _TILE_BYTES // (4 * k))
         for first, part in blocks:
             for start in range(0, part.shape[0], tile):
-                at = first + start
-                if dense is not None:
-                    weight = dense[at : at + min(tile, part.shape[0] - start)]
-                else:
-                    weight = _dequantize_with(kernels, _row_range(part, start, tile))
-                out[:, at : at + weight.shape[0]] = F.linear(rows, weight)
+                weight = _dequantize_with(kernels, _row_range(part, start, tile))
+                out[:, first + start : first + start + weight.shape[0]] = F.linear(rows, weight)
         if bias is not None:
             out += bias
         return out.to(dtype).view(*x.shape[:-1], n)
-    if rows.shape[0]:
-        acts = None  # the 5- and 6-bit kernel takes activations quantized beforehand
+    if count:
+        acts = None  # quantized once for the kernels that take them so
         for first, part in blocks:
             target = out[:, first:] if first else out
-            if _needs_kquant(part):
-                if acts is None:
-                    acts = kernels.quantize_rows(rows)
+            if gemm is not None and count >= gemm_from_rows(part, gemm.vnni):
+                acts = kernels.quantize_rows(rows) if acts is None else acts
+                gemm.gemm(acts, part, target)
+            elif _needs_kquant(part):
+                acts = kernels.quantize_rows(rows) if acts is None else acts
                 _kquant().gemm_k(acts, part, target)
             else:
                 kernels.linear(rows, part, target)

@@ -1,5 +1,5 @@
-"""A GGUF file's blocks prepared once per file and CPU, kept on disk and mapped back; the
-float32 prefill copies made in the background without holding up a request."""
+"""A GGUF file's blocks prepared once per file and CPU, kept on disk and mapped back;
+prefill computed on the blocks themselves, with no float32 copy of a weight."""
 
 from __future__ import annotations
 
@@ -151,34 +151,32 @@ def test_an_unwritable_cache_warns_once_and_loads_as_without_it(tmp_path, cache_
 
 
 @needs_kernels
-def test_a_request_completes_while_the_float_copy_waits():
-    """The float32 copy for many-row steps is a background job: with the job held back,
-    a prefill-sized step runs on the blocks, and the copy appears only once the job runs
-    (counted by the jobs' own count, not by time); with it the step gives the same bits."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_prefill_step_runs_on_the_blocks_alone(fmt, monkeypatch):
+    """A prefill-sized step multiplies the blocks as loaded: nothing de-quantized, for the
+    call or for later (no float copy, no job in the background), within the activations'
+    8-bit rounding of the weight the blocks stand for."""
     torch.manual_seed(0)
     method = GGUFLinearMethod(None)
     with use_linear_method(method):
         layer = RowParallelLinear(512, 96, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)
-    loaded = random_tensor("Q4_K", 96, 512)
+    loaded = random_tensor(fmt, 96, 512)
     bias = torch.randn(96)
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], loaded)
     params["bias"].weight_loader(params["bias"], bias)
+    method.process_weights_after_loading(layer)
+
+    def no_dequantizing(*args: Any) -> None:
+        raise AssertionError("a weight was de-quantized for a prefill step")
+
+    monkeypatch.setattr(gguf_linear_method, "_dequantize_with", no_dequantizing)
     x = torch.randn(DIRECT_MAX_ROWS + 40, 512)
     want = F.linear(x, dequantized_part(unpacked(loaded)), bias)
-    method.float_copies.pause()
-    try:
-        method.process_weights_after_loading(layer)
-        assert method.float_copies.pending == 1
-        before = layer(x)
-        assert method.float_copies.done == 0 and layer.gguf_float is None
-    finally:
-        method.float_copies.resume()
-    assert method.float_copies.wait(timeout=60)
-    assert method.float_copies.done == 1 and layer.gguf_float is not None
-    after = layer(x)
-    torch.testing.assert_close(before, want, rtol=1e-5, atol=1e-4)
-    assert torch.equal(before, after)  # the same bits whenever the copy lands
+    got = layer(x)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+    assert layer.weight.numel() == 0  # the blocks alone, before and after the step
+    assert [vars(layer)[k] for k in vars(layer) if "float" in k] == []
 
 
 def _q4_k_m(name: str) -> str:
@@ -192,22 +190,12 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 ):
     """Load without the cache (the weights prepared in memory), then twice with it: the
     first writes each layer's entry, the second maps them and prepares nothing. Greedy
-    tokens are the same each time, a prefill-sized prompt's included: the first two
-    answer on the float copies, the last while every copy is still held back. The last
-    also leaves the q/k blocks in the file's rotary order (it never reads them)."""
+    tokens are the same each time, a prefill-sized prompt's included. The last also
+    leaves the q/k blocks in the file's rotary order (it never reads them)."""
     from enginecore import LLM, SamplingParams
     from tests.helpers.gguf_writer import write_gguf
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
-    methods: list[GGUFLinearMethod] = []
-    original_init = GGUFLinearMethod.__init__
-
-    def init(self, config=None):
-        original_init(self, config)
-        methods.append(self)
-        self.float_copies.pause()
-
-    monkeypatch.setattr(GGUFLinearMethod, "__init__", init)
     prepared = []
     original_unpacked = gguf_linear_method.unpacked
 
@@ -229,23 +217,15 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(5, 90))}]
     answers, unpacked_counts, reorder_counts = [], [], []
-    for run, switch in enumerate(["0", "1", "1"]):
+    for switch in ["0", "1", "1"]:
         monkeypatch.setenv(prepared_weights.ENV_SWITCH, switch)
         prepared.clear()
         reordered.clear()
         llm = LLM(str(path), multiprocessing=False)
-        copies = methods[-1].float_copies
         try:
-            if run < 2:
-                copies.resume()
-                assert copies.wait(timeout=120) and copies.done > 0
             outs = llm.generate(prompts, params, use_tqdm=False)
-            if run == 2:  # answered with every float copy still waiting
-                assert copies.done == 0 and copies.pending > 0
             answers.append([o.outputs[0].token_ids for o in outs])
         finally:
-            if run == 2:
-                copies.resume()
             llm.shutdown()
         unpacked_counts.append(len(prepared))
         reorder_counts.append(len(reordered))

@@ -30,6 +30,7 @@ from enginecore_cpu import (
     cpu_kernels,
     gguf_linear_method,
     kquant_kernels,
+    quant_gemm,
     quant_kernels,
 )
 from enginecore_cpu.gguf_linear_method import (
@@ -82,12 +83,16 @@ def test_a_k_quant_row_not_of_whole_super_blocks_is_refused():
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("rows", [1, 5, DIRECT_MAX_ROWS + 1])
-@pytest.mark.parametrize("float_copy", [True, False])
-def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, float_copy: bool):
-    """Few rows: integer dot products (the activations' 8-bit rounding is the only
-    difference); more rows: one GEMM on the kernels' de-quantization (exact), kept from
-    load or made per call."""
+@pytest.mark.parametrize("rows", [1, 5, 12, DIRECT_MAX_ROWS + 1])
+@pytest.mark.parametrize("gemm", [True, False])
+def test_k_quant_blocks_multiply_as_the_dequantized_weight(
+    fmt: str, rows: int, gemm: bool, monkeypatch
+):
+    """Integer dot products, the one-row kernels' and ``quant_gemm``'s (the activations'
+    8-bit rounding is the only difference); without ``quant_gemm``, more rows than the
+    one-row kernels take: one GEMM on tiles de-quantized per call (exact)."""
+    if not gemm:
+        monkeypatch.setattr(quant_gemm, "load", lambda: None)
     torch.manual_seed(1)
     layer = _layer(
         lambda: RowParallelLinear(512, 64, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)
@@ -97,15 +102,11 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(fmt: str, rows: int, 
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], loaded)
     params["bias"].weight_loader(params["bias"], bias)
-    if not float_copy:
-        layer.linear_method._budget = 0  # no memory to spare for copies
     layer.linear_method.process_weights_after_loading(layer)
-    assert layer.gguf_blocks
-    layer.linear_method.float_copies.wait()  # the copy is made in the background
-    assert (layer.gguf_float is not None) == float_copy
+    assert layer.gguf_blocks and layer.weight.numel() == 0  # the blocks alone
     x = torch.randn(rows, 512)
     err = relative_error(layer(x), F.linear(x, reference, bias))
-    assert err < (1e-5 if rows > DIRECT_MAX_ROWS else 1e-2), err
+    assert err < (1e-5 if rows > DIRECT_MAX_ROWS and not gemm else 1e-2), err
 
 
 # The K-quant kernels, which form each sub-block's float32 scale from the file's scales
@@ -448,9 +449,9 @@ def _model_logits(
 @needs_kernels
 @pytest.mark.parametrize("name", ["awq-asym", "gptq-asym", "gptq-sym"])
 def test_group_quantized_logits_match_the_dequantized_weights(group_checkpoints, name, monkeypatch):
-    """Every row through the integer kernels (as decode steps compute): the largest logit
-    difference against the de-quantized weights in float32 stays at the activations'
-    8-bit rounding."""
+    """Every row through integer kernels (the 24-row prefill through ``quant_gemm``, or
+    the one-row kernels as decode steps compute): the largest logit difference against
+    the de-quantized weights in float32 stays at the activations' 8-bit rounding."""
     monkeypatch.setattr(gguf_linear_method, "DIRECT_MAX_ROWS", 1 << 30)
     quantized, reference = group_checkpoints[name]
     ids = torch.randint(0, 1000, (24,), generator=torch.Generator().manual_seed(0))
@@ -470,12 +471,14 @@ def test_group_quantized_logits_match_the_dequantized_weights(group_checkpoints,
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["awq-asym", "gptq-sym"])
 def test_group_quantized_checkpoint_decodes_as_transformers(group_checkpoints, name, monkeypatch):
-    """Through ``LLM``: kept in blocks (de-quantize + GEMM for every row, exact) and,
-    through the torch path (``quantization="none"``, as off CPU), de-quantized at load;
-    both decode greedily as transformers does on the de-quantized float32 weights."""
+    """Through ``LLM``: kept in blocks (de-quantize + GEMM for every row, exact: no
+    ``quant_gemm``, no one-row kernels) and, through the torch path
+    (``quantization="none"``, as off CPU), de-quantized at load; both decode greedily as
+    transformers does on the de-quantized float32 weights."""
     from enginecore import LLM, SamplingParams
 
     monkeypatch.setattr(gguf_linear_method, "DIRECT_MAX_ROWS", -1)
+    monkeypatch.setattr(quant_gemm, "load", lambda: None)
     quantized, reference = group_checkpoints[name]
     prompt = list(range(3, 20))
     want, first_tie = greedy_reference(reference, prompt, 12)
@@ -496,10 +499,12 @@ def test_group_quantized_checkpoint_decodes_as_transformers(group_checkpoints, n
 
 
 @needs_kernels
-@pytest.mark.parametrize("float_copy", [True, False])
-def test_int8_per_channel_of_a_float_layer(float_copy: bool):
+@pytest.mark.parametrize("gemm", [True, False])
+def test_int8_per_channel_of_a_float_layer(gemm: bool, monkeypatch):
     from types import SimpleNamespace
 
+    if not gemm:
+        monkeypatch.setattr(quant_gemm, "load", lambda: None)
     torch.manual_seed(4)
     config = SimpleNamespace(model=SimpleNamespace(quantization="int8"))
     layer = _layer(
@@ -509,20 +514,16 @@ def test_int8_per_channel_of_a_float_layer(float_copy: bool):
     weight = torch.randn(96, 256) * torch.linspace(0.1, 3, 96).unsqueeze(1)
     params = dict(layer.named_parameters())
     params["weight"].weight_loader(params["weight"], weight)
-    if not float_copy:
-        layer.linear_method._budget = 0  # no memory to spare for copies
     layer.linear_method.process_weights_after_loading(layer)
     ((_, part),) = layer.gguf_blocks
-    assert part.bits == 8
-    layer.linear_method.float_copies.wait()  # the copy is made in the background
-    assert (layer.gguf_float is not None) == float_copy
+    assert part.bits == 8 and layer.weight.numel() == 0
     scale = weight.abs().amax(1, keepdim=True) / 127
     reference = torch.round(weight / scale).clamp(-127, 127) * scale
     torch.testing.assert_close(dequantized_part(part), reference)
-    for rows in (1, DIRECT_MAX_ROWS + 1):
+    for rows in (1, 8, DIRECT_MAX_ROWS + 1):
         x = torch.randn(rows, 256)
         err = relative_error(layer(x), F.linear(x, reference))
-        assert err < (1e-5 if rows > DIRECT_MAX_ROWS else 1e-2), err
+        assert err < (1e-5 if rows > DIRECT_MAX_ROWS and not gemm else 1e-2), err
 
 
 @needs_kernels
