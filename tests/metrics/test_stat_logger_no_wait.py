@@ -9,6 +9,8 @@ named once, while the others keep recording.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +18,7 @@ import pytest
 
 from enginecore import LLM, SamplingParams, make_config
 from enginecore.interfaces import IterationStats, StatLogger
-from enginecore.metrics.logger_lane import MAX_PENDING_RECORDS
+from enginecore.metrics.logger_lane import MAX_PENDING_RECORDS, LoggerLane
 from enginecore.metrics.manager import StatLoggerManager
 from enginecore.plugins import make_plugin_manager
 
@@ -240,3 +242,29 @@ def test_a_logger_without_close_runs_every_record_before_shutdown():
         manager.record(None, IterationStats(num_generation_tokens=1))
     manager.close()
     assert slow.recorded == 5
+
+
+def test_a_lane_whose_thread_takes_no_more_calls_is_not_waited_for_forever():
+    """A logger thread that no longer runs (ended, or held by a shutting-down interpreter)
+    fails the wait after the time limit instead of holding its caller for good."""
+    lane = LoggerLane("stopped")
+    lane.close()
+    lane.thread.join(5)
+    assert not lane.thread.is_alive()
+    started = time.monotonic()
+    failure = lane.wait(0.2)
+    assert failure is not None and failure[0] == "flush"
+    assert time.monotonic() - started < 5
+
+
+def test_an_engine_dropped_without_shutdown_lets_the_interpreter_exit(tiny_llama, tmp_path):
+    """An ``LLM`` left for the interpreter's exit to collect, with a stat logger: the exit
+    does not wait on the logger's thread."""
+    script = tmp_path / "dropped.py"
+    script.write_text(
+        "from enginecore import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama)!r}, num_blocks_override=64, multiprocessing=False)\n"
+        "llm.generate('hi', SamplingParams(max_tokens=2))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]

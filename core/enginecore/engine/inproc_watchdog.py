@@ -52,6 +52,10 @@ class EngineWatchdog:
         """``fn(*args)`` on the engine thread. ``what`` describes the call and its limit in
         the error (``"a step took longer than 5 s (engine.execute_timeout)"``); ``limit``
         None waits as long as it takes."""
+        if self.dead_error is None and sys.is_finalizing():
+            # The interpreter is exiting with the engine still up (an LLM dropped without
+            # shutdown): its daemon thread can run nothing more, so nothing is waited for.
+            self.dead_error = EngineDeadError("the interpreter is shutting down")
         if self.dead_error is not None:
             raise self.dead_error
         future: Future[T] = self._thread.submit(fn, *args)

@@ -51,6 +51,7 @@ class LoggerLane:
         self._ran = 0
         self._running: str | None = None  # the method running now, set by the thread
         self._started = 0.0  # when it started (time.monotonic)
+        self._progress = time.monotonic()  # when a call last started or ended
         self._raised: Failure | None = None  # the first record that raised
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -107,7 +108,7 @@ class LoggerLane:
             self._ran += 1
         elif not future.set_running_or_notify_cancel():
             return
-        self._started = time.monotonic()
+        self._started = self._progress = time.monotonic()
         self._running = method
         try:
             result = call(*args)
@@ -121,6 +122,7 @@ class LoggerLane:
                 future.set_result(result)
         finally:
             self._running = None
+            self._progress = time.monotonic()
         del call, args, future  # no reference kept while idle
 
     def failure(self, timeout: float) -> Failure | None:
@@ -135,12 +137,18 @@ class LoggerLane:
 
     def wait(self, timeout: float) -> Failure | None:
         """Wait until the calls handed over so far have run, none of them running longer
-        than ``timeout`` seconds; the first that raised or did not return in time."""
+        than ``timeout`` seconds; the first that raised or did not return in time. A
+        thread that takes no call for ``timeout`` seconds (it ended, or the interpreter
+        is shutting down and holds it) counts as hung too."""
+        since = time.monotonic()
         done = self.call("flush", _nothing, ())
         while not wait_for([done], min(timeout, 0.05)).done:
             failure = self.failure(timeout)
             if failure is not None:
                 return failure
+            idle = time.monotonic() - max(since, self._progress)
+            if self._running is None and idle > timeout:
+                return "flush", timed_out(timeout)
         return self.failure(timeout)
 
     def close(self) -> None:

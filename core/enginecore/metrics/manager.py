@@ -15,6 +15,7 @@ serving.
 from __future__ import annotations
 
 import logging
+import sys
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -203,6 +204,10 @@ class StatLoggerManager:
             self._call(position, "record_admission_rejection", reason)
 
     def close(self) -> None:
+        if sys.is_finalizing():
+            # The interpreter is going away (an engine dropped without shutdown): the
+            # loggers' daemon threads can run nothing more, so nothing is waited for.
+            return
         self.flush()  # a logger without ``close`` still runs the records handed to it
         self._call_all("close")
         lanes, self._lanes = self._lanes, {}
