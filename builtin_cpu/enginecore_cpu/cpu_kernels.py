@@ -24,6 +24,7 @@ results up to float rounding); a failed build is logged once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -31,10 +32,8 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -42,6 +41,7 @@ from typing import Generic, TypeVar
 import torch
 
 from enginecore import startup_log
+from enginecore_cpu import kernel_cache
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +157,15 @@ def build(
     stem: str = "enginecore_cpu_kernels",
     extra_isa: tuple[str, list[str]] | None = None,
     serial_sources: tuple[Path, ...] = (),
+    only_path: bool = False,
 ) -> Path:
     """Compile ``source`` (if this source, these flags and this CPU have no build yet)
     and return its path. ``extra_isa`` (a name suffix, compiler flags) adds instructions
     beyond the x86-64 level. ``serial_sources`` are compiled into the same library
     without OpenMP's threads (``-fopenmp-simd``: their loops run on the calling thread,
-    vectorized as in their own builds). Raises ``RuntimeError`` with the compiler's
-    output on failure."""
+    vectorized as in their own builds). With ``only_path``, the path the library has
+    or will have, compiling nothing. Raises ``RuntimeError`` with the compiler's output
+    on failure."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
@@ -172,26 +174,26 @@ def build(
     if extra_isa is not None:
         isa, flags = f"{isa}-{extra_isa[0]}", [*flags, *extra_isa[1]]
     host = _cpu_signature() if isa == "native" else ""  # a native build fits this CPU only
-    # The local headers the source includes are part of what is built (quant_simd.h);
-    # a source that includes none is not rebuilt when one of them changes.
-    texts = []
-    for path in (source, *serial_sources):
-        text = path.read_bytes()
-        texts += [
-            text,
-            *(path.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text)),
-        ]
+    texts = [_source_bytes(path) for path in (source, *serial_sources)]
     key = hashlib.sha256(b"\0".join([*texts, " ".join(flags).encode(), host.encode()])).hexdigest()[
         :16
     ]
     directory = directory or cache_dir() / "cpu_kernels"
     target = directory / f"{stem}_{isa}_{key}.so"
-    if target.exists():
+    if only_path or target.exists():
         return target
     with _build_lock(target):  # a build started in the background: wait for it
         if not target.exists():
-            _compile(compiler, flags, source, target, isa, serial_sources)
+            _compile(compiler, flags, source, target, isa, host, serial_sources)
     return target
+
+
+def _source_bytes(path: Path) -> bytes:
+    """A source with the local headers it includes (quant_simd.h): all a build of it
+    reads, so a source that includes none is not rebuilt when one of them changes."""
+    text = path.read_bytes()
+    headers = (path.with_name(n.decode()).read_bytes() for n in _LOCAL_INCLUDE.findall(text))
+    return b"\0".join([text, *headers])
 
 
 def _build_lock(target: Path) -> threading.Lock:
@@ -209,37 +211,47 @@ def _compile(
     source: Path,
     target: Path,
     isa: str,
+    host: str,
     serial_sources: tuple[Path, ...] = (),
 ) -> None:
+    """Compile each source into an object of its own in the cache (kept: a build cut
+    short resumes from the objects it finished), then link them into ``target``."""
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     startup_log.logger.info("building %s for %s (once per CPU level; cached)", source.name, isa)
-    # Build beside the target and rename: concurrent processes never load a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
     serial_flags = [f for f in flags if f not in ("-fopenmp", "-shared")] + ["-fopenmp-simd"]
-    try:
-        with tempfile.TemporaryDirectory(dir=directory) as objects:
-            linked = [f"{objects}/{i}.o" for i in range(len(serial_sources))]
-            # the serial objects compile side by side, then link with the source
-            with ThreadPoolExecutor(max_workers=max(1, len(serial_sources))) as pool:
-                runs = [
-                    pool.submit(_run_compiler, [compiler, *serial_flags, "-c", str(path), "-o", o])
-                    for path, o in zip(serial_sources, linked, strict=True)
-                ]
-                for run in runs:
-                    run.result()
-            _run_compiler([compiler, *flags, str(source), *linked, "-o", tmp, "-lm"])
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    object_flags = [f for f in flags if f != "-shared"]
+    jobs = [(source, object_flags), *((path, serial_flags) for path in serial_sources)]
+    objects = kernel_cache.in_parallel(
+        [
+            functools.partial(_object, compiler, job_flags, path, directory, isa, host)
+            for path, job_flags in jobs
+        ]
+    )
+    kernel_cache.publish(
+        directory,
+        target,
+        lambda out: kernel_cache.run_compiler(
+            [compiler, *flags, *map(str, objects), "-o", out, "-lm"]
+        ),
+    )
 
 
-def _run_compiler(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
+def _object(
+    compiler: str, flags: list[str], source: Path, directory: Path, isa: str, host: str
+) -> Path:
+    """The object of ``source`` built with ``flags`` (compiled now if not cached)."""
+    text = _source_bytes(source)
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), host.encode()])).hexdigest()
+    target = directory / "objects" / f"{source.stem}_{isa}_{key[:16]}.o"
+    if not target.exists():
+        target.parent.mkdir(exist_ok=True)
+        kernel_cache.publish(
+            directory,
+            target,
+            lambda out: kernel_cache.run_compiler([compiler, *flags, "-c", str(source), "-o", out]),
+        )
+    return target
 
 
 def build_in_background(*builds: Callable[[], Path]) -> None:

@@ -1,0 +1,170 @@
+"""The kernel cache's files while they are made: each process compiles into a scratch
+folder of its own and renames every finished object and library into the cache, so a
+reader never sees a partial file and a build cut short keeps the objects it finished.
+
+While a process lives it holds a lock on its folder's ``.lock`` file; a later process
+that can take that lock knows the owner is gone (exited, or killed mid-build) and removes
+its folder, under the cache's own lock. A compiler started here is asked to stop when
+its process dies (Linux), and one that outlives it finds its output folder removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+_Result = TypeVar("_Result")
+
+SCRATCH = ".building"
+# Scratch files the cache's earlier layout made beside the libraries (``tmp*.so`` and
+# ``tmp*`` folders); removed once older than any build takes.
+_LEGACY_AGE_S = 15 * 60
+
+_workspaces: dict[Path, Path] = {}
+_held: list[int] = []  # the lock files' descriptors, open for the process's life
+_guard = threading.Lock()
+
+
+def workspace(cache: Path) -> Path:
+    """This process's scratch folder in ``cache`` (made on first use, after removing
+    the folders of processes that are gone)."""
+    with _guard:
+        folder = _workspaces.get(cache)
+        if folder is None or not folder.is_dir():
+            folder = _workspaces[cache] = _claim(cache)
+        return folder
+
+
+def publish(cache: Path, target: Path, make: Callable[[str], None]) -> None:
+    """Run ``make`` on a fresh path in this process's scratch folder and rename what it
+    wrote to ``target`` (the rename is atomic: concurrent readers see all or nothing)."""
+    fd, scratch = tempfile.mkstemp(suffix=target.suffix, dir=workspace(cache))
+    os.close(fd)
+    try:
+        make(scratch)
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
+def run_compiler(command: list[str]) -> None:
+    """Run one compiler command; it stops with this process. Raises ``RuntimeError``
+    with the compiler's output on failure."""
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_stop_with_parent if _PRCTL is not None else None,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
+
+
+def in_parallel(calls: list[Callable[[], _Result]]) -> list[_Result]:
+    """Each call's result, the calls run side by side on daemon threads (a process may
+    exit while they run: nothing joins them at exit); the first error is raised."""
+    results: list[_Result | None] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True, name="enginecore-cc")
+        for i in range(len(calls))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def _claim(cache: Path) -> Path:
+    building = cache / SCRATCH
+    building.mkdir(parents=True, exist_ok=True)
+    with _cache_lock(cache):
+        _remove_stale(cache, building)
+        name = f"{os.getpid()}-{os.urandom(4).hex()}"
+        fd = os.open(building / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _held.append(fd)
+        (building / name).mkdir()
+    return building / name
+
+
+@contextmanager
+def _cache_lock(cache: Path) -> Iterator[None]:
+    fd = os.open(cache / "build.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(cache: Path, building: Path) -> None:
+    for lock in building.glob("*.lock"):
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its process is alive (this one included)
+        else:
+            shutil.rmtree(building / lock.stem, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    for folder in building.iterdir():
+        if folder.is_dir() and not folder.with_name(f"{folder.name}.lock").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    now = time.time()
+    for left in cache.glob("tmp*"):
+        try:
+            if now - left.stat().st_mtime < _LEGACY_AGE_S:
+                continue
+            if left.is_dir():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink()
+        except OSError:
+            continue
+
+
+def _find_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return prctl
+
+
+_PRCTL = _find_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent() -> None:
+    # In the child between fork and exec: SIGTERM lets gcc remove its own temporaries.
+    assert _PRCTL is not None
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))

@@ -1,0 +1,199 @@
+"""The kernel cache under a build cut short: a process SIGKILLed, or exiting, while its
+background build runs leaves no partial file behind, and the next start reuses the
+objects that finished and compiles only what was missing.
+
+Each run is a real process building a small two-source library (one source compiled
+into it serially, as the fused decode step's are) into an empty cache. The compiler is
+``$CC``, a wrapper that logs every source it compiles and, while asked to, stops on the
+main source (the last object before the link) so that the test can end the process
+there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from enginecore_cpu import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None, reason="no C compiler: kernels unavailable"
+)
+
+_WRAPPER = """\
+#!{python}
+import os, sys, time
+sources = [a for a in sys.argv[1:] if a.endswith(".c")]
+with open({log!r}, "a") as log:
+    log.write(" ".join(os.path.basename(s) for s in sources) + "\\n")
+if any(s.endswith("main.c") for s in sources) and os.path.exists({hold!r}):
+    with open({started!r}, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+os.execvp("gcc", ["gcc", *sys.argv[1:]])
+"""
+
+_CHILD = """\
+import sys, time
+from pathlib import Path
+from enginecore_cpu import cpu_kernels
+
+def build():
+    return cpu_kernels.build(
+        Path(sys.argv[1]), source=Path(sys.argv[2]), stem="ec_test_lib",
+        serial_sources=(Path(sys.argv[3]),),
+    )
+
+if sys.argv[4] == "background":  # started, then the process goes on to other work
+    cpu_kernels.build_in_background(build)
+    time.sleep(120)
+elif sys.argv[4] == "exit":  # started, then the process exits with the build running
+    cpu_kernels.build_in_background(build)
+    while not Path(sys.argv[5]).exists():  # told to exit by the test
+        time.sleep(0.05)
+else:
+    print(build())
+"""
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> dict[str, Path]:
+    paths = {
+        "cache": tmp_path / "cache",
+        "log": tmp_path / "compiled.log",
+        "hold": tmp_path / "hold",
+        "started": tmp_path / "started",
+        "exit": tmp_path / "exit",
+        "wrapper": tmp_path / "cc-wrapper",
+        "main": tmp_path / "main.c",
+        "serial": tmp_path / "serial.c",
+    }
+    paths["wrapper"].write_text(
+        _WRAPPER.format(
+            python=sys.executable,
+            log=str(paths["log"]),
+            hold=str(paths["hold"]),
+            started=str(paths["started"]),
+        )
+    )
+    paths["wrapper"].chmod(0o755)
+    paths["serial"].write_text("float ec_test_twice(float x) { return 2.0f * x; }\n")
+    paths["main"].write_text(
+        textwrap.dedent("""\
+            float ec_test_twice(float x);
+            float ec_test_four_times(float x) { return ec_test_twice(ec_test_twice(x)); }
+        """)
+    )
+    yield paths
+    if paths["started"].exists():  # the held compiler, if it outlived its process
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(paths["started"].read_text()), signal.SIGKILL)
+
+
+def _start(sandbox: dict[str, Path], mode: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(sandbox["cache"]),
+            str(sandbox["main"]),
+            str(sandbox["serial"]),
+            mode,
+            str(sandbox["exit"]),
+        ],
+        env={**os.environ, "CC": str(sandbox["wrapper"])},
+        stdout=subprocess.PIPE,
+    )
+
+
+def _wait_for(path: Path, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert process.poll() is None, "the build process ended before its build was held"
+        assert time.monotonic() < deadline, "the build never reached the held source"
+        time.sleep(0.05)
+
+
+def _finished_objects(cache: Path) -> list[Path]:
+    """Object files in the cache outside any scratch folder."""
+    return [
+        p
+        for p in cache.rglob("*.o")
+        if not any(part.startswith((".", "tmp")) for part in p.relative_to(cache).parts)
+    ]
+
+
+def _compiled(sandbox: dict[str, Path]) -> list[str]:
+    return sandbox["log"].read_text().split()
+
+
+def _build_again(sandbox: dict[str, Path]) -> Path:
+    sandbox["hold"].unlink(missing_ok=True)
+    process = _start(sandbox, "foreground")
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    return Path(out.decode().strip())
+
+
+def _leftovers(cache: Path, library: Path) -> list[str]:
+    """Files in the cache that are neither the finished library, a cached object nor a
+    lock file: what an interrupted build left behind."""
+    return sorted(
+        str(p.relative_to(cache))
+        for p in cache.rglob("*")
+        if p.is_file() and p != library and p.suffix not in (".o", ".lock")
+    )
+
+
+@pytest.mark.parametrize("end", ["sigkill", "exit"])
+def test_a_build_cut_short_leaves_nothing_partial_and_is_resumed(sandbox, end):
+    sandbox["hold"].touch()
+    process = _start(sandbox, "background" if end == "sigkill" else "exit")
+    try:
+        _wait_for(sandbox["started"], process)
+        # the sources compile side by side: let the serial one finish (bounded: a cache
+        # that keeps no objects never shows one)
+        deadline = time.monotonic() + 10
+        while not _finished_objects(sandbox["cache"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if end == "sigkill":
+            process.send_signal(signal.SIGKILL)
+        else:
+            sandbox["exit"].touch()
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert sorted(_compiled(sandbox)) == ["main.c", "serial.c"]  # both started
+
+    library = _build_again(sandbox)
+
+    assert library.exists() and library.parent == sandbox["cache"]
+    assert _leftovers(sandbox["cache"], library) == []
+    # the restart compiled only the missing object, then linked
+    assert _compiled(sandbox)[2:] == ["main.c"]
+    # and what it built works
+    import ctypes
+
+    lib = ctypes.CDLL(str(library))
+    lib.ec_test_four_times.restype = ctypes.c_float
+    lib.ec_test_four_times.argtypes = [ctypes.c_float]
+    assert lib.ec_test_four_times(1.5) == 6.0
+
+
+def test_a_finished_build_is_reused_without_compiling(sandbox):
+    first = _build_again(sandbox)
+    compiled = _compiled(sandbox)
+    assert _build_again(sandbox) == first
+    assert _compiled(sandbox) == compiled  # nothing compiled the second time
+    assert _leftovers(sandbox["cache"], first) == []
