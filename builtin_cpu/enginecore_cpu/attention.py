@@ -128,9 +128,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def fused_decode(self, model: Any, kv_caches: list[Any]) -> Any:
         # imported here: the step knows the model classes, which import this package
-        from enginecore_cpu.decode_step import fused_decode_step
+        from enginecore_cpu import decode_step
+        from enginecore_cpu.deferred_decode import DeferredDecodeStep
 
-        return fused_decode_step(model, kv_caches, self)
+        def make() -> Any:
+            return decode_step.fused_decode_step(model, kv_caches, self)
+
+        off = cpu_kernels.switched_off(decode_step.ENV_SWITCH) or self.mirror is None
+        if off or decode_step._lib is not None:
+            return make()
+        try:
+            library = decode_step.build(only_path=True)
+        except RuntimeError:  # no compiler: the step says so
+            return make()
+        if library.exists():
+            return make()
+        # Still compiling (started while the weights loaded): serve with the layers
+        # meanwhile instead of holding up the first token.
+        cpu_kernels.build_in_background(decode_step.build)
+        return DeferredDecodeStep(make, library.exists)
 
     def decodes_mirrored(self) -> bool:
         """Whether this step's decodes are served from the mirror (set by

@@ -350,15 +350,20 @@ class FusedDecodeStep:
 SERIAL_SOURCES = (cpu_kernels.SOURCE, quant_kernels.SOURCE, kquant_kernels.SOURCE)
 
 
-def build(extra_flags: tuple[str, list[str]] | None = None) -> Path:
+def build(extra_flags: tuple[str, list[str]] | None = None, only_path: bool = False) -> Path:
     """Compile ``decode_step.c`` with the kernels it calls into the cache (if not there
     yet); its path. ``extra_flags``: a name suffix and compiler flags added to the
-    build's (the profiling build of ``benchmarks/decode_step_phases.py``)."""
+    build's (the profiling build of ``benchmarks/decode_step_phases.py``); ``only_path``:
+    the path without compiling (whether it exists says whether the build has landed)."""
     isa = quant_kernels._vnni()  # the instructions the block kernels are built with
     if extra_flags is not None:
         isa = (f"{isa[0]}-{extra_flags[0]}", isa[1] + extra_flags[1]) if isa else extra_flags
     return cpu_kernels.build(
-        source=SOURCE, stem="enginecore_decode_step", extra_isa=isa, serial_sources=SERIAL_SOURCES
+        source=SOURCE,
+        stem="enginecore_decode_step",
+        extra_isa=isa,
+        serial_sources=SERIAL_SOURCES,
+        only_path=only_path,
     )
 
 

@@ -10,12 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-from enginecore_cpu import cpu_kernels, quant_kernels
+from enginecore_cpu import cpu_kernels, decode_step, quant_kernels
 from tests.helpers.gguf_writer import write_gguf
 
 needs_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None or quant_kernels.load() is None, reason="no C compiler"
 )
+if cpu_kernels.load() is not None:
+    # An engine whose cache lacks the step's library serves with the layers until its
+    # background build lands (test_first_load.py); these tests want the step from the start.
+    decode_step.build()
 pytestmark = needs_kernels
 
 # Prompts of different lengths, so steps hold one to four decoding rows, and mixed steps
