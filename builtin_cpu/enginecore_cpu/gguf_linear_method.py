@@ -108,7 +108,9 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
 
         builds = super().kernel_builds()
         if not cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
-            builds.append(quant_kernels.build)
+            # In the order they are needed (compilers queue for a few slots): the blocks'
+            # kernels as the weights are processed, the first forward's, prefill's, decode's.
+            builds[:0] = [quant_kernels.build, kquant_kernels.build]
             builds.append(quant_gemm.build)
             if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
                 builds.append(decode_step.build)

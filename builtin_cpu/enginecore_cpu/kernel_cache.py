@@ -60,16 +60,31 @@ def publish(cache: Path, target: Path, make: Callable[[str], None]) -> None:
             os.unlink(scratch)
 
 
+def compile_slots() -> int:
+    """How many compilers run at once: half the cores this process may use, at least
+    one; a first start loads the weights on the others. Builds queue for a slot in the
+    order they asked (a GGUF's first load asks for what its weights need first)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+_slots = threading.BoundedSemaphore(compile_slots())
+
+
 def run_compiler(command: list[str]) -> None:
-    """Run one compiler command; it stops with this process. Raises ``RuntimeError``
-    with the compiler's output on failure."""
-    done = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=_stop_with_parent if _PRCTL is not None else None,
-    )
+    """Run one compiler command (when a slot is free); it stops with this process.
+    Raises ``RuntimeError`` with the compiler's output on failure."""
+    with _slots:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=_stop_with_parent if _PRCTL is not None else None,
+        )
     if done.returncode != 0:
         raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
 

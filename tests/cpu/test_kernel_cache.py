@@ -197,3 +197,53 @@ def test_a_finished_build_is_reused_without_compiling(sandbox):
     assert _build_again(sandbox) == first
     assert _compiled(sandbox) == compiled  # nothing compiled the second time
     assert _leftovers(sandbox["cache"], first) == []
+
+
+def test_compilers_queue_for_the_slots(tmp_path, monkeypatch):
+    """Libraries built side by side (a first load's background builds) run no more
+    compilers at once than ``compile_slots()``: half the cores, at least one."""
+    import shutil
+    import threading
+
+    from enginecore_cpu import kernel_cache
+
+    assert kernel_cache.compile_slots() == max(1, len(os.sched_getaffinity(0)) // 2)
+    log = tmp_path / "runs"
+    wrapper = tmp_path / "cc"
+    compiler = shutil.which("gcc")
+    # each run logs its start and end (append is atomic for lines this short)
+    wrapper.write_text(
+        f'#!/bin/sh\necho start >> {log}\nsleep 0.3\n{compiler} "$@"\nrc=$?\n'
+        f"echo end >> {log}\nexit $rc\n"
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    sources = []
+    for i in range(3):
+        source = tmp_path / f"lib{i}.c"
+        source.write_text(f"int ec_lib{i}(void) {{ return {i}; }}\n")
+        sources.append(source)
+
+    def most_at_once(slots: int) -> int:
+        log.unlink(missing_ok=True)
+        monkeypatch.setattr(kernel_cache, "_slots", threading.BoundedSemaphore(slots))
+        cache = tmp_path / f"cache{slots}"
+        threads = [
+            threading.Thread(
+                target=cpu_kernels.build, args=(cache,), kwargs={"source": s, "stem": s.stem}
+            )
+            for s in sources
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert len(list(cache.glob("*.so"))) == 3
+        running = most = 0
+        for line in log.read_text().split():
+            running += 1 if line == "start" else -1
+            most = max(most, running)
+        return most
+
+    assert most_at_once(1) == 1  # one after another
+    assert most_at_once(3) > 1  # side by side where there are slots
