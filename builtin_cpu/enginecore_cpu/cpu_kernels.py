@@ -182,6 +182,7 @@ def build(
     target = directory / f"{stem}_{isa}_{key}.so"
     if only_path or target.exists():
         return target
+    kernel_cache.priority(target)  # its place in the compilers' queue: first asked, first built
     with _build_lock(target):  # a build started in the background: wait for it
         if not target.exists():
             _compile(compiler, flags, source, target, isa, host, serial_sources)
@@ -222,23 +223,29 @@ def _compile(
     serial_flags = [f for f in flags if f not in ("-fopenmp", "-shared")] + ["-fopenmp-simd"]
     object_flags = [f for f in flags if f != "-shared"]
     jobs = [(source, object_flags), *((path, serial_flags) for path in serial_sources)]
+    rank = kernel_cache.priority(target)
     objects = kernel_cache.in_parallel(
         [
-            functools.partial(_object, compiler, job_flags, path, directory, isa, host)
+            functools.partial(_object, compiler, job_flags, path, directory, isa, host, rank)
             for path, job_flags in jobs
         ]
     )
+    link = [compiler, *flags, *map(str, objects)]
     kernel_cache.publish(
         directory,
         target,
-        lambda out: kernel_cache.run_compiler(
-            [compiler, *flags, *map(str, objects), "-o", out, "-lm"]
-        ),
+        lambda out: kernel_cache.run_compiler([*link, "-o", out, "-lm"], rank),
     )
 
 
 def _object(
-    compiler: str, flags: list[str], source: Path, directory: Path, isa: str, host: str
+    compiler: str,
+    flags: list[str],
+    source: Path,
+    directory: Path,
+    isa: str,
+    host: str,
+    rank: int,
 ) -> Path:
     """The object of ``source`` built with ``flags`` (compiled now if not cached)."""
     text = _source_bytes(source)
@@ -249,7 +256,9 @@ def _object(
         kernel_cache.publish(
             directory,
             target,
-            lambda out: kernel_cache.run_compiler([compiler, *flags, "-c", str(source), "-o", out]),
+            lambda out: kernel_cache.run_compiler(
+                [compiler, *flags, "-c", str(source), "-o", out], rank
+            ),
         )
     return target
 
@@ -258,16 +267,19 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
     """Run each build (a function compiling one library into the cache) in its own
     thread, so a first start compiles while the weights load instead of one library
     after another when each is first needed; ``build`` waits for a build in progress.
-    A failure is left for the foreground ``load()`` to report."""
+    Their compilers queue for ``kernel_cache.compile_slots()`` slots in the order given
+    (what is needed first, first). A failure is left for the foreground ``load()`` to
+    report."""
 
-    def run(job: Callable[[], Path]) -> None:
+    def run(job: Callable[[], Path], rank: int) -> None:
+        kernel_cache.asking_as(rank)  # compiled in the order given, whichever thread runs first
         try:
             job()
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             logger.debug("background kernel build failed: %s", exc)
 
-    for job in builds:
-        threading.Thread(target=run, args=(job,), daemon=True, name="enginecore-cc").start()
+    for job, rank in zip(builds, kernel_cache.ranks(len(builds)), strict=True):
+        threading.Thread(target=run, args=(job, rank), daemon=True, name="enginecore-cc").start()
 
 
 _Library = TypeVar("_Library")

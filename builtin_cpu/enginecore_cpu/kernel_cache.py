@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import heapq
+import itertools
 import os
 import shutil
 import signal
@@ -62,8 +64,7 @@ def publish(cache: Path, target: Path, make: Callable[[str], None]) -> None:
 
 def compile_slots() -> int:
     """How many compilers run at once: half the cores this process may use, at least
-    one; a first start loads the weights on the others. Builds queue for a slot in the
-    order they asked (a GGUF's first load asks for what its weights need first)."""
+    one; a first start loads the weights on the others."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -71,13 +72,67 @@ def compile_slots() -> int:
     return max(1, cores // 2)
 
 
-_slots = threading.BoundedSemaphore(compile_slots())
+class Slots:
+    """Compiler slots handed out by priority (lowest first, then first come): a library
+    asked for first has its objects and its link compiled before a later one's, so
+    that what a load needs first lands first instead of after everything queued."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
+        self._arrivals = itertools.count()
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def held(self, priority: int) -> Iterator[None]:
+        with self._changed:
+            ticket = (priority, next(self._arrivals))
+            heapq.heappush(self._waiting, ticket)
+            while not (self._free and self._waiting[0] == ticket):
+                self._changed.wait()
+            heapq.heappop(self._waiting)
+            self._free -= 1
+            self._changed.notify_all()  # the next in line may take another free slot
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free += 1
+                self._changed.notify_all()
 
 
-def run_compiler(command: list[str]) -> None:
-    """Run one compiler command (when a slot is free); it stops with this process.
-    Raises ``RuntimeError`` with the compiler's output on failure."""
-    with _slots:
+_slots = Slots(compile_slots())
+_priorities: dict[Path, int] = {}
+_requests = itertools.count()
+
+
+_asked = threading.local()  # .rank: this thread's place, given before it started
+
+
+def ranks(count: int) -> list[int]:
+    """Places in the compilers' queue for ``count`` builds about to start on threads of
+    their own, in this order (each thread passes its own to ``asking_as``)."""
+    with _guard:
+        return [next(_requests) for _ in range(count)]
+
+
+def asking_as(rank: int) -> None:
+    """The builds this thread asks for take ``rank`` (from ``ranks``)."""
+    _asked.rank = rank
+
+
+def priority(library: Path) -> int:
+    """The library's place in the compilers' queue: the order it was first asked for
+    (the rank its thread was given, where it was given one)."""
+    with _guard:
+        rank = getattr(_asked, "rank", None)
+        return _priorities.setdefault(library, next(_requests) if rank is None else rank)
+
+
+def run_compiler(command: list[str], priority: int = 0) -> None:
+    """Run one compiler command when a slot is free (by ``priority``); it stops with
+    this process. Raises ``RuntimeError`` with the compiler's output on failure."""
+    with _slots.held(priority):
         done = subprocess.run(
             command,
             capture_output=True,
