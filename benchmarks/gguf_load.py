@@ -3,7 +3,8 @@ first token, and resident memory, with the prepared-weight cache cold and warm.
 
 Each run is a fresh process (``LLM(..., multiprocessing=False)``, so one process holds
 the engine and its memory is the engine's). ``first``: this file's prepared weights
-removed from the cache beforehand; ``warm``: prepared already. The first request is a
+removed from the cache beforehand (with ``--new-cache`` the whole cache, so that the C
+kernels are compiled too); ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready; a second
 and a third follow, each with other tokens (the same prompt again would be served from the
 prefix cache).
@@ -14,7 +15,7 @@ both see the same machine load. Each tree keeps its kernels and prepared weights
 cache of its own (``TREE/.enginecore-cache``), so that neither run finds what another
 checkout, or the other tree, prepared.
 
-    python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR]
+    python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR] [--new-cache]
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=2, help="warm runs of each tree")
     parser.add_argument("--baseline-src", type=pathlib.Path)
+    parser.add_argument(
+        "--new-cache",
+        action="store_true",
+        help="the first run starts from an empty cache (the C kernels compiled too)",
+    )
     args = parser.parse_args()
     model = str(pathlib.Path(args.model).resolve())
     trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
@@ -95,9 +101,8 @@ def main() -> None:
     for label in ["first"] + ["warm"] * args.rounds:
         for name, tree in trees:
             if label == "first":
-                shutil.rmtree(
-                    tree_cache(tree or THIS_TREE) / "prepared_weights", ignore_errors=True
-                )
+                cache = tree_cache(tree or THIS_TREE)
+                shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 
