@@ -145,7 +145,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return make()
         # Still compiling (started while the weights loaded): serve with the layers
         # meanwhile instead of holding up the first token.
-        cpu_kernels.build_in_background(decode_step.build)
+        cpu_kernels.build_in_background(decode_step.build, idle=True)
         return DeferredDecodeStep(make, library.exists)
 
     def decodes_mirrored(self) -> bool:

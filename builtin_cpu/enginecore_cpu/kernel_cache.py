@@ -109,11 +109,18 @@ _requests = itertools.count()
 _asked = threading.local()  # .rank: this thread's place, given before it started
 
 
-def ranks(count: int) -> list[int]:
+# Ranks from here on are idle builds: nothing waits for them (the fused decode step's,
+# the layers serving meanwhile); they queue after every other build and their compilers
+# run at a lower CPU priority, so that the engine's own work goes first.
+IDLE = 1 << 40
+_IDLE_NICENESS = 10
+
+
+def ranks(count: int, idle: bool = False) -> list[int]:
     """Places in the compilers' queue for ``count`` builds about to start on threads of
     their own, in this order (each thread passes its own to ``asking_as``)."""
     with _guard:
-        return [next(_requests) for _ in range(count)]
+        return [next(_requests) + (IDLE if idle else 0) for _ in range(count)]
 
 
 def asking_as(rank: int) -> None:
@@ -138,7 +145,7 @@ def run_compiler(command: list[str], priority: int = 0) -> None:
             capture_output=True,
             text=True,
             timeout=300,
-            preexec_fn=_stop_with_parent if _PRCTL is not None else None,
+            preexec_fn=_idle_child if priority >= IDLE else _child,
         )
     if done.returncode != 0:
         raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
@@ -234,7 +241,12 @@ _PRCTL = _find_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _stop_with_parent() -> None:
+def _child() -> None:
     # In the child between fork and exec: SIGTERM lets gcc remove its own temporaries.
-    assert _PRCTL is not None
-    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _idle_child() -> None:
+    _child()
+    os.nice(_IDLE_NICENESS)

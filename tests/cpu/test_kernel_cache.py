@@ -249,3 +249,35 @@ def test_compilers_queue_for_the_slots(tmp_path, monkeypatch):
 
     assert most_at_once(1) == 1  # one after another
     assert most_at_once(3) > 1  # side by side where there are slots
+
+
+def test_an_idle_build_compiles_at_a_lower_cpu_priority(tmp_path, monkeypatch):
+    """A build nothing waits for (the fused decode step's, started once the engine is up)
+    runs its compilers niced, so that they take the CPU the engine leaves."""
+    log = tmp_path / "niceness"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, sys\n"
+        f"open({str(log)!r}, 'a').write(f'{{os.nice(0)}}\\n')\n"
+        "os.execvp('gcc', ['gcc', *sys.argv[1:]])\n"
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    done = []
+
+    def build(stem: str) -> Path:
+        source = tmp_path / f"{stem}.c"
+        source.write_text(f"int ec_{stem}(void) {{ return 7; }}\n")
+        path = cpu_kernels.build(tmp_path / "cache", source=source, stem=stem)
+        done.append(path)
+        return path
+
+    cpu_kernels.build_in_background(lambda: build("plain"))
+    cpu_kernels.build_in_background(lambda: build("idle"), idle=True)
+    deadline = time.monotonic() + 120
+    while len(done) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ours = os.nice(0)
+    # each: one compile and one link; the idle build's 10 higher
+    assert sorted(int(n) for n in log.read_text().split()) == [ours, ours] + [ours + 10] * 2
