@@ -65,7 +65,8 @@ def test_the_first_token_does_not_wait_for_the_fused_step(tiny_llama, tmp_path, 
         start.join(timeout=180)
         assert engine, "the engine waited for the held decode-step library"
         llm = engine[0]
-        assert held.exists()  # the library's compile was under way meanwhile
+        library = decode_step.build(only_path=True)
+        assert not library.exists()  # the engine is up without it
 
         def fused_steps() -> int:
             return int(llm.collective_rpc(lambda w: w.model_runner.fused_decode.steps)[0])
@@ -73,9 +74,11 @@ def test_the_first_token_does_not_wait_for_the_fused_step(tiny_llama, tmp_path, 
         layered = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert fused_steps() == 0  # every step served by the layers
 
-        hold.unlink()
-        library = decode_step.build(only_path=True)
         deadline = time.monotonic() + 300
+        while not held.exists():  # its build was started, and has reached decode_step.c
+            assert time.monotonic() < deadline, "the decode-step library was never built"
+            time.sleep(0.2)
+        hold.unlink()
         while not library.exists():
             assert time.monotonic() < deadline, "the decode-step library never landed"
             time.sleep(0.2)
