@@ -29,7 +29,7 @@ from enginecore.layers.torch_attention import (
     TorchAttentionMetadata,
 )
 from enginecore.layers.torch_attention import write_kv as torch_write_kv
-from enginecore_cpu import cpu_kernels, panel_gemm
+from enginecore_cpu import cpu_kernels, kernel_cache, panel_gemm
 from enginecore_cpu.decode_mirror import DecodeMirror
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
@@ -145,7 +145,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return make()
         # Still compiling (started while the weights loaded): serve with the layers
         # meanwhile instead of holding up the first token.
-        cpu_kernels.build_in_background(decode_step.build, idle=True)
+        cpu_kernels.build_in_background(kernel_cache.idle(decode_step.build))
         return DeferredDecodeStep(make, library.exists)
 
     def decodes_mirrored(self) -> bool:

@@ -263,14 +263,13 @@ def _object(
     return target
 
 
-def build_in_background(*builds: Callable[[], Path], idle: bool = False) -> None:
+def build_in_background(*builds: Callable[[], Path]) -> None:
     """Run each build (a function compiling one library into the cache) in its own
     thread, so a first start compiles while the weights load instead of one library
     after another when each is first needed; ``build`` waits for a build in progress.
     Their compilers queue for ``kernel_cache.compile_slots()`` slots in the order given
-    (what is needed first, first); ``idle`` builds, which nothing waits for, queue after
-    all others at a lower CPU priority. A failure is left for the foreground ``load()``
-    to report."""
+    (what is needed first, first; ``kernel_cache.idle`` builds after all others, niced).
+    A failure is left for the foreground ``load()`` to report."""
 
     def run(job: Callable[[], Path], rank: int) -> None:
         kernel_cache.asking_as(rank)  # compiled in the order given, whichever thread runs first
@@ -279,7 +278,7 @@ def build_in_background(*builds: Callable[[], Path], idle: bool = False) -> None
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             logger.debug("background kernel build failed: %s", exc)
 
-    for job, rank in zip(builds, kernel_cache.ranks(len(builds), idle), strict=True):
+    for job, rank in zip(builds, kernel_cache.ranks(len(builds)), strict=True):
         threading.Thread(target=run, args=(job, rank), daemon=True, name="enginecore-cc").start()
 
 

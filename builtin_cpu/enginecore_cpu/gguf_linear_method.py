@@ -53,8 +53,7 @@ from enginecore.layers.linear import (
 )
 from enginecore.layers.quantized import INT4_BLOCKS, QuantizedTensor
 from enginecore.layers.weights import set_weight_attrs
-from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernels
-from enginecore_cpu.kernel_cache import compile_slots
+from enginecore_cpu import cpu_kernels, kernel_cache, kquant_kernels, quant_gemm, quant_kernels
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
 from enginecore_cpu.prepared_weights import PreparedWeights
 
@@ -113,11 +112,11 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # kernels as the weights are processed, the first forward's, prefill's, decode's.
             builds[:0] = [quant_kernels.build, kquant_kernels.build]
             builds.append(quant_gemm.build)
-            # The fused step's library (the longest build) compiles beside the weights'
-            # load only where cores are spare; with one compiler slot it waits until the
-            # engine is up (the ``cpu`` backend starts it; the layers serve meanwhile).
-            if not cpu_kernels.switched_off(decode_step.ENV_SWITCH) and compile_slots() > 1:
-                builds.append(decode_step.build)
+            # The fused step's library comes last and niced: nothing waits for it (the
+            # layers serve until it lands), and it yields the CPU to the load and the first
+            # requests.
+            if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
+                builds.append(kernel_cache.idle(decode_step.build))
         return builds
 
     def create_weights(

@@ -123,6 +123,17 @@ def ranks(count: int, idle: bool = False) -> list[int]:
         return [next(_requests) + (IDLE if idle else 0) for _ in range(count)]
 
 
+def idle(build: Callable[[], _Result]) -> Callable[[], _Result]:
+    """``build`` as an idle build: queued after all others, its compilers niced (for a
+    library nothing waits for; a build already queued keeps its place)."""
+
+    def run() -> _Result:
+        asking_as(ranks(1, idle=True)[0])
+        return build()
+
+    return run
+
+
 def asking_as(rank: int) -> None:
     """The builds this thread asks for take ``rank`` (from ``ranks``)."""
     _asked.rank = rank

@@ -273,7 +273,9 @@ def test_an_idle_build_compiles_at_a_lower_cpu_priority(tmp_path, monkeypatch):
         return path
 
     cpu_kernels.build_in_background(lambda: build("plain"))
-    cpu_kernels.build_in_background(lambda: build("idle"), idle=True)
+    from enginecore_cpu import kernel_cache
+
+    cpu_kernels.build_in_background(kernel_cache.idle(lambda: build("idle")))
     deadline = time.monotonic() + 120
     while len(done) < 2:
         assert time.monotonic() < deadline
