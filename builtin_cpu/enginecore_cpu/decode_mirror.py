@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -185,13 +187,19 @@ class DecodeMirror:
         """
         self.step = None
         # A row is reusable only if it holds exactly the request's context so far (a
-        # request not decoding this step has no length here: -1 matches no row).
-        lens_of = context_lens.get
-        row_len = self.row_len
-        stale = [r for r, rid in enumerate(self.rows) if lens_of(rid, -1) != row_len[r]]
-        self._remove_rows(stale)
-        row_of = self.row_of
-        newcomers = [rid for rid in decodes if rid not in row_of]
+        # request not decoding this step has no length here: -1 matches no row). The
+        # passes over the rows run in C (map over the dicts): a Python loop per row would
+        # be most of this plan's cost at hundreds of rows.
+        held = np.fromiter(
+            map(context_lens.get, self.rows, repeat(-1)), np.int64, count=len(self.rows)
+        )
+        self._remove_rows(np.flatnonzero(held != np.asarray(self.row_len, np.int64)).tolist())
+        # Every row left is a decode of this step: as many rows as decodes, no newcomer.
+        newcomers = (
+            list(filterfalse(self.row_of.__contains__, decodes))
+            if len(self.rows) != len(decodes)
+            else []
+        )
         n = len(self.rows) + len(newcomers)
         kv_len = max(context_lens.values()) + 1
         if not self._ensure(n, kv_len):
@@ -201,10 +209,15 @@ class DecodeMirror:
         if newcomers:
             self._fill(newcomers, context_lens, block_ids, kv_caches)
         order = list(self.rows)
-        lens = [context_lens[rid] for rid in order]
-        self.row_len = [c + 1 for c in lens]  # after this step's token is written
-        ctx = torch.tensor(lens, dtype=torch.int64).to(self.device)
-        self.step = MirrorStep(num_rows=n, write_pos=ctx, kv_len=kv_len, lens=ctx + 1)
+        lens = np.fromiter(map(context_lens.__getitem__, order), np.int64, count=n)
+        after = lens + 1  # each row's length after this step's token is written
+        self.row_len = after.tolist()
+        self.step = MirrorStep(
+            num_rows=n,
+            write_pos=torch.from_numpy(lens).to(self.device),
+            kv_len=kv_len,
+            lens=torch.from_numpy(after).to(self.device),
+        )
         return order
 
     def _remove_rows(self, rows: list[int]) -> None:
