@@ -257,16 +257,31 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
         threading.Thread(target=run, args=(job,), daemon=True, name="enginecore-cc").start()
 
 
+# Up to this many float32 elements a norm, rotary, activation, K/V write or argmax keeps
+# the interpreter lock through the call (a few microseconds of work). Releasing it for
+# so short a call hands it to any other Python thread that waits (the engine's, the
+# frontend's under async scheduling), and the step then waits for that thread's whole
+# run of Python before it can go on: many such hand-offs per forward.
+HELD_MAX_ELEMENTS = 1 << 18
+
+
 class CpuKernels:
     """The loaded library, called with tensors (float32, CPU, innermost dim contiguous)."""
 
     def __init__(self, path: Path) -> None:
         # torch is imported (and its libgomp loaded) first, so the library binds to the
         # same OpenMP runtime instead of starting a second thread pool.
-        self.lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            getattr(self.lib, name).argtypes = argtypes
-            getattr(self.lib, name).restype = _I if name in _RETURN_INT else None
+        self.lib = ctypes.CDLL(str(path))  # calls release the interpreter lock
+        self.held = ctypes.PyDLL(str(path))  # the same functions, called holding it
+        for lib in (self.lib, self.held):
+            for name, argtypes in _SIGNATURES.items():
+                getattr(lib, name).argtypes = argtypes
+                getattr(lib, name).restype = _I if name in _RETURN_INT else None
+
+    def _for(self, elements: int) -> ctypes.CDLL:
+        """The handle to call a kernel over ``elements`` values through (see
+        ``HELD_MAX_ELEMENTS``)."""
+        return self.held if elements <= HELD_MAX_ELEMENTS else self.lib
 
     def rms_norm(
         self,
@@ -282,7 +297,7 @@ class CpuKernels:
         res_ptr, res_stride = (
             (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
         )
-        self.lib.ec_rms_norm(
+        self._for(rows * dim).ec_rms_norm(
             x.data_ptr(),
             x.stride(0),
             res_ptr,
@@ -302,7 +317,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Rotate ``x`` [T, H, D] in place at ``positions`` (int64)."""
         tokens, heads, dim = x.shape
-        status = self.lib.ec_rotary(
+        status = self._for(tokens * heads * dim).ec_rotary(
             x.data_ptr(),
             x.stride(0),
             tokens,
@@ -321,7 +336,7 @@ class CpuKernels:
         """``silu(gate) * up`` for ``x`` = [gate | up], contiguous [T, 2I]."""
         tokens, width = x.shape
         out = torch.empty((tokens, width // 2), dtype=torch.float32)
-        self.lib.ec_silu_and_mul(
+        self._for(tokens * width).ec_silu_and_mul(
             x.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads()
         )
         return out
@@ -333,7 +348,7 @@ class CpuKernels:
         tokens, h, d = key.shape
         half = kv_cache[0].numel()
         base = kv_cache.data_ptr()
-        status = self.lib.ec_write_kv(
+        status = self._for(2 * tokens * h * d).ec_write_kv(
             base,
             base + half * 4,
             key.data_ptr(),
@@ -355,7 +370,7 @@ class CpuKernels:
         [2, rows, H_kv, cap, D] at position ``lens - 1`` of each row."""
         n, h, d = key.shape
         base = layer.data_ptr()
-        status = self.lib.ec_mirror_append(
+        status = self._for(2 * n * h * d).ec_mirror_append(
             base,
             base + layer[0].numel() * 4,
             key.data_ptr(),
@@ -412,7 +427,7 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         if cols == 0:
             raise ValueError("argmax of an empty row")
-        self.lib.ec_argmax_rows(
+        self._for(rows * cols).ec_argmax_rows(
             x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads()
         )
         return out
