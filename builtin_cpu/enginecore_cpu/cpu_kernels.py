@@ -257,31 +257,16 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
         threading.Thread(target=run, args=(job,), daemon=True, name="enginecore-cc").start()
 
 
-# Up to this many float32 elements a norm, rotary, activation, K/V write or argmax keeps
-# the interpreter lock through the call (a few microseconds of work). Releasing it for
-# so short a call hands it to any other Python thread that waits (the engine's, the
-# frontend's under async scheduling), and the step then waits for that thread's whole
-# run of Python before it can go on: many such hand-offs per forward.
-HELD_MAX_ELEMENTS = 1 << 18
-
-
 class CpuKernels:
     """The loaded library, called with tensors (float32, CPU, innermost dim contiguous)."""
 
     def __init__(self, path: Path) -> None:
         # torch is imported (and its libgomp loaded) first, so the library binds to the
         # same OpenMP runtime instead of starting a second thread pool.
-        self.lib = ctypes.CDLL(str(path))  # calls release the interpreter lock
-        self.held = ctypes.PyDLL(str(path))  # the same functions, called holding it
-        for lib in (self.lib, self.held):
-            for name, argtypes in _SIGNATURES.items():
-                getattr(lib, name).argtypes = argtypes
-                getattr(lib, name).restype = _I if name in _RETURN_INT else None
-
-    def _for(self, elements: int) -> ctypes.CDLL:
-        """The handle to call a kernel over ``elements`` values through (see
-        ``HELD_MAX_ELEMENTS``)."""
-        return self.held if elements <= HELD_MAX_ELEMENTS else self.lib
+        self.lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            getattr(self.lib, name).argtypes = argtypes
+            getattr(self.lib, name).restype = _I if name in _RETURN_INT else None
 
     def rms_norm(
         self,
@@ -297,7 +282,7 @@ class CpuKernels:
         res_ptr, res_stride = (
             (0, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
         )
-        self._for(rows * dim).ec_rms_norm(
+        self.lib.ec_rms_norm(
             x.data_ptr(),
             x.stride(0),
             res_ptr,
@@ -317,7 +302,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Rotate ``x`` [T, H, D] in place at ``positions`` (int64)."""
         tokens, heads, dim = x.shape
-        status = self._for(tokens * heads * dim).ec_rotary(
+        status = self.lib.ec_rotary(
             x.data_ptr(),
             x.stride(0),
             tokens,
@@ -336,7 +321,7 @@ class CpuKernels:
         """``silu(gate) * up`` for ``x`` = [gate | up], contiguous [T, 2I]."""
         tokens, width = x.shape
         out = torch.empty((tokens, width // 2), dtype=torch.float32)
-        self._for(tokens * width).ec_silu_and_mul(
+        self.lib.ec_silu_and_mul(
             x.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads()
         )
         return out
@@ -348,7 +333,7 @@ class CpuKernels:
         tokens, h, d = key.shape
         half = kv_cache[0].numel()
         base = kv_cache.data_ptr()
-        status = self._for(2 * tokens * h * d).ec_write_kv(
+        status = self.lib.ec_write_kv(
             base,
             base + half * 4,
             key.data_ptr(),
@@ -370,7 +355,7 @@ class CpuKernels:
         [2, rows, H_kv, cap, D] at position ``lens - 1`` of each row."""
         n, h, d = key.shape
         base = layer.data_ptr()
-        status = self._for(2 * n * h * d).ec_mirror_append(
+        status = self.lib.ec_mirror_append(
             base,
             base + layer[0].numel() * 4,
             key.data_ptr(),
@@ -427,7 +412,7 @@ class CpuKernels:
         out = torch.empty(rows, dtype=torch.int64)
         if cols == 0:
             raise ValueError("argmax of an empty row")
-        self._for(rows * cols).ec_argmax_rows(
+        self.lib.ec_argmax_rows(
             x.data_ptr(), rows, cols, x.stride(0), out.data_ptr(), torch.get_num_threads()
         )
         return out
