@@ -177,6 +177,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.block_tables = [BlockTable()]
         self.block_table = self.block_tables[0]
         self._step: StepState | None = None
+        # A step of decodes only (one token per request, no drafts) takes its inputs in
+        # a few array operations; the switch and the count are for the tests that compare
+        # it with the general path and check it is taken.
+        self.decode_shortcut = True
+        self.decode_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
         # The running requests' rows (persistent_batch.py), made once the vocabulary is
@@ -603,16 +608,19 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if self.drafter is None:
             set_each(states, "num_computed_tokens", cached.num_computed_tokens)
         # New blocks and tokens, only for the requests that have some (most steps: none).
+        # Each list may be shorter than the requests (or empty): zip stops at its end.
         plain_from = 0
         if len(tables) > 1:
             new_group_ids = cached.new_group_block_ids
             plain_from = len(new_group_ids)
-            for i in compress(range(plain_from), new_group_ids):
-                for table, ids in zip(tables, new_group_ids[i], strict=True):
-                    table.append(req_ids[i], ids)
-        new_ids = cached.new_block_ids
-        for i in compress(range(plain_from, len(new_ids)), new_ids[plain_from:]):
-            self.block_table.append(req_ids[i], new_ids[i])
+            for req_id, by_group in compress(
+                zip(req_ids, new_group_ids, strict=False), new_group_ids
+            ):
+                for table, ids in zip(tables, by_group or (), strict=True):
+                    table.append(req_id, ids)
+        new_ids = cached.new_block_ids[plain_from:]
+        for req_id, appended in compress(zip(req_ids[plain_from:], new_ids, strict=False), new_ids):
+            self.block_table.append(req_id, appended or ())
         new_tokens = cached.new_token_ids
         for i in compress(range(len(new_tokens)), new_tokens):
             # Only when this rank does not sample (pipeline parallelism).
@@ -652,7 +660,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         drafts_of: dict[str, list[int]] = {}
         if so.scheduled_spec_decode_tokens:
             scheduled, drafts_of = self._drafts_to_verify(so)
-        all_decodes = sum(scheduled.values()) == len(scheduled)
+        counts = scheduled.values()
+        all_decodes = self.decode_shortcut and sum(counts) == len(counts) and max(counts) == 1
         if all_decodes:  # the steady state: no per-request pass to split the batch
             decodes, prefills = list(scheduled), []
         else:
@@ -675,6 +684,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         states = lookup(self.requests, order)
         starts = ints_of(states, "num_computed_tokens")
         if all_decodes:  # one token per request, at its context length
+            self.decode_shortcut_steps += 1
             q_lens = np.ones(num_reqs, dtype=np.int64)
             total = num_reqs
             req_of_token = np.arange(num_reqs)
