@@ -103,6 +103,9 @@ class DecodeMirror:
         self.rows: list[str] = []  # request id of each row
         self.row_of: dict[str, int] = {}
         self.row_len: list[int] = []  # positions valid in each row
+        # ``row_len`` as an array, as the last plan left it (None once rows changed since):
+        # converting the list each step costs more than the rest of a steady plan.
+        self._row_len_array: np.ndarray | None = None
         self.step: MirrorStep | None = None
 
     # --- capacity -----------------------------------------------------------------------
@@ -167,6 +170,7 @@ class DecodeMirror:
     def reset(self) -> None:
         self.layers = []
         self.rows, self.row_of, self.row_len = [], {}, []
+        self._row_len_array = None
         self.step = None
 
     # --- per step -----------------------------------------------------------------------
@@ -193,7 +197,11 @@ class DecodeMirror:
         held = np.fromiter(
             map(context_lens.get, self.rows, repeat(-1)), np.int64, count=len(self.rows)
         )
-        self._remove_rows(np.flatnonzero(held != np.asarray(self.row_len, np.int64)).tolist())
+        row_len = self._row_len_array
+        if row_len is None:
+            row_len = np.asarray(self.row_len, np.int64)
+        stale = np.flatnonzero(held != row_len).tolist()
+        self._remove_rows(stale)
         # Every row left is a decode of this step: as many rows as decodes, no newcomer.
         newcomers = (
             list(filterfalse(self.row_of.__contains__, decodes))
@@ -209,9 +217,13 @@ class DecodeMirror:
         if newcomers:
             self._fill(newcomers, context_lens, block_ids, kv_caches)
         order = list(self.rows)
-        lens = np.fromiter(map(context_lens.__getitem__, order), np.int64, count=n)
+        if stale or newcomers:
+            lens = np.fromiter(map(context_lens.__getitem__, order), np.int64, count=n)
+        else:  # the same rows as the last step: their lengths were read above
+            lens = held
         after = lens + 1  # each row's length after this step's token is written
         self.row_len = after.tolist()
+        self._row_len_array = after
         self.step = MirrorStep(
             num_rows=n,
             write_pos=torch.from_numpy(lens).to(self.device),
@@ -223,6 +235,7 @@ class DecodeMirror:
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
             return
+        self._row_len_array = None
         moves = []  # (hole, moved row, its length)
         for r in sorted(rows, reverse=True):
             last = len(self.rows) - 1
@@ -247,6 +260,7 @@ class DecodeMirror:
         block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> None:
+        self._row_len_array = None
         start = len(self.rows)
         for rid in newcomers:
             self.row_of[rid] = len(self.rows)
