@@ -486,7 +486,12 @@ class OutputProcessor:
                 general.append(EngineCoreOutput(request_id=request_id, new_token_ids=[token_id]))
                 continue
             gaps.append(now - last_token)
-            state.apply_token(token_id, now)
+            # RequestState.apply_token, inlined: this loop runs once per request per step.
+            detokenizer = state.detokenizer
+            if detokenizer is not None:
+                detokenizer.add_token(token_id)
+            state.times.last_token = now
+            state.token_ids.append(token_id)
             if state.streams_every_step:
                 request_output = self._make_output(state, False)
                 if request_output is not None:
