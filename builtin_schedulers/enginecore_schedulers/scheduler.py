@@ -157,10 +157,7 @@ class DefaultScheduler(Scheduler):
         # Running requests scheduled through the batch-wide decode check of schedule()
         # rather than one allocate_slots each (read by tests that the path is taken).
         self.num_fast_decodes = 0
-        # Set by an engine whose frontend reads plain rows as columns
-        # (``EngineCoreOutputs.plain_req_ids``): update_from_output then sends each
-        # request's plain step there instead of as an EngineCoreOutput; counted here.
-        self.plain_output_columns = False
+        # Plain steps update_from_output reported as columns (``plain_output_columns``).
         self.num_plain_outputs = 0
         self._num_preemptions_since_stats = 0
         self._last_num_scheduled_tokens = 0

@@ -535,8 +535,7 @@ class EngineCore:
         (``EngineCoreOutputs.plain_req_ids``) where it can make them: for a frontend that
         reads them (``OutputProcessor.process_plain``). Unasked, every output is an
         ``EngineCoreOutput``, as a caller of :meth:`step` reading ``outputs`` expects."""
-        if hasattr(self.scheduler, "plain_output_columns"):
-            self.scheduler.plain_output_columns = True
+        self.scheduler.plain_output_columns = True
 
     def step_fn(self) -> Callable[[], StepResult]:
         return self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
