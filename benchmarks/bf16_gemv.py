@@ -151,19 +151,22 @@ def prefill(repeats: int, tokens: int = 512) -> None:
         prompt = [{"prompt_token_ids": [1 + i % 500 for i in range(tokens)]}]
         kernel = bf16_gemv.load()
         row_major = LLM(str(path), dtype="bfloat16", multiprocessing=False, prefix_caching=False)
-        bf16_gemv._loaded, bf16_gemv._failed = None, True  # loads as without the kernel
+        bf16_gemv.library.loaded, bf16_gemv.library.failed = (
+            None,
+            True,
+        )  # loads as without the kernel
         input_major = LLM(str(path), dtype="bfloat16", multiprocessing=False, prefix_caching=False)
         runs = {"row-major": (row_major, kernel), "input-major": (input_major, None)}
         best = dict.fromkeys(runs, float("inf"))
         try:
             for _ in range(repeats):
                 for name, (llm, loaded) in runs.items():
-                    bf16_gemv._loaded, bf16_gemv._failed = loaded, loaded is None
+                    bf16_gemv.library.loaded, bf16_gemv.library.failed = loaded, loaded is None
                     start = time.perf_counter()
                     llm.generate(prompt, params, use_tqdm=False)
                     best[name] = min(best[name], time.perf_counter() - start)
         finally:
-            bf16_gemv._loaded, bf16_gemv._failed = kernel, kernel is None
+            bf16_gemv.library.loaded, bf16_gemv.library.failed = kernel, kernel is None
             row_major.shutdown()
             input_major.shutdown()
     figures = ", ".join(f"weights {name} {t * 1e3:.0f} ms" for name, t in best.items())

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from ctypes import c_int, c_int64, c_void_p
 from pathlib import Path
 
@@ -71,30 +69,23 @@ class Bf16Gemv:
         return out.view(*x.shape[:-1], n)
 
 
-_lock = threading.Lock()
-_loaded: Bf16Gemv | None = None
-_failed = False
+def _build_and_load() -> Bf16Gemv:
+    path = cpu_kernels.build(
+        source=SOURCE, stem="enginecore_bf16_gemv", extra_isa=("bf16", ["-mavx512bf16"])
+    )
+    return Bf16Gemv(path)
+
+
+library: cpu_kernels.BuildOnce[Bf16Gemv] = cpu_kernels.BuildOnce(
+    _build_and_load,
+    warning="bfloat16 CPU kernel unavailable",
+    switch=ENV_SWITCH,
+    log=logger,
+    available=lambda: cpu_has_avx512_bf16(),  # looked up per call: tests replace it
+)
 
 
 def load() -> Bf16Gemv | None:
     """The kernel, built on first call; None without AVX512-BF16, when switched off or
     when it cannot be built (logged once)."""
-    global _loaded, _failed
-    if _loaded is not None or _failed:
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            if cpu_kernels.switched_off(ENV_SWITCH) or not cpu_has_avx512_bf16():
-                _failed = True
-                return None
-            try:
-                path = cpu_kernels.build(
-                    source=SOURCE,
-                    stem="enginecore_bf16_gemv",
-                    extra_isa=("bf16", ["-mavx512bf16"]),
-                )
-                _loaded = Bf16Gemv(path)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.warning("bfloat16 CPU kernel unavailable: %s", exc)
-    return _loaded
+    return library()

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
@@ -255,6 +256,49 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
 
     for job in builds:
         threading.Thread(target=run, args=(job,), daemon=True, name="enginecore-cc").start()
+
+
+_Library = TypeVar("_Library")
+
+
+class BuildOnce(Generic[_Library]):
+    """A kernel library made once per process, on first call, under a lock (threads
+    asking meanwhile wait for the one build). The call returns the library, or None when
+    ``switch`` is off, ``available()`` says this CPU cannot run it, or ``make`` failed
+    (logged once to ``log`` as ``"<warning>: <error>"``); a failure is not
+    retried. ``loaded`` and ``failed`` hold the outcome."""
+
+    def __init__(
+        self,
+        make: Callable[[], _Library],
+        *,
+        warning: str,
+        switch: str,
+        log: logging.Logger,
+        available: Callable[[], bool] | None = None,
+    ) -> None:
+        self._make, self._warning, self._switch, self._log = make, warning, switch, log
+        self._available = available
+        self._lock = threading.Lock()
+        self.loaded: _Library | None = None
+        self.failed = False
+
+    def __call__(self) -> _Library | None:
+        if self.loaded is not None or self.failed:
+            return self.loaded
+        with self._lock:
+            if self.loaded is None and not self.failed:
+                if switched_off(self._switch) or (
+                    self._available is not None and not self._available()
+                ):
+                    self.failed = True
+                    return None
+                try:
+                    self.loaded = self._make()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    self.failed = True
+                    self._log.warning("%s: %s", self._warning, exc)
+        return self.loaded
 
 
 class CpuKernels:
@@ -549,27 +593,18 @@ class CpuKernels:
         return out
 
 
-_lock = threading.Lock()
-_loaded: CpuKernels | None = None
-_failed = False
+library: BuildOnce[CpuKernels] = BuildOnce(
+    lambda: CpuKernels(build()),
+    warning="fused CPU kernels unavailable, using torch ops",
+    switch=ENV_SWITCH,
+    log=logger,
+)
 
 
 def load() -> CpuKernels | None:
-    """The kernels, built on first call; None when disabled or unbuildable."""
-    global _loaded, _failed
-    if _loaded is not None or _failed:
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            if switched_off(ENV_SWITCH):
-                _failed = True
-                return None
-            try:
-                _loaded = CpuKernels(build())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.warning("fused CPU kernels unavailable, using torch ops: %s", exc)
-    return _loaded
+    """The kernels, built on first call; None when disabled or unbuildable (the model
+    then runs the torch ops)."""
+    return library()
 
 
 def heads_contiguous(*tensors: torch.Tensor) -> bool:
@@ -609,4 +644,4 @@ def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
     for x in tensors:
         if x.dtype is not torch.float32 or x.device.type != "cpu":
             return None
-    return _loaded if _loaded is not None else load()
+    return library.loaded if library.loaded is not None else library()

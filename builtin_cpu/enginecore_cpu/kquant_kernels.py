@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from ctypes import c_int64, c_void_p
 from pathlib import Path
 
@@ -56,28 +54,22 @@ class KQuantKernels:
         return out
 
 
-_lock = threading.Lock()
-_loaded: KQuantKernels | None = None
-_failed = False
+def build() -> Path:
+    """Compile the library into the cache (if not there yet); its path."""
+    return cpu_kernels.build(
+        source=SOURCE, stem="enginecore_kquant_kernels", extra_isa=quant_kernels._vnni()
+    )
+
+
+library: cpu_kernels.BuildOnce[KQuantKernels] = cpu_kernels.BuildOnce(
+    lambda: KQuantKernels(build()),
+    warning="K-quant CPU kernels unavailable",
+    switch=quant_kernels.ENV_SWITCH,
+    log=logger,
+)
 
 
 def load() -> KQuantKernels | None:
     """The kernels, built on first call; None when switched off (the switch of
     ``quant_kernels``) or unbuildable."""
-    global _loaded, _failed
-    if _loaded is not None or _failed:
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            if cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
-                _failed = True
-                return None
-            try:
-                path = cpu_kernels.build(
-                    source=SOURCE, stem="enginecore_kquant_kernels", extra_isa=quant_kernels._vnni()
-                )
-                _loaded = KQuantKernels(path)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.warning("K-quant CPU kernels unavailable: %s", exc)
-    return _loaded
+    return library()

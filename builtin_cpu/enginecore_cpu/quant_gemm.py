@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from ctypes import c_int64, c_void_p
 from pathlib import Path
 
@@ -70,25 +68,15 @@ def build(directory: Path | None = None) -> Path:
     )
 
 
-_lock = threading.Lock()
-_loaded: QuantGemm | None = None
-_failed = False
+library: cpu_kernels.BuildOnce[QuantGemm] = cpu_kernels.BuildOnce(
+    lambda: QuantGemm(build(), vnni=extra_isa() is not None),
+    warning="many-row quantized CPU kernels unavailable",
+    switch=quant_kernels.ENV_SWITCH,
+    log=logger,
+)
 
 
 def load() -> QuantGemm | None:
     """The kernels, built on first call; None when switched off (the switch of
     ``quant_kernels``) or unbuildable (the ``gguf`` method then takes its other paths)."""
-    global _loaded, _failed
-    if _loaded is not None or _failed:
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            if cpu_kernels.switched_off(quant_kernels.ENV_SWITCH):
-                _failed = True
-                return None
-            try:
-                _loaded = QuantGemm(build(), vnni=extra_isa() is not None)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.warning("many-row quantized CPU kernels unavailable: %s", exc)
-    return _loaded
+    return library()

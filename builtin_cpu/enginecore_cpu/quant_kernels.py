@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
-import threading
 from ctypes import c_int64, c_void_p
 from pathlib import Path
 
@@ -127,25 +125,15 @@ def build() -> Path:
     return cpu_kernels.build(source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni())
 
 
-_lock = threading.Lock()
-_loaded: QuantKernels | None = None
-_failed = False
+library: cpu_kernels.BuildOnce[QuantKernels] = cpu_kernels.BuildOnce(
+    lambda: QuantKernels(build()),
+    warning="quantized-weight CPU kernels unavailable",
+    switch=ENV_SWITCH,
+    log=logger,
+)
 
 
 def load() -> QuantKernels | None:
     """The kernels, built on first call; None when switched off or unbuildable (the
     ``gguf`` method then de-quantizes and uses ``F.linear``)."""
-    global _loaded, _failed
-    if _loaded is not None or _failed:
-        return _loaded
-    with _lock:
-        if _loaded is None and not _failed:
-            if cpu_kernels.switched_off(ENV_SWITCH):
-                _failed = True
-                return None
-            try:
-                _loaded = QuantKernels(build())
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _failed = True
-                logger.warning("quantized-weight CPU kernels unavailable: %s", exc)
-    return _loaded
+    return library()

@@ -148,8 +148,8 @@ def test_method_without_avx512_bf16_keeps_the_float32_widening(monkeypatch):
     """No AVX512-BF16: a bfloat16 weight is widened to float32 where there is no AMX
     either, else kept in bfloat16 for oneDNN, and the kernel is never loaded."""
     monkeypatch.setattr(bf16_gemv, "cpu_has_avx512_bf16", lambda: False)
-    monkeypatch.setattr(bf16_gemv, "_loaded", None)
-    monkeypatch.setattr(bf16_gemv, "_failed", False)
+    monkeypatch.setattr(bf16_gemv.library, "loaded", None)
+    monkeypatch.setattr(bf16_gemv.library, "failed", False)
     layer = _bf16_layer()
     assert bf16_gemv.load() is None
     widened = not cpu_kernels.cpu_has_amx()

@@ -31,8 +31,8 @@ class TestCpuBackendWithoutKernels(AttentionBackendContract):
     def _kernels_off(self, monkeypatch):
         from enginecore_cpu import cpu_kernels
 
-        monkeypatch.setattr(cpu_kernels, "_loaded", None)
-        monkeypatch.setattr(cpu_kernels, "_failed", True)
+        monkeypatch.setattr(cpu_kernels.library, "loaded", None)
+        monkeypatch.setattr(cpu_kernels.library, "failed", True)
         assert cpu_kernels.load() is None
 
 
