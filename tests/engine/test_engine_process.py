@@ -19,6 +19,7 @@ import pytest
 
 from enginecore import LLM, EngineDeadError, InvalidRequestError, SamplingParams
 from enginecore.engine.mp_client import SyncMPClient, UtilityError
+from tests.helpers.in_flight import wait_until_generating
 
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -173,7 +174,7 @@ def test_sigkill_of_the_engine_fails_every_request_quickly(tiny_llama) -> None:
         pid = engine_pid(llm)
         result: dict = {}
         thread = _generate_in_thread(llm, result)
-        time.sleep(1.5)
+        wait_until_generating(llm, 3)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         thread.join(10)
@@ -253,7 +254,7 @@ def test_sigterm_aborts_or_drains_in_flight_requests(
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        time.sleep(1.0)
+        wait_until_generating(llm, 2)
         os.kill(engine_pid(llm), signal.SIGTERM)
         thread.join(60)
         assert "outputs" in result, result

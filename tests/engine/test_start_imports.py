@@ -18,49 +18,68 @@ import pytest
 
 from tests.helpers.process_kinds import is_kind
 
-LOAD_TOKENIZER = """
+LOAD_TOKENIZERS = """
 import json, pathlib, sys
 from enginecore.engine.tokenizer import checkpoint_tokenizer
 
-tokenizer = checkpoint_tokenizer(pathlib.Path(sys.argv[1]))
-text = "Hello, world! Ünïcode and   spaces"
-ids = tokenizer(text)["input_ids"]
-chat = [{"role": "user", "content": text}]
-print(json.dumps({
-    "torch": "torch" in sys.modules,
-    "class": type(tokenizer).__name__,
-    "ids": ids,
-    "decoded": tokenizer.decode(ids, skip_special_tokens=True),
-    "chat": tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-    "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
-}))
+for path in sys.argv[1:]:
+    tokenizer = checkpoint_tokenizer(pathlib.Path(path))
+    text = "Hello, world! Ünïcode and   spaces"
+    ids = tokenizer(text)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    print(json.dumps({
+        "torch": "torch" in sys.modules,
+        "class": type(tokenizer).__name__,
+        "ids": ids,
+        "decoded": tokenizer.decode(ids, skip_special_tokens=True),
+        "chat": tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+        "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+    }), flush=True)
 """
 
 
-def _load_in_new_process(path: pathlib.Path, cache: pathlib.Path) -> dict:
+def _load_in_new_process(paths: list[pathlib.Path], cache: pathlib.Path) -> list[dict]:
+    """Each checkpoint's tokenizer loaded, in order, by one new process: what it gave and
+    whether torch was imported by then."""
     env = {**os.environ, "ENGINECORE_CACHE_DIR": str(cache)}
     done = subprocess.run(
-        [sys.executable, "-c", LOAD_TOKENIZER, str(path)],
+        [sys.executable, "-c", LOAD_TOKENIZERS, *map(str, paths)],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.splitlines()[-len(paths) :]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+ARCHS = ["llama", "qwen2", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_loads(checkpoint_factory, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Arch -> (first load, second load): one new process loads the three checkpoints'
+    tokenizers with an empty cache, then another with the cache the first one left. A
+    second load that imports torch shows in its own record (torch stays imported)."""
+    paths = [checkpoint_factory(arch) for arch in ARCHS]
+    cache = tmp_path_factory.mktemp("tokenizer-cache")
+    first = _load_in_new_process(paths, cache)
+    assert len(list((cache / "tokenizer-classes").iterdir())) == len(ARCHS)  # one each
+    second = _load_in_new_process(paths, cache)
+    return {arch: (f, s) for arch, f, s in zip(ARCHS, first, second, strict=True)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_checkpoint_tokenizer_loads_without_torch_after_the_first_time(
-    arch, checkpoint_factory, tmp_path
+    arch, checkpoint_factory, tokenizer_loads
 ):
     from transformers import AutoTokenizer
 
     path = checkpoint_factory(arch)
-    first = _load_in_new_process(path, tmp_path)
-    assert len(list((tmp_path / "tokenizer-classes").iterdir())) == 1
-    second = _load_in_new_process(path, tmp_path)
-    assert first["torch"] is True  # AutoTokenizer, which loads the model's config
+    first, second = tokenizer_loads[arch]
+    # AutoTokenizer, which loads the model's config (and leaves a record: the fixture
+    # counts one per checkpoint; torch stays imported for the loads after the first)
+    assert first["torch"] is True
     assert second["torch"] is False
     reference = AutoTokenizer.from_pretrained(str(path))
     assert second["class"] == type(reference).__name__
@@ -80,12 +99,12 @@ def test_a_changed_tokenizer_is_asked_of_autotokenizer_again(checkpoint_factory,
     path = tmp_path / "model"
     shutil.copytree(checkpoint_factory("llama"), path)
     cache = tmp_path / "cache"
-    _load_in_new_process(path, cache)
+    _load_in_new_process([path], cache)
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
     config["model_max_length"] = 77
     config_file.write_text(json.dumps(config))
-    again = _load_in_new_process(path, cache)
+    [again] = _load_in_new_process([path], cache)
     assert again["torch"] is True  # a new record: the class was asked for again
     assert len(list((cache / "tokenizer-classes").iterdir())) == 2
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from enginecore_cpu import cpu_kernels
+
 
 def test_startup_names_its_phases(tiny_llama, tmp_path):
     script = textwrap.dedent(
@@ -17,6 +19,12 @@ def test_startup_names_its_phases(tiny_llama, tmp_path):
         llm.shutdown()
         """
     )
+    # A cache with nothing of this checkpoint's (weights, tokenizer), but the compiled
+    # kernels of the shared one: compiling them is no start-up phase, and
+    # cpu/test_cpu_kernels.py builds them from nothing.
+    shared_kernels = cpu_kernels.cache_dir() / "cpu_kernels"
+    shared_kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cpu_kernels").symlink_to(shared_kernels, target_is_directory=True)
     env = {**os.environ, "ENGINECORE_CACHE_DIR": str(tmp_path)}
     env.pop("ENGINECORE_LOG_LEVEL", None)
     done = subprocess.run(
@@ -40,9 +48,8 @@ def test_startup_names_its_phases(tiny_llama, tmp_path):
 
 def test_startup_log_can_be_silenced(tiny_llama):
     script = f"from enginecore import LLM; LLM(model={str(tiny_llama)!r}, max_model_len=64, kv_cache_bytes=1 << 22).shutdown()"
-    # The shared kernel cache (a first start with an empty one is the test above): an
-    # empty cache would compile the kernels again, in the background of a start that
-    # ends before they are done.
+    # The shared kernel cache: an empty one would compile the kernels again, in the
+    # background of a start that ends before they are done.
     env = {**os.environ, "ENGINECORE_STARTUP_LOG": "0"}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env

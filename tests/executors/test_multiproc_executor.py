@@ -18,6 +18,7 @@ import pytest
 from enginecore import LLM, EngineDeadError, SamplingParams
 from enginecore.engine.mp_client import UtilityError
 from enginecore.errors import EngineCoreError
+from tests.helpers.in_flight import wait_until_generating
 from tests.helpers.process_kinds import is_kind
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a b c d e f g", "x"]
@@ -142,7 +143,7 @@ def test_sigkill_of_a_rank_fails_every_request_naming_the_rank(tp2) -> None:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(1.5)
+    wait_until_generating(tp2, 3)
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     thread.join(10)

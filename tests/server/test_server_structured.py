@@ -8,7 +8,6 @@ requests keep running.
 from __future__ import annotations
 
 import json
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from enginecore import StructuredOutputParams
-from tests.helpers.serve_process import Server, serve, stop
+from tests.helpers.serve_process import Server
 from tests.helpers.structured import (
     CHOICES,
     CODE_REGEX,
@@ -31,16 +30,12 @@ PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-structured") / "server.log"
-    flags = ["--max-model-len", "1024", "--num-blocks-override", "400"]
-    flags.append("--disable-any-whitespace")  # random weights would loop on spaces
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    proc, url = serve(tiny_llama, log_path, *flags, env=env)
-    srv = Server(url, proc, None, log_path)
+def server(compat_server):
+    """The folder's server with ``--disable-any-whitespace`` (random weights would loop on
+    spaces); every request here names its ``max_tokens``."""
+    srv = Server(compat_server.url(), compat_server.proc, None, compat_server.log_path)
     yield srv
     srv.http.close()
-    stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -6,40 +6,27 @@ where the client hides the wire).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import openai
 import pytest
 
-from tests.helpers.serve_process import Server, serve, stop
+from tests.helpers.serve_process import Server
+from tests.helpers.shared_server import COMPAT_MAX_MODEL_LEN, COMPAT_MAX_NEW_TOKENS
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = COMPAT_MAX_MODEL_LEN
 PROMPT = "The quick brown fox jumps over the lazy dog"
 USER = [{"role": "user", "content": "Say something."}]
 
 
 #: The checkpoint's generation_config.json recommends this many new tokens.
-MAX_NEW_TOKENS = 7
+MAX_NEW_TOKENS = COMPAT_MAX_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server-vllm-compat")
-    log_path = tmp / "server.log"
-    checkpoint = tmp / "ckpt"
-    shutil.copytree(tiny_llama, checkpoint)
-    gen = json.loads((checkpoint / "generation_config.json").read_text())
-    gen["max_new_tokens"] = MAX_NEW_TOKENS
-    (checkpoint / "generation_config.json").write_text(json.dumps(gen))
-    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "200"]
-    flags.append("--disable-any-whitespace")  # random weights would loop on spaces
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    proc, url = serve(checkpoint, log_path, *flags, env=env)
-    srv = Server(url, proc, None, log_path)
+def server(compat_server):
+    srv = Server(compat_server.url(), compat_server.proc, None, compat_server.log_path)
     yield srv
     srv.http.close()
-    stop(proc)
 
 
 @pytest.fixture(scope="module")
