@@ -5,7 +5,9 @@ built with ``-DECD_PROFILE``. One greedy request of a ``--context``-token prompt
 served; its first decode step is then run again ``--repeats`` times (it writes the same
 K/V to the same places each time): the median and best time of the fused call, each
 thread's time per kind of work (products, attention, the serial norms) and waiting for
-the next phase, summed over the layers, per call; then the LM head (``compute_logits``)
+the next phase, summed over the layers, per call; the process's CPU time a call (all
+threads: on a shared machine it says what the step costs where the wall clock says
+how long other programs held the cores); then the LM head (``compute_logits``)
 on its output. Threads as the engine picks them (``--threads`` to set them); the
 kernels built for this CPU, or with ``--isa`` for another x86-64 level (the AVX2 ones
 on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
@@ -101,11 +103,12 @@ def main() -> None:
             for _ in range(10):
                 fused_run(ids, positions, batch)
             profile(phases)
-            times = []
+            times, cpu_times = [], []
             for _ in range(args.repeats):
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 fused_run(ids, positions, batch)
                 times.append(time.perf_counter() - started)
+                cpu_times.append(time.process_time() - cpu_started)
             profile(phases)
             head = []
             for _ in range(args.repeats // 4):
@@ -116,6 +119,10 @@ def main() -> None:
             report.append(
                 f"{'fused step (median / best)':40s} "
                 f"{1e3 * statistics.median(times):8.3f} / {1e3 * min(times):.3f} ms"
+            )
+            report.append(
+                f"{'CPU time, all threads (median / best)':40s} "
+                f"{1e3 * statistics.median(cpu_times):8.3f} / {1e3 * min(cpu_times):.3f} ms"
             )
             threads = torch.get_num_threads()
             for i, name in enumerate(PHASES):

@@ -45,6 +45,7 @@ def bench(num_decodes: int, steps: int, prompt_len: int, block_size: int) -> tup
         policy=FCFSPolicy(config),
         log_stats=True,
     )
+    scheduler.plain_output_columns = True  # as the engine asks for its frontends
     params = SamplingParams(max_tokens=max_model_len - prompt_len, ignore_eos=True)
     for i in range(num_decodes):
         prompt = [(i * 7919 + j) % 32000 for j in range(prompt_len)]
@@ -120,7 +121,8 @@ def e2e(model: str, num_prompts: int, input_len: int, output_len: int) -> None:
                 t0 = time.perf_counter()
                 tokens = 0
                 while client.engine.has_work():
-                    tokens += sum(len(o.new_token_ids) for o in client.get_output().outputs)
+                    outputs = client.get_output().all_outputs()
+                    tokens += sum(len(o.new_token_ids) for o in outputs)
                 wall = time.perf_counter() - t0
             mode = "step_with_batch_queue" if async_scheduling else "step"
             print(

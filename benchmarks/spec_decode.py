@@ -123,7 +123,7 @@ class Engine:
                     counts[0] += stats.spec_num_drafts
                     counts[1] += stats.spec_num_draft_tokens
                     counts[2] += stats.spec_num_accepted_tokens
-                for out in client.outputs:
+                for out in client.all_outputs():
                     tokens[out.request_id].extend(out.new_token_ids)
         seconds = time.perf_counter() - start
         return {

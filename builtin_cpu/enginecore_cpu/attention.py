@@ -105,11 +105,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
             return req_ids
         # Block ids are read only for requests new to the mirror (the runner's view gives
-        # a context length alone, other views a (length, block ids) pair).
-        context_len = getattr(batch_view, "context_len", None)
+        # the context lengths alone, in one pass; other views a (length, block ids) pair).
+        context_lens = getattr(batch_view, "context_lens", None)
         lens = (
-            {r: context_len(r) for r in req_ids}
-            if context_len is not None
+            context_lens(req_ids)
+            if context_lens is not None
             else {r: batch_view[r][0] for r in req_ids}
         )
         order = self.mirror.plan(req_ids, lens, lambda r: batch_view[r][1], self._caches)

@@ -339,6 +339,8 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
     EC_CASE(1, 2) EC_CASE(2, 2) EC_CASE(4, 2) EC_CASE(8, 2)
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
     EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
+    /* groups of 3, 6 and 7 (SmolLM2's 135M and 360M, Qwen2.5's) at dims 64 and 128 */
+    EC_CASE(3, 4) EC_CASE(6, 4) EC_CASE(7, 4) EC_CASE(3, 8) EC_CASE(6, 8) EC_CASE(7, 8)
 #undef EC_CASE
     return 0;
 }
@@ -436,6 +438,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
     EC_CASE(1, 8) EC_CASE(2, 8) EC_CASE(4, 8) EC_CASE(8, 8)
     EC_CASE(1, 16) EC_CASE(2, 16) EC_CASE(4, 16) EC_CASE(8, 16)
+    EC_CASE(3, 8) EC_CASE(6, 8) EC_CASE(7, 8) EC_CASE(3, 16) EC_CASE(6, 16) EC_CASE(7, 16)
 #undef EC_CASE
     return 0;
 }

@@ -665,7 +665,7 @@ def prefill_attention_max_len(kernels: CpuKernels, head_dim: int) -> int:
 def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
     """The kernels when every tensor a call reads or writes is a float32 CPU tensor and
     they are enabled (they take raw float pointers: a narrower tensor would be overrun)."""
-    for x in tensors:
-        if x.dtype is not torch.float32 or x.device.type != "cpu":
+    for x in tensors:  # is_cpu: no device object and type string made per check
+        if x.dtype is not torch.float32 or not x.is_cpu:
             return None
     return library.loaded if library.loaded is not None else library()

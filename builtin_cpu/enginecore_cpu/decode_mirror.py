@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,6 +103,9 @@ class DecodeMirror:
         self.rows: list[str] = []  # request id of each row
         self.row_of: dict[str, int] = {}
         self.row_len: list[int] = []  # positions valid in each row
+        # ``row_len`` as an array, as the last plan left it (None once rows changed since):
+        # converting the list each step costs more than the rest of a steady plan.
+        self._row_len_array: np.ndarray | None = None
         self.step: MirrorStep | None = None
 
     # --- capacity -----------------------------------------------------------------------
@@ -165,6 +170,7 @@ class DecodeMirror:
     def reset(self) -> None:
         self.layers = []
         self.rows, self.row_of, self.row_len = [], {}, []
+        self._row_len_array = None
         self.step = None
 
     # --- per step -----------------------------------------------------------------------
@@ -185,13 +191,23 @@ class DecodeMirror:
         """
         self.step = None
         # A row is reusable only if it holds exactly the request's context so far (a
-        # request not decoding this step has no length here: -1 matches no row).
-        lens_of = context_lens.get
-        row_len = self.row_len
-        stale = [r for r, rid in enumerate(self.rows) if lens_of(rid, -1) != row_len[r]]
+        # request not decoding this step has no length here: -1 matches no row). The
+        # passes over the rows run in C (map over the dicts): a Python loop per row would
+        # be most of this plan's cost at hundreds of rows.
+        held = np.fromiter(
+            map(context_lens.get, self.rows, repeat(-1)), np.int64, count=len(self.rows)
+        )
+        row_len = self._row_len_array
+        if row_len is None:
+            row_len = np.asarray(self.row_len, np.int64)
+        stale = np.flatnonzero(held != row_len).tolist()
         self._remove_rows(stale)
-        row_of = self.row_of
-        newcomers = [rid for rid in decodes if rid not in row_of]
+        # Every row left is a decode of this step: as many rows as decodes, no newcomer.
+        newcomers = (
+            list(filterfalse(self.row_of.__contains__, decodes))
+            if len(self.rows) != len(decodes)
+            else []
+        )
         n = len(self.rows) + len(newcomers)
         kv_len = max(context_lens.values()) + 1
         if not self._ensure(n, kv_len):
@@ -201,15 +217,25 @@ class DecodeMirror:
         if newcomers:
             self._fill(newcomers, context_lens, block_ids, kv_caches)
         order = list(self.rows)
-        lens = [context_lens[rid] for rid in order]
-        self.row_len = [c + 1 for c in lens]  # after this step's token is written
-        ctx = torch.tensor(lens, dtype=torch.int64).to(self.device)
-        self.step = MirrorStep(num_rows=n, write_pos=ctx, kv_len=kv_len, lens=ctx + 1)
+        if stale or newcomers:
+            lens = np.fromiter(map(context_lens.__getitem__, order), np.int64, count=n)
+        else:  # the same rows as the last step: their lengths were read above
+            lens = held
+        after = lens + 1  # each row's length after this step's token is written
+        self.row_len = after.tolist()
+        self._row_len_array = after
+        self.step = MirrorStep(
+            num_rows=n,
+            write_pos=torch.from_numpy(lens).to(self.device),
+            kv_len=kv_len,
+            lens=torch.from_numpy(after).to(self.device),
+        )
         return order
 
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
             return
+        self._row_len_array = None
         moves = []  # (hole, moved row, its length)
         for r in sorted(rows, reverse=True):
             last = len(self.rows) - 1
@@ -234,6 +260,7 @@ class DecodeMirror:
         block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> None:
+        self._row_len_array = None
         start = len(self.rows)
         for rid in newcomers:
             self.row_of[rid] = len(self.rows)

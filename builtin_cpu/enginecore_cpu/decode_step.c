@@ -8,10 +8,12 @@
  *
  * One OpenMP team runs the whole step as a sequence of phases, five a layer: QKV,
  * attention, O, gate/up (with SiLU on the same columns) and down. A phase is cut into
- * chunks (output rows of a product, split where a thread may start: ECD_ROW_ALIGN rows;
- * or attention's (row, KV head) units, each rotating, appending and attending its own
- * heads) that the threads take from a shared counter, so a thread the OS has paused
- * (a busy laptop, a shared machine) holds up one chunk instead of a fixed share. Whoever
+ * units (ECD_ROW_ALIGN output rows of a product, or attention's (row, KV head) pairs,
+ * each rotating, appending and attending its own heads) that the threads take from a
+ * shared counter in chunks of a share of what is left, shrinking to one unit at the
+ * end: both threads finish a phase together, and a thread the OS has paused (a busy
+ * laptop, a shared machine) holds up one chunk instead of a fixed share. Each thread
+ * quantizes a phase's input once, for all the chunks it takes. Whoever
  * finishes a phase's last chunk runs the small serial work after it (the residual add
  * and RMS norm, the paged-cache write) and opens the next phase. Every output element
  * is computed by the same code whichever thread takes it, so the split changes no bit.
@@ -84,6 +86,10 @@ typedef void (*quantize_rows_fn)(const float *, int64_t, int64_t, int64_t, int8_
                                  float *);
 typedef void (*gemm_k_fn)(int64_t, int64_t, int64_t, int64_t, const uint8_t *, const uint8_t *,
                           const int8_t *, const float *, const float *, float *, int64_t);
+typedef void (*gemm_q4_fn)(int64_t, int64_t, int64_t, const uint8_t *, const void *, const void *,
+                           int, const int8_t *, const float *, const float *, float *, int64_t);
+typedef void (*gemm_q8_fn)(int64_t, int64_t, int64_t, const int8_t *, const void *, int,
+                           const int8_t *, const float *, float *, int64_t);
 
 /* The kernels' addresses (any of the last may be null when no part needs it). */
 typedef struct {
@@ -96,7 +102,16 @@ typedef struct {
     linear_fn linear;
     quantize_rows_fn quantize_rows;
     gemm_k_fn gemm_k;
+    gemm_q4_fn gemm_q4;
+    gemm_q8_fn gemm_q8;
 } ecd_kernels;
+
+/* ecq_linear's kinds (quant_kernels.c) and the scale modes ecq_gemm_q4 reads them in:
+ * the step quantizes a phase's activations once a thread and calls the products on
+ * them, where ecq_linear would quantize them again for every chunk. */
+enum { ECQ_Q4 = 4, ECQ_Q8 = 8, ECQ_Q4_HALF = 20, ECQ_Q4_0_HALF = 21, ECQ_Q8_HALF = 22,
+       ECQ_Q4_K = 24 };
+enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_Q4K = 2, SCALES_F16_SYM = 3 };
 
 /* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
  * Q5_K / Q6_K (eck_gemm_k's bits; d the scale bytes, m unused), else ecq_linear's kind
@@ -132,12 +147,27 @@ typedef struct {
     const ecd_layer *layers;
 } ecd_model;
 
+/* A thread's activations quantized as the block kernels read them (xq, xd, xs), and
+ * which input they were made from in which phase (a thread quantizes each phase's input
+ * once, whichever chunks it takes). */
+typedef struct {
+    int8_t *xq;
+    float *xd, *xs;
+    const float *from;
+    int32_t phase;
+} ecd_quantized;
+
 /* out [n, p->out] rows [lo, hi) of x [n, p->in] W^T (+ bias), part by part as
- * blocks_linear does: the K-quant parts quantize x into xq, xd, xs (this thread's).
+ * blocks_linear does, on x quantized into q (this thread's) as ecq_linear quantizes it.
  * A row's value does not depend on which rows are computed with it. */
 static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x, int64_t n,
-                        float *out, int64_t lo, int64_t hi, int8_t *xq, float *xd, float *xs) {
-    int quantized = 0;
+                        float *out, int64_t lo, int64_t hi, ecd_quantized *q, int32_t phase) {
+    if (q->from != x || q->phase != phase) {
+        k->quantize_rows(x, p->in, n, p->in, q->xq, q->xd, q->xs);
+        q->from = x, q->phase = phase;
+    }
+    const int8_t *xq = q->xq;
+    const float *xd = q->xd, *xs = q->xs;
     for (int64_t i = 0; i < p->num_parts; i++) {
         const ecd_part *part = &p->parts[i];
         const int64_t a = lo > part->first ? lo : part->first;
@@ -149,10 +179,19 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
         const char *m = part->m == NULL ? NULL : (const char *)part->m + skip * part->m_row;
         float *target = out + a;
         if (part->kind == 5 || part->kind == 6) {
-            if (!quantized) k->quantize_rows(x, p->in, n, p->in, xq, xd, xs);
-            quantized = 1;
             k->gemm_k(n, b - a, p->in, part->kind, (const uint8_t *)qs, (const uint8_t *)d, xq,
                       xd, xs, target, p->out);
+        } else if (part->kind == ECQ_Q8 || part->kind == ECQ_Q8_HALF) {
+            k->gemm_q8(n, b - a, p->in, (const int8_t *)qs, d, part->kind == ECQ_Q8_HALF, xq, xd,
+                       target, p->out);
+        } else if (part->kind == ECQ_Q4 || part->kind == ECQ_Q4_HALF ||
+                   part->kind == ECQ_Q4_0_HALF || part->kind == ECQ_Q4_K) {
+            const int mode = part->kind == ECQ_Q4_K        ? SCALES_Q4K
+                             : part->kind == ECQ_Q4_HALF   ? SCALES_F16
+                             : part->kind == ECQ_Q4_0_HALF ? SCALES_F16_SYM
+                                                           : SCALES_F32;
+            k->gemm_q4(n, b - a, p->in, (const uint8_t *)qs, d, m, mode, xq, xd, xs, target,
+                       p->out);
         } else if (k->linear((int)part->kind, x, p->in, n, b - a, p->in, qs, d, m, target,
                              p->out)) {
             return -2;
@@ -165,7 +204,10 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
 }
 
 #define ECD_ROW_ALIGN 16 /* rows a chunk of a product starts at a multiple of */
-#define ECD_CHUNKS_PER_THREAD 4 /* chunks a phase is cut into, per thread */
+/* A thread takes 1 / (ECD_SHARE_DIVISOR threads) of what is left of a phase at a time:
+ * large chunks while much is left, down to one unit at the end, so the threads finish a
+ * phase within a unit of each other instead of one waiting out the other's last chunk. */
+#define ECD_SHARE_DIVISOR 4
 /* Cycles a thread spins for the next phase before it sleeps: longer than a phase of a
  * small model's layer takes, far shorter than the OS pauses a thread for (a spinning
  * thread would then take the core the paused one needs). */
@@ -177,18 +219,11 @@ static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int64_t aligned_floats(int64_t floats) { return (floats + 15) / 16 * 16; }
 
-/* Rows of `count` a chunk takes, for `threads` threads: a multiple of ECD_ROW_ALIGN. */
-static int64_t chunk_rows(int64_t count, int threads) {
-    if (threads == 1) return count;
-    const int64_t want = (count + ECD_CHUNKS_PER_THREAD * threads - 1) /
-                         (ECD_CHUNKS_PER_THREAD * threads);
-    return max_i64(ECD_ROW_ALIGN, (want + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN * ECD_ROW_ALIGN);
-}
-
 enum { STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES };
 
-/* A phase's chunk counters, a cache line each so threads taking chunks of one phase
- * do not contend with the phase word. */
+/* A phase's counters of units (ECD_ROW_ALIGN rows of a product, or attention's (row,
+ * KV head) pairs) taken and done, a cache line each so threads taking chunks of one
+ * phase do not contend with the phase word. */
 typedef struct {
     _Atomic int64_t next, done;
     char pad[48];
@@ -203,33 +238,32 @@ typedef struct {
     int64_t mirror_cap;
     float *out;
     float *residual, *normed, *qkv, *qk, *attn, *proj, *gate_up, *act;
-    int64_t chunk[STAGES]; /* rows (units for attention) a chunk of each stage takes */
-    int64_t count[STAGES]; /* chunks of each stage */
+    int64_t unit[STAGES];  /* rows a unit of each stage is (1 for attention's) */
+    int64_t count[STAGES]; /* units of each stage */
+    int threads;
     ecd_counter *counters; /* [num_layers * STAGES] */
     _Atomic int32_t phase __attribute__((aligned(64))); /* the open phase (a futex word) */
     _Atomic int32_t sleepers; /* threads asleep on it, or about to be */
     _Atomic int status;
 } ecd_run;
 
-/* Stage s's chunk c of layer l; `own` is the thread's scratch: xq, xd, xs and SiLU's
- * columns. Returns 0, or -2 without scratch memory in a kernel. */
-static int run_chunk(ecd_run *st, int64_t l, int s, int64_t c, float *own) {
+/* Units [u, u_end) of stage s of layer l (phase p); q is the thread's quantized
+ * activations, silu_in its scratch for SiLU's columns. Returns 0, or -2 without scratch
+ * memory in a kernel. */
+static int run_chunk(ecd_run *st, int64_t l, int s, int64_t u, int64_t u_end, int32_t p,
+                     ecd_quantized *q, float *silu_in) {
     const ecd_model *m = st->m;
     const ecd_kernels *k = &m->k;
     const ecd_layer *layer = &m->layers[l];
     const int64_t n = st->n, hd = m->head_dim, h = m->hidden, inter = m->inter;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
     const int64_t qkv_size = q_size + 2 * kv_size, group = m->heads / m->kv_heads;
-    const int64_t blocks = max_i64(max_i64(h, q_size), inter) / 32;
-    float *xd = own, *xs = own + aligned_floats(n * blocks);
-    int8_t *xq = (int8_t *)(xs + aligned_floats(n * blocks));
-    float *silu_in = (float *)xq + aligned_floats((n * blocks * 32 + 3) / 4);
-    const int64_t lo = c * st->chunk[s];
+    const int64_t lo = u * st->unit[s];
     if (s == STAGE_QKV) {
-        const int64_t hi = lo + st->chunk[s] < qkv_size ? lo + st->chunk[s] : qkv_size;
-        return project_rows(k, &layer->qkv, st->normed, n, st->qkv, lo, hi, xq, xd, xs);
+        const int64_t hi = u_end * st->unit[s] < qkv_size ? u_end * st->unit[s] : qkv_size;
+        return project_rows(k, &layer->qkv, st->normed, n, st->qkv, lo, hi, q, p);
     }
-    if (s == STAGE_ATTENTION) {
+    for (int64_t c = u; s == STAGE_ATTENTION && c < u_end; c++) {
         /* Q and K heads, side by side: in the fused projection, or normed into qk */
         float *heads = layer->q_norm != NULL ? st->qk : st->qkv;
         const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
@@ -252,21 +286,21 @@ static int run_chunk(ecd_run *st, int64_t l, int s, int64_t c, float *own) {
         k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1);
         k->decode_attention(q_at, 0, mk, mv, st->lens + r, 1, 1, group, hd, st->mirror_cap,
                             layer->window, m->scale, st->attn + c * group * hd, 1);
-        return 0;
     }
+    if (s == STAGE_ATTENTION) return 0;
     if (s == STAGE_O) {
-        const int64_t hi = lo + st->chunk[s] < h ? lo + st->chunk[s] : h;
-        return project_rows(k, &layer->o, st->attn, n, st->proj, lo, hi, xq, xd, xs);
+        const int64_t hi = u_end * st->unit[s] < h ? u_end * st->unit[s] : h;
+        return project_rows(k, &layer->o, st->attn, n, st->proj, lo, hi, q, p);
     }
     if (s == STAGE_DOWN) {
-        const int64_t hi = lo + st->chunk[s] < h ? lo + st->chunk[s] : h;
-        return project_rows(k, &layer->down, st->act, n, st->proj, lo, hi, xq, xd, xs);
+        const int64_t hi = u_end * st->unit[s] < h ? u_end * st->unit[s] : h;
+        return project_rows(k, &layer->down, st->act, n, st->proj, lo, hi, q, p);
     }
     /* gate columns [lo, hi) and the same up columns, then their SiLU product */
-    const int64_t hi = lo + st->chunk[s] < inter ? lo + st->chunk[s] : inter;
-    int status = project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, lo, hi, xq, xd, xs);
+    const int64_t hi = u_end * st->unit[s] < inter ? u_end * st->unit[s] : inter;
+    int status = project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, lo, hi, q, p);
     status |= project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, inter + lo,
-                           inter + hi, xq, xd, xs);
+                           inter + hi, q, p);
     for (int64_t r = 0; r < n; r++) {
         const float *g = st->gate_up + r * 2 * inter;
         memcpy(silu_in, g + lo, (hi - lo) * sizeof(float));
@@ -350,22 +384,48 @@ static int32_t wait_after(ecd_run *st, int32_t p) {
     return open;
 }
 
-/* One thread's part of the step: chunks of each open phase until the last is done. */
+/* Units [*first, return) of a phase's `count`, taken from its counter: a share of what is
+ * left (see ECD_SHARE_DIVISOR), at least one unit; *first >= count once all are taken. */
+static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int64_t *first) {
+    int64_t at = atomic_load_explicit(next, memory_order_relaxed);
+    for (;;) {
+        if (at >= count) {
+            *first = at;
+            return at;
+        }
+        const int64_t share = max_i64(1, (count - at) / (ECD_SHARE_DIVISOR * threads));
+        if (atomic_compare_exchange_weak(next, &at, at + share)) {
+            *first = at;
+            return at + share;
+        }
+    }
+}
+
+/* One thread's part of the step: chunks of each open phase until the last is done. `own`
+ * is its scratch: xd, xs, xq and SiLU's columns. */
 static void take_chunks(ecd_run *st, int t, float *own) {
     (void)t; /* the profile's index */
-    const int32_t phases = (int32_t)(st->m->num_layers * STAGES);
+    const ecd_model *m = st->m;
+    const int64_t n = st->n;
+    const int64_t blocks =
+        max_i64(max_i64(m->hidden, m->heads * m->head_dim), m->inter) / 32;
+    ecd_quantized q = {.xd = own, .xs = own + aligned_floats(n * blocks), .phase = -1};
+    q.xq = (int8_t *)(q.xs + aligned_floats(n * blocks));
+    float *silu_in = (float *)q.xq + aligned_floats((n * blocks * 32 + 3) / 4);
+    const int32_t phases = (int32_t)(m->num_layers * STAGES);
     int32_t p = 0;
     while (p < phases) {
         const int64_t l = p / STAGES;
         const int s = (int)(p % STAGES);
         ecd_counter *counter = &st->counters[p];
         for (;;) {
-            const int64_t c = atomic_fetch_add(&counter->next, 1);
-            if (c >= st->count[s]) break;
+            int64_t u;
+            const int64_t u_end = take_units(&counter->next, st->count[s], st->threads, &u);
+            if (u >= st->count[s]) break;
             PROFILE_START(work);
-            if (run_chunk(st, l, s, c, own)) atomic_store(&st->status, -2);
+            if (run_chunk(st, l, s, u, u_end, p, &q, silu_in)) atomic_store(&st->status, -2);
             PROFILE_ADD(t, s, work);
-            if (atomic_fetch_add(&counter->done, 1) + 1 == st->count[s]) {
+            if (atomic_fetch_add(&counter->done, u_end - u) + (u_end - u) == st->count[s]) {
                 PROFILE_START(serial);
                 after_stage(st, l, s);
                 PROFILE_ADD(t, PH_SERIAL, serial);
@@ -433,13 +493,14 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
         memcpy(st->residual + r * h, m->embed + ids[r] * h, h * sizeof(float));
     k->rms_norm(st->residual, h, st->residual, h, 0, m->layers[0].input_norm, st->normed, n, h,
                 m->eps, 1);
-    /* sized for the threads asked for: a smaller team takes the same chunks */
+    /* shares sized for the threads asked for: a smaller team still takes every unit */
     const int64_t rows[STAGES] = {qkv_size, m->kv_heads, h, m->inter, h};
     for (int s = 0; s < STAGES; s++) {
-        st->chunk[s] = s == STAGE_ATTENTION ? 1 : chunk_rows(rows[s], nthreads);
+        st->unit[s] = s == STAGE_ATTENTION ? 1 : ECD_ROW_ALIGN;
         st->count[s] = s == STAGE_ATTENTION ? n * m->kv_heads
-                                            : (rows[s] + st->chunk[s] - 1) / st->chunk[s];
+                                            : (rows[s] + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     }
+    st->threads = nthreads;
 #pragma omp parallel num_threads(nthreads)
     take_chunks(st, omp_get_thread_num(), own_base + omp_get_thread_num() * own_size);
     const int status = atomic_load(&st->status);

@@ -55,6 +55,8 @@ class _Kernels(Structure):
             "linear",
             "quantize_rows",
             "gemm_k",
+            "gemm_q4",
+            "gemm_q8",
         )
     ]
 
@@ -154,6 +156,8 @@ def _kernels(lib: ctypes.CDLL, needs_subblocks: bool) -> _Kernels:
                 ("linear", "ecq_linear"),
                 ("quantize_rows", "ecq_quantize_rows"),
                 ("gemm_k", "eck_gemm_k"),
+                ("gemm_q4", "ecq_gemm_q4"),
+                ("gemm_q8", "ecq_gemm_q8"),
             )
         }
     )

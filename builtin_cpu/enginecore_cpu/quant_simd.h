@@ -3,10 +3,13 @@
 #define ENGINECORE_QUANT_SIMD_H
 
 /* How far ahead of the weight bytes being multiplied to prefetch. A decode step streams
- * every weight once, and the hardware prefetcher alone leaves the loop waiting on loads:
- * measured on the demo model's 120 Q4_1 projections (AVX-512, 2 cores), 7.5 -> 3.8 ms on
- * one thread and 2.9 -> 2.1 ms on two (1,536 bytes: 4.2 ms, 3,072: 3.8 ms on one). */
-#define PREFETCH_BYTES 2048
+ * every weight once, and the hardware prefetcher alone leaves the loop waiting on loads;
+ * a few rows of a 2048-wide product ahead keeps enough lines in flight for one core to
+ * approach its streaming rate (benchmarks/decode_kernel_rate.py; RESULTS.md has the
+ * distances tried). Set at build time to try another. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
 
 #if defined(__AVX2__)
 #include <immintrin.h>

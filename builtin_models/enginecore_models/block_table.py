@@ -65,6 +65,6 @@ class BlockTable:
 
     def gather(self, req_ids: Sequence[str]) -> np.ndarray:
         """[len(req_ids), longest] block ids of these requests, in this order, 0-padded."""
-        rows = np.fromiter((self.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.int64, count=len(req_ids))
         width = int(self.lens[rows].max()) if len(rows) else 0
         return self.table[rows, : max(width, 1)]

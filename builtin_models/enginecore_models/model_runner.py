@@ -14,6 +14,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -67,6 +68,14 @@ from enginecore_models.drafter import Drafter, TokenBuffer
 from enginecore_models.group_quant import group_quant_config
 from enginecore_models.kv_connector_bridge import KVConnectorBridge
 from enginecore_models.lora_support import make_lora_manager, note_fused_decode_off
+from enginecore_models.per_request import (
+    any_set,
+    ints_of,
+    lookup,
+    lookup_ints,
+    set_each,
+    values_of,
+)
 from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
 from enginecore_models.prompt_logprobs import PromptLogprobsAccumulator
@@ -121,9 +130,15 @@ class _BatchView:
     def __getitem__(self, req_id: str) -> tuple[int, np.ndarray]:
         return self.requests[req_id].num_computed_tokens, self.table.block_ids(req_id)
 
-    def context_len(self, req_id: str) -> int:
-        """``self[req_id][0]`` without reading the block ids."""
-        return self.requests[req_id].num_computed_tokens
+    def context_lens(self, req_ids: list[str]) -> dict[str, int]:
+        """``{r: self[r][0] for r in req_ids}`` without reading block ids, in one pass."""
+        return dict(
+            zip(
+                req_ids,
+                values_of(lookup(self.requests, req_ids), "num_computed_tokens"),
+                strict=True,
+            )
+        )
 
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
@@ -162,6 +177,11 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self.block_tables = [BlockTable()]
         self.block_table = self.block_tables[0]
         self._step: StepState | None = None
+        # A step of decodes only (one token per request, no drafts) takes its inputs in
+        # a few array operations; the switch and the count are for the tests that compare
+        # it with the general path and check it is taken.
+        self.decode_shortcut = True
+        self.decode_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
         # The running requests' rows (persistent_batch.py), made once the vocabulary is
@@ -571,35 +591,43 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                         new.num_computed_tokens,
                     )
         cached = so.scheduled_cached_reqs
+        req_ids = cached.req_ids
+        if not req_ids:
+            return
         requests = self.requests
-        grouped = len(tables) > 1
-        new_group_ids, new_ids = cached.new_group_block_ids, cached.new_block_ids
-        num_group_ids, num_ids = len(new_group_ids), len(new_ids)
+        try:
+            states = lookup(requests, req_ids)
+        except KeyError:
+            req_id = next(r for r in req_ids if r not in requests)
+            raise EngineCoreError(
+                f"scheduler sent cached request {req_id!r} that this model runner does "
+                "not hold (it was never added, or was finished/preempted)"
+            ) from None
         # With speculation the scheduler counts draft slots optimistically until it sees
         # how many were accepted: this runner's own count is exact.
-        num_computed = cached.num_computed_tokens if self.drafter is None else []
-        num_counts, num_token_lists = len(num_computed), len(cached.new_token_ids)
-        for i, req_id in enumerate(cached.req_ids):
-            state = requests.get(req_id)
-            if state is None:
-                raise EngineCoreError(
-                    f"scheduler sent cached request {req_id!r} that this model runner does "
-                    "not hold (it was never added, or was finished/preempted)"
-                )
-            if grouped and i < num_group_ids:
-                by_group = new_group_ids[i]
-                if by_group:
-                    for table, ids in zip(tables, by_group, strict=True):
-                        table.append(req_id, ids)
-            elif i < num_ids and (appended := new_ids[i]):
-                self.block_table.append(req_id, appended)
-            if i < num_counts:
-                state.num_computed_tokens = num_computed[i]
-            if i < num_token_lists and cached.new_token_ids[i]:
-                # Only when this rank does not sample (pipeline parallelism).
-                state.output_token_ids.extend(cached.new_token_ids[i])
-                state.token_ids.extend(cached.new_token_ids[i])
-                batch.append_tokens(batch.row_of[req_id], cached.new_token_ids[i])
+        if self.drafter is None:
+            set_each(states, "num_computed_tokens", cached.num_computed_tokens)
+        # New blocks and tokens, only for the requests that have some (most steps: none).
+        # Each list may be shorter than the requests (or empty): zip stops at its end.
+        plain_from = 0
+        if len(tables) > 1:
+            new_group_ids = cached.new_group_block_ids
+            plain_from = len(new_group_ids)
+            for req_id, by_group in compress(
+                zip(req_ids, new_group_ids, strict=False), new_group_ids
+            ):
+                for table, ids in zip(tables, by_group or (), strict=True):
+                    table.append(req_id, ids)
+        new_ids = cached.new_block_ids[plain_from:]
+        for req_id, appended in compress(zip(req_ids[plain_from:], new_ids, strict=False), new_ids):
+            self.block_table.append(req_id, appended or ())
+        new_tokens = cached.new_token_ids
+        for i in compress(range(len(new_tokens)), new_tokens):
+            # Only when this rank does not sample (pipeline parallelism).
+            state = states[i]
+            state.output_token_ids.extend(new_tokens[i])
+            state.token_ids.extend(new_tokens[i])
+            batch.append_tokens(batch.row_of[req_ids[i]], new_tokens[i])
 
     # --- the step -------------------------------------------------------------------
 
@@ -632,8 +660,13 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         drafts_of: dict[str, list[int]] = {}
         if so.scheduled_spec_decode_tokens:
             scheduled, drafts_of = self._drafts_to_verify(so)
-        decodes = [r for r, n in scheduled.items() if n == 1]
-        prefills = [r for r, n in scheduled.items() if n != 1]
+        counts = scheduled.values()
+        all_decodes = self.decode_shortcut and sum(counts) == len(counts) and max(counts) == 1
+        if all_decodes:  # the steady state: no per-request pass to split the batch
+            decodes, prefills = list(scheduled), []
+        else:
+            decodes = [r for r, n in scheduled.items() if n == 1]
+            prefills = [r for r, n in scheduled.items() if n != 1]
         if bridge is not None and so.scheduled_new_reqs:
             # A request's first step may read KV a connector loads during this very
             # forward: keep it out of the decode group (a backend may serve decodes from
@@ -641,25 +674,33 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             fresh = {new.req_id for new in so.scheduled_new_reqs}
             prefills = [r for r in decodes if r in fresh] + prefills
             decodes = [r for r in decodes if r not in fresh]
+            all_decodes = not prefills
         if decodes:
             view = _BatchView(self.requests, self.block_table)
             decodes = self._backend().order_decodes(decodes, view)
         order = decodes + prefills
         num_reqs = len(order)
 
-        states = [self.requests[r] for r in order]
-        q_lens = np.fromiter((scheduled[r] for r in order), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, count=num_reqs)
-        total = int(q_lens.sum())
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        offsets = np.cumsum(q_lens) - q_lens
-        positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
+        states = lookup(self.requests, order)
+        starts = ints_of(states, "num_computed_tokens")
+        if all_decodes:  # one token per request, at its context length
+            self.decode_shortcut_steps += 1
+            q_lens = np.ones(num_reqs, dtype=np.int64)
+            total = num_reqs
+            req_of_token = np.arange(num_reqs)
+            positions = starts.copy()
+        else:
+            q_lens = lookup_ints(scheduled, order)
+            total = int(q_lens.sum())
+            req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+            offsets = np.cumsum(q_lens) - q_lens
+            positions = np.arange(total) - offsets[req_of_token] + starts[req_of_token]
         block_table = self.block_table.gather(order)
         prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
         verify: list[list[int]] | None = [] if self.drafter is not None else None
         batch = self._persistent_batch()
-        rows = np.fromiter((batch.row_of[r] for r in order), np.int64, count=num_reqs)
-        if verify is None and not any(s.prompt_logprobs is not None for s in states):
+        rows = lookup_ints(batch.row_of, order)
+        if verify is None and not any_set(states, "prompt_logprobs"):
             input_ids, sample_rows, sampled = self._gather_inputs(
                 order, states, rows, starts, q_lens, req_of_token, positions
             )
@@ -730,8 +771,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 f"but only {int(known[i])} are known to the model runner"
             )
         input_ids = batch.tokens[rows[req_of_token], positions]
-        for state, end in zip(states, ends.tolist(), strict=True):
-            state.num_computed_tokens = end
+        set_each(states, "num_computed_tokens", ends.tolist())
         due = ends == known  # prefill complete: a new token is due
         last_rows = np.cumsum(q_lens) - 1
         if due.all():

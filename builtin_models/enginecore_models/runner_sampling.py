@@ -20,6 +20,7 @@ from enginecore.errors import PluginContractError
 from enginecore.runner_output import KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput
 from enginecore_models.drafter import TokenBuffer
+from enginecore_models.per_request import any_set, append_each, lookup, values_of
 from enginecore_models.prompt_logprobs import device_rows, split_rows
 from enginecore_models.rejection_sampler import SeededStreams, accept, expand_rows
 from enginecore_models.sampler import (
@@ -78,10 +79,12 @@ class SamplingPhase:
         logprobs' ids, values and ranks where asked; as arrays, in order) and the prompt
         logprobs of requests whose first token is sampled this step."""
         done = []
-        for req_id in sample_req_ids:
-            acc = self.requests[req_id].prompt_logprobs
-            if acc is not None and acc.complete:
-                done.append((req_id, acc))
+        states = lookup(self.requests, sample_req_ids)
+        if any_set(states, "prompt_logprobs"):
+            for req_id, state in zip(sample_req_ids, states, strict=True):
+                acc = state.prompt_logprobs
+                if acc is not None and acc.complete:
+                    done.append((req_id, acc))
         accumulators = [acc for _, acc in done]
         named = dict(zip(_COPY_NAMES, wanted, strict=False))
         packed = device_rows(accumulators) if done else []
@@ -132,13 +135,12 @@ class SamplingPhase:
             return ModelRunnerOutput(
                 kv_connector_output=step.kv_connector_output if step is not None else None
             )
-        index = {r: i for i, r in enumerate(step.req_ids)}
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        index = dict(zip(step.req_ids, range(len(step.req_ids)), strict=True))
         if not step.sample_req_ids:
             return ModelRunnerOutput(
                 req_ids=step.req_ids,
                 req_id_to_index=index,
-                sampled_token_ids=sampled,
+                sampled_token_ids=[[] for _ in step.req_ids],
                 kv_connector_output=step.kv_connector_output,
             )
         if self.drafter is not None:
@@ -174,14 +176,14 @@ class SamplingPhase:
             assert meta is not None  # logprobs come from this rank's sampler
             lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
         batch.append_sampled(rows, token_array)
-        requests = self.requests
-        for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
-            state = requests[req_id]
-            state.output_token_ids.append(token)
-            state.token_ids.append(token)
-        if len(tokens) == len(sampled):  # every request sampled, in batch order
-            sampled = [[token] for token in tokens]
+        states = lookup(self.requests, step.sample_req_ids)
+        append_each(values_of(states, "output_token_ids"), tokens)
+        append_each(values_of(states, "token_ids"), tokens)
+        sampled: list[list[int]]
+        if len(tokens) == len(step.req_ids):  # every request sampled, in batch order
+            sampled = list(map(list, zip(tokens)))
         else:
+            sampled = [[] for _ in step.req_ids]
             for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
                 sampled[index[req_id]] = [token]
         return ModelRunnerOutput(

@@ -188,6 +188,35 @@ class KVCacheManager:
 
     # --- allocation --------------------------------------------------------------------
 
+    def one_more_token_fits(self, requests: Sequence[Request]) -> list[bool] | None:
+        """Per request, in one pass over the batch: whether one token after its computed
+        ones fits the blocks it holds and completes no block that is not cached yet, so
+        that :meth:`allocate_slots` for it (one token, no lookahead) would change nothing
+        and return no block. None where that check does not apply (several KV cache
+        groups, or a sliding window): every request then takes ``allocate_slots``."""
+        if self.group_windows != [None]:
+            return None
+        held = self._reqs
+        bs = self.block_size
+        caching = self.enable_caching
+        fits: list[bool] = []
+        for request in requests:
+            groups = held.get(request.request_id)
+            if groups is None:
+                fits.append(False)
+                continue
+            state = groups[0]
+            num_known = request.num_computed_tokens + 1
+            if num_known > len(state.blocks) * bs:
+                fits.append(False)
+            elif caching:
+                num_tokens = len(request.all_token_ids)
+                full = (num_known if num_known < num_tokens else num_tokens) // bs
+                fits.append(full <= state.num_cached)
+            else:
+                fits.append(True)
+        return fits
+
     def allocate_slots(
         self,
         request: Request,

@@ -154,6 +154,11 @@ class DefaultScheduler(Scheduler):
         self._num_prompt_tokens_computed_since_stats = 0
         self._policy_admits = type(policy).admit is not SchedulingPolicy.admit
         self._step_id = 0
+        # Running requests scheduled through the batch-wide decode check of schedule()
+        # rather than one allocate_slots each (read by tests that the path is taken).
+        self.num_fast_decodes = 0
+        # Plain steps update_from_output reported as columns (``plain_output_columns``).
+        self.num_plain_outputs = 0
         self._num_preemptions_since_stats = 0
         self._last_num_scheduled_tokens = 0
         # Speculative decoding: draft slots per decode step (0: off), and counters since
@@ -295,12 +300,34 @@ class DefaultScheduler(Scheduler):
             self._shared_until_step = self._step_id + SHARE_HOLD_STEPS
         share = StepShare(self) if self._step_id <= self._shared_until_step else None
 
-        # 1. Running requests first, in running order.
+        # 1. Running requests first, in running order. A decode step (one token) of a
+        # request whose blocks already hold that token is decided for the whole batch at
+        # once (``one_more_token_fits``); the rest, and every request of a step with
+        # drafts, adapters or a per-client share, take the general path below.
+        fits = (
+            kv.one_more_token_fits(running)
+            if share is None and not self.num_spec_tokens and not self.max_loras
+            else None
+        )
+        num_fast = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            i += 1
             computed = request.num_computed_tokens
+            if (
+                fits is not None
+                and fits[i]
+                and len(request.all_token_ids) + request.num_output_placeholders == computed + 1
+                and request.num_prompt_tokens + request.max_tokens > computed + 1  # type: ignore[operator]
+            ):
+                i += 1
+                scheduled_running.append(request)
+                running_new_blocks.append(None)
+                num_scheduled[request.request_id] = 1
+                budget -= 1
+                num_fast += 1
+                continue
+            i += 1
             num_new = len(request.all_token_ids) + request.num_output_placeholders - computed
             # Never compute the last output token: prompt + max_tokens - 1 in total.
             max_tokens = request.max_tokens
@@ -327,6 +354,7 @@ class DefaultScheduler(Scheduler):
             while new_blocks is None:
                 # Out of blocks: preempt the policy's victim and retry.
                 victim = policy.pick_preemption_victim(running)
+                fits = None  # indices into ``running`` shift from here on
                 index = running.index(victim)
                 del running[index]
                 if index < i:
@@ -360,6 +388,7 @@ class DefaultScheduler(Scheduler):
             budget -= num_new
             if share is not None:
                 share.take(request)
+        self.num_fast_decodes += num_fast
         if share is not None and share.turned_away:
             # Those that ran go to the back: the ones turned away run first next step.
             running[:] = share.rotate(running, num_scheduled)
@@ -757,6 +786,20 @@ class DefaultScheduler(Scheduler):
         spec_slots = scheduler_output.scheduled_spec_decode_tokens
         new_drafts = runner_output.draft_token_ids
         spec_counts = self._spec_counts
+        # Plain steps (one token that finishes nothing, nothing else to report) as
+        # columns per client, where the engine asked for them and the step has no
+        # drafts, prompt logprobs, pooling or recomputation to report.
+        plain_rows: dict[int, tuple[list[str], list[int]]] | None = (
+            {}
+            if self.plain_output_columns
+            and not spec_slots
+            and new_drafts is None
+            and not recomputed
+            and not runner_output.prompt_logprobs
+            and not runner_output.pooler_output
+            else None
+        )
+        num_plain = 0
         for index, request_id in enumerate(runner_output.req_ids):
             sampled = sampled_rows[index]
             if not sampled:
@@ -764,6 +807,36 @@ class DefaultScheduler(Scheduler):
             request = requests.get(request_id)
             if request is None or request.num_output_placeholders <= 0:
                 continue  # finished or aborted while its batch was in flight
+            if (
+                plain_rows is not None
+                and len(sampled) == 1
+                and not request.events
+                and request.output_token_ids  # a first token reports num_cached_tokens
+            ):
+                params = request.sampling_params
+                token = sampled[0]
+                output_ids = request.output_token_ids
+                all_ids = request.all_token_ids
+                stop_ids = params.stop_token_ids
+                if (
+                    params.logprobs is None
+                    and params.structured_output is None
+                    and (params.ignore_eos or token != request.eos_token_id)
+                    and not (stop_ids and token in stop_ids)
+                    and len(all_ids) + 1 < max_model_len
+                    and len(output_ids) + 1 < request.max_tokens  # type: ignore[operator]
+                ):
+                    placeholders = request.num_output_placeholders - 1
+                    request.num_output_placeholders = placeholders if placeholders > 0 else 0
+                    output_ids.append(token)
+                    all_ids.append(token)
+                    columns = plain_rows.get(request.client_index)
+                    if columns is None:
+                        columns = plain_rows[request.client_index] = ([], [])
+                    columns[0].append(request_id)
+                    columns[1].append(token)
+                    num_plain += 1
+                    continue
             slots = spec_slots.get(request_id) if spec_slots else None
             num_slots = len(slots) if slots else 0
             if request_id in recomputed:
@@ -863,9 +936,19 @@ class DefaultScheduler(Scheduler):
                 request = self._delayed_free.pop(request_id, None)
                 if request is not None:
                     self.kv_cache_manager.free(request)
-        return {
+        result = {
             client: EngineCoreOutputs(outputs=outputs) for client, outputs in per_client.items()
         }
+        if num_plain:
+            assert plain_rows is not None
+            self.num_plain_outputs += num_plain
+            for client, (plain_ids, plain_tokens) in plain_rows.items():
+                client_result = result.get(client)
+                if client_result is None:
+                    client_result = result[client] = EngineCoreOutputs()
+                client_result.plain_req_ids = plain_ids
+                client_result.plain_token_ids = plain_tokens
+        return result
 
     def _apply_connector_output(
         self, out: KVConnectorOutput, per_client: dict[int, list[EngineCoreOutput]]

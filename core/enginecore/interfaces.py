@@ -115,6 +115,12 @@ class Scheduler(ABC):
     #: window layers, it is also constructed with ``kv_cache_groups=`` (each group's
     #: window, None for full attention) and sends per-group block ids.
     supports_kv_cache_groups: ClassVar[bool] = False
+    #: Set by the engine when whoever reads its outputs takes plain steps as columns:
+    #: ``update_from_output`` may then report a request's plain step (one token that
+    #: finishes nothing and is not its first; no logprobs, events or other payload) in
+    #: ``EngineCoreOutputs.plain_req_ids`` / ``plain_token_ids`` rather than as an
+    #: ``EngineCoreOutput``. A scheduler may ignore it.
+    plain_output_columns: bool = False
 
     @abstractmethod
     def add_request(self, request: Request) -> None:

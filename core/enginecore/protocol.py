@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Container
 from typing import Any
 
 import msgspec
@@ -133,10 +134,49 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
     engine_dead: str | None = None  # set on the ENGINE_CORE_DEAD sentinel: what died and why
+    # A plain decode step's outputs as two columns, beside ``outputs``: request
+    # ``plain_req_ids[i]`` gained the one token ``plain_token_ids[i]`` and nothing else
+    # (not its first token; no finish, logprobs, events or other payload). A scheduler
+    # fills them only where the engine asks for it (``plain_output_columns``).
+    plain_req_ids: list[str] = []
+    plain_token_ids: list[int] = []
 
     def stamp(self) -> EngineCoreOutputs:
         self.timestamp = time.monotonic()
         return self
+
+    def plain_outputs(self) -> list[EngineCoreOutput]:
+        """The plain rows as :class:`EngineCoreOutput` objects (the general form)."""
+        return [
+            EngineCoreOutput(request_id=request_id, new_token_ids=[token_id])
+            for request_id, token_id in zip(self.plain_req_ids, self.plain_token_ids, strict=True)
+        ]
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every request's output of the step: ``outputs`` and the plain rows unfolded."""
+        return self.outputs + self.plain_outputs() if self.plain_req_ids else self.outputs
+
+    def unfold_plain(self, request_ids: Container[str]) -> None:
+        """Move the plain rows of ``request_ids`` into ``outputs`` (to be amended there)."""
+        if not self.plain_req_ids:
+            return
+        keep_ids: list[str] = []
+        keep_tokens: list[int] = []
+        for request_id, token_id in zip(self.plain_req_ids, self.plain_token_ids, strict=True):
+            if request_id in request_ids:
+                self.outputs.append(EngineCoreOutput(request_id, [token_id]))
+            else:
+                keep_ids.append(request_id)
+                keep_tokens.append(token_id)
+        self.plain_req_ids = keep_ids
+        self.plain_token_ids = keep_tokens
+
+    def extend(self, other: EngineCoreOutputs) -> None:
+        """Take ``other``'s outputs and plain rows in after this one's."""
+        self.outputs.extend(other.outputs)
+        if other.plain_req_ids:
+            self.plain_req_ids = self.plain_req_ids + other.plain_req_ids
+            self.plain_token_ids = self.plain_token_ids + other.plain_token_ids
 
 
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

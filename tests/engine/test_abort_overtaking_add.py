@@ -58,7 +58,7 @@ def test_requests_aborted_right_after_they_are_added_generate_nothing(tiny_llama
         if not pull.poll(timeout_ms):
             return False
         outputs = decoder.decode(pull.recv_multipart())
-        for out in outputs.outputs:
+        for out in outputs.all_outputs():
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
             if out.finish_reason is not None:
                 finished.add(out.request_id)

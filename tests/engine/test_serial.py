@@ -21,13 +21,28 @@ from enginecore.serial import MsgpackDecoder, MsgpackEncoder, Unpicklable
 
 
 def test_plain_decode_output_is_a_few_dozen_bytes() -> None:
-    outputs = EngineCoreOutputs(
-        outputs=[EngineCoreOutput(request_id="req-17", new_token_ids=[4242])]
-    )
+    outputs = EngineCoreOutputs(plain_req_ids=["req-17"], plain_token_ids=[4242])
     outputs.timestamp = 12345.678
     frames = MsgpackEncoder().encode(outputs)
     assert len(frames) == 1
     assert len(frames[0]) < 40, len(frames[0])
+
+
+def test_plain_rows_as_columns_are_smaller_and_unfold_to_the_objects() -> None:
+    ids = [f"req-{i}" for i in range(256)]
+    tokens = [1000 + i for i in range(256)]
+    columns = EngineCoreOutputs(plain_req_ids=ids, plain_token_ids=tokens)
+    objects = EngineCoreOutputs(outputs=columns.plain_outputs())
+    assert objects.outputs == [EngineCoreOutput(i, [t]) for i, t in zip(ids, tokens, strict=True)]
+    column_bytes = len(MsgpackEncoder().encode(columns)[0])
+    object_bytes = len(MsgpackEncoder().encode(objects)[0])
+    assert column_bytes * 2 < object_bytes, (column_bytes, object_bytes)
+    decoded = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(columns))
+    assert decoded.all_outputs() == objects.outputs
+    # A row the engine must amend (a runner error) moves to the objects, the rest stay.
+    decoded.unfold_plain({"req-3"})
+    assert [o.request_id for o in decoded.outputs] == ["req-3"]
+    assert len(decoded.plain_req_ids) == 255 and "req-3" not in decoded.plain_req_ids
 
 
 def test_request_round_trip_keeps_every_field() -> None:

@@ -59,8 +59,13 @@ def _steps(engine_ids: list[str]) -> list[list[EngineCoreOutput]]:
     return steps
 
 
-def _fold(fast: bool) -> tuple[list[Any], list[Any], int]:
-    """Every step's request outputs and statistics; how many outputs took ``apply``."""
+def _is_plain_row(out: EngineCoreOutput) -> bool:
+    return len(out.new_token_ids) == 1 and out.events is None and out.finish_reason is None
+
+
+def _fold(fast: bool, columns: bool = False) -> tuple[list[Any], list[Any], int]:
+    """Every step's request outputs and statistics; how many outputs took ``apply``.
+    ``columns``: each step's plain rows arrive as the engine sends them, in columns."""
     processor = OutputProcessor(TOKENIZER)
     engine_ids: list[str] = []
     for rid, params, kind in _requests():
@@ -85,12 +90,32 @@ def _fold(fast: bool) -> tuple[list[Any], list[Any], int]:
     for i, step in enumerate(_steps(engine_ids)):
         now = 2.0 + i
         builder = IterationStatsBuilder(now)
-        ready, to_abort = processor.process_outputs(step, now, builder)
+        if columns:
+            plain = [out for out in step if _is_plain_row(out)]
+            rest = [out for out in step if not _is_plain_row(out)]
+            ready, to_abort = processor.process_outputs(rest, now, builder)
+            more, more_to_abort = processor.process_plain(
+                [out.request_id for out in plain],
+                [out.new_token_ids[0] for out in plain],
+                now,
+                builder,
+            )
+            ready += more
+            to_abort += more_to_abort
+        else:
+            ready, to_abort = processor.process_outputs(step, now, builder)
         assert to_abort == []
-        outputs.append([out for _, out in ready])
+        outputs.append(sorted((out for _, out in ready), key=_output_key))
         stats.append(builder.stats)
     assert not processor.has_unfinished_requests()
+    if columns:
+        # Every plain row of a request without stop strings took the one pass.
+        assert processor.num_plain_rows == (5 + 2 + 2 - 1) * (STEPS - 2)
     return outputs, stats, general_calls
+
+
+def _output_key(output: Any) -> tuple[str, list[int]]:
+    return output.request_id, [c.index for c in output.outputs]
 
 
 def test_plain_steps_fold_as_the_general_path_folds_them() -> None:
@@ -105,3 +130,18 @@ def test_plain_steps_fold_as_the_general_path_folds_them() -> None:
     final = {o.request_id: o for step in outputs for o in step if o.finished}
     assert all(len(c.token_ids) == STEPS for c in final["final"].outputs)
     assert final["final"].outputs[0].text  # detokenized along the fast path too
+
+
+def test_plain_columns_fold_as_the_objects_fold() -> None:
+    """The engine's plain rows in columns (``process_plain``) give the outputs, text and
+    statistics of the same rows as objects; a request with stop strings among them takes
+    the general path."""
+    column_outputs, column_stats, column_general = _fold(fast=True, columns=True)
+    outputs, stats, _ = _fold(fast=False)
+    assert column_outputs == outputs
+    for got, want in zip(column_stats, stats, strict=True):
+        assert sorted(got.inter_token_latencies) == sorted(want.inter_token_latencies)
+        got.inter_token_latencies = want.inter_token_latencies
+        assert got == want
+    engine_requests = 5 + 2 + 2
+    assert column_general == engine_requests * 2 + (STEPS - 2)

@@ -305,6 +305,32 @@ class AsyncLLM:
                 EngineDeadError(f"the frontend output task failed: {type(exc).__name__}: {exc}")
             )
 
+    def _deliver(
+        self,
+        ready: list[tuple[Any, RequestOutput]],
+        to_abort: list[str],
+        errors: dict[str, str] | None = None,
+    ) -> None:
+        """Hand each ready output to its request's collector (its error instead, where the
+        engine reported one); abort what the frontend stopped."""
+        failed: list[str] = []
+        for state, request_output in ready:
+            collector: RequestOutputCollector | None = state.queue
+            if collector is None:
+                continue
+            error = errors.get(state.request_id) if errors else None
+            if error is not None:
+                collector.put(RequestRejectedError(error))
+                failed.append(collector.request_id)
+                continue
+            collector.put(request_output)
+            if request_output.finished:
+                self.collectors.pop(collector.request_id, None)
+        if to_abort:
+            self.engine_client.abort_requests(to_abort)
+        if failed:
+            self.abort(failed)  # drops the sibling samples of an n > 1 request
+
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.engine_dead is not None:
             self._fail_replica_requests(outputs)
@@ -318,24 +344,15 @@ class AsyncLLM:
                 await asyncio.sleep(0)  # a big batch yields the loop between chunks
             chunk = items[start : start + OUTPUT_CHUNK_SIZE]
             errors = {out.request_id: out.error for out in chunk if out.error}
-            ready, to_abort = op.process_outputs(chunk, now, builder)
-            failed: list[str] = []
-            for state, request_output in ready:
-                collector: RequestOutputCollector | None = state.queue
-                if collector is None:
-                    continue
-                error = errors.get(state.request_id)
-                if error is not None:
-                    collector.put(RequestRejectedError(error))
-                    failed.append(collector.request_id)
-                    continue
-                collector.put(request_output)
-                if request_output.finished:
-                    self.collectors.pop(collector.request_id, None)
-            if to_abort:
-                self.engine_client.abort_requests(to_abort)
-            if failed:
-                self.abort(failed)  # drops the sibling samples of an n > 1 request
+            self._deliver(*op.process_outputs(chunk, now, builder), errors)
+        plain_ids, plain_tokens = outputs.plain_req_ids, outputs.plain_token_ids
+        for start in range(0, len(plain_ids), OUTPUT_CHUNK_SIZE):
+            if start or items:
+                await asyncio.sleep(0)
+            end = start + OUTPUT_CHUNK_SIZE
+            self._deliver(
+                *op.process_plain(plain_ids[start:end], plain_tokens[start:end], now, builder)
+            )
         self._record(outputs.scheduler_stats, builder.stats, outputs.engine_index)
 
     def _record(

@@ -70,6 +70,7 @@ class InprocClient(EngineCoreClient):
             self._watchdog.close()
             raise
         self.ready = self.engine.ready_response()
+        self.engine.send_plain_steps_as_columns()  # the frontends read them
         self._step = self.engine.step_fn()
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -99,7 +100,7 @@ class InprocClient(EngineCoreClient):
             return None
         merged = EngineCoreOutputs()
         for client_outputs in outputs.values():
-            merged.outputs.extend(client_outputs.outputs)
+            merged.extend(client_outputs)
             merged.scheduler_stats = client_outputs.scheduler_stats
         return merged
 

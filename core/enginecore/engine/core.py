@@ -440,6 +440,8 @@ class EngineCore:
     def _fail_requests(self, outputs: dict[int, EngineCoreOutputs], errors: dict[str, str]) -> None:
         """Finish with its error each request the runner could not go on with (its
         tokens of this step are kept); one that finished anyway this step stays as is."""
+        for client_outputs in outputs.values():
+            client_outputs.unfold_plain(errors)  # amended below, as objects
         failing = {
             output.request_id: output
             for client_outputs in outputs.values()
@@ -528,6 +530,13 @@ class EngineCore:
         outputs = self._update(scheduler_output, runner_output, rejections)
         return _merge(outputs, failed), scheduled
 
+    def send_plain_steps_as_columns(self) -> None:
+        """Ask the scheduler for plain steps as columns of the outputs
+        (``EngineCoreOutputs.plain_req_ids``) where it can make them: for a frontend that
+        reads them (``OutputProcessor.process_plain``). Unasked, every output is an
+        ``EngineCoreOutput``, as a caller of :meth:`step` reading ``outputs`` expects."""
+        self.scheduler.plain_output_columns = True
+
     def step_fn(self) -> Callable[[], StepResult]:
         return self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
 
@@ -614,7 +623,7 @@ def _merge(
 ) -> dict[int, EngineCoreOutputs]:
     for client, extra in more.items():
         if client in outputs:
-            outputs[client].outputs.extend(extra.outputs)
+            outputs[client].extend(extra)
         else:
             outputs[client] = extra
     return outputs

@@ -87,6 +87,7 @@ class EngineCoreProc(EngineCore):
         # Pickled objects only on IPC sockets (an owner-only directory), never over TCP.
         self.allow_pickle = input_address.startswith("ipc://")
         super().__init__(config)
+        self.send_plain_steps_as_columns()  # every client of the output sockets reads them
         self.executor.register_failure_callback(
             lambda message: self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, message))
         )

@@ -297,6 +297,7 @@ class LLM(PoolingMethods):
                             progress.update(1)
                 if (
                     not engine_outputs.outputs
+                    and not engine_outputs.plain_req_ids
                     and not self.output_processor.has_unfinished_requests()
                 ):
                     break
@@ -320,6 +321,12 @@ class LLM(PoolingMethods):
         ready, to_abort = self.output_processor.process_outputs(
             engine_outputs.outputs, now, builder
         )
+        if engine_outputs.plain_req_ids:
+            more, more_to_abort = self.output_processor.process_plain(
+                engine_outputs.plain_req_ids, engine_outputs.plain_token_ids, now, builder
+            )
+            ready += more
+            to_abort += more_to_abort
         self.stat_loggers.record(
             engine_outputs.scheduler_stats, builder.stats, engine_outputs.engine_index
         )

@@ -326,6 +326,8 @@ class OutputProcessor:
             build_in_background(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # Plain rows folded in by process_plain's one pass (read by tests).
+        self.num_plain_rows = 0
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.states:
@@ -457,6 +459,49 @@ class OutputProcessor:
                 ready.append((state, request_output))
         if stats is not None and gaps:
             stats.next_tokens(gaps)
+        return ready, to_abort
+
+    def process_plain(
+        self,
+        request_ids: list[str],
+        token_ids: list[int],
+        now: float,
+        stats: IterationStatsBuilder | None = None,
+    ) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """:meth:`process_outputs` for a step's plain rows (``EngineCoreOutputs.
+        plain_req_ids``): one token each and nothing else, folded in one pass; a request
+        that needs more than the token appended (stop strings, logprobs) takes the
+        general path."""
+        ready: list[tuple[RequestState, RequestOutput]] = []
+        to_abort: list[str] = []
+        states = self.states
+        gaps: list[float] = []
+        general: list[EngineCoreOutput] = []
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            state = states.get(request_id)
+            if state is None:
+                continue  # aborted in the frontend meanwhile
+            last_token = state.times.last_token
+            if not state.plain or last_token is None:
+                general.append(EngineCoreOutput(request_id=request_id, new_token_ids=[token_id]))
+                continue
+            gaps.append(now - last_token)
+            # RequestState.apply_token, inlined: this loop runs once per request per step.
+            detokenizer = state.detokenizer
+            if detokenizer is not None:
+                detokenizer.add_token(token_id)
+            state.times.last_token = now
+            state.token_ids.append(token_id)
+            if state.streams_every_step:
+                request_output = self._make_output(state, False)
+                if request_output is not None:
+                    ready.append((state, request_output))
+        self.num_plain_rows += len(request_ids) - len(general)
+        if stats is not None and gaps:
+            stats.next_tokens(gaps)
+        if general:
+            more, to_abort = self.process_outputs(general, now, stats)
+            ready += more
         return ready, to_abort
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
