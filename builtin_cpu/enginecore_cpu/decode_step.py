@@ -30,9 +30,9 @@ import torch
 from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
 from enginecore.layers.attention import AttentionBatch
 from enginecore.layers.decode_block import DecodeBlock, declared_block
-from enginecore_cpu import cpu_kernels, kquant_kernels, quant_kernels
+from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernels
 from enginecore_cpu.fused_ops import CpuFusedOps
-from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS
+from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS, gemm_from_rows
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +192,11 @@ class FusedDecodeStep:
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], backend: Any) -> None:
         self.backend = backend  # the ``cpu`` attention backend, whose mirror serves decodes
         self.steps = 0  # steps run fused (the tests check the path is taken)
+        # The most rows a step takes: below the crossover of the weights' formats, where
+        # the layers' many-row kernel overtakes the one-row kernels this step calls.
+        self.max_rows = DIRECT_MAX_ROWS
+        gemm = quant_gemm.load()
+        self._vnni = gemm.vnni if gemm is not None else None
         self._keep: list[Any] = []  # ctypes arrays the C structures point into
         self._mirror_layers: list[torch.Tensor] | None = None
         self._mirror_ptrs: Any = None
@@ -298,6 +303,8 @@ class FusedDecodeStep:
             raise Unsupported("a projection is not kept in blocks (linear method gguf)")
         parts = []
         for first, part in blocks:
+            if self._vnni is not None:
+                self.max_rows = min(self.max_rows, gemm_from_rows(part, self._vnni) - 1)
             parts.append(_Part(part.kind, first, part.shape[0], *part.pointers, *_row_bytes(part)))
         array = (_Part * len(parts))(*parts)
         self._keep.append(array)
@@ -309,10 +316,12 @@ class FusedDecodeStep:
     # --- per step ---------------------------------------------------------------------
 
     def handles(self, batch: AttentionBatch) -> bool:
-        """Whether this step is all decodes, served from the mirror, few enough for the
-        blocks' direct kernels (more rows take a float32 GEMM in the layers)."""
+        """Whether this step is all decodes, served from the mirror, fewer than the rows
+        from which the layers take the many-row kernel (``gemm_from_rows``) for any of the
+        weights' formats on this build, or without it as many as the one-row kernels take
+        (``DIRECT_MAX_ROWS``; more take a float32 GEMM in the layers)."""
         n = len(batch.req_ids)
-        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
+        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= self.max_rows
 
     def run(
         self,

@@ -61,12 +61,13 @@ logger = logging.getLogger(__name__)
 
 # Rows from which a product takes ``quant_gemm`` rather than the one-row kernels, per
 # layout: where the two cross with the CPU's VNNI (benchmarks/RESULTS.md, "Other
-# measurements behind the code"), and without it (AVX2's vpmaddubsw: the 4-bit formats'
-# one-row kernels stay ahead to past 32 rows; docs/quantization.md, "Prefill on the
-# blocks"). Its fixed cost is decoding each block once a call; the one-row kernels' grows
-# with the rows (a block unpacked per four rows).
+# measurements behind the code"), and without it (AVX2's vpmaddubsw; RESULTS.md, "Decode
+# batches: where the many-row kernel overtakes the one-row kernels", measured by
+# ``benchmarks/quant_gemm_rows.py --level x86-64-v3``). Its fixed cost is decoding each
+# block once a call; the one-row kernels' grows with the rows (a block unpacked per four
+# rows). The fused decode step takes batches below these (``decode_step.py``).
 GEMM_FROM_ROWS = {"Q4": 12, "Q8": 8, "Q4_K": 12, "Q5_K": 8, "Q6_K": 12}
-GEMM_FROM_ROWS_NO_VNNI = {"Q4": 64, "Q8": 16, "Q4_K": 64, "Q5_K": 16, "Q6_K": 16}
+GEMM_FROM_ROWS_NO_VNNI = {"Q4": 32, "Q8": 16, "Q4_K": 32, "Q5_K": 16, "Q6_K": 16}
 # Without ``quant_gemm`` (its build failed): more rows than this take float32 GEMMs, one
 # per tile of the weight's rows de-quantized for the call. The fused decode step takes
 # batches up to this size.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from enginecore_cpu import cpu_kernels, decode_step, quant_kernels
+from enginecore_cpu import cpu_kernels, decode_step, gguf_linear_method, quant_gemm, quant_kernels
 from tests.helpers.gguf_writer import write_gguf
 
 needs_kernels = pytest.mark.skipif(
@@ -223,3 +223,76 @@ def test_the_fused_step_is_made_again_after_sleep(tiny_llama, tmp_path, monkeypa
         after = llm.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
         assert steps() == 11  # a new step, used for every decode
         assert after == before
+
+
+def _decode_rows_by_path(path: pathlib.Path, prompts: list[list[int]], monkeypatch) -> Any:
+    """Each request's greedy tokens, and the row counts of the fused steps and of the
+    layers' ``quant_gemm`` calls."""
+    from enginecore import LLM, SamplingParams
+
+    fused_rows: list[int] = []
+    gemm_rows: list[int] = []
+    run, gemm = decode_step.FusedDecodeStep.run, quant_gemm.QuantGemm.gemm
+
+    def counted_run(self, ids, *args, **kwargs):
+        fused_rows.append(ids.shape[0])
+        return run(self, ids, *args, **kwargs)
+
+    def counted_gemm(self, acts, *args, **kwargs):
+        gemm_rows.append(acts.q.shape[0])
+        return gemm(self, acts, *args, **kwargs)
+
+    monkeypatch.setattr(decode_step.FusedDecodeStep, "run", counted_run)
+    monkeypatch.setattr(quant_gemm.QuantGemm, "gemm", counted_gemm)
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), multiprocessing=False, max_num_batched_tokens=256) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], fused_rows, gemm_rows
+
+
+@pytest.mark.skipif(quant_gemm.load() is None, reason="no many-row kernel")
+def test_a_decode_batch_from_the_crossover_takes_the_many_row_kernel(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """A decode batch of as many rows as the Q8_0 crossover of this build
+    (``GEMM_FROM_ROWS`` with VNNI, ``GEMM_FROM_ROWS_NO_VNNI`` without) leaves the fused
+    step's one-row kernels for the layers' ``quant_gemm``; its greedy tokens are the
+    one-row path's (the step's limit raised past it) and transformers' on the same file."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tiny_llama, tmp_path / "q8_0.gguf", quantize=True)
+    table = (
+        gguf_linear_method.GEMM_FROM_ROWS
+        if quant_gemm.load().vnni
+        else gguf_linear_method.GEMM_FROM_ROWS_NO_VNNI
+    )
+    rows = table["Q8"]
+    prompts = [list(range(3 + 7 * i, 10 + 7 * i)) for i in range(rows)]
+    tokens, fused_rows, gemm_rows = _decode_rows_by_path(path, prompts, monkeypatch)
+    assert fused_rows == [] or max(fused_rows) < rows, fused_rows
+    # Each of the 11 all-decode steps: the projections of every layer and the LM head.
+    assert gemm_rows.count(rows) >= 11, gemm_rows
+
+    huge = dict.fromkeys(table, 1 << 20)
+    monkeypatch.setattr(gguf_linear_method, "GEMM_FROM_ROWS", huge)
+    monkeypatch.setattr(gguf_linear_method, "GEMM_FROM_ROWS_NO_VNNI", huge)
+    one_row, fused_rows, _ = _decode_rows_by_path(path, prompts, monkeypatch)
+    assert fused_rows.count(rows) >= 11, fused_rows  # the one-row kernels, fused
+
+    # transformers on the file's de-quantized weights, fed each path's tokens: up to the
+    # first step whose top two logits are within the activations' 8-bit rounding, each
+    # greedy token is its argmax; after it, within that rounding of the argmax.
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+    for answers in (tokens, one_row):
+        for prompt, got in zip(prompts, answers, strict=True):
+            with torch.no_grad():
+                logits = ref(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+            tol = 0.02 * float(logits.abs().max())
+            top2 = logits.topk(2, -1).values
+            close = [*(top2[:, 0] - top2[:, 1] <= tol).tolist(), True]
+            first_tie = close.index(True)
+            want = logits.argmax(-1).tolist()
+            assert got[:first_tie] == want[:first_tie], (got, want, first_tie)
+            chosen = logits[torch.arange(len(got)), torch.tensor(got)]
+            assert (top2[:, 0] - chosen <= tol).all()
