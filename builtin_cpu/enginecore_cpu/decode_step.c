@@ -90,6 +90,8 @@ typedef void (*gemm_q4_fn)(int64_t, int64_t, int64_t, const uint8_t *, const voi
                            int, const int8_t *, const float *, const float *, float *, int64_t);
 typedef void (*gemm_q8_fn)(int64_t, int64_t, int64_t, const int8_t *, const void *, int,
                            const int8_t *, const float *, float *, int64_t);
+typedef int (*gemm_fn)(int, int64_t, int64_t, int64_t, const void *, const void *, const void *,
+                       const int8_t *, const float *, const float *, float *, int64_t);
 
 /* The kernels' addresses (any of the last may be null when no part needs it). */
 typedef struct {
@@ -104,6 +106,7 @@ typedef struct {
     gemm_k_fn gemm_k;
     gemm_q4_fn gemm_q4;
     gemm_q8_fn gemm_q8;
+    gemm_fn gemm; /* quant_gemm.c's many-row kernel */
 } ecd_kernels;
 
 /* ecq_linear's kinds (quant_kernels.c) and the scale modes ecq_gemm_q4 reads them in:
@@ -116,12 +119,14 @@ enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_Q4K = 2, SCALES_F16_SYM = 3 };
 /* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
  * Q5_K / Q6_K (eck_gemm_k's bits; d the scale bytes, m unused), else ecq_linear's kind
  * (Q4_K among them); each weight row's bytes in qs, d and m (m_row 0 where m is not
- * read), so that a thread can take a range of rows. */
+ * read), so that a thread can take a range of rows; gemm_from: the rows from which the
+ * many-row kernel computes the part (where it overtakes the one-row kernels). */
 typedef struct {
     int64_t kind, first, rows;
     const void *qs;
     const void *d, *m;
     int64_t qs_row, d_row, m_row;
+    int64_t gemm_from;
 } ecd_part;
 
 typedef struct {
@@ -178,7 +183,10 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
         const char *d = (const char *)part->d + skip * part->d_row;
         const char *m = part->m == NULL ? NULL : (const char *)part->m + skip * part->m_row;
         float *target = out + a;
-        if (part->kind == 5 || part->kind == 6) {
+        if (n >= part->gemm_from) {
+            if (k->gemm((int)part->kind, n, b - a, p->in, qs, d, m, xq, xd, xs, target, p->out))
+                return -2;
+        } else if (part->kind == 5 || part->kind == 6) {
             k->gemm_k(n, b - a, p->in, part->kind, (const uint8_t *)qs, (const uint8_t *)d, xq,
                       xd, xs, target, p->out);
         } else if (part->kind == ECQ_Q8 || part->kind == ECQ_Q8_HALF) {

@@ -57,6 +57,7 @@ class _Kernels(Structure):
             "gemm_k",
             "gemm_q4",
             "gemm_q8",
+            "gemm",
         )
     ]
 
@@ -72,6 +73,7 @@ class _Part(Structure):
         ("qs_row", c_int64),
         ("d_row", c_int64),
         ("m_row", c_int64),
+        ("gemm_from", c_int64),
     ]
 
 
@@ -158,6 +160,7 @@ def _kernels(lib: ctypes.CDLL, needs_subblocks: bool) -> _Kernels:
                 ("gemm_k", "eck_gemm_k"),
                 ("gemm_q4", "ecq_gemm_q4"),
                 ("gemm_q8", "ecq_gemm_q8"),
+                ("gemm", "ecg_gemm"),
             )
         }
     )
@@ -192,11 +195,12 @@ class FusedDecodeStep:
     def __init__(self, model: Any, kv_caches: list[torch.Tensor], backend: Any) -> None:
         self.backend = backend  # the ``cpu`` attention backend, whose mirror serves decodes
         self.steps = 0  # steps run fused (the tests check the path is taken)
-        # The most rows a step takes: below the crossover of the weights' formats, where
-        # the layers' many-row kernel overtakes the one-row kernels this step calls.
-        self.max_rows = DIRECT_MAX_ROWS
+        # Each part's products take the many-row kernel from the rows the layers' do
+        # (the crossover of its format on this build), so the step stays the layers' bits.
         gemm = quant_gemm.load()
         self._vnni = gemm.vnni if gemm is not None else None
+        self.many_row_steps = 0  # steps of as many rows as some part's crossover
+        self._many_rows_from = DIRECT_MAX_ROWS + 1
         self._keep: list[Any] = []  # ctypes arrays the C structures point into
         self._mirror_layers: list[torch.Tensor] | None = None
         self._mirror_ptrs: Any = None
@@ -303,9 +307,13 @@ class FusedDecodeStep:
             raise Unsupported("a projection is not kept in blocks (linear method gguf)")
         parts = []
         for first, part in blocks:
+            gemm_from = 1 << 62  # never: the layers have no many-row kernel either
             if self._vnni is not None:
-                self.max_rows = min(self.max_rows, gemm_from_rows(part, self._vnni) - 1)
-            parts.append(_Part(part.kind, first, part.shape[0], *part.pointers, *_row_bytes(part)))
+                gemm_from = gemm_from_rows(part, self._vnni)
+                self._many_rows_from = min(self._many_rows_from, gemm_from)
+            parts.append(
+                _Part(part.kind, first, part.shape[0], *part.pointers, *_row_bytes(part), gemm_from)
+            )
         array = (_Part * len(parts))(*parts)
         self._keep.append(array)
         all_parts.extend(parts)
@@ -316,12 +324,10 @@ class FusedDecodeStep:
     # --- per step ---------------------------------------------------------------------
 
     def handles(self, batch: AttentionBatch) -> bool:
-        """Whether this step is all decodes, served from the mirror, fewer than the rows
-        from which the layers take the many-row kernel (``gemm_from_rows``) for any of the
-        weights' formats on this build, or without it as many as the one-row kernels take
-        (``DIRECT_MAX_ROWS``; more take a float32 GEMM in the layers)."""
+        """Whether this step is all decodes, served from the mirror, no more than
+        ``DIRECT_MAX_ROWS`` (the layers' limit without the many-row kernel)."""
         n = len(batch.req_ids)
-        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= self.max_rows
+        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
 
     def run(
         self,
@@ -354,13 +360,19 @@ class FusedDecodeStep:
         if status:
             raise IndexError("fused decode step: a token id, position, slot or length out of range")
         self.steps += 1
+        self.many_row_steps += n >= self._many_rows_from
         return out
 
 
 # The kernels the step calls, compiled into its library without their own OpenMP
 # teams: the step's team splits the work, and starting an inner team (even of one
 # thread) costs more than many of these small calls' work.
-SERIAL_SOURCES = (cpu_kernels.SOURCE, quant_kernels.SOURCE, kquant_kernels.SOURCE)
+SERIAL_SOURCES = (
+    cpu_kernels.SOURCE,
+    quant_kernels.SOURCE,
+    kquant_kernels.SOURCE,
+    quant_gemm.SOURCE,
+)
 
 
 def build(extra_flags: tuple[str, list[str]] | None = None, only_path: bool = False) -> Path:

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 # batches: where the many-row kernel overtakes the one-row kernels", measured by
 # ``benchmarks/quant_gemm_rows.py --level x86-64-v3``). Its fixed cost is decoding each
 # block once a call; the one-row kernels' grows with the rows (a block unpacked per four
-# rows). The fused decode step takes batches below these (``decode_step.py``).
+# rows). The fused decode step switches kernels at the same rows (``decode_step.py``).
 GEMM_FROM_ROWS = {"Q4": 12, "Q8": 8, "Q4_K": 12, "Q5_K": 8, "Q6_K": 12}
 GEMM_FROM_ROWS_NO_VNNI = {"Q4": 32, "Q8": 16, "Q4_K": 32, "Q5_K": 16, "Q6_K": 16}
 # Without ``quant_gemm`` (its build failed): more rows than this take float32 GEMMs, one

@@ -225,67 +225,72 @@ def test_the_fused_step_is_made_again_after_sleep(tiny_llama, tmp_path, monkeypa
         assert after == before
 
 
-def _decode_rows_by_path(path: pathlib.Path, prompts: list[list[int]], monkeypatch) -> Any:
-    """Each request's greedy tokens, and the row counts of the fused steps and of the
-    layers' ``quant_gemm`` calls."""
+def _decode_with_many_rows(path: pathlib.Path, prompts: list[list[int]], fused: bool, monkeypatch):
+    """Each request's greedy tokens and log-probabilities, the fused steps' count and how
+    many of them had as many rows as some weight's crossover, and the layers'
+    ``quant_gemm`` calls of ``len(prompts)`` rows."""
     from enginecore import LLM, SamplingParams
 
-    fused_rows: list[int] = []
     gemm_rows: list[int] = []
-    run, gemm = decode_step.FusedDecodeStep.run, quant_gemm.QuantGemm.gemm
-
-    def counted_run(self, ids, *args, **kwargs):
-        fused_rows.append(ids.shape[0])
-        return run(self, ids, *args, **kwargs)
+    gemm = quant_gemm.QuantGemm.gemm
 
     def counted_gemm(self, acts, *args, **kwargs):
         gemm_rows.append(acts.q.shape[0])
         return gemm(self, acts, *args, **kwargs)
 
-    monkeypatch.setattr(decode_step.FusedDecodeStep, "run", counted_run)
     monkeypatch.setattr(quant_gemm.QuantGemm, "gemm", counted_gemm)
-    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1" if fused else "0")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     with LLM(str(path), multiprocessing=False, max_num_batched_tokens=256) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], fused_rows, gemm_rows
+        steps = llm.collective_rpc(
+            lambda w: (
+                getattr(w.model_runner.fused_decode, "steps", None),
+                getattr(w.model_runner.fused_decode, "many_row_steps", None),
+            )
+        )[0]
+    answers = [
+        (
+            list(o.outputs[0].token_ids),
+            [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+    return answers, steps, gemm_rows.count(len(prompts))
 
 
 @pytest.mark.skipif(quant_gemm.load() is None, reason="no many-row kernel")
-def test_a_decode_batch_from_the_crossover_takes_the_many_row_kernel(
+def test_a_decode_batch_from_the_crossover_takes_the_many_row_kernel_fused(
     tiny_llama, tmp_path, monkeypatch
 ):
     """A decode batch of as many rows as the Q8_0 crossover of this build
-    (``GEMM_FROM_ROWS`` with VNNI, ``GEMM_FROM_ROWS_NO_VNNI`` without) leaves the fused
-    step's one-row kernels for the layers' ``quant_gemm``; its greedy tokens are the
-    one-row path's (the step's limit raised past it) and transformers' on the same file."""
+    (``GEMM_FROM_ROWS`` with VNNI, ``GEMM_FROM_ROWS_NO_VNNI`` without) runs fused with the
+    many-row kernel for its products, as the layers' ``quant_gemm`` computes them: the
+    same tokens and log-probabilities bit for bit. The one-row path (the crossover raised
+    past the batch) and the many-row one both decode as transformers does on the file."""
     from transformers import AutoModelForCausalLM
 
     path = write_gguf(tiny_llama, tmp_path / "q8_0.gguf", quantize=True)
-    table = (
-        gguf_linear_method.GEMM_FROM_ROWS
-        if quant_gemm.load().vnni
-        else gguf_linear_method.GEMM_FROM_ROWS_NO_VNNI
-    )
-    rows = table["Q8"]
+    table_name = "GEMM_FROM_ROWS" if quant_gemm.load().vnni else "GEMM_FROM_ROWS_NO_VNNI"
+    rows = getattr(gguf_linear_method, table_name)["Q8"]
     prompts = [list(range(3 + 7 * i, 10 + 7 * i)) for i in range(rows)]
-    tokens, fused_rows, gemm_rows = _decode_rows_by_path(path, prompts, monkeypatch)
-    assert fused_rows == [] or max(fused_rows) < rows, fused_rows
-    # Each of the 11 all-decode steps: the projections of every layer and the LM head.
-    assert gemm_rows.count(rows) >= 11, gemm_rows
+    fused, (steps, many_row_steps), _ = _decode_with_many_rows(path, prompts, True, monkeypatch)
+    layered, off, gemm_calls = _decode_with_many_rows(path, prompts, False, monkeypatch)
+    assert off == (None, None) and gemm_calls >= 11  # the layers took quant_gemm
+    assert fused == layered
+    assert steps >= 11 and many_row_steps >= 11, (steps, many_row_steps)
 
-    huge = dict.fromkeys(table, 1 << 20)
-    monkeypatch.setattr(gguf_linear_method, "GEMM_FROM_ROWS", huge)
-    monkeypatch.setattr(gguf_linear_method, "GEMM_FROM_ROWS_NO_VNNI", huge)
-    one_row, fused_rows, _ = _decode_rows_by_path(path, prompts, monkeypatch)
-    assert fused_rows.count(rows) >= 11, fused_rows  # the one-row kernels, fused
+    huge = dict.fromkeys(getattr(gguf_linear_method, table_name), 1 << 20)
+    monkeypatch.setattr(gguf_linear_method, table_name, huge)
+    one_row, (steps, many_row_steps), _ = _decode_with_many_rows(path, prompts, True, monkeypatch)
+    assert steps >= 11 and many_row_steps == 0, (steps, many_row_steps)
 
     # transformers on the file's de-quantized weights, fed each path's tokens: up to the
     # first step whose top two logits are within the activations' 8-bit rounding, each
     # greedy token is its argmax; after it, within that rounding of the argmax.
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-    for answers in (tokens, one_row):
-        for prompt, got in zip(prompts, answers, strict=True):
+    for answers in (fused, one_row):
+        for prompt, (got, _) in zip(prompts, answers, strict=True):
             with torch.no_grad():
                 logits = ref(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
             tol = 0.02 * float(logits.abs().max())
