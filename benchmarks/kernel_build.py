@@ -68,29 +68,28 @@ llm.shutdown()
 """
 
 
+def child(code: str, args: list[str], cache: str, failed: str) -> dict[str, float]:
+    """Run ``code`` in a new interpreter with ``cache`` as the kernel cache; its last line
+    of output is the JSON result."""
+    env = dict(os.environ, ENGINECORE_CACHE_DIR=cache, ENGINECORE_STARTUP_LOG="0")
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise SystemExit(f"{failed}:\n{out.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 def speed(model: str, opt: str, cache: str) -> dict[str, float]:
     """Prefill of 128 tokens and single-stream decode on ``model`` with the kernels built
     at ``opt`` (into ``cache``, kept across rounds)."""
-    env = dict(os.environ, ENGINECORE_CACHE_DIR=cache, ENGINECORE_STARTUP_LOG="0")
-    out = subprocess.run(
-        [sys.executable, "-c", SPEED, model, opt], env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        raise SystemExit(f"the run failed:\n{out.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return child(SPEED, [model, opt], cache, "the run failed")
 
 
 def run(mode: str, opt: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, ENGINECORE_CACHE_DIR=cache, ENGINECORE_STARTUP_LOG="0")
-        out = subprocess.run(
-            [sys.executable, "-c", RUN, mode, opt], env=env, capture_output=True, text=True
-        )
-    if out.returncode:
-        raise SystemExit(f"the build failed:\n{out.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+        return child(RUN, [mode, opt], cache, "the build failed")
 
 
 def main() -> None:
