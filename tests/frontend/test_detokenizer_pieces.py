@@ -293,11 +293,64 @@ def test_a_request_made_before_the_table_lands_takes_it_up(
     _CountingStream.steps = 0
     for token_id in before:
         detok.add_token(token_id)
+    assert detok.text  # queued tokens are folded in when the text is read
     assert _CountingStream.steps == len(before)  # no table yet: every token decoded
     gate.set()
     assert len(piece_table(tokenizer)) > len(tokenizer) // 2  # waits for the build
     _CountingStream.steps = 0
     for token_id in after:
         detok.add_token(token_id)
+    text = detok.text
     assert _CountingStream.steps <= 3, f"{_CountingStream.steps} of {len(after)} tokens decoded"
+    assert text == _stream_text(tokenizer, before + after, True)
     assert detok.text == _stream_text(tokenizer, before + after, True)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_queued_tokens_fold_to_the_streams_text_whenever_read(tokenizer: Any, skip: bool) -> None:
+    """Plain steps' tokens are queued and folded in when the text is read: read after
+    any number of them (byte pieces and multi-byte characters split across the reads),
+    the text is the stream's, byte for byte."""
+    compared = 0
+    for seed, ids in enumerate(_sequences(tokenizer, seed=2 + int(skip))):
+        try:
+            expected = _stream_text(tokenizer, ids, skip)
+        except Exception:  # DecodeStream's "invalid prefix" on some runs of byte pieces
+            continue
+        rng = random.Random(seed)
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=skip))
+        detok.update(ids[:1])
+        for token_id in ids[1:]:
+            detok.add_token(token_id)
+            if rng.random() < 0.15:
+                assert expected.startswith(detok.text)
+        assert detok.text.encode() == expected.encode(), (ids, detok.text, expected)
+        compared += 1
+    assert compared >= SEQUENCES * 3 // 4
+
+
+def test_a_queued_run_of_table_tokens_is_one_gather(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued tokens that are all in the table, after one that left the text steady,
+    fold as one gather: no token goes through the per-token path."""
+    table = piece_table(tokenizer)
+    run = [i for i in tokenizer.encode(TEXT, add_special_tokens=False) if i in table]
+    assert len(run) > 20
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    detok.update(run[:2])
+    per_token = 0
+    original = IncrementalDetokenizer._piece
+
+    def counted(self: IncrementalDetokenizer, token_id: int) -> str:
+        nonlocal per_token
+        per_token += 1
+        return original(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_piece", counted)
+    for token_id in run[2:]:
+        detok.add_token(token_id)
+    assert detok.text == _stream_text(tokenizer, run, True)
+    assert per_token == 0
+    detok.add_token(run[0])  # and the stream's state after the gather is the stream's
+    assert detok.text == _stream_text(tokenizer, [*run, run[0]], True)

@@ -8,7 +8,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from enginecore.checkpoints import make_tokenizer
+from enginecore.engine.detokenizer import IncrementalDetokenizer
 from enginecore.engine.output import OutputKind, OutputProcessor
 from enginecore.metrics.iteration import IterationStatsBuilder
 from enginecore.params import SamplingParams
@@ -145,3 +148,46 @@ def test_plain_columns_fold_as_the_objects_fold() -> None:
         assert got == want
     engine_requests = 5 + 2 + 2
     assert column_general == engine_requests * 2 + (STEPS - 2)
+
+
+def test_final_only_plain_steps_leave_detokenizing_to_the_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose text is read only when it finishes (``LLM.generate``) pays no
+    detokenization on its plain steps: their tokens are queued and folded once, with
+    the text the general path gives (tokens over the whole vocabulary: special ones and
+    pieces of multi-byte characters included)."""
+    per_token = 0
+    for name in ("_piece", "_stream_piece"):
+        original = getattr(IncrementalDetokenizer, name)
+
+        def counted(self: IncrementalDetokenizer, token_id: int, original: Any = original) -> str:
+            nonlocal per_token
+            per_token += 1
+            result: str = original(self, token_id)
+            return result
+
+        monkeypatch.setattr(IncrementalDetokenizer, name, counted)
+    processor = OutputProcessor(TOKENIZER)
+    engine_ids = [f"final{i}" for i in range(6)]
+    for rid in engine_ids:
+        request = EngineCoreRequest(rid, [5, 6, 7], SamplingParams(max_tokens=STEPS), 0.0)
+        processor.add_engine_request(request, None, output_kind=OutputKind.FINAL_ONLY)
+    steps = _steps(engine_ids)
+    processor.process_outputs(steps[0], 2.0)
+    decoded_before = per_token
+    for i, step in enumerate(steps[1:-1]):
+        ready, _ = processor.process_plain(
+            [out.request_id for out in step], [out.new_token_ids[0] for out in step], 3.0 + i
+        )
+        assert ready == []
+    assert per_token == decoded_before, "a plain step of a FINAL_ONLY request detokenized"
+    ready, _ = processor.process_outputs(steps[-1], 3.0 + len(steps))
+    texts = {out.request_id: out.outputs[0].text for _, out in ready}
+    for rid in engine_ids:
+        eager = IncrementalDetokenizer(TOKENIZER, SamplingParams())
+        for step in steps:
+            (token_id,) = (out.new_token_ids[0] for out in step if out.request_id == rid)
+            eager.update([token_id])
+        assert texts[rid] == eager.text
+    assert len(texts) == len(engine_ids) and any(texts.values())

@@ -30,6 +30,12 @@ class IncrementalDetokenizer:
     instead of decoded; the stream is then stale, and before it decodes again it is
     restarted from the last token, which leaves it where it would have been. A request
     made while the table is still being built takes it up when it lands.
+
+    A plain step's token (:meth:`add_token`) is only queued: the text is folded in when
+    it is read (:attr:`text`) or before the next :meth:`update`, by the same per-token
+    steps, so that a request whose text is read only when it finishes (``LLM.generate``)
+    pays nothing per step, and a run of queued tokens that are all in the table is
+    joined in one gather.
     """
 
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
@@ -38,7 +44,9 @@ class IncrementalDetokenizer:
         self.stop = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        self.text = ""
+        self._text = ""
+        # Tokens of plain steps not yet folded into ``_text`` (see :meth:`add_token`).
+        self._queued: list[int] = []
         self._stream: DecodeStream | None = None
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._ids: list[int] = []  # only for the slow path
@@ -96,24 +104,51 @@ class IncrementalDetokenizer:
         strings to search for."""
         return self._stream is not None and not self.stop
 
+    @property
+    def queued(self) -> list[int]:
+        """The tokens :meth:`add_token` queued and not yet folded into the text: the
+        output processor appends a plain step's tokens here in bulk (a request that
+        :attr:`streams_plainly` only)."""
+        return self._queued
+
     def add_token(self, token_id: int) -> None:
-        """:meth:`update` for one token of a request that :attr:`streams_plainly`."""
-        if self._steady and (piece := self._pieces.get(token_id)) is not None:
-            self._looked_up = token_id
-        else:
-            piece = self._stream_piece(token_id)
-        self.text += piece
+        """:meth:`update` for one token of a request that :attr:`streams_plainly`: queued,
+        folded into the text when the text is next read."""
+        self._queued.append(token_id)
+
+    @property
+    def text(self) -> str:
+        if self._queued:
+            self._fold_queued()
+        return self._text
+
+    def _fold_queued(self) -> None:
+        """The queued tokens' text, appended: a run that follows a table token and is
+        all in the table is one gather; any other run goes token by token as
+        :meth:`_piece` would have taken them one step at a time."""
+        queued = self._queued.copy()  # the list itself stays: appenders hold it
+        self._queued.clear()
+        pieces = self._pieces
+        if self._steady:
+            looked_up = list(map(pieces.get, queued))
+            if None not in looked_up:
+                self._looked_up = queued[-1]
+                self._text += "".join(looked_up)  # type: ignore[arg-type]
+                return
+        self._text += "".join([self._piece(token_id) for token_id in queued])
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (text is then cut)."""
+        if self._queued:
+            self._fold_queued()
         new_text = self._decode_new(token_ids)
         if not new_text:
             return None
-        start = max(0, len(self.text) - self._max_stop_len + 1)
-        self.text += new_text
+        start = max(0, len(self._text) - self._max_stop_len + 1)
+        self._text += new_text
         if not self.stop:
             return None
-        window = self.text[start:]
+        window = self._text[start:]
         best: tuple[int, str] | None = None
         for stop in self.stop:
             idx = window.find(stop)
@@ -123,7 +158,7 @@ class IncrementalDetokenizer:
             return None
         idx, stop = best
         cut = start + idx + (len(stop) if self.include_stop else 0)
-        self.text = self.text[:cut]
+        self._text = self._text[:cut]
         return stop
 
     @property

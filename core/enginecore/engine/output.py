@@ -123,6 +123,12 @@ class RequestState:
         )
         # Whether a step that does not finish it still makes a RequestOutput.
         self.streams_every_step = output_kind is not OutputKind.FINAL_ONLY or parent is not None
+        # A plain step's token for the detokenizer: queued, its text folded in when read.
+        self.queue_token = (
+            self.detokenizer.queued.append
+            if self.detokenizer is not None and self.detokenizer.streams_plainly
+            else None
+        )
 
     @property
     def text(self) -> str:
@@ -477,21 +483,23 @@ class OutputProcessor:
         states = self.states
         gaps: list[float] = []
         general: list[EngineCoreOutput] = []
-        for request_id, token_id in zip(request_ids, token_ids, strict=True):
-            state = states.get(request_id)
+        for state, token_id in zip(map(states.get, request_ids), token_ids, strict=True):
             if state is None:
                 continue  # aborted in the frontend meanwhile
-            last_token = state.times.last_token
-            if not state.plain or last_token is None:
-                general.append(EngineCoreOutput(request_id=request_id, new_token_ids=[token_id]))
+            times = state.times
+            last_token = times.last_token
+            if last_token is None or not state.plain:
+                general.append(
+                    EngineCoreOutput(request_id=state.request_id, new_token_ids=[token_id])
+                )
                 continue
             gaps.append(now - last_token)
             # RequestState.apply_token, inlined: this loop runs once per request per step.
-            detokenizer = state.detokenizer
-            if detokenizer is not None:
-                detokenizer.add_token(token_id)
-            state.times.last_token = now
+            times.last_token = now
             state.token_ids.append(token_id)
+            queue_token = state.queue_token
+            if queue_token is not None:
+                queue_token(token_id)  # detokenized when its text is read
             if state.streams_every_step:
                 request_output = self._make_output(state, False)
                 if request_output is not None:
