@@ -177,11 +177,18 @@ def test_final_only_plain_steps_leave_detokenizing_to_the_finish(
     processor.process_outputs(steps[0], 2.0)
     decoded_before = per_token
     for i, step in enumerate(steps[1:-1]):
+        builder = IterationStatsBuilder(3.0 + i)
         ready, _ = processor.process_plain(
-            [out.request_id for out in step], [out.new_token_ids[0] for out in step], 3.0 + i
+            [out.request_id for out in step],
+            [out.new_token_ids[0] for out in step],
+            3.0 + i,
+            builder,
         )
         assert ready == []
+        assert builder.stats.num_generation_tokens == len(engine_ids)
+        assert builder.stats.inter_token_latencies == [1.0] * len(engine_ids)
     assert per_token == decoded_before, "a plain step of a FINAL_ONLY request detokenized"
+    assert processor.num_quiet_steps == len(steps) - 2  # folded in bulk, not row by row
     ready, _ = processor.process_outputs(steps[-1], 3.0 + len(steps))
     texts = {out.request_id: out.outputs[0].text for _, out in ready}
     for rid in engine_ids:

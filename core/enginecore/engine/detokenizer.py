@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -12,10 +13,15 @@ if TYPE_CHECKING:
     from tokenizers.decoders import DecodeStream
 
 
-def _decode_stream(skip_special_tokens: bool) -> DecodeStream:
+@functools.cache
+def _decode_stream_class() -> type[DecodeStream]:
     from tokenizers.decoders import DecodeStream
 
-    return DecodeStream(skip_special_tokens=skip_special_tokens)
+    return DecodeStream
+
+
+def _decode_stream(skip_special_tokens: bool) -> DecodeStream:
+    return _decode_stream_class()(skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -123,12 +125,16 @@ class RequestState:
         )
         # Whether a step that does not finish it still makes a RequestOutput.
         self.streams_every_step = output_kind is not OutputKind.FINAL_ONLY or parent is not None
-        # A plain step's token for the detokenizer: queued, its text folded in when read.
-        self.queue_token = (
-            self.detokenizer.queued.append
+        # Where a plain step's token goes for the detokenizer: queued, its text folded in
+        # when read.
+        self.queued_ids: list[int] | None = (
+            self.detokenizer.queued
             if self.detokenizer is not None and self.detokenizer.streams_plainly
             else None
         )
+        # Set once its first token is in, for a plain request that makes no RequestOutput
+        # until it finishes: a plain step of such requests alone is folded in bulk.
+        self.quiet = False
 
     @property
     def text(self) -> str:
@@ -184,6 +190,8 @@ class RequestState:
             self.pooled = out.pooling_output
         if self.finish_reason is not None:
             self.times.finished = now
+        elif self.times.last_token is not None:
+            self.quiet = self.plain and not self.streams_every_step and self.queued_ids is not None
         return stop_string
 
     def _ends_on_special_stop_token(self, out: EngineCoreOutput) -> bool:
@@ -309,6 +317,12 @@ class ParentRequest:
         return f"{index}_{request_id}"
 
 
+_QUIET = attrgetter("quiet")
+_TIMES = attrgetter("times")
+_TOKEN_IDS = attrgetter("token_ids")
+_QUEUED_IDS = attrgetter("queued_ids")
+
+
 def _is_plain_step(out: EngineCoreOutput) -> bool:
     """One new token and nothing else: no finish, no events, no logprobs or other payload."""
     return (
@@ -332,8 +346,10 @@ class OutputProcessor:
             build_in_background(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
-        # Plain rows folded in by process_plain's one pass (read by tests).
+        # Plain rows folded in by process_plain's one pass, and its steps of quiet
+        # requests alone (read by tests).
         self.num_plain_rows = 0
+        self.num_quiet_steps = 0
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.states:
@@ -478,12 +494,14 @@ class OutputProcessor:
         plain_req_ids``): one token each and nothing else, folded in one pass; a request
         that needs more than the token appended (stop strings, logprobs) takes the
         general path."""
+        found = list(map(self.states.get, request_ids))
+        if found and None not in found and all(map(_QUIET, found)):
+            return self._fold_quiet(found, token_ids, now, stats), []  # type: ignore[arg-type]
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
-        states = self.states
         gaps: list[float] = []
         general: list[EngineCoreOutput] = []
-        for state, token_id in zip(map(states.get, request_ids), token_ids, strict=True):
+        for state, token_id in zip(found, token_ids, strict=True):
             if state is None:
                 continue  # aborted in the frontend meanwhile
             times = state.times
@@ -497,9 +515,9 @@ class OutputProcessor:
             # RequestState.apply_token, inlined: this loop runs once per request per step.
             times.last_token = now
             state.token_ids.append(token_id)
-            queue_token = state.queue_token
-            if queue_token is not None:
-                queue_token(token_id)  # detokenized when its text is read
+            queued_ids = state.queued_ids
+            if queued_ids is not None:
+                queued_ids.append(token_id)  # detokenized when its text is read
             if state.streams_every_step:
                 request_output = self._make_output(state, False)
                 if request_output is not None:
@@ -511,6 +529,26 @@ class OutputProcessor:
             more, to_abort = self.process_outputs(general, now, stats)
             ready += more
         return ready, to_abort
+
+    def _fold_quiet(
+        self,
+        found: list[RequestState],
+        token_ids: list[int],
+        now: float,
+        stats: IterationStatsBuilder | None,
+    ) -> list[tuple[RequestState, RequestOutput]]:
+        """:meth:`process_plain` for a step whose rows are all :attr:`RequestState.quiet`:
+        no RequestOutput, no text; the tokens are appended by C-level maps."""
+        times = list(map(_TIMES, found))
+        if stats is not None:
+            stats.next_tokens([now - t.last_token for t in times])
+        for t in times:
+            t.last_token = now
+        deque(map(list.append, map(_TOKEN_IDS, found), token_ids), maxlen=0)
+        deque(map(list.append, map(_QUEUED_IDS, found), token_ids), maxlen=0)
+        self.num_plain_rows += len(found)
+        self.num_quiet_steps += 1
+        return []
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         parent = state.parent
