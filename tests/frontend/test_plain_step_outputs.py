@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from enginecore.checkpoints import make_tokenizer
+from enginecore.engine import output as output_module
 from enginecore.engine.detokenizer import IncrementalDetokenizer
 from enginecore.engine.output import OutputKind, OutputProcessor
 from enginecore.metrics.iteration import IterationStatsBuilder
@@ -198,3 +199,43 @@ def test_final_only_plain_steps_leave_detokenizing_to_the_finish(
             eager.update([token_id])
         assert texts[rid] == eager.text
     assert len(texts) == len(engine_ids) and any(texts.values())
+
+
+def test_queued_tokens_are_folded_on_the_step_past_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long FINAL_ONLY output does not leave its whole text to its finish (one slow
+    step for every other request): past a per-request bound, staggered between requests,
+    the queue is folded on the step, in the bulk path and in the per-row one."""
+    monkeypatch.setattr(output_module, "FOLD_AT", 4)
+    processor = OutputProcessor(TOKENIZER)
+    engine_ids = [f"long{i}" for i in range(6)]
+    kinds = {"long0": OutputKind.DELTA}  # in the first half, a streaming request beside
+    for rid in engine_ids:
+        request = EngineCoreRequest(rid, [5, 6, 7], SamplingParams(max_tokens=STEPS), 0.0)
+        kind = kinds.get(rid, OutputKind.FINAL_ONLY)
+        processor.add_engine_request(request, None, output_kind=kind)
+    steps = _steps(engine_ids)
+    processor.process_outputs(steps[0], 2.0)
+    longest = 0
+    for i, step in enumerate(steps[1:-1]):
+        rows = [out for out in step if i >= STEPS // 2 or out.request_id != "long0"]
+        if i == STEPS // 2:
+            processor.abort_requests(["long0"])  # the rest of the steps: quiet rows only
+        processor.process_plain(
+            [out.request_id for out in rows], [out.new_token_ids[0] for out in rows], 3.0 + i
+        )
+        queues = [s.queued_ids for s in processor.states.values() if s.queued_ids is not None]
+        longest = max(longest, *map(len, queues))
+    assert longest < 8
+    assert processor.num_quiet_steps > 0
+    ready, _ = processor.process_outputs(
+        [out for out in steps[-1] if out.request_id != "long0"], 3.0 + len(steps)
+    )
+    texts = {out.request_id: out.outputs[0].text for _, out in ready}
+    for rid in engine_ids[1:]:
+        eager = IncrementalDetokenizer(TOKENIZER, SamplingParams())
+        for step in steps:
+            (token_id,) = (out.new_token_ids[0] for out in step if out.request_id == rid)
+            eager.update([token_id])
+        assert texts[rid] == eager.text

@@ -125,28 +125,43 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         if self._queued:
-            self._fold_queued()
+            self.fold_queued()
         return self._text
 
-    def _fold_queued(self) -> None:
-        """The queued tokens' text, appended: a run that follows a table token and is
-        all in the table is one gather; any other run goes token by token as
-        :meth:`_piece` would have taken them one step at a time."""
+    def fold_queued(self) -> None:
+        """The queued tokens' text, appended, as :meth:`_piece` would have given it one
+        token at a time: every token is looked up at once (a C-level gather); each run
+        of table tokens that follows a steady text is joined from it whole, and only the
+        tokens between runs (not in the table, or just after one) go through the
+        stream."""
         queued = self._queued.copy()  # the list itself stays: appenders hold it
         self._queued.clear()
         pieces = self._pieces
-        if self._steady:
-            looked_up = list(map(pieces.get, queued))
-            if None not in looked_up:
-                self._looked_up = queued[-1]
-                self._text += "".join(looked_up)  # type: ignore[arg-type]
-                return
-        self._text += "".join([self._piece(token_id) for token_id in queued])
+        looked_up: list[str | None] = list(map(pieces.get, queued))
+        parts: list[str] = []
+        i, n = 0, len(queued)
+        while i < n:
+            if self._steady:
+                try:
+                    end = looked_up.index(None, i)
+                except ValueError:
+                    end = n
+                if end > i:
+                    parts += looked_up[i:end]  # type: ignore[arg-type]
+                    self._looked_up = queued[end - 1]
+                    i = end
+                    continue
+            parts.append(self._stream_piece(queued[i]))
+            i += 1
+            if self._pieces is not pieces:  # the table landed during that decode
+                pieces = self._pieces
+                looked_up = list(map(pieces.get, queued))
+        self._text += "".join(parts)
 
     def update(self, token_ids: list[int]) -> str | None:
         """Append tokens; returns the stop string if one now appears (text is then cut)."""
         if self._queued:
-            self._fold_queued()
+            self.fold_queued()
         new_text = self._decode_new(token_ids)
         if not new_text:
             return None

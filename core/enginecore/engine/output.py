@@ -18,6 +18,12 @@ from enginecore.params import SamplingParams
 from enginecore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from enginecore.request import FinishReason
 
+#: Plain steps' tokens a request queues for its detokenizer (see
+#: :attr:`RequestState.queued_ids`) before they are folded into its text on the step:
+#: between this and twice this, per request. The text of a request that finishes sooner
+#: is built once, when it is read.
+FOLD_AT = 512
+
 
 class OutputKind(enum.Enum):
     FINAL_ONLY = 0  # one RequestOutput when the request finishes (LLM.generate)
@@ -132,6 +138,10 @@ class RequestState:
             if self.detokenizer is not None and self.detokenizer.streams_plainly
             else None
         )
+        # Queued tokens past which they are folded in on the step (a request's finish then
+        # folds at most this many): staggered per request, so that requests that started
+        # together do not all fold on one step.
+        self.fold_at = FOLD_AT + hash(request_id) % FOLD_AT
         # Set once its first token is in, for a plain request that makes no RequestOutput
         # until it finishes: a plain step of such requests alone is folded in bulk.
         self.quiet = False
@@ -139,6 +149,11 @@ class RequestState:
     @property
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer else ""
+
+    def fold_queued(self) -> None:
+        """Fold the tokens queued for the detokenizer into the text now."""
+        if self.detokenizer is not None:
+            self.detokenizer.fold_queued()
 
     def apply_token(self, token_id: int, now: float) -> None:
         """:meth:`apply` for a plain step of a :attr:`plain` request past its first token:
@@ -518,6 +533,8 @@ class OutputProcessor:
             queued_ids = state.queued_ids
             if queued_ids is not None:
                 queued_ids.append(token_id)  # detokenized when its text is read
+                if len(queued_ids) >= state.fold_at:
+                    state.fold_queued()
             if state.streams_every_step:
                 request_output = self._make_output(state, False)
                 if request_output is not None:
@@ -545,7 +562,12 @@ class OutputProcessor:
         for t in times:
             t.last_token = now
         deque(map(list.append, map(_TOKEN_IDS, found), token_ids), maxlen=0)
-        deque(map(list.append, map(_QUEUED_IDS, found), token_ids), maxlen=0)
+        queues = list(map(_QUEUED_IDS, found))
+        deque(map(list.append, queues, token_ids), maxlen=0)
+        if max(map(len, queues)) >= FOLD_AT:
+            for state, queued in zip(found, queues, strict=True):
+                if len(queued) >= state.fold_at:
+                    state.fold_queued()
         self.num_plain_rows += len(found)
         self.num_quiet_steps += 1
         return []
