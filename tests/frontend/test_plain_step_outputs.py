@@ -189,7 +189,7 @@ def test_final_only_plain_steps_leave_detokenizing_to_the_finish(
         assert builder.stats.num_generation_tokens == len(engine_ids)
         assert builder.stats.inter_token_latencies == [1.0] * len(engine_ids)
     assert per_token == decoded_before, "a plain step of a FINAL_ONLY request detokenized"
-    assert processor.num_quiet_steps == len(steps) - 2  # folded in bulk, not row by row
+    assert processor.num_plain_rows == len(engine_ids) * (len(steps) - 2)
     ready, _ = processor.process_outputs(steps[-1], 3.0 + len(steps))
     texts = {out.request_id: out.outputs[0].text for _, out in ready}
     for rid in engine_ids:
@@ -206,7 +206,7 @@ def test_queued_tokens_are_folded_on_the_step_past_a_bound(
 ) -> None:
     """A long FINAL_ONLY output does not leave its whole text to its finish (one slow
     step for every other request): past a per-request bound, staggered between requests,
-    the queue is folded on the step, in the bulk path and in the per-row one."""
+    the queue is folded on the step, beside a streaming request and without one."""
     monkeypatch.setattr(output_module, "FOLD_AT", 4)
     processor = OutputProcessor(TOKENIZER)
     engine_ids = [f"long{i}" for i in range(6)]
@@ -221,14 +221,13 @@ def test_queued_tokens_are_folded_on_the_step_past_a_bound(
     for i, step in enumerate(steps[1:-1]):
         rows = [out for out in step if i >= STEPS // 2 or out.request_id != "long0"]
         if i == STEPS // 2:
-            processor.abort_requests(["long0"])  # the rest of the steps: quiet rows only
+            processor.abort_requests(["long0"])  # the rest of the steps: FINAL_ONLY rows only
         processor.process_plain(
             [out.request_id for out in rows], [out.new_token_ids[0] for out in rows], 3.0 + i
         )
         queues = [s.queued_ids for s in processor.states.values() if s.queued_ids is not None]
         longest = max(longest, *map(len, queues))
     assert longest < 8
-    assert processor.num_quiet_steps > 0
     ready, _ = processor.process_outputs(
         [out for out in steps[-1] if out.request_id != "long0"], 3.0 + len(steps)
     )

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -142,9 +140,6 @@ class RequestState:
         # folds at most this many): staggered per request, so that requests that started
         # together do not all fold on one step.
         self.fold_at = FOLD_AT + hash(request_id) % FOLD_AT
-        # Set once its first token is in, for a plain request that makes no RequestOutput
-        # until it finishes: a plain step of such requests alone is folded in bulk.
-        self.quiet = False
 
     @property
     def text(self) -> str:
@@ -205,8 +200,6 @@ class RequestState:
             self.pooled = out.pooling_output
         if self.finish_reason is not None:
             self.times.finished = now
-        elif self.times.last_token is not None:
-            self.quiet = self.plain and not self.streams_every_step and self.queued_ids is not None
         return stop_string
 
     def _ends_on_special_stop_token(self, out: EngineCoreOutput) -> bool:
@@ -332,12 +325,6 @@ class ParentRequest:
         return f"{index}_{request_id}"
 
 
-_QUIET = attrgetter("quiet")
-_TIMES = attrgetter("times")
-_TOKEN_IDS = attrgetter("token_ids")
-_QUEUED_IDS = attrgetter("queued_ids")
-
-
 def _is_plain_step(out: EngineCoreOutput) -> bool:
     """One new token and nothing else: no finish, no events, no logprobs or other payload."""
     return (
@@ -361,10 +348,8 @@ class OutputProcessor:
             build_in_background(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
-        # Plain rows folded in by process_plain's one pass, and its steps of quiet
-        # requests alone (read by tests).
+        # Plain rows folded in by process_plain's one pass (read by tests).
         self.num_plain_rows = 0
-        self.num_quiet_steps = 0
 
     def add_request(self, state: RequestState) -> None:
         if state.request_id in self.states:
@@ -509,14 +494,11 @@ class OutputProcessor:
         plain_req_ids``): one token each and nothing else, folded in one pass; a request
         that needs more than the token appended (stop strings, logprobs) takes the
         general path."""
-        found = list(map(self.states.get, request_ids))
-        if found and None not in found and all(map(_QUIET, found)):
-            return self._fold_quiet(found, token_ids, now, stats), []  # type: ignore[arg-type]
         ready: list[tuple[RequestState, RequestOutput]] = []
         to_abort: list[str] = []
         gaps: list[float] = []
         general: list[EngineCoreOutput] = []
-        for state, token_id in zip(found, token_ids, strict=True):
+        for state, token_id in zip(map(self.states.get, request_ids), token_ids, strict=True):
             if state is None:
                 continue  # aborted in the frontend meanwhile
             times = state.times
@@ -546,31 +528,6 @@ class OutputProcessor:
             more, to_abort = self.process_outputs(general, now, stats)
             ready += more
         return ready, to_abort
-
-    def _fold_quiet(
-        self,
-        found: list[RequestState],
-        token_ids: list[int],
-        now: float,
-        stats: IterationStatsBuilder | None,
-    ) -> list[tuple[RequestState, RequestOutput]]:
-        """:meth:`process_plain` for a step whose rows are all :attr:`RequestState.quiet`:
-        no RequestOutput, no text; the tokens are appended by C-level maps."""
-        times = list(map(_TIMES, found))
-        if stats is not None:
-            stats.next_tokens([now - t.last_token for t in times])
-        for t in times:
-            t.last_token = now
-        deque(map(list.append, map(_TOKEN_IDS, found), token_ids), maxlen=0)
-        queues = list(map(_QUEUED_IDS, found))
-        deque(map(list.append, queues, token_ids), maxlen=0)
-        if max(map(len, queues)) >= FOLD_AT:
-            for state, queued in zip(found, queues, strict=True):
-                if len(queued) >= state.fold_at:
-                    state.fold_queued()
-        self.num_plain_rows += len(found)
-        self.num_quiet_steps += 1
-        return []
 
     def _make_output(self, state: RequestState, finished: bool) -> RequestOutput | None:
         parent = state.parent
