@@ -325,6 +325,11 @@ def test_queued_tokens_fold_to_the_streams_text_whenever_read(tokenizer: Any, sk
             if rng.random() < 0.15:
                 assert expected.startswith(detok.text)
         assert detok.text.encode() == expected.encode(), (ids, detok.text, expected)
+        streamed = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=skip))
+        streamed.update(ids[:1])
+        for token_id in ids[1:]:  # a streaming request's tokens: decoded as they come
+            streamed.add_token_to_text(token_id)
+        assert streamed.text.encode() == expected.encode()
         compared += 1
     assert compared >= SEQUENCES * 3 // 4
 

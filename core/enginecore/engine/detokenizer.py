@@ -122,6 +122,17 @@ class IncrementalDetokenizer:
         folded into the text when the text is next read."""
         self._queued.append(token_id)
 
+    def add_token_to_text(self, token_id: int) -> None:
+        """:meth:`add_token` for a request whose text is read after every token (a
+        stream): decoded now, as queuing it would only add a call to each read."""
+        if self._queued:
+            self.fold_queued()
+        if self._steady and (piece := self._pieces.get(token_id)) is not None:
+            self._looked_up = token_id
+        else:
+            piece = self._stream_piece(token_id)
+        self._text += piece
+
     @property
     def text(self) -> str:
         if self._queued:
@@ -134,18 +145,27 @@ class IncrementalDetokenizer:
         of table tokens that follows a steady text is joined from it whole, and only the
         tokens between runs (not in the table, or just after one) go through the
         stream."""
-        queued = self._queued.copy()  # the list itself stays: appenders hold it
+        queued = self._queued
+        if len(queued) == 1:  # a streaming request reads its text every step
+            self._text += self._piece(queued.pop())
+            return
+        queued = queued.copy()  # the list itself stays: appenders hold it
         self._queued.clear()
         pieces = self._pieces
         looked_up: list[str | None] = list(map(pieces.get, queued))
+        if self._steady and None not in looked_up:
+            self._looked_up = queued[-1]
+            self._text += "".join(looked_up)  # type: ignore[arg-type]
+            return
+        misses = [i for i, piece in enumerate(looked_up) if piece is None]
         parts: list[str] = []
-        i, n = 0, len(queued)
+        i = m = 0
+        n = len(queued)
         while i < n:
             if self._steady:
-                try:
-                    end = looked_up.index(None, i)
-                except ValueError:
-                    end = n
+                while m < len(misses) and misses[m] < i:
+                    m += 1
+                end = misses[m] if m < len(misses) else n
                 if end > i:
                     parts += looked_up[i:end]  # type: ignore[arg-type]
                     self._looked_up = queued[end - 1]
@@ -156,6 +176,8 @@ class IncrementalDetokenizer:
             if self._pieces is not pieces:  # the table landed during that decode
                 pieces = self._pieces
                 looked_up = list(map(pieces.get, queued))
+                misses = [j for j, piece in enumerate(looked_up) if piece is None]
+                m = 0
         self._text += "".join(parts)
 
     def update(self, token_ids: list[int]) -> str | None:

@@ -129,11 +129,13 @@ class RequestState:
         )
         # Whether a step that does not finish it still makes a RequestOutput.
         self.streams_every_step = output_kind is not OutputKind.FINAL_ONLY or parent is not None
-        # Where a plain step's token goes for the detokenizer: queued, its text folded in
-        # when read.
+        # Where a plain step's token goes for the detokenizer when its text is not read
+        # every step: queued, its text folded in when read.
         self.queued_ids: list[int] | None = (
             self.detokenizer.queued
-            if self.detokenizer is not None and self.detokenizer.streams_plainly
+            if self.detokenizer is not None
+            and self.detokenizer.streams_plainly
+            and not self.streams_every_step
             else None
         )
         # Queued tokens past which they are folded in on the step (a request's finish then
@@ -153,8 +155,10 @@ class RequestState:
     def apply_token(self, token_id: int, now: float) -> None:
         """:meth:`apply` for a plain step of a :attr:`plain` request past its first token:
         one new token and nothing else (no events, no finish, no logprobs)."""
-        if self.detokenizer is not None:
-            self.detokenizer.add_token(token_id)
+        if self.queued_ids is not None:
+            self.queued_ids.append(token_id)
+        elif self.detokenizer is not None:
+            self.detokenizer.add_token_to_text(token_id)
         self.times.last_token = now
         self.token_ids.append(token_id)
 
@@ -517,6 +521,8 @@ class OutputProcessor:
                 queued_ids.append(token_id)  # detokenized when its text is read
                 if len(queued_ids) >= state.fold_at:
                     state.fold_queued()
+            elif (detokenizer := state.detokenizer) is not None:
+                detokenizer.add_token_to_text(token_id)
             if state.streams_every_step:
                 request_output = self._make_output(state, False)
                 if request_output is not None:
