@@ -10,8 +10,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future
 from typing import Any
 
 from enginecore import startup_log
@@ -405,10 +404,6 @@ class EngineCore:
 
     @staticmethod
     def _result(execute: Future[Any], sample: Future[Any]) -> ModelRunnerOutput:
-        if not execute.done() and isinstance(execute, Future) and isinstance(sample, Future):
-            # One wake-up of this thread per step (when both are done, or either failed)
-            # rather than one per call; the forward's error still comes first, below.
-            wait_for((execute, sample), return_when=FIRST_EXCEPTION)
         executed: ModelRunnerOutput | None = execute.result()
         sampled: ModelRunnerOutput = sample.result()
         return executed if executed is not None else sampled
