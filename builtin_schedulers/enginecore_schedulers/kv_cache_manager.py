@@ -247,15 +247,28 @@ class KVCacheManager:
             and not num_lookahead_tokens
             and not new_computed_blocks
         ):
-            # The common decode step: its tokens fit the blocks it holds and fill no
-            # block that is not cached yet, so nothing changes.
+            # One group, no window, no prefix hits, no drafts: the blocks past the held
+            # ones, then the blocks the known tokens fill cached (none, in the common
+            # decode step). The general path below gives the same result.
             state = groups[0]
+            bs = self.block_size
             num_known = request.num_computed_tokens + num_new_tokens
-            if num_known <= len(state.blocks) * self.block_size and (
-                not (self.enable_caching and cache)
-                or min(num_known, len(request.all_token_ids)) // self.block_size <= state.num_cached
-            ):
-                return []
+            num_total = num_known if num_known < self.max_model_len else self.max_model_len
+            num_wanted = -(-num_total // bs) - len(state.blocks)
+            new_blocks: list[KVCacheBlock] = []
+            if num_wanted > 0:
+                if num_wanted > self.block_pool.free_queue.num_free:
+                    if not state.blocks:
+                        del self._reqs[request.request_id]
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_wanted)
+                state.blocks.extend(new_blocks)
+            if self.enable_caching and cache:
+                num_tokens = len(request.all_token_ids)
+                num_full = (num_known if num_known < num_tokens else num_tokens) // bs
+                if num_full > state.num_cached:
+                    self._cache_full_blocks(request, 0, state, num_full)
+            return new_blocks
         if groups is None:
             groups = self._reqs[request.request_id] = [
                 _RequestBlocks() for _ in range(self.num_groups)

@@ -292,6 +292,12 @@ class DefaultScheduler(Scheduler):
         num_scheduled: dict[str, int] = {}
         scheduled_running: list[Request] = []
         running_new_blocks: list[Any] = []  # per request: ids, per-group ids, or None
+        # The output's rows for scheduled_running, filled as each is scheduled. A fast
+        # decode's counters advance right there; the others' (general) in step 3.
+        cached = CachedRequestData()
+        cached_ids = cached.req_ids
+        cached_computed = cached.num_computed_tokens
+        general: list[Request] = []
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
         self._step_loras = set()
@@ -319,11 +325,17 @@ class DefaultScheduler(Scheduler):
                 and fits[i]
                 and len(request.all_token_ids) + request.num_output_placeholders == computed + 1
                 and request.num_prompt_tokens + request.max_tokens > computed + 1  # type: ignore[operator]
+                and request.sampling_params.structured_output is None
             ):
                 i += 1
                 scheduled_running.append(request)
                 running_new_blocks.append(None)
-                num_scheduled[request.request_id] = 1
+                request_id = request.request_id
+                num_scheduled[request_id] = 1
+                cached_ids.append(request_id)
+                cached_computed.append(computed)
+                request.num_computed_tokens = computed + 1
+                request.num_output_placeholders += 1
                 budget -= 1
                 num_fast += 1
                 continue
@@ -368,6 +380,13 @@ class DefaultScheduler(Scheduler):
                     j = scheduled_running.index(victim)
                     del scheduled_running[j]
                     del running_new_blocks[j]
+                    del cached_ids[j]
+                    del cached_computed[j]
+                    if victim in general:
+                        general.remove(victim)
+                    else:  # a fast decode: its counters already advanced
+                        victim.num_computed_tokens -= 1
+                        victim.num_output_placeholders -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -376,6 +395,9 @@ class DefaultScheduler(Scheduler):
             if new_blocks is None:
                 continue  # the request itself was the victim
             scheduled_running.append(request)
+            general.append(request)
+            cached_ids.append(request.request_id)
+            cached_computed.append(computed)
             if self._grouped:
                 by_group = [[b.block_id for b in blocks] for blocks in new_blocks]
                 running_new_blocks.append(by_group if any(by_group) else None)
@@ -400,16 +422,11 @@ class DefaultScheduler(Scheduler):
             for request in scheduled_new:
                 budget -= num_scheduled[request.request_id]
 
-        # 3. Build the output and advance the counters.
-        cached = CachedRequestData()
-        cached_ids = cached.req_ids
-        cached_computed = cached.num_computed_tokens
+        # 3. Build the output and advance the counters of the general path's requests.
         structured: list[str] = []
-        for request in scheduled_running:
+        for request in general:
             request_id = request.request_id
             computed = request.num_computed_tokens
-            cached_ids.append(request_id)
-            cached_computed.append(computed)
             if computed < request.num_prompt_tokens:
                 self._count_prompt_tokens(request, computed, num_scheduled[request_id])
             computed += num_scheduled[request_id]

@@ -341,6 +341,35 @@ def test_preemption_picks_the_latest_fcfs_request_and_requeues_it_at_the_front()
     assert c.num_output_tokens == 4
 
 
+def test_preempting_a_decode_already_scheduled_this_step_takes_its_row_back():
+    # b runs ahead of a and is decoded on the fast path; then a needs a block, none is
+    # free, and b (the latest arrival) is the victim: its row and counters are undone.
+    scheduler = create_scheduler(block_size=4, num_blocks=5, max_num_seqs=2)  # 4 usable blocks
+    a = make_request("a", [1] * 8, seq_no=0, max_tokens=4)
+    b = make_request("b", [2] * 5, seq_no=1, max_tokens=4)
+    scheduler.add_request(b)
+    step(scheduler)
+    scheduler.add_request(a)
+    step(scheduler)
+    assert running_ids(scheduler) == ["b", "a"]
+    assert scheduler.kv_cache_manager.get_num_free_blocks() == 0
+    fast_before = scheduler.num_fast_decodes
+    out = scheduler.schedule()
+    assert scheduler.num_fast_decodes == fast_before + 1  # b took the fast path first
+    assert out.preempted_req_ids == {"b"}
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.scheduled_cached_reqs.req_ids == ["a"]
+    assert out.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert out.scheduled_cached_reqs.new_block_ids is not None
+    assert len(out.scheduled_cached_reqs.new_block_ids) == 1
+    assert b.num_computed_tokens == 0 and b.num_output_placeholders == 0
+    assert a.num_computed_tokens == 9 and a.num_output_placeholders == 1
+    scheduler.update_from_output(out, make_output(scheduler, out))
+    run_to_completion(scheduler)
+    assert a.num_output_tokens == 4 and b.num_output_tokens == 4
+    assert b.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
 def test_resumed_request_comes_back_as_new_with_its_outputs():
     scheduler = create_scheduler(block_size=4, num_blocks=5, max_num_seqs=2)
     a = make_request("a", [1] * 8, seq_no=0, max_tokens=2)
