@@ -261,6 +261,10 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
+        if blocks is None and _PARTS in layer.__dict__:
+            # A head whose model never had it prepared: its float weight was never filled.
+            self.process_weights_after_loading(layer)
+            blocks = getattr(layer, _BLOCKS, None)
         if blocks is None:
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)

@@ -99,6 +99,18 @@ def test_the_logits_come_from_the_files_blocks(fmt: str, cls: type):
         assert torch.equal(layer.weight[ids], reference[ids])
 
 
+def test_a_head_nobody_prepared_computes_from_its_blocks_at_first_use():
+    """An output head keeps no float weight: a model that computes logits with it
+    without calling ``process_weights_after_loading`` still gets the blocks' logits."""
+    torch.manual_seed(0)
+    loaded, reference = file_tensor(torch.randn(VOCAB, DIM), "Q4_0")
+    with use_linear_method(GGUFLinearMethod(None)):
+        head = ParallelLMHead(VOCAB, DIM, parallel=SINGLE_RANK, dtype=torch.float32)
+    head.weight.weight_loader(head.weight, loaded)
+    x = torch.randn(2, DIM)
+    assert torch.equal(head(x), blocks_linear([(0, unpacked(loaded))], x))
+
+
 def test_a_float_table_keeps_a_q8_0_copy_for_its_logits():
     """A table that came in float (a format the kernels do not take) still computes its
     logits from blocks: a Q8_0 copy of it, within that rounding of the float product."""
