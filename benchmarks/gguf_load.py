@@ -15,6 +15,9 @@ both see the same machine load. Each tree keeps its kernels and prepared weights
 cache of its own (``TREE/.enginecore-cache``), so that neither run finds what another
 checkout, or the other tree, prepared.
 
+With ``--new-step-library`` the first run finds only the fused decode step's library
+missing, so its requests are served while that library compiles (and nothing else does).
+
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR] [--new-cache]
 """
 
@@ -69,6 +72,14 @@ def tree_cache(tree: pathlib.Path) -> pathlib.Path:
     return tree / ".enginecore-cache"
 
 
+def remove_step_library(kernels: pathlib.Path) -> None:
+    """The fused decode step's library and every compiled object gone from a kernel
+    cache (the step's library links objects of the other sources, compiled its own way)."""
+    for library in kernels.glob("enginecore_decode_step_*.so"):
+        library.unlink()
+    shutil.rmtree(kernels / "objects", True)
+
+
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
     env = dict(os.environ, ENGINECORE_STARTUP_LOG="0")
     env["ENGINECORE_CACHE_DIR"] = str(tree_cache(tree or THIS_TREE))
@@ -92,6 +103,13 @@ def main() -> None:
         action="store_true",
         help="the first run starts from an empty cache (the C kernels compiled too)",
     )
+    parser.add_argument(
+        "--new-step-library",
+        action="store_true",
+        help="the first run finds every library built but the fused decode step's (and no "
+        "compiled objects) and its prepared weights kept: the requests served while that "
+        "library compiles in the background, alone",
+    )
     args = parser.parse_args()
     model = str(pathlib.Path(args.model).resolve())
     trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
@@ -102,7 +120,10 @@ def main() -> None:
         for name, tree in trees:
             if label == "first":
                 cache = tree_cache(tree or THIS_TREE)
-                shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
+                if args.new_step_library:
+                    remove_step_library(cache / "cpu_kernels")
+                else:
+                    shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 

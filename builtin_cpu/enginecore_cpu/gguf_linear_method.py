@@ -113,7 +113,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # kernels as the weights are processed, the first forward's, prefill's, decode's.
             builds[:0] = [quant_kernels.build, kquant_kernels.build]
             builds.append(quant_gemm.build)
-            # The fused step's library comes last and niced: nothing waits for it (the
+            # The fused step's library comes last, an idle build: nothing waits for it (the
             # layers serve until it lands), and it yields the CPU to the load and the first
             # requests.
             if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
