@@ -110,13 +110,16 @@ def main() -> None:
         "compiled objects) and its prepared weights kept: the requests served while that "
         "library compiles in the background, alone",
     )
+    parser.add_argument(
+        "--warm-only", action="store_true", help="no first run: each tree's cache as it is"
+    )
     args = parser.parse_args()
     model = str(pathlib.Path(args.model).resolve())
     trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
     if args.baseline_src:
         trees.insert(0, ("baseline", args.baseline_src.resolve()))
     print(f"load average {os.getloadavg()}")
-    for label in ["first"] + ["warm"] * args.rounds:
+    for label in ["first"] * (not args.warm_only) + ["warm"] * args.rounds:
         for name, tree in trees:
             if label == "first":
                 cache = tree_cache(tree or THIS_TREE)
