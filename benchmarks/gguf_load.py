@@ -8,7 +8,9 @@ kernels are compiled too); ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready; a second
 and a third follow, each with other tokens (the same prompt again would be served from the
 prefix cache).
-Resident memory is taken when the engine is ready and after the three requests. With
+Resident memory is taken when the engine is ready and after the three requests, and the
+process's CPU time (user and system, all threads) when it is ready: on a shared machine
+the wall times grow with the other load, the CPU time much less. With
 ``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
 both see the same machine load. Each tree keeps its kernels and prepared weights in a
@@ -32,7 +34,7 @@ import subprocess
 import sys
 
 RUN = """
-import json, sys, time
+import json, resource, sys, time
 started = time.perf_counter()
 import psutil
 from enginecore import LLM, SamplingParams
@@ -40,6 +42,8 @@ imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
 ready = time.perf_counter()
 rss_ready = psutil.Process().memory_info().rss
+usage = resource.getrusage(resource.RUSAGE_SELF)
+cpu_ready = usage.ru_utime + usage.ru_stime
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def timed(start):
     prompt = {"prompt_token_ids": list(range(start, start + 128))}
@@ -51,6 +55,7 @@ second, _ = timed(1300)
 third, _ = timed(2300)
 rss = psutil.Process().memory_info().rss
 print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
+    "cpu_to_ready_s": cpu_ready,
     "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
     "rss_ready_gib": rss_ready / 2**30, "rss_gib": rss / 2**30, "token": token}))
 llm.shutdown()

@@ -190,6 +190,9 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             if key is not None and cached is None:
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
+                # Mapped back where it was written, as a warm load does: the copy made
+                # here is freed, and only the pages the kernels read are resident.
+                merged = self.prepared.load(key) or merged
             setattr(layer, _BLOCKS, merged)
             weight.data = torch.empty(0)  # never filled: the blocks replace it
             return
