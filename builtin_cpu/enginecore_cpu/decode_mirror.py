@@ -158,14 +158,21 @@ class DecodeMirror:
         self.layers = grown
         return True
 
-    def prefault(self, budget: int) -> None:
-        """Allocate for every row now and fault in each row's first positions, as many as
-        ``budget`` bytes cover (rows fill from position 0, and rows are reused in order)."""
+    def prefault_spans(self, budget: int) -> list[torch.Tensor]:
+        """Allocate for every row now; the contiguous spans that hold each row's first
+        positions, as many as ``budget`` bytes cover (rows fill from position 0, and rows
+        are reused in order), for the caller to fault in."""
         rows = self.max_rows
         length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
-        if length > 0 and self._ensure(rows, length):
-            for layer in self.layers:
-                layer[:, :rows, :, :length].zero_()
+        if length <= 0 or not self._ensure(rows, length):
+            return []
+        spans = []
+        for layer in self.layers:
+            if 2 * length >= layer.shape[3]:  # a row's heads whole: little beyond the budget
+                spans += [layer[kv, :rows] for kv in range(layer.shape[0])]
+            else:
+                spans += [head[:length] for part in layer[:, :rows] for row in part for head in row]
+        return spans
 
     def reset(self) -> None:
         self.layers = []
