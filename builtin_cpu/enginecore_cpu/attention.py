@@ -11,7 +11,8 @@ decode mirror where they apply.
 - Everything else, and every dtype the kernels do not take, runs the torch paths.
 
 The KV cache is an anonymous mapping (pages cost nothing until touched) whose first
-blocks are faulted in at start-up, not inside the first batch's steps.
+blocks are faulted in on a thread of their own once allocated, not inside the first
+batch's steps and not before the engine is ready.
 """
 
 from __future__ import annotations

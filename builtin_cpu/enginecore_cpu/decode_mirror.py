@@ -168,7 +168,7 @@ class DecodeMirror:
             return []
         spans = []
         for layer in self.layers:
-            if 2 * length >= layer.shape[3]:  # a row's heads whole: little beyond the budget
+            if 2 * length >= layer.shape[3]:  # a row's heads whole: at most twice the budget
                 spans += [layer[kv, :rows] for kv in range(layer.shape[0])]
             else:
                 spans += [head[:length] for part in layer[:, :rows] for row in part for head in row]
