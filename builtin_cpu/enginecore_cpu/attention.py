@@ -18,7 +18,8 @@ batch's steps and not before the engine is ready.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -36,8 +37,10 @@ from enginecore_cpu.decode_mirror import DecodeMirror
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.host_memory import (
     PREFAULT_BYTES,
+    Region,
     keep_freed_memory,
     prefault_in_background,
+    region,
     zeroed,
 )
 
@@ -89,12 +92,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # thread of their own, not in the steps, and not before the engine is ready.
         block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
         first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
-        spans = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
+        starts = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
+        owners, regions = list(caches), [region(span) for span in starts]
+        mirrored: Iterable[Region] = ()
         if s.num_kv_cache_groups > 1:
             self.mirror = None  # see order_decodes
         else:
-            spans += self.mirror.prefault_spans(PREFAULT_BYTES)
-        self.prefaulted = prefault_in_background(spans)
+            layers, mirrored = self.mirror.prefault_regions(PREFAULT_BYTES)
+            owners += layers
+        mirror = self.mirror
+
+        def touch() -> None:  # without MADV_POPULATE_WRITE: zeros over zeros
+            for span in starts:
+                span.zero_()
+            if mirror is not None:
+                mirror.touch_first_positions(PREFAULT_BYTES)
+
+        self.prefaulted = prefault_in_background(owners, chain(regions, mirrored), touch)
         self._caches = caches
         return caches
 

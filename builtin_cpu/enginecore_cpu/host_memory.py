@@ -10,7 +10,7 @@ import math
 import mmap
 import platform
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 # (see ``DecodeMirror.prefault_spans`` and ``CpuAttentionBackend.allocate_kv_cache``).
 PREFAULT_BYTES = 256 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, contents unchanged
+
+Region = tuple[int, int]  # an address and a length in bytes
 
 # mallopt(3) parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -83,29 +85,37 @@ def _populate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return madvise if taken else None
 
 
-def prefault_in_background(spans: Sequence[torch.Tensor]) -> threading.Event:
-    """Fault in the pages of each contiguous tensor in ``spans`` on a daemon thread, with
-    their contents unchanged (``MADV_POPULATE_WRITE``: safe while the engine already
-    writes them), so that a start does not wait for memory its first token does not
-    need. The event is set once they are in. Where the kernel lacks it, the tensors are
-    zeroed here instead: call it only on tensors nothing has written yet."""
+def region(span: torch.Tensor) -> Region:
+    """The memory of a contiguous tensor."""
+    return span.data_ptr(), span.numel() * span.element_size()
+
+
+def prefault_in_background(
+    owners: Sequence[torch.Tensor], regions: Iterable[Region], touch: Callable[[], None]
+) -> threading.Event:
+    """Fault in the pages of ``regions`` (memory of ``owners``, held until done) on a
+    daemon thread, with their contents unchanged (``MADV_POPULATE_WRITE``: safe while the
+    engine already writes them), so that a start does not wait for memory its first
+    token does not need; the regions are iterated there too. The event is set once they
+    are in. Where the kernel lacks it, ``touch()`` faults them in here instead."""
     done = threading.Event()
     madvise = _populate()
     if madvise is None:
-        for span in spans:
-            span.zero_()  # zeros over zeros: only the faults happen
+        touch()
         done.set()
         return done
 
     def run() -> None:
         page = mmap.PAGESIZE
         try:
-            for span in spans:  # held here: their memory stays mapped until done
-                start = span.data_ptr() // page * page
-                end = span.data_ptr() + span.numel() * span.element_size()
-                madvise(start, end - start, _MADV_POPULATE_WRITE)
+            for address, length in regions:
+                start = address // page * page
+                madvise(start, address + length - start, _MADV_POPULATE_WRITE)
         finally:
+            del owners_held[:]
             done.set()
+
+    owners_held = list(owners)  # their memory stays mapped until the thread is done
 
     threading.Thread(target=run, daemon=True, name="enginecore-prefault").start()
     return done
