@@ -114,7 +114,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # kernels as the weights are processed, the first forward's, prefill's, decode's.
             builds[:0] = [quant_kernels.build, kquant_kernels.build]
             builds.append(quant_gemm.build)
-            # The fused step's library comes last and niced: nothing waits for it (the
+            # The fused step's library comes last, an idle build: nothing waits for it (the
             # layers serve until it lands), and it yields the CPU to the load and the first
             # requests.
             if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
@@ -195,6 +195,9 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             if key is not None and cached is None:
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
+                # Mapped back where it was written, as a warm load does: the copy made
+                # here is freed, and only the pages the kernels read are resident.
+                merged = self.prepared.load(key) or merged
             setattr(layer, _BLOCKS, merged)
             if not table:
                 weight.data = torch.empty(0)  # never filled: the blocks replace it

@@ -52,11 +52,13 @@ def is_gguf(path: str | pathlib.Path) -> bool:
 
 def load_hf_config(path: str | pathlib.Path) -> Any:
     """The transformers config of a checkpoint directory or a GGUF file."""
-    from transformers import AutoConfig
-
     p = pathlib.Path(path)
     if is_gguf(p):
+        # Built from the file's metadata: importing AutoConfig would import the package
+        # of every transformers model (its lazy import table alone is a scan of them all).
         return gguf_hf_config(p)
+    from transformers import AutoConfig
+
     if not (p / "config.json").is_file():
         raise ConfigError(f"model path {str(p)!r} has no config.json and is not a .gguf file")
     return AutoConfig.from_pretrained(p)
