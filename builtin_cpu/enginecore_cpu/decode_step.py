@@ -179,7 +179,7 @@ def _kernels(lib: ctypes.CDLL, needs_subblocks: bool, needs_sgemm: bool) -> _Ker
                 ("gemm_q8", "ecq_gemm_q8"),
                 ("gemm", "ecg_gemm"),
             )
-        }
+        },
     )
 
 

@@ -160,9 +160,8 @@ def one_torch_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_float32_weights_decode_fused_as_layer_by_layer(
-    tiny_llama, monkeypatch, one_torch_thread
-):
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float32_weights_decode_fused_as_layer_by_layer(tiny_llama, monkeypatch):
     """Float32 weights (``cpu_packed``, input-major): the step multiplies them with the
     BLAS sgemm ``F.linear`` reaches, so the tokens and log-probabilities are the layers'."""
     _same_as_layers(tiny_llama, monkeypatch)
@@ -195,8 +194,9 @@ def test_float32_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_ll
             assert torch.equal(hidden, other)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_float32_row_major_weights_with_bias_decode_fused_as_layer_by_layer(
-    tiny_qwen2, tmp_path, monkeypatch, one_torch_thread
+    tiny_qwen2, tmp_path, monkeypatch
 ):
     """Row-major float32 weights (the plain linear method) and random Q/K/V biases."""
     import shutil
