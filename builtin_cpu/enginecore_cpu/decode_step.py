@@ -150,10 +150,13 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), c_void_p).value or 0
 
 
-def _kernels(lib: ctypes.CDLL, needs_subblocks: bool, needs_sgemm: bool) -> _Kernels:
+def _kernels(
+    lib: ctypes.CDLL, needs_blocks: bool, needs_subblocks: bool, needs_sgemm: bool
+) -> _Kernels:
     """The kernels' addresses in the step's own library (their serial builds), where the
-    layers' builds are switched on and load; BLAS's ``sgemm_`` where a weight is float32."""
-    if cpu_kernels.load() is None or quant_kernels.load() is None:
+    layers' builds are switched on and load (the block kernels' only where a weight is in
+    blocks); BLAS's ``sgemm_`` where a weight is float32."""
+    if cpu_kernels.load() is None or (needs_blocks and quant_kernels.load() is None):
         raise Unsupported("the C kernels are off or could not be built")
     if needs_subblocks and kquant_kernels.load() is None:
         raise Unsupported("the K-quant kernel is off or could not be built")
@@ -270,14 +273,15 @@ class FusedDecodeStep:
         ]
         needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
         needs_sgemm = any(p.kind in _F32_KINDS for rec in records for p in rec[1])
+        needs_blocks = any(p.kind not in _F32_KINDS for rec in records for p in rec[1])
         # Steps of any size where every weight is float32 (sgemm takes any rows); blocks
         # keep the rows up to which the layers' kernels are the step's.
-        if any(p.kind not in _F32_KINDS for rec in records for p in rec[1]):
+        if needs_blocks:
             self.max_rows = DIRECT_MAX_ROWS
         array = (_Layer * len(records))(*(rec[0] for rec in records))
         self._keep.append(array)
         return _Model(
-            k=_kernels(self.lib, needs_subblocks, needs_sgemm),
+            k=_kernels(self.lib, needs_blocks, needs_subblocks, needs_sgemm),
             num_layers=len(records),
             hidden=embed.shape[1],
             heads=heads,
