@@ -345,6 +345,10 @@ static int run_chunk(ecd_run *st, int64_t l, int s, int64_t u, int64_t u_end, in
     int status = project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, lo, hi, q, p);
     status |= project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, inter + lo,
                            inter + hi, q, p);
+    if (lo == 0 && hi == inter) { /* all the columns (one thread): the rows as they lie */
+        k->silu_and_mul(st->gate_up, st->act, n, inter, 1);
+        return status;
+    }
     for (int64_t r = 0; r < n; r++) {
         const float *g = st->gate_up + r * 2 * inter;
         memcpy(silu_in, g + lo, (hi - lo) * sizeof(float));
