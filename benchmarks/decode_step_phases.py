@@ -8,9 +8,9 @@ thread's time per kind of work (products, attention, the serial norms) and waiti
 the next phase, summed over the layers, per call; the process's CPU time a call (all
 threads: on a shared machine it says what the step costs where the wall clock says
 how long other programs held the cores); then the LM head (``compute_logits``)
-on its output. Threads as the engine picks them (``--threads`` to set them); the
-kernels built for this CPU, or with ``--isa`` for another x86-64 level (the AVX2 ones
-on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
+on its output, wall-clock and CPU time. Threads as the engine picks them
+(``--threads`` to set them); the kernels built for this CPU, or with ``--isa`` for
+another x86-64 level (the AVX2 ones on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
 
     python benchmarks/decode_step_phases.py [MODEL.gguf] [--context 128] [--threads N]
         [--isa x86-64-v3]
@@ -110,11 +110,12 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
                 cpu_times.append(time.process_time() - cpu_started)
             profile(phases)
-            head = []
-            for _ in range(args.repeats // 4):
-                started = time.perf_counter()
+            head, head_cpu = [], []
+            for _ in range(max(10, args.repeats // 2)):
+                started, cpu_started = time.perf_counter(), time.process_time()
                 runner.model.compute_logits(hidden)
                 head.append(time.perf_counter() - started)
+                head_cpu.append(time.process_time() - cpu_started)
             n = args.repeats
             report.append(
                 f"{'fused step (median / best)':40s} "
@@ -132,6 +133,10 @@ def main() -> None:
             report.append(
                 f"{'LM head (median / best)':40s} "
                 f"{1e3 * statistics.median(head):8.3f} / {1e3 * min(head):.3f} ms"
+            )
+            report.append(
+                f"{'LM head CPU time (median / best)':40s} "
+                f"{1e3 * statistics.median(head_cpu):8.3f} / {1e3 * min(head_cpu):.3f} ms"
             )
             return hidden
 

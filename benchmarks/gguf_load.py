@@ -8,12 +8,17 @@ kernels are compiled too); ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready; a second
 and a third follow, each with other tokens (the same prompt again would be served from the
 prefix cache).
-Resident memory is taken when the engine is ready and after the three requests. With
+Resident memory is taken when the engine is ready and after the three requests, and the
+process's CPU time (user and system, all threads) when it is ready: on a shared machine
+the wall times grow with the other load, the CPU time much less. With
 ``--baseline-src DIR`` (a source tree of another commit, for example
 ``git archive main | tar -x -C DIR``) each run is repeated on that tree, alternately, so
 both see the same machine load. Each tree keeps its kernels and prepared weights in a
 cache of its own (``TREE/.enginecore-cache``), so that neither run finds what another
 checkout, or the other tree, prepared.
+
+With ``--new-step-library`` the first run finds only the fused decode step's library
+missing, so its requests are served while that library compiles (and nothing else does).
 
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR] [--new-cache]
 """
@@ -29,7 +34,7 @@ import subprocess
 import sys
 
 RUN = """
-import json, sys, time
+import json, resource, sys, time
 started = time.perf_counter()
 import psutil
 from enginecore import LLM, SamplingParams
@@ -37,6 +42,8 @@ imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
 ready = time.perf_counter()
 rss_ready = psutil.Process().memory_info().rss
+usage = resource.getrusage(resource.RUSAGE_SELF)
+cpu_ready = usage.ru_utime + usage.ru_stime
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def timed(start):
     prompt = {"prompt_token_ids": list(range(start, start + 128))}
@@ -48,6 +55,7 @@ second, _ = timed(1300)
 third, _ = timed(2300)
 rss = psutil.Process().memory_info().rss
 print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
+    "cpu_to_ready_s": cpu_ready,
     "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
     "rss_ready_gib": rss_ready / 2**30, "rss_gib": rss / 2**30, "token": token}))
 llm.shutdown()
@@ -67,6 +75,14 @@ def tree_cache(tree: pathlib.Path) -> pathlib.Path:
     """A tree's own cache (kernels, prepared weights): two trees sharing one would
     replace each other's prepared weights of the same file at every run."""
     return tree / ".enginecore-cache"
+
+
+def remove_step_library(kernels: pathlib.Path) -> None:
+    """The fused decode step's library and every compiled object gone from a kernel
+    cache (the step's library links objects of the other sources, compiled its own way)."""
+    for library in kernels.glob("enginecore_decode_step_*.so"):
+        library.unlink()
+    shutil.rmtree(kernels / "objects", True)
 
 
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
@@ -92,17 +108,30 @@ def main() -> None:
         action="store_true",
         help="the first run starts from an empty cache (the C kernels compiled too)",
     )
+    parser.add_argument(
+        "--new-step-library",
+        action="store_true",
+        help="the first run finds every library built but the fused decode step's (and no "
+        "compiled objects) and its prepared weights kept: the requests served while that "
+        "library compiles in the background, alone",
+    )
+    parser.add_argument(
+        "--warm-only", action="store_true", help="no first run: each tree's cache as it is"
+    )
     args = parser.parse_args()
     model = str(pathlib.Path(args.model).resolve())
     trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
     if args.baseline_src:
         trees.insert(0, ("baseline", args.baseline_src.resolve()))
     print(f"load average {os.getloadavg()}")
-    for label in ["first"] + ["warm"] * args.rounds:
+    for label in ["first"] * (not args.warm_only) + ["warm"] * args.rounds:
         for name, tree in trees:
             if label == "first":
                 cache = tree_cache(tree or THIS_TREE)
-                shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
+                if args.new_step_library:
+                    remove_step_library(cache / "cpu_kernels")
+                else:
+                    shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
     print(f"load average {os.getloadavg()}")
 

@@ -52,8 +52,17 @@ def weight_bytes_per_step(path: str, quantized: bool) -> int:
         elif t.name in ("output.weight", "token_embd.weight") and (
             t.name == "output.weight" or not any(x.name == "output.weight" for x in reader.tensors)
         ):
-            total += int(t.n_elements) * (34 / 32 if quantized else 4)  # head: Q8_0 copy
+            if not quantized:
+                total += int(t.n_elements) * 4
+            elif t.tensor_type.name in HEAD_FORMATS:  # the head reads the file's blocks
+                total += int(t.n_bytes)
+            else:  # a Q8_0 copy of its float table, float32 scales
+                total += int(t.n_elements) * 36 // 32
     return int(total)
+
+
+# The formats the ``gguf`` method multiplies in the file's blocks (the head among them).
+HEAD_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def fresh_prompt(length: int, seed: int) -> list[int]:

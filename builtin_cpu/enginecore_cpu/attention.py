@@ -11,12 +11,15 @@ decode mirror where they apply.
 - Everything else, and every dtype the kernels do not take, runs the torch paths.
 
 The KV cache is an anonymous mapping (pages cost nothing until touched) whose first
-blocks are faulted in at start-up, not inside the first batch's steps.
+blocks are faulted in on a thread of their own once allocated, not inside the first
+batch's steps and not before the engine is ready.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -32,7 +35,14 @@ from enginecore.layers.torch_attention import write_kv as torch_write_kv
 from enginecore_cpu import cpu_kernels, kernel_cache, panel_gemm
 from enginecore_cpu.decode_mirror import DecodeMirror
 from enginecore_cpu.fused_ops import CpuFusedOps
-from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory, zeroed
+from enginecore_cpu.host_memory import (
+    PREFAULT_BYTES,
+    Region,
+    keep_freed_memory,
+    prefault_in_background,
+    region,
+    zeroed,
+)
 
 
 def fresh_prompts(group: AttentionGroup, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +68,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(spec)
         keep_freed_memory()
         self.mirror: DecodeMirror | None = None
+        self.prefaulted: threading.Event | None = None  # set once the first pages are in
         self._caches: list[torch.Tensor] = []
         self._mirrored = False  # this step's decodes come from the mirror
 
@@ -76,16 +87,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
             max_len=s.max_model_len,
             max_rows=s.max_num_seqs,
         )
-        # Pages are mapped on first touch (1-10 µs per 4 KiB page): fault in the first
-        # blocks, which the pool hands out first, and the mirror's first rows now.
+        # Pages are mapped on first touch (1-10 µs per 4 KiB page): the first blocks,
+        # which the pool hands out first, and the mirror's first rows are faulted in on a
+        # thread of their own, not in the steps, and not before the engine is ready.
         block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
         first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
-        for cache in caches:
-            cache[:, :first].zero_()  # zeros over zeros: only the faults happen
+        starts = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
+        owners, regions = list(caches), [region(span) for span in starts]
+        mirrored: Iterable[Region] = ()
         if s.num_kv_cache_groups > 1:
             self.mirror = None  # see order_decodes
         else:
-            self.mirror.prefault(PREFAULT_BYTES)
+            layers, mirrored = self.mirror.prefault_regions(PREFAULT_BYTES)
+            owners += layers
+        mirror = self.mirror
+
+        def touch() -> None:  # without MADV_POPULATE_WRITE: zeros over zeros
+            for span in starts:
+                span.zero_()
+            if mirror is not None:
+                mirror.touch_first_positions(PREFAULT_BYTES)
+
+        self.prefaulted = prefault_in_background(owners, chain(regions, mirrored), touch)
         self._caches = caches
         return caches
 

@@ -268,7 +268,7 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
     thread, so a first start compiles while the weights load instead of one library
     after another when each is first needed; ``build`` waits for a build in progress.
     Their compilers queue for ``kernel_cache.compile_slots()`` slots in the order given
-    (what is needed first, first; ``kernel_cache.idle`` builds after all others, niced).
+    (what is needed first, first; ``kernel_cache.idle`` builds after all others, under ``SCHED_IDLE``).
     A failure is left for the foreground ``load()`` to report."""
 
     def run(job: Callable[[], Path], rank: int) -> None:

@@ -17,7 +17,7 @@ length; otherwise SDPA attends every row over the longest, with a mask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import zeroed
+from enginecore_cpu.host_memory import Region, zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
@@ -158,9 +158,35 @@ class DecodeMirror:
         self.layers = grown
         return True
 
-    def prefault(self, budget: int) -> None:
-        """Allocate for every row now and fault in each row's first positions, as many as
-        ``budget`` bytes cover (rows fill from position 0, and rows are reused in order)."""
+    def prefault_regions(self, budget: int) -> tuple[list[torch.Tensor], Iterator[Region]]:
+        """Allocate for every row now; the layers, and the memory (address, bytes) that
+        holds each row's first positions, as many as ``budget`` bytes cover (rows fill
+        from position 0, and rows are reused in order), for the caller to fault in. The
+        regions are worked out as they are iterated (one per row and head: tens of
+        thousands for a small model, which the caller's start need not wait for)."""
+        rows = self.max_rows
+        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
+        if length <= 0 or not self._ensure(rows, length):
+            return [], iter(())
+        layers = list(self.layers)
+
+        def regions() -> Iterator[Region]:
+            for layer in layers:
+                parts, _, heads, positions, dim = layer.shape
+                run = positions * dim * layer.element_size()  # one row's head
+                for part in range(parts):
+                    start = layer[part].data_ptr()
+                    if 2 * length >= positions:  # rows whole: at most twice the budget
+                        yield start, rows * heads * run
+                        continue
+                    for head in range(rows * heads):
+                        yield start + head * run, length * dim * layer.element_size()
+
+        return layers, regions()
+
+    def touch_first_positions(self, budget: int) -> None:
+        """Fault in what ``prefault_regions`` names by writing zeros over it (only
+        before anything is written)."""
         rows = self.max_rows
         length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
         if length > 0 and self._ensure(rows, length):

@@ -445,7 +445,10 @@ def build(extra_flags: tuple[str, list[str]] | None = None, only_path: bool = Fa
     yet); its path. ``extra_flags``: a name suffix and compiler flags added to the
     build's (the profiling build of ``benchmarks/decode_step_phases.py``); ``only_path``:
     the path without compiling (whether it exists says whether the build has landed)."""
-    isa = quant_kernels._vnni()  # the instructions the block kernels are built with
+    # The instructions the layers' many-row kernel is built with (AVX-512 VNNI, or
+    # AVX-VNNI on an AVX2 CPU): the step holds its own build of it, and picks it from the
+    # same crossover rows (``gemm_from_rows``), so the two builds must agree.
+    isa = quant_gemm.extra_isa()
     if extra_flags is not None:
         isa = (f"{isa[0]}-{extra_flags[0]}", isa[1] + extra_flags[1]) if isa else extra_flags
     return cpu_kernels.build(

@@ -10,8 +10,9 @@ blocks), Q4_K, Q5_K and Q6_K (at the file's bits a value, its scales per super-b
 (F16, other GGUF types) arrive de-quantized and take the ``cpu_packed`` path, as does a
 layer whose shards came in mixed forms. With ``model.quantization: int8`` a float
 projection is quantized here to int8 per output channel. The LM head (often tied to the
-embedding, which the lookup needs in float) gets a Q8_0 copy: at 49,152 x 576 it is the
-largest single read of a small model.
+embedding, which the lookup needs in float) computes the logits from the file's own
+blocks where they came in a format above (the largest single read of a small model, at
+the file's bits a value), else from a Q8_0 copy of its float table.
 
 Activations are quantized to 8 bits per block of 32 as llama.cpp does (so the error is
 llama.cpp's); docs/quantization.md states the accuracy against the de-quantized weights
@@ -44,7 +45,7 @@ from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part, dequantized_part, per_channel_q8, unpacked
 from enginecore.config import EngineConfig
-from enginecore.layers.embedding import VocabParallelEmbedding
+from enginecore.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from enginecore.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -113,7 +114,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             # kernels as the weights are processed, the first forward's, prefill's, decode's.
             builds[:0] = [quant_kernels.build, kquant_kernels.build]
             builds.append(quant_gemm.build)
-            # The fused step's library comes last and niced: nothing waits for it (the
+            # The fused step's library comes last, an idle build: nothing waits for it (the
             # layers serve until it lands), and it yields the CPU to the load and the first
             # requests.
             if not cpu_kernels.switched_off(decode_step.ENV_SWITCH):
@@ -177,10 +178,14 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             kernels = None
         weight = cast(torch.Tensor, layer.weight)
         covered = sum(p.shape[0] for p in parts.values())
+        # a token embedding's float table stays for the lookups
+        table = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
         if parts and (kernels is None or covered != weight.shape[0]):
-            # No kernels, or some shards came in float: the layer computes in float.
+            # No kernels, or some shards came in float: the layer computes in float (a
+            # table holds its values already).
             for first, part in parts.items():
-                weight.data[first : first + part.shape[0]] = dequantized_part(part)
+                if not table:
+                    weight.data[first : first + part.shape[0]] = dequantized_part(part)
             parts = {}
         if not parts and self._int8_wanted(layer, kernels):
             parts = {0: per_channel_q8(weight.data)}
@@ -190,8 +195,12 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             if key is not None and cached is None:
                 assert self.prepared is not None
                 self.prepared.save(key, merged)
+                # Mapped back where it was written, as a warm load does: the copy made
+                # here is freed, and only the pages the kernels read are resident.
+                merged = self.prepared.load(key) or merged
             setattr(layer, _BLOCKS, merged)
-            weight.data = torch.empty(0)  # never filled: the blocks replace it
+            if not table:
+                weight.data = torch.empty(0)  # never filled: the blocks replace it
             return
         if (
             isinstance(layer, VocabParallelEmbedding)
@@ -217,7 +226,15 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         """A GGUF file's token embedding as float32, kept in the prepared-weight cache:
         later loads map it, and only the rows looked up are ever read (the de-quantizing
         and copying of the whole table held up every load)."""
+        # The logits are computed from these blocks, as a projection's (prepared and
+        # cached with the layers'), not from a copy of the float table.
+        layer.__dict__.setdefault(_PARTS, {})[0] = blocks
         weight = cast(torch.Tensor, layer.weight)
+        if isinstance(layer, ParallelLMHead):
+            # An output head is never looked up: its float weight is filled only where its
+            # blocks cannot be multiplied (process_weights_after_loading), and its pages
+            # are never touched otherwise.
+            return torch.empty(weight.shape, dtype=weight.dtype)
         if self.prepared is None or not blocks.source or weight.dtype != torch.float32:
             return None
         out, k = blocks.shape
@@ -247,6 +264,10 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = getattr(layer, _BLOCKS, None)
+        if blocks is None and _PARTS in layer.__dict__:
+            # A head whose model never had it prepared: its float weight was never filled.
+            self.process_weights_after_loading(layer)
+            blocks = getattr(layer, _BLOCKS, None)
         if blocks is None:
             return super().apply(layer, x, bias)
         return blocks_linear(blocks, x, bias)

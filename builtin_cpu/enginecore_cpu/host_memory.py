@@ -4,18 +4,24 @@ a malloc that keeps freed memory for the next step."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import mmap
 import platform
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# How much of the KV cache, and of the decode mirror, a CPU runner faults in at start-up
-# (see ``DecodeMirror.prefault`` and ``TorchModelRunner._prefault``).
+# How much of the KV cache, and of the decode mirror, a CPU runner faults in once started
+# (see ``DecodeMirror.prefault_spans`` and ``CpuAttentionBackend.allocate_kv_cache``).
 PREFAULT_BYTES = 256 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, contents unchanged
+
+Region = tuple[int, int]  # an address and a length in bytes
 
 # mallopt(3) parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -60,3 +66,56 @@ def keep_freed_memory() -> bool:
     if not taken:
         logger.info("mallopt refused the thresholds; freed memory goes back to the OS")
     return taken
+
+
+@functools.cache
+def _populate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``madvise``, where it takes ``MADV_POPULATE_WRITE`` (tried on one page)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    taken = madvise(address, mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0
+    del address
+    page.close()
+    return madvise if taken else None
+
+
+def region(span: torch.Tensor) -> Region:
+    """The memory of a contiguous tensor."""
+    return span.data_ptr(), span.numel() * span.element_size()
+
+
+def prefault_in_background(
+    owners: Sequence[torch.Tensor], regions: Iterable[Region], touch: Callable[[], None]
+) -> threading.Event:
+    """Fault in the pages of ``regions`` (memory of ``owners``, held until done) on a
+    daemon thread, with their contents unchanged (``MADV_POPULATE_WRITE``: safe while the
+    engine already writes them), so that a start does not wait for memory its first
+    token does not need; the regions are iterated there too. The event is set once they
+    are in. Where the kernel lacks it, ``touch()`` faults them in here instead."""
+    done = threading.Event()
+    madvise = _populate()
+    if madvise is None:
+        touch()
+        done.set()
+        return done
+
+    def run() -> None:
+        page = mmap.PAGESIZE
+        try:
+            for address, length in regions:
+                start = address // page * page
+                madvise(start, address + length - start, _MADV_POPULATE_WRITE)
+        finally:
+            del owners_held[:]
+            done.set()
+
+    owners_held = list(owners)  # their memory stays mapped until the thread is done
+
+    threading.Thread(target=run, daemon=True, name="enginecore-prefault").start()
+    return done

@@ -10,6 +10,7 @@ its process dies (Linux), and one that outlives it finds its output folder remov
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import heapq
@@ -111,7 +112,8 @@ _asked = threading.local()  # .rank: this thread's place, given before it starte
 
 # Ranks from here on are idle builds: nothing waits for them (the fused decode step's,
 # the layers serving meanwhile); they queue after every other build and their compilers
-# run at a lower CPU priority, so that the engine's own work goes first.
+# run under SCHED_IDLE, on what CPU the engine leaves: under a load that never leaves a
+# core idle the library waits, and the layers keep serving.
 IDLE = 1 << 40
 _IDLE_NICENESS = 10
 
@@ -124,8 +126,9 @@ def ranks(count: int, idle: bool = False) -> list[int]:
 
 
 def idle(build: Callable[[], _Result]) -> Callable[[], _Result]:
-    """``build`` as an idle build: queued after all others, its compilers niced (for a
-    library nothing waits for; a build already queued keeps its place)."""
+    """``build`` as an idle build: queued after all others, its compilers under
+    ``SCHED_IDLE`` (for a library nothing waits for; a build already queued keeps its
+    place)."""
 
     def run() -> _Result:
         asking_as(ranks(1, idle=True)[0])
@@ -260,4 +263,9 @@ def _child() -> None:
 
 def _idle_child() -> None:
     _child()
-    os.nice(_IDLE_NICENESS)
+    os.nice(_IDLE_NICENESS)  # where SCHED_IDLE is refused, at least this
+    # SCHED_IDLE: the compiler runs only on a core nothing else wants. Niced alone it
+    # still takes time slices from the engine's threads, and each parallel region of a
+    # step waits at its barrier for the thread whose core the compiler holds.
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

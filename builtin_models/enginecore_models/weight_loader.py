@@ -52,11 +52,13 @@ def is_gguf(path: str | pathlib.Path) -> bool:
 
 def load_hf_config(path: str | pathlib.Path) -> Any:
     """The transformers config of a checkpoint directory or a GGUF file."""
-    from transformers import AutoConfig
-
     p = pathlib.Path(path)
     if is_gguf(p):
+        # Built from the file's metadata: importing AutoConfig would import the package
+        # of every transformers model (its lazy import table alone is a scan of them all).
         return gguf_hf_config(p)
+    from transformers import AutoConfig
+
     if not (p / "config.json").is_file():
         raise ConfigError(f"model path {str(p)!r} has no config.json and is not a .gguf file")
     return AutoConfig.from_pretrained(p)
@@ -202,9 +204,11 @@ class _RopeOrderedTensor(QuantizedTensor):
         return _RopeOrderedTensor(self._rows, self.format, shape, source, self._start + start)
 
 
-# The token embedding: handed over in blocks too, the embedding asks its linear method for
-# a table (one kept from an earlier load, mapped) before de-quantizing it.
+# The token embedding and the output head: handed over in blocks too, each asks its linear
+# method for a table (one kept from an earlier load, mapped) before de-quantizing it; a
+# method that multiplies the blocks computes the logits from them.
 EMBEDDING = "token_embd.weight"
+HEAD = "output.weight"
 
 
 def iter_gguf(
@@ -212,15 +216,15 @@ def iter_gguf(
 ) -> Iterator[tuple[str, Any]]:
     """GGUF tensors under HF names and in HF layouts: de-quantized, or, for a layer's 2-D
     projection in a block format named in ``keep_quantized``, its blocks (row order
-    fixed like a float weight's) as a :class:`QuantizedTensor`; so is the token
-    embedding in such a format."""
+    fixed like a float weight's) as a :class:`QuantizedTensor`; so are the token
+    embedding and the output head in such a format."""
     reader = _gguf_reader(str(pathlib.Path(path).resolve()))
     arch = reader.field("general.architecture")
     for tensor in startup_log.progress(reader.tensors, len(reader.tensors), "reading weights"):
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if (
             tensor.tensor_type.name in keep_quantized
-            and (tensor.name.startswith("blk.") or tensor.name == EMBEDDING)
+            and (tensor.name.startswith("blk.") or tensor.name in (EMBEDDING, HEAD))
             and len(shape) == 2
         ):
             # Mapped, not read: a linear method with the blocks prepared never touches them.

@@ -391,3 +391,64 @@ def test_a_decode_batch_from_the_crossover_takes_the_many_row_kernel_fused(
             assert got[:first_tie] == want[:first_tie], (got, want, first_tie)
             chosen = logits[torch.arange(len(got)), torch.tensor(got)]
             assert (top2[:, 0] - chosen <= tol).all()
+
+
+# Run in a child process: the ISA is chosen once a process, when the kernels first load.
+_AVX2_VNNI_RUN = """
+import json, os, sys
+from enginecore_cpu import cpu_kernels
+cpu_kernels.instruction_set = lambda: "x86-64-v3"
+from enginecore import LLM, SamplingParams
+from enginecore_cpu import decode_step, quant_gemm
+decode_step.build()
+path, rows = sys.argv[1], int(sys.argv[2])
+result = {"step": decode_step.build(only_path=True).name, "gemm": quant_gemm.build().name}
+prompts = [list(range(3 + 7 * i, 10 + 7 * i)) for i in range(rows)]
+params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+for fused in ("1", "0"):
+    os.environ["ENGINECORE_FUSED_DECODE"] = fused
+    with LLM(path, multiprocessing=False, max_num_batched_tokens=256) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        steps = llm.collective_rpc(
+            lambda w: getattr(w.model_runner.fused_decode, "many_row_steps", None)
+        )[0]
+    answers = [
+        [o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                                  for d in o.outputs[0].logprobs]]
+        for o in outs
+    ]
+    result[fused] = [answers, steps]
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    cpu_kernels.instruction_set() not in ("x86-64-v3", "x86-64-v4")
+    or "avx_vnni" not in cpu_kernels._cpu_signature().split(),
+    reason="needs an x86-64 CPU with AVX-VNNI",
+)
+def test_the_avx2_build_with_avx_vnni_decodes_fused_as_its_layers(tiny_llama, tmp_path):
+    """On an AVX2 CPU with AVX-VNNI (this one's x86-64-v3 builds, where it has AVX-512
+    too) the layers' many-row kernel is built with AVX-VNNI: so is the step's own build
+    of it, which it takes from the same crossover rows. A decode batch of that many rows
+    gives the layers' tokens and log-probabilities bit for bit."""
+    import json
+    import subprocess
+    import sys
+
+    path = write_gguf(tiny_llama, tmp_path / "q8_0.gguf", quantize=True)
+    rows = gguf_linear_method.GEMM_FROM_ROWS["Q8"]
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_VNNI_RUN, str(path), str(rows)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "x86-64-v3-avxvnni" in result["gemm"], result["gemm"]
+    assert "x86-64-v3-avxvnni" in result["step"], result["step"]
+    (fused, many_row_steps), (layered, off) = result["1"], result["0"]
+    assert off is None and many_row_steps >= 11, (off, many_row_steps)
+    assert fused == layered

@@ -1,6 +1,8 @@
 """A GGUF load reads its config without transformers' model stack: Llama's config is
 built on the base config class (its transformers module imports ``torch.distributed``
-and accelerate through one field validator), and equals ``LlamaConfig``'s."""
+and accelerate through one field validator), and equals ``LlamaConfig``'s. The runner's
+entry point (``load_hf_config``) takes that path without importing ``AutoConfig``, whose
+import scans every transformers model's package (about half a second of a warm load)."""
 
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ from tests.helpers.gguf_writer import write_gguf
 
 pytest.importorskip("gguf")
 
-HEAVY = ("transformers.activations", "torch.distributed.tensor", "accelerate")
+HEAVY = (
+    "transformers.activations",
+    "transformers.models.auto",
+    "torch.distributed.tensor",
+    "accelerate",
+)
 
 READ_CONFIG = """
 import json, sys
-from enginecore_models.weight_loader import gguf_hf_config
-config = gguf_hf_config(sys.argv[1])
+from enginecore_models.weight_loader import load_hf_config
+config = load_hf_config(sys.argv[1])
 print(json.dumps({"heavy": [m for m in sys.argv[2:] if m in sys.modules],
                   "architectures": config.architectures}))
 """

@@ -279,3 +279,28 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     assert "unreadable" in caplog.text
     assert torch.equal(again.weight, want)
     assert entries[0].stat().st_size > 200  # written again
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_a_first_load_computes_on_the_entries_it_wrote(fmt, tmp_path, cache_root):
+    """A first load writes each layer's prepared blocks, then multiplies them mapped from
+    the entry, as a warm load does: the copy it made is freed (kept, it was a second
+    file-sized amount of resident memory until the process ended)."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    raw = random_tensor(fmt, 96, 512)
+    blocks = QuantizedTensor(raw.data, raw.format, raw.shape, "model.layers.0.mlp.down_proj")
+    method = GGUFLinearMethod(None)
+    method.prepared = PreparedWeights(source)
+    with use_linear_method(method):
+        layer = RowParallelLinear(512, 96, bias=False, parallel=SINGLE_RANK, dtype=torch.float32)
+    layer.weight.weight_loader(layer.weight, blocks)
+    method.process_weights_after_loading(layer)
+    (entry,) = cache_root.glob("*/*.bin")
+    parts = vars(layer)[gguf_linear_method._BLOCKS]
+    tensors = [t for _, part in parts for t in prepared_weights._fields(part)]
+    assert tensors and all(t.untyped_storage().nbytes() == entry.stat().st_size for t in tensors)
+    x = torch.randn(3, 512)
+    want = F.linear(x, dequantized_part(unpacked(blocks)))
+    assert ((layer(x) - want).abs().max() / want.abs().max()).item() < 1e-2
