@@ -9,7 +9,7 @@ is the median over the steady decode steps of milliseconds per step, and its par
 - ``schedule``: ``scheduler.schedule()``
 - ``prep``: the model runner's ``execute_model`` less the model's forward (request
   updates, input and attention-metadata preparation)
-- ``forward``: the model's forward and LM head
+- ``forward``: the model's forward (or the backend's fused decode step) and LM head
 - ``sample``: ``sample_tokens`` (sampling metadata, sampler, the device-to-host copy)
 - ``update``: ``scheduler.update_from_output()``
 - ``output``: the frontend's output processing (detokenization, request outputs)
@@ -122,6 +122,9 @@ def instrument(llm: Any, timers: Timers) -> None:
     model = runner.model
     model.forward = timers.wrap("forward", model.forward)
     model.compute_logits = timers.wrap("forward", model.compute_logits)
+    fused = getattr(runner, "fused_decode", None)  # a whole decode step in one call
+    if fused is not None:
+        fused.run = timers.wrap("forward", fused.run)
     llm._process_step = timers.wrap("output", llm._process_step)
 
 

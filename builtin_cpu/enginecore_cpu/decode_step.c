@@ -92,6 +92,10 @@ typedef void (*gemm_q8_fn)(int64_t, int64_t, int64_t, const int8_t *, const void
                            const int8_t *, const float *, float *, int64_t);
 typedef int (*gemm_fn)(int, int64_t, int64_t, int64_t, const void *, const void *, const void *,
                        const int8_t *, const float *, const float *, float *, int64_t);
+/* BLAS's column-major sgemm_ (32-bit integers, as the LP64 interface torch links) */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *,
+                         const float *, const float *, const int *, const float *, const int *,
+                         const float *, float *, const int *);
 
 /* The kernels' addresses (any of the last may be null when no part needs it). */
 typedef struct {
@@ -107,6 +111,11 @@ typedef struct {
     gemm_q4_fn gemm_q4;
     gemm_q8_fn gemm_q8;
     gemm_fn gemm; /* quant_gemm.c's many-row kernel */
+    sgemm_fn sgemm; /* BLAS's, for float32 weights (null when no part is float32) */
+    /* MKL's MKL_Set_Num_Threads_Local (by value), or null: sgemm on the calling thread
+     * alone, so that a team of one computes what a larger team's threads (where MKL
+     * runs nested, on one thread) compute */
+    int (*blas_threads_local)(int);
 } ecd_kernels;
 
 /* ecq_linear's kinds (quant_kernels.c) and the scale modes ecq_gemm_q4 reads them in:
@@ -115,6 +124,11 @@ typedef struct {
 enum { ECQ_Q4 = 4, ECQ_Q8 = 8, ECQ_Q4_HALF = 20, ECQ_Q4_0_HALF = 21, ECQ_Q8_HALF = 22,
        ECQ_Q4_K = 24 };
 enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_Q4K = 2, SCALES_F16_SYM = 3 };
+/* Float32 weights, multiplied by BLAS's sgemm as F.linear does: stored as rows [out, in]
+ * (ECD_F32_ROWS) or input-major, [in, out] in memory (ECD_F32_INPUT_MAJOR, the
+ * cpu_packed linear method's layout); qs_row is then the floats between consecutive
+ * weight rows (in) or between consecutive inputs (out). */
+enum { ECD_F32_ROWS = 32, ECD_F32_INPUT_MAJOR = 33 };
 
 /* Output rows [first, first + rows) of a projection in one block layout: kind 5 or 6 for
  * Q5_K / Q6_K (eck_gemm_k's bits; d the scale bytes, m unused), else ecq_linear's kind
@@ -162,12 +176,30 @@ typedef struct {
     int32_t phase;
 } ecd_quantized;
 
+static int is_f32(int64_t kind) { return kind == ECD_F32_ROWS || kind == ECD_F32_INPUT_MAJOR; }
+
+/* Columns [a, b) of out [n, ldc] = x [n, in] W^T for a float32 part whose columns start
+ * at a - skip: one sgemm, the column-major view of what F.linear computes. */
+static void f32_columns(const ecd_kernels *k, const ecd_part *part, const float *x, int64_t n,
+                        int64_t in, int64_t skip, int64_t cols, float *target, int64_t ldc) {
+    const int input_major = part->kind == ECD_F32_INPUT_MAJOR;
+    const int m = (int)cols, rows = (int)n, depth = (int)in, lda = (int)part->qs_row;
+    const int ld_out = (int)ldc;
+    const float one = 1.0f, zero = 0.0f;
+    const float *w = (const float *)part->qs + (input_major ? skip : skip * part->qs_row);
+    k->sgemm(input_major ? "N" : "T", "N", &m, &rows, &depth, &one, w, &lda, x, &depth, &zero,
+             target, &ld_out);
+}
+
 /* out [n, p->out] rows [lo, hi) of x [n, p->in] W^T (+ bias), part by part as
- * blocks_linear does, on x quantized into q (this thread's) as ecq_linear quantizes it.
- * A row's value does not depend on which rows are computed with it. */
+ * blocks_linear does, on x quantized into q (this thread's) as ecq_linear quantizes it
+ * (float32 parts read x itself). A row's value does not depend on which rows are
+ * computed with it. */
 static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x, int64_t n,
                         float *out, int64_t lo, int64_t hi, ecd_quantized *q, int32_t phase) {
-    if (q->from != x || q->phase != phase) {
+    int quantized = 0;
+    for (int64_t i = 0; i < p->num_parts; i++) quantized |= !is_f32(p->parts[i].kind);
+    if (quantized && (q->from != x || q->phase != phase)) {
         k->quantize_rows(x, p->in, n, p->in, q->xq, q->xd, q->xs);
         q->from = x, q->phase = phase;
     }
@@ -179,6 +211,10 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
         const int64_t b = hi < part->first + part->rows ? hi : part->first + part->rows;
         if (a >= b) continue;
         const int64_t skip = a - part->first;
+        if (is_f32(part->kind)) {
+            f32_columns(k, part, x, n, p->in, skip, b - a, out + a, p->out);
+            continue;
+        }
         const char *qs = (const char *)part->qs + skip * part->qs_row;
         const char *d = (const char *)part->d + skip * part->d_row;
         const char *m = part->m == NULL ? NULL : (const char *)part->m + skip * part->m_row;
@@ -309,6 +345,10 @@ static int run_chunk(ecd_run *st, int64_t l, int s, int64_t u, int64_t u_end, in
     int status = project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, lo, hi, q, p);
     status |= project_rows(k, &layer->gate_up, st->normed, n, st->gate_up, inter + lo,
                            inter + hi, q, p);
+    if (lo == 0 && hi == inter) { /* all the columns (one thread): the rows as they lie */
+        k->silu_and_mul(st->gate_up, st->act, n, inter, 1);
+        return status;
+    }
     for (int64_t r = 0; r < n; r++) {
         const float *g = st->gate_up + r * 2 * inter;
         memcpy(silu_in, g + lo, (hi - lo) * sizeof(float));
@@ -401,7 +441,9 @@ static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int
             *first = at;
             return at;
         }
-        const int64_t share = max_i64(1, (count - at) / (ECD_SHARE_DIVISOR * threads));
+        /* one thread has no one to balance with: all that is left, in one call */
+        const int64_t share =
+            threads == 1 ? count - at : max_i64(1, (count - at) / (ECD_SHARE_DIVISOR * threads));
         if (atomic_compare_exchange_weak(next, &at, at + share)) {
             *first = at;
             return at + share;
@@ -509,8 +551,10 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
                                             : (rows[s] + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     }
     st->threads = nthreads;
+    const int blas_threads = k->blas_threads_local != NULL ? k->blas_threads_local(1) : 0;
 #pragma omp parallel num_threads(nthreads)
     take_chunks(st, omp_get_thread_num(), own_base + omp_get_thread_num() * own_size);
+    if (k->blas_threads_local != NULL) k->blas_threads_local(blas_threads);
     const int status = atomic_load(&st->status);
     free(scratch);
     PROFILE_ADD(0, PH_CALL, call);

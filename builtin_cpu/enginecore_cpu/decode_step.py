@@ -4,9 +4,12 @@ At batch 1 a step of the demo model is about 4 ms of weight reads, but the layer
 as much again between them: some 150 module calls and 300 ``ctypes`` calls of Python. For
 a model whose classes declare the block this step computes (``enginecore.layers.decode_block``:
 the Llama block, or Qwen3's with its QK norm; projections kept in blocks by the ``gguf`` linear method,
-float32 on CPU, one rank), :class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
+or float32 weights under the plain or ``cpu_packed`` method; float32 on CPU, one rank),
+:class:`FusedDecodeStep` records each layer's weights and kernels once; a step whose
 tokens are all decodes served by the ``cpu`` backend's dense mirror then runs as one call
-of the same kernels on the same values, so its hidden states are the layers' bit for bit.
+of the same kernels on the same values, so its hidden states are the layers' bit for bit
+(float32 products: BLAS's ``sgemm_``, which ``F.linear`` calls, on one thread each; the
+layers' bits where torch runs one thread).
 The call runs one OpenMP team whose threads take chunks of each product and of attention
 from a shared counter (see ``decode_step.c``); the kernels are built into the step's own
 library without their OpenMP loops (:data:`SERIAL_SOURCES`). Everything else (prompts,
@@ -30,9 +33,11 @@ import torch
 from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
 from enginecore.layers.attention import AttentionBatch
 from enginecore.layers.decode_block import DecodeBlock, declared_block
+from enginecore.layers.linear import UnquantizedLinearMethod
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernels
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS, gemm_from_rows
+from enginecore_cpu.linear_method import CpuPackedLinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,11 @@ SOURCE = cpu_kernels.SOURCE.with_name("decode_step.c")
 ENV_SWITCH = "ENGINECORE_FUSED_DECODE"
 _SUBBLOCK_KINDS = (5, 6)  # ecd_part.kind of Q5_K / Q6_K (KQuantWeight.kind)
 _OFFSET_KINDS = (4, Q4_HALF_SCALES)  # 4-bit blocks whose offsets m are read (not Q4_0's)
+_F32_ROWS, _F32_INPUT_MAJOR = 32, 33  # float32 weights, [out, in] or [in, out] in memory
+_F32_KINDS = (_F32_ROWS, _F32_INPUT_MAJOR)
+# The linear methods that multiply a float32 weight as it is stored (F.linear, or a packed
+# copy of it): the step's sgemm computes what they do.
+_PLAIN_METHODS = (UnquantizedLinearMethod, CpuPackedLinearMethod)
 
 
 class _Kernels(Structure):
@@ -58,6 +68,8 @@ class _Kernels(Structure):
             "gemm_q4",
             "gemm_q8",
             "gemm",
+            "sgemm",
+            "blas_threads_local",
         )
     ]
 
@@ -138,14 +150,22 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), c_void_p).value or 0
 
 
-def _kernels(lib: ctypes.CDLL, needs_subblocks: bool) -> _Kernels:
+def _kernels(
+    lib: ctypes.CDLL, needs_blocks: bool, needs_subblocks: bool, needs_sgemm: bool
+) -> _Kernels:
     """The kernels' addresses in the step's own library (their serial builds), where the
-    layers' builds are switched on and load."""
-    if cpu_kernels.load() is None or quant_kernels.load() is None:
+    layers' builds are switched on and load (the block kernels' only where a weight is in
+    blocks); BLAS's ``sgemm_`` where a weight is float32."""
+    if cpu_kernels.load() is None or (needs_blocks and quant_kernels.load() is None):
         raise Unsupported("the C kernels are off or could not be built")
     if needs_subblocks and kquant_kernels.load() is None:
         raise Unsupported("the K-quant kernel is off or could not be built")
+    sgemm, threads_local = blas_sgemm() if needs_sgemm else (0, 0)
+    if needs_sgemm and not sgemm:
+        raise Unsupported("float32 projections and no BLAS sgemm_ in torch's library")
     return _Kernels(
+        sgemm=sgemm,
+        blas_threads_local=threads_local,
         **{
             field: _address(lib, name)
             for field, name in (
@@ -162,8 +182,25 @@ def _kernels(lib: ctypes.CDLL, needs_subblocks: bool) -> _Kernels:
                 ("gemm_q8", "ecq_gemm_q8"),
                 ("gemm", "ecg_gemm"),
             )
-        }
+        },
     )
+
+
+def blas_sgemm() -> tuple[int, int]:
+    """The addresses of the ``sgemm_`` torch's CPU library exports (MKL's on x86 wheels),
+    which ``F.linear`` also reaches, and of MKL's ``MKL_Set_Num_Threads_Local``; 0 for
+    either it lacks."""
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
+        return 0, 0
+    found = []
+    for name in ("sgemm_", "MKL_Set_Num_Threads_Local"):
+        try:
+            found.append(_address(lib, name))
+        except AttributeError:
+            found.append(0)
+    return found[0], found[1]
 
 
 def _pointer(tensor: torch.Tensor | None, what: str) -> int:
@@ -200,6 +237,7 @@ class FusedDecodeStep:
         gemm = quant_gemm.load()
         self._vnni = gemm.vnni if gemm is not None else None
         self.many_row_steps = 0  # steps of as many rows as some part's crossover
+        self.max_rows = 1 << 62  # the most rows a step takes (fewer with block weights)
         self._many_rows_from = DIRECT_MAX_ROWS + 1
         self._keep: list[Any] = []  # ctypes arrays the C structures point into
         self._mirror_layers: list[torch.Tensor] | None = None
@@ -234,10 +272,16 @@ class FusedDecodeStep:
             for layer, cache in zip(layers, kv_caches, strict=True)
         ]
         needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
+        needs_sgemm = any(p.kind in _F32_KINDS for rec in records for p in rec[1])
+        needs_blocks = any(p.kind not in _F32_KINDS for rec in records for p in rec[1])
+        # Steps of any size where every weight is float32 (sgemm takes any rows); blocks
+        # keep the rows up to which the layers' kernels are the step's.
+        if needs_blocks:
+            self.max_rows = DIRECT_MAX_ROWS
         array = (_Layer * len(records))(*(rec[0] for rec in records))
         self._keep.append(array)
         return _Model(
-            k=_kernels(self.lib, needs_subblocks),
+            k=_kernels(self.lib, needs_blocks, needs_subblocks, needs_sgemm),
             num_layers=len(records),
             hidden=embed.shape[1],
             heads=heads,
@@ -304,7 +348,7 @@ class FusedDecodeStep:
     def _proj(self, linear: Any, all_parts: list[_Part]) -> _Proj:
         blocks = getattr(linear, "gguf_blocks", None)
         if not blocks:
-            raise Unsupported("a projection is not kept in blocks (linear method gguf)")
+            return self._f32_proj(linear, all_parts)
         parts = []
         for first, part in blocks:
             gemm_from = 1 << 62  # never: the layers have no many-row kernel either
@@ -321,13 +365,34 @@ class FusedDecodeStep:
         n = sum(part.shape[0] for _, part in blocks)
         return _Proj(k, n, len(parts), array, _pointer(linear.bias, "a bias"))
 
+    def _f32_proj(self, linear: Any, all_parts: list[_Part]) -> _Proj:
+        """A projection whose float32 weight the layers multiply as it is (``F.linear``
+        under the plain or ``cpu_packed`` linear method): one part for sgemm."""
+        if type(linear.linear_method) not in _PLAIN_METHODS:
+            raise Unsupported(f"a projection under {type(linear.linear_method).__name__}")
+        weight = linear.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise Unsupported("a projection neither in blocks nor a float32 CPU weight")
+        out, k = weight.shape
+        if weight.is_contiguous():
+            kind, lead = _F32_ROWS, k
+        elif weight.t().is_contiguous():
+            kind, lead = _F32_INPUT_MAJOR, out
+        else:
+            raise Unsupported("a float32 weight neither row-major nor input-major")
+        part = _Part(kind, 0, out, weight.data_ptr(), None, None, lead, 0, 0, 1 << 62)
+        array = (_Part * 1)(part)
+        self._keep.append(array)
+        all_parts.append(part)
+        return _Proj(k, out, 1, array, _pointer(linear.bias, "a bias"))
+
     # --- per step ---------------------------------------------------------------------
 
     def handles(self, batch: AttentionBatch) -> bool:
         """Whether this step is all decodes, served from the mirror, no more than
         ``DIRECT_MAX_ROWS`` (the layers' limit without the many-row kernel)."""
         n = len(batch.req_ids)
-        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= DIRECT_MAX_ROWS
+        return self.backend.decodes_mirrored() and 0 < n == batch.num_decodes <= self.max_rows
 
     def run(
         self,

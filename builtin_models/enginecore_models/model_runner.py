@@ -182,6 +182,8 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # it with the general path and check it is taken.
         self.decode_shortcut = True
         self.decode_shortcut_steps = 0
+        self.greedy_shortcut = True  # sample_tokens' argmax-only path (tests turn it off)
+        self.greedy_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
         self.eos_token_ids: list[int] = []
         # The running requests' rows (persistent_batch.py), made once the vocabulary is

@@ -54,6 +54,9 @@ class PersistentBatch:
         # Rows needing per-request work when sampled: logit_bias, min_tokens, a seed,
         # logprobs.
         self.special = np.zeros(rows, dtype=bool)
+        # Rows whose token is the logits' argmax and nothing else: greedy, no penalties,
+        # nothing special, no prompt logprobs (``sample_tokens``' greedy shortcut).
+        self.plain_greedy = np.ones(rows, dtype=bool)
         self.cols = {name: np.full(rows, fill, dtype=dtype) for name, dtype, fill in _COLUMNS}
         self.counts: torch.Tensor | None = None  # [rows, vocab] float, on the device
         self.prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool
@@ -83,6 +86,7 @@ class PersistentBatch:
             self.greedy = widen(self.greedy, True)
             self.penalised = widen(self.penalised, False)
             self.special = widen(self.special, False)
+            self.plain_greedy = widen(self.plain_greedy, True)
             for name, _, fill in _COLUMNS:
                 self.cols[name] = widen(self.cols[name], fill)
             for attr in ("counts", "prompt_mask"):
@@ -131,6 +135,12 @@ class PersistentBatch:
         cols["frequency"][row] = params.frequency_penalty
         cols["repetition"][row] = params.repetition_penalty
         self.penalised[row] = params.needs_penalties
+        self.plain_greedy[row] = bool(
+            params.greedy
+            and not params.needs_penalties
+            and not self.special[row]
+            and params.prompt_logprobs is None
+        )
         if params.needs_penalties:
             self._set_penalty_rows(row, prompt_token_ids, output_token_ids)
 
@@ -168,7 +178,8 @@ class PersistentBatch:
         self.generators[dst] = self.generators[src]
         n = int(self.num_tokens[src])
         self.tokens[dst, :n] = self.tokens[src, :n]
-        for arr in (self.num_tokens, self.output_lens, self.greedy, self.penalised, self.special):
+        moved = (self.num_tokens, self.output_lens, self.greedy, self.penalised, self.special)
+        for arr in (*moved, self.plain_greedy):
             arr[dst] = arr[src]
         for arr in self.cols.values():
             arr[dst] = arr[src]
@@ -193,6 +204,10 @@ class PersistentBatch:
         self.tokens[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
         self.output_lens[rows] += 1  # rows are distinct: one token each
+
+    def all_plain_greedy(self, rows: np.ndarray) -> bool:
+        """Whether each of ``rows`` samples its logits' argmax and needs nothing more."""
+        return bool(self.plain_greedy[rows].all())
 
     def count_sampled(self, rows: torch.Tensor, rows_np: np.ndarray, tokens: torch.Tensor) -> None:
         """Advance the penalised rows' output counts by this step's tokens, on the device."""

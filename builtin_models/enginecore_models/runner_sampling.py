@@ -68,6 +68,8 @@ class SamplingPhase:
     device: torch.device
     eos_token_ids: list[int]
     _step: StepState | None
+    greedy_shortcut: bool
+    greedy_shortcut_steps: int
     batch: PersistentBatch | None
     host_copy: HostCopy
     _stage: Callable[[str, np.ndarray], torch.Tensor]  # the runner's staged host->device copy
@@ -146,6 +148,14 @@ class SamplingPhase:
         if self.drafter is not None:
             return self._sample_speculative(step, grammar_output, index)
         batch, rows = self._batch_rows(step)
+        if (
+            self.greedy_shortcut
+            and step.logits is not None
+            and self.parallel.world_size == 1
+            and not (grammar_output is not None and grammar_output.structured_output_request_ids)
+            and batch.all_plain_greedy(rows)
+        ):
+            return self._sample_greedy(step, step.logits, index)
         meta = None
         logprob_tensors: list[torch.Tensor] = []
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
@@ -175,25 +185,48 @@ class SamplingPhase:
         if logprob_tensors:
             assert meta is not None  # logprobs come from this rank's sampler
             lp = logprobs_lists(host[1].tolist(), host[2].tolist(), host[3].tolist(), meta)
-        batch.append_sampled(rows, token_array)
-        states = lookup(self.requests, step.sample_req_ids)
-        append_each(values_of(states, "output_token_ids"), tokens)
-        append_each(values_of(states, "token_ids"), tokens)
-        sampled: list[list[int]]
-        if len(tokens) == len(step.req_ids):  # every request sampled, in batch order
-            sampled = list(map(list, zip(tokens)))
-        else:
-            sampled = [[] for _ in step.req_ids]
-            for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
-                sampled[index[req_id]] = [token]
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index=index,
-            sampled_token_ids=sampled,
+            sampled_token_ids=self._record_sampled(step, token_array, tokens, index),
             logprobs=self._full_logprobs(lp, step, index),
             prompt_logprobs=prompt_logprobs,
             kv_connector_output=step.kv_connector_output,
         )
+
+    def _sample_greedy(
+        self, step: StepState, logits: torch.Tensor, index: dict[str, int]
+    ) -> ModelRunnerOutput:
+        """The shortcut for a step whose every sampling row is plain greedy (no penalties,
+        bias, bans, seeds, logprobs or prompt logprobs; no grammar, no drafts, one rank):
+        the argmax and its one host copy, without sampling metadata."""
+        self.greedy_shortcut_steps += 1
+        token_t = self.sampler.greedy_tokens(logits)
+        token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
+        tokens = token_array.tolist()
+        return ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index=index,
+            sampled_token_ids=self._record_sampled(step, token_array, tokens, index),
+            kv_connector_output=step.kv_connector_output,
+        )
+
+    def _record_sampled(
+        self, step: StepState, token_array: np.ndarray, tokens: list[int], index: dict[str, int]
+    ) -> list[list[int]]:
+        """Append one sampled token to each sample request (the persistent batch's rows
+        and the request states); the output rows, one per scheduled request."""
+        batch, rows = self._batch_rows(step)
+        batch.append_sampled(rows, token_array)
+        states = lookup(self.requests, step.sample_req_ids)
+        append_each(values_of(states, "output_token_ids"), tokens)
+        append_each(values_of(states, "token_ids"), tokens)
+        if len(tokens) == len(step.req_ids):  # every request sampled, in batch order
+            return list(map(list, zip(tokens)))
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        for req_id, token in zip(step.sample_req_ids, tokens, strict=True):
+            sampled[index[req_id]] = [token]
+        return sampled
 
     def _sample_speculative(
         self, step: StepState, grammar_output: GrammarOutput | None, index: dict[str, int]

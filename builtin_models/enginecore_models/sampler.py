@@ -294,6 +294,11 @@ class Sampler:
         ids, vals, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs, meta.listed_ids)
         return DeviceSample(tokens, ids, vals, ranks)
 
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax: what :meth:`sample` gives for rows that are greedy and need
+        nothing else (no penalties, bias, bans or logprobs), without building metadata."""
+        return row_argmax(logits.float(), self.fused_ops)
+
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         assert meta.temperature is not None  # set whenever a row samples
         logits = logits / meta.temperature

@@ -1,5 +1,5 @@
 """The CPU backend's fused decode step (``builtin_cpu/enginecore_cpu/decode_step.py``): a whole decode
-step of a Llama-family model with block-quantized weights in one foreign call, whose
+step of a Llama-family model with block-quantized or float32 weights in one foreign call, whose
 tokens and log-probabilities are the layer-by-layer path's bit for bit."""
 
 from __future__ import annotations
@@ -147,10 +147,100 @@ def test_int8_sliding_window_decodes_fused_as_layer_by_layer(checkpoint_factory,
     _same_as_layers(path, monkeypatch, quantization="int8")
 
 
-def test_float_weights_run_layer_by_layer(tiny_llama, monkeypatch):
-    """Without blocks (float32 weights, ``cpu_packed``) there is no fused step."""
-    _, steps = _generate(tiny_llama, True, monkeypatch)
-    assert steps is None
+@pytest.fixture
+def one_torch_thread(monkeypatch):
+    """torch (and so MKL) on one thread, which the worker then keeps: the layers'
+    ``F.linear`` on more threads lets MKL split a product in ways that change its bits
+    (as it changes the layers' own from one thread count to another); the fused step's
+    products are the one-thread ones whatever its team."""
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float32_weights_decode_fused_as_layer_by_layer(tiny_llama, monkeypatch):
+    """Float32 weights (``cpu_packed``, input-major): the step multiplies them with the
+    BLAS sgemm ``F.linear`` reaches, so the tokens and log-probabilities are the layers'."""
+    _same_as_layers(tiny_llama, monkeypatch)
+
+
+def test_float32_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama):
+    """Each thread's chunk of a float32 product is one sgemm on that thread alone: the
+    first decode steps, run again on 1, 2 and 3 threads, give the same hidden states."""
+    from enginecore import LLM, SamplingParams
+
+    runs: list[list[torch.Tensor]] = []
+    with LLM(str(tiny_llama), multiprocessing=False, max_num_batched_tokens=32) as llm:
+        step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
+        fused_run = step.run
+
+        def run_on_several(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
+            hidden = fused_run(ids, positions, batch)
+            if len(runs) < 6:
+                runs.append(
+                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in (1, 2, 3)]
+                )
+            return hidden
+
+        step.run = run_on_several
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert len(runs) == 6 and max(hidden.shape[0] for hidden, *_ in runs) > 1
+    for hidden, *again in runs:
+        for other in again:
+            assert torch.equal(hidden, other)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float32_row_major_weights_with_bias_decode_fused_as_layer_by_layer(
+    tiny_qwen2, tmp_path, monkeypatch
+):
+    """Row-major float32 weights (the plain linear method) and random Q/K/V biases."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    biased = tmp_path / "biased"
+    shutil.copytree(tiny_qwen2, biased)
+    tensors = load_file(biased / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.bias"):
+            tensors[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+    save_file(tensors, biased / "model.safetensors")
+    _same_as_layers(biased, monkeypatch, linear_method="unquantized")
+
+
+def test_float32_steps_of_many_rows_decode_fused_and_greedy_as_transformers(
+    tiny_llama, monkeypatch
+):
+    """Forty requests decoding together (beyond the block formats' row limit): every such
+    step runs fused, and each request's greedy tokens are transformers' ``generate``."""
+    from enginecore import LLM, SamplingParams
+    from tests.helpers.hf_reference import greedy_reference
+
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
+    prompts = [[(i * 37 + j) % 200 + 3 for j in range(4 + i % 9)] for i in range(40)]
+    with LLM(str(tiny_llama), multiprocessing=False) as llm:
+        step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
+        rows: list[int] = []
+        fused_run = step.run
+
+        def counted(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
+            rows.append(ids.shape[0])
+            out: torch.Tensor = fused_run(ids, positions, batch)
+            return out
+
+        step.run = counted
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert max(rows) == 40 > decode_step.DIRECT_MAX_ROWS and len(rows) >= 10, rows
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, first_tie = greedy_reference(tiny_llama, prompt, 12)
+        assert out.outputs[0].token_ids[:first_tie] == tokens[:first_tie]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
