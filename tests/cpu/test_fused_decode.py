@@ -79,14 +79,12 @@ def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypat
     _same_as_layers(path, monkeypatch)
 
 
-def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama, tmp_path):
-    """The threads take chunks of rows and attention units as they come: each of the
-    first decode steps (one to four rows), run again on 1, 2, 3 and 5 threads, gives the
-    hidden states it gave on the engine's (running it again writes the same K/V to the
-    same places). Q4_K beside Q6_K in one product: chunks of both formats."""
+def _same_bits_on_any_number_of_threads(path: pathlib.Path, threads: tuple[int, ...]) -> None:
+    """Each of the first decode steps (one to four rows), run again on each of ``threads``,
+    gives the hidden states it gave on the engine's (running it again writes the same K/V
+    to the same places)."""
     from enginecore import LLM, SamplingParams
 
-    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     runs: list[list[torch.Tensor]] = []
     with LLM(str(path), multiprocessing=False, max_num_batched_tokens=32) as llm:
         step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
@@ -96,7 +94,7 @@ def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama,
             hidden = fused_run(ids, positions, batch)
             if len(runs) < 6:
                 runs.append(
-                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in (1, 2, 3, 5)]
+                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in threads]
                 )
             return hidden
 
@@ -107,6 +105,14 @@ def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama,
     for hidden, *again in runs:
         for other in again:
             assert torch.equal(hidden, other)
+
+
+def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama, tmp_path):
+    """The threads take chunks of rows and attention units as they come: the same hidden
+    states on 1, 2, 3 and 5 threads. Q4_K beside Q6_K in one product: chunks of both
+    formats."""
+    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
+    _same_bits_on_any_number_of_threads(path, (1, 2, 3, 5))
 
 
 def _q5_k_m(name: str) -> str:
@@ -169,29 +175,8 @@ def test_float32_weights_decode_fused_as_layer_by_layer(tiny_llama, monkeypatch)
 
 def test_float32_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama):
     """Each thread's chunk of a float32 product is one sgemm on that thread alone: the
-    first decode steps, run again on 1, 2 and 3 threads, give the same hidden states."""
-    from enginecore import LLM, SamplingParams
-
-    runs: list[list[torch.Tensor]] = []
-    with LLM(str(tiny_llama), multiprocessing=False, max_num_batched_tokens=32) as llm:
-        step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
-        fused_run = step.run
-
-        def run_on_several(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
-            hidden = fused_run(ids, positions, batch)
-            if len(runs) < 6:
-                runs.append(
-                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in (1, 2, 3)]
-                )
-            return hidden
-
-        step.run = run_on_several
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert len(runs) == 6 and max(hidden.shape[0] for hidden, *_ in runs) > 1
-    for hidden, *again in runs:
-        for other in again:
-            assert torch.equal(hidden, other)
+    same hidden states on 1, 2 and 3 threads."""
+    _same_bits_on_any_number_of_threads(tiny_llama, (1, 2, 3))
 
 
 @pytest.mark.usefixtures("one_torch_thread")
