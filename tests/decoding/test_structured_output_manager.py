@@ -94,11 +94,21 @@ def test_sampled_tokens_advance_and_a_rejected_token_is_reported(manager, tokeni
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[tokens, [3]]
     )
     so = SchedulerOutput(structured_output_request_ids=["a", "b"])
-    rejected = manager.accept_sampled(so, runner)
+    advance = manager.accept_sampled(so, runner)
+    rejected = advance.rejected
     assert [r for r, _ in rejected] == ["b"] and "rejected sampled tokens [3]" in rejected[0][1]
-    assert "b" not in manager.grammars
+    assert "b" not in manager.grammars and advance.ended == {}
     mask = step(manager, ["a"])
-    assert allowed(mask, 0) == set(manager._get_backend().eos_token_ids)  # only EOS is left
+    eos = manager._get_backend().eos_token_ids
+    assert allowed(mask, 0) == set(eos)  # only EOS is left
+    # EOS and tokens sampled past it in one step (ignore_eos, drafts): the grammar ends
+    # after the first, and what follows is not fed to it.
+    runner = ModelRunnerOutput(
+        req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[eos[0], *tokens]]
+    )
+    advance = manager.accept_sampled(SchedulerOutput(structured_output_request_ids=["a"]), runner)
+    assert advance.rejected == [] and advance.ended == {"a": 1}
+    assert manager.grammars["a"].is_terminated()
     manager.abort(["a"], RequestStatus.FINISHED_ABORTED)
 
 

@@ -31,6 +31,7 @@ from enginecore.runner_output import ModelRunnerOutput
 from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore.startup_errors import build_component, describe_provider
 from enginecore.structured_output import StructuredOutputManager
+from enginecore.structured_output.manager import GrammarAdvance
 
 logger = logging.getLogger(__name__)
 #: Seconds the engine waits for a registered worker RPC's reply beyond its limit: the
@@ -412,17 +413,17 @@ class EngineCore:
         self,
         scheduler_output: SchedulerOutput,
         runner_output: ModelRunnerOutput,
-        grammar_rejections: list[tuple[str, str]] | None = None,
+        grammar_advance: GrammarAdvance | None = None,
     ) -> dict[int, EngineCoreOutputs]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.request_errors:
             self._fail_requests(outputs, runner_output.request_errors)
         if scheduler_output.structured_output_request_ids:
-            if grammar_rejections is None:  # not advanced ahead of the update
-                grammar_rejections = self.structured_output.accept_sampled(
+            if grammar_advance is None:  # not advanced ahead of the update
+                grammar_advance = self.structured_output.accept_sampled(
                     scheduler_output, runner_output
                 )
-            self._settle_grammars(outputs, grammar_rejections)
+            self._settle_grammars(outputs, grammar_advance)
         if (
             not outputs
             and not scheduler_output.total_num_scheduled_tokens
@@ -457,19 +458,44 @@ class EngineCore:
         self.scheduler.finish_requests(list(failing), RequestStatus.FINISHED_ERROR)
 
     def _settle_grammars(
-        self, outputs: dict[int, EngineCoreOutputs], rejected: list[tuple[str, str]]
+        self, outputs: dict[int, EngineCoreOutputs], advance: GrammarAdvance
     ) -> None:
-        """Drop finished requests' grammars; fail requests whose grammar rejected a token."""
+        """Finish with ``stop`` requests whose grammar ended; drop finished requests'
+        grammars; fail requests whose grammar rejected a token."""
+        if advance.ended:
+            self._finish_ended_grammars(outputs, advance.ended)
         self.structured_output.release_finished(outputs)
-        if not rejected:
+        if not advance.rejected:
             return
-        errors = dict(rejected)
+        errors = dict(advance.rejected)
         self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
         for client_outputs in outputs.values():
             for output in client_outputs.outputs:
                 if output.request_id in errors:
                     output.finish_reason = FinishReason.ERROR
                     output.error = errors[output.request_id]
+
+    def _finish_ended_grammars(
+        self, outputs: dict[int, EngineCoreOutputs], ended: dict[str, int]
+    ) -> None:
+        """The structured output is complete once its grammar is (``ignore_eos`` samples
+        on past the grammar's stop token): finish the request as a stop token would, and
+        drop what this step sampled after the end. A step still in flight for it is
+        dropped by the scheduler, which no longer knows the request."""
+        stopped: list[str] = []
+        for client_outputs in outputs.values():
+            client_outputs.unfold_plain(ended)  # amended below, as objects
+            for output in client_outputs.outputs:
+                kept = ended.get(output.request_id)
+                if kept is None or output.finish_reason not in (None, FinishReason.LENGTH):
+                    continue  # not ended here, or finished otherwise (a stop token, an error)
+                if output.finish_reason is None:
+                    stopped.append(output.request_id)
+                output.finish_reason = FinishReason.STOP
+                if len(output.new_token_ids) > kept:
+                    _truncate_output(output, kept)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> StepResult:
         """Schedule, execute, sample and update, one batch at a time (the simplest loop)."""
@@ -517,17 +543,17 @@ class EngineCore:
             return failed, False
         execute, sample, scheduler_output = queue.pop()
         runner_output = self._result(execute, sample)
-        rejections = None
+        advance = None
         if deferred is not None:
             # The deferred batch's bitmask needs only these tokens in the grammars: advance
             # them and let it sample before the scheduler's update, which then overlaps.
-            rejections = self.structured_output.accept_sampled(scheduler_output, runner_output)
+            advance = self.structured_output.accept_sampled(scheduler_output, runner_output)
             next_execute, next_output = deferred
             grammar = self._grammar_output(next_output)
             next_sample = self.executor.sample_tokens(grammar, non_block=True)
             queue.appendleft((next_execute, next_sample, next_output))
         self._apply_pending_aborts()
-        outputs = self._update(scheduler_output, runner_output, rejections)
+        outputs = self._update(scheduler_output, runner_output, advance)
         return _merge(outputs, failed), scheduled
 
     def send_plain_steps_as_columns(self) -> None:
@@ -637,3 +663,14 @@ def _size(num_bytes: int) -> str:
             return f"{value:.0f} bytes" if unit == "bytes" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def _truncate_output(output: EngineCoreOutput, kept: int) -> None:
+    """Keep only an output's first ``kept`` new tokens (and their logprobs)."""
+    output.new_token_ids = output.new_token_ids[:kept]
+    if output.new_logprob_token_ids is not None:
+        output.new_logprob_token_ids = output.new_logprob_token_ids[:kept]
+    if output.new_logprobs is not None:
+        output.new_logprobs = output.new_logprobs[:kept]
+    if output.new_sampled_ranks is not None:
+        output.new_sampled_ranks = output.new_sampled_ranks[:kept]

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -216,19 +217,21 @@ class StructuredOutputManager:
 
     def accept_sampled(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[tuple[str, str]]:
+    ) -> GrammarAdvance:
         """Feed each grammar the tokens its request sampled in this batch.
 
-        Returns ``(request_id, message)`` for each request whose grammar rejected a token
-        (a sampler plugin overrode the mask): the engine finishes those with an error.
+        Returns the requests whose grammar rejected a token (a sampler plugin overrode
+        the mask: the engine finishes those with an error) and those whose grammar ended
+        (accepted its stop token, e.g. under ``ignore_eos``: the engine finishes those
+        with ``stop``, keeping only the tokens up to and including the end).
         """
-        rejected: list[tuple[str, str]] = []
+        advance = GrammarAdvance()
         grammars = self.grammars
         if not grammars:
-            return rejected
+            return advance
         for request_id in [r for r in self._broken if r in grammars]:
             del grammars[request_id]
-            rejected.append((request_id, self._broken.pop(request_id)))
+            advance.rejected.append((request_id, self._broken.pop(request_id)))
         index = runner_output.req_id_to_index
         sampled = runner_output.sampled_token_ids
         for request_id in scheduler_output.structured_output_request_ids:
@@ -246,11 +249,14 @@ class StructuredOutputManager:
                 if not answer:
                     continue
                 tokens = answer
-            if not grammar.accept_tokens(tokens):
+            taken = _advance(grammar, tokens)
+            if taken is None:
                 del grammars[request_id]
                 message = f"the {self.backend_name!r} grammar rejected sampled tokens {tokens}"
-                rejected.append((request_id, message))
-        return rejected
+                advance.rejected.append((request_id, message))
+            elif grammar.is_terminated():
+                advance.ended[request_id] = len(sampled[i]) - len(tokens) + taken
+        return advance
 
     def release_finished(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         """Drop the grammars of requests that finished in this step."""
@@ -268,6 +274,35 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._backend is not None:
             self._backend.shutdown()
+
+
+@dataclass
+class GrammarAdvance:
+    """What one batch's sampled tokens did to the grammars (:meth:`accept_sampled`)."""
+
+    #: ``(request_id, message)`` for each grammar that rejected a sampled token.
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    #: Request id -> how many of the step's sampled tokens come up to and including the
+    #: grammar's end (tokens after it were sampled past a complete output).
+    ended: dict[str, int] = field(default_factory=dict)
+
+
+def _advance(grammar: StructuredOutputGrammar, tokens: list[int]) -> int | None:
+    """How many of ``tokens`` the grammar took: all of them, or those up to and
+    including its end when the rest run past it; None when it rejected one."""
+    if grammar.accept_tokens(tokens):
+        return len(tokens)
+    # Several tokens in one step (drafts) may run past the end: take them one by one.
+    taken = 0
+    for token in tokens:
+        if grammar.is_terminated():
+            return taken
+        if not grammar.accept_tokens([token]):
+            break
+        taken += 1
+    if taken:
+        grammar.rollback(taken)
+    return None
 
 
 class ReasoningGate:
