@@ -18,7 +18,7 @@ from enginecore.engine.input_processor import InputProcessor
 from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import InvalidRequestError, UnknownComponentError
 from enginecore.plugins import make_plugin_manager
-from enginecore.request import RequestStatus
+from enginecore.request import FinishReason, RequestStatus
 from tests.helpers.structured import CHOICES, check, mixed_batch
 from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
@@ -183,6 +183,27 @@ def test_second_backend_is_selected_and_constrains(trie_engine):
         processor.process(
             "r", "x", SamplingParams(structured_output=StructuredOutputParams(regex="a"))
         )
+
+
+def test_plugin_grammar_with_ignore_eos_finishes_at_its_end(trie_engine):
+    """A plugin backend's is_terminated() ends an ignore_eos request with stop: its
+    output ends with the grammar's stop token, nothing after it; the plain one goes on."""
+    engine, processor, tokenizer = trie_engine
+    choices = ["sunny", "rain and wind", "fog"]
+    spec = StructuredOutputParams(choice=choices)
+    _submit(
+        engine,
+        processor,
+        "g",
+        SamplingParams(max_tokens=64, ignore_eos=True, structured_output=spec),
+    )
+    _submit(engine, processor, "p", SamplingParams(max_tokens=16, ignore_eos=True))
+    results = _run(engine)
+    grammar, plain = results["g"], results["p"]
+    assert grammar["finish"] == FinishReason.STOP and grammar["error"] is None, grammar
+    assert grammar["tokens"][-1] in engine.structured_output._get_backend().eos_token_ids
+    assert tokenizer.decode(grammar["tokens"][:-1]) in choices
+    assert plain["finish"] == FinishReason.LENGTH and len(plain["tokens"]) == 16
 
 
 def test_request_waits_for_its_grammar_without_blocking_others(trie_engine):
