@@ -456,9 +456,11 @@ def register_structured_output_backends(registry: Registry[Any]) -> None:
     filled after accepting the drafts before it and rolled back after) and the runner
     masks the logits with it; ``vocab_size`` is the model's, so ids the tokenizer lacks
     are never allowed. After the step ``accept_tokens`` advances each grammar by the
-    tokens its request sampled; with async scheduling, a batch whose structured requests
-    wait for a token still in flight runs its forward pass at once and samples once that
-    token has advanced the grammar. ``tests/helpers/token_trie_backend.py`` is a
+    tokens its request sampled. Once ``is_terminated()`` (the grammar accepted a stop
+    token) the request finishes with ``stop``, also under ``ignore_eos``: tokens sampled
+    after the end are dropped and never fed to the grammar. With async scheduling, a
+    batch whose structured requests wait for a token still in flight runs its forward
+    pass at once and samples once that token has advanced the grammar. ``tests/helpers/token_trie_backend.py`` is a
     complete second backend.
 
     Constraints come from ``SamplingParams(structured_output=...)`` and the server's

@@ -653,7 +653,8 @@ class StructuredOutputGrammar(ABC):
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """The grammar accepted a stop token: the output is complete."""
+        """The grammar accepted a stop token: the output is complete (the engine
+        finishes the request with ``stop`` and feeds this grammar nothing more)."""
 
 
 class StructuredOutputBackend(ABC):
