@@ -18,7 +18,9 @@ from enginecore.engine.input_processor import InputProcessor
 from enginecore.engine.tokenizer import load_tokenizer
 from enginecore.errors import InvalidRequestError, UnknownComponentError
 from enginecore.plugins import make_plugin_manager
+from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs
 from enginecore.request import FinishReason, RequestStatus
+from enginecore.structured_output.manager import GrammarAdvance
 from tests.helpers.structured import CHOICES, check, mixed_batch
 from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
@@ -204,6 +206,28 @@ def test_plugin_grammar_with_ignore_eos_finishes_at_its_end(trie_engine):
     assert grammar["tokens"][-1] in engine.structured_output._get_backend().eos_token_ids
     assert tokenizer.decode(grammar["tokens"][:-1]) in choices
     assert plain["finish"] == FinishReason.LENGTH and len(plain["tokens"]) == 16
+
+
+def test_tokens_after_the_grammars_end_in_one_step_are_dropped(trie_engine):
+    """A scheduler that drafts for structured requests may bring tokens after the end in
+    one step: the output stops at the end (logprobs too) and the request is finished."""
+    engine, processor, _ = trie_engine
+    spec = StructuredOutputParams(choice=["fog"])
+    _submit(
+        engine,
+        processor,
+        "e",
+        SamplingParams(max_tokens=64, ignore_eos=True, structured_output=spec),
+    )
+    _run(engine, until=lambda results: "e" in results)  # running, one token sampled
+    assert engine.scheduler.get_num_unfinished_requests() == 1
+    output = EngineCoreOutput("e", [11, 12, 13], new_logprobs=[[-1.0], [-2.0], [-3.0]])
+    outputs = {0: EngineCoreOutputs(outputs=[output])}
+    engine._settle_grammars(outputs, GrammarAdvance(ended={"e": 2}))
+    assert output.finish_reason == FinishReason.STOP
+    assert output.new_token_ids == [11, 12] and output.new_logprobs == [[-1.0], [-2.0]]
+    assert engine.scheduler.get_num_unfinished_requests() == 0  # finished, blocks freed
+    assert "e" not in engine.structured_output.grammars
 
 
 def test_request_waits_for_its_grammar_without_blocking_others(trie_engine):
