@@ -127,21 +127,25 @@ def test_q5_k_beside_q6_k_decodes_fused_as_layer_by_layer(tiny_llama, tmp_path, 
     _same_as_layers(path, monkeypatch)
 
 
-def test_qwen2_qkv_bias_decodes_fused_as_layer_by_layer(tiny_qwen2, tmp_path, monkeypatch):
-    """Random (not zero) Q/K/V biases: the fused step adds them as the layers do."""
+def _with_random_biases(checkpoint: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
+    """A copy of a Qwen2 checkpoint whose Q/K/V biases are random, not zero."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
 
-    biased = tmp_path / "biased"
-    shutil.copytree(tiny_qwen2, biased)
-    tensors = load_file(biased / "model.safetensors")
+    shutil.copytree(checkpoint, out)
+    tensors = load_file(out / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for name, tensor in tensors.items():
         if name.endswith("_proj.bias"):
             tensors[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
-    save_file(tensors, biased / "model.safetensors")
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_qwen2_qkv_bias_decodes_fused_as_layer_by_layer(tiny_qwen2, tmp_path, monkeypatch):
+    """Random (not zero) Q/K/V biases: the fused step adds them as the layers do."""
+    biased = _with_random_biases(tiny_qwen2, tmp_path / "biased")
     path = write_gguf(biased, tmp_path / "qwen2.gguf", types=lambda name: "Q4_0")
     _same_as_layers(path, monkeypatch)
 
@@ -184,18 +188,7 @@ def test_float32_row_major_weights_with_bias_decode_fused_as_layer_by_layer(
     tiny_qwen2, tmp_path, monkeypatch
 ):
     """Row-major float32 weights (the plain linear method) and random Q/K/V biases."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    biased = tmp_path / "biased"
-    shutil.copytree(tiny_qwen2, biased)
-    tensors = load_file(biased / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for name, tensor in tensors.items():
-        if name.endswith("_proj.bias"):
-            tensors[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
-    save_file(tensors, biased / "model.safetensors")
+    biased = _with_random_biases(tiny_qwen2, tmp_path / "biased")
     _same_as_layers(biased, monkeypatch, linear_method="unquantized")
 
 

@@ -21,7 +21,7 @@ from enginecore.plugins import make_plugin_manager
 from enginecore.protocol import EngineCoreOutput, EngineCoreOutputs
 from enginecore.request import FinishReason, RequestStatus
 from enginecore.structured_output.manager import GrammarAdvance
-from tests.helpers.structured import CHOICES, check, mixed_batch
+from tests.helpers.structured import CHOICES, CODE_REGEX, PERSON_SCHEMA, check, mixed_batch
 from tests.helpers.token_trie_backend import TokenTrieBackend, TokenTriePlugin
 
 
@@ -301,3 +301,49 @@ def test_tensor_parallel_workers_get_the_bitmask(tiny_llama):
         for p, out in zip(params, outputs, strict=True):
             if p.structured_output is not None:
                 check(p.structured_output, out.outputs[0].text)
+
+
+# A constrained request with ``ignore_eos`` ends when its grammar does: once the grammar has
+# accepted its end-of-sequence token the structured output is complete, so the request
+# finishes with ``stop`` exactly as it would without ``ignore_eos`` (same tokens, the end
+# token not in the text), never with an error, and nothing sampled after the end (a step
+# already in flight under async scheduling) is returned. A plain ``ignore_eos`` request in
+# the same batch is untouched.
+IGNORE_EOS_GRAMMAR = (
+    'root ::= greeting " " name "!"\ngreeting ::= "hello" | "hi"\nname ::= [a-z] [a-z]?'
+)
+IGNORE_EOS_SPECS = {
+    "grammar": StructuredOutputParams(grammar=IGNORE_EOS_GRAMMAR),
+    "json": StructuredOutputParams(json=PERSON_SCHEMA),
+    "regex": StructuredOutputParams(regex=CODE_REGEX),
+    "choice": StructuredOutputParams(choice=CHOICES),
+}
+IGNORE_EOS_PROMPTS = ["the plain one goes on", "the constrained one stops"]
+
+
+@pytest.mark.parametrize("kind", sorted(IGNORE_EOS_SPECS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_grammar_with_ignore_eos_stops_at_the_grammars_end(llm, kind, temperature):
+    spec = IGNORE_EOS_SPECS[kind]
+    constrained = SamplingParams(
+        max_tokens=200, temperature=temperature, seed=7, ignore_eos=True, structured_output=spec
+    )
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain_out, out = llm.generate(IGNORE_EOS_PROMPTS, [plain, constrained])
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion
+    if kind == "grammar":
+        assert re.fullmatch(r"(hello|hi) [a-z]{1,2}!", completion.text), completion.text
+    else:
+        check(spec, completion.text)
+    # The same request without ignore_eos: the same tokens, the same text.
+    reference = llm.generate(IGNORE_EOS_PROMPTS[1:], [constrained.clone(ignore_eos=False)])
+    expected = reference[0].outputs[0]
+    assert expected.finish_reason == "stop", expected
+    assert list(completion.token_ids) == list(expected.token_ids)
+    assert completion.text == expected.text
+    # The plain ignore_eos request runs to its length, as it does alone.
+    assert plain_out.outputs[0].finish_reason == "length"
+    assert len(plain_out.outputs[0].token_ids) == 24
+    alone = llm.generate(IGNORE_EOS_PROMPTS[:1], [plain])[0].outputs[0]
+    assert list(plain_out.outputs[0].token_ids) == list(alone.token_ids)
