@@ -17,7 +17,6 @@ batch's steps and not before the engine is ready.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 from itertools import chain
 from typing import Any
@@ -37,6 +36,7 @@ from enginecore_cpu.decode_mirror import DecodeMirror
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.host_memory import (
     PREFAULT_BYTES,
+    Prefault,
     Region,
     keep_freed_memory,
     prefault_in_background,
@@ -68,7 +68,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(spec)
         keep_freed_memory()
         self.mirror: DecodeMirror | None = None
-        self.prefaulted: threading.Event | None = None  # set once the first pages are in
+        self.prefaulted: Prefault | None = None  # set once the first pages are in
         self._caches: list[torch.Tensor] = []
         self._mirrored = False  # this step's decodes come from the mirror
 
@@ -113,6 +113,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return caches
 
     def release_kv_cache(self) -> None:
+        if self.prefaulted is not None:  # it holds the memory, and would fault it in
+            self.prefaulted.stop()
+            self.prefaulted = None
         self.mirror = None
         self._caches = []
 

@@ -90,32 +90,56 @@ def region(span: torch.Tensor) -> Region:
     return span.data_ptr(), span.numel() * span.element_size()
 
 
+class Prefault:
+    """A background prefault (:func:`prefault_in_background`): wait for it, or stop it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._stopping = threading.Event()
+
+    def is_set(self) -> bool:
+        """Whether it is over: every page in, or stopped."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def stop(self) -> None:
+        """Stop at the next region and wait until the thread has let go of the memory
+        (before the memory is freed: the thread holds it, and would fault it in again)."""
+        self._stopping.set()
+        self._done.wait()
+
+
 def prefault_in_background(
     owners: Sequence[torch.Tensor], regions: Iterable[Region], touch: Callable[[], None]
-) -> threading.Event:
+) -> Prefault:
     """Fault in the pages of ``regions`` (memory of ``owners``, held until done) on a
     daemon thread, with their contents unchanged (``MADV_POPULATE_WRITE``: safe while the
     engine already writes them), so that a start does not wait for memory its first
-    token does not need; the regions are iterated there too. The event is set once they
-    are in. Where the kernel lacks it, ``touch()`` faults them in here instead."""
-    done = threading.Event()
+    token does not need; the regions are iterated there too. The handle is set once they
+    are in; :meth:`Prefault.stop` ends it early. Where the kernel lacks it, ``touch()``
+    faults them in here instead."""
+    handle = Prefault()
     madvise = _populate()
     if madvise is None:
         touch()
-        done.set()
-        return done
+        handle._done.set()
+        return handle
 
     def run() -> None:
         page = mmap.PAGESIZE
         try:
             for address, length in regions:
+                if handle._stopping.is_set():
+                    break
                 start = address // page * page
                 madvise(start, address + length - start, _MADV_POPULATE_WRITE)
         finally:
             del owners_held[:]
-            done.set()
+            handle._done.set()
 
     owners_held = list(owners)  # their memory stays mapped until the thread is done
 
     threading.Thread(target=run, daemon=True, name="enginecore-prefault").start()
-    return done
+    return handle

@@ -118,3 +118,27 @@ def test_keep_freed_memory_serves_activations_from_a_heap_it_keeps():
     assert default_mapped >= 20 * mib
     assert kept_mapped < 20 * mib  # from the heap ...
     assert kept_heap >= 20 * mib  # ... which keeps the freed block
+
+
+def test_sleep_right_after_the_start_frees_the_kv_cache(tiny_llama, model_refs):
+    """Sleep while the first pages are still being faulted in: the prefault stops and
+    lets go of the cache, so sleep frees it (the thread held it, and went on faulting in
+    pages, until it was done)."""
+    import gc
+    import weakref
+
+    spec = WorkerSpec(
+        worker_ref="enginecore_executors.worker:Worker",
+        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
+        model_refs=model_refs,
+    )
+    config = make_config(model=str(tiny_llama), dtype="float32", max_model_len=512)
+    runner = TorchModelRunner(config, spec, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(40_000)
+    prefaulted = runner.attn_backend.prefaulted
+    caches = [weakref.ref(cache) for cache in runner.kv_caches]
+    runner.sleep(1)
+    gc.collect()
+    assert prefaulted is None or prefaulted.is_set()
+    assert all(cache() is None for cache in caches)
