@@ -29,16 +29,21 @@ def _faults_while(fn) -> int:
 STARTING_FAULTS = {}  # the minor faults of the thread that sized the KV cache, during it
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama, model_refs):
+def _loaded_runner(checkpoint, model_refs) -> TorchModelRunner:
     spec = WorkerSpec(
         worker_ref="enginecore_executors.worker:Worker",
         model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
     )
-    config = make_config(model=str(tiny_llama), dtype="float32", max_model_len=512)
+    config = make_config(model=str(checkpoint), dtype="float32", max_model_len=512)
     runner = TorchModelRunner(config, spec, torch.device("cpu"))
     runner.load_model()
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama, model_refs):
+    runner = _loaded_runner(tiny_llama, model_refs)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     runner.initialize_kv_cache(40_000)  # 640 MB: more than the prefaulted start
     STARTING_FAULTS["kv"] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
@@ -127,14 +132,7 @@ def test_sleep_right_after_the_start_frees_the_kv_cache(tiny_llama, model_refs):
     import gc
     import weakref
 
-    spec = WorkerSpec(
-        worker_ref="enginecore_executors.worker:Worker",
-        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
-        model_refs=model_refs,
-    )
-    config = make_config(model=str(tiny_llama), dtype="float32", max_model_len=512)
-    runner = TorchModelRunner(config, spec, torch.device("cpu"))
-    runner.load_model()
+    runner = _loaded_runner(tiny_llama, model_refs)
     runner.initialize_kv_cache(40_000)
     prefaulted = runner.attn_backend.prefaulted
     caches = [weakref.ref(cache) for cache in runner.kv_caches]
