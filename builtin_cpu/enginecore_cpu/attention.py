@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from enginecore.interfaces import AttentionCapabilities, AttentionSpec
@@ -131,12 +132,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.mirror is None or not req_ids or self.spec.num_kv_cache_groups > 1:
             return req_ids
         # Block ids are read only for requests new to the mirror (the runner's view gives
-        # the context lengths alone, in one pass; other views a (length, block ids) pair).
-        context_lens = getattr(batch_view, "context_lens", None)
+        # the context lengths alone, as one array; other views a (length, block ids) pair).
+        lens_of = getattr(batch_view, "context_lens_array", None)
         lens = (
-            context_lens(req_ids)
-            if context_lens is not None
-            else {r: batch_view[r][0] for r in req_ids}
+            lens_of(req_ids)
+            if lens_of is not None
+            else np.fromiter((batch_view[r][0] for r in req_ids), np.int64, len(req_ids))
         )
         order = self.mirror.plan(req_ids, lens, lambda r: batch_view[r][1], self._caches)
         if order is None:  # the mirror cannot hold this batch: plain paged attention

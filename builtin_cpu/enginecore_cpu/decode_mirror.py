@@ -102,11 +102,28 @@ class DecodeMirror:
         self.layer_of: dict[int, int] = {}  # kv cache data_ptr -> layer index
         self.rows: list[str] = []  # request id of each row
         self.row_of: dict[str, int] = {}
-        self.row_len: list[int] = []  # positions valid in each row
-        # ``row_len`` as an array, as the last plan left it (None once rows changed since):
-        # converting the list each step costs more than the rest of a steady plan.
+        # Positions valid in each row, as a list (edited when rows leave or join) or as
+        # the array the last plan left (one of them None): converting between the two
+        # every step would cost more than the rest of a steady plan.
+        self._row_len_list: list[int] | None = []
         self._row_len_array: np.ndarray | None = None
         self.step: MirrorStep | None = None
+
+    @property
+    def row_len(self) -> list[int]:
+        """Positions valid in each row (a copy where the last plan left an array)."""
+        if self._row_len_list is not None:
+            return self._row_len_list
+        assert self._row_len_array is not None  # one of the two is kept
+        lengths: list[int] = self._row_len_array.tolist()
+        return lengths
+
+    def _lengths_to_edit(self) -> list[int]:
+        """``row_len`` as the list that rows leaving or joining edit in place."""
+        if self._row_len_list is None:
+            self._row_len_list = self.row_len
+        self._row_len_array = None
+        return self._row_len_list
 
     # --- capacity -----------------------------------------------------------------------
 
@@ -195,7 +212,7 @@ class DecodeMirror:
 
     def reset(self) -> None:
         self.layers = []
-        self.rows, self.row_of, self.row_len = [], {}, []
+        self.rows, self.row_of, self._row_len_list = [], {}, []
         self._row_len_array = None
         self.step = None
 
@@ -204,28 +221,33 @@ class DecodeMirror:
     def plan(
         self,
         decodes: list[str],
-        context_lens: dict[str, int],
+        lens: np.ndarray,
         block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> list[str] | None:
         """Order this step's decode requests by row, filling rows for newcomers.
 
-        ``context_lens`` holds exactly the decodes; ``block_ids`` gives a request's
-        blocks (read for newcomers only). Returns the decode order, or None when the
-        mirror cannot hold the batch (the caller then uses plain paged attention for this
-        step).
+        ``lens`` holds each decode's context length, in ``decodes`` order (int64);
+        ``block_ids`` gives a request's blocks (read for newcomers only). Returns the
+        decode order, or None when the mirror cannot hold the batch (the caller then uses
+        plain paged attention for this step).
         """
         self.step = None
-        # A row is reusable only if it holds exactly the request's context so far (a
-        # request not decoding this step has no length here: -1 matches no row). The
-        # passes over the rows run in C (map over the dicts): a Python loop per row would
-        # be most of this plan's cost at hundreds of rows.
-        held = np.fromiter(
-            map(context_lens.get, self.rows, repeat(-1)), np.int64, count=len(self.rows)
-        )
+        # A row is reusable only if it holds exactly the request's context so far.
         row_len = self._row_len_array
         if row_len is None:
             row_len = np.asarray(self.row_len, np.int64)
+        # The decodes in the rows' order (the order the last plan returned): when every
+        # length follows, the step is the rows as they are, checked by two C-level passes.
+        if decodes == self.rows and bool((lens == row_len).all()):
+            return self._step_over(lens, int(lens.max()) + 1 if len(lens) else 1, kv_caches)
+        # Otherwise by request id (a request not decoding this step has no length here:
+        # -1 matches no row). The passes over the rows run in C (map over the dicts): a
+        # Python loop per row would be most of this plan's cost at hundreds of rows.
+        context_lens = dict(zip(decodes, lens.tolist(), strict=True))
+        held = np.fromiter(
+            map(context_lens.get, self.rows, repeat(-1)), np.int64, count=len(self.rows)
+        )
         stale = np.flatnonzero(held != row_len).tolist()
         self._remove_rows(stale)
         # Every row left is a decode of this step: as many rows as decodes, no newcomer.
@@ -235,44 +257,52 @@ class DecodeMirror:
             else []
         )
         n = len(self.rows) + len(newcomers)
-        kv_len = max(context_lens.values()) + 1
+        kv_len = int(lens.max()) + 1
         if not self._ensure(n, kv_len):
             self.reset()
             return None
-        self.layer_of = {cache.data_ptr(): i for i, cache in enumerate(kv_caches)}
         if newcomers:
             self._fill(newcomers, context_lens, block_ids, kv_caches)
-        order = list(self.rows)
         if stale or newcomers:
-            lens = np.fromiter(map(context_lens.__getitem__, order), np.int64, count=n)
+            ordered = np.fromiter(map(context_lens.__getitem__, self.rows), np.int64, count=n)
         else:  # the same rows as the last step: their lengths were read above
-            lens = held
+            ordered = held
+        return self._step_over(ordered, kv_len, kv_caches)
+
+    def _step_over(
+        self, lens: np.ndarray, kv_len: int, kv_caches: list[torch.Tensor]
+    ) -> list[str] | None:
+        """The step over the rows as they are, ``lens`` their context lengths in row
+        order: each row gets one position."""
+        if not self._ensure(len(self.rows), kv_len):
+            self.reset()
+            return None
+        self.layer_of = {cache.data_ptr(): i for i, cache in enumerate(kv_caches)}
         after = lens + 1  # each row's length after this step's token is written
-        self.row_len = after.tolist()
-        self._row_len_array = after
+        self._row_len_list, self._row_len_array = None, after
+        write_pos, lens_t = torch.from_numpy(lens), torch.from_numpy(after)
+        if self.device.type != "cpu":
+            write_pos, lens_t = write_pos.to(self.device), lens_t.to(self.device)
         self.step = MirrorStep(
-            num_rows=n,
-            write_pos=torch.from_numpy(lens).to(self.device),
-            kv_len=kv_len,
-            lens=torch.from_numpy(after).to(self.device),
+            num_rows=len(self.rows), write_pos=write_pos, kv_len=kv_len, lens=lens_t
         )
-        return order
+        return list(self.rows)
 
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
             return
-        self._row_len_array = None
+        row_len = self._lengths_to_edit()
         moves = []  # (hole, moved row, its length)
         for r in sorted(rows, reverse=True):
             last = len(self.rows) - 1
             del self.row_of[self.rows[r]]
             if r != last:  # move the last row into the hole
                 self.rows[r] = self.rows[last]
-                self.row_len[r] = self.row_len[last]
+                row_len[r] = row_len[last]
                 self.row_of[self.rows[r]] = r
-                moves.append((r, last, self.row_len[r]))
+                moves.append((r, last, row_len[r]))
             self.rows.pop()
-            self.row_len.pop()
+            row_len.pop()
         # Sequential moves may chain (a moved row moved again); apply them in order. Only
         # the valid positions move: the rest of a row is never attended to.
         for layer in self.layers:
@@ -286,12 +316,12 @@ class DecodeMirror:
         block_ids: Callable[[str], Sequence[int]],
         kv_caches: list[torch.Tensor],
     ) -> None:
-        self._row_len_array = None
+        row_len = self._lengths_to_edit()
         start = len(self.rows)
         for rid in newcomers:
             self.row_of[rid] = len(self.rows)
             self.rows.append(rid)
-            self.row_len.append(context_lens[rid])
+            row_len.append(context_lens[rid])
         longest = max(context_lens[rid] for rid in newcomers)
         if longest == 0:
             return

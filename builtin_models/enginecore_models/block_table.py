@@ -9,6 +9,7 @@ behind the code").
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 
 import numpy as np
 
@@ -54,6 +55,13 @@ class BlockTable:
         self.table[row, start:end] = block_ids
         self.lens[row] = end
 
+    def append_each(self, req_ids: Sequence[str], new_ids: Sequence[Sequence[int] | None]) -> None:
+        """``append`` for each request that has new blocks: ``new_ids`` follows
+        ``req_ids`` (it may be shorter; None or empty: none). Only those requests are
+        visited in Python (most steps: a few, or none)."""
+        for req_id, ids in zip(compress(req_ids, new_ids), filter(None, new_ids), strict=True):
+            self.append(req_id, ids)
+
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
@@ -62,6 +70,13 @@ class BlockTable:
     def block_ids(self, req_id: str) -> np.ndarray:
         row = self.row_of[req_id]
         return self.table[row, : self.lens[row]]
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """The KV cache slot of ``positions[i]`` of the request in table row ``rows[i]``
+        (one flat gather from the table)."""
+        index = rows * self.table.shape[1] + positions // block_size
+        slots: np.ndarray = self.table.ravel().take(index) * block_size + positions % block_size
+        return slots
 
     def gather(self, req_ids: Sequence[str]) -> np.ndarray:
         """[len(req_ids), longest] block ids of these requests, in this order, 0-padded."""

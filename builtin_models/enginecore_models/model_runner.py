@@ -70,11 +70,8 @@ from enginecore_models.kv_connector_bridge import KVConnectorBridge
 from enginecore_models.lora_support import make_lora_manager, note_fused_decode_off
 from enginecore_models.per_request import (
     any_set,
-    ints_of,
     lookup,
     lookup_ints,
-    set_each,
-    values_of,
 )
 from enginecore_models.persistent_batch import PersistentBatch
 from enginecore_models.piecewise_graphs import CudaGraphSeam, PiecewiseGraphs
@@ -83,6 +80,7 @@ from enginecore_models.runner_sampling import SamplingPhase, StepState
 from enginecore_models.sampler import (
     Sampler,
 )
+from enginecore_models.steady_decode import SteadyDecode
 from enginecore_models.weight_loader import (
     checkpoint_dtype,
     is_gguf,
@@ -109,7 +107,7 @@ class RequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    num_computed_tokens: int
+    # (how many of its tokens are in the KV cache: the persistent batch's ``computed``)
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + outputs
     generator: torch.Generator | None = None
@@ -122,23 +120,27 @@ class RequestState:
 
 
 class _BatchView:
-    """Request id -> (context length, block ids), for a backend ordering its decodes."""
+    """Request id -> (context length, block ids), for a backend ordering its decodes;
+    ``context_lens_array`` gives the lengths of many requests as one array."""
 
-    def __init__(self, requests: dict[str, RequestState], table: BlockTable) -> None:
-        self.requests, self.table = requests, table
+    def __init__(
+        self,
+        batch: PersistentBatch,
+        table: BlockTable,
+        known: tuple[list[str], np.ndarray] | None = None,
+    ) -> None:
+        self.batch, self.table = batch, table
+        self.known = known  # requests whose lengths the caller has already gathered
 
     def __getitem__(self, req_id: str) -> tuple[int, np.ndarray]:
-        return self.requests[req_id].num_computed_tokens, self.table.block_ids(req_id)
+        return int(self.batch.computed[self.batch.row_of[req_id]]), self.table.block_ids(req_id)
 
-    def context_lens(self, req_ids: list[str]) -> dict[str, int]:
-        """``{r: self[r][0] for r in req_ids}`` without reading block ids, in one pass."""
-        return dict(
-            zip(
-                req_ids,
-                values_of(lookup(self.requests, req_ids), "num_computed_tokens"),
-                strict=True,
-            )
-        )
+    def context_lens_array(self, req_ids: list[str]) -> np.ndarray:
+        """``[self[r][0] for r in req_ids]`` as an int64 array, without reading block ids."""
+        if self.known is not None and self.known[0] is req_ids:
+            return self.known[1]
+        lens: np.ndarray = self.batch.computed[lookup_ints(self.batch.row_of, req_ids)]
+        return lens
 
 
 class TorchModelRunner(SamplingPhase, ModelRunner):
@@ -182,6 +184,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # it with the general path and check it is taken.
         self.decode_shortcut = True
         self.decode_shortcut_steps = 0
+        # A step of decodes with the same requests as the last one reuses what that step
+        # looked up (steady_decode.py); counted for the tests, off with decode_shortcut.
+        self._steady: SteadyDecode | None = None
+        self.steady_decode_steps = 0
         self.greedy_shortcut = True  # sample_tokens' argmax-only path (tests turn it off)
         self.greedy_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
@@ -573,12 +579,18 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=params,
-                num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 generator=gen,
             )
-            batch.add(new.req_id, new.prompt_token_ids, new.output_token_ids, params, gen)
+            batch.add(
+                new.req_id,
+                new.prompt_token_ids,
+                new.output_token_ids,
+                params,
+                gen,
+                num_computed_tokens=new.num_computed_tokens,
+            )
             if params.prompt_logprobs is not None and not new.output_token_ids:
                 # Not on resumption after preemption: they were sent with the first token.
                 if new.num_computed_tokens == 0:
@@ -608,7 +620,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # With speculation the scheduler counts draft slots optimistically until it sees
         # how many were accepted: this runner's own count is exact.
         if self.drafter is None:
-            set_each(states, "num_computed_tokens", cached.num_computed_tokens)
+            batch.computed[lookup_ints(batch.row_of, req_ids)] = cached.num_computed_tokens
         # New blocks and tokens, only for the requests that have some (most steps: none).
         # Each list may be shorter than the requests (or empty): zip stops at its end.
         plain_from = 0
@@ -620,9 +632,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             ):
                 for table, ids in zip(tables, by_group or (), strict=True):
                     table.append(req_id, ids)
-        new_ids = cached.new_block_ids[plain_from:]
-        for req_id, appended in compress(zip(req_ids[plain_from:], new_ids, strict=False), new_ids):
-            self.block_table.append(req_id, appended or ())
+        self.block_table.append_each(req_ids[plain_from:], cached.new_block_ids[plain_from:])
         new_tokens = cached.new_token_ids
         for i in compress(range(len(new_tokens)), new_tokens):
             # Only when this rank does not sample (pipeline parallelism).
@@ -642,6 +652,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
+        steady, self._steady = self._steady, None
+        if (
+            steady is not None
+            and self.decode_shortcut
+            and steady.kv_caches is self.kv_caches
+            and steady.follows(so)
+        ):
+            self._execute_steady(so, steady)
+            return None
         self._update_states(so)
         if self.lora is not None:
             if so.lora_removals:
@@ -678,13 +697,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             decodes = [r for r in decodes if r not in fresh]
             all_decodes = not prefills
         if decodes:
-            view = _BatchView(self.requests, self.block_table)
+            view = _BatchView(self._persistent_batch(), self.block_table)
             decodes = self._backend().order_decodes(decodes, view)
         order = decodes + prefills
         num_reqs = len(order)
 
         states = lookup(self.requests, order)
-        starts = ints_of(states, "num_computed_tokens")
+        batch = self._persistent_batch()
+        rows = lookup_ints(batch.row_of, order)
+        starts = batch.computed[rows]
         if all_decodes:  # one token per request, at its context length
             self.decode_shortcut_steps += 1
             q_lens = np.ones(num_reqs, dtype=np.int64)
@@ -700,16 +721,15 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         block_table = self.block_table.gather(order)
         prompt_lp_rows: list[tuple[RequestState, int, int, int]] = []  # state, row, n, pos
         verify: list[list[int]] | None = [] if self.drafter is not None else None
-        batch = self._persistent_batch()
-        rows = lookup_ints(batch.row_of, order)
         if verify is None and not any_set(states, "prompt_logprobs"):
             input_ids, sample_rows, sampled = self._gather_inputs(
-                order, states, rows, starts, q_lens, req_of_token, positions
+                order, rows, starts, q_lens, req_of_token, positions
             )
         else:
             input_ids, sample_rows, sampled = self._walk_inputs(
                 states, starts, q_lens, drafts_of, prompt_lp_rows, verify
             )
+        batch.computed[rows] = starts + q_lens
         if len(sampled) == num_reqs:
             sample_req_ids, sample_batch_rows = order, rows
         else:
@@ -749,12 +769,72 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             kv_connector_output=kv_out,
             batch_rows=sample_batch_rows,
         )
+        if (
+            all_decodes
+            and not so.scheduled_new_reqs
+            and verify is None
+            and not prompt_lp_rows
+            and bridge is None
+            and self.lora is None
+            and len(self.block_tables) == 1
+            and self.samples_tokens
+        ):
+            self._steady = SteadyDecode.after(
+                so, order, rows, batch.row_of, self.block_table.row_of, self.kv_caches
+            )
         return None
+
+    def _execute_steady(self, so: SchedulerOutput, steady: SteadyDecode) -> None:
+        """``execute_model`` for a step that :meth:`SteadyDecode.follows`: the scheduler's
+        counts and new blocks written into the persistent rows, the inputs gathered from
+        them by the last step's rows."""
+        self.steady_decode_steps += 1
+        batch = self._persistent_batch()
+        table = self.block_table
+        cached = so.scheduled_cached_reqs
+        counts = cached.num_computed_tokens
+        batch.computed[steady.cached_rows] = np.fromiter(counts, np.int64, len(counts))
+        table.append_each(cached.req_ids, cached.new_block_ids)
+        order = steady.order
+        starts = batch.computed[steady.rows]
+        ordered = self._backend().order_decodes(order, _BatchView(batch, table, (order, starts)))
+        if ordered != order:  # the backend's rows were rebuilt
+            steady.reorder(ordered, batch.row_of, table.row_of)
+            order = ordered
+            starts = batch.computed[steady.rows]
+        rows = steady.rows
+        ends = starts + 1
+        known = batch.num_tokens[rows]
+        if (ends > known).any():
+            i = int(np.flatnonzero(ends > known)[0])
+            raise EngineCoreError(
+                f"request {order[i]!r}: scheduled token {int(starts[i])} but only "
+                f"{int(known[i])} are known to the model runner"
+            )
+        input_ids = batch.tokens[rows, starts]
+        batch.computed[rows] = ends
+        n = len(order)
+        width = int(table.lens[steady.table_rows].max())
+        block_table = table.table[steady.table_rows, : max(width, 1)]
+        slots = table.slots(steady.table_rows, starts, self.block_size)
+        batch_view = AttentionBatch(
+            req_ids=order,
+            query_lens=np.ones(n, dtype=np.int64),
+            context_lens=starts,
+            block_table=block_table,
+            slot_mapping=slots,
+            num_decodes=n,
+        )
+        ids_t = self._stage("input_ids", input_ids)
+        pos_t = self._stage("positions", starts)
+        hidden = self._run_forward(ids_t, pos_t, batch_view, order, np.arange(n), starts)
+        logits = self.model.compute_logits(hidden) if self.parallel.is_last_pp_rank else None
+        self._step = StepState(order, order, logits, batch_rows=rows)
+        self._steady = steady
 
     def _gather_inputs(
         self,
         order: list[str],
-        states: list[RequestState],
         rows: np.ndarray,
         starts: np.ndarray,
         q_lens: np.ndarray,
@@ -773,7 +853,6 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 f"but only {int(known[i])} are known to the model runner"
             )
         input_ids = batch.tokens[rows[req_of_token], positions]
-        set_each(states, "num_computed_tokens", ends.tolist())
         due = ends == known  # prefill complete: a new token is due
         last_rows = np.cumsum(q_lens) - 1
         if due.all():
@@ -809,7 +888,6 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                     )
                 input_ids.append(state.token_ids[start])
                 input_ids.extend(drafts)
-                state.num_computed_tokens = end
                 sample_rows.extend(range(cu, cu + n))
                 cu += n
                 sampled.append(i)
@@ -830,7 +908,6 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 rows = state.prompt_logprobs.wants(start, end)
                 if rows is not None:
                     prompt_lp_rows.append((state, cu + rows[0], rows[1] - rows[0], start + rows[0]))
-            state.num_computed_tokens = end
             cu += n
             if end == len(state.token_ids):  # prefill complete: a new token is due
                 sample_rows.append(cu - 1)
@@ -976,6 +1053,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
     def sleep(self, level: int = 1) -> None:
         """Level 1 frees the KV cache; level 2 also drops the weights (reloaded on wake)."""
         self.kv_caches = None
+        self._steady = None
         self.decode_graphs = None
         self.piecewise_graphs = None
         self.fused_decode = None

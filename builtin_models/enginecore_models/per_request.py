@@ -27,16 +27,6 @@ def values_of(objects: Iterable[Any], attr: str) -> list[Any]:
     return list(map(attrgetter(attr), objects))
 
 
-def ints_of(objects: Sequence[Any], attr: str) -> np.ndarray:
-    """``o.<attr>`` of each object as an int64 array."""
-    return np.fromiter(map(attrgetter(attr), objects), np.int64, count=len(objects))
-
-
-def set_each(objects: Iterable[Any], attr: str, values: Iterable[Any]) -> None:
-    """``o.<attr> = v`` for each pair (the shorter of the two ends the walk)."""
-    deque(map(setattr, objects, repeat(attr), values), maxlen=0)
-
-
 def any_set(objects: Iterable[Any], attr: str) -> bool:
     """Whether any object's ``attr`` is not None."""
     return any(map(is_not, map(attrgetter(attr), objects), repeat(None)))

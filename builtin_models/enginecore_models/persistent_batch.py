@@ -1,11 +1,12 @@
 """The running requests as rows that live across steps.
 
 Each request holds one row from the step that adds it until it finishes or is
-preempted: its tokens (prompt, then every sampled token), and its sampling parameters
-as columns of arrays. The scheduler's diff updates the rows (new requests added,
-finished ones removed and the rows condensed so that they stay ``0..n-1``, sampled
-tokens appended), so a step gathers its inputs and its sampling parameters with a few
-vectorised index operations instead of rebuilding them from Python lists.
+preempted: its tokens (prompt, then every sampled token), how many of them are in the KV
+cache (``computed``), and its sampling parameters as columns of arrays. The scheduler's
+diff updates the rows (new requests added, finished ones removed and the rows condensed
+so that they stay ``0..n-1``, sampled tokens appended), so a step gathers its inputs and
+its sampling parameters with a few vectorised index operations instead of rebuilding
+them from Python lists.
 
 Penalties need each row's output-token counts: they are kept on the device, a
 ``[rows, vocab]`` tensor allocated when the first penalised request arrives, set when
@@ -48,6 +49,8 @@ class PersistentBatch:
         rows = 64
         self.tokens = np.zeros((rows, 256), dtype=np.int64)
         self.num_tokens = np.zeros(rows, dtype=np.int64)
+        # Tokens in the KV cache (the scheduler's count, advanced by each step's queries).
+        self.computed = np.zeros(rows, dtype=np.int64)
         self.output_lens = np.zeros(rows, dtype=np.int64)  # tokens sampled so far
         self.greedy = np.ones(rows, dtype=bool)
         self.penalised = np.zeros(rows, dtype=bool)
@@ -82,6 +85,7 @@ class PersistentBatch:
                 return out
 
             self.num_tokens = widen(self.num_tokens, 0)
+            self.computed = widen(self.computed, 0)
             self.output_lens = widen(self.output_lens, 0)
             self.greedy = widen(self.greedy, True)
             self.penalised = widen(self.penalised, False)
@@ -103,6 +107,7 @@ class PersistentBatch:
         output_token_ids: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator | None,
+        num_computed_tokens: int = 0,
     ) -> None:
         if req_id in self.row_of:
             self.remove([req_id])
@@ -117,6 +122,7 @@ class PersistentBatch:
         self.tokens[row, : len(prompt_token_ids)] = prompt_token_ids
         self.tokens[row, len(prompt_token_ids) : n] = output_token_ids
         self.num_tokens[row] = n
+        self.computed[row] = num_computed_tokens
         self.greedy[row] = params.greedy
         self.special[row] = bool(
             params.logit_bias
@@ -178,7 +184,14 @@ class PersistentBatch:
         self.generators[dst] = self.generators[src]
         n = int(self.num_tokens[src])
         self.tokens[dst, :n] = self.tokens[src, :n]
-        moved = (self.num_tokens, self.output_lens, self.greedy, self.penalised, self.special)
+        moved = (
+            self.num_tokens,
+            self.computed,
+            self.output_lens,
+            self.greedy,
+            self.penalised,
+            self.special,
+        )
         for arr in (*moved, self.plain_greedy):
             arr[dst] = arr[src]
         for arr in self.cols.values():

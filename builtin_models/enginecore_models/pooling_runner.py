@@ -146,10 +146,12 @@ class PoolingModelRunner(TorchModelRunner):
         self._update_states(so)
         order = list(so.num_scheduled_tokens)
         done: list[RequestState] = []
+        batch = self._persistent_batch()
         for req_id in order:
             state = self.requests[req_id]
-            state.num_computed_tokens += so.num_scheduled_tokens[req_id]
-            if state.num_computed_tokens >= len(state.prompt_token_ids):
+            row = batch.row_of[req_id]
+            batch.computed[row] += so.num_scheduled_tokens[req_id]
+            if batch.computed[row] >= len(state.prompt_token_ids):
                 done.append(state)
         if done:
             self._encode(done)

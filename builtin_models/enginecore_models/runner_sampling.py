@@ -294,7 +294,7 @@ class SamplingPhase:
             state.output_token_ids.extend(tokens)
             state.token_ids.extend(tokens)
             batch.append_tokens(batch.row_of[state.req_id], tokens)
-            state.num_computed_tokens -= len(d) + 1 - len(tokens)  # rejected positions
+            batch.computed[batch.row_of[state.req_id]] -= len(d) + 1 - len(tokens)  # rejected
             i = index[state.req_id]
             sampled[i] = tokens
             num_drafts[i] = len(d)

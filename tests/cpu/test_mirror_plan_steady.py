@@ -16,7 +16,8 @@ def mirror() -> DecodeMirror:
 
 def plan(m: DecodeMirror, lens: dict[str, int]) -> tuple[list[str], list[int], list[int]]:
     caches = [torch.zeros(2, 16, 4, 1, 8)]
-    order = m.plan(list(lens), lens, lambda r: list(range(4)), caches)
+    lengths = np.fromiter(lens.values(), np.int64, len(lens))
+    order = m.plan(list(lens), lengths, lambda r: list(range(4)), caches)
     assert order is not None and m.step is not None
     return order, m.step.write_pos.tolist(), m.step.lens.tolist()
 

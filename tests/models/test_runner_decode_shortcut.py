@@ -1,9 +1,13 @@
 """A step of decodes only takes its inputs in a few array operations (the runner's
-decode shortcut): the tokens are those of the general path and of transformers.
+decode shortcut), and a step of the same decodes as the last one reuses that step's rows
+(the steady-decode path): the tokens are those of the general path and of transformers,
+and every step's inputs (ids, positions, slot mapping, block table, the decode mirror's
+plan) are those the scheduler's outputs call for (``tests/helpers/step_inputs.py``).
 
 Requests of different prompt and output lengths, with fewer sequences allowed than
 requests, so that steps alternate between decodes only (the shortcut) and steps where
 new prompts join or requests leave (the general path); sync and async scheduling.
+``test_runner_steady_decode.py`` adds preemption, prefix caching and chunked prefill.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pytest
 
 from enginecore import LLM, SamplingParams
 from tests.helpers.hf_reference import assert_matches_reference, greedy_reference
+from tests.helpers.step_inputs import StepInputs
 
 _RNG = random.Random(5)
 PROMPTS = [[_RNG.randrange(10, 8000) for _ in range(_RNG.randint(2, 40))] for _ in range(7)]
@@ -41,11 +46,19 @@ def test_decode_shortcut_matches_general_path_and_transformers(
         max_model_len=128,
     ) as llm:
         runner = llm.engine_client.engine.executor.worker.model_runner
-        shortcut = [o.outputs[0].token_ids for o in llm.generate(inputs, params)]
+        record = StepInputs.attach(runner)
+        outputs = llm.generate(inputs, params)
+        shortcut = [o.outputs[0].token_ids for o in outputs]
+        record.check({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outputs})
         taken = runner.decode_shortcut_steps
+        assert record.steady_steps > 0, "no step took the steady-decode path"
         runner.decode_shortcut = False  # every step through the general path
-        general = [o.outputs[0].token_ids for o in llm.generate(inputs, params)]
+        record = StepInputs.attach(runner)
+        outputs = llm.generate(inputs, params)
+        general = [o.outputs[0].token_ids for o in outputs]
+        record.check({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outputs})
         assert runner.decode_shortcut_steps == taken, "the switch did not turn it off"
+        assert record.steady_steps == 0, "the switch did not turn the steady path off"
     assert taken > 0, "no step took the decode shortcut"
     assert shortcut == general
     for i, reference in enumerate(references):
