@@ -906,7 +906,10 @@ class AttentionBackend(ABC):
     def order_decodes(self, req_ids: list[str], batch_view: Any) -> list[str]:
         """The order the step's decode requests should take in the batch (a backend with
         per-request state, like a dense decode mirror, may want its own). ``batch_view``
-        maps a request id to ``(context_len, block_ids)``."""
+        maps a request id to ``(context_len, block_ids)``; the model runner's view also
+        has ``context_lens_array(req_ids)``, the context lengths as one int64 array. In
+        steady decoding the runner passes back the order this returned for the last
+        step."""
         return req_ids
 
     @abstractmethod
