@@ -108,6 +108,11 @@ class DecodeMirror:
         self._row_len_list: list[int] | None = []
         self._row_len_array: np.ndarray | None = None
         self.step: MirrorStep | None = None
+        # Two (positions, lengths, rows, their tensors) buffers for the steps' tensors.
+        self._step_buffers: list[
+            tuple[np.ndarray, np.ndarray, int, tuple[torch.Tensor, torch.Tensor] | None] | None
+        ] = [None, None]
+        self._step_buffer = 0
 
     @property
     def row_len(self) -> list[int]:
@@ -280,13 +285,36 @@ class DecodeMirror:
         self.layer_of = {cache.data_ptr(): i for i, cache in enumerate(kv_caches)}
         after = lens + 1  # each row's length after this step's token is written
         self._row_len_list, self._row_len_array = None, after
-        write_pos, lens_t = torch.from_numpy(lens), torch.from_numpy(after)
-        if self.device.type != "cpu":
-            write_pos, lens_t = write_pos.to(self.device), lens_t.to(self.device)
+        write_pos, lens_t = self._step_tensors(lens, after)
         self.step = MirrorStep(
             num_rows=len(self.rows), write_pos=write_pos, kv_len=kv_len, lens=lens_t
         )
         return list(self.rows)
+
+    def _step_tensors(
+        self, lens: np.ndarray, after: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lens`` and ``after`` as tensors for the step. On a CPU they are copied into
+        two pairs of buffers used in turn (the last step's stay intact), whose tensors
+        are the same objects while the row count repeats: a tensor made and freed each
+        step gives up the interpreter lock twice, which under async scheduling lets the
+        engine's thread hold it while the step waits."""
+        if self.device.type != "cpu":
+            return torch.from_numpy(lens).to(self.device), torch.from_numpy(after).to(self.device)
+        n = len(lens)
+        i = self._step_buffer = 1 - self._step_buffer
+        held = self._step_buffers[i]
+        if held is None or held[0].shape[0] < n:
+            size = max(n, self.max_rows)
+            arrays = (np.zeros(size, np.int64), np.zeros(size, np.int64))
+            held = self._step_buffers[i] = (*arrays, -1, None)
+        pos_array, len_array, rows, tensors = held
+        pos_array[:n] = lens
+        len_array[:n] = after
+        if rows != n or tensors is None:
+            tensors = (torch.from_numpy(pos_array[:n]), torch.from_numpy(len_array[:n]))
+            self._step_buffers[i] = (pos_array, len_array, n, tensors)
+        return tensors
 
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:

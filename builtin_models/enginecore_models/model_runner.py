@@ -92,6 +92,13 @@ from enginecore_models.weight_loader import (
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The step arrays' dtypes, as torch's (staging buffers are made per dtype).
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
 
 
 @runtime_checkable
@@ -188,6 +195,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         # looked up (steady_decode.py); counted for the tests, off with decode_shortcut.
         self._steady: SteadyDecode | None = None
         self.steady_decode_steps = 0
+        self._free_after_sampling: list[torch.Tensor] = []  # a steady step's hidden states
         self.greedy_shortcut = True  # sample_tokens' argmax-only path (tests turn it off)
         self.greedy_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
@@ -537,7 +545,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         pinned host memory and a non-blocking copy, never a copy that waits for the
         device."""
         buf = self._staging.get(name)
-        dtype = torch.from_numpy(values[:0]).dtype
+        dtype = _TORCH_DTYPES.get(values.dtype)
+        if dtype is None:  # (a tensor made only to read its dtype: a rare array type)
+            dtype = torch.from_numpy(values[:0]).dtype
         if buf is None or buf.device_buf.shape[0] < len(values) or buf.device_buf.dtype != dtype:
             # Doubling: arrays that grow step by step (penalised outputs) reallocate rarely.
             grown = 2 * buf.device_buf.shape[0] if buf is not None else 0
@@ -645,6 +655,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         output = super().sample_tokens(grammar_output)
+        self._free_after_sampling.clear()
         if self.lora is not None:
             output.lora_report = self.lora.take_report()  # adapters read since the last step
         return output
@@ -779,27 +790,27 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             and len(self.block_tables) == 1
             and self.samples_tokens
         ):
-            self._steady = SteadyDecode.after(
-                so, order, rows, batch.row_of, self.block_table.row_of, self.kv_caches
-            )
+            self._steady = SteadyDecode.after(so, order, rows, batch.row_of, self.kv_caches)
+            self._steady.lay_out(self.block_table)
         return None
 
     def _execute_steady(self, so: SchedulerOutput, steady: SteadyDecode) -> None:
         """``execute_model`` for a step that :meth:`SteadyDecode.follows`: the scheduler's
         counts and new blocks written into the persistent rows, the inputs gathered from
-        them by the last step's rows."""
+        them by the last step's rows (flat one-dimensional gathers: see steady_decode.py
+        for why)."""
         self.steady_decode_steps += 1
         batch = self._persistent_batch()
         table = self.block_table
         cached = so.scheduled_cached_reqs
         counts = cached.num_computed_tokens
         batch.computed[steady.cached_rows] = np.fromiter(counts, np.int64, len(counts))
-        table.append_each(cached.req_ids, cached.new_block_ids)
+        steady.append_blocks(table, cached.req_ids, cached.new_block_ids)
         order = steady.order
         starts = batch.computed[steady.rows]
         ordered = self._backend().order_decodes(order, _BatchView(batch, table, (order, starts)))
         if ordered != order:  # the backend's rows were rebuilt
-            steady.reorder(ordered, batch.row_of, table.row_of)
+            steady.reorder(ordered, batch.row_of, table)
             order = ordered
             starts = batch.computed[steady.rows]
         rows = steady.rows
@@ -811,25 +822,24 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 f"request {order[i]!r}: scheduled token {int(starts[i])} but only "
                 f"{int(known[i])} are known to the model runner"
             )
-        input_ids = batch.tokens[rows, starts]
+        input_ids = batch.tokens.reshape(-1)[rows * batch.tokens.shape[1] + starts]
         batch.computed[rows] = ends
         n = len(order)
-        width = int(table.lens[steady.table_rows].max())
-        block_table = table.table[steady.table_rows, : max(width, 1)]
-        slots = table.slots(steady.table_rows, starts, self.block_size)
         batch_view = AttentionBatch(
             req_ids=order,
             query_lens=np.ones(n, dtype=np.int64),
             context_lens=starts,
-            block_table=block_table,
-            slot_mapping=slots,
+            block_table=steady.block_table,
+            slot_mapping=steady.slots(starts, self.block_size),
             num_decodes=n,
         )
         ids_t = self._stage("input_ids", input_ids)
         pos_t = self._stage("positions", starts)
-        hidden = self._run_forward(ids_t, pos_t, batch_view, order, np.arange(n), starts)
+        hidden = self._run_forward(ids_t, pos_t, batch_view, order, steady.every, starts)
         logits = self.model.compute_logits(hidden) if self.parallel.is_last_pp_rank else None
         self._step = StepState(order, order, logits, batch_rows=rows)
+        # Freed once sampled, where the step gives up the interpreter lock anyway.
+        self._free_after_sampling[:] = [hidden]
         self._steady = steady
 
     def _gather_inputs(

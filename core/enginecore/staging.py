@@ -73,8 +73,8 @@ class StagingBuffer:
         num_host_buffers: int = 2,
         stage_on_host: bool = True,
     ) -> None:
-        # ``stage_on_host=False`` on a CPU: the values are already where the model reads
-        # them, and ``fill`` hands them over as they are (the copy is the GPU's seam).
+        # ``stage_on_host=False`` on a CPU: the host buffers are what the model reads (no
+        # device copy; the copy is the GPU's seam).
         self.direct = not stage_on_host and device.type == "cpu"
         self.device_buf = torch.zeros(shape, dtype=dtype, device=device)
         pin = device.type == "cuda"
@@ -85,6 +85,10 @@ class StagingBuffer:
         self.events = events if events is not None else DeviceEvents(device)
         self._read_by: list[CopyEvent | None] = [None] * num_host_buffers
         self._next = 0
+        # Direct: each host buffer's leading part of the last shape filled, the same
+        # tensor while the shape repeats. Freeing a tensor gives up the interpreter lock,
+        # and under async scheduling the engine's thread then holds it for a while.
+        self._views: list[tuple[tuple[int, ...], torch.Tensor] | None] = [None] * num_host_buffers
 
     def ready(self) -> bool:
         """Whether the next host buffer may be written without waiting."""
@@ -95,9 +99,9 @@ class StagingBuffer:
 
     def fill(self, values: np.ndarray) -> torch.Tensor:
         """Copy ``values`` into the device buffer's leading part; returns that part (direct:
-        ``values`` themselves, as a tensor; the caller makes them anew each step)."""
+        the host buffer's). Valid until the fill after next: read it within the step."""
         if self.direct:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=self._arrays[0].dtype))
+            return self._fill_host(values)
         i = self._next
         event = self._read_by[i]
         if event is not None and not event.query():
@@ -109,6 +113,18 @@ class StagingBuffer:
         view.copy_(host, non_blocking=True)
         self._read_by[i] = self.events.record()
         self._next = (i + 1) % len(self.hosts)
+        return view
+
+    def _fill_host(self, values: np.ndarray) -> torch.Tensor:
+        i = self._next
+        self._next = (i + 1) % len(self.hosts)
+        shape = values.shape
+        self._arrays[i][_leading(shape)] = values
+        held = self._views[i]
+        if held is not None and held[0] == shape:
+            return held[1]
+        view = self.hosts[i][_leading(shape)]
+        self._views[i] = (shape, view)
         return view
 
 
