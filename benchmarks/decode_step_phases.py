@@ -166,6 +166,15 @@ def main() -> None:
                     logits = runner.model.compute_logits(fused_run(ids, positions, batch))
                     runner.sampler.greedy_tokens(logits)
                     outside.append(time.perf_counter() - started)
+                profile(phases)  # cleared; then the head's phases in the call
+                for _ in range(args.repeats):
+                    fused_run(ids, positions, batch, head="tokens")
+                profile(phases)
+                threads = torch.get_num_threads()
+                for i in (len(PHASES) - 2, len(PHASES) - 1):
+                    per_thread = [phases[t * len(PHASES) + i] / 1e6 / n for t in range(threads)]
+                    cells = " ".join(f"{ms:8.3f}" for ms in per_thread)
+                    report.append(f"  {PHASES[i]:38s} {cells} ms")
                 for name, spent in (
                     ("step, head and argmax inside", inside),
                     ("step, then head and argmax", outside),
