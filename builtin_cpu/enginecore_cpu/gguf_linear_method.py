@@ -172,7 +172,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if cached is not None:
             parts = dict(cached)
         else:
-            parts = {first: unpacked(piece) for first, piece in pieces.items()}
+            parts = dict(_unpacked_runs(pieces))
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
@@ -363,6 +363,37 @@ def blocks_linear(
     if dtype is not torch.float32:
         out = out.to(dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _unpacked_runs(pieces: dict[int, QuantizedTensor]) -> list[tuple[int, Part]]:
+    """The checkpoint's row ranges in the kernels' layouts, each run of adjacent K-quant
+    ranges of one format unpacked into one weight by ``kquant_kernels`` (in C, on every
+    thread, with no copy to join them); the rest by ``unpacked``, joined by ``_merged``."""
+    kquant = None
+    if any(p.format in kquant_blocks.FORMATS for p in pieces.values()):
+        kquant = kquant_kernels.load()
+    out: list[tuple[int, Part]] = []
+    run: list[tuple[int, QuantizedTensor]] = []
+    for first in [*sorted(pieces), None]:
+        piece = pieces[first] if first is not None else None
+        joins = (
+            run
+            and piece is not None
+            and piece.format == run[-1][1].format
+            and piece.shape[1] == run[-1][1].shape[1]
+            and first == run[-1][0] + run[-1][1].shape[0]
+        )
+        if run and not joins:
+            assert kquant is not None
+            out.append((run[0][0], kquant.unpacked([p for _, p in run])))
+            run = []
+        if piece is None or first is None:
+            break
+        if kquant is not None and piece.format in kquant_blocks.FORMATS:
+            run.append((first, piece))
+        else:
+            out.append((first, unpacked(piece)))
+    return out
 
 
 def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:

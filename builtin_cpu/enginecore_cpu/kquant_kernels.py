@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from enginecore.block_formats import kquant_blocks
 from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore_cpu import cpu_kernels, quant_kernels
 from enginecore_cpu.quant_kernels import QuantizedActivations
 
@@ -23,6 +25,7 @@ _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
     "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
+    "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P],
 }
 
 
@@ -52,6 +55,34 @@ class KQuantKernels:
             n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )
         return out
+
+    def unpacked(self, tensors: list[QuantizedTensor]) -> KQuantWeight:
+        """GGUF's K-quant ``tensors`` (one format and width, row ranges in order) as one
+        :class:`KQuantWeight` of all their rows: the bytes of ``kquant_blocks.from_gguf``
+        of their concatenation, written once, on every thread, straight from the file's
+        blocks (no copy of a piece, and none to join them)."""
+        fmt, k = tensors[0].format, tensors[0].shape[1]
+        if any(t.format != fmt or t.shape[1] != k for t in tensors):
+            raise ValueError("the pieces of one K-quant weight share its format and width")
+        if fmt not in kquant_blocks.FORMATS or k % kquant_blocks.SUPER:
+            # the reference names what is wrong
+            return kquant_blocks.from_gguf(tensors[0].data, fmt, tensors[0].shape)
+        rows = sum(t.shape[0] for t in tensors)
+        empty = kquant_blocks.empty_weight(fmt, (rows, k))
+        at = 0
+        for tensor in tensors:
+            data = tensor.data
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
+                data = data.reshape(tensor.shape[0], -1).to(torch.uint8).contiguous()
+            n = tensor.shape[0]
+            if not n:
+                continue
+            self.lib.eck_repack_k(
+                empty.bits, n, k, data.data_ptr(), data.stride(0),
+                empty.qs[at].data_ptr(), empty.scales[at].data_ptr(),
+            )  # fmt: skip
+            at += n
+        return empty
 
 
 def build() -> Path:

@@ -197,13 +197,13 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     prepared = []
-    original_unpacked = gguf_linear_method.unpacked
+    original_unpacked = gguf_linear_method._unpacked_runs
 
-    def counting_unpacked(tensor):
-        prepared.append(tensor.source)
-        return original_unpacked(tensor)
+    def counting_unpacked(pieces):
+        prepared.extend(piece.source for piece in pieces.values())
+        return original_unpacked(pieces)
 
-    monkeypatch.setattr(gguf_linear_method, "unpacked", counting_unpacked)
+    monkeypatch.setattr(gguf_linear_method, "_unpacked_runs", counting_unpacked)
     from enginecore_models import weight_loader
 
     reordered = []  # q/k blocks put in HF's rotary order: never on a warm load
