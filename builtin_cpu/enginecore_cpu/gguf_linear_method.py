@@ -168,6 +168,8 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         pieces: dict[int, QuantizedTensor] = layer.__dict__.pop(_PARTS, {})
         key = self._prepared_key(pieces)
         cached = self.prepared.load(key) if self.prepared is not None and key else None
+        if cached is None and self.prepared is not None and key:
+            cached = _unpacked_in_place(self.prepared, key, pieces)
         parts: dict[int, Part]
         if cached is not None:
             parts = dict(cached)
@@ -241,7 +243,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         key = f"float32 table of {blocks.source} ({blocks.format}, {out}x{k})"
         table = self.prepared.load_table(key)
         if table is None:
-            table = block_parts.dequantized_part(block_parts.unpacked(blocks))
+            table = _dequantized_table(blocks)
             self.prepared.save_table(key, table)
             # Mapped back where it was written: resident only where looked up.
             mapped = self.prepared.load_table(key)
@@ -293,6 +295,18 @@ def _dequantize_with(kernels: quant_kernels.QuantKernels, part: Part) -> torch.T
         values = kernels.dequantize_q4_k(part)
         return values
     return _kquant().dequantize_k(part)
+
+
+def _dequantized_table(blocks: QuantizedTensor) -> torch.Tensor:
+    """The float32 values of a file's table (a token embedding's): by the kernels' C
+    de-quantization, on every thread, where they loaded (the same floats as torch's:
+    they are built without contracting a multiply and an add), else in torch."""
+    kernels = quant_kernels.load()
+    kquant = kquant_kernels.load() if blocks.format in kquant_blocks.FORMATS else None
+    if kernels is None or (blocks.format in kquant_blocks.FORMATS and kquant is None):
+        return block_parts.dequantized_part(block_parts.unpacked(blocks))
+    part = kquant.unpacked([blocks]) if kquant is not None else unpacked(blocks)
+    return _dequantize_with(kernels, part)
 
 
 def _kquant() -> kquant_kernels.KQuantKernels:
@@ -365,6 +379,28 @@ def blocks_linear(
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
+def _runs(
+    pieces: dict[int, QuantizedTensor], joinable: Callable[[QuantizedTensor], bool]
+) -> list[tuple[int, list[QuantizedTensor]]]:
+    """``pieces`` in row order, adjacent ``joinable`` ones of one format and width
+    grouped: (first row, the run's pieces)."""
+    runs: list[tuple[int, list[QuantizedTensor]]] = []
+    for first in sorted(pieces):
+        piece = pieces[first]
+        if runs and joinable(piece):
+            start, run = runs[-1]
+            last = run[-1]
+            if (
+                joinable(last)
+                and (last.format, last.shape[1]) == (piece.format, piece.shape[1])
+                and start + sum(p.shape[0] for p in run) == first
+            ):
+                run.append(piece)
+                continue
+        runs.append((first, [piece]))
+    return runs
+
+
 def _unpacked_runs(pieces: dict[int, QuantizedTensor]) -> list[tuple[int, Part]]:
     """The checkpoint's row ranges in the kernels' layouts, each run of adjacent K-quant
     ranges of one format unpacked into one weight by ``kquant_kernels`` (in C, on every
@@ -373,27 +409,44 @@ def _unpacked_runs(pieces: dict[int, QuantizedTensor]) -> list[tuple[int, Part]]
     if any(p.format in kquant_blocks.FORMATS for p in pieces.values()):
         kquant = kquant_kernels.load()
     out: list[tuple[int, Part]] = []
-    run: list[tuple[int, QuantizedTensor]] = []
-    for first in [*sorted(pieces), None]:
-        piece = pieces[first] if first is not None else None
-        joins = (
-            run
-            and piece is not None
-            and piece.format == run[-1][1].format
-            and piece.shape[1] == run[-1][1].shape[1]
-            and first == run[-1][0] + run[-1][1].shape[0]
-        )
-        if run and not joins:
-            assert kquant is not None
-            out.append((run[0][0], kquant.unpacked([p for _, p in run])))
-            run = []
-        if piece is None or first is None:
-            break
-        if kquant is not None and piece.format in kquant_blocks.FORMATS:
-            run.append((first, piece))
+    for first, run in _runs(pieces, lambda p: p.format in kquant_blocks.FORMATS):
+        if kquant is not None and run[0].format in kquant_blocks.FORMATS:
+            out.append((first, kquant.unpacked(run)))
         else:
-            out.append((first, unpacked(piece)))
+            out.extend((first + sum(p.shape[0] for p in run[:i]), unpacked(piece))
+                       for i, piece in enumerate(run))  # fmt: skip
     return out
+
+
+def _unpacked_in_place(
+    prepared: PreparedWeights, key: str, pieces: dict[int, QuantizedTensor]
+) -> list[tuple[int, Part]] | None:
+    """A layer all of K-quant blocks unpacked straight into its new prepared-weight entry
+    (no copy in memory, no second write), then mapped back as a warm load maps it; None
+    where some piece is of another format, the kernels did not load or nothing can be
+    written (the layer is prepared in memory then)."""
+    kquant = kquant_kernels.load()
+    if kquant is None or not all(p.format in kquant_blocks.FORMATS for p in pieces.values()):
+        return None
+    if any(p.shape[1] % kquant_blocks.SUPER for p in pieces.values()):
+        return None  # the in-memory pass names what is wrong
+    runs = _runs(pieces, lambda p: True)
+    plan: list[tuple[int, Part]] = [
+        (first, kquant_blocks.empty_weight(
+            run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1]), "meta"))
+        for first, run in runs
+    ]  # fmt: skip
+    reserved = prepared.reserve(key, plan)
+    if reserved is None or reserved.layer is None:
+        return None
+    try:
+        for (_, run), (_, target) in zip(runs, reserved.layer, strict=True):
+            assert isinstance(target, KQuantWeight)
+            kquant.unpacked(run, into=target)
+    except BaseException:
+        reserved.abort()
+        raise
+    return reserved.commit()
 
 
 def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:

@@ -56,10 +56,13 @@ class KQuantKernels:
         )
         return out
 
-    def unpacked(self, tensors: list[QuantizedTensor]) -> KQuantWeight:
+    def unpacked(
+        self, tensors: list[QuantizedTensor], into: KQuantWeight | None = None
+    ) -> KQuantWeight:
         """GGUF's K-quant ``tensors`` (one format and width, row ranges in order) as one
-        :class:`KQuantWeight` of all their rows: the bytes of ``kquant_blocks.from_gguf``
-        of their concatenation, written once, on every thread, straight from the file's
+        :class:`KQuantWeight` of all their rows (written into ``into`` where given: an
+        entry of the prepared-weight cache): the bytes of ``kquant_blocks.from_gguf`` of
+        their concatenation, written once, on every thread, straight from the file's
         blocks (no copy of a piece, and none to join them)."""
         fmt, k = tensors[0].format, tensors[0].shape[1]
         if any(t.format != fmt or t.shape[1] != k for t in tensors):
@@ -68,7 +71,9 @@ class KQuantKernels:
             # the reference names what is wrong
             return kquant_blocks.from_gguf(tensors[0].data, fmt, tensors[0].shape)
         rows = sum(t.shape[0] for t in tensors)
-        empty = kquant_blocks.empty_weight(fmt, (rows, k))
+        empty = into or kquant_blocks.empty_weight(fmt, (rows, k))
+        if (empty.fmt, empty.shape) != (fmt, (rows, k)):
+            raise ValueError(f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight")
         at = 0
         for tensor in tensors:
             data = tensor.data

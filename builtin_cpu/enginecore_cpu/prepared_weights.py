@@ -162,21 +162,43 @@ class PreparedWeights:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
+    def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
+        """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
+        give only their dtypes and shapes (they may be on the ``meta`` device). The
+        preparation pass writes its result straight into the entry's pages (no copy
+        in memory, no second write); None where nothing can be written (prepare in
+        memory then)."""
+        if not self._writable:
+            return None
+        raw, end, _ = _header(key, list(layer))
+        base = _aligned(_PREFIX.size + len(raw))
+        try:
+            if not self.directory.is_dir():
+                self._replace_older()
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+                    f.flush()
+                    # Blocks allocated now: a full disk is an error here, where a sparse
+                    # file's pages would fault (SIGBUS) as the pass wrote them.
+                    os.posix_fallocate(f.fileno(), 0, base + end)
+                data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
+                header = json.loads(raw)
+                parts = [(int(p["first"]), _part(p, data[base:])) for p in header["parts"]]
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except (OSError, RuntimeError) as exc:
+            self._writable = False
+            logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
+            return None
+        return ReservedEntry(self, key, Path(tmp), cast(Layer, parts))
+
     def _save(self, key: str, layer: _Entry) -> None:
         if not self._writable:
             return
-        writes: list[tuple[torch.Tensor, int]] = []
-        parts = []
-        end = 0  # offsets count from the first 64-byte boundary after the header
-        for first, part in layer:
-            specs = []
-            for t in _fields(part):
-                dtype = str(t.dtype).removeprefix("torch.")
-                specs.append({"dtype": dtype, "shape": list(t.shape), "offset": end})
-                writes.append((t, end))
-                end = _aligned(end + t.numel() * t.element_size())
-            parts.append({**_describe(part), "first": first, "tensors": specs})
-        raw = json.dumps({"key": key, "parts": parts, "data": end}).encode()
+        raw, end, writes = _header(key, layer)
         base = _aligned(_PREFIX.size + len(raw))
         try:
             if not self.directory.is_dir():
@@ -196,6 +218,48 @@ class PreparedWeights:
         except OSError as exc:
             self._writable = False
             logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
+
+
+class ReservedEntry:
+    """An entry being filled in place (:meth:`PreparedWeights.reserve`): ``layer``'s
+    tensors are views of the new entry's shared mapping; :meth:`commit` publishes it."""
+
+    def __init__(self, owner: PreparedWeights, key: str, path: Path, layer: Layer) -> None:
+        self.owner, self.key, self.path = owner, key, path
+        self.layer: Layer | None = layer
+
+    def commit(self) -> Layer | None:
+        """Publish the filled entry (renamed into place, as a write is) and map it back
+        as a warm load does; the caller drops its views of the shared mapping."""
+        self.layer = None
+        try:
+            os.replace(self.path, self.owner._entry(self.key))
+        except OSError as exc:
+            self.path.unlink(missing_ok=True)
+            logger.warning("could not keep prepared weights in %s: %s", self.path.parent, exc)
+            return None
+        return self.owner.load(self.key)
+
+    def abort(self) -> None:
+        """Drop an entry whose filling failed."""
+        self.layer = None
+        self.path.unlink(missing_ok=True)
+
+
+def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tensor, int]]]:
+    """An entry's header for ``layer``, its data's length, and each tensor's offset."""
+    writes: list[tuple[torch.Tensor, int]] = []
+    parts = []
+    end = 0  # offsets count from the first 64-byte boundary after the header
+    for first, part in layer:
+        specs = []
+        for t in _fields(part):
+            dtype = str(t.dtype).removeprefix("torch.")
+            specs.append({"dtype": dtype, "shape": list(t.shape), "offset": end})
+            writes.append((t, end))
+            end = _aligned(end + t.numel() * t.element_size())
+        parts.append({**_describe(part), "first": first, "tensors": specs})
+    return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
 
 
 def _aligned(n: int) -> int:

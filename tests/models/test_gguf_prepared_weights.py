@@ -197,13 +197,13 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     prepared = []
-    original_unpacked = gguf_linear_method._unpacked_runs
+    for name in ("_unpacked_runs", "_unpacked_in_place"):  # in memory, into the entry
 
-    def counting_unpacked(pieces):
-        prepared.extend(piece.source for piece in pieces.values())
-        return original_unpacked(pieces)
+        def counting_unpacked(*args, _original=getattr(gguf_linear_method, name)):
+            prepared.extend(piece.source for piece in args[-1].values())
+            return _original(*args)
 
-    monkeypatch.setattr(gguf_linear_method, "_unpacked_runs", counting_unpacked)
+        monkeypatch.setattr(gguf_linear_method, name, counting_unpacked)
     from enginecore_models import weight_loader
 
     reordered = []  # q/k blocks put in HF's rotary order: never on a warm load
@@ -236,21 +236,26 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
-    tmp_path, cache_root, monkeypatch, caplog
+    fmt, tmp_path, cache_root, monkeypatch, caplog
 ):
     """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
-    prepared weights: the next load maps it and de-quantizes nothing, lookups give the
-    bits of the de-quantized blocks, and a damaged entry is a miss, written again."""
+    prepared weights, de-quantized by the C kernels (not in torch) at the first load: the
+    next load maps it and de-quantizes nothing, lookups give the bits of torch's
+    de-quantized blocks, and a damaged entry is a miss, written again."""
     from enginecore.block_formats import parts
     from enginecore.layers.embedding import VocabParallelEmbedding
 
     source = tmp_path / "model.gguf"
     source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
-    raw = random_tensor("Q4_K", 64, 512)
+    raw = random_tensor(fmt, 64, 512)
     blocks = QuantizedTensor(raw.data, raw.format, raw.shape, "model.embed_tokens.weight")
     want = dequantized_part(unpacked(blocks))
     ids = torch.tensor([0, 5, 63, 5])
+
+    def no_dequantizing(part):
+        raise AssertionError("the embedding was de-quantized in torch")
 
     def load() -> VocabParallelEmbedding:
         method = GGUFLinearMethod(None)
@@ -260,16 +265,16 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
         table.weight.weight_loader(table.weight, blocks)
         return table
 
-    first = load()
+    with monkeypatch.context() as patch:
+        patch.setattr(parts, "dequantized_part", no_dequantizing)
+        first = load()
     assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
     entries = list(cache_root.glob("*/*.bin"))
     assert len(entries) == 1
 
-    def no_dequantizing(part):
-        raise AssertionError("the embedding was de-quantized on a warm load")
-
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
+        patch.setattr(gguf_linear_method, "_dequantized_table", no_dequantizing)
         warm = load()
     assert torch.equal(warm.weight, want) and torch.equal(warm(ids), want[ids])
     assert warm.weight.untyped_storage().nbytes() == entries[0].stat().st_size  # mapped
@@ -304,3 +309,37 @@ def test_a_first_load_computes_on_the_entries_it_wrote(fmt, tmp_path, cache_root
     x = torch.randn(3, 512)
     want = F.linear(x, dequantized_part(unpacked(blocks)))
     assert ((layer(x) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+@needs_kernels
+def test_k_quant_layers_are_unpacked_straight_into_their_entries(tmp_path, cache_root, monkeypatch):
+    """A first load unpacks a layer of K-quant blocks (Q4_K_M's QKV: Q4_K, Q4_K, Q6_K)
+    into its new entry's pages, with no copy in memory and no second write, and computes
+    on the entry mapped back: the bytes the torch pass and ``_merged`` made. A layer with
+    another format is prepared in memory as before."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    formats = [(0, "Q4_K", 32), (32, "Q4_K", 16), (48, "Q6_K", 16)]
+    pieces = {
+        first: QuantizedTensor(random_tensor(fmt, rows, 512, first).data, fmt, (rows, 512), fmt)
+        for first, fmt, rows in formats
+    }
+    want = gguf_linear_method._merged({f: unpacked(p) for f, p in pieces.items()})
+
+    def no_copy(*args):
+        raise AssertionError("the layer was prepared in memory and written")
+
+    monkeypatch.setattr(PreparedWeights, "_save", no_copy)
+    monkeypatch.setattr(gguf_linear_method, "_unpacked_runs", no_copy)
+    got = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "qkv", pieces)
+    assert got is not None
+    assert_same_parts(got, want)
+    (entry,) = cache_root.glob("*/*.bin")
+    assert not list(cache_root.glob("*/*.tmp"))
+    tensors = [t for _, part in got for t in prepared_weights._fields(part)]
+    assert all(t.untyped_storage().nbytes() == entry.stat().st_size for t in tensors)
+    again = PreparedWeights(source).load("qkv")
+    assert again is not None
+    assert_same_parts(again, want)
+    pieces[64] = QuantizedTensor(random_tensor("Q8_0", 16).data, "Q8_0", (16, 512), "Q8_0")
+    assert gguf_linear_method._unpacked_in_place(PreparedWeights(source), "mixed", pieces) is None
