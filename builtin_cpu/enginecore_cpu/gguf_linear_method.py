@@ -421,28 +421,38 @@ def _unpacked_runs(pieces: dict[int, QuantizedTensor]) -> list[tuple[int, Part]]
 def _unpacked_in_place(
     prepared: PreparedWeights, key: str, pieces: dict[int, QuantizedTensor]
 ) -> list[tuple[int, Part]] | None:
-    """A layer all of K-quant blocks unpacked straight into its new prepared-weight entry
-    (no copy in memory, no second write), then mapped back as a warm load maps it; None
-    where some piece is of another format, the kernels did not load or nothing can be
-    written (the layer is prepared in memory then)."""
+    """A layer of GGUF blocks unpacked straight into its new prepared-weight entry, in C
+    on every thread (no copy in memory, no second write), then mapped back as a warm
+    load maps it; None where a piece is of another kind (a group-wise 4-bit
+    checkpoint's), a Q4_0 offset leaves float16's range, the kernels did not load or
+    nothing can be written: the layer is prepared in memory then."""
     kquant = kquant_kernels.load()
-    if kquant is None or not all(p.format in kquant_blocks.FORMATS for p in pieces.values()):
+    if kquant is None or not pieces:
         return None
-    if any(p.shape[1] % kquant_blocks.SUPER for p in pieces.values()):
-        return None  # the in-memory pass names what is wrong
+    for p in pieces.values():
+        kquant_fmt = p.format in kquant_blocks.FORMATS
+        if not (kquant_fmt or p.format in gguf_blocks.FORMATS):
+            return None
+        if p.shape[1] % (kquant_blocks.SUPER if kquant_fmt else gguf_blocks.BLOCK):
+            return None  # the in-memory pass names what is wrong
     runs = _runs(pieces, lambda p: True)
-    plan: list[tuple[int, Part]] = [
-        (first, kquant_blocks.empty_weight(
-            run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1]), "meta"))
-        for first, run in runs
-    ]  # fmt: skip
+    plan: list[tuple[int, Part]] = []
+    for first, run in runs:
+        fmt, shape = run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1])
+        empty = (
+            kquant_blocks.empty_weight if fmt in kquant_blocks.FORMATS else gguf_blocks.empty_blocks
+        )
+        plan.append((first, empty(fmt, shape, "meta")))
     reserved = prepared.reserve(key, plan)
     if reserved is None or reserved.layer is None:
         return None
     try:
         for (_, run), (_, target) in zip(runs, reserved.layer, strict=True):
-            assert isinstance(target, KQuantWeight)
-            kquant.unpacked(run, into=target)
+            if isinstance(target, KQuantWeight):
+                kquant.unpacked(run, into=target)
+            elif not kquant.blocks_into(run, target):
+                reserved.abort()
+                return None
     except BaseException:
         reserved.abort()
         raise

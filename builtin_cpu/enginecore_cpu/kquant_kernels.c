@@ -503,3 +503,43 @@ void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_
             repack_super((int)bits, src + n * src_stride + s * in_bytes,
                          qs + (n * supers + s) * out_bytes, sc + (n * supers + s) * sc_bytes);
 }
+
+/* -8 d in float16 from d's bits (Q4_0's offset): exact where d is zero or normal and
+ * stays so; -1 elsewhere (the caller prepares such a weight in torch, in float32). */
+static inline int32_t minus_eight(uint16_t h) {
+    const int32_t e = (h >> 10) & 31, mant = h & 1023, sign = (h ^ 0x8000) & 0x8000;
+    if (e == 0) return mant ? -1 : sign;
+    return e + 3 <= 30 ? sign | (e + 3) << 10 | mant : -1;
+}
+
+/* GGUF's Q8_0 / Q4_0 / Q4_1 rows (``kind`` 8, 40, 41; ``src`` [N] rows of K / 32 blocks,
+ * ``src_stride`` bytes apart) in the layout the kernels multiply: ``qs`` [N, K] (Q8_0) or
+ * [N, K / 32, 16] bytes, ``d`` and ``m`` [N, K / 32] float16 (Q4_0's m = -8 d, Q8_0's
+ * zero). The bytes of gguf_blocks.from_gguf; returns how many Q4_0 offsets float16
+ * cannot hold (then nothing is usable: that function keeps such a weight in float32). */
+int64_t eck_repack_blocks(int64_t kind, int64_t N, int64_t K, const uint8_t *src,
+                          int64_t src_stride, uint8_t *qs, uint16_t *d, uint16_t *m) {
+    const int64_t nb = K / QK, head = kind == 41 ? 4 : 2;
+    const int64_t payload = kind == 8 ? QK : HALF, size = head + payload;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + n * src_stride + b * size;
+            const int64_t at = n * nb + b;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            d[at] = h;
+            if (kind == 41) {
+                memcpy(m + at, blk + 2, 2);
+            } else if (kind == 40) {
+                const int32_t off = minus_eight(h);
+                bad += off < 0;
+                m[at] = (uint16_t)(off < 0 ? 0 : off);
+            } else {
+                m[at] = 0;
+            }
+            memcpy(qs + at * payload, blk + head, (size_t)payload);
+        }
+    return bad;
+}

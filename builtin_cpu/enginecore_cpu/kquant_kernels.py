@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from enginecore.block_formats import kquant_blocks
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore_cpu import cpu_kernels, quant_kernels
@@ -26,7 +27,11 @@ _SIGNATURES = {
     "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
     "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P],
+    "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
 }
+_RETURNS = {"eck_repack_blocks": c_int64}
+# eck_repack_blocks' names of the 32-value formats
+_BLOCK_KINDS = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}
 
 
 class KQuantKernels:
@@ -34,7 +39,7 @@ class KQuantKernels:
         self.lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
         self.path = path
 
     def gemm_k(self, acts: QuantizedActivations, weight: KQuantWeight, out: torch.Tensor) -> None:
@@ -76,10 +81,7 @@ class KQuantKernels:
             raise ValueError(f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight")
         at = 0
         for tensor in tensors:
-            data = tensor.data
-            if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
-                data = data.reshape(tensor.shape[0], -1).to(torch.uint8).contiguous()
-            n = tensor.shape[0]
+            data, n = _rows(tensor), tensor.shape[0]
             if not n:
                 continue
             self.lib.eck_repack_k(
@@ -88,6 +90,36 @@ class KQuantKernels:
             )  # fmt: skip
             at += n
         return empty
+
+    def blocks_into(self, tensors: list[QuantizedTensor], into: BlockWeight) -> bool:
+        """GGUF's Q8_0 / Q4_0 / Q4_1 ``tensors`` (one format and width, row ranges in
+        order) written into ``into`` (:func:`gguf_blocks.empty_blocks` of all their rows):
+        the bytes of ``gguf_blocks.from_gguf`` of their concatenation. False where a
+        Q4_0 offset -8 d leaves float16's range (``from_gguf`` keeps float32 scales then)."""
+        fmt, k = tensors[0].format, tensors[0].shape[1]
+        rows = sum(t.shape[0] for t in tensors)
+        if any(t.format != fmt or t.shape[1] != k for t in tensors) or into.shape != (rows, k):
+            raise ValueError(f"{fmt} rows {rows}x{k} do not fit a {into.shape} weight")
+        if fmt not in _BLOCK_KINDS or k % gguf_blocks.BLOCK:
+            raise ValueError(f"{fmt} rows of {k} values are not GGUF 32-value blocks")
+        at, ok = 0, True
+        for tensor in tensors:
+            data, n = _rows(tensor), tensor.shape[0]
+            if n:
+                ok = ok and not self.lib.eck_repack_blocks(
+                    _BLOCK_KINDS[fmt], n, k, data.data_ptr(), data.stride(0),
+                    into.qs[at].data_ptr(), into.d[at].data_ptr(), into.m[at].data_ptr(),
+                )  # fmt: skip
+            at += n
+        return ok
+
+
+def _rows(tensor: QuantizedTensor) -> torch.Tensor:
+    """``tensor``'s bytes as rows the C functions read (a row's bytes contiguous)."""
+    data = tensor.data
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
+        data = data.reshape(tensor.shape[0], -1).to(torch.uint8).contiguous()
+    return data
 
 
 def build() -> Path:

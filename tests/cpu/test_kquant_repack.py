@@ -1,7 +1,8 @@
-"""GGUF's Q4_K / Q5_K / Q6_K super-blocks unpacked in C (``eck_repack_k``, the first
-load's preparation pass) give the bytes of ``kquant_blocks.from_gguf`` (the layout the
-kernels multiply), in every build this CPU runs, for row ranges read straight from a
-file's rows and joined into one weight; and the values they stand for are gguf's."""
+"""GGUF's blocks unpacked in C (the first load's preparation pass: ``eck_repack_k`` for
+Q4_K / Q5_K / Q6_K super-blocks, ``eck_repack_blocks`` for Q8_0 / Q4_0 / Q4_1) give the
+bytes of ``kquant_blocks.from_gguf`` / ``gguf_blocks.from_gguf`` (the layouts the kernels
+multiply), in every build this CPU runs, for row ranges read straight from a file's rows
+and joined into one weight; and the values they stand for are gguf's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from enginecore.block_formats import kquant_blocks
+from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore_cpu import cpu_kernels, gguf_linear_method, kquant_kernels
 from enginecore_cpu.gguf_linear_method import _merged, _unpacked_runs
@@ -35,7 +36,7 @@ def random_rows(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt]]
     count = rows * cols // block
     data = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
-    for offset in (208,) if fmt == "Q6_K" else (0, 2):
+    for offset in {"Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,)}.get(fmt, (0, 2)):
         halves = rng.uniform(1e-3, 2e-2, size=count).astype(np.float16)
         data[:, offset : offset + 2] = halves.view(np.uint8).reshape(count, 2)
     return torch.from_numpy(data.reshape(rows, -1))
@@ -102,3 +103,37 @@ def test_a_q4_k_m_layer_unpacks_as_before(monkeypatch):
     assert [first for first, _ in got] == [first for first, _ in want] == [0, 48]
     for (_, mine), (_, theirs) in zip(got, want, strict=True):
         same_weight(mine, theirs)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (7, 512), (9, 2048)])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("level", _LEVELS)
+def test_block_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape):
+    rows, cols = shape
+    data = random_rows(fmt, 2 * rows, cols, seed=rows * cols)[::2]
+    want = gguf_blocks.from_gguf(data.contiguous(), fmt, shape)
+    got = gguf_blocks.empty_blocks(fmt, shape)
+    fn = builds[level].eck_repack_blocks
+    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int64
+    kind = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}[fmt]
+    bad = fn(kind, rows, cols, data.data_ptr(), data.stride(0), got.qs.data_ptr(),
+             got.d.data_ptr(), got.m.data_ptr())  # fmt: skip
+    assert bad == 0
+    assert (got.kind, got.symmetric) == (want.kind, want.symmetric)
+    for name in ("qs", "d", "m"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        as_bits = torch.int16 if a.dtype == torch.float16 else torch.uint8
+        assert torch.equal(a.view(as_bits), b.view(as_bits)), name
+
+
+def test_a_q4_0_offset_float16_cannot_hold_is_refused():
+    """-8 d past float16's range (``from_gguf`` keeps float32 scales then): the C pass
+    says so rather than write a wrong offset."""
+    data = random_rows("Q4_0", 4, 64)
+    data[2, 18:20] = torch.tensor([20000.0], dtype=torch.float16).view(torch.uint8)
+    assert gguf_blocks.from_gguf(data, "Q4_0", (4, 64)).d.dtype == torch.float32
+    target = gguf_blocks.empty_blocks("Q4_0", (4, 64))
+    tensor = QuantizedTensor(data, "Q4_0", (4, 64))
+    assert not kquant_kernels.load().blocks_into([tensor], target)

@@ -341,5 +341,19 @@ def test_k_quant_layers_are_unpacked_straight_into_their_entries(tmp_path, cache
     again = PreparedWeights(source).load("qkv")
     assert again is not None
     assert_same_parts(again, want)
+    # 32-value blocks too, beside K-quant ones (Q4_K_M's layers, a Q4_0 file's)
     pieces[64] = QuantizedTensor(random_tensor("Q8_0", 16).data, "Q8_0", (16, 512), "Q8_0")
-    assert gguf_linear_method._unpacked_in_place(PreparedWeights(source), "mixed", pieces) is None
+    for first, fmt in [(80, "Q4_0"), (96, "Q4_0"), (112, "Q4_1")]:
+        pieces[first] = QuantizedTensor(
+            random_tensor(fmt, 16, 512, first).data, fmt, (16, 512), fmt
+        )
+    want = gguf_linear_method._merged({f: unpacked(p) for f, p in pieces.items()})
+    got = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "all", pieces)
+    assert got is not None and [f for f, _ in got] == [0, 48, 64, 80, 112]
+    assert_same_parts(got, want)
+    # a Q4_0 offset float16 cannot hold: prepared in memory (float32 scales), nothing left
+    big = random_tensor("Q4_0", 16, 512, 7).data
+    big[3, 0:2] = torch.tensor([20000.0], dtype=torch.float16).view(torch.uint8)
+    pieces[80] = QuantizedTensor(big, "Q4_0", (16, 512), "big")
+    assert gguf_linear_method._unpacked_in_place(PreparedWeights(source), "big", pieces) is None
+    assert not list(cache_root.glob("*/*.tmp"))
