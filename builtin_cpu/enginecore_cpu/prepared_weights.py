@@ -25,6 +25,7 @@ would read every weight at each load.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -182,7 +183,13 @@ class PreparedWeights:
                     f.flush()
                     # Blocks allocated now: a full disk is an error here, where a sparse
                     # file's pages would fault (SIGBUS) as the pass wrote them.
-                    os.posix_fallocate(f.fileno(), 0, base + end)
+                    try:
+                        os.posix_fallocate(f.fileno(), 0, base + end)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                            raise
+                        Path(tmp).unlink(missing_ok=True)
+                        return None  # a file system without it: written from memory
                 data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
                 header = json.loads(raw)
                 parts = [(int(p["first"]), _part(p, data[base:])) for p in header["parts"]]

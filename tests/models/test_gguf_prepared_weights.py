@@ -357,3 +357,26 @@ def test_k_quant_layers_are_unpacked_straight_into_their_entries(tmp_path, cache
     pieces[80] = QuantizedTensor(big, "Q4_0", (16, 512), "big")
     assert gguf_linear_method._unpacked_in_place(PreparedWeights(source), "big", pieces) is None
     assert not list(cache_root.glob("*/*.tmp"))
+
+
+@needs_kernels
+def test_a_file_system_without_fallocate_writes_entries_from_memory(
+    tmp_path, cache_root, monkeypatch
+):
+    """Where the entry's space cannot be reserved (no ``posix_fallocate``), the layer is
+    prepared in memory and written as before: the cache stays in use."""
+    import errno
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+
+    def unsupported(*args):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    piece = QuantizedTensor(random_tensor("Q6_K", 16).data, "Q6_K", (16, 512), "v")
+    prepared = PreparedWeights(source)
+    assert gguf_linear_method._unpacked_in_place(prepared, "v", {0: piece}) is None
+    assert not list(cache_root.glob("*/*.tmp"))
+    prepared.save("v", [(0, unpacked(piece))])
+    assert prepared.load("v") is not None
