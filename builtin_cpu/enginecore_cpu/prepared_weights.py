@@ -163,6 +163,15 @@ class PreparedWeights:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
+    def _temporary(self) -> tuple[int, str]:
+        """A new entry's temporary file, named by this process; those of processes that
+        died while writing one (a reserved entry is the layer's full size) are removed."""
+        for stale in self.directory.glob("*.tmp"):
+            pid = stale.name.split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                stale.unlink(missing_ok=True)
+        return tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
+
     def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
         """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
         give only their dtypes and shapes (they may be on the ``meta`` device). The
@@ -176,7 +185,7 @@ class PreparedWeights:
         try:
             if not self.directory.is_dir():
                 self._replace_older()
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            fd, tmp = self._temporary()
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
@@ -210,7 +219,7 @@ class PreparedWeights:
         try:
             if not self.directory.is_dir():
                 self._replace_older()
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            fd, tmp = self._temporary()
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
@@ -267,6 +276,16 @@ def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tenso
             end = _aligned(end + t.numel() * t.element_size())
         parts.append({**_describe(part), "first": first, "tensors": specs})
     return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _aligned(n: int) -> int:

@@ -380,3 +380,26 @@ def test_a_file_system_without_fallocate_writes_entries_from_memory(
     assert not list(cache_root.glob("*/*.tmp"))
     prepared.save("v", [(0, unpacked(piece))])
     assert prepared.load("v") is not None
+
+
+@needs_kernels
+def test_a_dead_writers_temporary_entry_is_removed(tmp_path, cache_root):
+    """A process killed while filling an entry leaves its temporary file (reserved at the
+    layer's full size): the next write in that directory removes it, and leaves a live
+    process's."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    prepared = PreparedWeights(source)
+    piece = QuantizedTensor(random_tensor("Q4_K", 16).data, "Q4_K", (16, 512), "k")
+    assert gguf_linear_method._unpacked_in_place(prepared, "k", {0: piece}) is not None
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = prepared.directory / f"{dead.stdout.strip()}-left.tmp"
+    live = prepared.directory / f"{os.getppid()}-writing.tmp"
+    stale.write_bytes(b"\0" * 4096)
+    live.write_bytes(b"\0" * 4096)
+    assert gguf_linear_method._unpacked_in_place(prepared, "k2", {0: piece}) is not None
+    assert not stale.exists() and live.exists()
