@@ -178,7 +178,7 @@ class PreparedWeights:
         preparation pass writes its result straight into the entry's pages (no copy
         in memory, no second write); None where nothing can be written (prepare in
         memory then)."""
-        if not self._writable:
+        if not self._writable or not hasattr(os, "posix_fallocate"):  # macOS has none
             return None
         raw, end, _ = _header(key, list(layer))
         base = _aligned(_PREFIX.size + len(raw))
