@@ -279,6 +279,8 @@ def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tenso
 
 
 def _alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # signal 0 only probes a process on POSIX systems
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
