@@ -487,12 +487,13 @@ static inline void repack_super(int bits, const uint8_t *blk, uint8_t *qs, uint8
     }
 }
 
-/* GGUF's Q4_K / Q5_K / Q6_K rows (``bits`` 4, 5, 6; ``src`` [N] rows of K / 256
- * super-blocks, ``src_stride`` bytes apart) in the layout the kernels multiply: ``qs``
+/* GGUF's Q4_K / Q5_K / Q6_K rows (``bits`` 4, 5, 6; ``src`` rows of K / 256 super-blocks,
+ * ``src_stride`` bytes apart, row n read from row ``order[n]``, or n where it is NULL: a
+ * q/k weight's rows put back in rotary order as they are read) in the layout the kernels multiply: ``qs``
  * [N, K / 2 (Q4_K) or K / 64 records] and ``sc`` [N, K / 256 * 16 (Q6_K 18)] bytes.
  * The same bytes as kquant_blocks.from_gguf, made on every thread. */
 void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_t src_stride,
-                  uint8_t *qs, uint8_t *sc) {
+                  const int64_t *order, uint8_t *qs, uint8_t *sc) {
     const int64_t supers = K / 256;
     const int64_t in_bytes = bits == 4 ? 144 : bits == 5 ? 176 : 210;
     const int64_t out_bytes = bits == 4 ? 128 : 4 * record_bytes(bits == 6 ? 2 : 1);
@@ -500,7 +501,7 @@ void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t s = 0; s < supers; s++)
-            repack_super((int)bits, src + n * src_stride + s * in_bytes,
+            repack_super((int)bits, src + (order ? order[n] : n) * src_stride + s * in_bytes,
                          qs + (n * supers + s) * out_bytes, sc + (n * supers + s) * sc_bytes);
 }
 
@@ -512,20 +513,21 @@ static inline int32_t minus_eight(uint16_t h) {
     return e + 3 <= 30 ? sign | (e + 3) << 10 | mant : -1;
 }
 
-/* GGUF's Q8_0 / Q4_0 / Q4_1 rows (``kind`` 8, 40, 41; ``src`` [N] rows of K / 32 blocks,
- * ``src_stride`` bytes apart) in the layout the kernels multiply: ``qs`` [N, K] (Q8_0) or
+/* GGUF's Q8_0 / Q4_0 / Q4_1 rows (``kind`` 8, 40, 41; ``src`` rows of K / 32 blocks,
+ * ``src_stride`` bytes apart, read in ``order`` as eck_repack_k's) in the layout the kernels multiply: ``qs`` [N, K] (Q8_0) or
  * [N, K / 32, 16] bytes, ``d`` and ``m`` [N, K / 32] float16 (Q4_0's m = -8 d, Q8_0's
  * zero). The bytes of gguf_blocks.from_gguf; returns how many Q4_0 offsets float16
  * cannot hold (then nothing is usable: that function keeps such a weight in float32). */
 int64_t eck_repack_blocks(int64_t kind, int64_t N, int64_t K, const uint8_t *src,
-                          int64_t src_stride, uint8_t *qs, uint16_t *d, uint16_t *m) {
+                          int64_t src_stride, const int64_t *order, uint8_t *qs, uint16_t *d,
+                          uint16_t *m) {
     const int64_t nb = K / QK, head = kind == 41 ? 4 : 2;
     const int64_t payload = kind == 8 ? QK : HALF, size = head + payload;
     int64_t bad = 0;
 #pragma omp parallel for schedule(static) reduction(+ : bad)
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + n * src_stride + b * size;
+            const uint8_t *blk = src + (order ? order[n] : n) * src_stride + b * size;
             const int64_t at = n * nb + b;
             uint16_t h;
             memcpy(&h, blk, 2);

@@ -26,8 +26,8 @@ _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
     "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
-    "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P],
-    "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
+    "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
+    "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P, _P],
 }
 _RETURNS = {"eck_repack_blocks": c_int64}
 # eck_repack_blocks' names of the 32-value formats
@@ -81,11 +81,11 @@ class KQuantKernels:
             raise ValueError(f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight")
         at = 0
         for tensor in tensors:
-            data, n = _rows(tensor), tensor.shape[0]
+            (data, order), n = _rows(tensor), tensor.shape[0]
             if not n:
                 continue
             self.lib.eck_repack_k(
-                empty.bits, n, k, data.data_ptr(), data.stride(0),
+                empty.bits, n, k, data.data_ptr(), data.stride(0), _address(order),
                 empty.qs[at].data_ptr(), empty.scales[at].data_ptr(),
             )  # fmt: skip
             at += n
@@ -104,22 +104,33 @@ class KQuantKernels:
             raise ValueError(f"{fmt} rows of {k} values are not GGUF 32-value blocks")
         at, ok = 0, True
         for tensor in tensors:
-            data, n = _rows(tensor), tensor.shape[0]
+            (data, order), n = _rows(tensor), tensor.shape[0]
             if n:
                 ok = ok and not self.lib.eck_repack_blocks(
-                    _BLOCK_KINDS[fmt], n, k, data.data_ptr(), data.stride(0),
+                    _BLOCK_KINDS[fmt], n, k, data.data_ptr(), data.stride(0), _address(order),
                     into.qs[at].data_ptr(), into.d[at].data_ptr(), into.m[at].data_ptr(),
                 )  # fmt: skip
             at += n
         return ok
 
 
-def _rows(tensor: QuantizedTensor) -> torch.Tensor:
-    """``tensor``'s bytes as rows the C functions read (a row's bytes contiguous)."""
-    data = tensor.data
+def _rows(tensor: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tensor``'s bytes as rows the C functions read (a row's bytes contiguous), and
+    the order to read them in (:meth:`QuantizedTensor.stored_rows`)."""
+    data, order = tensor.stored_rows()
     if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
-        data = data.reshape(tensor.shape[0], -1).to(torch.uint8).contiguous()
-    return data
+        data = data.reshape(data.shape[0], -1).to(torch.uint8).contiguous()
+    if order is not None:
+        order = order.to(torch.int64).contiguous()
+        if order.shape != (tensor.shape[0],) or not bool(
+            ((order >= 0) & (order < len(data))).all()
+        ):
+            raise ValueError(f"a row order of {tuple(order.shape)} for {tensor.shape[0]} rows")
+    return data, order
+
+
+def _address(order: torch.Tensor | None) -> int | None:
+    return None if order is None else order.data_ptr()
 
 
 def build() -> Path:

@@ -64,8 +64,8 @@ def test_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape)
     want = kquant_blocks.from_gguf(data.contiguous(), fmt, shape)
     got = kquant_blocks.empty_weight(fmt, shape)
     fn = builds[level].eck_repack_k
-    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
-    fn(got.bits, rows, cols, data.data_ptr(), data.stride(0), got.qs.data_ptr(),
+    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    fn(got.bits, rows, cols, data.data_ptr(), data.stride(0), None, got.qs.data_ptr(),
        got.scales.data_ptr())  # fmt: skip
     same_weight(got, want)
 
@@ -114,10 +114,10 @@ def test_block_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, 
     want = gguf_blocks.from_gguf(data.contiguous(), fmt, shape)
     got = gguf_blocks.empty_blocks(fmt, shape)
     fn = builds[level].eck_repack_blocks
-    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4
     fn.restype = ctypes.c_int64
     kind = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}[fmt]
-    bad = fn(kind, rows, cols, data.data_ptr(), data.stride(0), got.qs.data_ptr(),
+    bad = fn(kind, rows, cols, data.data_ptr(), data.stride(0), None, got.qs.data_ptr(),
              got.d.data_ptr(), got.m.data_ptr())  # fmt: skip
     assert bad == 0
     assert (got.kind, got.symmetric) == (want.kind, want.symmetric)
@@ -137,3 +137,30 @@ def test_a_q4_0_offset_float16_cannot_hold_is_refused():
     target = gguf_blocks.empty_blocks("Q4_0", (4, 64))
     tensor = QuantizedTensor(data, "Q4_0", (4, 64))
     assert not kquant_kernels.load().blocks_into([tensor], target)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q4_0", "Q8_0"])
+def test_q_k_rows_are_read_in_rotary_order_without_a_copy(fmt):
+    """A Llama q/k weight's rows, stored in llama.cpp's rotary order, are read in HF's
+    order by the C pass itself (``stored_rows``): the bytes of the pass over the rows
+    reordered by ``unpermute_rope``, for a shard of them too, and ``data`` never made."""
+    from enginecore_models import weight_loader
+
+    heads, rows, cols = 4, 32, 512
+    raw = random_rows(fmt, rows, cols, seed=11)
+    tensor = weight_loader._RopeOrderedTensor(
+        weight_loader._RopeRows(raw, heads), fmt, (rows, cols), "q"
+    )
+    ordered = weight_loader.unpermute_rope(raw, heads).contiguous()
+    kernels = kquant_kernels.load()
+    for piece, want_rows in [(tensor, ordered), (tensor.rows(8, 16), ordered[8:24])]:
+        shape = (want_rows.shape[0], cols)
+        if fmt in kquant_blocks.FORMATS:
+            same_weight(kernels.unpacked([piece]), kquant_blocks.from_gguf(want_rows, fmt, shape))
+        else:
+            got = gguf_blocks.empty_blocks(fmt, shape)
+            assert kernels.blocks_into([piece], got)
+            want = gguf_blocks.from_gguf(want_rows, fmt, shape)
+            assert torch.equal(got.qs.view(torch.uint8), want.qs.view(torch.uint8))
+            assert torch.equal(got.d.view(torch.int16), want.d.view(torch.int16))
+        assert "data" not in vars(piece)
