@@ -11,7 +11,9 @@ Entries live under the kernel cache directory, in one directory per (GGUF file: 
 path, size, modification time; CPU: model name and flags; the block layouts' source), one
 file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
 A changed file, another CPU or a new layout finds another directory. An entry is written
-to a temporary file and renamed, so a reader never sees half of one; an entry that does
+to a temporary file and renamed, so a reader never sees half of one; a first load's C
+pass fills the temporary file in place (:meth:`PreparedWeights.reserve`) rather than
+preparing the layer in memory and writing it; an entry that does
 not parse (cut short, another format, another layer's) is a miss, and the layer is
 prepared and written again.
 
