@@ -54,7 +54,7 @@ def builds() -> dict[str, ctypes.CDLL]:
     return {level: build_for(level, kquant_kernels.SOURCE) for level in _LEVELS}
 
 
-@pytest.mark.parametrize("shape", [(1, 256), (7, 512), (9, 2048)])
+@pytest.mark.parametrize("shape", [(1, 256), (9, 2048)])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("level", _LEVELS)
 def test_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape):
@@ -105,7 +105,7 @@ def test_a_q4_k_m_layer_unpacks_as_before(monkeypatch):
         same_weight(mine, theirs)
 
 
-@pytest.mark.parametrize("shape", [(1, 32), (7, 512), (9, 2048)])
+@pytest.mark.parametrize("shape", [(1, 32), (9, 2048)])
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("level", _LEVELS)
 def test_block_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape):
