@@ -162,10 +162,7 @@ def test_the_engine_waits_for_the_next_batch_s_inputs_and_outputs_are_unchanged(
         got = llm.generate(prompts, _params(stop_after))
 
     def summary(outputs: Any) -> list[tuple[list[int], str | None]]:
-        return [
-            (list(o.outputs[0].token_ids), o.outputs[0].finish_reason)
-            for o in outputs
-        ]
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
 
     assert summary(got) == summary(reference)
     assert {o.outputs[0].finish_reason for o in reference} >= {"stop", "length"}
