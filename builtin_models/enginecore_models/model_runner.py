@@ -23,6 +23,7 @@ import torch
 from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.engine.inputs_staged import mark_inputs_staged
 from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
 from enginecore.interfaces import (
     AttentionBackend,
@@ -897,6 +898,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         bridge = self.kv_connector
         if self.lora is not None:
             self.lora.set_batch(order, np.asarray(batch.query_lens))
+        mark_inputs_staged()  # an engine thread in this process may do its work now
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):
