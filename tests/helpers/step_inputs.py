@@ -34,12 +34,14 @@ class _Step:
     slot_mapping: np.ndarray
     num_decodes: int
     mirror: tuple[np.ndarray, np.ndarray] | None  # write positions, lengths after
+    index: int  # among every step (the run ones and the others, in order)
 
 
 @dataclass
 class StepInputs:
     block_size: int
-    steps: list[_Step] = field(default_factory=list)
+    steps: list[_Step] = field(default_factory=list)  # the steps that ran a forward
+    unrun: list[Any] = field(default_factory=list)  # the other SchedulerOutputs
 
     @classmethod
     def attach(cls, runner: Any) -> StepInputs:
@@ -49,9 +51,17 @@ class StepInputs:
 
         def execute_model(so: Any) -> Any:
             current["so"], current["steady"] = so, runner.steady_decode_steps
-            return execute(so)
+            current["seen"] = False
+            try:
+                return execute(so)
+            finally:
+                if not current["seen"]:  # nothing to run (every request waits)
+                    record.unrun.append(so)
 
-        def _run_forward(ids_t, pos_t, batch, order, req_of_token, positions):  # type: ignore[no-untyped-def]
+        def capture(ids_t: Any, pos_t: Any, batch: Any) -> None:
+            if current["seen"]:  # the layers' path calls the fused step itself
+                return
+            current["seen"] = True
             backend = runner.attn_backend
             mirror = getattr(backend, "mirror", None)
             mirrored = None
@@ -71,12 +81,25 @@ class StepInputs:
                     slot_mapping=np.array(batch.slot_mapping),
                     num_decodes=batch.num_decodes,
                     mirror=mirrored,
+                    index=len(record.steps) + len(record.unrun),
                 )
             )
+
+        def _run_forward(ids_t, pos_t, batch, order, req_of_token, positions):  # type: ignore[no-untyped-def]
+            capture(ids_t, pos_t, batch)
             return run_forward(ids_t, pos_t, batch, order, req_of_token, positions)
 
         runner.execute_model = execute_model
         runner._run_forward = _run_forward
+        fused = runner.fused_decode
+        if fused is not None:  # the fused head runs the step without _run_forward
+            fused_run = fused.run
+
+            def run(ids_t, pos_t, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+                capture(ids_t, pos_t, batch)
+                return fused_run(ids_t, pos_t, batch, *args, **kwargs)
+
+            fused.run = run
         return record
 
     @property
@@ -87,8 +110,11 @@ class StepInputs:
         """``tokens``: each request's prompt and output ids, by request id."""
         blocks: dict[str, list[int]] = {}
         bs = self.block_size
-        for n, step in enumerate(self.steps):
-            so = step.so
+        run = {step.index: step for step in self.steps}
+        unrun = iter(self.unrun)
+        for n in range(len(self.steps) + len(self.unrun)):
+            step = run.get(n)
+            so = step.so if step is not None else next(unrun)
             for req_id in (*so.finished_req_ids, *so.preempted_req_ids):
                 blocks.pop(req_id, None)
             starts: dict[str, int] = {}
@@ -100,6 +126,8 @@ class StepInputs:
                 if i < len(cached.new_block_ids) and cached.new_block_ids[i]:
                     blocks[req_id] += cached.new_block_ids[i]
                 starts[req_id] = cached.num_computed_tokens[i]
+            if step is None:
+                continue
             where = f"step {n} ({'steady' if step.steady else 'general'} path)"
             assert sorted(step.req_ids) == sorted(so.num_scheduled_tokens), where
             expected_q = [so.num_scheduled_tokens[r] for r in step.req_ids]
