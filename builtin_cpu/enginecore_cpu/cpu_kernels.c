@@ -209,7 +209,8 @@ int ec_mirror_fill(float *mk, float *mv, const float *ck, const float *cv, const
  * The mirror halves are [rows, kv_heads, cap, dim]; row r attends positions
  * [max(0, lens[r] - window), lens[r]) (window 0: all). One pass over K and V in blocks
  * of EC_BLOCK positions with an online softmax: the running maximum and sum are rescaled
- * per block, so each position is read once. out is [n, kv_heads * group, dim]. */
+ * per block, so each position is read once; past EC_SPAN positions in spans, merged (see
+ * ec_attention_spans). out is [n, kv_heads * group, dim]. */
 #define EC_BLOCK 64
 #define EC_MAX_GROUP 16
 #define EC_MAX_DIM 256
@@ -576,10 +577,10 @@ int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
         const float *qh = q + r * q_stride + h * group * dim;
         float *o = out + (r * kv_heads + h) * group * dim;
         float part[EC_MAX_GROUP * EC_MAX_DIM + 2 * EC_MAX_GROUP], ml[2 * EC_MAX_GROUP];
-        const int64_t positions = len - start, spans = ec_attention_spans(positions);
+        const int64_t attended = len - start, spans = ec_attention_spans(attended);
         for (int64_t j = 0; j < spans; j++) {
-            ec_attend_span(qh, K, V, start + positions * j / spans,
-                           start + positions * (j + 1) / spans, scale, group, dim, part);
+            ec_attend_span(qh, K, V, start + attended * j / spans,
+                           start + attended * (j + 1) / spans, scale, group, dim, part);
             merge_span(o, ml, part, j, group, dim);
         }
         normalize_spans(o, ml, group, dim);
