@@ -8,12 +8,18 @@ thread's time per kind of work (products, attention, the serial norms) and waiti
 the next phase, summed over the layers, per call; the process's CPU time a call (all
 threads: on a shared machine it says what the step costs where the wall clock says
 how long other programs held the cores); then the LM head (``compute_logits``)
-on its output, wall-clock and CPU time. Threads as the engine picks them
+on its output, wall-clock and CPU time; and, where the step computes the head itself,
+the step with the head and argmax inside (``head="tokens"``, the plain greedy step)
+against the step, ``compute_logits`` and the argmax after it. Threads as the engine picks them
 (``--threads`` to set them); the kernels built for this CPU, or with ``--isa`` for
 another x86-64 level (the AVX2 ones on an AVX-512 CPU). Run under another ``PYTHONPATH`` to time another build of the step.
 
     python benchmarks/decode_step_phases.py [MODEL.gguf] [--context 128] [--threads N]
-        [--isa x86-64-v3]
+        [--isa x86-64-v3] [--requests N]
+
+``--requests N`` serves N such requests and replays the first step where all N decode
+together (any model the step takes: the float32 checkpoint of ``host_overhead.py`` at
+256 requests times the step, head and argmax of a large batch).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ PHASES = (  # ecd_decode_step's profile, per thread
     "serial (norms, paged K/V write)",
     "waiting for the next phase",
     "whole call",
+    "LM head (in the call)",
+    "argmax pick (in the call)",
 )
 PROFILE_THREADS = 8  # ECD_PROFILE_THREADS
 
@@ -64,6 +72,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="positions cached before")
     parser.add_argument("--repeats", type=int, default=200, help="replays of the step")
     parser.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    parser.add_argument("--requests", type=int, default=1, help="requests decoding together")
     parser.add_argument(
         "--isa", help="build the kernels for this x86-64 level (x86-64-v3: the AVX2 variants)"
     )
@@ -83,7 +92,13 @@ def main() -> None:
     lib = _profiled_library()
     profile = getattr(lib, "ecd_profile_read", lambda phases: None)
     model = args.model or str(find_demo_gguf())
-    llm = LLM(model, multiprocessing=False, max_model_len=args.context + 64)
+    llm = LLM(
+        model,
+        multiprocessing=False,
+        max_model_len=args.context + 64,
+        max_num_seqs=max(args.requests, 1),
+        max_num_batched_tokens=max(2048, args.context * args.requests),
+    )
     report: list[str] = []
     try:
         worker = llm.collective_rpc(lambda w: w)[0]
@@ -94,12 +109,15 @@ def main() -> None:
         fused_run = step.run
         phases = (ctypes.c_double * (PROFILE_THREADS * len(PHASES)))()
 
-        def replay(ids: Any, positions: Any, batch: Any) -> Any:
+        def replay(ids: Any, positions: Any, batch: Any, **wanted: Any) -> Any:
             """At the context asked for, the same step again and again (it writes the
             same K/V to the same places each time), then the LM head on its output."""
+            single = args.requests == 1
+            if report or (single and int(positions[0]) != args.context):
+                return fused_run(ids, positions, batch, **wanted)
+            if ids.shape[0] != args.requests:
+                return fused_run(ids, positions, batch, **wanted)
             hidden = fused_run(ids, positions, batch)
-            if int(positions[0]) != args.context:
-                return hidden
             for _ in range(10):
                 fused_run(ids, positions, batch)
             profile(phases)
@@ -138,17 +156,44 @@ def main() -> None:
                 f"{'LM head CPU time (median / best)':40s} "
                 f"{1e3 * statistics.median(head_cpu):8.3f} / {1e3 * min(head_cpu):.3f} ms"
             )
-            return hidden
+            if getattr(step, "has_head", False):
+                inside, outside = [], []
+                for _ in range(args.repeats):  # alternately, the same inputs
+                    started = time.perf_counter()
+                    fused_run(ids, positions, batch, head="tokens")
+                    inside.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    logits = runner.model.compute_logits(fused_run(ids, positions, batch))
+                    runner.sampler.greedy_tokens(logits)
+                    outside.append(time.perf_counter() - started)
+                profile(phases)  # cleared; then the head's phases in the call
+                for _ in range(args.repeats):
+                    fused_run(ids, positions, batch, head="tokens")
+                profile(phases)
+                threads = torch.get_num_threads()
+                for i in (len(PHASES) - 2, len(PHASES) - 1):
+                    per_thread = [phases[t * len(PHASES) + i] / 1e6 / n for t in range(threads)]
+                    cells = " ".join(f"{ms:8.3f}" for ms in per_thread)
+                    report.append(f"  {PHASES[i]:38s} {cells} ms")
+                for name, spent in (
+                    ("step, head and argmax inside", inside),
+                    ("step, then head and argmax", outside),
+                ):
+                    report.append(
+                        f"{name + ' (median / best)':40s} "
+                        f"{1e3 * statistics.median(spent):8.3f} / {1e3 * min(spent):.3f} ms"
+                    )
+            return fused_run(ids, positions, batch, **wanted)
 
         step.run = replay
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         prompt = {"prompt_token_ids": [100 + i % 20000 for i in range(args.context)]}
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate([prompt] * args.requests, params, use_tqdm=False)
         if not report:
             raise SystemExit("no fused step ran at that context")
         threads = torch.get_num_threads()
         print(
-            f"{model}: one decode row at position {args.context}, {threads} threads, "
+            f"{model}: {args.requests} decode rows from position {args.context}, {threads} threads, "
             f"{args.repeats} replays, {path_of(lib)}"
         )
         print("\n".join(report))

@@ -42,7 +42,8 @@
  * per kind of work, its waits for the next phase, and (the first thread) the whole call
  * into ecd_profile, which ecd_profile_read hands out ([ECD_PROFILE_THREADS][PH_COUNT])
  * and clears. */
-enum { PH_QKV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, PH_SERIAL, PH_WAIT, PH_CALL, PH_COUNT };
+enum { PH_QKV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, PH_SERIAL, PH_WAIT, PH_CALL, PH_HEAD,
+       PH_PICK, PH_COUNT };
 #define ECD_PROFILE_THREADS 8
 #ifdef ECD_PROFILE
 #include <time.h>
@@ -116,6 +117,8 @@ typedef struct {
      * alone, so that a team of one computes what a larger team's threads (where MKL
      * runs nested, on one thread) compute */
     int (*blas_threads_local)(int);
+    /* cpu_kernels.c's ec_argmax_rows (the first maximum, the first NaN: torch.argmax's) */
+    void (*argmax_rows)(const float *, int64_t, int64_t, int64_t, int64_t *, int);
 } ecd_kernels;
 
 /* ecq_linear's kinds (quant_kernels.c) and the scale modes ecq_gemm_q4 reads them in:
@@ -164,6 +167,9 @@ typedef struct {
     float eps, scale;
     const float *embed, *final_norm, *cos, *sin;
     const ecd_layer *layers;
+    /* The LM head (logits = final hidden states x head^T), or num_parts 0: the caller
+     * computes the logits from the hidden states. */
+    ecd_proj head;
 } ecd_model;
 
 /* A thread's activations quantized as the block kernels read them (xq, xd, xs), and
@@ -264,6 +270,13 @@ static int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t aligned_floats(int64_t floats) { return (floats + 15) / 16 * 16; }
 
 enum { STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_DOWN, STAGES };
+/* After the layers, where the step computes the head: its product (units of
+ * ECD_HEAD_TILE vocabulary rows), then for greedy tokens each row's pick among the
+ * tiles' maxima (units of ECD_ROW_ALIGN rows of the batch). */
+enum { STAGE_HEAD = STAGES, STAGE_PICK, ALL_STAGES };
+/* Vocabulary rows a tile of the head is: a thread's tile of logits for the whole batch
+ * stays in its cache while its maxima are taken, and no [rows, vocab] logits exist. */
+#define ECD_HEAD_TILE 128
 
 /* A phase's counters of units (ECD_ROW_ALIGN rows of a product, or attention's (row,
  * KV head) pairs) taken and done, a cache line each so threads taking chunks of one
@@ -281,11 +294,15 @@ typedef struct {
     float *const *mirror;
     int64_t mirror_cap;
     float *out;
+    float *logits;        /* [n, head.out] the head's product, or null */
+    int64_t *tokens;      /* [n] each row's argmax (logits null), or null */
+    float *tile_max;      /* [n, head units] each tile's maximum, per row */
+    int64_t *tile_at;     /* [n, head units] where it is */
     float *residual, *normed, *qkv, *qk, *attn, *proj, *gate_up, *act;
-    int64_t unit[STAGES];  /* rows a unit of each stage is (1 for attention's) */
-    int64_t count[STAGES]; /* units of each stage */
+    int64_t unit[ALL_STAGES];  /* rows a unit of each stage is (1 for attention's) */
+    int64_t count[ALL_STAGES]; /* units of each stage */
     int threads;
-    ecd_counter *counters; /* [num_layers * STAGES] */
+    ecd_counter *counters; /* [num_layers * STAGES + 2]: the layers', then the head's */
     _Atomic int32_t phase __attribute__((aligned(64))); /* the open phase (a futex word) */
     _Atomic int32_t sleepers; /* threads asleep on it, or about to be */
     _Atomic int status;
@@ -354,6 +371,47 @@ static int run_chunk(ecd_run *st, int64_t l, int s, int64_t u, int64_t u_end, in
         memcpy(silu_in, g + lo, (hi - lo) * sizeof(float));
         memcpy(silu_in + (hi - lo), g + inter + lo, (hi - lo) * sizeof(float));
         k->silu_and_mul(silu_in, st->act + r * inter + lo, 1, hi - lo, 1);
+    }
+    return status;
+}
+
+/* Units [u, u_end) of the head's stages (phase p): tiles of the head's product, into the
+ * logits where asked, else into the thread's `tile` [n, ECD_HEAD_TILE] and each row's
+ * maximum in it (the product's bits either way: the same columns in each call); or rows
+ * of the batch, each picking its token among its tiles' maxima. */
+static int run_head_chunk(ecd_run *st, int s, int64_t u, int64_t u_end, int32_t p,
+                          ecd_quantized *q, float *tile) {
+    const ecd_model *m = st->m;
+    const ecd_kernels *k = &m->k;
+    const int64_t n = st->n, vocab = m->head.out, tiles = st->count[STAGE_HEAD];
+    int status = 0;
+    for (int64_t c = u; s == STAGE_HEAD && c < u_end; c++) {
+        const int64_t lo = c * ECD_HEAD_TILE;
+        const int64_t hi = lo + ECD_HEAD_TILE < vocab ? lo + ECD_HEAD_TILE : vocab;
+        if (st->logits != NULL) {
+            status |= project_rows(k, &m->head, st->out, n, st->logits, lo, hi, q, p);
+            continue;
+        }
+        ecd_proj narrow = m->head; /* the tile's columns [lo, hi), rows hi - lo apart */
+        narrow.out = hi - lo;
+        status |= project_rows(k, &narrow, st->out, n, tile - lo, lo, hi, q, p);
+        for (int64_t r = 0; r < n; r++) {
+            int64_t at;
+            k->argmax_rows(tile + r * (hi - lo), 1, hi - lo, hi - lo, &at, 1);
+            st->tile_max[r * tiles + c] = tile[r * (hi - lo) + at];
+            st->tile_at[r * tiles + c] = lo + at;
+        }
+    }
+    const int64_t last = u_end * ECD_ROW_ALIGN < n ? u_end * ECD_ROW_ALIGN : n;
+    for (int64_t r = u * ECD_ROW_ALIGN; s == STAGE_PICK && r < last; r++) {
+        /* tiles in vocabulary order: a later tile wins only with a larger value, or with
+         * the first NaN (the row's first, as none came before it) */
+        const float *vals = st->tile_max + r * tiles;
+        float best = vals[0];
+        int64_t at = st->tile_at[r * tiles];
+        for (int64_t c = 1; c < tiles && best == best; c++)
+            if (vals[c] > best || vals[c] != vals[c]) best = vals[c], at = st->tile_at[r * tiles + c];
+        st->tokens[r] = at;
     }
     return status;
 }
@@ -462,22 +520,26 @@ static void take_chunks(ecd_run *st, int t, float *own) {
     ecd_quantized q = {.xd = own, .xs = own + aligned_floats(n * blocks), .phase = -1};
     q.xq = (int8_t *)(q.xs + aligned_floats(n * blocks));
     float *silu_in = (float *)q.xq + aligned_floats((n * blocks * 32 + 3) / 4);
-    const int32_t phases = (int32_t)(m->num_layers * STAGES);
+    float *head_tile = silu_in + aligned_floats(2 * m->inter);
+    const int32_t layer_phases = (int32_t)(m->num_layers * STAGES);
+    const int32_t phases = layer_phases + (st->logits != NULL ? 1 : st->tokens != NULL ? 2 : 0);
     int32_t p = 0;
     while (p < phases) {
-        const int64_t l = p / STAGES;
-        const int s = (int)(p % STAGES);
+        const int64_t l = p < layer_phases ? p / STAGES : m->num_layers - 1;
+        const int s = p < layer_phases ? (int)(p % STAGES) : STAGES + (int)(p - layer_phases);
         ecd_counter *counter = &st->counters[p];
         for (;;) {
             int64_t u;
             const int64_t u_end = take_units(&counter->next, st->count[s], st->threads, &u);
             if (u >= st->count[s]) break;
             PROFILE_START(work);
-            if (run_chunk(st, l, s, u, u_end, p, &q, silu_in)) atomic_store(&st->status, -2);
-            PROFILE_ADD(t, s, work);
+            const int failed = s >= STAGES ? run_head_chunk(st, s, u, u_end, p, &q, head_tile)
+                                           : run_chunk(st, l, s, u, u_end, p, &q, silu_in);
+            if (failed) atomic_store(&st->status, -2);
+            PROFILE_ADD(t, s == STAGE_HEAD ? PH_HEAD : s == STAGE_PICK ? PH_PICK : s, work);
             if (atomic_fetch_add(&counter->done, u_end - u) + (u_end - u) == st->count[s]) {
                 PROFILE_START(serial);
-                after_stage(st, l, s);
+                if (s < STAGES) after_stage(st, l, s);
                 PROFILE_ADD(t, PH_SERIAL, serial);
                 open_phase(st, p + 1);
                 break;
@@ -492,10 +554,13 @@ static void take_chunks(ecd_run *st, int t, float *own) {
 /* The final normed hidden states out [n, hidden] of n decoding rows: token ids[r] at
  * positions[r], its K/V written to paged slot slots[r] and to position lens[r] - 1 of
  * decode-mirror row r, whose layer l halves are mirror[2 l], mirror[2 l + 1]
- * ([rows, kv_heads, mirror_cap, head_dim]). */
+ * ([rows, kv_heads, mirror_cap, head_dim]). With a head (m->head.num_parts > 0), also
+ * its logits [n, head.out] where `logits` is given, else each row's argmax of them
+ * into `tokens` where that is given (the logits never whole in memory). */
 int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int64_t *positions,
                     const int64_t *slots, const int64_t *lens, float *const *mirror,
-                    int64_t mirror_cap, float *out, int nthreads) {
+                    int64_t mirror_cap, float *out, float *logits, int64_t *tokens,
+                    int nthreads) {
     PROFILE_START(call);
     const ecd_kernels *k = &m->k;
     const int64_t h = m->hidden, hd = m->head_dim;
@@ -511,7 +576,12 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
             if (slots[r] < 0 || slots[r] >= m->layers[l].cache_slots) return -1;
     }
     if (n < 1 || m->num_layers < 1) return -1;
+    if ((logits != NULL || tokens != NULL) && (m->head.num_parts < 1 || m->head.in != h))
+        return -1;
+    if (tokens != NULL && logits == NULL && k->argmax_rows == NULL) return -1;
+    if (logits != NULL) tokens = NULL; /* the caller picks from the logits */
     if (nthreads < 1) nthreads = 1;
+    const int64_t head_tiles = (m->head.out + ECD_HEAD_TILE - 1) / ECD_HEAD_TILE;
     const int64_t blocks = widest_in / 32;
     /* Shared products, then each thread's own scratch (xd, xs, xq, SiLU's columns). Each
      * buffer 64-byte aligned, as torch's tensors are: a kernel's vector loop may split a
@@ -520,11 +590,16 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
                              n * q_size,   n * h,          2 * n * m->inter, n * m->inter};
     const int64_t own_size = 2 * aligned_floats(n * blocks) +
                              aligned_floats((n * blocks * 32 + 3) / 4) +
-                             aligned_floats(2 * m->inter);
+                             aligned_floats(2 * m->inter) +
+                             (tokens != NULL ? aligned_floats(n * ECD_HEAD_TILE) : 0);
     int64_t shared_total = 0;
     for (int i = 0; i < 8; i++) shared_total += aligned_floats(sizes[i]);
+    /* each tile's maxima and where they are (int64, two floats each) */
+    const int64_t picks = tokens != NULL ? 3 * aligned_floats(n * head_tiles) : 0;
+    shared_total += picks;
     const int64_t counter_floats = aligned_floats(
-        (int64_t)(m->num_layers * STAGES * sizeof(ecd_counter) + sizeof(ecd_run)) / 4 + 1);
+        (int64_t)((m->num_layers * STAGES + 2) * sizeof(ecd_counter) + sizeof(ecd_run)) / 4 +
+        1);
     float *scratch = aligned_alloc(
         64, (shared_total + counter_floats + nthreads * own_size) * sizeof(float));
     if (scratch == NULL) return -2;
@@ -536,6 +611,11 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     float *own_base = scratch + shared_total + counter_floats;
     st->m = m, st->n = n, st->positions = positions, st->slots = slots, st->lens = lens;
     st->mirror = mirror, st->mirror_cap = mirror_cap, st->out = out;
+    st->logits = logits, st->tokens = tokens;
+    if (picks) {
+        st->tile_max = scratch + shared_total - picks;
+        st->tile_at = (int64_t *)(st->tile_max + aligned_floats(n * head_tiles));
+    }
     st->residual = buf[0], st->normed = buf[1], st->qkv = buf[2], st->qk = buf[3];
     st->attn = buf[4], st->proj = buf[5], st->gate_up = buf[6], st->act = buf[7];
     /* the first layer norms the embedding */
@@ -550,6 +630,9 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
         st->count[s] = s == STAGE_ATTENTION ? n * m->kv_heads
                                             : (rows[s] + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     }
+    st->unit[STAGE_HEAD] = ECD_HEAD_TILE, st->count[STAGE_HEAD] = head_tiles;
+    st->unit[STAGE_PICK] = ECD_ROW_ALIGN;
+    st->count[STAGE_PICK] = (n + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     st->threads = nthreads;
     const int blas_threads = k->blas_threads_local != NULL ? k->blas_threads_local(1) : 0;
 #pragma omp parallel num_threads(nthreads)

@@ -32,7 +32,7 @@ import torch
 
 from enginecore.block_formats.gguf_blocks import Q4_HALF_SCALES, BlockWeight
 from enginecore.layers.attention import AttentionBatch
-from enginecore.layers.decode_block import DecodeBlock, declared_block
+from enginecore.layers.decode_block import DecodeBlock, declared_block, declares_logits_head
 from enginecore.layers.linear import UnquantizedLinearMethod
 from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernels
 from enginecore_cpu.fused_ops import CpuFusedOps
@@ -70,6 +70,7 @@ class _Kernels(Structure):
             "gemm",
             "sgemm",
             "blas_threads_local",
+            "argmax_rows",
         )
     ]
 
@@ -139,6 +140,7 @@ class _Model(Structure):
         ("cos", c_void_p),
         ("sin", c_void_p),
         ("layers", POINTER(_Layer)),
+        ("head", _Proj),
     ]
 
 
@@ -181,6 +183,7 @@ def _kernels(
                 ("gemm_q4", "ecq_gemm_q4"),
                 ("gemm_q8", "ecq_gemm_q8"),
                 ("gemm", "ecg_gemm"),
+                ("argmax_rows", "ec_argmax_rows"),
             )
         },
     )
@@ -244,6 +247,11 @@ class FusedDecodeStep:
         self._mirror_ptrs: Any = None
         self.lib = _load()
         self.model = self._record(model, kv_caches)
+        # Whether the step computes the logits too (``run``'s ``head``), and the steps it
+        # did so, with the logits out or their argmax alone.
+        self.has_head = self.model.head.num_parts > 0
+        self.logits_steps = 0
+        self.token_steps = 0
 
     # --- recording --------------------------------------------------------------------
 
@@ -271,9 +279,11 @@ class FusedDecodeStep:
             self._layer(layer, cache, block, (heads, kv_heads, head_dim, inter), stack.norm.eps)
             for layer, cache in zip(layers, kv_caches, strict=True)
         ]
-        needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for rec in records for p in rec[1])
-        needs_sgemm = any(p.kind in _F32_KINDS for rec in records for p in rec[1])
-        needs_blocks = any(p.kind not in _F32_KINDS for rec in records for p in rec[1])
+        head, head_parts = self._head(model)
+        parts = [p for rec in records for p in rec[1]] + head_parts
+        needs_subblocks = any(p.kind in _SUBBLOCK_KINDS for p in parts)
+        needs_sgemm = any(p.kind in _F32_KINDS for p in parts)
+        needs_blocks = any(p.kind not in _F32_KINDS for p in parts)
         # Steps of any size where every weight is float32 (sgemm takes any rows); blocks
         # keep the rows up to which the layers' kernels are the step's.
         if needs_blocks:
@@ -297,7 +307,24 @@ class FusedDecodeStep:
             cos=_pointer(rotary.cos, "the rotary table"),
             sin=_pointer(rotary.sin, "the rotary table"),
             layers=array,
+            head=head,
         )
+
+    def _head(self, model: Any) -> tuple[_Proj, list[_Part]]:
+        """The LM head as the step's last product, where the model declares its logits
+        are that product alone (``declares_logits_head``) and the head is a weight the
+        step multiplies as the head's linear method does; else none (an empty
+        projection: the runner computes the logits from the hidden states)."""
+        head = model.logits_head() if declares_logits_head(model) else None
+        if head is None or head.parallel.tp_size != 1:
+            return _Proj(0, 0, 0, None, None), []
+        parts: list[_Part] = []
+        try:
+            proj = self._proj(head, parts)
+        except Unsupported as exc:
+            logger.debug("the LM head runs after the fused step: %s", exc)
+            return _Proj(0, 0, 0, None, None), []
+        return proj, parts
 
     def _layer(
         self,
@@ -363,7 +390,7 @@ class FusedDecodeStep:
         all_parts.extend(parts)
         k = blocks[0][1].shape[1]
         n = sum(part.shape[0] for _, part in blocks)
-        return _Proj(k, n, len(parts), array, _pointer(linear.bias, "a bias"))
+        return _Proj(k, n, len(parts), array, _pointer(getattr(linear, "bias", None), "a bias"))
 
     def _f32_proj(self, linear: Any, all_parts: list[_Part]) -> _Proj:
         """A projection whose float32 weight the layers multiply as it is (``F.linear``
@@ -384,7 +411,7 @@ class FusedDecodeStep:
         array = (_Part * 1)(part)
         self._keep.append(array)
         all_parts.append(part)
-        return _Proj(k, out, 1, array, _pointer(linear.bias, "a bias"))
+        return _Proj(k, out, 1, array, _pointer(getattr(linear, "bias", None), "a bias"))
 
     # --- per step ---------------------------------------------------------------------
 
@@ -400,9 +427,15 @@ class FusedDecodeStep:
         positions: torch.Tensor,
         batch: AttentionBatch,
         threads: int | None = None,
+        head: str | None = None,
     ) -> torch.Tensor:
         """The final normed hidden states [n, hidden] of the step's decode tokens, on
-        ``threads`` threads (default: torch's)."""
+        ``threads`` threads (default: torch's); with ``head`` (where ``has_head``), the
+        model's logits [n, vocab] (``"logits"``: ``compute_logits``' bits on one thread)
+        or each row's argmax of them (``"tokens"``: int64 [n], ties and NaN as
+        ``torch.argmax``), computed tile by tile without the logits."""
+        if head not in (None, "logits", "tokens") or (head is not None and not self.has_head):
+            raise ValueError(f"the fused step cannot give {head!r}")
         mirror = self.backend.mirror
         step = mirror.step
         if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
@@ -414,11 +447,16 @@ class FusedDecodeStep:
             self._mirror_layers = mirror.layers
         n = ids.shape[0]
         out = torch.empty((n, self.model.hidden), dtype=torch.float32)
+        vocab = self.model.head.out
+        logits = torch.empty((n, vocab), dtype=torch.float32) if head == "logits" else None
+        tokens = torch.empty(n, dtype=torch.int64) if head == "tokens" else None
         slots = np.ascontiguousarray(batch.slot_mapping, dtype=np.int64)
         status = self.lib.ecd_decode_step(
             ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),
             slots.ctypes.data, step.lens.data_ptr(), self._mirror_ptrs,
-            mirror.layers[0].shape[3], out.data_ptr(), threads or torch.get_num_threads(),
+            mirror.layers[0].shape[3], out.data_ptr(),
+            None if logits is None else logits.data_ptr(),
+            None if tokens is None else tokens.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
             raise MemoryError(f"no scratch memory for a decode step of {n} rows")
@@ -426,6 +464,12 @@ class FusedDecodeStep:
             raise IndexError("fused decode step: a token id, position, slot or length out of range")
         self.steps += 1
         self.many_row_steps += n >= self._many_rows_from
+        if logits is not None:
+            self.logits_steps += 1
+            return logits
+        if tokens is not None:
+            self.token_steps += 1
+            return tokens
         return out
 
 
@@ -473,7 +517,7 @@ def _load() -> ctypes.CDLL:
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 raise Unsupported(f"decode_step.c could not be built: {exc}") from exc
             lib.ecd_decode_step.argtypes = [
-                c_void_p, c_int64, *[c_void_p] * 5, c_int64, c_void_p, c_int,
+                c_void_p, c_int64, *[c_void_p] * 5, c_int64, *[c_void_p] * 3, c_int,
             ]  # fmt: skip
             lib.ecd_decode_step.restype = c_int
             _lib = lib

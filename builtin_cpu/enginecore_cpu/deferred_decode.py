@@ -36,6 +36,11 @@ class DeferredDecodeStep:
         """Steps run fused (0 while the library compiles)."""
         return 0 if self.step is None else int(self.step.steps)
 
+    @property
+    def has_head(self) -> bool:
+        """Whether the step, once made, computes the LM head too (``run``'s ``head``)."""
+        return self.step is not None and bool(self.step.has_head)
+
     def handles(self, batch: AttentionBatch) -> bool:
         if self.step is None:
             if self._declined or time.monotonic() < self._next_check:
@@ -55,7 +60,8 @@ class DeferredDecodeStep:
         positions: torch.Tensor,
         batch: AttentionBatch,
         threads: int | None = None,
+        head: str | None = None,
     ) -> torch.Tensor:
         assert self.step is not None, "run() follows a handles() that took the step"
-        out: torch.Tensor = self.step.run(ids, positions, batch, threads=threads)
+        out: torch.Tensor = self.step.run(ids, positions, batch, threads=threads, head=head)
         return out

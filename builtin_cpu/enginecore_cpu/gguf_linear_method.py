@@ -168,11 +168,13 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         pieces: dict[int, QuantizedTensor] = layer.__dict__.pop(_PARTS, {})
         key = self._prepared_key(pieces)
         cached = self.prepared.load(key) if self.prepared is not None and key else None
+        if cached is None and self.prepared is not None and key:
+            cached = _unpacked_in_place(self.prepared, key, pieces)
         parts: dict[int, Part]
         if cached is not None:
             parts = dict(cached)
         else:
-            parts = {first: unpacked(piece) for first, piece in pieces.items()}
+            parts = dict(_unpacked_runs(pieces))
         kernels = quant_kernels.load()
         if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
             kernels = None
@@ -241,7 +243,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         key = f"float32 table of {blocks.source} ({blocks.format}, {out}x{k})"
         table = self.prepared.load_table(key)
         if table is None:
-            table = block_parts.dequantized_part(block_parts.unpacked(blocks))
+            table = _dequantized_table(blocks)
             self.prepared.save_table(key, table)
             # Mapped back where it was written: resident only where looked up.
             mapped = self.prepared.load_table(key)
@@ -293,6 +295,18 @@ def _dequantize_with(kernels: quant_kernels.QuantKernels, part: Part) -> torch.T
         values = kernels.dequantize_q4_k(part)
         return values
     return _kquant().dequantize_k(part)
+
+
+def _dequantized_table(blocks: QuantizedTensor) -> torch.Tensor:
+    """The float32 values of a file's table (a token embedding's): by the kernels' C
+    de-quantization, on every thread, where they loaded (the same floats as torch's:
+    they are built without contracting a multiply and an add), else in torch."""
+    kernels = quant_kernels.load()
+    kquant = kquant_kernels.load() if blocks.format in kquant_blocks.FORMATS else None
+    if kernels is None or (blocks.format in kquant_blocks.FORMATS and kquant is None):
+        return block_parts.dequantized_part(block_parts.unpacked(blocks))
+    part = kquant.unpacked([blocks]) if kquant is not None else unpacked(blocks)
+    return _dequantize_with(kernels, part)
 
 
 def _kquant() -> kquant_kernels.KQuantKernels:
@@ -363,6 +377,86 @@ def blocks_linear(
     if dtype is not torch.float32:
         out = out.to(dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _runs(
+    pieces: dict[int, QuantizedTensor], joinable: Callable[[QuantizedTensor], bool]
+) -> list[tuple[int, list[QuantizedTensor]]]:
+    """``pieces`` in row order, adjacent ``joinable`` ones of one format and width
+    grouped: (first row, the run's pieces)."""
+    runs: list[tuple[int, list[QuantizedTensor]]] = []
+    for first in sorted(pieces):
+        piece = pieces[first]
+        if runs and joinable(piece):
+            start, run = runs[-1]
+            last = run[-1]
+            if (
+                joinable(last)
+                and (last.format, last.shape[1]) == (piece.format, piece.shape[1])
+                and start + sum(p.shape[0] for p in run) == first
+            ):
+                run.append(piece)
+                continue
+        runs.append((first, [piece]))
+    return runs
+
+
+def _unpacked_runs(pieces: dict[int, QuantizedTensor]) -> list[tuple[int, Part]]:
+    """The checkpoint's row ranges in the kernels' layouts, each run of adjacent K-quant
+    ranges of one format unpacked into one weight by ``kquant_kernels`` (in C, on every
+    thread, with no copy to join them); the rest by ``unpacked``, joined by ``_merged``."""
+    kquant = None
+    if any(p.format in kquant_blocks.FORMATS for p in pieces.values()):
+        kquant = kquant_kernels.load()
+    out: list[tuple[int, Part]] = []
+    for first, run in _runs(pieces, lambda p: p.format in kquant_blocks.FORMATS):
+        if kquant is not None and run[0].format in kquant_blocks.FORMATS:
+            out.append((first, kquant.unpacked(run)))
+        else:
+            out.extend((first + sum(p.shape[0] for p in run[:i]), unpacked(piece))
+                       for i, piece in enumerate(run))  # fmt: skip
+    return out
+
+
+def _unpacked_in_place(
+    prepared: PreparedWeights, key: str, pieces: dict[int, QuantizedTensor]
+) -> list[tuple[int, Part]] | None:
+    """A layer of GGUF blocks unpacked straight into its new prepared-weight entry, in C
+    on every thread (no copy in memory, no second write), then mapped back as a warm
+    load maps it; None where a piece is of another kind (a group-wise 4-bit
+    checkpoint's), a Q4_0 offset leaves float16's range, the kernels did not load or
+    nothing can be written: the layer is prepared in memory then."""
+    kquant = kquant_kernels.load()
+    if kquant is None or not pieces:
+        return None
+    for p in pieces.values():
+        kquant_fmt = p.format in kquant_blocks.FORMATS
+        if not (kquant_fmt or p.format in gguf_blocks.FORMATS):
+            return None
+        if p.shape[1] % (kquant_blocks.SUPER if kquant_fmt else gguf_blocks.BLOCK):
+            return None  # the in-memory pass names what is wrong
+    runs = _runs(pieces, lambda p: True)
+    plan: list[tuple[int, Part]] = []
+    for first, run in runs:
+        fmt, shape = run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1])
+        empty = (
+            kquant_blocks.empty_weight if fmt in kquant_blocks.FORMATS else gguf_blocks.empty_blocks
+        )
+        plan.append((first, empty(fmt, shape, "meta")))
+    reserved = prepared.reserve(key, plan)
+    if reserved is None or reserved.layer is None:
+        return None
+    try:
+        for (_, run), (_, target) in zip(runs, reserved.layer, strict=True):
+            if isinstance(target, KQuantWeight):
+                kquant.unpacked(run, into=target)
+            elif not kquant.blocks_into(run, target):
+                reserved.abort()
+                return None
+    except BaseException:
+        reserved.abort()
+        raise
+    return reserved.commit()
 
 
 def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:

@@ -429,3 +429,119 @@ void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
         }
     }
 }
+
+/* Bit ``shift`` of each of the 32 bytes at ``h`` as one little-endian word (bit l from
+ * byte l): one high-bit plane of the layout above. */
+static inline uint32_t bit_plane(const uint8_t *h, int shift) {
+#if defined(__AVX2__)
+    const __m256i v = _mm256_loadu_si256((const __m256i *)h);
+    return (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(v, _mm_cvtsi32_si128(7 - shift)));
+#else
+    uint32_t word = 0;
+    for (int l = 0; l < 32; l++) word |= (uint32_t)((h[l] >> shift) & 1) << l;
+    return word;
+#endif
+}
+
+static inline void store_word(uint8_t *p, uint32_t w) { memcpy(p, &w, 4); }
+
+/* One super-block of the file (``blk``) into the kernels' layout: ``qs`` its values
+ * (Q4_K: eight blocks of 16 bytes, byte t holding values t and t + 16; Q5_K / Q6_K: four
+ * pair records), ``sc`` its scale bytes as they are. */
+static inline void repack_super(int bits, const uint8_t *blk, uint8_t *qs, uint8_t *sc) {
+    if (bits == 6) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        memcpy(sc, blk + 192, Q6K_SCALE_BYTES);
+        for (int n = 0; n < 2; n++)
+            for (int q = 0; q < 2; q++) {
+                /* values 128 n + 64 q ..: the low (q = 0) or high nibbles of ql's half */
+                uint8_t *rec = qs + (2 * n + q) * record_bytes(2);
+                const uint8_t *a = ql + 64 * n, *b = a + 32;
+                for (int j = 0; j < 32; j++)
+                    rec[j] = q ? (uint8_t)((a[j] >> 4) | (b[j] & 0xF0))
+                               : (uint8_t)((a[j] & 15) | (b[j] << 4));
+                for (int blk2 = 0; blk2 < 2; blk2++) {
+                    const int s = 2 * q + blk2; /* the 2-bit field of qh holding this block */
+                    store_word(rec + 32 + 8 * blk2, bit_plane(qh + 32 * n, 2 * s));
+                    store_word(rec + 36 + 8 * blk2, bit_plane(qh + 32 * n, 2 * s + 1));
+                }
+            }
+        return;
+    }
+    memcpy(sc, blk, K4_SCALE_BYTES);
+    const uint8_t *vals = blk + (bits == 5 ? 48 : 16), *qh = blk + 16;
+    for (int j = 0; j < 4; j++) {
+        const uint8_t *c = vals + 32 * j; /* low nibbles: block 2 j, high: block 2 j + 1 */
+        if (bits == 4) {
+            uint8_t *lo = qs + 32 * j, *hi = lo + 16;
+            for (int t = 0; t < 16; t++) {
+                lo[t] = (uint8_t)((c[t] & 15) | (c[t + 16] << 4));
+                hi[t] = (uint8_t)((c[t] >> 4) | (c[t + 16] & 0xF0));
+            }
+        } else {
+            uint8_t *rec = qs + j * record_bytes(1);
+            memcpy(rec, c, 32); /* the file's chunk is the pair's low-bit bytes already */
+            store_word(rec + 32, bit_plane(qh, 2 * j));
+            store_word(rec + 36, bit_plane(qh, 2 * j + 1));
+        }
+    }
+}
+
+/* GGUF's Q4_K / Q5_K / Q6_K rows (``bits`` 4, 5, 6; ``src`` rows of K / 256 super-blocks,
+ * ``src_stride`` bytes apart, row n read from row ``order[n]``, or n where it is NULL: a
+ * q/k weight's rows put back in rotary order as they are read) in the layout the kernels multiply: ``qs``
+ * [N, K / 2 (Q4_K) or K / 64 records] and ``sc`` [N, K / 256 * 16 (Q6_K 18)] bytes.
+ * The same bytes as kquant_blocks.from_gguf, made on every thread. */
+void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_t src_stride,
+                  const int64_t *order, uint8_t *qs, uint8_t *sc) {
+    const int64_t supers = K / 256;
+    const int64_t in_bytes = bits == 4 ? 144 : bits == 5 ? 176 : 210;
+    const int64_t out_bytes = bits == 4 ? 128 : 4 * record_bytes(bits == 6 ? 2 : 1);
+    const int64_t sc_bytes = bits == 6 ? Q6K_SCALE_BYTES : K4_SCALE_BYTES;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t s = 0; s < supers; s++)
+            repack_super((int)bits, src + (order ? order[n] : n) * src_stride + s * in_bytes,
+                         qs + (n * supers + s) * out_bytes, sc + (n * supers + s) * sc_bytes);
+}
+
+/* -8 d in float16 from d's bits (Q4_0's offset): exact where d is zero or normal and
+ * stays so; -1 elsewhere (the caller prepares such a weight in torch, in float32). */
+static inline int32_t minus_eight(uint16_t h) {
+    const int32_t e = (h >> 10) & 31, mant = h & 1023, sign = (h ^ 0x8000) & 0x8000;
+    if (e == 0) return mant ? -1 : sign;
+    return e + 3 <= 30 ? sign | (e + 3) << 10 | mant : -1;
+}
+
+/* GGUF's Q8_0 / Q4_0 / Q4_1 rows (``kind`` 8, 40, 41; ``src`` rows of K / 32 blocks,
+ * ``src_stride`` bytes apart, read in ``order`` as eck_repack_k's) in the layout the kernels multiply: ``qs`` [N, K] (Q8_0) or
+ * [N, K / 32, 16] bytes, ``d`` and ``m`` [N, K / 32] float16 (Q4_0's m = -8 d, Q8_0's
+ * zero). The bytes of gguf_blocks.from_gguf; returns how many Q4_0 offsets float16
+ * cannot hold (then nothing is usable: that function keeps such a weight in float32). */
+int64_t eck_repack_blocks(int64_t kind, int64_t N, int64_t K, const uint8_t *src,
+                          int64_t src_stride, const int64_t *order, uint8_t *qs, uint16_t *d,
+                          uint16_t *m) {
+    const int64_t nb = K / QK, head = kind == 41 ? 4 : 2;
+    const int64_t payload = kind == 8 ? QK : HALF, size = head + payload;
+    int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + (order ? order[n] : n) * src_stride + b * size;
+            const int64_t at = n * nb + b;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            d[at] = h;
+            if (kind == 41) {
+                memcpy(m + at, blk + 2, 2);
+            } else if (kind == 40) {
+                const int32_t off = minus_eight(h);
+                bad += off < 0;
+                m[at] = (uint16_t)(off < 0 ? 0 : off);
+            } else {
+                m[at] = 0;
+            }
+            memcpy(qs + at * payload, blk + head, (size_t)payload);
+        }
+    return bad;
+}

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import torch
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
+from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
+from enginecore.layers.quantized import QuantizedTensor
 from enginecore_cpu import cpu_kernels, quant_kernels
 from enginecore_cpu.quant_kernels import QuantizedActivations
 
@@ -23,7 +26,12 @@ _P, _I64 = c_void_p, c_int64
 _SIGNATURES = {
     "eck_gemm_k": [_I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64],
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
+    "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
+    "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P, _P],
 }
+_RETURNS = {"eck_repack_blocks": c_int64}
+# eck_repack_blocks' names of the 32-value formats
+_BLOCK_KINDS = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}
 
 
 class KQuantKernels:
@@ -31,7 +39,7 @@ class KQuantKernels:
         self.lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
         self.path = path
 
     def gemm_k(self, acts: QuantizedActivations, weight: KQuantWeight, out: torch.Tensor) -> None:
@@ -52,6 +60,77 @@ class KQuantKernels:
             n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )
         return out
+
+    def unpacked(
+        self, tensors: list[QuantizedTensor], into: KQuantWeight | None = None
+    ) -> KQuantWeight:
+        """GGUF's K-quant ``tensors`` (one format and width, row ranges in order) as one
+        :class:`KQuantWeight` of all their rows (written into ``into`` where given: an
+        entry of the prepared-weight cache): the bytes of ``kquant_blocks.from_gguf`` of
+        their concatenation, written once, on every thread, straight from the file's
+        blocks (no copy of a piece, and none to join them)."""
+        fmt, k = tensors[0].format, tensors[0].shape[1]
+        if any(t.format != fmt or t.shape[1] != k for t in tensors):
+            raise ValueError("the pieces of one K-quant weight share its format and width")
+        if fmt not in kquant_blocks.FORMATS or k % kquant_blocks.SUPER:
+            # the reference names what is wrong
+            return kquant_blocks.from_gguf(tensors[0].data, fmt, tensors[0].shape)
+        rows = sum(t.shape[0] for t in tensors)
+        empty = into or kquant_blocks.empty_weight(fmt, (rows, k))
+        if (empty.fmt, empty.shape) != (fmt, (rows, k)):
+            raise ValueError(f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight")
+        at = 0
+        for tensor in tensors:
+            (data, order), n = _rows(tensor), tensor.shape[0]
+            if not n:
+                continue
+            self.lib.eck_repack_k(
+                empty.bits, n, k, data.data_ptr(), data.stride(0), _address(order),
+                empty.qs[at].data_ptr(), empty.scales[at].data_ptr(),
+            )  # fmt: skip
+            at += n
+        return empty
+
+    def blocks_into(self, tensors: list[QuantizedTensor], into: BlockWeight) -> bool:
+        """GGUF's Q8_0 / Q4_0 / Q4_1 ``tensors`` (one format and width, row ranges in
+        order) written into ``into`` (:func:`gguf_blocks.empty_blocks` of all their rows):
+        the bytes of ``gguf_blocks.from_gguf`` of their concatenation. False where a
+        Q4_0 offset -8 d leaves float16's range (``from_gguf`` keeps float32 scales then)."""
+        fmt, k = tensors[0].format, tensors[0].shape[1]
+        rows = sum(t.shape[0] for t in tensors)
+        if any(t.format != fmt or t.shape[1] != k for t in tensors) or into.shape != (rows, k):
+            raise ValueError(f"{fmt} rows {rows}x{k} do not fit a {into.shape} weight")
+        if fmt not in _BLOCK_KINDS or k % gguf_blocks.BLOCK:
+            raise ValueError(f"{fmt} rows of {k} values are not GGUF 32-value blocks")
+        at, ok = 0, True
+        for tensor in tensors:
+            (data, order), n = _rows(tensor), tensor.shape[0]
+            if n:
+                ok = ok and not self.lib.eck_repack_blocks(
+                    _BLOCK_KINDS[fmt], n, k, data.data_ptr(), data.stride(0), _address(order),
+                    into.qs[at].data_ptr(), into.d[at].data_ptr(), into.m[at].data_ptr(),
+                )  # fmt: skip
+            at += n
+        return ok
+
+
+def _rows(tensor: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tensor``'s bytes as rows the C functions read (a row's bytes contiguous), and
+    the order to read them in (:meth:`QuantizedTensor.stored_rows`)."""
+    data, order = tensor.stored_rows()
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.stride(1) != 1:
+        data = data.reshape(data.shape[0], -1).to(torch.uint8).contiguous()
+    if order is not None:
+        order = order.to(torch.int64).contiguous()
+        if order.shape != (tensor.shape[0],) or not bool(
+            ((order >= 0) & (order < len(data))).all()
+        ):
+            raise ValueError(f"a row order of {tuple(order.shape)} for {tensor.shape[0]} rows")
+    return data, order
+
+
+def _address(order: torch.Tensor | None) -> int | None:
+    return None if order is None else order.data_ptr()
 
 
 def build() -> Path:

@@ -11,7 +11,9 @@ Entries live under the kernel cache directory, in one directory per (GGUF file: 
 path, size, modification time; CPU: model name and flags; the block layouts' source), one
 file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
 A changed file, another CPU or a new layout finds another directory. An entry is written
-to a temporary file and renamed, so a reader never sees half of one; an entry that does
+to a temporary file and renamed, so a reader never sees half of one; a first load's C
+pass fills the temporary file in place (:meth:`PreparedWeights.reserve`) rather than
+preparing the layer in memory and writing it; an entry that does
 not parse (cut short, another format, another layer's) is a miss, and the layer is
 prepared and written again.
 
@@ -25,6 +27,7 @@ would read every weight at each load.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -162,26 +165,63 @@ class PreparedWeights:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
-    def _save(self, key: str, layer: _Entry) -> None:
-        if not self._writable:
-            return
-        writes: list[tuple[torch.Tensor, int]] = []
-        parts = []
-        end = 0  # offsets count from the first 64-byte boundary after the header
-        for first, part in layer:
-            specs = []
-            for t in _fields(part):
-                dtype = str(t.dtype).removeprefix("torch.")
-                specs.append({"dtype": dtype, "shape": list(t.shape), "offset": end})
-                writes.append((t, end))
-                end = _aligned(end + t.numel() * t.element_size())
-            parts.append({**_describe(part), "first": first, "tensors": specs})
-        raw = json.dumps({"key": key, "parts": parts, "data": end}).encode()
+    def _temporary(self) -> tuple[int, str]:
+        """A new entry's temporary file, named by this process; those of processes that
+        died while writing one (a reserved entry is the layer's full size) are removed."""
+        for stale in self.directory.glob("*.tmp"):
+            pid = stale.name.split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                stale.unlink(missing_ok=True)
+        return tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
+
+    def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
+        """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
+        give only their dtypes and shapes (they may be on the ``meta`` device). The
+        preparation pass writes its result straight into the entry's pages (no copy
+        in memory, no second write); None where nothing can be written (prepare in
+        memory then)."""
+        if not self._writable or not hasattr(os, "posix_fallocate"):  # macOS has none
+            return None
+        raw, end, _ = _header(key, list(layer))
         base = _aligned(_PREFIX.size + len(raw))
         try:
             if not self.directory.is_dir():
                 self._replace_older()
-            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            fd, tmp = self._temporary()
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+                    f.flush()
+                    # Blocks allocated now: a full disk is an error here, where a sparse
+                    # file's pages would fault (SIGBUS) as the pass wrote them.
+                    try:
+                        os.posix_fallocate(f.fileno(), 0, base + end)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                            raise
+                        Path(tmp).unlink(missing_ok=True)
+                        return None  # a file system without it: written from memory
+                data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
+                header = json.loads(raw)
+                parts = [(int(p["first"]), _part(p, data[base:])) for p in header["parts"]]
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except (OSError, RuntimeError) as exc:
+            self._writable = False
+            logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
+            return None
+        return ReservedEntry(self, key, Path(tmp), cast(Layer, parts))
+
+    def _save(self, key: str, layer: _Entry) -> None:
+        if not self._writable:
+            return
+        raw, end, writes = _header(key, layer)
+        base = _aligned(_PREFIX.size + len(raw))
+        try:
+            if not self.directory.is_dir():
+                self._replace_older()
+            fd, tmp = self._temporary()
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
@@ -196,6 +236,60 @@ class PreparedWeights:
         except OSError as exc:
             self._writable = False
             logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
+
+
+class ReservedEntry:
+    """An entry being filled in place (:meth:`PreparedWeights.reserve`): ``layer``'s
+    tensors are views of the new entry's shared mapping; :meth:`commit` publishes it."""
+
+    def __init__(self, owner: PreparedWeights, key: str, path: Path, layer: Layer) -> None:
+        self.owner, self.key, self.path = owner, key, path
+        self.layer: Layer | None = layer
+
+    def commit(self) -> Layer | None:
+        """Publish the filled entry (renamed into place, as a write is) and map it back
+        as a warm load does; the caller drops its views of the shared mapping."""
+        self.layer = None
+        try:
+            os.replace(self.path, self.owner._entry(self.key))
+        except OSError as exc:
+            self.path.unlink(missing_ok=True)
+            logger.warning("could not keep prepared weights in %s: %s", self.path.parent, exc)
+            return None
+        return self.owner.load(self.key)
+
+    def abort(self) -> None:
+        """Drop an entry whose filling failed."""
+        self.layer = None
+        self.path.unlink(missing_ok=True)
+
+
+def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tensor, int]]]:
+    """An entry's header for ``layer``, its data's length, and each tensor's offset."""
+    writes: list[tuple[torch.Tensor, int]] = []
+    parts = []
+    end = 0  # offsets count from the first 64-byte boundary after the header
+    for first, part in layer:
+        specs = []
+        for t in _fields(part):
+            dtype = str(t.dtype).removeprefix("torch.")
+            specs.append({"dtype": dtype, "shape": list(t.shape), "offset": end})
+            writes.append((t, end))
+            end = _aligned(end + t.numel() * t.element_size())
+        parts.append({**_describe(part), "first": first, "tensors": specs})
+    return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
+
+
+def _alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # signal 0 only probes a process on POSIX systems
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _aligned(n: int) -> int:

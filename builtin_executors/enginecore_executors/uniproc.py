@@ -8,6 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from enginecore.config import EngineConfig
+from enginecore.engine.inputs_staged import InputsStaged
 from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import ConfigError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
@@ -29,6 +30,9 @@ class UniProcExecutor(Executor):
         self.max_concurrent_batches = 2 if config.scheduler.async_scheduling else 1
         # A daemon thread: a plugin hung in a forward pass must not keep the process alive.
         self._thread = SerialThread("enginecore-uni")
+        #: The last step launched without blocking: the engine thread waits for its
+        #: inputs to be staged before its own work (:mod:`enginecore.engine.inputs_staged`).
+        self.inputs_staged: InputsStaged | None = None
         self.worker = self._build_worker(plugin_host)
         # Every torch call runs on the one worker thread, loading included: with libgomp,
         # a second thread that has ever run an OpenMP region keeps its own thread team,
@@ -63,15 +67,20 @@ class UniProcExecutor(Executor):
         fn = self.worker.resolve_method(method)
         kwargs = kwargs or {}
 
+        staged = self._staged_step(method, non_block)
+
         def call() -> Any:
             try:
-                result = fn(*args, **kwargs)
+                result = fn(*args, **kwargs) if staged is None else staged.run(fn, *args, **kwargs)
             except Exception as exc:
                 raise RankError(self.worker.rank, method_name(method), exc) from exc
             return result if unique_reply_rank is not None else [result]
 
         if non_block:
-            return self._thread.submit(call)
+            launched = self._thread.submit(call)
+            if staged is not None:  # also where the call never runs (cancelled at shutdown)
+                launched.add_done_callback(staged.release)
+            return launched
         # Blocking calls still go through the thread, so they queue behind in-flight work
         # in order instead of racing it.
         future = self._thread.submit(call)
@@ -82,6 +91,14 @@ class UniProcExecutor(Executor):
                 f"collective_rpc {method_name(method)!r} timed out after {timeout} s "
                 f"on rank {self.worker.rank}"
             ) from None
+
+    def _staged_step(self, method: object, non_block: bool) -> InputsStaged | None:
+        """A signal for a step's ``execute_model`` launched without blocking, kept as
+        :attr:`inputs_staged`; None for any other call."""
+        if not non_block or method != "execute_model":
+            return None
+        self.inputs_staged = InputsStaged()
+        return self.inputs_staged
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)

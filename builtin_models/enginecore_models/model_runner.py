@@ -23,6 +23,7 @@ import torch
 from enginecore import startup_log
 from enginecore.config import EngineConfig
 from enginecore.distributed import SINGLE_RANK, ParallelContext
+from enginecore.engine.inputs_staged import mark_inputs_staged
 from enginecore.errors import ConfigError, EngineCoreError, UnsupportedModelError
 from enginecore.interfaces import (
     AttentionBackend,
@@ -728,10 +729,23 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         )
         ids_t = self._stage("input_ids", input_ids)
         pos_t = self._stage("positions", positions)
-        hidden = self._run_forward(ids_t, pos_t, batch_view, order, req_of_token, positions)
-        self._on_hidden(hidden, states, q_lens, starts)
-        logits = None
-        if len(sample_rows) and self.parallel.is_last_pp_rank and self.samples_tokens:
+        head = None
+        if not prompt_lp_rows:  # prompt logprobs are scored from the hidden states
+            head = self._fused_head(batch_view, len(sample_rows) == total, sample_batch_rows)
+        logits = tokens = None
+        if head == "tokens":  # the head and its argmax in the fused call: no logits
+            tokens = self.fused_decode.run(ids_t, pos_t, batch_view, head=head)
+        elif head == "logits":
+            logits = self.fused_decode.run(ids_t, pos_t, batch_view, head=head)
+        else:
+            hidden = self._run_forward(ids_t, pos_t, batch_view, order, req_of_token, positions)
+            self._on_hidden(hidden, states, q_lens, starts)
+        if (
+            head is None
+            and len(sample_rows)
+            and self.parallel.is_last_pp_rank
+            and self.samples_tokens
+        ):
             if len(sample_rows) == total:
                 logits = self.model.compute_logits(hidden)
             else:
@@ -748,8 +762,37 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             drafts=verify,
             kv_connector_output=kv_out,
             batch_rows=sample_batch_rows,
+            tokens=tokens,
         )
         return None
+
+    def _fused_head(
+        self, batch: AttentionBatch, every_row_samples: bool, sample_rows: np.ndarray
+    ) -> str | None:
+        """What the fused decode step computes beyond the hidden states for this step:
+        the greedy tokens (``"tokens"``: every row samples its argmax and needs nothing
+        more, the conditions of ``sample_tokens``' greedy shortcut), the logits
+        (``"logits"``: every row samples), or nothing (None: the forward path as it is)."""
+        fused = self.fused_decode
+        if (
+            fused is None
+            or not getattr(fused, "has_head", False)
+            or not every_row_samples
+            or not self.samples_tokens
+            or self.kv_connector is not None
+            or self.decode_graphs is not None
+            or not fused.handles(batch)
+        ):
+            return None
+        assert self.batch is not None  # made by this step's _persistent_batch
+        if (
+            self.greedy_shortcut
+            and self.drafter is None
+            and self.parallel.world_size == 1
+            and self.batch.all_plain_greedy(sample_rows)
+        ):
+            return "tokens"
+        return "logits"
 
     def _gather_inputs(
         self,
@@ -855,6 +898,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         bridge = self.kv_connector
         if self.lora is not None:
             self.lora.set_batch(order, np.asarray(batch.query_lens))
+        mark_inputs_staged()  # an engine thread in this process may do its work now
         if self.decode_graphs is not None and self.decode_graphs.handles(batch):
             hidden = self.decode_graphs.run(ids_t, pos_t, batch)
         elif self.fused_decode is not None and bridge is None and self.fused_decode.handles(batch):

@@ -55,7 +55,8 @@ class PersistentBatch:
         # logprobs.
         self.special = np.zeros(rows, dtype=bool)
         # Rows whose token is the logits' argmax and nothing else: greedy, no penalties,
-        # nothing special, no prompt logprobs (``sample_tokens``' greedy shortcut).
+        # nothing special, no prompt logprobs, no grammar (``sample_tokens``' greedy shortcut,
+        # the fused decode step's argmax).
         self.plain_greedy = np.ones(rows, dtype=bool)
         self.cols = {name: np.full(rows, fill, dtype=dtype) for name, dtype, fill in _COLUMNS}
         self.counts: torch.Tensor | None = None  # [rows, vocab] float, on the device
@@ -140,6 +141,7 @@ class PersistentBatch:
             and not params.needs_penalties
             and not self.special[row]
             and params.prompt_logprobs is None
+            and params.structured_output is None
         )
         if params.needs_penalties:
             self._set_penalty_rows(row, prompt_token_ids, output_token_ids)

@@ -54,6 +54,9 @@ class StepState:
     kv_connector_output: KVConnectorOutput | None = None
     # The persistent-batch rows of ``sample_req_ids``.
     batch_rows: np.ndarray | None = None
+    # Each sample request's greedy token, where the forward computed them (the fused
+    # decode step's head and argmax; ``logits`` is then None).
+    tokens: torch.Tensor | None = None
 
 
 class SamplingPhase:
@@ -148,6 +151,8 @@ class SamplingPhase:
         if self.drafter is not None:
             return self._sample_speculative(step, grammar_output, index)
         batch, rows = self._batch_rows(step)
+        if step.tokens is not None:  # plain greedy rows: the forward took their argmax
+            return self._sample_greedy(step, step.tokens, index)
         if (
             self.greedy_shortcut
             and step.logits is not None
@@ -155,7 +160,7 @@ class SamplingPhase:
             and not (grammar_output is not None and grammar_output.structured_output_request_ids)
             and batch.all_plain_greedy(rows)
         ):
-            return self._sample_greedy(step, step.logits, index)
+            return self._sample_greedy(step, self.sampler.greedy_tokens(step.logits), index)
         meta = None
         logprob_tensors: list[torch.Tensor] = []
         if step.logits is None:  # an earlier pipeline stage: learn the tokens, sample none
@@ -195,13 +200,12 @@ class SamplingPhase:
         )
 
     def _sample_greedy(
-        self, step: StepState, logits: torch.Tensor, index: dict[str, int]
+        self, step: StepState, token_t: torch.Tensor, index: dict[str, int]
     ) -> ModelRunnerOutput:
         """The shortcut for a step whose every sampling row is plain greedy (no penalties,
         bias, bans, seeds, logprobs or prompt logprobs; no grammar, no drafts, one rank):
-        the argmax and its one host copy, without sampling metadata."""
+        the argmax (``token_t``) and its one host copy, without sampling metadata."""
         self.greedy_shortcut_steps += 1
-        token_t = self.sampler.greedy_tokens(logits)
         token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
         tokens = token_array.tolist()
         return ModelRunnerOutput(

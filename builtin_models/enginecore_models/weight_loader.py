@@ -198,6 +198,13 @@ class _RopeOrderedTensor(QuantizedTensor):
         ordered = unpermute_rope(self._rows.raw, self._rows.heads)
         return ordered.narrow(0, self._start, self.shape[0])
 
+    def stored_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if "data" in vars(self):  # already reordered
+            return self.data, None
+        raw = self._rows.raw
+        order = unpermute_rope(torch.arange(raw.shape[0]), self._rows.heads)
+        return raw, order.narrow(0, self._start, self.shape[0])
+
     def rows(self, start: int, length: int) -> QuantizedTensor:
         source = f"{self.source}[{start}:{start + length}]" if self.source else ""
         shape = (length, self.shape[1])

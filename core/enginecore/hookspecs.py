@@ -252,7 +252,9 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     ``fused_ops()`` (an :class:`enginecore.layers.FusedOps` of fused norm, rotary,
     activation and argmax kernels), ``fused_decode(model, kv_caches)`` (an object with
     ``handles(batch)`` and ``run(input_ids, positions, batch)`` that computes a whole
-    decode step in fewer calls than the model's layers), ``lora_kernels()``,
+    decode step in fewer calls than the model's layers; with ``has_head``, its
+    ``run(..., head="logits" | "tokens")`` gives the logits or the greedy tokens too),
+    ``lora_kernels()``,
     ``release_kv_cache()`` (sleep). The GPU runner captures decode steps in CUDA graphs
     only with a backend that declares them and keeps its metadata in persistent buffers.
 

@@ -939,8 +939,12 @@ class AttentionBackend(ABC):
         ``handles(batch)``: whether it takes this step (an
         :class:`enginecore.layers.AttentionBatch`, after :meth:`order_decodes`), and
         ``run(input_ids, positions, batch)``: the hidden states the model's forward would
-        return, K/V written as :meth:`forward` writes them. The CPU backend's runs the
-        decode steps of a Llama-family model with block-quantized weights in one call."""
+        return, K/V written as :meth:`forward` writes them. Where its ``has_head`` is true,
+        ``run(..., head="logits")`` returns the model's ``compute_logits`` of them instead
+        and ``run(..., head="tokens")`` each row's argmax of those logits (ties and NaN as
+        ``torch.argmax``), which the runner takes for plain greedy steps. The CPU
+        backend's runs the decode steps of a Llama-family model with block-quantized or
+        float32 weights in one call, the LM head included."""
         return None
 
     def lora_kernels(self) -> LoRAKernels | None:

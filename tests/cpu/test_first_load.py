@@ -92,6 +92,9 @@ def test_the_first_token_does_not_wait_for_the_fused_step(tiny_llama, tmp_path, 
         llm.reset_prefix_cache()
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert fused_steps() >= 10  # the decode steps now ran fused
+        # with the LM head and the greedy argmax in the call, as a step made at start does
+        head_steps = llm.collective_rpc(lambda w: w.model_runner.fused_decode.step.token_steps)
+        assert head_steps[0] >= 9, head_steps
         assert fused == layered
         llm.shutdown()
     finally:

@@ -90,11 +90,12 @@ def _same_bits_on_any_number_of_threads(path: pathlib.Path, threads: tuple[int, 
         step = llm.collective_rpc(lambda w: w.model_runner.fused_decode)[0]
         fused_run = step.run
 
-        def run_on_several(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
-            hidden = fused_run(ids, positions, batch)
+        def run_on_several(ids: Any, positions: Any, batch: Any, **head: Any) -> torch.Tensor:
+            hidden = fused_run(ids, positions, batch, **head)
             if len(runs) < 6:
                 runs.append(
-                    [hidden] + [fused_run(ids, positions, batch, threads=t) for t in threads]
+                    [hidden]
+                    + [fused_run(ids, positions, batch, threads=t, **head) for t in threads]
                 )
             return hidden
 
@@ -207,9 +208,9 @@ def test_float32_steps_of_many_rows_decode_fused_and_greedy_as_transformers(
         rows: list[int] = []
         fused_run = step.run
 
-        def counted(ids: Any, positions: Any, batch: Any) -> torch.Tensor:
+        def counted(ids: Any, positions: Any, batch: Any, **head: Any) -> torch.Tensor:
             rows.append(ids.shape[0])
-            out: torch.Tensor = fused_run(ids, positions, batch)
+            out: torch.Tensor = fused_run(ids, positions, batch, **head)
             return out
 
         step.run = counted

@@ -66,12 +66,17 @@ def test_greedy_shortcut_matches_general_path_and_transformers(
         max_model_len=128,
     ) as llm:
         runner = _runner(llm)
+        fused = runner.fused_decode  # on CPU: the argmax in the fused step where it has the head
         shortcut = [o.outputs[0].token_ids for o in llm.generate(inputs, params)]
         taken = runner.greedy_shortcut_steps
+        in_call = getattr(fused, "token_steps", 0)
         runner.greedy_shortcut = False
         general = [o.outputs[0].token_ids for o in llm.generate(inputs, params)]
         assert runner.greedy_shortcut_steps == taken, "the switch did not turn it off"
+        assert getattr(fused, "token_steps", 0) == in_call, "the switch left the fused argmax"
     assert taken >= max(LENGTHS), "the greedy steps did not take the shortcut"
+    if fused is not None and fused.has_head:  # decode-only steps took the head's argmax
+        assert in_call >= max(LENGTHS) // 2, in_call
     assert shortcut == general
     for i, reference in enumerate(references):
         assert_matches_reference(list(shortcut[i]), reference, f"request {i}")

@@ -197,13 +197,13 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     prepared = []
-    original_unpacked = gguf_linear_method.unpacked
+    for name in ("_unpacked_runs", "_unpacked_in_place"):  # in memory, into the entry
 
-    def counting_unpacked(tensor):
-        prepared.append(tensor.source)
-        return original_unpacked(tensor)
+        def counting_unpacked(*args, _original=getattr(gguf_linear_method, name)):
+            prepared.extend(piece.source for piece in args[-1].values())
+            return _original(*args)
 
-    monkeypatch.setattr(gguf_linear_method, "unpacked", counting_unpacked)
+        monkeypatch.setattr(gguf_linear_method, name, counting_unpacked)
     from enginecore_models import weight_loader
 
     reordered = []  # q/k blocks put in HF's rotary order: never on a warm load
@@ -236,21 +236,26 @@ def test_a_gguf_loads_from_its_prepared_weights_with_the_same_tokens(
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
-    tmp_path, cache_root, monkeypatch, caplog
+    fmt, tmp_path, cache_root, monkeypatch, caplog
 ):
     """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
-    prepared weights: the next load maps it and de-quantizes nothing, lookups give the
-    bits of the de-quantized blocks, and a damaged entry is a miss, written again."""
+    prepared weights, de-quantized by the C kernels (not in torch) at the first load: the
+    next load maps it and de-quantizes nothing, lookups give the bits of torch's
+    de-quantized blocks, and a damaged entry is a miss, written again."""
     from enginecore.block_formats import parts
     from enginecore.layers.embedding import VocabParallelEmbedding
 
     source = tmp_path / "model.gguf"
     source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
-    raw = random_tensor("Q4_K", 64, 512)
+    raw = random_tensor(fmt, 64, 512)
     blocks = QuantizedTensor(raw.data, raw.format, raw.shape, "model.embed_tokens.weight")
     want = dequantized_part(unpacked(blocks))
     ids = torch.tensor([0, 5, 63, 5])
+
+    def no_dequantizing(part):
+        raise AssertionError("the embedding was de-quantized in torch")
 
     def load() -> VocabParallelEmbedding:
         method = GGUFLinearMethod(None)
@@ -260,16 +265,16 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
         table.weight.weight_loader(table.weight, blocks)
         return table
 
-    first = load()
+    with monkeypatch.context() as patch:
+        patch.setattr(parts, "dequantized_part", no_dequantizing)
+        first = load()
     assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
     entries = list(cache_root.glob("*/*.bin"))
     assert len(entries) == 1
 
-    def no_dequantizing(part):
-        raise AssertionError("the embedding was de-quantized on a warm load")
-
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
+        patch.setattr(gguf_linear_method, "_dequantized_table", no_dequantizing)
         warm = load()
     assert torch.equal(warm.weight, want) and torch.equal(warm(ids), want[ids])
     assert warm.weight.untyped_storage().nbytes() == entries[0].stat().st_size  # mapped
@@ -304,3 +309,99 @@ def test_a_first_load_computes_on_the_entries_it_wrote(fmt, tmp_path, cache_root
     x = torch.randn(3, 512)
     want = F.linear(x, dequantized_part(unpacked(blocks)))
     assert ((layer(x) - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+@needs_kernels
+def test_k_quant_layers_are_unpacked_straight_into_their_entries(tmp_path, cache_root, monkeypatch):
+    """A first load unpacks a layer of K-quant blocks (Q4_K_M's QKV: Q4_K, Q4_K, Q6_K)
+    into its new entry's pages, with no copy in memory and no second write, and computes
+    on the entry mapped back: the bytes the torch pass and ``_merged`` made. A layer with
+    another format is prepared in memory as before."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    formats = [(0, "Q4_K", 32), (32, "Q4_K", 16), (48, "Q6_K", 16)]
+    pieces = {
+        first: QuantizedTensor(random_tensor(fmt, rows, 512, first).data, fmt, (rows, 512), fmt)
+        for first, fmt, rows in formats
+    }
+    want = gguf_linear_method._merged({f: unpacked(p) for f, p in pieces.items()})
+
+    def no_copy(*args):
+        raise AssertionError("the layer was prepared in memory and written")
+
+    monkeypatch.setattr(PreparedWeights, "_save", no_copy)
+    monkeypatch.setattr(gguf_linear_method, "_unpacked_runs", no_copy)
+    got = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "qkv", pieces)
+    assert got is not None
+    assert_same_parts(got, want)
+    (entry,) = cache_root.glob("*/*.bin")
+    assert not list(cache_root.glob("*/*.tmp"))
+    tensors = [t for _, part in got for t in prepared_weights._fields(part)]
+    assert all(t.untyped_storage().nbytes() == entry.stat().st_size for t in tensors)
+    again = PreparedWeights(source).load("qkv")
+    assert again is not None
+    assert_same_parts(again, want)
+    # 32-value blocks too, beside K-quant ones (Q4_K_M's layers, a Q4_0 file's)
+    pieces[64] = QuantizedTensor(random_tensor("Q8_0", 16).data, "Q8_0", (16, 512), "Q8_0")
+    for first, fmt in [(80, "Q4_0"), (96, "Q4_0"), (112, "Q4_1")]:
+        pieces[first] = QuantizedTensor(
+            random_tensor(fmt, 16, 512, first).data, fmt, (16, 512), fmt
+        )
+    want = gguf_linear_method._merged({f: unpacked(p) for f, p in pieces.items()})
+    got = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "all", pieces)
+    assert got is not None and [f for f, _ in got] == [0, 48, 64, 80, 112]
+    assert_same_parts(got, want)
+    # a Q4_0 offset float16 cannot hold: prepared in memory (float32 scales), nothing left
+    big = random_tensor("Q4_0", 16, 512, 7).data
+    big[3, 0:2] = torch.tensor([20000.0], dtype=torch.float16).view(torch.uint8)
+    pieces[80] = QuantizedTensor(big, "Q4_0", (16, 512), "big")
+    assert gguf_linear_method._unpacked_in_place(PreparedWeights(source), "big", pieces) is None
+    assert not list(cache_root.glob("*/*.tmp"))
+
+
+@needs_kernels
+def test_a_file_system_without_fallocate_writes_entries_from_memory(
+    tmp_path, cache_root, monkeypatch
+):
+    """Where the entry's space cannot be reserved (no ``posix_fallocate``), the layer is
+    prepared in memory and written as before: the cache stays in use."""
+    import errno
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+
+    def unsupported(*args):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    piece = QuantizedTensor(random_tensor("Q6_K", 16).data, "Q6_K", (16, 512), "v")
+    prepared = PreparedWeights(source)
+    assert gguf_linear_method._unpacked_in_place(prepared, "v", {0: piece}) is None
+    monkeypatch.delattr(os, "posix_fallocate")  # an OS without it (macOS)
+    assert gguf_linear_method._unpacked_in_place(prepared, "v", {0: piece}) is None
+    assert not list(cache_root.glob("*/*.tmp"))
+    prepared.save("v", [(0, unpacked(piece))])
+    assert prepared.load("v") is not None
+
+
+@needs_kernels
+def test_a_dead_writers_temporary_entry_is_removed(tmp_path, cache_root):
+    """A process killed while filling an entry leaves its temporary file (reserved at the
+    layer's full size): the next write in that directory removes it, and leaves a live
+    process's."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    prepared = PreparedWeights(source)
+    piece = QuantizedTensor(random_tensor("Q4_K", 16).data, "Q4_K", (16, 512), "k")
+    assert gguf_linear_method._unpacked_in_place(prepared, "k", {0: piece}) is not None
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = prepared.directory / f"{dead.stdout.strip()}-left.tmp"
+    live = prepared.directory / f"{os.getppid()}-writing.tmp"
+    stale.write_bytes(b"\0" * 4096)
+    live.write_bytes(b"\0" * 4096)
+    assert gguf_linear_method._unpacked_in_place(prepared, "k2", {0: piece}) is not None
+    assert not stale.exists() and live.exists()

@@ -28,7 +28,7 @@ from enginecore.layers import (
     vocab_parallel_logits,
 )
 from enginecore.layers.activation import act_and_mul, get_activation
-from enginecore.layers.decode_block import DecodeBlock, declares_block
+from enginecore.layers.decode_block import DecodeBlock, declares_block, declares_plain_logits
 from enginecore.layers.moe import expert_checkpoint_target
 
 
@@ -274,6 +274,7 @@ class LlamaModel(nn.Module):
         return self.embed_tokens
 
 
+@declares_plain_logits
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints;
     subclasses with the same stack and another block set ``model_cls``."""

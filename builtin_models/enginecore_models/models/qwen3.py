@@ -8,7 +8,7 @@ import torch
 
 from enginecore.distributed import ParallelContext
 from enginecore.layers import RMSNorm
-from enginecore.layers.decode_block import DecodeBlock, declares_block
+from enginecore.layers.decode_block import DecodeBlock, declares_block, declares_plain_logits
 from enginecore_models.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -50,5 +50,6 @@ class Qwen3Model(LlamaModel):
     decoder_layer_cls = Qwen3DecoderLayer
 
 
+@declares_plain_logits
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model

@@ -90,6 +90,19 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> BlockWeig
     return BlockWeight(4, payload.contiguous(), d, m, shape, symmetric)
 
 
+def empty_blocks(fmt: str, shape: tuple[int, int], device: str = "cpu") -> BlockWeight:
+    """An uninitialized :class:`BlockWeight` laid out as :func:`from_gguf` makes ``fmt``'s
+    (float16 scales), to be filled (on the ``meta`` device: its layout only)."""
+    out, k = shape
+    nb = k // BLOCK
+    if fmt == "Q8_0":
+        qs = torch.empty(out, k, dtype=torch.int8, device=device)
+    else:
+        qs = torch.empty(out, nb, BLOCK // 2, dtype=torch.uint8, device=device)
+    d, m = (torch.empty(out, nb, dtype=torch.float16, device=device) for _ in range(2))
+    return BlockWeight(8 if fmt == "Q8_0" else 4, qs, d, m, shape, fmt == "Q4_0")
+
+
 def quantize_q8(weight: torch.Tensor) -> BlockWeight:
     """A float weight [out, in] as Q8_0 blocks (symmetric, scale = max |w| / 127)."""
     out, k = weight.shape

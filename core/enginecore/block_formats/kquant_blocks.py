@@ -154,6 +154,20 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWei
     return KQuantWeight(fmt, qs, scales, shape)
 
 
+def empty_weight(fmt: str, shape: tuple[int, int], device: str = "cpu") -> KQuantWeight:
+    """An uninitialized :class:`KQuantWeight` of ``fmt`` and ``shape``, to be filled (on
+    the ``meta`` device: its layout only)."""
+    out, k = shape
+    size = _SCALES_AT[fmt][1]
+    scales = torch.empty(out, k // SUPER * size, dtype=torch.uint8, device=device)
+    if fmt == "Q4_K":
+        qs = torch.empty(out, k // BLOCK, BLOCK // 2, dtype=torch.uint8, device=device)
+    else:
+        record = 2 * HALF + 8 * (int(fmt[1]) - 4)
+        qs = torch.empty(out, k // (2 * BLOCK) * record, dtype=torch.uint8, device=device)
+    return KQuantWeight(fmt, qs, scales, shape)
+
+
 def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Values ``q`` [out, in] in 0..2^bits - 1 as :class:`KQuantWeight`'s 5- or 6-bit
     ``qs``."""

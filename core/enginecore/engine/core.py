@@ -16,6 +16,7 @@ from typing import Any
 from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
+from enginecore.engine.inputs_staged import InputsStaged
 from enginecore.errors import EngineCoreError, InvalidRequestError, RankError
 from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
@@ -539,6 +540,8 @@ class EngineCore:
                     queue.appendleft((execute, sample, scheduler_output))
                     if len(queue) < self.batch_queue_size and not queue[-1][1].done():
                         return failed, scheduled  # room for one more batch: plan it first
+                if len(queue) > 1 or deferred is not None:
+                    self._await_inputs_staged()
         if not queue:
             return failed, False
         execute, sample, scheduler_output = queue.pop()
@@ -555,6 +558,15 @@ class EngineCore:
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output, advance)
         return _merge(outputs, failed), scheduled
+
+    def _await_inputs_staged(self) -> None:
+        """Before the engine's own work for the oldest batch, let a worker in this process
+        stage the inputs of the batch just launched: the two would otherwise take turns
+        with the interpreter lock and delay its forward (:mod:`.inputs_staged`). An
+        executor whose workers run elsewhere has no signal, and nothing is waited for."""
+        staged: InputsStaged | None = getattr(self.executor, "inputs_staged", None)
+        if staged is not None:
+            staged.wait()
 
     def send_plain_steps_as_columns(self) -> None:
         """Ask the scheduler for plain steps as columns of the outputs

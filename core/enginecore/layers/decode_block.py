@@ -42,3 +42,20 @@ def declares_block(block: DecodeBlock) -> Callable[[_Class], _Class]:
 def declared_block(module: object) -> DecodeBlock | None:
     """The block ``module``'s own class declares, or None."""
     return _DECLARED.get(type(module))
+
+
+_PLAIN_HEADS: set[type] = set()
+
+
+def declares_plain_logits(cls: _Class) -> _Class:
+    """Class decorator for a causal LM: its ``compute_logits(hidden)`` is the product of
+    the final hidden states with ``logits_head()``'s weight under its linear method, and
+    nothing more (no scaling, soft-cap or bias), so a fused decode step may compute it.
+    Exactly this class, as :func:`declares_block`."""
+    _PLAIN_HEADS.add(cls)
+    return cls
+
+
+def declares_logits_head(model: object) -> bool:
+    """Whether ``model``'s own class declared :func:`declares_plain_logits`."""
+    return type(model) in _PLAIN_HEADS

@@ -21,6 +21,12 @@ class QuantizedTensor:
     shape: tuple[int, int]
     source: str = ""
 
+    def stored_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows as stored and, where ``data`` reorders them, the stored row each
+        output row is (None: in order), so that a preparation pass can read them in place
+        rather than have ``data`` copy them."""
+        return self.data, None
+
     def rows(self, start: int, length: int) -> QuantizedTensor:
         """Output rows ``start`` to ``start + length`` (a column-parallel shard)."""
         source = f"{self.source}[{start}:{start + length}]" if self.source else ""

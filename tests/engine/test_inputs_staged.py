@@ -1,0 +1,175 @@
+"""With async scheduling the engine thread's work for batch N waits until the worker in
+its process has staged batch N+1's inputs (``enginecore.engine.inputs_staged``).
+
+Both threads need the interpreter lock: engine work that lands in the worker's input
+preparation delays the next forward. The fast tests drive the signal on real threads;
+the slow one runs an in-process engine whose runner takes visibly long to stage its
+inputs, checks that no ``update_from_output`` overlaps a batch's input preparation while
+updates do overlap the next batch's forward, and that the outputs, finish reasons and
+order are those of synchronous scheduling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from enginecore import LLM, SamplingParams
+from enginecore.engine.inputs_staged import InputsStaged, mark_inputs_staged
+from enginecore.engine.serial_thread import SerialThread
+
+
+@pytest.fixture
+def worker_thread() -> Any:
+    thread = SerialThread("test-worker")
+    yield thread
+    thread.shutdown()
+
+
+def test_the_signal_is_set_where_the_runner_marks_its_inputs_staged(worker_thread) -> None:
+    staged = InputsStaged()
+    forward = threading.Event()
+
+    def execute() -> str:
+        mark_inputs_staged()
+        forward.wait(10)  # the forward, still running when the engine goes on
+        return "done"
+
+    future = worker_thread.submit(staged.run, execute)
+    staged.wait()
+    assert not future.done()  # released before execute_model returned
+    forward.set()
+    assert future.result(10) == "done"
+
+
+def test_a_runner_that_never_marks_releases_the_engine_when_it_returns_or_raises(
+    worker_thread,
+) -> None:
+    staged, failing = InputsStaged(), InputsStaged()
+    assert worker_thread.submit(staged.run, lambda: 7).result(10) == 7
+    staged.wait()  # set at the end: no wait longer than execute_model
+
+    def broken() -> None:
+        raise ValueError("bad batch")
+
+    future = worker_thread.submit(failing.run, broken)
+    failing.wait()
+    with pytest.raises(ValueError, match="bad batch"):
+        future.result(10)
+
+
+def test_marking_outside_a_signalled_step_sets_nothing(worker_thread) -> None:
+    unrelated = InputsStaged()
+    mark_inputs_staged()  # on this thread, in no step
+    worker_thread.submit(mark_inputs_staged).result(10)  # a blocking call's runner
+    assert not unrelated.event.is_set()
+    # A step's signal is disarmed once its call ended: a later mark sets nothing.
+    worker_thread.submit(unrelated.run, lambda: None).result(10)
+    later = InputsStaged()
+    worker_thread.submit(mark_inputs_staged).result(10)
+    assert not later.event.is_set()
+
+
+PREP_SECONDS = 0.01  # the slow runner's input preparation, and again after its forward
+
+
+class StepLog:
+    """Intervals, on one clock: each batch's input preparation (``execute_model``'s start
+    to its inputs staged), its forward (staged to ``execute_model``'s end) and each
+    ``update_from_output``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prep: list[tuple[float, float]] = []
+        self.forward: list[tuple[float, float]] = []
+        self.updates: list[tuple[float, float]] = []
+        self._prep_start = 0.0
+        self._staged = 0.0
+
+    def instrument(self, llm: LLM) -> None:
+        engine = llm.engine_client.engine  # type: ignore[attr-defined]
+        runner = engine.executor.worker.model_runner
+        execute_model, run_forward = runner.execute_model, runner._run_forward
+        update = engine.scheduler.update_from_output
+
+        def timed_execute(*args: Any) -> Any:
+            self._prep_start = time.perf_counter()
+            self._staged = 0.0
+            try:
+                return execute_model(*args)
+            finally:
+                if self._staged:
+                    with self.lock:
+                        self.forward.append((self._staged, time.perf_counter()))
+
+        def slow_forward(*args: Any) -> Any:
+            time.sleep(PREP_SECONDS)  # inputs take long to stage
+            self._staged = time.perf_counter()
+            with self.lock:
+                self.prep.append((self._prep_start, self._staged))
+            out = run_forward(*args)  # marks the inputs staged first
+            time.sleep(PREP_SECONDS)  # and a forward long enough to overlap
+            return out
+
+        def timed_update(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return update(*args)
+            finally:
+                with self.lock:
+                    self.updates.append((start, time.perf_counter()))
+
+        runner.execute_model = timed_execute
+        runner._run_forward = slow_forward
+        engine.scheduler.update_from_output = timed_update
+
+
+def _overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def _params(stop_after: dict[int, int]) -> list[SamplingParams]:
+    params = []
+    for i in range(8):
+        extra: dict[str, Any] = {}
+        if i in stop_after:
+            extra["stop_token_ids"] = [stop_after[i]]
+        if i % 3 == 0:
+            extra["min_tokens"] = 4
+        params.append(
+            SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=i % 2 == 0, **extra)
+        )
+    return params
+
+
+@pytest.mark.slow
+def test_the_engine_waits_for_the_next_batch_s_inputs_and_outputs_are_unchanged(
+    tiny_llama,
+) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 17, 29 + 2 * i, 41]} for i in range(8)]
+    common = {"dtype": "float32", "multiprocessing": False, "max_model_len": 128}
+    with LLM(tiny_llama, async_scheduling=False, **common) as llm:
+        plain = llm.generate(prompts, _params({}))
+    # A stop token each request meets midway (its sixth token), as sampled without it.
+    stop_after = {i: out.outputs[0].token_ids[5] for i, out in enumerate(plain) if i % 4 == 1}
+    with LLM(tiny_llama, async_scheduling=False, **common) as llm:
+        reference = llm.generate(prompts, _params(stop_after))
+    log = StepLog()
+    with LLM(tiny_llama, async_scheduling=True, **common) as llm:
+        log.instrument(llm)
+        got = llm.generate(prompts, _params(stop_after))
+
+    def summary(outputs: Any) -> list[tuple[list[int], str | None]]:
+        return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+
+    assert summary(got) == summary(reference)
+    assert {o.outputs[0].finish_reason for o in reference} >= {"stop", "length"}
+    assert len(log.updates) >= 10
+    # No update ran while the worker prepared a batch's inputs ...
+    clashes = [(u, p) for u in log.updates for p in log.prep if _overlaps(u, p)]
+    assert not clashes, f"{len(clashes)} updates ran during input preparation"
+    # ... and updates did run while the next batch was in flight (async scheduling).
+    during_forward = [u for u in log.updates if any(_overlaps(u, f) for f in log.forward)]
+    assert len(during_forward) >= len(log.updates) // 2
