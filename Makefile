@@ -38,9 +38,10 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Fast default suite (slow tests are marked and skipped); strict plugin loading on.
+# Fast default suite (slow tests are marked and skipped); strict plugin loading on; the
+# slowest tests are listed at the end, so a log shows where the time goes.
 test: lint
-	ENGINECORE_STRICT_PLUGINS=1 $(PY) -m pytest -q
+	ENGINECORE_STRICT_PLUGINS=1 $(PY) -m pytest -q --durations=25
 
 test-all: lint
 	ENGINECORE_STRICT_PLUGINS=1 $(PY) -m pytest -q -m 'slow or not slow'

@@ -209,7 +209,8 @@ int ec_mirror_fill(float *mk, float *mv, const float *ck, const float *cv, const
  * The mirror halves are [rows, kv_heads, cap, dim]; row r attends positions
  * [max(0, lens[r] - window), lens[r]) (window 0: all). One pass over K and V in blocks
  * of EC_BLOCK positions with an online softmax: the running maximum and sum are rescaled
- * per block, so each position is read once. out is [n, kv_heads * group, dim]. */
+ * per block, so each position is read once; past EC_SPAN positions in spans, merged (see
+ * ec_attention_spans). out is [n, kv_heads * group, dim]. */
 #define EC_BLOCK 64
 #define EC_MAX_GROUP 16
 #define EC_MAX_DIM 256
@@ -259,7 +260,7 @@ static inline __m128 reduce4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
  * are literals at each call site, so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_unit_avx512(
     const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
-    float *o, const int G, const int NV) {
+    float *o, float *ml, const int G, const int NV) {
     __m512 q[EC_FAST_GROUP][EC_FAST_NV], acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -321,19 +322,18 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
         }
     }
     for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-        for (int v = 0; v < NV; v++)
-            _mm512_storeu_ps(o + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+        ml[g] = m[g], ml[G + g] = l[g];
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + g * NV * 16 + v * 16, acc[g][v]);
     }
 }
 
 /* Whether (group, dim) has a specialized version; it is then run and 1 returned. */
 static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
-                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t start, int64_t len, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 16) {                                                 \
-        attend_unit_avx512(qh, K, V, start, len, scale, o, G, NV);                       \
+        attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV);                   \
         return 1;                                                                       \
     }
     EC_CASE(1, 2) EC_CASE(2, 2) EC_CASE(4, 2) EC_CASE(8, 2)
@@ -360,7 +360,7 @@ static inline __m128 reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
  * heads as well as the accumulators: the queries are read from L1 (memory operands). */
 static inline __attribute__((always_inline)) void attend_unit_avx2(
     const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
-    float *o, const int G, const int NV) {
+    float *o, float *ml, const int G, const int NV) {
     __m256 acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -421,18 +421,17 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
         }
     }
     for (int g = 0; g < G; g++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
-        for (int v = 0; v < NV; v++)
-            _mm256_storeu_ps(o + g * NV * 8 + v * 8, _mm256_mul_ps(acc[g][v], inv));
+        ml[g] = m[g], ml[G + g] = l[g];
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(o + g * NV * 8 + v * 8, acc[g][v]);
     }
 }
 
 static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
-                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t start, int64_t len, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 8) {                                                  \
-        attend_unit_avx2(qh, K, V, start, len, scale, o, G, NV);                         \
+        attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV);                     \
         return 1;                                                                       \
     }
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
@@ -444,7 +443,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
 }
 #else
 static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
-                                   int64_t start, int64_t len, float scale, float *o,
+                                   int64_t start, int64_t len, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim) {
     return 0;
 }
@@ -452,7 +451,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
 
 /* Any group and dim (up to the maxima), in portable C. */
 static void attend_unit_generic(const float *qh, const float *K, const float *V, int64_t start,
-                                int64_t len, float scale, float *o, int64_t group,
+                                int64_t len, float scale, float *o, float *ml, int64_t group,
                                 int64_t dim) {
     float s[EC_MAX_GROUP * EC_BLOCK], acc[EC_MAX_GROUP * EC_MAX_DIM];
     float m[EC_MAX_GROUP], l[EC_MAX_GROUP];
@@ -489,11 +488,73 @@ static void attend_unit_generic(const float *qh, const float *K, const float *V,
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = 1.0f / l[g];
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) o[g * dim + i] = acc[g * dim + i] * inv;
+    for (int64_t g = 0; g < group; g++) ml[g] = m[g], ml[group + g] = l[g];
+    memcpy(o, acc, sizeof(float) * group * dim);
+}
+
+/* A (row, KV head)'s positions are attended in spans, each its own unit of work (the
+ * fused decode step's threads share a phase's spans, so a few KV heads still split
+ * evenly), then merged: the softmax's running maximum and sum of each span rescaled to
+ * the largest maximum. The spans depend on the positions alone (never on the threads), a
+ * power of two of them so that they split evenly over a power of two of threads, about
+ * EC_SPAN positions each, at most EC_MAX_SPANS; every caller merges them in the same
+ * order with the same code, so the layers and the fused step agree bit for bit. */
+#define EC_SPAN 64
+#define EC_MAX_SPANS 8
+
+int64_t ec_attention_spans(int64_t positions) {
+    int64_t spans = 1;
+    while (spans < EC_MAX_SPANS && spans * EC_SPAN < positions) spans *= 2;
+    return spans;
+}
+
+/* One span, positions [lo, hi) of K and V [positions, dim], for the `group` query heads
+ * qh [group, dim]: part holds the unnormalized sums [group, dim], then each head's
+ * running maximum [group] and softmax sum [group]. */
+void ec_attend_span(const float *qh, const float *K, const float *V, int64_t lo, int64_t hi,
+                    float scale, int64_t group, int64_t dim, float *part) {
+    float *ml = part + group * dim;
+    if (!attend_unit_fast(qh, K, V, lo, hi, scale, part, ml, group, dim))
+        attend_unit_generic(qh, K, V, lo, hi, scale, part, ml, group, dim);
+}
+
+/* Folds span j's part into the running sums o [group, dim] and ml (maxima, then sums). */
+static void merge_span(float *o, float *ml, const float *part, int64_t j, int64_t group,
+                       int64_t dim) {
+    const float *pm = part + group * dim, *pl = pm + group;
+    if (j == 0) {
+        memcpy(o, part, sizeof(float) * group * dim);
+        memcpy(ml, pm, sizeof(float) * 2 * group);
+        return;
     }
+    for (int64_t g = 0; g < group; g++) {
+        const float top = ml[g] > pm[g] ? ml[g] : pm[g];
+        const float a = expf(ml[g] - top), b = expf(pm[g] - top);
+        ml[g] = top;
+        ml[group + g] = fmaf(ml[group + g], a, pl[g] * b);
+        float *og = o + g * dim;
+        const float *pg = part + g * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) og[i] = fmaf(og[i], a, pg[i] * b);
+    }
+}
+
+/* The attention output o [group, dim] from the merged sums. */
+static void normalize_spans(float *o, const float *ml, int64_t group, int64_t dim) {
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.0f / ml[group + g];
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[g * dim + i] *= inv;
+    }
+}
+
+/* out [group, dim]: the `spans` parts (ec_attend_span's, each group * dim + 2 * group
+ * floats, in span order) merged. */
+void ec_merge_spans(const float *parts, int64_t spans, int64_t group, int64_t dim, float *out) {
+    float ml[2 * EC_MAX_GROUP];
+    for (int64_t j = 0; j < spans; j++)
+        merge_span(out, ml, parts + j * (group * dim + 2 * group), j, group, dim);
+    normalize_spans(out, ml, group, dim);
 }
 
 int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
@@ -515,8 +576,14 @@ int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
         const float *V = v_cache + (r * kv_heads + h) * cap * dim;
         const float *qh = q + r * q_stride + h * group * dim;
         float *o = out + (r * kv_heads + h) * group * dim;
-        if (!attend_unit_fast(qh, K, V, start, len, scale, o, group, dim))
-            attend_unit_generic(qh, K, V, start, len, scale, o, group, dim);
+        float part[EC_MAX_GROUP * EC_MAX_DIM + 2 * EC_MAX_GROUP], ml[2 * EC_MAX_GROUP];
+        const int64_t attended = len - start, spans = ec_attention_spans(attended);
+        for (int64_t j = 0; j < spans; j++) {
+            ec_attend_span(qh, K, V, start + attended * j / spans,
+                           start + attended * (j + 1) / spans, scale, group, dim, part);
+            merge_span(o, ml, part, j, group, dim);
+        }
+        normalize_spans(o, ml, group, dim);
     }
     return 0;
 }

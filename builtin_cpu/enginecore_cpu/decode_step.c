@@ -8,8 +8,8 @@
  *
  * One OpenMP team runs the whole step as a sequence of phases, five a layer: QKV,
  * attention, O, gate/up (with SiLU on the same columns) and down. A phase is cut into
- * units (ECD_ROW_ALIGN output rows of a product, or attention's (row, KV head) pairs,
- * each rotating, appending and attending its own heads) that the threads take from a
+ * units (ECD_ROW_ALIGN output rows of a product, or attention's spans of positions of
+ * a (row, KV head): see ec_attention_spans) that the threads take from a
  * shared counter in chunks of a share of what is left, shrinking to one unit at the
  * end: both threads finish a phase together, and a thread the OS has paused (a busy
  * laptop, a shared machine) holds up one chunk instead of a fixed share. Each thread
@@ -78,9 +78,10 @@ typedef int (*write_kv_fn)(float *, float *, const float *, int64_t, const float
 typedef int (*mirror_append_fn)(float *, float *, const float *, int64_t, const float *,
                                 int64_t, const int64_t *, int64_t, int64_t, int64_t, int64_t,
                                 int);
-typedef int (*decode_attention_fn)(const float *, int64_t, const float *, const float *,
-                                   const int64_t *, int64_t, int64_t, int64_t, int64_t,
-                                   int64_t, int64_t, float, float *, int);
+typedef int64_t (*attention_spans_fn)(int64_t);
+typedef void (*attend_span_fn)(const float *, const float *, const float *, int64_t, int64_t,
+                               float, int64_t, int64_t, float *);
+typedef void (*merge_spans_fn)(const float *, int64_t, int64_t, int64_t, float *);
 typedef int (*linear_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t, const void *,
                          const void *, const void *, float *, int64_t);
 typedef void (*quantize_rows_fn)(const float *, int64_t, int64_t, int64_t, int8_t *, float *,
@@ -105,7 +106,9 @@ typedef struct {
     silu_and_mul_fn silu_and_mul;
     write_kv_fn write_kv;
     mirror_append_fn mirror_append;
-    decode_attention_fn decode_attention;
+    attention_spans_fn attention_spans;
+    attend_span_fn attend_span;
+    merge_spans_fn merge_spans;
     linear_fn linear;
     quantize_rows_fn quantize_rows;
     gemm_k_fn gemm_k;
@@ -278,8 +281,8 @@ enum { STAGE_HEAD = STAGES, STAGE_PICK, ALL_STAGES };
  * stays in its cache while its maxima are taken, and no [rows, vocab] logits exist. */
 #define ECD_HEAD_TILE 128
 
-/* A phase's counters of units (ECD_ROW_ALIGN rows of a product, or attention's (row,
- * KV head) pairs) taken and done, a cache line each so threads taking chunks of one
+/* A phase's counters of units (ECD_ROW_ALIGN rows of a product, or attention's spans)
+ * taken and done, a cache line each so threads taking chunks of one
  * phase do not contend with the phase word. */
 typedef struct {
     _Atomic int64_t next, done;
@@ -300,7 +303,13 @@ typedef struct {
     int64_t *tile_at;     /* [n, head units] where it is */
     float *residual, *normed, *qkv, *qk, *attn, *proj, *gate_up, *act;
     int64_t unit[ALL_STAGES];  /* rows a unit of each stage is (1 for attention's) */
-    int64_t count[ALL_STAGES]; /* units of each stage */
+    int64_t count[ALL_STAGES]; /* units of each stage (attention's: per layer, below) */
+    /* Layer l's attention units of rows before r: attn_first[l * (n + 1) + r]; a row's
+     * units are its KV heads' spans, head by head */
+    int64_t *attn_first;
+    float *parts;             /* [n * kv_heads * max_spans] spans' sums (ec_attend_span) */
+    int64_t max_spans;
+    _Atomic int32_t *spans_done; /* [num_layers * n * kv_heads] spans attended */
     int threads;
     ecd_counter *counters; /* [num_layers * STAGES + 2]: the layers', then the head's */
     _Atomic int32_t phase __attribute__((aligned(64))); /* the open phase (a futex word) */
@@ -308,46 +317,79 @@ typedef struct {
     _Atomic int status;
 } ecd_run;
 
+/* Attention unit c of layer l: span j of KV head kh of row r. Each unit rotates its own
+ * copy of the head's queries (q_rotated, the thread's); the head's last span, the only
+ * one that reads this step's position, rotates K and appends K and V to the mirror;
+ * whichever unit attends a head's last missing span merges its spans into attn. */
+static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
+    const ecd_model *m = st->m;
+    const ecd_kernels *k = &m->k;
+    const ecd_layer *layer = &m->layers[l];
+    const int64_t hd = m->head_dim, n = st->n;
+    const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+    const int64_t qkv_size = q_size + 2 * kv_size, group = m->heads / m->kv_heads;
+    const int64_t *first = st->attn_first + l * (n + 1);
+    int64_t r = 0, hi = n; /* the row: the last whose first unit is at or before c */
+    while (hi - r > 1) {
+        const int64_t mid = (r + hi) / 2;
+        if (first[mid] <= c) r = mid;
+        else hi = mid;
+    }
+    const int64_t spans = (first[r + 1] - first[r]) / m->kv_heads;
+    const int64_t kh = (c - first[r]) / spans, j = (c - first[r]) % spans;
+    /* Q and K heads, side by side: in the fused projection, or normed into qk */
+    float *heads = layer->q_norm != NULL ? st->qk : st->qkv;
+    const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
+    const float *row = st->qkv + r * qkv_size;
+    float *k_at = heads + r * stride + q_size + kh * hd;
+    const float *v_at = row + q_size + kv_size + kh * hd;
+    const int64_t *pos = st->positions + r;
+    if (layer->q_norm != NULL)
+        k->rms_norm(row + kh * group * hd, hd, NULL, 0, 0, layer->q_norm, q_rotated, group, hd,
+                    m->eps, 1);
+    else
+        memcpy(q_rotated, row + kh * group * hd, group * hd * sizeof(float));
+    k->rotary(q_rotated, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
+    const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd;
+    float *mk = st->mirror[2 * l] + at, *mv = st->mirror[2 * l + 1] + at;
+    if (j == spans - 1) {
+        if (layer->k_norm != NULL)
+            k->rms_norm(row + q_size + kh * hd, hd, NULL, 0, 0, layer->k_norm, k_at, 1, hd,
+                        m->eps, 1);
+        k->rotary(k_at, 0, 1, 1, hd, pos, m->cos, m->sin, m->max_pos, 1);
+        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1);
+    }
+    const int64_t len = st->lens[r];
+    const int64_t start = layer->window > 0 && len > layer->window ? len - layer->window : 0;
+    const int64_t positions = len - start, part_size = group * hd + 2 * group;
+    float *parts = st->parts + (r * m->kv_heads + kh) * st->max_spans * part_size;
+    k->attend_span(q_rotated, mk, mv, start + positions * j / spans,
+                   start + positions * (j + 1) / spans, m->scale, group, hd,
+                   parts + j * part_size);
+    /* the last span's adder sees every other span's part (acquire-release) */
+    if (atomic_fetch_add(&st->spans_done[(l * n + r) * m->kv_heads + kh], 1) + 1 == spans)
+        k->merge_spans(parts, spans, group, hd, st->attn + (r * m->kv_heads + kh) * group * hd);
+}
+
 /* Units [u, u_end) of stage s of layer l (phase p); q is the thread's quantized
- * activations, silu_in its scratch for SiLU's columns. Returns 0, or -2 without scratch
+ * activations, silu_in its scratch for SiLU's columns, q_rotated for a KV head's query
+ * heads. Returns 0, or -2 without scratch
  * memory in a kernel. */
 static int run_chunk(ecd_run *st, int64_t l, int s, int64_t u, int64_t u_end, int32_t p,
-                     ecd_quantized *q, float *silu_in) {
+                     ecd_quantized *q, float *silu_in, float *q_rotated) {
     const ecd_model *m = st->m;
     const ecd_kernels *k = &m->k;
     const ecd_layer *layer = &m->layers[l];
     const int64_t n = st->n, hd = m->head_dim, h = m->hidden, inter = m->inter;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
-    const int64_t qkv_size = q_size + 2 * kv_size, group = m->heads / m->kv_heads;
+    const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t lo = u * st->unit[s];
     if (s == STAGE_QKV) {
         const int64_t hi = u_end * st->unit[s] < qkv_size ? u_end * st->unit[s] : qkv_size;
         return project_rows(k, &layer->qkv, st->normed, n, st->qkv, lo, hi, q, p);
     }
-    for (int64_t c = u; s == STAGE_ATTENTION && c < u_end; c++) {
-        /* Q and K heads, side by side: in the fused projection, or normed into qk */
-        float *heads = layer->q_norm != NULL ? st->qk : st->qkv;
-        const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
-        const int64_t r = c / m->kv_heads, kh = c % m->kv_heads;
-        const float *row = st->qkv + r * qkv_size;
-        float *q_at = heads + r * stride + kh * group * hd;
-        float *k_at = heads + r * stride + q_size + kh * hd;
-        const float *v_at = row + q_size + kv_size + kh * hd;
-        if (layer->q_norm != NULL) {
-            k->rms_norm(row + kh * group * hd, hd, NULL, 0, 0, layer->q_norm, q_at, group, hd,
-                        m->eps, 1);
-            k->rms_norm(row + q_size + kh * hd, hd, NULL, 0, 0, layer->k_norm, k_at, 1, hd,
-                        m->eps, 1);
-        }
-        const int64_t *pos = st->positions + r;
-        k->rotary(q_at, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
-        k->rotary(k_at, 0, 1, 1, hd, pos, m->cos, m->sin, m->max_pos, 1);
-        const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd;
-        float *mk = st->mirror[2 * l] + at, *mv = st->mirror[2 * l + 1] + at;
-        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1);
-        k->decode_attention(q_at, 0, mk, mv, st->lens + r, 1, 1, group, hd, st->mirror_cap,
-                            layer->window, m->scale, st->attn + c * group * hd, 1);
-    }
+    for (int64_t c = u; s == STAGE_ATTENTION && c < u_end; c++)
+        attend_unit(st, l, c, q_rotated);
     if (s == STAGE_ATTENTION) return 0;
     if (s == STAGE_O) {
         const int64_t hi = u_end * st->unit[s] < h ? u_end * st->unit[s] : h;
@@ -510,7 +552,7 @@ static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int
 }
 
 /* One thread's part of the step: chunks of each open phase until the last is done. `own`
- * is its scratch: xd, xs, xq and SiLU's columns. */
+ * is its scratch: xd, xs, xq, SiLU's columns and a KV head's rotated queries. */
 static void take_chunks(ecd_run *st, int t, float *own) {
     (void)t; /* the profile's index */
     const ecd_model *m = st->m;
@@ -520,7 +562,8 @@ static void take_chunks(ecd_run *st, int t, float *own) {
     ecd_quantized q = {.xd = own, .xs = own + aligned_floats(n * blocks), .phase = -1};
     q.xq = (int8_t *)(q.xs + aligned_floats(n * blocks));
     float *silu_in = (float *)q.xq + aligned_floats((n * blocks * 32 + 3) / 4);
-    float *head_tile = silu_in + aligned_floats(2 * m->inter);
+    float *q_rotated = silu_in + aligned_floats(2 * m->inter);
+    float *head_tile = q_rotated + aligned_floats(m->heads / m->kv_heads * m->head_dim);
     const int32_t layer_phases = (int32_t)(m->num_layers * STAGES);
     const int32_t phases = layer_phases + (st->logits != NULL ? 1 : st->tokens != NULL ? 2 : 0);
     int32_t p = 0;
@@ -530,14 +573,18 @@ static void take_chunks(ecd_run *st, int t, float *own) {
         ecd_counter *counter = &st->counters[p];
         for (;;) {
             int64_t u;
-            const int64_t u_end = take_units(&counter->next, st->count[s], st->threads, &u);
-            if (u >= st->count[s]) break;
+            const int64_t count = s == STAGE_ATTENTION
+                                      ? st->attn_first[l * (n + 1) + n]
+                                      : st->count[s];
+            const int64_t u_end = take_units(&counter->next, count, st->threads, &u);
+            if (u >= count) break;
             PROFILE_START(work);
-            const int failed = s >= STAGES ? run_head_chunk(st, s, u, u_end, p, &q, head_tile)
-                                           : run_chunk(st, l, s, u, u_end, p, &q, silu_in);
+            const int failed = s >= STAGES
+                                   ? run_head_chunk(st, s, u, u_end, p, &q, head_tile)
+                                   : run_chunk(st, l, s, u, u_end, p, &q, silu_in, q_rotated);
             if (failed) atomic_store(&st->status, -2);
             PROFILE_ADD(t, s == STAGE_HEAD ? PH_HEAD : s == STAGE_PICK ? PH_PICK : s, work);
-            if (atomic_fetch_add(&counter->done, u_end - u) + (u_end - u) == st->count[s]) {
+            if (atomic_fetch_add(&counter->done, u_end - u) + (u_end - u) == count) {
                 PROFILE_START(serial);
                 if (s < STAGES) after_stage(st, l, s);
                 PROFILE_ADD(t, PH_SERIAL, serial);
@@ -588,10 +635,17 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
      * row by its alignment, and the rows must round as they do in the layers. */
     const int64_t sizes[] = {n * h,        n * h,          n * qkv_size, n * (q_size + kv_size),
                              n * q_size,   n * h,          2 * n * m->inter, n * m->inter};
+    const int64_t group = m->heads / m->kv_heads;
     const int64_t own_size = 2 * aligned_floats(n * blocks) +
                              aligned_floats((n * blocks * 32 + 3) / 4) +
-                             aligned_floats(2 * m->inter) +
+                             aligned_floats(2 * m->inter) + aligned_floats(group * hd) +
                              (tokens != NULL ? aligned_floats(n * ECD_HEAD_TILE) : 0);
+    /* attention's spans: the most a row can have, their parts, each layer's units */
+    const int64_t max_spans = k->attention_spans(mirror_cap);
+    const int64_t parts_size =
+        aligned_floats(n * m->kv_heads * max_spans * (group * hd + 2 * group));
+    const int64_t first_size = aligned_floats(m->num_layers * (n + 1) * 2); /* int64s */
+    const int64_t done_size = aligned_floats(m->num_layers * n * m->kv_heads); /* int32s */
     int64_t shared_total = 0;
     for (int i = 0; i < 8; i++) shared_total += aligned_floats(sizes[i]);
     /* each tile's maxima and where they are (int64, two floats each) */
@@ -600,15 +654,29 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     const int64_t counter_floats = aligned_floats(
         (int64_t)((m->num_layers * STAGES + 2) * sizeof(ecd_counter) + sizeof(ecd_run)) / 4 +
         1);
-    float *scratch = aligned_alloc(
-        64, (shared_total + counter_floats + nthreads * own_size) * sizeof(float));
+    const int64_t attention_size = parts_size + first_size + done_size;
+    float *scratch = aligned_alloc(64, (shared_total + counter_floats + attention_size +
+                                        nthreads * own_size) * sizeof(float));
     if (scratch == NULL) return -2;
     float *buf[8];
     for (int i = 0, at = 0; i < 8; at += aligned_floats(sizes[i]), i++) buf[i] = scratch + at;
     ecd_run *st = (ecd_run *)(scratch + shared_total);
     memset(st, 0, counter_floats * sizeof(float));
     st->counters = (ecd_counter *)(st + 1);
-    float *own_base = scratch + shared_total + counter_floats;
+    st->parts = scratch + shared_total + counter_floats;
+    st->attn_first = (int64_t *)(st->parts + parts_size);
+    st->spans_done = (_Atomic int32_t *)(st->parts + parts_size + first_size);
+    memset((void *)st->spans_done, 0, done_size * sizeof(float));
+    st->max_spans = max_spans;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        int64_t *first = st->attn_first + l * (n + 1), window = m->layers[l].window;
+        first[0] = 0;
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t positions = window > 0 && lens[r] > window ? window : lens[r];
+            first[r + 1] = first[r] + m->kv_heads * k->attention_spans(positions);
+        }
+    }
+    float *own_base = scratch + shared_total + counter_floats + attention_size;
     st->m = m, st->n = n, st->positions = positions, st->slots = slots, st->lens = lens;
     st->mirror = mirror, st->mirror_cap = mirror_cap, st->out = out;
     st->logits = logits, st->tokens = tokens;
@@ -624,11 +692,10 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     k->rms_norm(st->residual, h, st->residual, h, 0, m->layers[0].input_norm, st->normed, n, h,
                 m->eps, 1);
     /* shares sized for the threads asked for: a smaller team still takes every unit */
-    const int64_t rows[STAGES] = {qkv_size, m->kv_heads, h, m->inter, h};
+    const int64_t rows[STAGES] = {qkv_size, 0, h, m->inter, h};
     for (int s = 0; s < STAGES; s++) {
         st->unit[s] = s == STAGE_ATTENTION ? 1 : ECD_ROW_ALIGN;
-        st->count[s] = s == STAGE_ATTENTION ? n * m->kv_heads
-                                            : (rows[s] + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
+        st->count[s] = (rows[s] + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     }
     st->unit[STAGE_HEAD] = ECD_HEAD_TILE, st->count[STAGE_HEAD] = head_tiles;
     st->unit[STAGE_PICK] = ECD_ROW_ALIGN;

@@ -15,8 +15,9 @@ import torch
 from enginecore import LLM
 from enginecore.config import ParallelConfig, make_config
 from enginecore.engine.components import pick_executor_name
+from enginecore.interfaces import WorkerSpec
 from enginecore.server.launch import server_config
-from enginecore_executors.worker import cpu_threads_per_rank
+from enginecore_executors.worker import Worker, cpu_threads_per_rank
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -103,6 +104,11 @@ def test_large_prefill_steps_borrow_the_reserved_cores(reserving_llm, tiny_llama
     assert llm.generate(["hello"])[0].outputs[0].token_ids
     assert llm.collective_rpc(lambda worker: torch.get_num_threads()) == [CORES - 1]
 
-    # Nothing to borrow (the same worker code in this process: no engine process to start).
-    with LLM(tiny_llama, dtype="float32", cpu_reserved_cores=0, multiprocessing=False) as llm:
-        assert llm.collective_rpc(lambda worker: worker.burst_threads) == [0]
+    # Nothing to borrow: the same worker's device set-up in this process, keeping no core
+    # (no model to load for it).
+    spec = WorkerSpec(worker_ref="", model_runner_ref="", model_refs={})
+    config = make_config(model=str(tiny_llama), dtype="float32", cpu_reserved_cores=0)
+    worker = Worker(config, spec)
+    worker.init_device()
+    assert (worker.step_threads, worker.burst_threads) == (0, 0)
+    assert torch.get_num_threads() == CORES

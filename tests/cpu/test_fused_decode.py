@@ -27,7 +27,9 @@ pytestmark = needs_kernels
 PROMPTS = [list(range(3 + i, 3 + i + length)) for i, length in enumerate((5, 23, 41, 12))]
 
 
-def _generate(path: pathlib.Path, fused: bool, monkeypatch, **engine: Any) -> tuple[list, Any]:
+def _generate(
+    path: pathlib.Path, fused: bool, monkeypatch, prompts: list[list[int]] = PROMPTS, **engine: Any
+) -> tuple[list, Any]:
     """Each request's tokens and log-probabilities, and how many steps ran fused."""
     from enginecore import LLM, SamplingParams
 
@@ -35,7 +37,7 @@ def _generate(path: pathlib.Path, fused: bool, monkeypatch, **engine: Any) -> tu
     llm = LLM(str(path), multiprocessing=False, max_num_batched_tokens=32, **engine)
     try:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         steps = llm.collective_rpc(
             lambda worker: getattr(worker.model_runner.fused_decode, "steps", None)
         )[0]
@@ -79,7 +81,9 @@ def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypat
     _same_as_layers(path, monkeypatch)
 
 
-def _same_bits_on_any_number_of_threads(path: pathlib.Path, threads: tuple[int, ...]) -> None:
+def _same_bits_on_any_number_of_threads(
+    path: pathlib.Path, threads: tuple[int, ...], prompts: list[list[int]] = PROMPTS
+) -> None:
     """Each of the first decode steps (one to four rows), run again on each of ``threads``,
     gives the hidden states it gave on the engine's (running it again writes the same K/V
     to the same places)."""
@@ -101,7 +105,7 @@ def _same_bits_on_any_number_of_threads(path: pathlib.Path, threads: tuple[int, 
 
         step.run = run_on_several
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert len(runs) == 6 and max(hidden.shape[0] for hidden, *_ in runs) > 1
     for hidden, *again in runs:
         for other in again:
@@ -114,6 +118,26 @@ def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama,
     formats."""
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
     _same_bits_on_any_number_of_threads(path, (1, 2, 3, 5))
+
+
+# Prompts whose decodes attend 1, 2, 4 and 8 spans of positions (ec_attention_spans)
+SPAN_PROMPTS = [list(range(3 + i, 3 + i + length)) for i, length in enumerate((20, 90, 150, 520))]
+
+
+@pytest.mark.slow
+def test_attention_spans_decode_fused_as_layer_by_layer_on_any_threads(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """Contexts past one span: each KV head's spans are units the threads share, merged
+    by whichever finishes last, as the layers' kernel attends and merges them (the fast
+    sibling: test_attention_variants.py's spans against SDPA)."""
+    path = write_gguf(tiny_llama, tmp_path / "q4_0.gguf", types=lambda name: "Q4_0")
+    fused, steps = _generate(path, True, monkeypatch, SPAN_PROMPTS)
+    layered, off = _generate(path, False, monkeypatch, SPAN_PROMPTS)
+    assert off is None and steps and steps >= 20, (off, steps)
+    assert fused == layered
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1")
+    _same_bits_on_any_number_of_threads(path, (1, 2, 3), SPAN_PROMPTS)
 
 
 def _q5_k_m(name: str) -> str:

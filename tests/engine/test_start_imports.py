@@ -123,35 +123,47 @@ def _mapped_libraries(pid: int) -> str:
     return pathlib.Path(f"/proc/{pid}/maps").read_text()
 
 
+@pytest.fixture(scope="module")
+def server_like_start(tiny_llama):
+    """One engine started as a CPU server starts it (one core kept for the frontend, the
+    executor chosen by auto), with work alongside its start that records the engine
+    processes it sees: ``(llm, [what the work saw], the engine processes after the start)``.
+    """
+    from enginecore import LLM
+    from enginecore.engine.client import alongside_engine_start
+
+    seen: list[list[int]] = []
+    with pytest.MonkeyPatch.context() as env:
+        # The Triton tests' modules turn the interpreter on for the whole test process.
+        env.delenv("TRITON_INTERPRET", raising=False)
+        with alongside_engine_start(lambda: seen.append(_engine_processes())):
+            llm = LLM(model=str(tiny_llama), cpu_reserved_cores=1, max_model_len=64, max_num_seqs=4)
+    try:
+        yield llm, seen, _engine_processes()
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads /proc")
-def test_a_cpu_servers_engine_process_loads_neither_torch_nor_triton(
-    tiny_llama, tmp_path, monkeypatch
-):
+def test_a_cpu_servers_engine_process_loads_neither_torch_nor_triton(server_like_start):
     """The engine process schedules; with the ``mp`` executor (what ``auto`` picks for a
     CPU server) the model runs in the worker, which loads torch but, on CPU, not triton."""
     import torch
 
-    # The Triton tests' modules turn the interpreter on for the whole test process.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
     if torch.version.cuda or torch.version.hip:
         pytest.skip("a GPU build of torch: the engine process asks torch for a device")
-    from enginecore import LLM, SamplingParams
+    from enginecore import SamplingParams
 
-    # A server's settings: one core kept for the frontend, the executor chosen by auto.
-    llm = LLM(model=str(tiny_llama), cpu_reserved_cores=1, max_model_len=64, max_num_seqs=4)
-    try:
-        out = llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3
-        engines = _descendants_running("engine")
-        workers = _descendants_running("worker")
-        assert len(engines) == 1 and len(workers) == 1, (engines, workers)
-        assert "libtorch" not in _mapped_libraries(engines[0])
-        worker_maps = _mapped_libraries(workers[0])
-        assert "libtorch" in worker_maps  # the check can see a library when it is there
-        assert "libtriton" not in worker_maps
-    finally:
-        llm.shutdown()
+    llm = server_like_start[0]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    engines = _descendants_running("engine")
+    workers = _descendants_running("worker")
+    assert len(engines) == 1 and len(workers) == 1, (engines, workers)
+    assert "libtorch" not in _mapped_libraries(engines[0])
+    worker_maps = _mapped_libraries(workers[0])
+    assert "libtorch" in worker_maps  # the check can see a library when it is there
+    assert "libtriton" not in worker_maps
 
 
 def test_the_torch_build_is_read_from_its_version_file(tmp_path, monkeypatch):
@@ -181,18 +193,12 @@ def _engine_processes() -> list[int]:
     return _descendants_running("engine")
 
 
-def test_work_alongside_an_engine_start_runs_while_the_engine_process_boots(tiny_llama):
-    from enginecore import LLM
+def test_work_alongside_an_engine_start_runs_while_the_engine_process_boots(server_like_start):
     from enginecore.engine.client import alongside_engine_start
 
-    seen: list[list[int]] = []
-    with alongside_engine_start(lambda: seen.append(_engine_processes())):
-        llm = LLM(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
-    try:
-        assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the engine spawned
-        assert _engine_processes() == seen[0]
-    finally:
-        llm.shutdown()
+    _, seen, after_start = server_like_start
+    assert len(seen) == 1 and len(seen[0]) == 1  # ran once, with the engine spawned
+    assert after_start == seen[0]
     with alongside_engine_start(lambda: seen.append(_engine_processes())):
         pass
     assert len(seen) == 1  # only starts inside the block run it
@@ -207,15 +213,17 @@ def test_a_failure_alongside_an_engine_start_stops_the_engine(tiny_llama):
     def fail() -> None:
         raise RuntimeError("the app could not be imported")
 
+    running = _engine_processes()  # another module fixture's engine, if it is up
+
     with (
         pytest.raises(RuntimeError, match="could not be imported"),
         alongside_engine_start(fail),
     ):
         LLM(model=str(tiny_llama), max_model_len=64, max_num_seqs=4)
     deadline = time.monotonic() + 30
-    while _engine_processes() and time.monotonic() < deadline:
+    while _engine_processes() != running and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _engine_processes() == []
+    assert _engine_processes() == running
 
 
 def test_the_server_launcher_leaves_the_http_stack_for_later():

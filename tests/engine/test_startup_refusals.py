@@ -23,9 +23,41 @@ def test_a_context_length_the_cache_cannot_hold_is_refused_with_the_memory_neede
     assert "--kv-cache-bytes" in message and "lower --max-model-len" in message
 
 
-def test_an_unset_context_length_is_fitted_to_the_cache(tiny_llama):
-    with LLM(model=str(tiny_llama), kv_cache_bytes=SMALL_CACHE) as llm:
-        assert llm.max_model_len == 32
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def started(tiny_llama):
+    """``(llm, start-up warnings)`` of one engine for the two settings that start: no
+    context length with a small cache, and a GPU memory setting on CPU (which changes
+    nothing there, so it cannot change the fitted length either)."""
+    warnings = _Warnings()
+    startup = logging.getLogger("enginecore.startup")
+    startup.addHandler(warnings)
+    level = startup.level
+    startup.setLevel(logging.WARNING)
+    try:
+        with LLM(
+            model=str(tiny_llama),
+            device="cpu",
+            gpu_memory_utilization=0.5,
+            kv_cache_bytes=SMALL_CACHE,
+        ) as llm:
+            yield llm, warnings.lines
+    finally:
+        startup.removeHandler(warnings)
+        startup.setLevel(level)
+
+
+def test_an_unset_context_length_is_fitted_to_the_cache(started):
+    llm, _ = started
+    assert llm.max_model_len == 32
 
 
 def test_a_tensor_parallel_size_that_does_not_split_the_heads_fails_before_any_process(
@@ -36,10 +68,6 @@ def test_a_tensor_parallel_size_that_does_not_split_the_heads_fails_before_any_p
     assert "sizes that work: 1, 2" in str(e.value)
 
 
-def test_gpu_memory_utilization_on_cpu_is_said(tiny_llama, caplog):
-    caplog.set_level(logging.WARNING, logger="enginecore.startup")
-    with LLM(
-        model=str(tiny_llama), device="cpu", gpu_memory_utilization=0.5, kv_cache_bytes=SMALL_CACHE
-    ):
-        pass
-    assert "gpu_memory_utilization 0.5 has no effect on CPU" in caplog.text
+def test_gpu_memory_utilization_on_cpu_is_said(started):
+    _, warnings = started
+    assert any("gpu_memory_utilization 0.5 has no effect on CPU" in w for w in warnings), warnings

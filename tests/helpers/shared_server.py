@@ -15,6 +15,8 @@ from tests.helpers.serve_process import serve, stop
 #: checkpoint's generation_config.json recommends.
 COMPAT_MAX_MODEL_LEN = 512
 COMPAT_MAX_NEW_TOKENS = 7
+#: The server/ folder's ``surface_server``: its first served model name, and its alias.
+SURFACE_NAME, SURFACE_ALIAS = "primary", "alias"
 
 
 class SharedServer:

@@ -83,7 +83,9 @@ def test_generation_on_a_pooling_model_is_refused(qwen3_llm):
 
 
 def test_embed_on_a_generation_model_is_refused(tiny_llama):
-    llm = LLM(tiny_llama, max_num_seqs=2, kv_cache_bytes=4 << 20)
+    # The frontend refuses it before any request reaches an engine: the engine in this
+    # process is enough.
+    llm = LLM(tiny_llama, max_num_seqs=2, kv_cache_bytes=4 << 20, multiprocessing=False)
     try:
         with pytest.raises(InvalidRequestError, match="--runner pooling"):
             llm.embed(TEXTS[:1], use_tqdm=False)

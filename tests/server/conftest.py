@@ -1,6 +1,6 @@
 """Fixtures the server tests share.
 
-One server here serves the modules that only send it requests: none changes a setting or
+One server here (``compat_server``) serves the modules that only send it requests: none changes a setting or
 the server's state that another one reads, and none reads its log or metrics. Each module
 takes it through a module-scoped fixture, which starts it again if an earlier module's
 test killed it.
@@ -14,7 +14,14 @@ import shutil
 
 import pytest
 
-from tests.helpers.shared_server import COMPAT_MAX_MODEL_LEN, COMPAT_MAX_NEW_TOKENS, SharedServer
+from enginecore.lora.random_adapter import make_random_adapter
+from tests.helpers.shared_server import (
+    COMPAT_MAX_MODEL_LEN,
+    COMPAT_MAX_NEW_TOKENS,
+    SURFACE_ALIAS,
+    SURFACE_NAME,
+    SharedServer,
+)
 
 
 @pytest.fixture(scope="package")
@@ -43,3 +50,23 @@ def plain_server_url(compat_server) -> str:
     """The shared server's URL, for the modules that need nothing but requests (beam
     search, Responses)."""
     return compat_server.url()
+
+
+@pytest.fixture(scope="package")
+def surface_server(tiny_llama, tmp_path_factory):
+    """``enginecore serve`` of the tiny Llama under two names with an adapter, every
+    logprob allowed, and ``--unknown-request-fields warn``: the vLLM-surface module sends
+    it only fields it knows, and the unknown-fields module reads the warnings in its log
+    (each field name it sends is its own, so each is warned about first there)."""
+    tmp = tmp_path_factory.mktemp("server-openai-surface")
+    adapter = make_random_adapter(tiny_llama, tmp / "adapter", r=4, seed=1)
+    flags = [
+        "--max-model-len", "256", "--num-blocks-override", "128", "--max-logprobs", "-1",
+        "--served-model-name", SURFACE_NAME, SURFACE_ALIAS, "--enable-lora",
+        "--max-lora-rank", "8", "--lora-modules", f"adapter={adapter}",
+        "--unknown-request-fields", "warn",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
+    shared = SharedServer(tiny_llama, tmp, flags, env)
+    yield shared
+    shared.stop()

@@ -15,28 +15,19 @@ import torch
 
 from enginecore.config import make_config
 from enginecore.errors import ConfigError
-from enginecore.lora.random_adapter import make_random_adapter
 from enginecore.server.lora_models import LoRAModels
 from tests.helpers.hf_reference import load_reference
-from tests.helpers.serve_process import serve, stop
+from tests.helpers.shared_server import SURFACE_ALIAS, SURFACE_NAME
 
-NAME, ALIAS = "primary", "alias"
+NAME, ALIAS = SURFACE_NAME, SURFACE_ALIAS
 LISTED = [5, 17, 3]
 USER = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("server-openai-surface")
-    adapter = make_random_adapter(tiny_llama, tmp / "adapter", r=4, seed=1)
-    flags = [
-        "--max-model-len", "256", "--num-blocks-override", "128", "--max-logprobs", "-1",
-        "--served-model-name", NAME, ALIAS, "--enable-lora", "--max-lora-rank", "8",
-        "--lora-modules", f"adapter={adapter}",
-    ]  # fmt: skip
-    proc, url = serve(tiny_llama, tmp / "server.log", *flags)
-    yield url
-    stop(proc)
+def server(surface_server) -> str:
+    """The server/ folder's ``surface_server`` (``NAME``, ``ALIAS``, an adapter)."""
+    return surface_server.url()
 
 
 @pytest.fixture(scope="module")

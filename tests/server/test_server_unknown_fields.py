@@ -4,23 +4,16 @@ test_server_vllm_compat.py) answers 400 naming it."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import openai
 import pytest
 
-from tests.helpers.serve_process import serve, stop
-
 
 @pytest.fixture(scope="module")
-def warn_server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-unknown-fields") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    flags = ["--max-model-len", "512", "--num-blocks-override", "100"]
-    proc, url = serve(tiny_llama, log_path, *flags, "--unknown-request-fields", "warn", env=env)
-    yield url, log_path
-    stop(proc)
+def warn_server(surface_server):
+    """The server/ folder's ``surface_server``, started with ``--unknown-request-fields
+    warn``: its URL and its log."""
+    return surface_server.url(), surface_server.log_path
 
 
 def test_unknown_fields_are_ignored_and_logged_once(warn_server):
