@@ -765,9 +765,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             head = self._fused_head(batch_view, len(sample_rows) == total, sample_batch_rows)
         logits = tokens = None
         if head == "tokens":  # the head and its argmax in the fused call: no logits
-            tokens = self.fused_decode.run(ids_t, pos_t, batch_view, head=head)
+            tokens = self._run_fused_head(ids_t, pos_t, batch_view, head)
         elif head == "logits":
-            logits = self.fused_decode.run(ids_t, pos_t, batch_view, head=head)
+            logits = self._run_fused_head(ids_t, pos_t, batch_view, head)
         else:
             hidden = self._run_forward(ids_t, pos_t, batch_view, order, req_of_token, positions)
             self._on_hidden(hidden, states, q_lens, starts)
@@ -853,7 +853,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         head = self._fused_head(batch_view, True, rows)
         logits = tokens = None
         if head is not None:  # the head (and the greedy argmax) in the fused call
-            out = self.fused_decode.run(ids_t, pos_t, batch_view, head=head)
+            out = self._run_fused_head(ids_t, pos_t, batch_view, head)
             tokens, logits = (out, None) if head == "tokens" else (None, out)
         else:
             hidden = self._run_forward(ids_t, pos_t, batch_view, order, steady.every, starts)
@@ -863,6 +863,16 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self._free_after_sampling[:] = [hidden]
         self._step = StepState(order, order, logits, batch_rows=rows, tokens=tokens)
         self._steady = steady
+
+    def _run_fused_head(
+        self, ids_t: torch.Tensor, pos_t: torch.Tensor, batch: AttentionBatch, head: str
+    ) -> torch.Tensor:
+        """The fused decode step with its head (``"tokens"`` or ``"logits"``): like
+        :meth:`_run_forward`, it first lets an engine thread in this process do its work."""
+        assert self.fused_decode is not None  # _fused_head chose it
+        mark_inputs_staged()
+        out: torch.Tensor = self.fused_decode.run(ids_t, pos_t, batch, head=head)
+        return out
 
     def _fused_head(
         self, batch: AttentionBatch, every_row_samples: bool, sample_rows: np.ndarray

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from enginecore import LLM, SamplingParams
+from enginecore.engine import inputs_staged
 from enginecore.engine.inputs_staged import InputsStaged, mark_inputs_staged
 from enginecore.engine.serial_thread import SerialThread
 
@@ -142,6 +143,32 @@ def _params(stop_after: dict[int, int]) -> list[SamplingParams]:
             SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=i % 2 == 0, **extra)
         )
     return params
+
+
+def test_the_fused_step_with_its_head_marks_the_inputs_staged_before_it_runs(tiny_llama) -> None:
+    """The CPU backend's fused decode step with the LM head runs a step without the
+    runner's ``_run_forward``; the signal must still be set before the call, not only when
+    ``execute_model`` returns (the engine thread would then wait out the whole forward)."""
+    calls: list[bool] = []
+    with LLM(
+        tiny_llama, dtype="float32", multiprocessing=False, async_scheduling=True, max_model_len=64
+    ) as llm:
+        runner = llm.engine_client.engine.executor.worker.model_runner
+        fused = runner.fused_decode
+        assert fused is not None and fused.has_head, "this CPU build should fuse the head"
+        run = fused.run
+
+        def recording_run(*args: Any, **kwargs: Any) -> Any:
+            signal = getattr(inputs_staged._worker, "signal", None)
+            if signal is not None and kwargs.get("head") is not None:
+                calls.append(signal.event.is_set())
+            return run(*args, **kwargs)
+
+        fused.run = recording_run
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, params)
+    assert len(calls) >= 4, f"the fused head ran in {len(calls)} signalled steps"
+    assert all(calls), f"the fused head ran before its inputs were marked staged: {calls}"
 
 
 @pytest.mark.slow
