@@ -830,13 +830,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             starts = batch.computed[steady.rows]
         rows = steady.rows
         ends = starts + 1
-        known = batch.num_tokens[rows]
-        if (ends > known).any():
-            i = int(np.flatnonzero(ends > known)[0])
-            raise EngineCoreError(
-                f"request {order[i]!r}: scheduled token {int(starts[i])} but only "
-                f"{int(known[i])} are known to the model runner"
-            )
+        _check_known(order, starts, ends, batch.num_tokens[rows])
         input_ids = batch.tokens.reshape(-1)[rows * batch.tokens.shape[1] + starts]
         batch.computed[rows] = ends
         n = len(order)
@@ -916,12 +910,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         batch = self._persistent_batch()
         ends = starts + q_lens
         known = batch.num_tokens[rows]
-        if (ends > known).any():
-            i = int(np.flatnonzero(ends > known)[0])
-            raise EngineCoreError(
-                f"request {order[i]!r}: scheduled tokens {int(starts[i])}..{int(ends[i])} "
-                f"but only {int(known[i])} are known to the model runner"
-            )
+        _check_known(order, starts, ends, known)
         input_ids = batch.tokens[rows[req_of_token], positions]
         due = ends == known  # prefill complete: a new token is due
         last_rows = np.cumsum(q_lens) - 1
@@ -1142,6 +1131,16 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             self.load_model()
         if self.kv_caches is None and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks)
+
+
+def _check_known(order: list[str], starts: np.ndarray, ends: np.ndarray, known: np.ndarray) -> None:
+    """Refuse a step that schedules tokens the runner does not hold (a scheduler's error)."""
+    if (ends > known).any():
+        i = int(np.flatnonzero(ends > known)[0])
+        raise EngineCoreError(
+            f"request {order[i]!r}: scheduled tokens {int(starts[i])}..{int(ends[i])} "
+            f"but only {int(known[i])} are known to the model runner"
+        )
 
 
 def linear_method_name(
