@@ -90,17 +90,21 @@ class Timers:
         self.scheduled: list[Any] = []
 
     def wrap(self, part: str, fn: Callable[..., Any]) -> Any:
-        spent = self.spent
+        return timed_into(self.spent, part, fn)
 
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - t0
 
-        return timed
+def timed_into(spent: dict[str, float], part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, adding the seconds each call takes to ``spent[part]``."""
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - t0
+
+    return timed
 
 
 def instrument(llm: Any, timers: Timers) -> None:

@@ -23,25 +23,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_overhead import make_checkpoint
-
-
-def _timed(spent: dict[str, float], part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[part] += time.perf_counter() - t0
-
-    return timed
+from host_overhead import make_checkpoint, timed_into
 
 
 def run(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str, float]:
@@ -62,12 +50,12 @@ def run(model: str, n: int, steps: int, async_scheduling: bool) -> dict[str, flo
         spent = dict.fromkeys(("forward", "plan", "stage"), 0.0)
         fused = runner.fused_decode
         if fused is not None:
-            fused.run = _timed(spent, "forward", fused.run)
-        runner.model.forward = _timed(spent, "forward", runner.model.forward)
-        runner.model.compute_logits = _timed(spent, "forward", runner.model.compute_logits)
+            fused.run = timed_into(spent, "forward", fused.run)
+        runner.model.forward = timed_into(spent, "forward", runner.model.forward)
+        runner.model.compute_logits = timed_into(spent, "forward", runner.model.compute_logits)
         backend = runner.attn_backend
-        backend.order_decodes = _timed(spent, "plan", backend.order_decodes)
-        runner._stage = _timed(spent, "stage", runner._stage)
+        backend.order_decodes = timed_into(spent, "plan", backend.order_decodes)
+        runner._stage = timed_into(spent, "stage", runner._stage)
         execute = runner.execute_model
         rows: list[dict[str, float]] = []
         seen = [0]

@@ -36,7 +36,7 @@ import struct
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -165,14 +165,25 @@ class PreparedWeights:
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
-    def _temporary(self) -> tuple[int, str]:
-        """A new entry's temporary file, named by this process; those of processes that
-        died while writing one (a reserved entry is the layer's full size) are removed."""
+    def _new_entry(self, raw: bytes) -> tuple[BinaryIO, str]:
+        """A new entry's temporary file, named by this process, open with its prefix and
+        header ``raw`` written; those of processes that died while writing one (a
+        reserved entry is the layer's full size) are removed."""
+        if not self.directory.is_dir():
+            self._replace_older()
         for stale in self.directory.glob("*.tmp"):
             pid = stale.name.split("-", 1)[0]
             if pid.isdigit() and not _alive(int(pid)):
                 stale.unlink(missing_ok=True)
-        return tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
+        f = os.fdopen(fd, "wb")
+        try:
+            f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+        except BaseException:
+            f.close()
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return f, tmp
 
     def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
         """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
@@ -185,12 +196,9 @@ class PreparedWeights:
         raw, end, _ = _header(key, list(layer))
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            if not self.directory.is_dir():
-                self._replace_older()
-            fd, tmp = self._temporary()
+            f, tmp = self._new_entry(raw)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+                with f:
                     f.flush()
                     # Blocks allocated now: a full disk is an error here, where a sparse
                     # file's pages would fault (SIGBUS) as the pass wrote them.
@@ -219,12 +227,9 @@ class PreparedWeights:
         raw, end, writes = _header(key, layer)
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            if not self.directory.is_dir():
-                self._replace_older()
-            fd, tmp = self._temporary()
+            f, tmp = self._new_entry(raw)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+                with f:
                     for t, offset in writes:
                         f.write(b"\0" * (base + offset - f.tell()))
                         f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
