@@ -9,7 +9,11 @@ memory bus). The figure is the bytes a call reads (Q4_0's offsets are formed, no
 over the median call's time; the reference
 is a float32 sum over 512 MiB, timed the same way, on as many threads.
 
-    python benchmarks/decode_kernel_rate.py [--threads 1] [--out 8192 --in 2048]
+``--isa x86-64-v3`` builds the kernels for that x86-64 level instead of this CPU's (the
+AVX2 ones on an AVX-512 CPU, with AVX-VNNI where the CPU has it, as the engine builds them
+on an AVX2 CPU). Run under another ``PYTHONPATH`` to time another build of the kernels.
+
+    python benchmarks/decode_kernel_rate.py [--threads 1] [--out 8192 --in 2048] [--isa x86-64-v3]
 """
 
 from __future__ import annotations
@@ -74,14 +78,20 @@ def main() -> None:
     parser.add_argument("--total-mb", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--isa", help="build the kernels for this x86-64 level")
     args = parser.parse_args()
+    if args.isa:
+        from enginecore_cpu import cpu_kernels
+
+        cpu_kernels.instruction_set = lambda: args.isa  # type: ignore[assignment]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     weight = torch.randn(args.out, args.inputs) * 0.05
     x = torch.randn(1, args.inputs)
     big = torch.ones(128 << 20)
     sum_s = _median_cpu_s([big.sum], 5)
-    print(f"{args.out} x {args.inputs} weights, 1 activation row, {args.threads} thread(s)")
+    isa = args.isa or "this CPU's level"
+    print(f"{args.out} x {args.inputs} weights, 1 activation row, {args.threads} thread(s), {isa}")
     print(f"float32 sum: {big.nbytes / sum_s / 1e9:.1f} GB/s of CPU time")
     print("| format | MB read a call | median µs of CPU time | GB/s of CPU time |")
     print("|---|---|---|---|")
