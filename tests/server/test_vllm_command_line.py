@@ -4,6 +4,8 @@ flag gets the closest ones, and the control routes are opt-in as vLLM's are."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from enginecore import make_config, vllm_flags
-from enginecore.cli import build_parser
+from enginecore.cli import build_parser, main
 from enginecore.server.app import build_app
 from tests.helpers.dead_engine import DeadEngine
 
@@ -26,9 +28,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _config_show(tiny_llama, *flags: str) -> dict:
-    done = _cli("config", "show", "--model", str(tiny_llama), *flags, "--format", "json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    """``enginecore config show ... --format json``, parsed: the command's ``main`` run in
+    this process (the command line is the subject, not an interpreter start)."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["config", "show", "--model", str(tiny_llama), *flags, "--format", "json"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def test_vllm_flag_spellings_set_our_settings(tiny_llama):
