@@ -154,6 +154,115 @@ static inline __attribute__((always_inline)) void block_rows(
 #endif
 
 #if defined(__AVX2__)
+/* The activation terms a call shares: per run of 16 values (Q6_K) the block's scale xd
+ * (``xd16``) and -32 xd times the run's sum of bytes (``xoff16``). */
+static void row_terms(int64_t K, const int8_t *xq, const float *xd, float *xd16,
+                      float *xoff16) {
+    for (int64_t h = 0; h < K / HALF; h++) {
+        int sum = 0;
+        for (int i = 0; i < HALF; i++) sum += xq[h * HALF + i];
+        xd16[h] = xd[h / 2];
+        xoff16[h] = -32.f * xd[h / 2] * (float)sum;
+    }
+}
+
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512BW__) && defined(__AVX512VL__))
+#define ECK_GEMV256 1
+/* One activation row on AVX2 (the batch-1 decode step): as ``gemv512`` a block a register.
+ * The values stay unsigned (Q6_K 0-63, its -32 d sc a value one offset a row from the
+ * activations' run sums), so no sign is moved onto the activations; the 5th and 6th bits
+ * of a block are spread from one 64-bit broadcast of its plane words (Q6_K) by two
+ * shuffles of the same register; each run's scale times its activation scale is formed
+ * once a weight row, eight at a time. Two accumulators over alternate blocks keep the
+ * FMA latency off the loop's path. */
+
+/* ``plane`` (the bytes selected by ``spread`` of one broadcast) as ``value`` in each byte
+ * whose bit is set. */
+static inline __m256i plane_bits(__m256i words, __m256i spread, char value) {
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(words, spread), select);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(value));
+}
+
+/* Block b = 2p + j of the pair ``pair`` (its low 4 bits ``low``) times ``x``, scaled by
+ * ``scale`` (a float per lane) into ``acc``. */
+static inline __attribute__((always_inline)) __m256 block256(int planes, const uint8_t *pair,
+                                                             int j, __m256i low, __m256i x,
+                                                             __m256 scale, __m256 acc) {
+    const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
+    /* byte i of the first word for value i (bytes 0-3), of the second (bytes 4-7) */
+    const __m256i first = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                            0x0101010101010101LL, 0);
+    __m256i w;
+    if (planes == 2) {
+        long long words;
+        memcpy(&words, high, sizeof words);
+        const __m256i both = _mm256_set1_epi64x(words);
+        const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(4));
+        w = _mm256_or_si256(_mm256_or_si256(low, plane_bits(both, first, 16)),
+                            plane_bits(both, second, 32));
+    } else {
+        w = _mm256_or_si256(low, plane_bits(_mm256_set1_epi32((int)load_word(high)), first, 16));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w, x)), scale, acc);
+}
+
+/* sum_i a[i] b[i] over ``count`` floats (a multiple of 8). */
+static inline float dot_f32_256(const float *a, const float *b, int64_t count) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < count; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+}
+
+static inline __attribute__((always_inline)) void gemv256(
+    int planes, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh, const int8_t *xq,
+    const float *xd, const float *xs, float *out) {
+    const int64_t nb = K / QK, pairs = nb / 2, rec = record_bytes(planes);
+    const int64_t runs = planes == 2 ? 2 * nb : nb; /* scales a row */
+    const int64_t hstride = nb / 8 * scale_bytes(planes);
+    float xd16[planes == 2 ? 2 * nb : 1], xoff16[planes == 2 ? 2 * nb : 1];
+    if (planes == 2) row_terms(K, xq, xd, xd16, xoff16);
+    const float *xrun = planes == 2 ? xd16 : xd; /* each run's activation scale */
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    /* Q6_K: lanes 0-3 take the block's first run, 4-7 its second */
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wrow = wq + n * pairs * rec;
+        float d[runs], m[nb], sx[runs];
+        expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
+        for (int64_t i = 0; i < runs; i += 8)
+            _mm256_storeu_ps(sx + i, _mm256_mul_ps(_mm256_loadu_ps(d + i), _mm256_loadu_ps(xrun + i)));
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *pair = wrow + p * rec;
+            _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 2 * p * QK));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (2 * p + 1) * QK));
+            __m256 s0, s1;
+            if (planes == 2) {
+                const __m256 four = _mm256_castps128_ps256(_mm_loadu_ps(sx + 4 * p));
+                s0 = _mm256_permutevar8x32_ps(four, halves);
+                s1 = _mm256_permutevar8x32_ps(four, _mm256_add_epi32(halves, _mm256_set1_epi32(2)));
+            } else {
+                s0 = _mm256_broadcast_ss(sx + 2 * p);
+                s1 = _mm256_broadcast_ss(sx + 2 * p + 1);
+            }
+            acc0 = block256(planes, pair, 0, _mm256_and_si256(v, low4), x0, s0, acc0);
+            acc1 = block256(planes, pair, 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1,
+                            s1, acc1);
+        }
+        const float offset = planes == 2 ? dot_f32_256(d, xoff16, runs) : dot_f32_256(m, xs, nb);
+        out[n] = hsum(_mm256_add_ps(acc0, acc1)) + offset;
+    }
+}
+#endif
+
+#if defined(__AVX2__)
 /* The outputs of ``nw`` weight rows from ``wrow`` (``wstride`` bytes apart, scales
  * ``dstride`` floats apart, offsets ``nb`` apart) for ``rows`` activation rows from
  * ``row0``; ``nw`` and ``rows`` are constants in each inlined copy, so the nw * rows <= 4
@@ -226,18 +335,6 @@ static inline __attribute__((always_inline)) void any_tile(
  * offset a row, sum over runs of 16 of d sc xd (-32 sum(x)), with the activations' run
  * sums formed once a call, as Q5_K's offsets are. Two accumulators over alternate pairs
  * keep the FMA latency off the loop's path. */
-
-/* The activation terms a call shares: per run of 16 values (Q6_K) the block's scale xd
- * (``xd16``) and -32 xd times the run's sum of bytes (``xoff16``). */
-static void row_terms(int64_t K, const int8_t *xq, const float *xd, float *xd16,
-                      float *xoff16) {
-    for (int64_t h = 0; h < K / HALF; h++) {
-        int sum = 0;
-        for (int i = 0; i < HALF; i++) sum += xq[h * HALF + i];
-        xd16[h] = xd[h / 2];
-        xoff16[h] = -32.f * xd[h / 2] * (float)sum;
-    }
-}
 
 /* sum_i a[i] b[i] over ``count`` floats (a multiple of 8). */
 static inline float dot_f32(const float *a, const float *b, int64_t count) {
@@ -331,6 +428,12 @@ static inline __attribute__((always_inline)) void gemm(
 #if defined(ECK_AVX512)
     if (M == 1) {
         gemv512(planes, N, K, wq, wh, xq, xd, xs, out);
+        return;
+    }
+#endif
+#if defined(ECK_GEMV256)
+    if (M == 1) {
+        gemv256(planes, N, K, wq, wh, xq, xd, xs, out);
         return;
     }
 #endif
