@@ -20,8 +20,9 @@
  * it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each output sums
  * xd (d0 <q0, x0> + d1 <q1, x1>) + m xs, with the same integer sums per vector lane and
  * the same float operations in the same order as a product over one byte a value. One
- * activation row on AVX-512 (the batch-1 decode step) takes a kernel of its own that
- * reads a pair of blocks a register (``gemv512``).
+ * activation row (the batch-1 decode step) takes a kernel of its own: a pair of blocks a
+ * register on AVX-512 (``gemv512``), a block a register on AVX2 (``gemv256``), both with
+ * unsigned values and Q6_K's centring as one offset a row.
  */
 #include <stdint.h>
 #include <string.h>
