@@ -16,9 +16,9 @@ Prints, per token of that request:
 - the bytes a token reads: the layers' and head's weights, and the K/V decode attention
   reads at the decode's mean position (float32 mirror), and the rate of the call.
 
-``--build=FLAGS`` (repeatable) adds builds of the step with extra compiler flags (``-DECD_MIN_UNITS=4``,
-``-DECD_SHARE_DIVISOR=2``, ``-DECD_SPIN_CYCLES=2000000``) whose replays alternate with
-the plain build's, block by block, in the same process.
+``--build=FLAGS`` (repeatable) adds builds of the step with extra compiler flags
+(``-DECD_MIN_UNITS=4``, ``-DECD_SHARE_DIVISOR=2``, ``-DECD_SPIN_CYCLES=2000000``) whose
+replays alternate with the plain build's, block by block, in the same process.
 
     python benchmarks/engine_step_gap.py [MODEL.gguf] [--decode-len 128] [--repeats 20]
         [--build=-DECD_MIN_UNITS=4 ...]
