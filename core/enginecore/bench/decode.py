@@ -1,4 +1,4 @@
-"""``enginecore bench decode``: single-stream decode speed beside its weight-read bound.
+"""``enginecore bench decode``: single-stream decode speed beside its read bound.
 
 One prompt, greedy, EOS ignored. Each round times a request of ``1 + output_len`` tokens
 and one of a single token, in turns; their difference is ``output_len`` decode steps with
