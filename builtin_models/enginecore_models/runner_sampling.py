@@ -204,9 +204,13 @@ class SamplingPhase:
     ) -> ModelRunnerOutput:
         """The shortcut for a step whose every sampling row is plain greedy (no penalties,
         bias, bans, seeds, logprobs or prompt logprobs; no grammar, no drafts, one rank):
-        the argmax (``token_t``) and its one host copy, without sampling metadata."""
+        the argmax (``token_t``) and, from a device, its one host copy, without sampling
+        metadata."""
         self.greedy_shortcut_steps += 1
-        token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
+        if token_t.device.type == "cpu":  # already in host memory: nothing to copy
+            token_array = token_t.numpy()
+        else:
+            token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
         tokens = token_array.tolist()
         return ModelRunnerOutput(
             req_ids=step.req_ids,
