@@ -216,9 +216,7 @@ class PersistentBatch:
         ends = self.num_tokens[rows]
         if len(ends) and int(ends.max()) >= self.tokens.shape[1]:
             self._grow(0, int(ends.max()) + 1)
-        # flat one-dimensional indices: a two-dimensional scatter gives up the interpreter
-        # lock (see steady_decode.py), and this runs between the forward and the output
-        self.tokens.reshape(-1)[rows * self.tokens.shape[1] + ends] = tokens
+        self.tokens[rows, ends] = tokens
         self.num_tokens[rows] = ends + 1
         self.output_lens[rows] += 1  # rows are distinct: one token each
 
