@@ -859,7 +859,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 logits = self.model.compute_logits(hidden)
             # Freed once sampled, where the step gives up the interpreter lock anyway.
             self._free_after_sampling[:] = [hidden]
-        self._step = StepState(order, order, logits, batch_rows=rows, tokens=tokens)
+        self._step = StepState(
+            order, order, logits, batch_rows=rows, tokens=tokens, index=steady.index_of
+        )
         self._steady = steady
 
     def _run_fused_head(
