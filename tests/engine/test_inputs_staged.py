@@ -93,7 +93,7 @@ class StepLog:
     def instrument(self, llm: LLM) -> None:
         engine = llm.engine_client.engine  # type: ignore[attr-defined]
         runner = engine.executor.worker.model_runner
-        execute_model, run_forward = runner.execute_model, runner._run_forward
+        execute_model = runner.execute_model
         update = engine.scheduler.update_from_output
 
         def timed_execute(*args: Any) -> Any:
@@ -106,14 +106,17 @@ class StepLog:
                     with self.lock:
                         self.forward.append((self._staged, time.perf_counter()))
 
-        def slow_forward(*args: Any) -> Any:
-            time.sleep(PREP_SECONDS)  # inputs take long to stage
-            self._staged = time.perf_counter()
-            with self.lock:
-                self.prep.append((self._prep_start, self._staged))
-            out = run_forward(*args)  # marks the inputs staged first
-            time.sleep(PREP_SECONDS)  # and a forward long enough to overlap
-            return out
+        def slow(run_forward: Any) -> Any:
+            def slow_forward(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(PREP_SECONDS)  # inputs take long to stage
+                self._staged = time.perf_counter()
+                with self.lock:
+                    self.prep.append((self._prep_start, self._staged))
+                out = run_forward(*args, **kwargs)  # marks the inputs staged first
+                time.sleep(PREP_SECONDS)  # and a forward long enough to overlap
+                return out
+
+            return slow_forward
 
         def timed_update(*args: Any) -> Any:
             start = time.perf_counter()
@@ -124,7 +127,9 @@ class StepLog:
                     self.updates.append((start, time.perf_counter()))
 
         runner.execute_model = timed_execute
-        runner._run_forward = slow_forward
+        # The layers' forward, and the CPU backend's fused decode step with its head.
+        runner._run_forward = slow(runner._run_forward)
+        runner._run_fused_head = slow(runner._run_fused_head)
         engine.scheduler.update_from_output = timed_update
 
 
