@@ -13,7 +13,8 @@ loop does. So the engine times both ways for each batch size and runs the faster
 Each batch size class (running requests, by powers of two) keeps the latest step
 periods of each way. A class starts overlapped; every :data:`PERIOD` steps it runs
 :data:`PROBE_STEPS` the other way, so either way's figure stays current as the load
-moves. A step's period is the wall time from the previous batch's results to this
+moves (probes come up to 16 times less often while the other way keeps losing by more
+than a quarter: little is lost to probing where the choice is clear). A step's period is the wall time from the previous batch's results to this
 one's, both run the same way, in the same class, with nothing else between them (the
 first step after a switch, or after the engine idled, is not counted).
 """
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from statistics import median
 
 PERIOD = 48  # steps of one size class between two probes of the other way
+MAX_PERIOD = 16 * PERIOD  # where the other way keeps losing by a wide margin
+WIDE = 1.25  # the other way's median period this much longer: probe it half as often
 PROBE_STEPS = 6  # steps of the other way per probe (the first is not counted)
 KEPT = 15  # periods kept per way and class: the median of these decides
 MIN_SAMPLES = 3  # periods a way needs before it can be chosen over overlapping
@@ -33,17 +36,35 @@ IDLE_GAP_S = 0.25  # a longer gap between two batches' results is the engine idl
 
 
 class _SizeClass:
-    __slots__ = ("periods", "steps", "way")
+    __slots__ = ("period", "periods", "probe_left", "until_probe", "way")
 
     def __init__(self) -> None:
-        self.steps = 0
         self.way = True  # overlap, until the synchronous way measures faster
+        self.period = PERIOD
+        self.until_probe = PERIOD - PROBE_STEPS  # steps the chosen way, then a probe
+        self.probe_left = 0  # steps of the probe still to run
         self.periods: dict[bool, deque[float]] = {
             True: deque(maxlen=KEPT),
             False: deque(maxlen=KEPT),
         }
 
-    def preferred(self) -> bool:
+    def next_way(self) -> bool:
+        if self.probe_left:  # a probe runs the other way throughout, whatever it measures
+            self.probe_left -= 1
+            return not self.way
+        if self.until_probe:
+            self.until_probe -= 1
+            self.way = self._faster()
+            return self.way
+        # A probe is due: spaced out while the other way keeps losing by a wide margin.
+        other, chosen = self.periods[not self.way], self.periods[self.way]
+        wide = bool(other and chosen) and median(other) > WIDE * median(chosen)
+        self.period = min(2 * self.period, MAX_PERIOD) if wide else PERIOD
+        self.until_probe = self.period - PROBE_STEPS
+        self.probe_left = PROBE_STEPS - 1
+        return not self.way
+
+    def _faster(self) -> bool:
         """True (overlap) unless the synchronous way has measured faster."""
         overlapped, synchronous = self.periods[True], self.periods[False]
         if len(synchronous) < MIN_SAMPLES or len(overlapped) < MIN_SAMPLES:
@@ -70,11 +91,7 @@ class OverlapChoice:
         if not self.adaptive:
             return True
         size_class = self._classes.setdefault(self._size.bit_length(), _SizeClass())
-        probing = size_class.steps % PERIOD >= PERIOD - PROBE_STEPS
-        size_class.steps += 1
-        if not probing:  # a probe runs the other way throughout, whatever it measures
-            size_class.way = size_class.preferred()
-        return size_class.way != probing
+        return size_class.next_way()
 
     def completed(self, num_requests: int, overlapped: bool) -> None:
         """A batch of ``num_requests`` requests returned its results from a step run
