@@ -248,3 +248,12 @@ def test_switching_ways_gives_the_synchronous_tokens_fast(async_tiny_llm: LLM) -
     finally:
         engine.overlap_choice = OverlapChoice(adaptive=True)
     assert switching.counts[True] >= 2 and switching.counts[False] >= 2
+
+
+def test_ways_that_measure_alike_do_not_flap() -> None:
+    clock = Clock()
+    choice = OverlapChoice(adaptive=True, clock=clock)
+    choice.completed(64, True)
+    # The synchronous way 3% faster: within the margin, overlapping stays.
+    ways = _run_steps(choice, clock, 64, {True: 0.001, False: 0.00097}, 4 * oc.PERIOD)
+    assert ways.count(False) == 4 * oc.PROBE_STEPS

@@ -32,6 +32,7 @@ WIDE = 1.25  # the other way's median period this much longer: probe it half as 
 PROBE_STEPS = 6  # steps of the other way per probe (the first is not counted)
 KEPT = 15  # periods kept per way and class: the median of these decides
 MIN_SAMPLES = 3  # periods a way needs before it can be chosen over overlapping
+MARGIN = 1.05  # the other way must measure this much faster to be switched to
 IDLE_GAP_S = 0.25  # a longer gap between two batches' results is the engine idling
 
 
@@ -65,11 +66,15 @@ class _SizeClass:
         return not self.way
 
     def _faster(self) -> bool:
-        """True (overlap) unless the synchronous way has measured faster."""
+        """True (overlap) unless the synchronous way has measured faster; the way in
+        use is kept unless the other is faster by :data:`MARGIN` (no flapping between
+        two ways that measure alike)."""
         overlapped, synchronous = self.periods[True], self.periods[False]
         if len(synchronous) < MIN_SAMPLES or len(overlapped) < MIN_SAMPLES:
             return True
-        return median(overlapped) <= median(synchronous)
+        if self.way:
+            return not MARGIN * median(synchronous) < median(overlapped)
+        return MARGIN * median(overlapped) < median(synchronous)
 
 
 class OverlapChoice:
