@@ -188,7 +188,8 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
             rows.append(row)
         result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         result["cpu10"] = statistics.quantiles([r["cpu"] for r in rows], n=10)[0] * 1e3
-        choice = getattr(llm.engine_client.engine, "overlap_choice", None)  # older code: none
+        engine = getattr(llm.engine_client, "engine", None)
+        choice = getattr(engine, "overlap_choice", None)  # older code: none
         ways = choice.counts if choice is not None else {False: 0}
         result["sync%"] = (
             100.0 * ways[False] / max(1, sum(ways.values())) if async_scheduling else 0.0
