@@ -79,19 +79,18 @@ def instrument(llm: Any, timeline: Timeline) -> None:
 def thread_stats() -> dict[str, tuple[float, int, int]]:
     """Per thread of this process, by name: CPU seconds, voluntary and involuntary
     context switches (a voluntary one is a sleep: on a lock, a condition, a queue)."""
-    tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
     stats: dict[str, tuple[float, int, int]] = {}
     for task in Path("/proc/self/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            on_cpu_ns = int((task / "schedstat").read_text().split()[0])
             status = dict(
                 line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
             )
         except OSError:  # the thread ended
             continue
         name = names.get(int(task.name), "other")  # torch's and OpenMP's threads: other
-        cpu = (int(fields[11]) + int(fields[12])) / tick
+        cpu = on_cpu_ns / 1e9
         old = stats.get(name, (0.0, 0, 0))
         stats[name] = (
             old[0] + cpu,
