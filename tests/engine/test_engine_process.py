@@ -24,9 +24,16 @@ from tests.helpers.in_flight import wait_until_generating
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
+#: The module engine's KV cache: 256 MiB of the tiny model's 64 KiB blocks, enough for
+#: the sleep test to see its memory freed.
+NUM_BLOCKS = 4096
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    with LLM(tiny_llama, dtype="float32", num_blocks_override=256, max_model_len=2048) as llm:
+    with LLM(
+        tiny_llama, dtype="float32", num_blocks_override=NUM_BLOCKS, max_model_len=2048
+    ) as llm:
         yield llm
 
 
@@ -43,7 +50,7 @@ def test_llm_defaults_to_a_separate_engine_process(llm) -> None:
 
 def test_handshake_carries_final_sizes_and_frontend_validates_against_them(llm) -> None:
     ready = llm.engine_client.ready
-    assert ready.num_blocks == 256 and ready.block_size == 16
+    assert ready.num_blocks == NUM_BLOCKS and ready.block_size == 16
     assert ready.max_model_len == 2048
     assert "scheduler" in ready.components and "builtin_schedulers" in ready.components["scheduler"]
     with pytest.raises(InvalidRequestError, match="max_model_len is 2048"):
@@ -127,29 +134,22 @@ def test_a_callable_the_engine_cannot_unpickle_is_a_clear_error(llm, monkeypatch
     assert llm.engine_client.call_utility("ping") == "pong"
 
 
-def test_sleep_frees_kv_cache_memory_and_wake_up_restores(tiny_llama) -> None:
-    with LLM(
-        tiny_llama, dtype="float32", kv_cache_bytes=256 * 1024 * 1024, max_model_len=1024
-    ) as llm:
-        proc = psutil.Process(engine_pid(llm))
-        before = llm.generate(
-            "a b c", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        )
+def test_sleep_frees_kv_cache_memory_and_wake_up_restores(llm) -> None:
+    proc = psutil.Process(engine_pid(llm))
+    before = llm.generate("a b c", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
 
-        # KV pages are committed on first touch: touch them all, as a long run would.
-        def touch(worker) -> None:  # nested, so it is pickled by value
-            for cache in worker.model_runner.kv_caches:
-                cache.fill_(0)
+    # KV pages are committed on first touch: touch them all, as a long run would.
+    def touch(worker) -> None:  # nested, so it is pickled by value
+        for cache in worker.model_runner.kv_caches:
+            cache.fill_(0)
 
-        llm.collective_rpc(touch)
-        rss_awake = proc.memory_info().rss
-        llm.engine_client.call_utility("sleep", 1)
-        assert llm.engine_client.call_utility("is_sleeping") is True
-        rss_asleep = proc.memory_info().rss
-        llm.engine_client.call_utility("wake_up")
-        after = llm.generate(
-            "a b c", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        )
+    llm.collective_rpc(touch)
+    rss_awake = proc.memory_info().rss
+    llm.engine_client.call_utility("sleep", 1)
+    assert llm.engine_client.call_utility("is_sleeping") is True
+    rss_asleep = proc.memory_info().rss
+    llm.engine_client.call_utility("wake_up")
+    after = llm.generate("a b c", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert rss_awake - rss_asleep > 128 * 1024 * 1024, (rss_awake, rss_asleep)
     assert after[0].outputs[0].token_ids == before[0].outputs[0].token_ids
 

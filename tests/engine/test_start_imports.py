@@ -56,17 +56,39 @@ def _load_in_new_process(paths: list[pathlib.Path], cache: pathlib.Path) -> list
 ARCHS = ["llama", "qwen2", "gpt2"]
 
 
+#: A copy of the Llama checkpoint whose tokenizer_config.json changes between the loads.
+CHANGED = "changed"
+
+
 @pytest.fixture(scope="module")
-def tokenizer_loads(checkpoint_factory, tmp_path_factory) -> dict[str, tuple[dict, dict]]:
-    """Arch -> (first load, second load): one new process loads the three checkpoints'
-    tokenizers with an empty cache, then another with the cache the first one left. A
-    second load that imports torch shows in its own record (torch stays imported)."""
-    paths = [checkpoint_factory(arch) for arch in ARCHS]
-    cache = tmp_path_factory.mktemp("tokenizer-cache")
+def tokenizer_cache(tmp_path_factory) -> pathlib.Path:
+    """The cache the loads of ``tokenizer_loads`` share."""
+    return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_loads(
+    checkpoint_factory, tmp_path_factory, tokenizer_cache
+) -> dict[str, tuple[dict, dict]]:
+    """Arch (and ``CHANGED``) -> (first load, second load): one new process loads the
+    three checkpoints' tokenizers and the copy's with an empty cache, then (the copy's
+    tokenizer config changed) another with the cache the first one left. The copy is
+    loaded last: a second load that imports torch shows in its own record (torch stays
+    imported), and the three before it import none."""
+    import shutil
+
+    changed = tmp_path_factory.mktemp("changed-tokenizer") / "model"
+    shutil.copytree(checkpoint_factory("llama"), changed)
+    paths = [*(checkpoint_factory(arch) for arch in ARCHS), changed]
+    cache = tokenizer_cache
     first = _load_in_new_process(paths, cache)
-    assert len(list((cache / "tokenizer-classes").iterdir())) == len(ARCHS)  # one each
+    assert len(list((cache / "tokenizer-classes").iterdir())) == len(paths)  # one each
+    config_file = changed / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["model_max_length"] = 77
+    config_file.write_text(json.dumps(config))
     second = _load_in_new_process(paths, cache)
-    return {arch: (f, s) for arch, f, s in zip(ARCHS, first, second, strict=True)}
+    return {name: (f, s) for name, f, s in zip([*ARCHS, CHANGED], first, second, strict=True)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,20 +115,11 @@ def test_a_checkpoint_tokenizer_loads_without_torch_after_the_first_time(
     assert second["special"] == first["special"]
 
 
-def test_a_changed_tokenizer_is_asked_of_autotokenizer_again(checkpoint_factory, tmp_path):
-    import shutil
-
-    path = tmp_path / "model"
-    shutil.copytree(checkpoint_factory("llama"), path)
-    cache = tmp_path / "cache"
-    _load_in_new_process([path], cache)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["model_max_length"] = 77
-    config_file.write_text(json.dumps(config))
-    [again] = _load_in_new_process([path], cache)
+def test_a_changed_tokenizer_is_asked_of_autotokenizer_again(tokenizer_loads, tokenizer_cache):
+    _, again = tokenizer_loads[CHANGED]
     assert again["torch"] is True  # a new record: the class was asked for again
-    assert len(list((cache / "tokenizer-classes").iterdir())) == 2
+    # one record per checkpoint, and the changed tokenizer's second
+    assert len(list((tokenizer_cache / "tokenizer-classes").iterdir())) == len(ARCHS) + 2
 
 
 def _descendants_running(kind: str) -> list[int]:

@@ -15,8 +15,16 @@ SMALL_CACHE = 200_000
 
 
 def test_a_context_length_the_cache_cannot_hold_is_refused_with_the_memory_needed(tiny_llama):
+    # The engine sizes its cache and refuses in this process (the same start-up code as
+    # in an engine process; tests/engine/test_engine_process.py carries a start-up
+    # failure across the process boundary).
     with pytest.raises(EngineCoreError) as refused:
-        LLM(model=str(tiny_llama), max_model_len=1024, kv_cache_bytes=SMALL_CACHE)
+        LLM(
+            model=str(tiny_llama),
+            max_model_len=1024,
+            kv_cache_bytes=SMALL_CACHE,
+            multiprocessing=False,
+        )
     message = str(refused.value)
     assert "max_model_len 1024 needs a KV cache of" in message
     assert "that memory holds max_model_len 32" in message
@@ -36,7 +44,9 @@ class _Warnings(logging.Handler):
 def started(tiny_llama):
     """``(llm, start-up warnings)`` of one engine for the two settings that start: no
     context length with a small cache, and a GPU memory setting on CPU (which changes
-    nothing there, so it cannot change the fitted length either)."""
+    nothing there, so it cannot change the fitted length either). The engine runs in
+    this process: the fitted length is the engine's, as the handshake would carry it
+    (tests/engine/test_engine_process.py checks the handshake)."""
     warnings = _Warnings()
     startup = logging.getLogger("enginecore.startup")
     startup.addHandler(warnings)
@@ -48,6 +58,7 @@ def started(tiny_llama):
             device="cpu",
             gpu_memory_utilization=0.5,
             kv_cache_bytes=SMALL_CACHE,
+            multiprocessing=False,
         ) as llm:
             yield llm, warnings.lines
     finally:

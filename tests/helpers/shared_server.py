@@ -17,6 +17,10 @@ COMPAT_MAX_MODEL_LEN = 512
 COMPAT_MAX_NEW_TOKENS = 7
 #: The server/ folder's ``surface_server``: its first served model name, and its alias.
 SURFACE_NAME, SURFACE_ALIAS = "primary", "alias"
+#: The server/ folder's ``guarded_server``: its prompt-token limit per request, and the
+#: requests it admits at once before it answers 503.
+GUARDED_MAX_PROMPT_TOKENS = 4000
+GUARDED_MAX_PENDING = 4
 
 
 class SharedServer:

@@ -116,10 +116,13 @@ def test_a_bad_lora_modules_entry_fails_llm_start_up(tiny_llama, adapters, tmp_p
         "broken": broken_adapter(adapters["a"], tmp_path / "broken"),
     }[entry]
     # One adapter kept in host memory: the first entry is read at start-up, the second
-    # only checked (its weights read on first use); both fail start-up.
+    # only checked (its weights read on first use); both fail start-up. The engine runs
+    # in this process (the worker's start-up reads and checks are the same code): a
+    # failure crossing the process boundary is the serve test's below.
     bad, good = f"{entry}={path}", f"a={adapters['a']}"
+    modules = [good, bad] if entry == "wide" else [bad, good]
     with pytest.raises(Exception) as failure:
-        LLM(**settings(tiny_llama, [good, bad] if entry == "wide" else [bad, good]))
+        LLM(**settings(tiny_llama, modules, multiprocessing=False))
     message = str(failure.value)
     assert "--lora-modules" in message and path in message, message
     for word in words:

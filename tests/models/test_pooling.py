@@ -30,7 +30,11 @@ def _reference(path, texts):
 
 
 def _engine(path, **kw):
-    return LLM(path, runner="pooling", max_num_seqs=8, kv_cache_bytes=8 << 20, **kw)
+    # In this process: the values are the runner's and the model's (the pooling runner
+    # behind an engine process and a server is tests/server/test_server_pooling.py's).
+    return LLM(
+        path, runner="pooling", max_num_seqs=8, kv_cache_bytes=8 << 20, multiprocessing=False, **kw
+    )
 
 
 @pytest.fixture(scope="module")

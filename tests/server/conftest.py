@@ -3,7 +3,8 @@
 One server here (``compat_server``) serves the modules that only send it requests: none changes a setting or
 the server's state that another one reads, and none reads its log or metrics. Each module
 takes it through a module-scoped fixture, which starts it again if an earlier module's
-test killed it.
+test killed it. ``surface_server`` and ``guarded_server`` each serve two modules whose
+flags do not get in each other's way (one start for both).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from enginecore.lora.random_adapter import make_random_adapter
 from tests.helpers.shared_server import (
     COMPAT_MAX_MODEL_LEN,
     COMPAT_MAX_NEW_TOKENS,
+    GUARDED_MAX_PENDING,
+    GUARDED_MAX_PROMPT_TOKENS,
     SURFACE_ALIAS,
     SURFACE_NAME,
     SharedServer,
@@ -65,6 +68,30 @@ def surface_server(tiny_llama, tmp_path_factory):
         "--served-model-name", SURFACE_NAME, SURFACE_ALIAS, "--enable-lora",
         "--max-lora-rank", "8", "--lora-modules", f"adapter={adapter}",
         "--unknown-request-fields", "warn",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
+    shared = SharedServer(tiny_llama, tmp, flags, env)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="package")
+def guarded_server(tiny_llama, tmp_path_factory):
+    """``enginecore serve`` of the tiny Llama with the request limits the hardening module
+    attacks (``GUARDED_MAX_PROMPT_TOKENS`` prompt tokens per request, ``GUARDED_MAX_PENDING``
+    requests admitted at once), sleep mode and the dev endpoints, and the vLLM-parity
+    module's flags: every logprob allowed, usage in every stream, ``/load`` tracked. The
+    hardening module stops and pauses the engine only within a test and leaves it serving;
+    the parity module never sends more than ``GUARDED_MAX_PENDING`` requests at once, and
+    its streams are the only ones read to the end."""
+    tmp = tmp_path_factory.mktemp("server-guarded")
+    flags = [
+        "--enable-sleep-mode", "--enable-dev-endpoints", "--dtype", "float32",
+        "--max-model-len", "2048",
+        "--max-prompt-tokens-per-request", str(GUARDED_MAX_PROMPT_TOKENS),
+        "--max-pending-requests", str(GUARDED_MAX_PENDING), "--stat-loggers", "",
+        "--max-logprobs", "-1", "--enable-force-include-usage",
+        "--enable-server-load-tracking",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
     shared = SharedServer(tiny_llama, tmp, flags, env)

@@ -70,7 +70,7 @@ def test_two_api_servers_serve_one_engine_and_die_together(tiny_llama, tmp_path)
 
         def complete(i: int) -> httpx.Response:
             with httpx.Client(timeout=120) as client:  # a connection of its own
-                body = {"prompt": f"request {i} " * 20, "max_tokens": 48, "stream": True}
+                body = {"prompt": f"request {i} " * 20, "max_tokens": 16, "stream": True}
                 with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                     chunks = [line for line in response.iter_lines() if line]
                 return response, chunks

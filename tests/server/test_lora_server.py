@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from enginecore.lora.random_adapter import make_random_adapter
-from tests.helpers.serve_process import serve, stop
+from tests.helpers.serve_process import free_port, start_cli, stop, wait_healthy
 
 pytest.importorskip("peft")
 MAX_TOKENS = 6
@@ -67,30 +67,26 @@ def test_serve_lora_modules_interleaved_and_loaded_at_run_time(tiny_llama, tmp_p
     }
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 8192) for _ in range(9 + 3 * i)] for i in range(3)]
-    expected = {
-        (name, i): peft_tokens(tiny_llama, str(paths[name]) if name != "base" else None, p)
-        for name in ("base", "a", "b", "c")
-        for i, p in enumerate(prompts)
-    }
-    proc, url = serve(
-        tiny_llama,
-        tmp_path / "serve.log",
-        "--dtype",
-        "float32",
-        "--enable-lora",
-        "--max-loras",
-        "2",
-        "--max-lora-rank",
-        "16",
-        "--num-blocks-override",
-        "256",
-        "--allow-runtime-lora-updating",
-        "--metrics-name-compat",
-        "vllm",
-        "--lora-modules",
-        f"a={paths['a']}",
-        f"b={paths['b']}",
-    )
+    flags = [
+        "--dtype", "float32", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+        "--num-blocks-override", "256", "--allow-runtime-lora-updating",
+        "--metrics-name-compat", "vllm", "--lora-modules", f"a={paths['a']}", f"b={paths['b']}",
+    ]  # fmt: skip
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = start_cli(["serve", str(tiny_llama), "--port", str(port), *flags], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # PEFT's tokens are computed here while the server's processes start.
+        expected = {
+            (name, i): peft_tokens(tiny_llama, str(paths[name]) if name != "base" else None, p)
+            for name in ("base", "a", "b", "c")
+            for i, p in enumerate(prompts)
+        }
+        wait_healthy(url, proc, log)
+    except BaseException:
+        stop(proc)
+        raise
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         models = {m.id: m for m in client.models.list().data}

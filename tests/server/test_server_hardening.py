@@ -1,6 +1,9 @@
 """Attacks on a real ``enginecore serve`` (tiny model, loopback): no request may kill,
 freeze or crash the server; each one gets a 4xx naming the limit, and the same keep-alive
-connection keeps serving."""
+connection keeps serving.
+
+The server is the server/ folder's ``guarded_server`` (the vLLM-parity module sends it
+requests too): a test that stops, pauses or puts its engine to sleep leaves it serving."""
 
 from __future__ import annotations
 
@@ -14,35 +17,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.process_kinds import is_kind
-from tests.helpers.serve_process import serve, stop
-
-MAX_PROMPT_TOKENS = 4000
-MAX_PENDING = 4
+from tests.helpers.shared_server import GUARDED_MAX_PENDING as MAX_PENDING
+from tests.helpers.shared_server import GUARDED_MAX_PROMPT_TOKENS as MAX_PROMPT_TOKENS
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama, tmp_path_factory):
-    log = tmp_path_factory.mktemp("hardening") / "server.log"
-    proc, url = serve(
-        tiny_llama,
-        log,
-        "--enable-sleep-mode",
-        "--enable-dev-endpoints",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--max-prompt-tokens-per-request",
-        str(MAX_PROMPT_TOKENS),
-        "--max-pending-requests",
-        str(MAX_PENDING),
-        "--stat-loggers",
-        "",
-    )
-    try:
-        yield proc, url
-    finally:
-        stop(proc)
+def served(guarded_server):
+    url = guarded_server.url()  # started (again) first: the process is the running one's
+    return guarded_server.proc, url
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """Where a vLLM user's client still differed from `vllm serve`: each behaviour as vLLM's,
 through the real ``openai`` client (httpx where the client hides the wire) against a real
-``enginecore serve`` on a tiny random Llama."""
+``enginecore serve`` on a tiny random Llama: the server/ folder's ``guarded_server``
+(every logprob allowed, ``--enable-force-include-usage``, ``--enable-server-load-tracking``;
+the hardening module attacks it too)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import asyncio
 import concurrent.futures
 import json
 import math
-import os
 
 import httpx
 import openai
@@ -18,24 +19,13 @@ from fastapi.responses import StreamingResponse
 
 from enginecore.server.load import LoadTrackingMiddleware, ServerLoad
 from enginecore.server.load import router as load_router
-from tests.helpers.serve_process import serve, stop
 
-MAX_MODEL_LEN = 256
 USER = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server-vllm-parity") / "server.log"
-    flags = [
-        "--max-model-len", str(MAX_MODEL_LEN), "--num-blocks-override", "128",
-        "--max-logprobs", "-1", "--enable-force-include-usage",
-        "--enable-server-load-tracking",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "ENGINECORE_API_KEY"}
-    proc, url = serve(tiny_llama, log_path, *flags, env=env)
-    yield url
-    stop(proc)
+def server(guarded_server) -> str:
+    return guarded_server.url()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ flag gets the closest ones, and the control routes are opt-in as vLLM's are."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from enginecore import make_config, vllm_flags
-from enginecore.cli import build_parser
+from enginecore.cli import build_parser, main
 from enginecore.server.app import build_app
 from tests.helpers.dead_engine import DeadEngine
 
@@ -25,10 +27,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _main(*args: str) -> tuple[int, str, str]:
+    """``enginecore ARGS`` through the command's ``main`` in this process (the command
+    line is the subject, not an interpreter start): exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def _config_show(tiny_llama, *flags: str) -> dict:
-    done = _cli("config", "show", "--model", str(tiny_llama), *flags, "--format", "json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    code, out, err = _main("config", "show", "--model", str(tiny_llama), *flags, "--format", "json")
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_vllm_flag_spellings_set_our_settings(tiny_llama):
@@ -98,9 +109,8 @@ def test_several_served_model_names_are_vllms_first_name_and_aliases(tiny_llama)
     ],
 )
 def test_vllm_flags_without_an_equivalent_are_refused_naming_ours(tiny_llama, flags, named):
-    done = _cli("config", "show", "--model", str(tiny_llama), *flags)
-    assert done.returncode == 2 and named in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+    code, _, err = _main("config", "show", "--model", str(tiny_llama), *flags)
+    assert code == 2 and named in err, err
 
 
 def test_flags_are_never_abbreviated_and_unknown_ones_get_a_suggestion(tiny_llama):
