@@ -22,6 +22,9 @@ is the median over the steady decode steps of milliseconds per step, and its par
   machine it moves less than the wall time, which includes waiting for a core
 - ``cpu10``: the 10th percentile of ``cpu`` over the steps: the step's cost when least
   disturbed by other processes (their cache misses and shared cores inflate the median)
+- ``sync%``: with async scheduling, the share of the run's steps the engine ran the
+  synchronous way, having measured it faster for that batch size
+  (``enginecore.engine.overlap_choice``; not a time)
 
     python benchmarks/host_overhead.py [--sizes 1,16,64,256,512] [--steps 200]
 
@@ -192,6 +195,12 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
             rows.append(row)
         result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         result["cpu10"] = statistics.quantiles([r["cpu"] for r in rows], n=10)[0] * 1e3
+        engine = getattr(llm.engine_client, "engine", None)
+        choice = getattr(engine, "overlap_choice", None)  # older code: none
+        ways = choice.counts if choice is not None else {False: 0}
+        result["sync%"] = (
+            100.0 * ways[False] / max(1, sum(ways.values())) if async_scheduling else 0.0
+        )
         return result
     finally:
         llm.shutdown()
@@ -217,7 +226,7 @@ def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[st
 
 def compare(model: str, against: Path, args: argparse.Namespace) -> None:
     here = Path(__file__).resolve().parent.parent
-    cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10")
+    cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
     for n in (int(s) for s in args.sizes.split(",") if s):
@@ -263,7 +272,7 @@ def main() -> None:
             r = run(model, int(args.sizes), args.steps, args.modes == "async")
             print(json.dumps(r))
             return
-        cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10")
+        cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
         print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):

@@ -17,6 +17,7 @@ from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.engine.inputs_staged import InputsStaged
+from enginecore.engine.overlap_choice import OverlapChoice
 from enginecore.errors import EngineCoreError, InvalidRequestError, RankError
 from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
@@ -133,6 +134,10 @@ class EngineCore:
         async_ok = config.scheduler.async_scheduling and self.scheduler.supports_async_scheduling
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
         self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
+        #: Whether each async step overlaps the next batch or runs the synchronous way.
+        self.overlap_choice = OverlapChoice(
+            self.batch_queue_size > 1 and config.scheduler.async_scheduling_adaptive
+        )
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
@@ -510,6 +515,7 @@ class EngineCore:
         runner_output = self._result(execute, sample)
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output)
+        self.overlap_choice.completed(len(scheduler_output.num_scheduled_tokens), False)
         return _merge(outputs, failed), scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> StepResult:
@@ -519,11 +525,18 @@ class EngineCore:
         them in from its own sampled tokens. Results are consumed oldest first.
         """
         queue = self.batch_queue
+        choice = self.overlap_choice
+        overlap = choice.overlap()
+        if not overlap and not queue:
+            # Nothing in flight and overlapping measured slower: this batch the
+            # synchronous way (the scheduler plans it as the synchronous loop would).
+            return self.step()
         scheduled = False
         failed = self._admit_compiled()
         deferred: tuple[Future[Any], SchedulerOutput] | None = None
         if (
-            self._paused != "keep"
+            overlap  # else the batch in flight first, then the synchronous way
+            and self._paused != "keep"
             and len(queue) < self.batch_queue_size
             and self.scheduler.has_requests()
         ):
@@ -557,6 +570,7 @@ class EngineCore:
             queue.appendleft((next_execute, next_sample, next_output))
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output, advance)
+        choice.completed(len(scheduler_output.num_scheduled_tokens), overlap)
         return _merge(outputs, failed), scheduled
 
     def _await_inputs_staged(self) -> None:
