@@ -7,7 +7,7 @@ small finite numbers; norms are float32 ones; the tokenizer is the demo GGUF's (
 SmolLM2 tokenizer, shared by every SmolLM2 size). The default shape is SmolLM2-1.7B's
 (hidden 2048, 24 layers, 32 heads, MLP 8192, tied embedding: 1.0 GB at Q4_0).
 
-    python benchmarks/make_random_gguf.py OUT.gguf [--format Q4_0] [--layers 24]
+    python benchmarks/make_random_gguf.py OUT.gguf [--format Q4_0] [--layers 24] [--vocab 128256]
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def write(args: argparse.Namespace) -> pathlib.Path:
             sub = field.types[-1] if len(field.types) > 1 else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
+    if args.vocab is not None and args.vocab != vocab:  # a head of another width (Llama 3's)
+        vocab = args.vocab
+        writer.add_vocab_size(vocab)
 
     def matrix(name: str, rows: int, cols: int) -> None:
         fmt = args.format
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vocab", type=int, help="embedding and tied-head rows (default: the tokenizer's)"
+    )
     path = write(parser.parse_args())
     print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)")
 

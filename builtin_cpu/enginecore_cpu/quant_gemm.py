@@ -28,13 +28,7 @@ _SIGNATURE = (ctypes.c_int, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _I64)
 def extra_isa() -> tuple[str, list[str]] | None:
     """The VNNI this CPU adds to its x86-64 level: AVX-512 VNNI on level 4, AVX-VNNI on
     level 3 (a suffix of the file name and the compiler flag)."""
-    vnni = quant_kernels._vnni()
-    if vnni is not None:
-        return vnni
-    flags = set(cpu_kernels._cpu_signature().split())
-    if cpu_kernels.instruction_set() == "x86-64-v3" and "avx_vnni" in flags:
-        return "avxvnni", ["-mavxvnni"]
-    return None
+    return quant_kernels._vnni()
 
 
 class QuantGemm:

@@ -40,9 +40,16 @@ _LINEAR_KINDS = frozenset({8, Q8_HALF_SCALES, 4, Q4_HALF_SCALES, Q4_0_HALF_SCALE
 
 
 def _vnni() -> tuple[str, list[str]] | None:
+    """The VNNI this CPU adds to its x86-64 level, for every block kernel's build (a
+    suffix of the file name and the compiler flag): AVX-512 VNNI on level 4, AVX-VNNI on
+    level 3 (an AVX2 CPU that has it: its one-row products then take ``vpdpbusd`` as the
+    AVX-512 ones do, one instruction where AVX2 takes two)."""
     flags = set(cpu_kernels._cpu_signature().split())
-    if cpu_kernels.instruction_set() == "x86-64-v4" and "avx512_vnni" in flags:
+    level = cpu_kernels.instruction_set()
+    if level == "x86-64-v4" and "avx512_vnni" in flags:
         return "vnni", ["-mavx512vnni"]
+    if level == "x86-64-v3" and "avx_vnni" in flags:
+        return "avxvnni", ["-mavxvnni"]
     return None
 
 

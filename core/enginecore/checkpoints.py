@@ -199,8 +199,8 @@ def _make_hf_config(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **(overrides or {}),
     )
+    common.update(overrides or {})  # a wider vocab_size: an embedding past the tokenizer
     if arch not in ("llama", "qwen2", "mistral", "gpt2"):
         return _small_arch_config(arch, common)
     if arch == "gpt2":

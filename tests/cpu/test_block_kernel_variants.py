@@ -1,8 +1,8 @@
 """The block products (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in every build this CPU can run,
 against gguf's numpy de-quantization of the same blocks.
 
-Each build (what the engine builds here; on an AVX-512 CPU the same without VNNI; AVX2;
-plain C) multiplies the blocks of random weights by quantized activations, one row (the
+Each build (what the engine builds here; on an AVX-512 CPU the same without VNNI; AVX2,
+and AVX2 with AVX-VNNI where the CPU has it; plain C) multiplies the blocks of random weights by quantized activations, one row (the
 batch-1 decode step's one-row kernels) and several, on one thread and on two; the
 reference is the float64 sum of gguf's de-quantized weight times the same 8-bit
 activations.
@@ -14,6 +14,8 @@ import concurrent.futures
 import ctypes
 import os
 import platform
+import shutil
+import subprocess
 from typing import Any
 
 import numpy as np
@@ -32,10 +34,16 @@ pytestmark = pytest.mark.skipif(quant_kernels.load() is None, reason="no C compi
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _AVX512 = _X86 and cpu_kernels.instruction_set() == "x86-64-v4"
-# (name, x86-64 level or None for the engine's own build, whether to add VNNI)
+_AVX_VNNI = (
+    _X86
+    and cpu_kernels.instruction_set() in ("x86-64-v3", "x86-64-v4")
+    and "avx_vnni" in cpu_kernels._cpu_signature().split()
+)
+# (name, x86-64 level or None for the engine's own build)
 _BUILDS = [
     ("host", None),
     *([("x86-64-v4 without VNNI", "x86-64-v4")] if _AVX512 else []),
+    *([("x86-64-v3 with AVX-VNNI", "x86-64-v3+avxvnni")] if _AVX_VNNI else []),
     *([("x86-64-v3", "x86-64-v3"), ("x86-64", "x86-64")] if _X86 else []),
 ]
 
@@ -104,3 +112,19 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     scale = want.abs().max().item()
     assert (got[:, :n].double() - want).abs().max().item() <= 2e-6 * scale, (build, fmt)
     assert got[:, n:].isnan().all()  # nothing written past the outputs
+
+
+@pytest.mark.skipif(not _AVX_VNNI, reason="the CPU has no AVX-VNNI")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the build")
+@pytest.mark.parametrize("source", ["quant_kernels", "kquant_kernels"])
+def test_the_avx2_build_takes_avx_vnni(builds, monkeypatch, source):
+    """On an AVX2 CPU with AVX-VNNI the engine builds the block kernels with it, and their
+    one-row products take its dot product (one ``vpdpbusd`` where AVX2 takes
+    ``vpmaddubsw`` and ``vpmaddwd``)."""
+    monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: "x86-64-v3")
+    assert quant_kernels._vnni() == ("avxvnni", ["-mavxvnni"])
+    path = builds[f"x86-64-v3 with AVX-VNNI/{source}"]._name
+    code = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
+    ).stdout
+    assert "vpdpbusd" in code

@@ -60,8 +60,8 @@ def _decode(llm: Any, count: int, checks: list[tuple[torch.Tensor, torch.Tensor]
 
     def checked(ids: Any, positions: Any, batch: Any, **head: Any) -> torch.Tensor:
         out: torch.Tensor = fused_run(ids, positions, batch, **head)
-        if head.get("head") == "tokens":
-            checks.append((out, fused_run(ids, positions, batch, head="logits")))
+        if head.get("head") == "tokens":  # the runner's reused array: copied here
+            checks.append((out.clone(), fused_run(ids, positions, batch, head="logits")))
         return out
 
     step.run = checked
@@ -173,3 +173,44 @@ def test_gguf_head_in_the_step_gives_the_layers_greedy_tokens(tiny_llama, tmp_pa
             step = _runner(llm).fused_decode
             taken = taken or (step.token_steps if step is not None else 0)
     assert taken >= 9 and answers[0] == answers[1]
+
+
+LLAMA3_VOCAB = 128_256  # Llama 3's head rows: a thousand tiles, token ids past 2**16
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+def test_llama3_wide_head_in_the_step(tmp_path, monkeypatch, fmt):
+    """A head of Llama 3's 128,256 rows in the file's blocks, on a small hidden size:
+    the step's in-call argmax is ``torch.argmax`` of the step's own logits at every row
+    count, and its greedy tokens (ids past 2**16 among them) are the layers'."""
+    from enginecore import LLM, SamplingParams
+    from enginecore.checkpoints import make_random_checkpoint
+
+    checkpoint = make_random_checkpoint(  # an output head of its own, as Llama 3's
+        tmp_path / "wide", config_overrides={"vocab_size": LLAMA3_VOCAB}
+    )
+    path = write_gguf(checkpoint, tmp_path / "wide.gguf", types=lambda name: fmt)
+    decode_step.build()  # the step's library, which the engine would build in the background
+    answers = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("ENGINECORE_FUSED_DECODE", fused)
+        with LLM(str(path), multiprocessing=False, max_model_len=64) as llm:
+            if fused == "1":
+                step = _runner(llm).fused_decode
+                assert step is not None and step.has_head
+                checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+                answers.append(_decode(llm, 5, checks))
+                assert {tokens.shape[0] for tokens, _ in checks} == {1, 2, 3, 4, 5}
+                for tokens, logits in checks:
+                    assert logits.shape[1] == LLAMA3_VOCAB
+                    assert torch.equal(tokens, logits.argmax(dim=-1))
+            else:  # the layers, the same requests
+                assert _runner(llm).fused_decode is None
+                params = [
+                    SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True)
+                    for i in range(5)
+                ]
+                outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(5)], params)
+                answers.append([list(o.outputs[0].token_ids) for o in outs])
+    assert answers[0] == answers[1]
+    assert max(t for out in answers[0] for t in out) >= 2**16, answers[0]

@@ -116,6 +116,10 @@ def write_gguf(
             factors = np.array(rope[f"{kind}_factor"], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     _add_tokenizer(writer, checkpoint)
+    if cfg["vocab_size"] != len(
+        json.loads((checkpoint / "tokenizer.json").read_text())["model"]["vocab"]
+    ):
+        writer.add_vocab_size(cfg["vocab_size"])  # an embedding wider than the tokenizer
 
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for name, w in tensors.items():

@@ -18,11 +18,14 @@ from enginecore_cpu import cpu_kernels, quant_kernels
 def extra_isa_for(level: str) -> tuple[str, list[str]] | None:
     """``cpu_kernels.build``'s ``extra_isa`` for ``level``: ``host`` is what the engine
     builds here (with VNNI where the CPU has it); this CPU's own level is that without
-    VNNI; another level overrides the engine's ``-march``."""
+    VNNI; another level overrides the engine's ``-march``, ``x86-64-v3+avxvnni`` with
+    AVX-VNNI (what the engine builds on an AVX2 CPU that has it)."""
     if level == "host":
         return quant_kernels._vnni()
     if level == cpu_kernels.instruction_set():
         return None
+    if level == "x86-64-v3+avxvnni":
+        return ("as-x86-64-v3-avxvnni", ["-march=x86-64-v3", "-mavxvnni"])
     return (f"as-{level}", [f"-march={level}"])
 
 
