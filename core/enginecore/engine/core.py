@@ -141,6 +141,7 @@ class EngineCore:
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
+        self.held_outputs: list[dict[int, EngineCoreOutputs]] = []
         self.startup_seconds = time.monotonic() - started
         startup_log.logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
@@ -601,6 +602,8 @@ class EngineCore:
             "ping": self.ping,
             "get_supported_tasks": self.get_supported_tasks,
             "is_sleeping": self.is_sleeping,
+            "sleep": self.sleep,
+            "wake_up": self.wake_up,
             "get_num_unfinished_requests": self.get_num_unfinished_requests,
             "reset_prefix_cache": self.reset_prefix_cache,
             "collective_rpc": self.collective_rpc,
@@ -617,6 +620,34 @@ class EngineCore:
 
     def is_sleeping(self) -> bool:
         return self._sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between batches (vLLM's sleep mode): finish the batches in
+        flight, hold queued requests, drop the prefix cache (its blocks' contents go),
+        then the workers free the KV cache (level 1) and the weights too (level 2)."""
+        self._paused = "keep"
+        self.emit_drained(self.drain_batch_queue())
+        if level >= 1:
+            self.scheduler.reset_prefix_cache()
+        self.executor.sleep(level)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        self.executor.wake_up()
+        self._sleeping = False
+        self._paused = None
+
+    def emit_drained(self, drained: list[dict[int, EngineCoreOutputs]]) -> None:
+        """Outputs of batches finished off the step (before sleeping): kept for the next
+        ``get_output`` of a client in this process; the engine process sends them."""
+        self.held_outputs.extend(drained)
+
+    def admission_refusal(self) -> str | None:
+        """Why a new request is refused now (paused or asleep), or None."""
+        if self._paused is None:  # "keep" too refuses: a new request would only wait
+            return None
+        state = "asleep" if self._sleeping else "paused"
+        return f"engine_paused: the engine is {state}; retry after it resumes"
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests() + self.structured_output.num_waiting
