@@ -20,6 +20,11 @@ another x86-64 level (the AVX2 ones on an AVX-512 CPU). Run under another ``PYTH
 ``--requests N`` serves N such requests and replays the first step where all N decode
 together (any model the step takes: the float32 checkpoint of ``host_overhead.py`` at
 256 requests times the step, head and argmax of a large batch).
+
+``--cold`` writes 48 MB before each replay of the step, so that its K/V, weights and
+scratch come from memory as they do in the engine, whose Python runs between steps (a
+replay right after the last one finds them in the caches); its phases are then the
+medians per call (the profile read after each call), not the means.
 """
 
 from __future__ import annotations
@@ -76,19 +81,23 @@ def main() -> None:
     parser.add_argument(
         "--isa", help="build the kernels for this x86-64 level (x86-64-v3: the AVX2 variants)"
     )
+    parser.add_argument("--cold", action="store_true", help="caches flushed before each replay")
     args = parser.parse_args()
 
+    if args.threads:  # before torch is imported and starts its team; the engine keeps it
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import numpy as np
     import torch
 
     from enginecore import LLM, SamplingParams
     from enginecore.checkpoints import find_demo_gguf
 
-    if args.threads:  # before torch starts its team; the engine then keeps it
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.isa:
         from enginecore_cpu import cpu_kernels
 
         cpu_kernels.instruction_set = lambda: args.isa  # type: ignore[assignment]
+    # --cold: written before each replay, more than the caches hold
+    flush = np.ones(48 << 18, dtype=np.float32) if args.cold else None
     lib = _profiled_library()
     profile = getattr(lib, "ecd_profile_read", lambda phases: None)
     model = args.model or str(find_demo_gguf())
@@ -122,12 +131,22 @@ def main() -> None:
                 fused_run(ids, positions, batch)
             profile(phases)
             times, cpu_times = [], []
+            per_call: list[list[float]] = []  # --cold: each call's profile
             for _ in range(args.repeats):
+                if flush is not None:
+                    np.add(flush, 1.0, out=flush)
                 started, cpu_started = time.perf_counter(), time.process_time()
                 fused_run(ids, positions, batch)
                 times.append(time.perf_counter() - started)
                 cpu_times.append(time.process_time() - cpu_started)
-            profile(phases)
+                if flush is not None:
+                    profile(phases)
+                    per_call.append(list(phases))
+            if per_call:  # medians per call, scaled as the sums below are
+                for i in range(len(phases)):
+                    phases[i] = args.repeats * statistics.median(c[i] for c in per_call)
+            else:
+                profile(phases)
             head, head_cpu = [], []
             for _ in range(max(10, args.repeats // 2)):
                 started, cpu_started = time.perf_counter(), time.process_time()
@@ -194,7 +213,7 @@ def main() -> None:
         threads = torch.get_num_threads()
         print(
             f"{model}: {args.requests} decode rows from position {args.context}, {threads} threads, "
-            f"{args.repeats} replays, {path_of(lib)}"
+            f"{args.repeats} replays{', cold' if args.cold else ''}, {path_of(lib)}"
         )
         print("\n".join(report))
     finally:

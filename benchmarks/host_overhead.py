@@ -15,10 +15,16 @@ is the median over the steady decode steps of milliseconds per step, and its par
 - ``output``: the frontend's output processing (detokenization, request outputs)
 - ``loop``: the step's wall time less the parts above (engine loop, thread hand-off);
   with async scheduling the worker's parts overlap the engine's, so it can be negative
+- ``call``: of ``forward``, the fused decode step's foreign call alone (0 where the
+  layers run); the rest of ``forward`` is Python around it and, with async scheduling,
+  the worker waiting for the interpreter lock after it while the engine thread runs
 - ``cpu``: the CPU time the whole process (every thread) spent in the step; on a busy
   machine it moves less than the wall time, which includes waiting for a core
 - ``cpu10``: the 10th percentile of ``cpu`` over the steps: the step's cost when least
   disturbed by other processes (their cache misses and shared cores inflate the median)
+- ``sync%``: with async scheduling, the share of the run's steps the engine ran the
+  synchronous way, having measured it faster for that batch size
+  (``enginecore.engine.overlap_choice``; not a time)
 
     python benchmarks/host_overhead.py [--sizes 1,16,64,256,512] [--steps 200]
 
@@ -51,6 +57,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 PARTS = ("schedule", "prep", "forward", "sample", "update", "output")
+CALL = "call"  # inside ``forward``: not one of the parts the step's wall time is cut into
 
 
 def make_checkpoint(out_dir: str) -> str:
@@ -86,7 +93,7 @@ class Timers:
     """Seconds spent in each part during the current step (reset by the caller)."""
 
     def __init__(self) -> None:
-        self.spent = dict.fromkeys(PARTS, 0.0)
+        self.spent = dict.fromkeys((*PARTS, CALL), 0.0)
         self.scheduled: list[Any] = []
 
     def wrap(self, part: str, fn: Callable[..., Any]) -> Any:
@@ -129,6 +136,9 @@ def instrument(llm: Any, timers: Timers) -> None:
     fused = getattr(runner, "fused_decode", None)  # a whole decode step in one call
     if fused is not None:
         fused.run = timers.wrap("forward", fused.run)
+        lib = fused.lib  # shared by the runs of one process: wrap the function once
+        call = getattr(lib.ecd_decode_step, "__wrapped__", lib.ecd_decode_step)
+        lib.ecd_decode_step = timers.wrap(CALL, call)
     llm._process_step = timers.wrap("output", llm._process_step)
 
 
@@ -161,7 +171,7 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         rows: list[dict[str, float]] = []
         seen_decodes = 0
         while llm.output_processor.has_unfinished_requests():
-            timers.spent.update(dict.fromkeys(PARTS, 0.0))
+            timers.spent.update(dict.fromkeys((*PARTS, CALL), 0.0))
             timers.scheduled.clear()
             c0, t0 = time.process_time(), time.perf_counter()
             engine_outputs = llm.engine_client.get_output()
@@ -185,6 +195,12 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
             rows.append(row)
         result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         result["cpu10"] = statistics.quantiles([r["cpu"] for r in rows], n=10)[0] * 1e3
+        engine = getattr(llm.engine_client, "engine", None)
+        choice = getattr(engine, "overlap_choice", None)  # older code: none
+        ways = choice.counts if choice is not None else {False: 0}
+        result["sync%"] = (
+            100.0 * ways[False] / max(1, sum(ways.values())) if async_scheduling else 0.0
+        )
         return result
     finally:
         llm.shutdown()
@@ -210,7 +226,7 @@ def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[st
 
 def compare(model: str, against: Path, args: argparse.Namespace) -> None:
     here = Path(__file__).resolve().parent.parent
-    cols = ("step", *PARTS, "loop", "cpu", "cpu10")
+    cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
     for n in (int(s) for s in args.sizes.split(",") if s):
@@ -256,7 +272,7 @@ def main() -> None:
             r = run(model, int(args.sizes), args.steps, args.modes == "async")
             print(json.dumps(r))
             return
-        cols = ("step", *PARTS, "loop", "cpu", "cpu10")
+        cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
         print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):

@@ -10,7 +10,12 @@ inside the worker's preparation, forward and sampling. With async scheduling the
 thread works on batch N while the worker runs N+1, and all three threads share one
 interpreter lock: work that lands in the worker's Python (its preparation) delays it.
 
-    python benchmarks/step_timeline.py --sizes 1,64,256 --modes sync,async
+    python benchmarks/step_timeline.py --sizes 1,64,256 --modes sync,async,overlap
+
+Modes: ``sync``; ``async`` (async scheduling, each size run the faster way:
+``enginecore.engine.overlap_choice``); ``overlap`` (async scheduling, every step
+overlapped). After the timeline, each thread's CPU time, sleeps (voluntary context
+switches: a wait on a lock, a condition or a queue) and preemptions per step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import host_overhead
+
+from enginecore.engine.overlap_choice import OverlapChoice
 
 Interval = tuple[float, float]
 
@@ -64,7 +71,67 @@ def instrument(llm: Any, timeline: Timeline) -> None:
     runner.execute_model = timeline.wrap("execute", runner.execute_model)
     runner.sample_tokens = timeline.wrap("sample", runner.sample_tokens)
     runner._run_forward = timeline.wrap("forward", runner._run_forward)
+    # The CPU backend's fused decode step with its head runs without _run_forward.
+    runner._run_fused_head = timeline.wrap("forward", runner._run_fused_head)
     llm._process_step = timeline.wrap("output", llm._process_step)
+
+
+def thread_stats() -> dict[str, tuple[float, int, int]]:
+    """Per thread of this process, by name: CPU seconds, voluntary and involuntary
+    context switches (a voluntary one is a sleep: on a lock, a condition, a queue)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    stats: dict[str, tuple[float, int, int]] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            on_cpu_ns = int((task / "schedstat").read_text().split()[0])
+            status = dict(
+                line.split(":\t", 1) for line in (task / "status").read_text().splitlines()
+            )
+        except OSError:  # the thread ended
+            continue
+        name = names.get(int(task.name), "other")  # torch's and OpenMP's threads: other
+        cpu = on_cpu_ns / 1e9
+        old = stats.get(name, (0.0, 0, 0))
+        stats[name] = (
+            old[0] + cpu,
+            old[1] + int(status["voluntary_ctxt_switches"]),
+            old[2] + int(status["nonvoluntary_ctxt_switches"]),
+        )
+    return stats
+
+
+class ThreadWindow:
+    """:func:`thread_stats` before and after a window of ``steps`` engine steps that
+    starts at the ``start``-th ``get_output``."""
+
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.steps, self.calls = start, steps, 0
+        self.before: dict[str, tuple[float, int, int]] = {}
+        self.after: dict[str, tuple[float, int, int]] = {}
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls == self.start:
+                self.before = thread_stats()
+            elif self.calls == self.start + self.steps:
+                self.after = thread_stats()
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def report(self) -> str:
+        if not self.after:
+            return "threads: the window did not end"
+        parts = []
+        for name, (cpu, vol, invol) in sorted(self.after.items()):
+            cpu0, vol0, invol0 = self.before.get(name, (0.0, 0, 0))
+            n = self.steps
+            parts.append(
+                f"{name} cpu {(cpu - cpu0) / n * 1e6:.0f} us, sleeps {(vol - vol0) / n:.1f}, "
+                f"preempted {(invol - invol0) / n:.2f}"
+            )
+        return "threads per step: " + "; ".join(parts)
 
 
 def _overlap(a: list[Interval], b: list[Interval]) -> float:
@@ -117,15 +184,28 @@ def main() -> None:
             for mode in args.modes.split(","):
                 timeline = Timeline()
 
-                def both(llm: Any, timers: Any, timeline: Timeline = timeline) -> None:
+                window = ThreadWindow(start=10, steps=args.steps - 10)
+
+                def both(
+                    llm: Any,
+                    timers: Any,
+                    timeline: Timeline = timeline,
+                    window: ThreadWindow = window,
+                    mode: str = mode,
+                ) -> None:
                     base_instrument(llm, timers)
                     instrument(llm, timeline)
+                    client = llm.engine_client
+                    client.get_output = window.wrap(client.get_output)
+                    if mode == "overlap":  # async scheduling without the adaptive choice
+                        client.engine.overlap_choice = OverlapChoice(adaptive=False)
 
                 host_overhead.instrument = both
-                result = host_overhead.run(model, size, args.steps, mode == "async")
+                result = host_overhead.run(model, size, args.steps, mode != "sync")
                 print(
-                    f"{mode:>5} {size:>4} step {result['step']:.3f} ms | "
-                    f"{report(timeline, args.steps)}  (us per step)",
+                    f"{mode:>7} {size:>4} step {result['step']:.3f} ms, "
+                    f"sync way {result['sync%']:.0f}% | "
+                    f"{report(timeline, args.steps)}  (us per step)\n    {window.report()}",
                     flush=True,
                 )
 

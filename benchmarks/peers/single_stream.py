@@ -6,8 +6,16 @@ tokens. Ours runs with the GGUF's blocks kept (``quantization=auto``, the ``gguf
 method) and, with ``--dequantized``, also de-quantized to float32 (``none``). llama.cpp
 runs through ``--llama-python`` (a venv with llama-cpp-python) when given. Prints each
 round, then the machine line (with its load average) and one markdown table of the
-medians: enginecore against llama.cpp (x faster), and our decode step against its bound
-(weight bytes read per step over the bandwidth of a large torch copy).
+medians: enginecore against llama.cpp (x faster), and our decode step against its read
+bound (the bytes a step reads over the bandwidth of a large torch copy: the weights', and
+the float32 K/V attention reads at the run's mean context, shown apart).
+
+The decode figure, for both sides alike, is ``decode_len - 1`` tokens over the time from
+the request's first token to its last, within one request: the decode steps alone, with
+no prefill subtracted. Ours takes both times from the request's metrics
+(``e2e_latency - time_to_first_token``: when the frontend had its first and its last
+token); llama.cpp's from its token stream (when ``generate`` yielded the first and the
+last).
 
     python benchmarks/peers/single_stream.py [MODEL.gguf] [--llama-python PY] [--rounds 3]
 """
@@ -24,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from enginecore.bench import weight_bound
 
 HERE = Path(__file__).parent
 
@@ -77,21 +87,23 @@ def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: l
     try:
         runs = iter(range(1 << 30))
 
-        def run(max_tokens: int, n: int = 1) -> float:
+        def run(max_tokens: int, n: int = 1) -> tuple[float, list]:
             # Fresh prompts every run and request: the prefix cache must not answer a
             # prompt it has seen (llama.cpp is reset between its runs).
             prompts = [{"prompt_token_ids": fresh_prompt(prompt_len, next(runs))} for _ in range(n)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             started = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - started
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - started, outputs
 
         run(4)
-        prefill = run(1)
-        total = run(decode_len)
-        result = {"prefill_s": prefill, "decode_tok_s": (decode_len - 1) / (total - prefill)}
+        prefill, _ = run(1)
+        _, (output,) = run(decode_len)
+        assert len(output.outputs[0].token_ids) == decode_len
+        first_to_last = output.metrics["e2e_latency"] - output.metrics["time_to_first_token"]
+        result = {"prefill_s": prefill, "decode_tok_s": (decode_len - 1) / first_to_last}
         for c in conc:
-            result[f"throughput_{c}"] = 32 * c / run(32, c)
+            result[f"throughput_{c}"] = 32 * c / run(32, c)[0]
         return result
     finally:
         llm.shutdown()
@@ -150,7 +162,8 @@ def main() -> None:
         name: {k: statistics.median(r[k] for r in results) for k in results[0]}
         for name, results in runs.items()
     }
-    for line in table(medians, conc, args.model, bw, args.rounds):
+    context = weight_bound.mean_decode_context(args.prompt_len, args.decode_len - 1)
+    for line in table(medians, conc, args.model, bw, args.rounds, context):
         print(line)
 
 
@@ -168,10 +181,16 @@ def machine_line() -> str:
 
 
 def table(
-    medians: dict[str, dict[str, float]], conc: list[int], model: str, bw: float, rounds: int
+    medians: dict[str, dict[str, float]],
+    conc: list[int],
+    model: str,
+    bw: float,
+    rounds: int,
+    context: float,
 ) -> list[str]:
     """The medians as a markdown table, with enginecore's blocks against llama.cpp (x
-    faster) and each of ours' decode step against the weight-read bound."""
+    faster) and each of ours' decode step against the read bound: the weights' bytes and
+    the float32 K/V's at the mean ``context``, shown apart."""
     names = list(medians)
     ratio = "enginecore gguf" in medians and "llama.cpp" in medians
     head = "| | " + " | ".join(names) + (" | gguf vs llama.cpp |" if ratio else " |")
@@ -199,15 +218,19 @@ def table(
         speedup("decode_tok_s", True),
     )
     bounds = {}
+    kv = weight_bound.gguf_kv_bytes_per_token(model, context)
     for name, m in medians.items():
         step = 1000 / m["decode_tok_s"]
         if name.startswith("enginecore"):
-            nbytes = weight_bytes_per_step(model, quantized="gguf" in name)
-            bound = 1000 * nbytes / (bw * 1e9)
-            bounds[name] = f"{step:.1f} / {bound:.1f} ({nbytes / 1e6:.0f} MB)"
+            weights = weight_bytes_per_step(model, quantized="gguf" in name)
+            bound = 1000 * (weights + kv) / (bw * 1e9)
+            bounds[name] = (
+                f"{step:.1f} / {bound:.1f} ({weights / 1e6:.0f} MB weights "
+                f"+ {kv / 1e6:.0f} MB K/V at {context:.0f} positions)"
+            )
         else:
             bounds[name] = f"{step:.1f}"
-    row("decode step / weight-read bound, ms", bounds, None)
+    row("decode step / read bound, ms", bounds, None)
     for c in conc:
         key = f"throughput_{c}"
         row(

@@ -18,14 +18,20 @@
  * and RMS norm, the paged-cache write) and opens the next phase. Every output element
  * is computed by the same code whichever thread takes it, so the split changes no bit.
  * The kernels are this library's serial builds (decode_step.py), so no inner team is
- * started. Functions returning int give -1 when an index is out of range (checked
- * before the team starts) and -2 without scratch memory.
+ * started. A one-row step (a single stream) runs on the step's own team (ecd_team,
+ * below), not an OpenMP one: between steps its threads spin no longer than at a phase
+ * (ECD_SPIN_CYCLES), then sleep, where OpenMP's idle threads spin on for milliseconds
+ * and take a core from the engine's and the frontend's Python between steps. Functions
+ * returning int give -1 when an index is out of range (checked before the team starts)
+ * and -2 without scratch memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -260,7 +266,14 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
 /* A thread takes 1 / (ECD_SHARE_DIVISOR threads) of what is left of a phase at a time:
  * large chunks while much is left, down to one unit at the end, so the threads finish a
  * phase within a unit of each other instead of one waiting out the other's last chunk. */
+#ifndef ECD_SHARE_DIVISOR
 #define ECD_SHARE_DIVISOR 4
+#endif
+/* The fewest units a chunk takes. This and the two figures around it can be set at
+ * build time, so that benchmarks/engine_step_gap.py (--build) can time other values. */
+#ifndef ECD_MIN_UNITS
+#define ECD_MIN_UNITS 1
+#endif
 /* Cycles a thread spins for the next phase before it sleeps: longer than a phase of a
  * small model's layer takes, far shorter than the OS pauses a thread for (a spinning
  * thread would then take the core the paused one needs). */
@@ -543,10 +556,12 @@ static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int
         }
         /* one thread has no one to balance with: all that is left, in one call */
         const int64_t share =
-            threads == 1 ? count - at : max_i64(1, (count - at) / (ECD_SHARE_DIVISOR * threads));
-        if (atomic_compare_exchange_weak(next, &at, at + share)) {
+            threads == 1 ? count - at
+                         : max_i64(ECD_MIN_UNITS, (count - at) / (ECD_SHARE_DIVISOR * threads));
+        const int64_t end = at + share < count ? at + share : count;
+        if (atomic_compare_exchange_weak(next, &at, end)) {
             *first = at;
-            return at + share;
+            return end;
         }
     }
 }
@@ -596,6 +611,119 @@ static void take_chunks(ecd_run *st, int t, float *own) {
         p = wait_after(st, p); /* a late thread may find several phases done */
         PROFILE_ADD(t, PH_WAIT, wait);
     }
+}
+
+/* The step's team: threads 1.. of every step, started on first use and kept. The caller
+ * is thread 0. Each step bumps `generation` (a futex word) and waits until every worker
+ * has counted itself out of `left`; a worker spins ECD_SPIN_CYCLES for either word to
+ * move, then sleeps on it. Every started worker counts out of each step (those beyond
+ * the step's threads without work), so no worker can see a later step's fields as its
+ * own. One step at a time in a process (`lock`). */
+#define ECD_MAX_WORKERS 255
+typedef struct {
+    pthread_mutex_t lock;
+    int workers;
+    int32_t born[ECD_MAX_WORKERS]; /* the generation a worker was started in */
+    _Atomic int32_t generation __attribute__((aligned(64)));
+    _Atomic int32_t sleepers;
+    _Atomic int32_t left __attribute__((aligned(64)));
+    _Atomic int32_t caller_asleep;
+    /* the step in flight (written before its generation opens) */
+    ecd_run *st;
+    float *own_base;
+    int64_t own_size;
+    int threads;
+} ecd_team;
+static ecd_team team = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static pthread_once_t team_once = PTHREAD_ONCE_INIT;
+
+/* A forked child has none of the parent's threads: it starts its own. */
+static void team_after_fork(void) {
+    pthread_mutex_init(&team.lock, NULL);
+    team.workers = 0;
+}
+static void team_register_fork(void) { pthread_atfork(NULL, NULL, team_after_fork); }
+
+/* Spins a while, then sleeps, while *word is `value`; *sleepers counts the sleepers. */
+static void wait_while(_Atomic int32_t *word, int32_t value, _Atomic int32_t *sleepers) {
+    const uint64_t start = cycles();
+    while (atomic_load_explicit(word, memory_order_acquire) == value) {
+        if (cycles() - start < ECD_SPIN_CYCLES) {
+            cpu_relax();
+            continue;
+        }
+#ifdef __linux__
+        atomic_fetch_add(sleepers, 1);
+        if (atomic_load(word) == value)
+            syscall(SYS_futex, (int32_t *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+        atomic_fetch_sub(sleepers, 1);
+#else
+        sched_yield();
+#endif
+    }
+}
+
+static void wake_all(_Atomic int32_t *word, _Atomic int32_t *sleepers) {
+#ifdef __linux__
+    if (atomic_load(sleepers) > 0)
+        syscall(SYS_futex, (int32_t *)word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+#else
+    (void)word, (void)sleepers;
+#endif
+}
+
+static void *team_worker(void *arg) {
+    const int t = (int)(intptr_t)arg; /* 1.. */
+    int32_t seen = team.born[t - 1];
+    for (;;) {
+        wait_while(&team.generation, seen, &team.sleepers);
+        seen = atomic_load_explicit(&team.generation, memory_order_acquire);
+        if (t < team.threads) {
+            const ecd_kernels *k = &team.st->m->k;
+            if (k->blas_threads_local != NULL) k->blas_threads_local(1);
+            take_chunks(team.st, t, team.own_base + t * team.own_size);
+        }
+        if (atomic_fetch_sub(&team.left, 1) == 1) wake_all(&team.left, &team.caller_asleep);
+    }
+    return NULL;
+}
+
+/* Starts workers up to threads - 1 (with every signal blocked: they go to Python's
+ * threads); the threads the team has, with the caller. */
+static int team_grow(int threads) {
+    pthread_once(&team_once, team_register_fork);
+    if (threads - 1 > ECD_MAX_WORKERS) threads = ECD_MAX_WORKERS + 1;
+    if (team.workers >= threads - 1) return threads;
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &before);
+    while (team.workers < threads - 1) {
+        pthread_t id;
+        team.born[team.workers] = atomic_load(&team.generation);
+        if (pthread_create(&id, NULL, team_worker, (void *)(intptr_t)(team.workers + 1))) break;
+        pthread_detach(id);
+        team.workers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
+    return team.workers + 1 < threads ? team.workers + 1 : threads;
+}
+
+/* The step on `threads` threads: the caller and the team's workers. */
+static void team_run(ecd_run *st, float *own_base, int64_t own_size, int threads) {
+    pthread_mutex_lock(&team.lock);
+    threads = team_grow(threads);
+    st->threads = threads;
+    if (team.workers > 0) {
+        team.st = st, team.own_base = own_base, team.own_size = own_size;
+        team.threads = threads;
+        atomic_store(&team.left, team.workers);
+        atomic_fetch_add_explicit(&team.generation, 1, memory_order_release);
+        wake_all(&team.generation, &team.sleepers);
+    }
+    take_chunks(st, 0, own_base);
+    for (int32_t left; (left = atomic_load(&team.left)) != 0;)
+        wait_while(&team.left, left, &team.caller_asleep);
+    pthread_mutex_unlock(&team.lock);
 }
 
 /* The final normed hidden states out [n, hidden] of n decoding rows: token ids[r] at
@@ -702,8 +830,16 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     st->count[STAGE_PICK] = (n + ECD_ROW_ALIGN - 1) / ECD_ROW_ALIGN;
     st->threads = nthreads;
     const int blas_threads = k->blas_threads_local != NULL ? k->blas_threads_local(1) : 0;
+    if (n == 1 && (k->sgemm == NULL || k->blas_threads_local != NULL)) {
+        team_run(st, own_base, own_size, nthreads);
+    } else {
+        /* Many rows: torch's sampling ops on [rows, vocab] run OpenMP regions between
+         * steps, and the step takes over OpenMP's threads still spinning after them
+         * rather than compete with them. (Or a BLAS that keeps to one thread only
+         * inside an OpenMP team, OpenBLAS's OpenMP build, for float32 parts.) */
 #pragma omp parallel num_threads(nthreads)
-    take_chunks(st, omp_get_thread_num(), own_base + omp_get_thread_num() * own_size);
+        take_chunks(st, omp_get_thread_num(), own_base + omp_get_thread_num() * own_size);
+    }
     if (k->blas_threads_local != NULL) k->blas_threads_local(blas_threads);
     const int status = atomic_load(&st->status);
     free(scratch);

@@ -249,6 +249,7 @@ class FusedDecodeStep:
         self._keep: list[Any] = []  # ctypes arrays the C structures point into
         self._mirror_layers: list[torch.Tensor] | None = None
         self._mirror_ptrs: Any = None
+        self._out: torch.Tensor | None = None  # a step with its head: the hidden states
         self.lib = _load()
         self.model = self._record(model, kv_caches)
         # Whether the step computes the logits too (``run``'s ``head``), and the steps it
@@ -419,6 +420,13 @@ class FusedDecodeStep:
 
     # --- per step ---------------------------------------------------------------------
 
+    def _scratch_out(self, n: int) -> torch.Tensor:
+        """[n, hidden] float32 hidden states a step with its head writes and nobody reads:
+        one buffer, grown to the most rows seen."""
+        if self._out is None or self._out.shape[0] < n:
+            self._out = torch.empty((max(n, 16), self.model.hidden), dtype=torch.float32)
+        return self._out[:n]
+
     def handles(self, batch: AttentionBatch) -> bool:
         """Whether this step is all decodes, served from the mirror, no more than
         ``DIRECT_MAX_ROWS`` (the layers' limit without the many-row kernel)."""
@@ -432,14 +440,26 @@ class FusedDecodeStep:
         batch: AttentionBatch,
         threads: int | None = None,
         head: str | None = None,
+        tokens_into: np.ndarray | None = None,
     ) -> torch.Tensor:
         """The final normed hidden states [n, hidden] of the step's decode tokens, on
         ``threads`` threads (default: torch's); with ``head`` (where ``has_head``), the
         model's logits [n, vocab] (``"logits"``: ``compute_logits``' bits on one thread)
         or each row's argmax of them (``"tokens"``: int64 [n], ties and NaN as
-        ``torch.argmax``), computed tile by tile without the logits."""
+        ``torch.argmax``), computed tile by tile without the logits. ``tokens_into``
+        (with ``"tokens"``): a C-contiguous int64 array of at least n entries the tokens
+        are written to, returned as a tensor over it (the caller's reused buffer: the
+        step then makes and frees no tensor)."""
         if head not in (None, "logits", "tokens") or (head is not None and not self.has_head):
             raise ValueError(f"the fused step cannot give {head!r}")
+        n = ids.shape[0]
+        if tokens_into is not None and (
+            head != "tokens"
+            or tokens_into.dtype != np.int64
+            or not tokens_into.flags.c_contiguous
+            or tokens_into.shape[0] < n
+        ):
+            raise ValueError("tokens_into takes head='tokens' and a contiguous int64 [n] array")
         mirror = self.backend.mirror
         step = mirror.step
         if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
@@ -449,11 +469,21 @@ class FusedDecodeStep:
                 ptrs += [base, base + layer[0].numel() * layer.element_size()]
             self._mirror_ptrs = (c_void_p * len(ptrs))(*ptrs)
             self._mirror_layers = mirror.layers
-        n = ids.shape[0]
-        out = torch.empty((n, self.model.hidden), dtype=torch.float32)
+        # With a head the hidden states are the call's scratch: one array, reused.
+        out = (
+            torch.empty((n, self.model.hidden), dtype=torch.float32)
+            if head is None
+            else self._scratch_out(n)
+        )
         vocab = self.model.head.out
         logits = torch.empty((n, vocab), dtype=torch.float32) if head == "logits" else None
-        tokens = torch.empty(n, dtype=torch.int64) if head == "tokens" else None
+        tokens = None
+        if head == "tokens":
+            tokens = (
+                torch.from_numpy(tokens_into[:n])
+                if tokens_into is not None
+                else torch.empty(n, dtype=torch.int64)
+            )
         slots = np.ascontiguousarray(batch.slot_mapping, dtype=np.int64)
         status = self.lib.ecd_decode_step(
             ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),

@@ -197,6 +197,10 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         self._steady: SteadyDecode | None = None
         self.steady_decode_steps = 0
         self._free_after_sampling: list[torch.Tensor] = []  # a steady step's hidden states
+        # The fused step's greedy tokens, written by the call into this host array (read
+        # by this step's sample_tokens, before the next step's call): no tensor made,
+        # freed or copied per step.
+        self._fused_tokens = np.empty(config.scheduler.max_num_seqs, dtype=np.int64)
         self.greedy_shortcut = True  # sample_tokens' argmax-only path (tests turn it off)
         self.greedy_shortcut_steps = 0
         self.sampler = Sampler(self._make_generator(config.model.seed))
@@ -855,7 +859,9 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
                 logits = self.model.compute_logits(hidden)
             # Freed once sampled, where the step gives up the interpreter lock anyway.
             self._free_after_sampling[:] = [hidden]
-        self._step = StepState(order, order, logits, batch_rows=rows, tokens=tokens)
+        self._step = StepState(
+            order, order, logits, batch_rows=rows, tokens=tokens, index=steady.index_of
+        )
         self._steady = steady
 
     def _run_fused_head(
@@ -865,6 +871,14 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         :meth:`_run_forward`, it first lets an engine thread in this process do its work."""
         assert self.fused_decode is not None  # _fused_head chose it
         mark_inputs_staged()
+        if head == "tokens":
+            n = ids_t.shape[0]
+            if self._fused_tokens.shape[0] < n:
+                self._fused_tokens = np.empty(n, dtype=np.int64)
+            into: torch.Tensor = self.fused_decode.run(
+                ids_t, pos_t, batch, head=head, tokens_into=self._fused_tokens
+            )
+            return into
         out: torch.Tensor = self.fused_decode.run(ids_t, pos_t, batch, head=head)
         return out
 

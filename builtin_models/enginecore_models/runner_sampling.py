@@ -57,6 +57,9 @@ class StepState:
     # Each sample request's greedy token, where the forward computed them (the fused
     # decode step's head and argmax; ``logits`` is then None).
     tokens: torch.Tensor | None = None
+    # Each of ``req_ids``' index, where the step kept it (a steady decode's, reused
+    # while the requests and their order stay); None: made when sampled.
+    index: dict[str, int] | None = None
 
 
 class SamplingPhase:
@@ -126,7 +129,6 @@ class SamplingPhase:
         dist.broadcast(buf, src=self.parallel.output_rank)
         return buf
 
-    @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample one token for each request whose prefill is complete.
 
@@ -135,12 +137,33 @@ class SamplingPhase:
         empty with rank -1 for requests that did not ask or sampled nothing. Results are
         read back from the device once, in one copy (``_read_back``).
         """
+        step = self._step
+        if (
+            step is not None
+            and step.tokens is not None
+            and step.tokens.device.type == "cpu"
+            and step.sample_req_ids
+            and self.drafter is None
+        ):  # the fused step's greedy tokens in host memory: no torch op is left to run
+            self._step = None
+            return self._sample_greedy(step, step.tokens, self._index(step))
+        return self._sample_with_torch(grammar_output)
+
+    def _index(self, step: StepState) -> dict[str, int]:
+        """Each of the step's requests' output row (a steady decode's is kept across steps)."""
+        if step.index is not None:
+            return step.index
+        return dict(zip(step.req_ids, range(len(step.req_ids)), strict=True))
+
+    @torch.inference_mode()
+    def _sample_with_torch(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """:meth:`sample_tokens` where the sampler, a copy or a check may run torch."""
         step, self._step = self._step, None
         if step is None or not step.req_ids:
             return ModelRunnerOutput(
                 kv_connector_output=step.kv_connector_output if step is not None else None
             )
-        index = dict(zip(step.req_ids, range(len(step.req_ids)), strict=True))
+        index = self._index(step)
         if not step.sample_req_ids:
             return ModelRunnerOutput(
                 req_ids=step.req_ids,
@@ -204,9 +227,13 @@ class SamplingPhase:
     ) -> ModelRunnerOutput:
         """The shortcut for a step whose every sampling row is plain greedy (no penalties,
         bias, bans, seeds, logprobs or prompt logprobs; no grammar, no drafts, one rank):
-        the argmax (``token_t``) and its one host copy, without sampling metadata."""
+        the argmax (``token_t``) and, from a device, its one host copy, without sampling
+        metadata."""
         self.greedy_shortcut_steps += 1
-        token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
+        if token_t.device.type == "cpu":  # already in host memory: nothing to copy
+            token_array = token_t.numpy()
+        else:
+            token_array = self.host_copy.start({"sampled": token_t}).wait()["sampled"]
         tokens = token_array.tolist()
         return ModelRunnerOutput(
             req_ids=step.req_ids,

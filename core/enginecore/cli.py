@@ -254,7 +254,7 @@ BENCHMARKS = {
     "latency": ("enginecore.bench.latency", "end-to-end latency of one batch"),
     "serve": ("enginecore.bench.serving", "load-test a running OpenAI-compatible server"),
     "compare": ("enginecore.bench.compare", "ours against vLLM, transformers, llama.cpp"),
-    "decode": ("enginecore.bench.decode", "single-stream decode beside its weight-read bound"),
+    "decode": ("enginecore.bench.decode", "single-stream decode beside its read bound"),
 }
 
 

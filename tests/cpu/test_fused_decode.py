@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from enginecore_cpu import cpu_kernels, decode_step, gguf_linear_method, quant_gemm, quant_kernels
+from tests.helpers.fused_idle_cpu import idle_cpu_after
 from tests.helpers.gguf_writer import write_gguf
 
 needs_kernels = pytest.mark.skipif(
@@ -82,11 +83,15 @@ def test_k_quants_decode_fused_as_layer_by_layer(tiny_llama, tmp_path, monkeypat
 
 
 def _same_bits_on_any_number_of_threads(
-    path: pathlib.Path, threads: tuple[int, ...], prompts: list[list[int]] = PROMPTS
+    path: pathlib.Path,
+    threads: tuple[int, ...],
+    prompts: list[list[int]] = PROMPTS,
+    idle_cpu: list[float] | None = None,
 ) -> None:
     """Each of the first decode steps (one to four rows), run again on each of ``threads``,
     gives the hidden states it gave on the engine's (running it again writes the same K/V
-    to the same places)."""
+    to the same places). ``idle_cpu`` gets, for the first one-row steps, what the step's
+    other threads spend after it while its caller sleeps."""
     from enginecore import LLM, SamplingParams
 
     runs: list[list[torch.Tensor]] = []
@@ -96,6 +101,8 @@ def _same_bits_on_any_number_of_threads(
 
         def run_on_several(ids: Any, positions: Any, batch: Any, **head: Any) -> torch.Tensor:
             hidden = fused_run(ids, positions, batch, **head)
+            if idle_cpu is not None and ids.shape[0] == 1 and len(idle_cpu) < 3:
+                idle_cpu.append(idle_cpu_after(fused_run, ids, positions, batch))
             if len(runs) < 6:
                 runs.append(
                     [hidden]
@@ -106,6 +113,8 @@ def _same_bits_on_any_number_of_threads(
         step.run = run_on_several
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if idle_cpu is not None:  # a single stream: one-row steps
+            llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert len(runs) == 6 and max(hidden.shape[0] for hidden, *_ in runs) > 1
     for hidden, *again in runs:
         for other in again:
@@ -115,9 +124,34 @@ def _same_bits_on_any_number_of_threads(
 def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama, tmp_path):
     """The threads take chunks of rows and attention units as they come: the same hidden
     states on 1, 2, 3 and 5 threads. Q4_K beside Q6_K in one product: chunks of both
-    formats."""
+    formats. After a step its other threads take no core while the engine's Python runs."""
     path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
-    _same_bits_on_any_number_of_threads(path, (1, 2, 3, 5))
+    idle_cpu: list[float] = []
+    _same_bits_on_any_number_of_threads(path, (1, 2, 3, 5), idle_cpu=idle_cpu)
+    # Between steps the team's threads spin no longer than at a phase (ECD_SPIN_CYCLES,
+    # well under a millisecond), then sleep: they leave the cores to the engine's Python.
+    # (test_the_step_threads_sleep_between_steps_in_a_fresh_process: OpenMP's spun on.)
+    assert len(idle_cpu) == 3 and min(idle_cpu) < 0.001, idle_cpu
+
+
+@pytest.mark.slow
+def test_the_step_threads_sleep_between_steps_in_a_fresh_process(tiny_llama, tmp_path):
+    """In a process whose only OpenMP user is the engine's worker (an engine process),
+    OpenMP's idle thread spun about 4 ms after every step, a core the engine's and the
+    frontend's Python wait for on a 2-core machine; the step's own team sleeps once
+    ECD_SPIN_CYCLES have passed. (In this test process OpenMP throttles its spinning:
+    more threads than cores have used it.)"""
+    import subprocess
+    import sys
+
+    path = write_gguf(tiny_llama, tmp_path / "q4_k_m.gguf", types=_q4_k_m)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.fused_idle_cpu", str(path)],
+        capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    idle = [float(line) for line in done.stdout.split()]
+    assert len(idle) == 3 and min(idle) < 0.001, idle
 
 
 # Prompts whose decodes attend 1, 2, 4 and 8 spans of positions (ec_attention_spans)

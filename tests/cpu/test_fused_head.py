@@ -60,8 +60,8 @@ def _decode(llm: Any, count: int, checks: list[tuple[torch.Tensor, torch.Tensor]
 
     def checked(ids: Any, positions: Any, batch: Any, **head: Any) -> torch.Tensor:
         out: torch.Tensor = fused_run(ids, positions, batch, **head)
-        if head.get("head") == "tokens":
-            checks.append((out, fused_run(ids, positions, batch, head="logits")))
+        if head.get("head") == "tokens":  # the runner's reused array: copied here
+            checks.append((out.clone(), fused_run(ids, positions, batch, head="logits")))
         return out
 
     step.run = checked

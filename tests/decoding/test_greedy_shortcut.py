@@ -117,3 +117,42 @@ def test_spec_decode_keeps_its_path(tiny_llama) -> None:
     ) as llm:
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [_greedy(n) for n in LENGTHS])
         assert _runner(llm).greedy_shortcut_steps == 0
+
+
+def test_fused_greedy_tokens_land_in_one_host_array(llm, references) -> None:
+    """On CPU the fused step's head writes each greedy step's tokens into one host array
+    the runner keeps: sampling reads them there, with no tensor made and no host copy
+    per step, and they are still transformers' tokens."""
+    from enginecore_cpu import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: no fused step")
+    runner = _runner(llm)
+    fused = runner.fused_decode
+    assert fused is not None and fused.has_head, "the float32 Llama on CPU takes the fused head"
+    fused_run, host_copy = fused.run, runner.host_copy
+    addresses: list[int] = []
+    copies: list[object] = []
+
+    def run(ids, positions, batch, **head):
+        out = fused_run(ids, positions, batch, **head)
+        if head.get("head") == "tokens":
+            addresses.append(out.data_ptr())
+        return out
+
+    def start(tensors):
+        copies.append(tensors)
+        return type(host_copy).start(host_copy, tensors)
+
+    fused.run, host_copy.start = run, start
+    try:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], [_greedy(n) for n in LENGTHS]
+        )
+    finally:
+        del fused.run, host_copy.start
+    assert len(addresses) >= max(LENGTHS) // 2, "the decode steps did not take the fused head"
+    assert len(set(addresses)) == 1, "each step's tokens went to a new tensor"
+    assert copies == [], f"{len(copies)} host copies of tokens already in host memory"
+    for i, (out, reference) in enumerate(zip(outs, references, strict=True)):
+        assert_matches_reference(list(out.outputs[0].token_ids), reference, f"request {i}")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
-import sys
 
 import pytest
 
+from enginecore.cli import main
 from enginecore.config import (
     FLAT_NAMES,
     SECTIONS,
@@ -145,40 +146,49 @@ def test_replace_revalidates() -> None:
         config.replace(block_size="big")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "enginecore.cli", *args], capture_output=True, text=True
-    )
+def _cli(*args: str) -> tuple[int, str, str]:
+    """``enginecore ARGS`` through the command's ``main`` in this process (the command
+    line is the subject, not an interpreter start): exit status, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
 
 
 def test_cli_config_show_resolves_file_and_flags(tmp_path) -> None:
     path = tmp_path / "engine.toml"
     path.write_text('[scheduler]\nmax_num_seqs = 3\npolicy = "priority"\n')
-    result = _cli("config", "show", "--config", str(path), "--block-size", "32", "--format", "json")
-    assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
+    code, out, err = _cli(
+        "config", "show", "--config", str(path), "--block-size", "32", "--format", "json"
+    )
+    assert code == 0, err
+    data = json.loads(out)
     assert data["scheduler"]["max_num_seqs"] == 3
     assert data["scheduler"]["policy"] == "priority"
     assert data["cache"]["block_size"] == 32
 
 
 def test_cli_config_show_bad_value_is_a_clear_error() -> None:
-    result = _cli("config", "show", "--kv-connector-extra-config", "[1]")
-    assert result.returncode == 2
-    assert "kv_transfer.extra_config" in result.stderr
-    assert "Traceback" not in result.stderr
+    code, _, err = _cli("config", "show", "--kv-connector-extra-config", "[1]")
+    assert code == 2
+    assert "kv_transfer.extra_config" in err
+    assert "Traceback" not in err
 
 
 def test_cli_boolean_flags() -> None:
-    result = _cli("config", "show", "--no-prefix-caching", "--format", "json")
-    assert json.loads(result.stdout)["cache"]["prefix_caching"] is False
+    code, out, err = _cli("config", "show", "--no-prefix-caching", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["cache"]["prefix_caching"] is False
 
 
 def test_cli_config_show_masks_the_api_key() -> None:
     for fmt in ("json", "toml"):
-        result = _cli("config", "show", "--api-key", "s3cret-token", "--format", fmt)
-        assert result.returncode == 0, result.stderr
-        assert "s3cret-token" not in result.stdout and "********" in result.stdout
+        code, out, err = _cli("config", "show", "--api-key", "s3cret-token", "--format", fmt)
+        assert code == 0, err
+        assert "s3cret-token" not in out and "********" in out
 
 
 def test_every_config_flag_has_help_text() -> None:

@@ -19,6 +19,7 @@ import pytest
 from enginecore import LLM, SamplingParams
 from enginecore.engine import inputs_staged
 from enginecore.engine.inputs_staged import InputsStaged, mark_inputs_staged
+from enginecore.engine.overlap_choice import OverlapChoice
 from enginecore.engine.serial_thread import SerialThread
 
 
@@ -92,7 +93,7 @@ class StepLog:
     def instrument(self, llm: LLM) -> None:
         engine = llm.engine_client.engine  # type: ignore[attr-defined]
         runner = engine.executor.worker.model_runner
-        execute_model, run_forward = runner.execute_model, runner._run_forward
+        execute_model = runner.execute_model
         update = engine.scheduler.update_from_output
 
         def timed_execute(*args: Any) -> Any:
@@ -105,14 +106,17 @@ class StepLog:
                     with self.lock:
                         self.forward.append((self._staged, time.perf_counter()))
 
-        def slow_forward(*args: Any) -> Any:
-            time.sleep(PREP_SECONDS)  # inputs take long to stage
-            self._staged = time.perf_counter()
-            with self.lock:
-                self.prep.append((self._prep_start, self._staged))
-            out = run_forward(*args)  # marks the inputs staged first
-            time.sleep(PREP_SECONDS)  # and a forward long enough to overlap
-            return out
+        def slow(run_forward: Any) -> Any:
+            def slow_forward(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(PREP_SECONDS)  # inputs take long to stage
+                self._staged = time.perf_counter()
+                with self.lock:
+                    self.prep.append((self._prep_start, self._staged))
+                out = run_forward(*args, **kwargs)  # marks the inputs staged first
+                time.sleep(PREP_SECONDS)  # and a forward long enough to overlap
+                return out
+
+            return slow_forward
 
         def timed_update(*args: Any) -> Any:
             start = time.perf_counter()
@@ -123,7 +127,9 @@ class StepLog:
                     self.updates.append((start, time.perf_counter()))
 
         runner.execute_model = timed_execute
-        runner._run_forward = slow_forward
+        # The layers' forward, and the CPU backend's fused decode step with its head.
+        runner._run_forward = slow(runner._run_forward)
+        runner._run_fused_head = slow(runner._run_fused_head)
         engine.scheduler.update_from_output = timed_update
 
 
@@ -145,30 +151,64 @@ def _params(stop_after: dict[int, int]) -> list[SamplingParams]:
     return params
 
 
-def test_the_fused_step_with_its_head_marks_the_inputs_staged_before_it_runs(tiny_llama) -> None:
+def test_the_fused_step_with_its_head_marks_the_inputs_staged_before_it_runs(
+    async_tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CPU backend's fused decode step with the LM head runs a step without the
     runner's ``_run_forward``; the signal must still be set before the call, not only when
     ``execute_model`` returns (the engine thread would then wait out the whole forward)."""
     calls: list[bool] = []
-    with LLM(
-        tiny_llama, dtype="float32", multiprocessing=False, async_scheduling=True, max_model_len=64
-    ) as llm:
-        runner = llm.engine_client.engine.executor.worker.model_runner
-        fused = runner.fused_decode
-        assert fused is not None and fused.has_head, "this CPU build should fuse the head"
-        run = fused.run
+    llm = async_tiny_llm
+    engine = llm.engine_client.engine  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine, "overlap_choice", OverlapChoice(adaptive=False))
+    fused = engine.executor.worker.model_runner.fused_decode
+    assert fused is not None and fused.has_head, "this CPU build should fuse the head"
+    run = fused.run
 
-        def recording_run(*args: Any, **kwargs: Any) -> Any:
-            signal = getattr(inputs_staged._worker, "signal", None)
-            if signal is not None and kwargs.get("head") is not None:
-                calls.append(signal.event.is_set())
-            return run(*args, **kwargs)
+    def recording_run(*args: Any, **kwargs: Any) -> Any:
+        signal = getattr(inputs_staged._worker, "signal", None)
+        if signal is not None and kwargs.get("head") is not None:
+            calls.append(signal.event.is_set())
+        return run(*args, **kwargs)
 
-        fused.run = recording_run
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, params)
+    monkeypatch.setattr(fused, "run", recording_run)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 3, params)
     assert len(calls) >= 4, f"the fused head ran in {len(calls)} signalled steps"
     assert all(calls), f"the fused head ran before its inputs were marked staged: {calls}"
+
+
+def test_the_engine_s_work_waits_for_the_next_batch_s_staged_inputs(
+    async_tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast sibling of the slow test below: the runner takes long to stage its inputs,
+    and every ``update_from_output`` must find the inputs of the batch launched last
+    already staged (were the engine not to wait, it would update during their staging)."""
+    llm = async_tiny_llm
+    engine = llm.engine_client.engine  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine, "overlap_choice", OverlapChoice(adaptive=False))
+    runner = engine.executor.worker.model_runner
+    execute_model, update = runner.execute_model, engine.scheduler.update_from_output
+    staged_at_update: list[bool] = []
+
+    def slow_staging(*args: Any) -> Any:
+        time.sleep(PREP_SECONDS)  # the inputs take long to stage (the signal is armed)
+        return execute_model(*args)
+
+    def checked_update(*args: Any) -> Any:
+        signal = engine.executor.inputs_staged
+        staged_at_update.append(signal is not None and signal.event.is_set())
+        return update(*args)
+
+    monkeypatch.setattr(runner, "execute_model", slow_staging)
+    monkeypatch.setattr(engine.scheduler, "update_from_output", checked_update)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}] * 2, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
+    assert len(staged_at_update) >= 5 and engine.overlap_choice.counts[True] >= 5
+    assert all(staged_at_update), (
+        f"updates ran before the next inputs were staged: {staged_at_update}"
+    )
 
 
 @pytest.mark.slow

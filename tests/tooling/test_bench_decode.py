@@ -1,5 +1,6 @@
-"""``enginecore bench decode``: single-stream decode beside its weight-read bound, the
-bytes a GGUF file's decode step reads counted against gguf's own reader."""
+"""``enginecore bench decode``: single-stream decode beside its read bound, the bytes a
+GGUF file's decode step reads counted against gguf's own reader (weights) and by hand from
+the checkpoint's config (K/V at the run's mean context)."""
 
 from __future__ import annotations
 
@@ -63,8 +64,27 @@ def test_the_bound_is_bandwidth_over_bytes():
     bandwidth = weight_bound.measured_read_bandwidth(64 << 20, repeats=2)
     # A read of memory on any machine this runs on: between 100 MB/s and 10 TB/s.
     assert 1e8 < bandwidth < 1e13
-    bound = weight_bound.Bound(bytes_per_token=10**9, bandwidth=bandwidth)
+    bound = weight_bound.Bound(weight_bytes=9 * 10**8, kv_bytes=10**8, bandwidth=bandwidth)
+    assert bound.bytes_per_token == 10**9
     assert bound.tokens_per_s == pytest.approx(bandwidth / 1e9)
+
+
+def test_the_bound_counts_the_kv_a_step_reads_at_the_mean_context(llama_gguf):
+    meta = gguf.GGUFReader(str(llama_gguf)).fields
+    layers = int(meta["llama.block_count"].contents())
+    kv_heads = int(meta["llama.attention.head_count_kv"].contents())
+    head_size = int(meta["llama.embedding_length"].contents()) // int(
+        meta["llama.attention.head_count"].contents()
+    )
+    # 64 steps after a 32-token prompt attend over 33..96 positions: 64.5 on average;
+    # each position holds a key and a value of every KV head in every layer, float32.
+    by_hand = round(layers * kv_heads * 2 * head_size * 4 * 64.5)
+    bound = weight_bound.gguf_decode_bound(llama_gguf, 32, 64, bandwidth=1e10)
+    assert bound.kv_bytes == by_hand > 0
+    assert bound.weight_bytes == weight_bound.gguf_bytes_per_token(llama_gguf)
+    assert bound.bytes_per_token == bound.weight_bytes + by_hand
+    half = weight_bound.gguf_decode_bound(llama_gguf, 32, 64, bandwidth=1e10, kv_itemsize=2)
+    assert half.kv_bytes == by_hand // 2
 
 
 @pytest.mark.slow
@@ -80,7 +100,10 @@ def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["bytes_per_token"] == weight_bound.gguf_bytes_per_token(llama_gguf)
+    expected = weight_bound.gguf_decode_bound(llama_gguf, 8, 8, result["bandwidth_bytes_per_s"])
+    assert result["weight_bytes_per_token"] == expected.weight_bytes
+    assert result["kv_bytes_per_token"] == expected.kv_bytes > 0
+    assert result["bytes_per_token"] == expected.bytes_per_token
     assert result["decode_tokens_per_s"] > 0
     assert result["bound_tokens_per_s"] == pytest.approx(
         result["bandwidth_bytes_per_s"] / result["bytes_per_token"]
@@ -88,4 +111,4 @@ def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_
     assert result["fraction_of_bound"] == pytest.approx(
         result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
     )
-    assert "weight-read bound" in proc.stdout and "% of it" in proc.stdout
+    assert "read bound" in proc.stdout and "MB of K/V" in proc.stdout and "% of it" in proc.stdout

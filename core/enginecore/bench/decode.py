@@ -1,10 +1,12 @@
-"""``enginecore bench decode``: single-stream decode speed beside its weight-read bound.
+"""``enginecore bench decode``: single-stream decode speed beside its read bound.
 
 One prompt, greedy, EOS ignored. Each round times a request of ``1 + output_len`` tokens
 and one of a single token, in turns; their difference is ``output_len`` decode steps with
 the prefill taken out. The decode speed is the median over rounds. For a GGUF file the
-bound (``weight_bound``: bytes read per token over this machine's measured bandwidth) is
-printed beside it, with the fraction of it reached.
+read bound (``weight_bound``: bytes read per token over this machine's measured
+bandwidth) is printed beside it, with the fraction of it reached; its bytes are the
+weights' and the K/V a step reads at the run's mean context (``--input-len`` plus half
+the steps), shown apart.
 """
 
 from __future__ import annotations
@@ -63,21 +65,29 @@ def run(args: argparse.Namespace) -> int:
     }
     line = f"decode {result['decode_tokens_per_s']:.1f} tok/s (load {load_s:.1f} s)"
     if str(args.model).endswith(".gguf"):
-        bound = weight_bound.Bound(
-            weight_bound.gguf_bytes_per_token(args.model),
+        context = weight_bound.mean_decode_context(args.input_len, args.output_len)
+        bound = weight_bound.gguf_decode_bound(
+            args.model,
+            args.input_len,
+            args.output_len,
             weight_bound.measured_read_bandwidth(),
+            kv_itemsize=4 if args.dtype == "float32" else 2,  # the K/V cache's dtype
         )
         fraction = result["decode_tokens_per_s"] / bound.tokens_per_s
         result |= {
             "bytes_per_token": bound.bytes_per_token,
+            "weight_bytes_per_token": bound.weight_bytes,
+            "kv_bytes_per_token": bound.kv_bytes,
+            "mean_context": context,
             "bandwidth_bytes_per_s": bound.bandwidth,
             "bound_tokens_per_s": bound.tokens_per_s,
             "fraction_of_bound": fraction,
         }
         line += (
-            f"; weight-read bound {bound.tokens_per_s:.1f} tok/s "
-            f"({bound.bytes_per_token / 1e6:.1f} MB a token at "
-            f"{bound.bandwidth / 1e9:.1f} GB/s measured): {100 * fraction:.0f}% of it"
+            f"; read bound {bound.tokens_per_s:.1f} tok/s "
+            f"({bound.weight_bytes / 1e6:.1f} MB of weights + {bound.kv_bytes / 1e6:.1f} MB "
+            f"of K/V at {context:.0f} positions a token, at {bound.bandwidth / 1e9:.1f} GB/s "
+            f"measured): {100 * fraction:.0f}% of it"
         )
     print(line)
     if args.output_json:

@@ -15,6 +15,15 @@ from enginecore.errors import EngineDeadError
 from enginecore.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
 
 
+def _merged(outputs: dict[int, EngineCoreOutputs]) -> EngineCoreOutputs:
+    """One step's outputs for every client, as the one client in this process reads them."""
+    merged = EngineCoreOutputs()
+    for client_outputs in outputs.values():
+        merged.extend(client_outputs)
+        merged.scheduler_stats = client_outputs.scheduler_stats
+    return merged
+
+
 class EngineCoreClient(ABC):
     """The interface ``LLM`` and ``AsyncLLM`` program against."""
 
@@ -81,6 +90,11 @@ class InprocClient(EngineCoreClient):
         return self._watchdog.call(limit, what, fn, *args)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        refusal = self.engine.admission_refusal()
+        if refusal is not None:
+            from enginecore.engine.async_llm import RequestRejectedError
+
+            raise RequestRejectedError(refusal)
         self._call("adding a request", self.engine.add_request, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -89,6 +103,8 @@ class InprocClient(EngineCoreClient):
 
     def _step_once(self) -> EngineCoreOutputs | None:
         """One step's outputs; an empty batch once there is no work; None: step again."""
+        if self.engine.held_outputs:  # batches finished before the engine slept
+            return _merged(self.engine.held_outputs.pop(0))
         if not self.engine.has_work():
             return EngineCoreOutputs()
         outputs, executed = self._step()
@@ -98,11 +114,7 @@ class InprocClient(EngineCoreClient):
                 # KV): yield to it as the engine process does.
                 time.sleep(0.001)
             return None
-        merged = EngineCoreOutputs()
-        for client_outputs in outputs.values():
-            merged.extend(client_outputs)
-            merged.scheduler_stats = client_outputs.scheduler_stats
-        return merged
+        return _merged(outputs)
 
     def get_output(self) -> EngineCoreOutputs:
         while (outputs := self._call("a step", self._step_once)) is None:

@@ -17,6 +17,7 @@ from enginecore import startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.engine.inputs_staged import InputsStaged
+from enginecore.engine.overlap_choice import OverlapChoice
 from enginecore.errors import EngineCoreError, InvalidRequestError, RankError
 from enginecore.interfaces import Executor, KVConnectorScheduler, ModelRunner, Scheduler
 from enginecore.plugins import PluginHost, make_plugin_manager
@@ -133,9 +134,14 @@ class EngineCore:
         async_ok = config.scheduler.async_scheduling and self.scheduler.supports_async_scheduling
         self.batch_queue_size = self.executor.max_concurrent_batches if async_ok else 1
         self.batch_queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]] = deque()
+        #: Whether each async step overlaps the next batch or runs the synchronous way.
+        self.overlap_choice = OverlapChoice(
+            self.batch_queue_size > 1 and config.scheduler.async_scheduling_adaptive
+        )
         self._seq_no = 0
         self._paused: str | None = None  # None, or the pause mode
         self._sleeping = False
+        self.held_outputs: list[dict[int, EngineCoreOutputs]] = []
         self.startup_seconds = time.monotonic() - started
         startup_log.logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens, max_model_len %d, %s",
@@ -510,6 +516,7 @@ class EngineCore:
         runner_output = self._result(execute, sample)
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output)
+        self.overlap_choice.completed(len(scheduler_output.num_scheduled_tokens), False)
         return _merge(outputs, failed), scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> StepResult:
@@ -519,11 +526,18 @@ class EngineCore:
         them in from its own sampled tokens. Results are consumed oldest first.
         """
         queue = self.batch_queue
+        choice = self.overlap_choice
+        overlap = choice.overlap()
+        if not overlap and not queue:
+            # Nothing in flight and overlapping measured slower: this batch the
+            # synchronous way (the scheduler plans it as the synchronous loop would).
+            return self.step()
         scheduled = False
         failed = self._admit_compiled()
         deferred: tuple[Future[Any], SchedulerOutput] | None = None
         if (
-            self._paused != "keep"
+            overlap  # else the batch in flight first, then the synchronous way
+            and self._paused != "keep"
             and len(queue) < self.batch_queue_size
             and self.scheduler.has_requests()
         ):
@@ -557,6 +571,7 @@ class EngineCore:
             queue.appendleft((next_execute, next_sample, next_output))
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output, advance)
+        choice.completed(len(scheduler_output.num_scheduled_tokens), overlap)
         return _merge(outputs, failed), scheduled
 
     def _await_inputs_staged(self) -> None:
@@ -587,6 +602,8 @@ class EngineCore:
             "ping": self.ping,
             "get_supported_tasks": self.get_supported_tasks,
             "is_sleeping": self.is_sleeping,
+            "sleep": self.sleep,
+            "wake_up": self.wake_up,
             "get_num_unfinished_requests": self.get_num_unfinished_requests,
             "reset_prefix_cache": self.reset_prefix_cache,
             "collective_rpc": self.collective_rpc,
@@ -603,6 +620,34 @@ class EngineCore:
 
     def is_sleeping(self) -> bool:
         return self._sleeping
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory between batches (vLLM's sleep mode): finish the batches in
+        flight, hold queued requests, drop the prefix cache (its blocks' contents go),
+        then the workers free the KV cache (level 1) and the weights too (level 2)."""
+        self._paused = "keep"
+        self.emit_drained(self.drain_batch_queue())
+        if level >= 1:
+            self.scheduler.reset_prefix_cache()
+        self.executor.sleep(level)
+        self._sleeping = True
+
+    def wake_up(self) -> None:
+        self.executor.wake_up()
+        self._sleeping = False
+        self._paused = None
+
+    def emit_drained(self, drained: list[dict[int, EngineCoreOutputs]]) -> None:
+        """Outputs of batches finished off the step (before sleeping): kept for the next
+        ``get_output`` of a client in this process; the engine process sends them."""
+        self.held_outputs.extend(drained)
+
+    def admission_refusal(self) -> str | None:
+        """Why a new request is refused now (paused or asleep), or None."""
+        if self._paused is None:  # "keep" too refuses: a new request would only wait
+            return None
+        state = "asleep" if self._sleeping else "paused"
+        return f"engine_paused: the engine is {state}; retry after it resumes"
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests() + self.structured_output.num_waiting

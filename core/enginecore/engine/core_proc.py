@@ -265,9 +265,8 @@ class EngineCoreProc(EngineCore):
         rejection = None
         if self._shutdown_requested:
             rejection = "the engine is shutting down and admits no new requests"
-        elif self._paused is not None:  # "keep" too: a new request would only wait
-            state = "asleep" if self._sleeping else "paused"
-            rejection = f"engine_paused: the engine is {state}; retry after it resumes"
+        else:
+            rejection = self.admission_refusal()
         if rejection is None:
             try:
                 self.add_request(request)
@@ -337,8 +336,6 @@ class EngineCoreProc(EngineCore):
             "pause_scheduler": self.pause_scheduler,
             "resume_scheduler": self.resume_scheduler,
             "is_paused": self.is_paused,
-            "sleep": self.sleep,
-            "wake_up": self.wake_up,
             "add_lora": self.add_lora,
             "remove_lora": self.remove_lora,
         }
@@ -375,9 +372,7 @@ class EngineCoreProc(EngineCore):
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         if mode == "abort":
-            for outputs in self.drain_batch_queue():
-                for client, client_outputs in outputs.items():
-                    self.output_queue.put((client, client_outputs.stamp()))
+            self.emit_drained(self.drain_batch_queue())
             self._send_finished(self.abort_all_requests(), FinishReason.ABORT, None)
         self._paused = mode
 
@@ -387,20 +382,10 @@ class EngineCoreProc(EngineCore):
     def is_paused(self) -> bool:
         return self._paused is not None
 
-    def sleep(self, level: int = 1) -> None:
-        self.pause_scheduler("keep")
-        for outputs in self.drain_batch_queue():
+    def emit_drained(self, drained: list[dict[int, EngineCoreOutputs]]) -> None:
+        for outputs in drained:
             for client, client_outputs in outputs.items():
                 self.output_queue.put((client, client_outputs.stamp()))
-        if level >= 1:
-            self.scheduler.reset_prefix_cache()
-        self.executor.sleep(level)
-        self._sleeping = True
-
-    def wake_up(self) -> None:
-        self.executor.wake_up()
-        self._sleeping = False
-        self.resume_scheduler()
 
     # --- shutdown -------------------------------------------------------------------------------
 
@@ -415,9 +400,7 @@ class EngineCoreProc(EngineCore):
                 time.monotonic() - self._draining_since < timeout
             ):
                 return False
-        for outputs in self.drain_batch_queue():
-            for client, client_outputs in outputs.items():
-                self.output_queue.put((client, client_outputs.stamp()))
+        self.emit_drained(self.drain_batch_queue())
         self._send_finished(self.abort_all_requests(), FinishReason.ABORT, None)
         return True
 
