@@ -136,9 +136,13 @@ def instrument(llm: Any, timers: Timers) -> None:
     fused = getattr(runner, "fused_decode", None)  # a whole decode step in one call
     if fused is not None:
         fused.run = timers.wrap("forward", fused.run)
-        lib = fused.lib  # shared by the runs of one process: wrap the function once
-        call = getattr(lib.ecd_decode_step, "__wrapped__", lib.ecd_decode_step)
-        lib.ecd_decode_step = timers.wrap(CALL, call)
+        # The step's library, shared by the runs of one process: wrap its function once.
+        # A step still waiting for its library to compile (its source changed) has none:
+        # the column stays at zero for that run.
+        lib = getattr(fused, "lib", None)
+        if lib is not None:
+            call = getattr(lib.ecd_decode_step, "__wrapped__", lib.ecd_decode_step)
+            lib.ecd_decode_step = timers.wrap(CALL, call)
     llm._process_step = timers.wrap("output", llm._process_step)
 
 

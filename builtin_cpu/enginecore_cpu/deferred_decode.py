@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from enginecore.layers.attention import AttentionBatch
@@ -61,7 +62,10 @@ class DeferredDecodeStep:
         batch: AttentionBatch,
         threads: int | None = None,
         head: str | None = None,
+        tokens_into: np.ndarray | None = None,
     ) -> torch.Tensor:
         assert self.step is not None, "run() follows a handles() that took the step"
-        out: torch.Tensor = self.step.run(ids, positions, batch, threads=threads, head=head)
+        out: torch.Tensor = self.step.run(
+            ids, positions, batch, threads=threads, head=head, tokens_into=tokens_into
+        )
         return out
