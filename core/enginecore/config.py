@@ -130,10 +130,11 @@ class SchedulerConfig(_Section):
     """Cap on one prefill chunk while other requests compete (0: no cap)."""
     async_scheduling: bool = True
     """Schedule step N+1 while step N computes (placeholders for unsampled tokens)."""
-    async_scheduling_adaptive: bool = True
+    async_scheduling_adaptive: bool = False
     """With async scheduling, time the steps of each batch size both ways and run a
     size the synchronous way where that measured faster (little to overlap: a short
-    forward, or a forward in the engine's process on every core); outputs are the same."""
+    forward, or a forward in the engine's process on every core); outputs are the same.
+    Off by default: its probes cost more than the choice gained where it was measured."""
     max_num_seqs_per_client: int | None = None
     """While more than one client has unfinished requests (and for 32 steps after), at
     most this many of one client's requests run in a step, taking turns, so one client's
