@@ -474,11 +474,13 @@ def test_group_quantized_logits_match_the_dequantized_weights(group_checkpoints,
 @pytest.mark.parametrize("name", ["awq-asym", "gptq-sym"])
 def test_group_quantized_checkpoint_decodes_as_transformers(group_checkpoints, name, monkeypatch):
     """Through ``LLM``: kept in blocks (de-quantize + GEMM for every row, exact: no
-    ``quant_gemm``, no one-row kernels) and, through the torch path
-    (``quantization="none"``, as off CPU), de-quantized at load; both decode greedily as
-    transformers does on the de-quantized float32 weights."""
+    ``quant_gemm``, no one-row kernels, no fused decode step: its products are the
+    one-row kernels') and, through the torch path (``quantization="none"``, as off CPU),
+    de-quantized at load; both decode greedily as transformers does on the de-quantized
+    float32 weights."""
     from enginecore import LLM, SamplingParams
 
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "0")
     monkeypatch.setattr(gguf_linear_method, "DIRECT_MAX_ROWS", -1)
     monkeypatch.setattr(quant_gemm, "load", lambda: None)
     quantized, reference = group_checkpoints[name]
