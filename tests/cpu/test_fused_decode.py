@@ -137,8 +137,9 @@ def test_the_fused_step_gives_the_same_bits_on_any_number_of_threads(tiny_llama,
 @pytest.mark.slow
 def test_the_step_threads_sleep_between_steps_in_a_fresh_process(tiny_llama, tmp_path):
     """In a process whose only OpenMP user is the engine's worker (an engine process),
-    OpenMP's idle thread spun about 4 ms after every step, a core the engine's and the
-    frontend's Python wait for on a 2-core machine; the step's own team sleeps once
+    OpenMP's idle thread spins for milliseconds after every step, holding a core the
+    engine's and the frontend's Python wait for where cores are few; the step's own team
+    sleeps once
     ECD_SPIN_CYCLES have passed. (In this test process OpenMP throttles its spinning:
     more threads than cores have used it.)"""
     import subprocess
