@@ -141,10 +141,9 @@ class SamplingPhase:
         if (
             step is not None
             and step.tokens is not None
-            and step.tokens.device.type == "cpu"
             and step.sample_req_ids
             and self.drafter is None
-        ):  # the fused step's greedy tokens in host memory: no torch op is left to run
+        ):  # plain greedy rows whose argmax the forward took: no sampler to run
             self._step = None
             return self._sample_greedy(step, step.tokens, self._index(step))
         return self._sample_with_torch(grammar_output)
@@ -174,8 +173,6 @@ class SamplingPhase:
         if self.drafter is not None:
             return self._sample_speculative(step, grammar_output, index)
         batch, rows = self._batch_rows(step)
-        if step.tokens is not None:  # plain greedy rows: the forward took their argmax
-            return self._sample_greedy(step, step.tokens, index)
         if (
             self.greedy_shortcut
             and step.logits is not None
