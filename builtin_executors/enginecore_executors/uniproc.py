@@ -13,6 +13,7 @@ from enginecore.engine.serial_thread import SerialThread
 from enginecore.errors import ConfigError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
 from enginecore.registry import import_ref
+from enginecore.scheduler_output import GrammarOutput, SchedulerOutput
 from enginecore_executors.rpc import check_reply_rank, method_name
 
 __all__ = ["RankError", "UniProcExecutor", "method_name"]
@@ -91,6 +92,40 @@ class UniProcExecutor(Executor):
                 f"collective_rpc {method_name(method)!r} timed out after {timeout} s "
                 f"on rank {self.worker.rank}"
             ) from None
+
+    def launch_step(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
+    ) -> tuple[Future[Any], Future[Any]]:
+        """Both halves of the step as one call on the worker thread: one future, one
+        wake of the worker, and one of the engine thread when the step's output is
+        ready (with two calls, the engine thread woke once the forward returned, then
+        waited again, taking the interpreter lock from the worker's sampling)."""
+        cls = type(self)
+        if (
+            self.kv_output_aggregator is not None
+            or cls.execute_model is not Executor.execute_model
+            or cls.sample_tokens is not Executor.sample_tokens
+        ):  # a subclass's own halves are called as it defines them
+            return super().launch_step(scheduler_output, grammar_output)
+        worker = self.worker
+        execute = worker.resolve_method("execute_model")
+        sample = worker.resolve_method("sample_tokens")
+        staged = self.inputs_staged = InputsStaged()
+
+        def call() -> Any:
+            try:
+                executed = staged.run(execute, scheduler_output)
+            except Exception as exc:
+                raise RankError(worker.rank, "execute_model", exc) from exc
+            try:
+                sampled = sample(grammar_output)
+            except Exception as exc:
+                raise RankError(worker.rank, "sample_tokens", exc) from exc
+            return executed if executed is not None else sampled
+
+        launched = self._thread.submit(call)
+        launched.add_done_callback(staged.release)  # also where it never runs (shutdown)
+        return launched, launched
 
     def _staged_step(self, method: object, non_block: bool) -> InputsStaged | None:
         """A signal for a step's ``execute_model`` launched without blocking, kept as
