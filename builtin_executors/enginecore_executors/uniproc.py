@@ -93,7 +93,7 @@ class UniProcExecutor(Executor):
                 f"on rank {self.worker.rank}"
             ) from None
 
-    def launch_step(
+    def _launch_step(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
     ) -> tuple[Future[Any], Future[Any]]:
         """Both halves of the step as one call on the worker thread: one future, one
@@ -106,7 +106,7 @@ class UniProcExecutor(Executor):
             or cls.execute_model is not Executor.execute_model
             or cls.sample_tokens is not Executor.sample_tokens
         ):  # a subclass's own halves are called as it defines them
-            return super().launch_step(scheduler_output, grammar_output)
+            return super()._launch_step(scheduler_output, grammar_output)
         worker = self.worker
         execute = worker.resolve_method("execute_model")
         sample = worker.resolve_method("sample_tokens")

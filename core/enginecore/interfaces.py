@@ -300,13 +300,14 @@ class Executor(ABC):
         )
         return output
 
-    def launch_step(
+    def _launch_step(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None
     ) -> tuple[Future[Any], Future[Any]]:
         """A step's ``execute_model`` and ``sample_tokens``, launched without blocking:
         their two futures. The step's output is the first's result where not None, else
-        the second's. An executor may run both as one call on its workers (one hand-off
-        per step instead of two) and give that call's future for both."""
+        the second's. A built-in executor may run both as one call on its workers (one
+        hand-off per step instead of two) and give that call's future for both. Not part
+        of the plugin API: a plugin's executor defines the two halves."""
         execute: Future[Any] = self.execute_model(scheduler_output, non_block=True)
         sample: Future[Any] = self.sample_tokens(grammar_output, non_block=True)
         return execute, sample

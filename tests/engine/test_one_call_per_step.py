@@ -1,5 +1,5 @@
 """A step's two halves (``execute_model``, then ``sample_tokens``) reach the ``uni``
-executor's worker thread as one call (``Executor.launch_step``): one hand-off to the
+executor's worker thread as one call (``Executor._launch_step``): one hand-off to the
 worker and one back per step instead of two each. A subclass that defines its own halves,
 a step with grammars (their bitmask is built while the forward runs) and an executor with
 several ranks keep the two calls."""
@@ -70,7 +70,7 @@ def test_launch_step_runs_both_halves_as_one_call_with_the_step_s_output(
 ) -> None:
     worker = FakeWorker()
     executor = make_executor(worker)
-    execute, sample = executor.launch_step(object(), None)
+    execute, sample = executor._launch_step(object(), None)
     assert execute is sample, "two futures: two hand-offs to the worker"
     assert sample.result(10) == "sampled"
     assert worker.calls == ["execute_model", "sample_tokens"]
@@ -78,7 +78,7 @@ def test_launch_step_runs_both_halves_as_one_call_with_the_step_s_output(
     assert executor.inputs_staged.event.is_set()
     # An execute_model that returns the output (it sampled itself) gives that output.
     worker = FakeWorker(executed="executed")
-    execute, sample = make_executor(worker).launch_step(object(), None)
+    execute, sample = make_executor(worker)._launch_step(object(), None)
     assert sample.result(10) == "executed"
     assert worker.calls == ["execute_model", "sample_tokens"]
 
@@ -89,7 +89,7 @@ def test_a_half_that_raises_is_named_and_the_engine_is_released(
 ) -> None:
     worker = FakeWorker(fail=failing)
     executor = make_executor(worker)
-    _, launched = executor.launch_step(object(), None)
+    _, launched = executor._launch_step(object(), None)
     with pytest.raises(RankError, match=rf"rank 0 raised in {failing}"):
         launched.result(10)
     executor.inputs_staged.wait()  # set even though the call raised
@@ -118,7 +118,7 @@ def test_a_subclass_with_its_own_halves_gets_them_called(make_executor: Any) -> 
     worker = FakeWorker()
     executor = make_executor(worker)
     object.__setattr__(executor, "__class__", OwnHalves)  # the same object, its subclass
-    execute, sample = executor.launch_step(object(), None)
+    execute, sample = executor._launch_step(object(), None)
     assert execute is not sample
     assert execute.result(10) is None and sample.result(10) == "sampled"
     assert calls == ["own execute_model"] and worker.calls == ["sample_tokens"]
@@ -166,7 +166,7 @@ def test_each_decode_step_hands_the_worker_one_call(
 
 
 def _two_calls(engine: Any) -> Any:
-    """The engine's launch as two separate calls (the way before ``launch_step``)."""
+    """The engine's launch as two separate calls (the way before ``_launch_step``)."""
 
     def launch(scheduler_output: Any) -> tuple[Future[Any], Future[Any]]:
         execute = engine.executor.execute_model(scheduler_output, non_block=True)

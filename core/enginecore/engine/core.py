@@ -406,7 +406,7 @@ class EngineCore:
 
     def _launch(self, scheduler_output: SchedulerOutput) -> tuple[Future[Any], Future[Any]]:
         if not scheduler_output.structured_output_request_ids:
-            return self.executor.launch_step(scheduler_output, None)
+            return self.executor._launch_step(scheduler_output, None)
         # The grammars' bitmask is built while the forward runs.
         execute = self.executor.execute_model(scheduler_output, non_block=True)
         grammar = self._grammar_output(scheduler_output)
@@ -416,7 +416,7 @@ class EngineCore:
     @staticmethod
     def _result(execute: Future[Any], sample: Future[Any]) -> ModelRunnerOutput:
         """The step's output; ``execute is sample`` where the executor ran both halves
-        as one call (:meth:`Executor.launch_step`), whose result is the output."""
+        as one call (:meth:`Executor._launch_step`), whose result is the output."""
         if execute is sample:
             output: ModelRunnerOutput = sample.result()
             return output
