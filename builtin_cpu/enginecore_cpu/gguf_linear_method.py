@@ -301,12 +301,19 @@ def _dequantized_table(blocks: QuantizedTensor) -> torch.Tensor:
     """The float32 values of a file's table (a token embedding's): by the kernels' C
     de-quantization, on every thread, where they loaded (the same floats as torch's:
     they are built without contracting a multiply and an add), else in torch."""
-    kernels = quant_kernels.load()
-    kquant = kquant_kernels.load() if blocks.format in kquant_blocks.FORMATS else None
+    kernels, kquant = quant_kernels.load(), kquant_kernels.load()
     if kernels is None or (blocks.format in kquant_blocks.FORMATS and kquant is None):
         return block_parts.dequantized_part(block_parts.unpacked(blocks))
-    part = kquant.unpacked([blocks]) if kquant is not None else unpacked(blocks)
-    return _dequantize_with(kernels, part)
+    if kquant is not None and blocks.format in kquant_blocks.FORMATS:
+        return _dequantize_with(kernels, kquant.unpacked([blocks]))
+    part: Part | None = None
+    if kquant is not None and blocks.format in gguf_blocks.FORMATS:
+        # The 32-value blocks by the same C pass as a layer's (torch's unpacking copied
+        # the table's scales and values apart, several passes over a table's blocks).
+        part = gguf_blocks.empty_blocks(blocks.format, blocks.shape)
+        if not kquant.blocks_into([blocks], part):
+            part = None  # a Q4_0 offset beyond float16: float32 scales from torch's pass
+    return _dequantize_with(kernels, part if part is not None else unpacked(blocks))
 
 
 def _kquant() -> kquant_kernels.KQuantKernels:

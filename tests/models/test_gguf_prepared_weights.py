@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.parts import dequantized_part, unpacked
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import RowParallelLinear, use_linear_method
@@ -241,7 +242,7 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     fmt, tmp_path, cache_root, monkeypatch, caplog
 ):
     """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
-    prepared weights, de-quantized by the C kernels (not in torch) at the first load: the
+    prepared weights, unpacked and de-quantized by the C kernels (not in torch) at the first load: the
     next load maps it and de-quantizes nothing, lookups give the bits of torch's
     de-quantized blocks, and a damaged entry is a miss, written again."""
     from enginecore.block_formats import parts
@@ -265,8 +266,13 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
         table.weight.weight_loader(table.weight, blocks)
         return table
 
+    def no_torch_pass(*args):
+        raise AssertionError("the embedding's blocks were unpacked in torch")
+
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
+        patch.setattr(gguf_blocks, "from_gguf", no_torch_pass)
+        patch.setattr(kquant_blocks, "from_gguf", no_torch_pass)
         first = load()
     assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
     entries = list(cache_root.glob("*/*.bin"))
