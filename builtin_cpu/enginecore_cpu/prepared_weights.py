@@ -8,7 +8,8 @@ nothing read until the kernels touch a page), so a warm load reads no weight and
 memory grows with what the model uses, as with a mapped GGUF file.
 
 Entries live under the kernel cache directory, in one directory per (GGUF file: resolved
-path, size, modification time; CPU: model name and flags; the block layouts' source), one
+path, size, modification time, inode and change time; CPU: model name and flags; the
+block layouts' source), one
 file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
 A changed file, another CPU or a new layout finds another directory. An entry is written
 to a temporary file and renamed, so a reader never sees half of one; a first load's C
@@ -90,7 +91,11 @@ class PreparedWeights:
         stat = path.stat()
         cpu = cpu or cpu_identity()
         key = hashlib.sha256()
-        for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu):
+        # The inode and the change time as well as the modification time: another file
+        # moved or copied in under the same name, size and modification time (`cp -p`,
+        # `rsync -a`, a tar) has another of either, and is never served this one's entry.
+        file = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+        for item in (*map(str, file), cpu):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())
         self.directory = root() / key.hexdigest()[:24]

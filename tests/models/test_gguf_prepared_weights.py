@@ -110,6 +110,31 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     }
 
 
+def test_another_file_under_the_same_name_size_and_time_is_not_served(tmp_path, cache_root):
+    """A file put in place of the model, with its name, size and modification time (`cp
+    -p`, `rsync -a` and tar keep the time), is another file: it is prepared again, never
+    served the first one's entries, whether copied over it or moved in under its name."""
+    import shutil
+    import time
+
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    for replace in ("copied over", "moved in"):
+        PreparedWeights(model, cpu="cpu").save("layer 0", layer)
+        assert PreparedWeights(model, cpu="cpu").load("layer 0") is not None
+        stat = model.stat()
+        time.sleep(0.05)  # a later clock tick: the file system's times are coarser than ns
+        other.write_bytes(b"GGUF" + bytes(59) + b"\1")
+        if replace == "copied over":
+            shutil.copyfile(other, model)
+        else:
+            os.replace(other, model)
+        os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert (model.stat().st_size, model.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+        assert PreparedWeights(model, cpu="cpu").load("layer 0") is None, replace
+
+
 @pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, damage, caplog):
     model = tmp_path / "model.gguf"
