@@ -36,6 +36,7 @@ import os
 import struct
 import tempfile
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -190,9 +191,12 @@ class PreparedWeights:
             raise
         return f, tmp
 
-    def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
+    def reserve(
+        self, key: str, layer: Sequence[tuple[int, Part | torch.Tensor]]
+    ) -> ReservedEntry | None:
         """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
-        give only their dtypes and shapes (they may be on the ``meta`` device). The
+        give only their dtypes and shapes (they may be on the ``meta`` device; a float
+        table is one tensor at row 0). The
         preparation pass writes its result straight into the entry's pages (no copy
         in memory, no second write); None where nothing can be written (prepare in
         memory then)."""
@@ -224,7 +228,7 @@ class PreparedWeights:
             self._writable = False
             logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
             return None
-        return ReservedEntry(self, key, Path(tmp), cast(Layer, parts))
+        return ReservedEntry(self, key, Path(tmp), parts)
 
     def _save(self, key: str, layer: _Entry) -> None:
         if not self._writable:
@@ -250,27 +254,51 @@ class PreparedWeights:
 
 class ReservedEntry:
     """An entry being filled in place (:meth:`PreparedWeights.reserve`): ``layer``'s
-    tensors are views of the new entry's shared mapping; :meth:`commit` publishes it."""
+    tensors (or ``table``) are views of the new entry's shared mapping; :meth:`commit`
+    (or :meth:`commit_table`) publishes it."""
 
-    def __init__(self, owner: PreparedWeights, key: str, path: Path, layer: Layer) -> None:
+    def __init__(self, owner: PreparedWeights, key: str, path: Path, entry: _Entry) -> None:
         self.owner, self.key, self.path = owner, key, path
-        self.layer: Layer | None = layer
+        self._filled: _Entry | None = entry
 
-    def commit(self) -> Layer | None:
-        """Publish the filled entry (renamed into place, as a write is) and map it back
-        as a warm load does; the caller drops its views of the shared mapping."""
-        self.layer = None
+    @property
+    def layer(self) -> Layer | None:
+        """The layer's parts to fill; None once published or dropped, or for a table."""
+        entry = self._filled
+        if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
+            return None
+        return cast(Layer, entry)
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The float table to fill; None once published or dropped, or for a layer."""
+        entry = self._filled
+        if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
+            return None
+        return entry[0][1]
+
+    def _publish(self) -> bool:
+        self._filled = None
         try:
             os.replace(self.path, self.owner._entry(self.key))
         except OSError as exc:
             self.path.unlink(missing_ok=True)
             logger.warning("could not keep prepared weights in %s: %s", self.path.parent, exc)
-            return None
-        return self.owner.load(self.key)
+            return False
+        return True
+
+    def commit(self) -> Layer | None:
+        """Publish the filled entry (renamed into place, as a write is) and map it back
+        as a warm load does; the caller drops its views of the shared mapping."""
+        return self.owner.load(self.key) if self._publish() else None
+
+    def commit_table(self) -> torch.Tensor | None:
+        """:meth:`commit` for a float table."""
+        return self.owner.load_table(self.key) if self._publish() else None
 
     def abort(self) -> None:
         """Drop an entry whose filling failed."""
-        self.layer = None
+        self._filled = None
         self.path.unlink(missing_ok=True)
 
 

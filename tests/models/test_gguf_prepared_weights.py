@@ -267,7 +267,8 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     fmt, tmp_path, cache_root, monkeypatch, caplog
 ):
     """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
-    prepared weights, unpacked and de-quantized by the C kernels (not in torch) at the first load: the
+    prepared weights, unpacked and de-quantized by the C kernels (not in torch) straight
+    into its entry at the first load (no float copy in memory, no second write): the
     next load maps it and de-quantizes nothing, lookups give the bits of torch's
     de-quantized blocks, and a damaged entry is a miss, written again."""
     from enginecore.block_formats import parts
@@ -294,14 +295,20 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     def no_torch_pass(*args):
         raise AssertionError("the embedding's blocks were unpacked in torch")
 
+    def no_copy(*args):
+        raise AssertionError("the table was made in memory and written")
+
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
         patch.setattr(gguf_blocks, "from_gguf", no_torch_pass)
         patch.setattr(kquant_blocks, "from_gguf", no_torch_pass)
+        patch.setattr(PreparedWeights, "_save", no_copy)
         first = load()
     assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
     entries = list(cache_root.glob("*/*.bin"))
     assert len(entries) == 1
+    assert not list(cache_root.glob("*/*.tmp"))
+    assert first.weight.untyped_storage().nbytes() == entries[0].stat().st_size  # mapped
 
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
