@@ -9,7 +9,7 @@ memory grows with what the model uses, as with a mapped GGUF file.
 
 Entries live under the kernel cache directory, in one directory per (GGUF file: resolved
 path, size, modification time, inode and change time; CPU: model name and flags; the
-block layouts' source), one
+block layouts' source and the C code that writes them), one
 file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
 A changed file, another CPU or a new layout finds another directory. An entry is written
 to a temporary file and renamed, so a reader never sees half of one; a first load's C
@@ -78,10 +78,16 @@ def cpu_identity() -> str:
     return model.strip() + "\n" + cpu_kernels._cpu_signature().strip()
 
 
+# The C sources that write an entry's bytes on a first load: the layers' repacking pass
+# (``kquant_kernels.c``) and the table's de-quantization (``quant_kernels.c``).
+ENTRY_WRITERS = [Path(__file__).with_name(n) for n in ("kquant_kernels.c", "quant_kernels.c")]
+
+
 def _layout_signature() -> bytes:
-    """The block layouts' source: a change to how blocks are laid out starts a new cache."""
-    sources = (gguf_blocks.__file__, kquant_blocks.__file__, __file__)
-    return b"".join(hashlib.sha256(Path(s).read_bytes()).digest() for s in sources)
+    """The block layouts' source and the C code that writes them: a change to either
+    starts a new cache (a fixed repacking pass never serves the entries of the old one)."""
+    sources = [Path(gguf_blocks.__file__), Path(kquant_blocks.__file__), Path(__file__)]
+    return b"".join(hashlib.sha256(s.read_bytes()).digest() for s in sources + ENTRY_WRITERS)
 
 
 class PreparedWeights:

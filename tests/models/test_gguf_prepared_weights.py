@@ -135,6 +135,26 @@ def test_another_file_under_the_same_name_size_and_time_is_not_served(tmp_path, 
         assert PreparedWeights(model, cpu="cpu").load("layer 0") is None, replace
 
 
+@pytest.mark.parametrize("writer", [0, 1])
+def test_a_changed_repacking_pass_does_not_serve_the_old_entries(
+    tmp_path, cache_root, monkeypatch, writer
+):
+    """The C code that writes an entry's bytes on a first load (the layers' repacking,
+    the table's de-quantization) is part of the cache's key: entries a fixed pass would
+    write differently are never served from the old pass's."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    PreparedWeights(model, cpu="cpu").save("layer 0", layer)
+    assert PreparedWeights(model, cpu="cpu").load("layer 0") is not None
+    sources = list(prepared_weights.ENTRY_WRITERS)
+    changed = tmp_path / sources[writer].name
+    changed.write_bytes(sources[writer].read_bytes() + b"\n/* a fix */\n")
+    sources[writer] = changed
+    monkeypatch.setattr(prepared_weights, "ENTRY_WRITERS", sources)
+    assert PreparedWeights(model, cpu="cpu").load("layer 0") is None
+
+
 @pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, cache_root, damage, caplog):
     model = tmp_path / "model.gguf"
