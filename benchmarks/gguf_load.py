@@ -8,7 +8,10 @@ kernels are compiled too); ``warm``: prepared already. The first request is a
 128-token prompt and one output token, sent right after the engine is ready; a second
 and a third follow, each with other tokens (the same prompt again would be served from the
 prefix cache).
-Resident memory is taken when the engine is ready and after the three requests, and the
+The page faults to a ready engine (minor: memory first touched, a page of a new file
+written through a mapping) count work that the machine's other load does not inflate.
+Resident memory (RSS, and PSS: the mapped files' pages shared with other processes counted
+in part) is taken when the engine is ready and after the three requests, and the
 process's CPU time (user and system, all threads) when it is ready: on a shared machine
 the wall times grow with the other load, the CPU time much less. With
 ``--baseline-src DIR`` (a source tree of another commit, for example
@@ -20,7 +23,11 @@ checkout, or the other tree, prepared.
 With ``--new-step-library`` the first run finds only the fused decode step's library
 missing, so its requests are served while that library compiles (and nothing else does).
 
+With ``--llama-python PY`` (a Python with llama-cpp-python) llama.cpp loads the file
+after each warm run, in a fresh process, with the same requests.
+
     python benchmarks/gguf_load.py FILE.gguf [--rounds 2] [--baseline-src DIR] [--new-cache]
+        [--llama-python PY]
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from enginecore import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
 ready = time.perf_counter()
-rss_ready = psutil.Process().memory_info().rss
+ready_memory = psutil.Process().memory_full_info()
 usage = resource.getrusage(resource.RUSAGE_SELF)
 cpu_ready = usage.ru_utime + usage.ru_stime
+faults_ready = usage.ru_minflt
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def timed(start):
     prompt = {"prompt_token_ids": list(range(start, start + 128))}
@@ -53,12 +61,43 @@ def timed(start):
 ttft, token = timed(300)
 second, _ = timed(1300)
 third, _ = timed(2300)
-rss = psutil.Process().memory_info().rss
+memory = psutil.Process().memory_full_info()
 print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
-    "cpu_to_ready_s": cpu_ready,
+    "cpu_to_ready_s": cpu_ready, "page_faults_to_ready": faults_ready,
     "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
-    "rss_ready_gib": rss_ready / 2**30, "rss_gib": rss / 2**30, "token": token}))
+    "rss_ready_gib": ready_memory.rss / 2**30, "rss_gib": memory.rss / 2**30,
+    "pss_ready_gib": ready_memory.pss / 2**30, "pss_gib": memory.pss / 2**30, "token": token}))
 llm.shutdown()
+"""
+
+# llama.cpp's side (``--llama-python``): the same process shape, requests and figures
+# (llama-cpp-python serves one sequence: each request resets its context).
+LLAMA_RUN = """
+import json, resource, sys, time
+started = time.perf_counter()
+import psutil
+from llama_cpp import Llama
+imported = time.perf_counter()
+llm = Llama(sys.argv[1], n_ctx=512, verbose=False, seed=0)
+ready = time.perf_counter()
+ready_memory = psutil.Process().memory_full_info()
+usage = resource.getrusage(resource.RUSAGE_SELF)
+cpu_ready = usage.ru_utime + usage.ru_stime
+faults_ready = usage.ru_minflt
+def timed(start):
+    llm.reset()
+    t = time.perf_counter()
+    token = next(iter(llm.generate(list(range(start, start + 128)), temp=0.0, top_k=1)))
+    return time.perf_counter() - t, [token]
+ttft, token = timed(300)
+second, _ = timed(1300)
+third, _ = timed(2300)
+memory = psutil.Process().memory_full_info()
+print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
+    "cpu_to_ready_s": cpu_ready, "page_faults_to_ready": faults_ready,
+    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
+    "rss_ready_gib": ready_memory.rss / 2**30, "rss_gib": memory.rss / 2**30,
+    "pss_ready_gib": ready_memory.pss / 2**30, "pss_gib": memory.pss / 2**30, "token": token}))
 """
 
 
@@ -83,6 +122,15 @@ def remove_step_library(kernels: pathlib.Path) -> None:
     for library in kernels.glob("enginecore_decode_step_*.so"):
         library.unlink()
     shutil.rmtree(kernels / "objects", True)
+
+
+def run_llamacpp(model: str, python: str) -> dict[str, object]:
+    out = subprocess.run(
+        [python, "-c", LLAMA_RUN, model], capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"llama.cpp's run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(model: str, tree: pathlib.Path | None) -> dict[str, object]:
@@ -118,6 +166,11 @@ def main() -> None:
     parser.add_argument(
         "--warm-only", action="store_true", help="no first run: each tree's cache as it is"
     )
+    parser.add_argument(
+        "--llama-python",
+        help="a Python with llama-cpp-python: llama.cpp loads the file after each warm "
+        "run too (it keeps no cache: its every load is the same)",
+    )
     args = parser.parse_args()
     model = str(pathlib.Path(args.model).resolve())
     trees: list[tuple[str, pathlib.Path | None]] = [("this tree", None)]
@@ -133,6 +186,9 @@ def main() -> None:
                 else:
                     shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)
             print(json.dumps({"tree": name, "run": label, **run(model, tree)}), flush=True)
+        if args.llama_python and label == "warm":
+            result = run_llamacpp(model, args.llama_python)
+            print(json.dumps({"tree": "llama.cpp", "run": label, **result}), flush=True)
     print(f"load average {os.getloadavg()}")
 
 

@@ -243,6 +243,8 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         key = f"float32 table of {blocks.source} ({blocks.format}, {out}x{k})"
         table = self.prepared.load_table(key)
         if table is None:
+            table = _table_in_place(self.prepared, key, blocks)
+        if table is None:
             table = _dequantized_table(blocks)
             self.prepared.save_table(key, table)
             # Mapped back where it was written: resident only where looked up.
@@ -287,26 +289,37 @@ def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
     return isinstance(part, KQuantWeight) and part.fmt != "Q4_K"
 
 
-def _dequantize_with(kernels: quant_kernels.QuantKernels, part: Part) -> torch.Tensor:
+def _dequantize_with(
+    kernels: quant_kernels.QuantKernels, part: Part, out: torch.Tensor | None = None
+) -> torch.Tensor:
     if isinstance(part, BlockWeight):
-        values: torch.Tensor = kernels.dequantize(part.bits, part.qs, part.d, part.m)
+        values: torch.Tensor = kernels.dequantize(part.bits, part.qs, part.d, part.m, out)
         return values
     if part.fmt == "Q4_K":
-        values = kernels.dequantize_q4_k(part)
+        values = kernels.dequantize_q4_k(part, out)
         return values
-    return _kquant().dequantize_k(part)
+    return _kquant().dequantize_k(part, out)
 
 
-def _dequantized_table(blocks: QuantizedTensor) -> torch.Tensor:
+def _dequantized_table(blocks: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 values of a file's table (a token embedding's): by the kernels' C
     de-quantization, on every thread, where they loaded (the same floats as torch's:
-    they are built without contracting a multiply and an add), else in torch."""
-    kernels = quant_kernels.load()
-    kquant = kquant_kernels.load() if blocks.format in kquant_blocks.FORMATS else None
+    they are built without contracting a multiply and an add), else in torch; written
+    into ``out`` where given."""
+    kernels, kquant = quant_kernels.load(), kquant_kernels.load()
     if kernels is None or (blocks.format in kquant_blocks.FORMATS and kquant is None):
-        return block_parts.dequantized_part(block_parts.unpacked(blocks))
-    part = kquant.unpacked([blocks]) if kquant is not None else unpacked(blocks)
-    return _dequantize_with(kernels, part)
+        values = block_parts.dequantized_part(block_parts.unpacked(blocks))
+        return values if out is None else out.copy_(values)
+    if kquant is not None and blocks.format in kquant_blocks.FORMATS:
+        return _dequantize_with(kernels, kquant.unpacked([blocks]), out)
+    part: Part | None = None
+    if kquant is not None and blocks.format in gguf_blocks.FORMATS:
+        # The 32-value blocks by the same C pass as a layer's (torch's unpacking copied
+        # the table's scales and values apart, several passes over a table's blocks).
+        part = gguf_blocks.empty_blocks(blocks.format, blocks.shape)
+        if not kquant.blocks_into([blocks], part):
+            part = None  # a Q4_0 offset beyond float16: float32 scales from torch's pass
+    return _dequantize_with(kernels, part if part is not None else unpacked(blocks), out)
 
 
 def _kquant() -> kquant_kernels.KQuantKernels:
@@ -457,6 +470,26 @@ def _unpacked_in_place(
         reserved.abort()
         raise
     return reserved.commit()
+
+
+def _table_in_place(
+    prepared: PreparedWeights, key: str, blocks: QuantizedTensor
+) -> torch.Tensor | None:
+    """A file's table (a token embedding's) de-quantized by the C kernels straight into
+    its new prepared-weight entry, then mapped back as a warm load maps it: no float copy
+    of the table in memory and no second write of it. None where the kernels did not load
+    or nothing can be written: the table is made in memory then."""
+    if quant_kernels.load() is None or kquant_kernels.load() is None:
+        return None
+    reserved = prepared.reserve(key, [(0, torch.empty(blocks.shape, device="meta"))])
+    if reserved is None or reserved.table is None:
+        return None
+    try:
+        _dequantized_table(blocks, out=reserved.table)
+    except BaseException:
+        reserved.abort()
+        raise
+    return reserved.commit_table()
 
 
 def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:

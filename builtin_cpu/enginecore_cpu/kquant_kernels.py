@@ -52,10 +52,10 @@ class KQuantKernels:
             acts.scaled_sum.data_ptr(), out.data_ptr(), out.stride(0),
         )  # fmt: skip
 
-    def dequantize_k(self, weight: KQuantWeight) -> torch.Tensor:
-        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight``."""
+    def dequantize_k(self, weight: KQuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight`` (into ``out`` where given)."""
         n, k = weight.shape
-        out = torch.empty((n, k), dtype=torch.float32)
+        out = quant_kernels._output(out, n, k)
         self.lib.eck_dequantize_k(
             n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )

@@ -8,7 +8,8 @@ nothing read until the kernels touch a page), so a warm load reads no weight and
 memory grows with what the model uses, as with a mapped GGUF file.
 
 Entries live under the kernel cache directory, in one directory per (GGUF file: resolved
-path, size, modification time; CPU: model name and flags; the block layouts' source), one
+path, size, modification time, inode and change time; CPU: model name and flags; the
+block layouts' source and the C code that writes them), one
 file per layer, named by the checkpoint rows the layer holds (:attr:`QuantizedTensor.source`).
 A changed file, another CPU or a new layout finds another directory. An entry is written
 to a temporary file and renamed, so a reader never sees half of one; a first load's C
@@ -35,6 +36,7 @@ import os
 import struct
 import tempfile
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -76,10 +78,16 @@ def cpu_identity() -> str:
     return model.strip() + "\n" + cpu_kernels._cpu_signature().strip()
 
 
+# The C sources that write an entry's bytes on a first load: the layers' repacking pass
+# (``kquant_kernels.c``) and the table's de-quantization (``quant_kernels.c``).
+ENTRY_WRITERS = [Path(__file__).with_name(n) for n in ("kquant_kernels.c", "quant_kernels.c")]
+
+
 def _layout_signature() -> bytes:
-    """The block layouts' source: a change to how blocks are laid out starts a new cache."""
-    sources = (gguf_blocks.__file__, kquant_blocks.__file__, __file__)
-    return b"".join(hashlib.sha256(Path(s).read_bytes()).digest() for s in sources)
+    """The block layouts' source and the C code that writes them: a change to either
+    starts a new cache (a fixed repacking pass never serves the entries of the old one)."""
+    sources = [Path(gguf_blocks.__file__), Path(kquant_blocks.__file__), Path(__file__)]
+    return b"".join(hashlib.sha256(s.read_bytes()).digest() for s in sources + ENTRY_WRITERS)
 
 
 class PreparedWeights:
@@ -90,7 +98,11 @@ class PreparedWeights:
         stat = path.stat()
         cpu = cpu or cpu_identity()
         key = hashlib.sha256()
-        for item in (str(path), str(stat.st_size), str(stat.st_mtime_ns), cpu):
+        # The inode and the change time as well as the modification time: another file
+        # moved or copied in under the same name, size and modification time (`cp -p`,
+        # `rsync -a`, a tar) has another of either, and is never served this one's entry.
+        file = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+        for item in (*map(str, file), cpu):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())
         self.directory = root() / key.hexdigest()[:24]
@@ -185,9 +197,12 @@ class PreparedWeights:
             raise
         return f, tmp
 
-    def reserve(self, key: str, layer: Layer) -> ReservedEntry | None:
+    def reserve(
+        self, key: str, layer: Sequence[tuple[int, Part | torch.Tensor]]
+    ) -> ReservedEntry | None:
         """Room for ``layer`` in a new entry, to be filled in place: ``layer``'s tensors
-        give only their dtypes and shapes (they may be on the ``meta`` device). The
+        give only their dtypes and shapes (they may be on the ``meta`` device; a float
+        table is one tensor at row 0). The
         preparation pass writes its result straight into the entry's pages (no copy
         in memory, no second write); None where nothing can be written (prepare in
         memory then)."""
@@ -219,7 +234,7 @@ class PreparedWeights:
             self._writable = False
             logger.warning("could not keep prepared weights in %s: %s", self.directory, exc)
             return None
-        return ReservedEntry(self, key, Path(tmp), cast(Layer, parts))
+        return ReservedEntry(self, key, Path(tmp), parts)
 
     def _save(self, key: str, layer: _Entry) -> None:
         if not self._writable:
@@ -245,27 +260,51 @@ class PreparedWeights:
 
 class ReservedEntry:
     """An entry being filled in place (:meth:`PreparedWeights.reserve`): ``layer``'s
-    tensors are views of the new entry's shared mapping; :meth:`commit` publishes it."""
+    tensors (or ``table``) are views of the new entry's shared mapping; :meth:`commit`
+    (or :meth:`commit_table`) publishes it."""
 
-    def __init__(self, owner: PreparedWeights, key: str, path: Path, layer: Layer) -> None:
+    def __init__(self, owner: PreparedWeights, key: str, path: Path, entry: _Entry) -> None:
         self.owner, self.key, self.path = owner, key, path
-        self.layer: Layer | None = layer
+        self._filled: _Entry | None = entry
 
-    def commit(self) -> Layer | None:
-        """Publish the filled entry (renamed into place, as a write is) and map it back
-        as a warm load does; the caller drops its views of the shared mapping."""
-        self.layer = None
+    @property
+    def layer(self) -> Layer | None:
+        """The layer's parts to fill; None once published or dropped, or for a table."""
+        entry = self._filled
+        if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
+            return None
+        return cast(Layer, entry)
+
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The float table to fill; None once published or dropped, or for a layer."""
+        entry = self._filled
+        if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
+            return None
+        return entry[0][1]
+
+    def _publish(self) -> bool:
+        self._filled = None
         try:
             os.replace(self.path, self.owner._entry(self.key))
         except OSError as exc:
             self.path.unlink(missing_ok=True)
             logger.warning("could not keep prepared weights in %s: %s", self.path.parent, exc)
-            return None
-        return self.owner.load(self.key)
+            return False
+        return True
+
+    def commit(self) -> Layer | None:
+        """Publish the filled entry (renamed into place, as a write is) and map it back
+        as a warm load does; the caller drops its views of the shared mapping."""
+        return self.owner.load(self.key) if self._publish() else None
+
+    def commit_table(self) -> torch.Tensor | None:
+        """:meth:`commit` for a float table."""
+        return self.owner.load_table(self.key) if self._publish() else None
 
     def abort(self) -> None:
         """Drop an entry whose filling failed."""
-        self.layer = None
+        self._filled = None
         self.path.unlink(missing_ok=True)
 
 

@@ -102,13 +102,18 @@ class QuantKernels:
         return QuantizedActivations(q, scale, scaled_sum)
 
     def dequantize(
-        self, bits: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor
+        self,
+        bits: int,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The float32 weight [N, K] of blocks (``qs``, ``d``, ``m`` as in
-        :class:`BlockWeight`)."""
+        :class:`BlockWeight`), written into ``out`` (contiguous) where given."""
         n, k = d.shape[0], d.shape[1] * BLOCK
         d, m = d.float(), m.float()  # float16 scales of Q4_0 / Q4_1 blocks
-        out = torch.empty((n, k), dtype=torch.float32)
+        out = _output(out, n, k)
         if bits == 4:
             self.lib.ecq_dequantize_q4(
                 n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), out.data_ptr()
@@ -117,14 +122,25 @@ class QuantKernels:
             self.lib.ecq_dequantize_q8(n, k, qs.data_ptr(), d.data_ptr(), out.data_ptr())
         return out
 
-    def dequantize_q4_k(self, weight: KQuantWeight) -> torch.Tensor:
-        """The float32 weight [N, K] of a Q4_K ``weight``."""
+    def dequantize_q4_k(
+        self, weight: KQuantWeight, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The float32 weight [N, K] of a Q4_K ``weight`` (into ``out`` where given)."""
         n, k = weight.shape
-        out = torch.empty((n, k), dtype=torch.float32)
+        out = _output(out, n, k)
         self.lib.ecq_dequantize_q4k(
             n, k, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )
         return out
+
+
+def _output(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    """``out`` checked to take an [n, k] float32 result, or a new tensor for it."""
+    if out is None:
+        return torch.empty((n, k), dtype=torch.float32)
+    if out.shape != (n, k) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"a [{n}, {k}] float32 result given {tuple(out.shape)} {out.dtype}")
+    return out
 
 
 def build() -> Path:

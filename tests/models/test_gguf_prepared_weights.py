@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.parts import dequantized_part, unpacked
 from enginecore.distributed import SINGLE_RANK
 from enginecore.layers.linear import RowParallelLinear, use_linear_method
@@ -107,6 +108,51 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     assert kept == {PreparedWeights(model, cpu=c).directory for c in ("cpu A", "cpu B")} | {
         PreparedWeights(other, cpu="cpu A").directory
     }
+
+
+def test_another_file_under_the_same_name_size_and_time_is_not_served(tmp_path, cache_root):
+    """A file put in place of the model, with its name, size and modification time (`cp
+    -p`, `rsync -a` and tar keep the time), is another file: it is prepared again, never
+    served the first one's entries, whether copied over it or moved in under its name."""
+    import shutil
+    import time
+
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    for replace in ("copied over", "moved in"):
+        PreparedWeights(model, cpu="cpu").save("layer 0", layer)
+        assert PreparedWeights(model, cpu="cpu").load("layer 0") is not None
+        stat = model.stat()
+        time.sleep(0.05)  # a later clock tick: the file system's times are coarser than ns
+        other.write_bytes(b"GGUF" + bytes(59) + b"\1")
+        if replace == "copied over":
+            shutil.copyfile(other, model)
+        else:
+            os.replace(other, model)
+        os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert (model.stat().st_size, model.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+        assert PreparedWeights(model, cpu="cpu").load("layer 0") is None, replace
+
+
+@pytest.mark.parametrize("writer", [0, 1])
+def test_a_changed_repacking_pass_does_not_serve_the_old_entries(
+    tmp_path, cache_root, monkeypatch, writer
+):
+    """The C code that writes an entry's bytes on a first load (the layers' repacking,
+    the table's de-quantization) is part of the cache's key: entries a fixed pass would
+    write differently are never served from the old pass's."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    layer = [(0, unpacked(random_tensor("Q4_0")))]
+    PreparedWeights(model, cpu="cpu").save("layer 0", layer)
+    assert PreparedWeights(model, cpu="cpu").load("layer 0") is not None
+    sources = list(prepared_weights.ENTRY_WRITERS)
+    changed = tmp_path / sources[writer].name
+    changed.write_bytes(sources[writer].read_bytes() + b"\n/* a fix */\n")
+    sources[writer] = changed
+    monkeypatch.setattr(prepared_weights, "ENTRY_WRITERS", sources)
+    assert PreparedWeights(model, cpu="cpu").load("layer 0") is None
 
 
 @pytest.mark.parametrize("damage", ["header byte", "cut data", "cut header", "empty", "key"])
@@ -241,7 +287,8 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
     fmt, tmp_path, cache_root, monkeypatch, caplog
 ):
     """A GGUF file's token embedding in blocks becomes a float32 table kept beside the
-    prepared weights, de-quantized by the C kernels (not in torch) at the first load: the
+    prepared weights, unpacked and de-quantized by the C kernels (not in torch) straight
+    into its entry at the first load (no float copy in memory, no second write): the
     next load maps it and de-quantizes nothing, lookups give the bits of torch's
     de-quantized blocks, and a damaged entry is a miss, written again."""
     from enginecore.block_formats import parts
@@ -265,12 +312,23 @@ def test_an_embedding_in_blocks_comes_back_as_a_mapped_table(
         table.weight.weight_loader(table.weight, blocks)
         return table
 
+    def no_torch_pass(*args):
+        raise AssertionError("the embedding's blocks were unpacked in torch")
+
+    def no_copy(*args):
+        raise AssertionError("the table was made in memory and written")
+
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
+        patch.setattr(gguf_blocks, "from_gguf", no_torch_pass)
+        patch.setattr(kquant_blocks, "from_gguf", no_torch_pass)
+        patch.setattr(PreparedWeights, "_save", no_copy)
         first = load()
     assert torch.equal(first.weight, want) and torch.equal(first(ids), want[ids])
     entries = list(cache_root.glob("*/*.bin"))
     assert len(entries) == 1
+    assert not list(cache_root.glob("*/*.tmp"))
+    assert first.weight.untyped_storage().nbytes() == entries[0].stat().st_size  # mapped
 
     with monkeypatch.context() as patch:
         patch.setattr(parts, "dequantized_part", no_dequantizing)
