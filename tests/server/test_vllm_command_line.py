@@ -103,7 +103,7 @@ def test_several_served_model_names_are_vllms_first_name_and_aliases(tiny_llama)
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--kv-cache-dtype", "fp8"], "--dtype"),
+        (["--kv-cache-dtype", "fp8"], "float16"),
         (["--speculative-config", '{"model": "draft", "num_speculative_tokens": 2}'], "ngram"),
         (["--scheduler-cls", "pkg.MyScheduler"], "--scheduler-name"),
     ],
