@@ -823,6 +823,17 @@ class AttentionCapabilities:
     # backend's writes round K/V to them and its reads widen them back.
     kv_cache_dtypes: tuple[str, ...] = ()
 
+    def kv_cache_reason(self, spec: AttentionSpec) -> str | None:
+        """Why a KV cache of ``spec.cache_dtype`` cannot be kept (None: it can)."""
+        kv = spec.cache_dtype_name
+        if kv == spec.dtype_name or kv in self.kv_cache_dtypes:
+            return None
+        others = "".join(f" or {d}" for d in self.kv_cache_dtypes)
+        return (
+            f"keeps the KV cache in the model's dtype ({spec.dtype_name}){others}, "
+            f"not {kv} (kv_cache_dtype)"
+        )
+
     def describe(self) -> str:
         heads = "any" if self.head_sizes is None else _compact(self.head_sizes)
         extras = [
@@ -883,13 +894,9 @@ class AttentionBackend(ABC):
             return f"runs on {'/'.join(caps.devices)}, not {device}"
         if spec.dtype_name not in caps.dtypes:
             return f"supports {'/'.join(caps.dtypes)}, not {spec.dtype_name}"
-        kv = spec.cache_dtype_name
-        if kv != spec.dtype_name and kv not in caps.kv_cache_dtypes:
-            kept = "/".join(caps.kv_cache_dtypes) or "none"
-            return (
-                f"keeps the KV cache in the model's dtype ({spec.dtype_name}) or "
-                f"{kept}, not {kv} (kv_cache_dtype)"
-            )
+        kv_reason = caps.kv_cache_reason(spec)
+        if kv_reason is not None:
+            return kv_reason
         if caps.head_sizes is not None and spec.head_dim not in caps.head_sizes:
             return f"supports head sizes {caps.head_sizes}, not {spec.head_dim}"
         if spec.sliding_window and not caps.sliding_window:
