@@ -10,7 +10,6 @@ import pathlib
 from typing import Any
 
 import pytest
-import torch
 
 from enginecore_cpu import cpu_kernels, decode_step, quant_kernels
 from tests.helpers.gguf_writer import write_gguf

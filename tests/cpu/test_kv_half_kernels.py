@@ -59,7 +59,9 @@ def _awkward_values(count: int, gen: torch.Generator) -> torch.Tensor:
         [0.0, -0.0, 1e-8, -3e-8, 6e-8, 1e-5, 6.1e-5, 65504.0, 65519.0, 65520.0, 1e6,
          float("inf"), float("-inf"), 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8, 3e38]
     )  # fmt: skip
-    values = torch.randn(count, generator=gen) * 10.0 ** torch.randint(-6, 6, (count,), generator=gen)
+    values = torch.randn(count, generator=gen) * 10.0 ** torch.randint(
+        -6, 6, (count,), generator=gen
+    )
     values[: len(special)] = special
     return values
 
