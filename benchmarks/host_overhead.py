@@ -35,6 +35,12 @@ alternately, each run in a process of its own with that checkout's source roots 
 Compare the ratio, not figures taken at different times.
 
     python benchmarks/host_overhead.py --against ../main --rounds 3
+
+``--kv-cache-dtype`` keeps the KV cache in ``float16`` or ``bfloat16`` (``auto``: the
+model's float32); ``--kv-cache-dtypes auto,float16`` compares them the same way, each row
+alternating the dtypes in processes of their own:
+
+    python benchmarks/host_overhead.py --sizes 256 --modes sync --kv-cache-dtypes auto,float16
 """
 
 from __future__ import annotations
@@ -146,7 +152,9 @@ def instrument(llm: Any, timers: Timers) -> None:
     llm._process_step = timers.wrap("output", llm._process_step)
 
 
-def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[str, float]:
+def run(
+    model: str, num_reqs: int, steps: int, async_scheduling: bool, kv_cache_dtype: str = "auto"
+) -> dict[str, float]:
     from enginecore import LLM, SamplingParams
 
     warmup = 5
@@ -161,6 +169,7 @@ def run(model: str, num_reqs: int, steps: int, async_scheduling: bool) -> dict[s
         # Room for every request's blocks many times over: a cache sized from free RAM
         # would only lengthen each run's start (the block pool lists every block).
         kv_cache_bytes=256 << 20,
+        kv_cache_dtype=kv_cache_dtype,
     )
     try:
         timers = Timers()
@@ -217,10 +226,14 @@ def source_path(checkout: Path) -> str:
     return os.pathsep.join([str(r) for r in roots] + ([rest] if rest else []))
 
 
-def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[str, float]:
+def run_in(
+    checkout: Path, model: str, n: int, steps: int, mode: str, kv: str = "auto"
+) -> dict[str, float]:
     """One :func:`run` in a fresh process importing ``checkout``'s code."""
     env = dict(os.environ, PYTHONPATH=source_path(checkout))
     cmd = [sys.executable, __file__, "--model", model, "--sizes", str(n), "--modes", mode]
+    if kv != "auto":  # a checkout from before the flag takes the default only
+        cmd += ["--kv-cache-dtype", kv]
     out = subprocess.run(
         [*cmd, "--steps", str(steps), "--json"], env=env, check=True, capture_output=True, text=True
     )
@@ -228,32 +241,37 @@ def run_in(checkout: Path, model: str, n: int, steps: int, mode: str) -> dict[st
     return result
 
 
-def compare(model: str, against: Path, args: argparse.Namespace) -> None:
-    here = Path(__file__).resolve().parent.parent
+def compare(model: str, variants: list[tuple[str, Path, str]], args: argparse.Namespace) -> None:
+    """Each row's ``variants`` (name, checkout, KV cache dtype) run alternately; the ratios
+    are of the first one's median to the others'."""
     cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
     for n in (int(s) for s in args.sizes.split(",") if s):
         for mode in args.modes.split(","):
-            runs: dict[str, list[dict[str, float]]] = {"this": [], "against": []}
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
             for _ in range(args.rounds):
-                runs["against"].append(run_in(against, model, n, args.steps, mode))
-                runs["this"].append(run_in(here, model, n, args.steps, mode))
+                for name, checkout, kv in variants:
+                    runs[name].append(run_in(checkout, model, n, args.steps, mode, kv))
             for name, rows in runs.items():
                 med = {c: statistics.median(r[c] for r in rows) for c in cols}
                 print(
                     f"{mode:>6} {n:>5} {name:>7} " + " ".join(f"{med[c]:>8.3f}" for c in cols),
                     flush=True,
                 )
+            first = variants[0][0]
             for col in ("step", "cpu", "cpu10"):
                 got = {k: [r[col] for r in v] for k, v in runs.items()}
-                ratio = statistics.median(got["against"]) / statistics.median(got["this"])
-                print(
-                    f"{'':>6} {'':>5} {col}: this {ratio:.2f}x as fast (ms per round: this "
-                    f"{', '.join(f'{s:.2f}' for s in got['this'])}; against "
-                    f"{', '.join(f'{s:.2f}' for s in got['against'])})",
-                    flush=True,
-                )
+                for name, _, _ in variants[1:]:
+                    ratio = statistics.median(got[first]) / statistics.median(got[name])
+                    rounds = "; ".join(
+                        f"{k} {', '.join(f'{s:.2f}' for s in got[k])}" for k in (name, first)
+                    )
+                    print(
+                        f"{'':>6} {'':>5} {col}: {name} {ratio:.2f}x as fast as {first} "
+                        f"(ms per round: {rounds})",
+                        flush=True,
+                    )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
@@ -266,21 +284,29 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout, run alternately")
     parser.add_argument("--rounds", type=int, default=3, help="alternations with --against")
     parser.add_argument("--json", action="store_true", help="one size and mode: a JSON line")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, float16 or bfloat16")
+    parser.add_argument("--kv-cache-dtypes", help="A,B: these KV cache dtypes, alternately")
     args = parser.parse_args()
+    here = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(tmp)
+        if args.kv_cache_dtypes:
+            kinds = args.kv_cache_dtypes.split(",")
+            compare(model, [(kv, here, kv) for kv in kinds], args)
+            return
         if args.against is not None:
-            compare(model, args.against.resolve(), args)
+            kv = args.kv_cache_dtype
+            compare(model, [("against", args.against.resolve(), kv), ("this", here, kv)], args)
             return
         if args.json:
-            r = run(model, int(args.sizes), args.steps, args.modes == "async")
+            r = run(model, int(args.sizes), args.steps, args.modes == "async", args.kv_cache_dtype)
             print(json.dumps(r))
             return
         cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
         print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):
-                r = run(model, n, args.steps, mode == "async")
+                r = run(model, n, args.steps, mode == "async", args.kv_cache_dtype)
                 print(f"{mode:>6} {n:>5} " + " ".join(f"{r[c]:>8.3f}" for c in cols), flush=True)
 
 

@@ -8,7 +8,9 @@ runs through ``--llama-python`` (a venv with llama-cpp-python) when given. Print
 round, then the machine line (with its load average) and one markdown table of the
 medians: enginecore against llama.cpp (x faster), and our decode step against its read
 bound (the bytes a step reads over the bandwidth of a large torch copy: the weights', and
-the float32 K/V attention reads at the run's mean context, shown apart).
+the K/V attention reads at the run's mean context, shown apart). ``--kv-cache-dtypes
+auto,float16`` runs ours with each KV cache dtype (``auto``: float32), counting each one's
+K/V bytes in its bound.
 
 The decode figure, for both sides alike, is ``decode_len - 1`` tokens over the time from
 the request's first token to its last, within one request: the decode steps alone, with
@@ -23,6 +25,7 @@ last).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -80,10 +83,12 @@ def fresh_prompt(length: int, seed: int) -> list[int]:
     return [(17 * i + 7919 * seed) % 20000 + 100 for i in range(length)]
 
 
-def ours(path: str, quantization: str, prompt_len: int, decode_len: int, conc: list[int]) -> dict:
+def ours(
+    path: str, quantization: str, prompt_len: int, decode_len: int, conc: list[int], kv: str
+) -> dict:
     from enginecore import LLM, SamplingParams
 
-    llm = LLM(model=path, quantization=quantization, max_model_len=1024)
+    llm = LLM(model=path, quantization=quantization, max_model_len=1024, kv_cache_dtype=kv)
     try:
         runs = iter(range(1 << 30))
 
@@ -133,6 +138,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="ours with each: auto,float16")
     args = parser.parse_args()
     if args.model is None:
         from enginecore.checkpoints import find_demo_gguf
@@ -140,12 +146,17 @@ def main() -> None:
         args.model = str(find_demo_gguf())
     conc = [int(c) for c in args.concurrency.split(",")]
     runs: dict[str, list[dict]] = {}
-    contenders = {"enginecore gguf": lambda: ours(args.model, "auto", args.prompt_len,
-                                                  args.decode_len, conc)}  # fmt: skip
-    if args.dequantized:
-        contenders["enginecore float32"] = lambda: ours(
-            args.model, "none", args.prompt_len, args.decode_len, conc
-        )
+    contenders = {}
+    kv_itemsize: dict[str, int] = {}  # each of ours: bytes of its K/V elements
+    for kv in args.kv_cache_dtypes.split(","):
+        suffix = "" if kv == "auto" else f" {kv} K/V"
+        methods = [("gguf", "auto"), *([("float32", "none")] if args.dequantized else [])]
+        for label, quantization in methods:
+            name = f"enginecore {label}{suffix}"
+            kv_itemsize[name] = weight_bound.kv_itemsize("float32", kv)
+            contenders[name] = functools.partial(
+                ours, args.model, quantization, args.prompt_len, args.decode_len, conc, kv
+            )
     if args.llama_python:
         contenders["llama.cpp"] = lambda: peer(
             args.llama_python, args.model, args.prompt_len, args.decode_len, conc
@@ -163,7 +174,7 @@ def main() -> None:
         for name, results in runs.items()
     }
     context = weight_bound.mean_decode_context(args.prompt_len, args.decode_len - 1)
-    for line in table(medians, conc, args.model, bw, args.rounds, context):
+    for line in table(medians, conc, args.model, bw, args.rounds, context, kv_itemsize):
         print(line)
 
 
@@ -187,10 +198,12 @@ def table(
     bw: float,
     rounds: int,
     context: float,
+    kv_itemsize: dict[str, int],
 ) -> list[str]:
     """The medians as a markdown table, with enginecore's blocks against llama.cpp (x
     faster) and each of ours' decode step against the read bound: the weights' bytes and
-    the float32 K/V's at the mean ``context``, shown apart."""
+    the K/V's (``kv_itemsize[name]`` bytes an element) at the mean ``context``, shown
+    apart."""
     names = list(medians)
     ratio = "enginecore gguf" in medians and "llama.cpp" in medians
     head = "| | " + " | ".join(names) + (" | gguf vs llama.cpp |" if ratio else " |")
@@ -218,10 +231,10 @@ def table(
         speedup("decode_tok_s", True),
     )
     bounds = {}
-    kv = weight_bound.gguf_kv_bytes_per_token(model, context)
     for name, m in medians.items():
         step = 1000 / m["decode_tok_s"]
         if name.startswith("enginecore"):
+            kv = weight_bound.gguf_kv_bytes_per_token(model, context, kv_itemsize[name])
             weights = weight_bytes_per_step(model, quantized="gguf" in name)
             bound = 1000 * (weights + kv) / (bw * 1e9)
             bounds[name] = (

@@ -54,6 +54,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec, *, by_name: bool = False) -> str | None:
+        kv_reason = cls.capabilities.kv_cache_reason(spec)
+        if kv_reason is not None:  # its kernels read and write the model's dtype
+            return kv_reason
         device = getattr(spec.device, "type", str(spec.device))
         interpreted = device == "cpu" and by_name and os.environ.get("TRITON_INTERPRET") == "1"
         if device == "cpu" and not interpreted:  # told before importing triton (0.1 s)

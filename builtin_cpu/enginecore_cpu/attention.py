@@ -1,7 +1,8 @@
 """The ``cpu`` attention backend: the torch backend with the C kernels and a dense
 decode mirror where they apply.
 
-- K/V are written into the cache by ``ec_write_kv`` (float32).
+- K/V are written into the cache by ``ec_write_kv``: float32, or float16 / bfloat16
+  (``cache.kv_cache_dtype``) rounded as written; the kernels widen them as they read.
 - Decodes are served from a :class:`DecodeMirror`: each decoding request's K/V is kept
   densely, so a steady decode step appends one position instead of gathering the whole
   context; in float32 the fused decode kernel attends each row over its own length.
@@ -62,7 +63,9 @@ def fresh_prompts(group: AttentionGroup, max_len: int) -> tuple[torch.Tensor, to
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     # Soft-capped scores are not in the kernels: such models take the torch backend.
-    capabilities = AttentionCapabilities(devices=("cpu",), logits_soft_cap=False)
+    capabilities = AttentionCapabilities(
+        devices=("cpu",), logits_soft_cap=False, kv_cache_dtypes=("float16", "bfloat16")
+    )
     priority = 10
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -76,13 +79,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def allocate_kv_cache(self, num_blocks: int) -> list[Any]:
         s = self.spec
         shape = self.kv_cache_shape(num_blocks)
-        caches = [zeroed(shape, s.dtype, s.device) for _ in range(s.num_layers)]
+        caches = [zeroed(shape, s.cache_dtype, s.device) for _ in range(s.num_layers)]
         # Mirror the decode batch densely, in at most as much memory as the paged cache.
         self.mirror = DecodeMirror(
             s.num_layers,
             s.num_kv_heads,
             s.head_dim,
-            s.dtype,
+            s.cache_dtype,
             s.device,
             max_bytes=sum(c.numel() * c.element_size() for c in caches),
             max_len=s.max_model_len,
@@ -91,7 +94,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # Pages are mapped on first touch (1-10 µs per 4 KiB page): the first blocks,
         # which the pool hands out first, and the mirror's first rows are faulted in on a
         # thread of their own, not in the steps, and not before the engine is ready.
-        block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.dtype.itemsize
+        block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize
         first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
         starts = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
         owners, regions = list(caches), [region(span) for span in starts]
@@ -187,7 +190,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         value: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        kernels = cpu_kernels.kernels_for(kv_cache, key, value)
+        kernels = cpu_kernels.kv_kernels_for(kv_cache, key, value)
         if (
             kernels is not None
             and cpu_kernels.heads_contiguous(key, value)

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_types.h"
+
 /* residual[t] += x[t] (when add is set), then out[t] = residual[t] / rms * weight, with
  * rms = sqrt(mean(residual[t]^2) + eps). Without add, the normed input is x itself. */
 void ec_rms_norm(const float *x, int64_t x_stride, float *residual, int64_t res_stride, int add,
@@ -139,16 +141,18 @@ void ec_silu_and_mul(const float *x, float *out, int64_t tokens, int64_t inter, 
 }
 
 /* Scatter T tokens' K and V (rows of `width` floats at the given token strides) into the
- * paged cache halves, token t to slot slots[t]. */
-int ec_write_kv(float *k_cache, float *v_cache, const float *k, int64_t k_stride,
+ * paged cache halves (elements of type kv_type, EC_KV_*), token t to slot slots[t]. */
+int ec_write_kv(void *k_cache, void *v_cache, const float *k, int64_t k_stride,
                 const float *v, int64_t v_stride, const int64_t *slots, int64_t tokens,
-                int64_t width, int64_t num_slots, int nthreads) {
+                int64_t width, int64_t num_slots, int nthreads, int kv_type) {
+    if (!ec_kv_valid(kv_type)) return -1;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const int64_t row = width * ec_kv_size(kv_type);
 #pragma omp parallel for num_threads(nthreads) if (tokens * width >= 32768) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        memcpy(k_cache + slots[t] * width, k + t * k_stride, width * sizeof(float));
-        memcpy(v_cache + slots[t] * width, v + t * v_stride, width * sizeof(float));
+        ec_kv_store((char *)k_cache + slots[t] * row, k + t * k_stride, width, kv_type);
+        ec_kv_store((char *)v_cache + slots[t] * row, v + t * v_stride, width, kv_type);
     }
     return 0;
 }
@@ -156,18 +160,20 @@ int ec_write_kv(float *k_cache, float *v_cache, const float *k, int64_t k_stride
 /* Append this step's K/V (k, v [n, kv_heads, D] at the given token strides) to the
  * decode mirror's halves [rows, kv_heads, cap, D]: row r's token goes to position
  * lens[r] - 1 of each of its heads. */
-int ec_mirror_append(float *k_cache, float *v_cache, const float *k, int64_t k_stride,
+int ec_mirror_append(void *k_cache, void *v_cache, const float *k, int64_t k_stride,
                      const float *v, int64_t v_stride, const int64_t *lens, int64_t n,
-                     int64_t kv_heads, int64_t dim, int64_t cap, int nthreads) {
+                     int64_t kv_heads, int64_t dim, int64_t cap, int nthreads, int kv_type) {
+    if (!ec_kv_valid(kv_type)) return -1;
     for (int64_t r = 0; r < n; r++)
         if (lens[r] < 1 || lens[r] > cap) return -1;
+    const int64_t es = ec_kv_size(kv_type);
 #pragma omp parallel for num_threads(nthreads) if (n * kv_heads * dim >= 32768) \
     schedule(static)
     for (int64_t r = 0; r < n; r++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t at = ((r * kv_heads + h) * cap + lens[r] - 1) * dim;
-            memcpy(k_cache + at, k + r * k_stride + h * dim, dim * sizeof(float));
-            memcpy(v_cache + at, v + r * v_stride + h * dim, dim * sizeof(float));
+            const int64_t at = ((r * kv_heads + h) * cap + lens[r] - 1) * dim * es;
+            ec_kv_store((char *)k_cache + at, k + r * k_stride + h * dim, dim, kv_type);
+            ec_kv_store((char *)v_cache + at, v + r * v_stride + h * dim, dim, kv_type);
         }
     }
     return 0;
@@ -175,12 +181,14 @@ int ec_mirror_append(float *k_cache, float *v_cache, const float *k, int64_t k_s
 
 /* Copy n requests' first lens[i] positions of K and V from the paged cache halves
  * [num_blocks, block_size, kv_heads, D] into decode-mirror rows row0 + i of the mirror
- * halves [rows, kv_heads, cap, D]; request i's block ids are table[i * table_stride ..]. */
-int ec_mirror_fill(float *mk, float *mv, const float *ck, const float *cv, const int64_t *table,
+ * halves [rows, kv_heads, cap, D] (both of type kv_type); request i's block ids are
+ * table[i * table_stride ..]. */
+int ec_mirror_fill(void *mk, void *mv, const void *ck, const void *cv, const int64_t *table,
                    int64_t table_stride, const int64_t *lens, int64_t n, int64_t row0,
                    int64_t mirror_rows, int64_t kv_heads, int64_t dim, int64_t cap,
-                   int64_t block_size, int64_t num_blocks, int nthreads) {
-    if (row0 < 0 || row0 + n > mirror_rows) return -1;
+                   int64_t block_size, int64_t num_blocks, int nthreads, int kv_type) {
+    if (!ec_kv_valid(kv_type) || row0 < 0 || row0 + n > mirror_rows) return -1;
+    const int64_t es = ec_kv_size(kv_type), row = dim * es;
     for (int64_t i = 0; i < n; i++) {
         if (lens[i] < 0 || lens[i] > cap || lens[i] > table_stride * block_size) return -1;
         for (int64_t b = 0; b * block_size < lens[i]; b++) {
@@ -191,13 +199,13 @@ int ec_mirror_fill(float *mk, float *mv, const float *ck, const float *cv, const
 #pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 2) schedule(dynamic, 1)
     for (int64_t u = 0; u < n * kv_heads; u++) {
         const int64_t i = u / kv_heads, h = u % kv_heads;
-        float *dk = mk + ((row0 + i) * kv_heads + h) * cap * dim;
-        float *dv = mv + ((row0 + i) * kv_heads + h) * cap * dim;
+        char *dk = (char *)mk + ((row0 + i) * kv_heads + h) * cap * row;
+        char *dv = (char *)mv + ((row0 + i) * kv_heads + h) * cap * row;
         for (int64_t p = 0; p < lens[i]; p++) {
             const int64_t slot = table[i * table_stride + p / block_size] * block_size +
                                  p % block_size;
-            memcpy(dk + p * dim, ck + (slot * kv_heads + h) * dim, dim * sizeof(float));
-            memcpy(dv + p * dim, cv + (slot * kv_heads + h) * dim, dim * sizeof(float));
+            memcpy(dk + p * row, (const char *)ck + (slot * kv_heads + h) * row, row);
+            memcpy(dv + p * row, (const char *)cv + (slot * kv_heads + h) * row, row);
         }
     }
     return 0;
@@ -259,8 +267,9 @@ static inline __m128 reduce4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
 /* One (row, KV head) with the query heads and accumulators held in registers; G and NV
  * are literals at each call site, so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_unit_avx512(
-    const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
-    float *o, float *ml, const int G, const int NV) {
+    const float *qh, const void *K, const void *V, int64_t start, int64_t len, float scale,
+    float *o, float *ml, const int G, const int NV, const int T) {
+    const int64_t es = ec_kv_size(T), lines = NV * 16 * es / 64; /* a position's lines */
     __m512 q[EC_FAST_GROUP][EC_FAST_NV], acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -278,16 +287,16 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
         for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
             __m512 x[EC_FAST_GROUP][4];
             for (int u = 0; u < 4; u++) {
-                const float *kt = K + (t0 + j + u) * NV * 16;
-                const float *vt = V + (t0 + j + u) * NV * 16;
-                for (int c = 0; c < NV; c++) { /* a cache line is 16 floats */
-                    _mm_prefetch((const char *)(kt + (EC_PREFETCH_AHEAD * NV + c) * 16),
-                                 _MM_HINT_T0);
+                const int64_t kt = (t0 + j + u) * NV * 16;
+                const char *kb = (const char *)K + (kt + EC_PREFETCH_AHEAD * NV * 16) * es;
+                const char *vb = (const char *)V + kt * es;
+                for (int c = 0; c < lines; c++) {
+                    _mm_prefetch(kb + c * 64, _MM_HINT_T0);
                     /* this block's V is read once its scores are known */
-                    _mm_prefetch((const char *)(vt + c * 16), _MM_HINT_T0);
+                    _mm_prefetch(vb + c * 64, _MM_HINT_T0);
                 }
                 __m512 k[EC_FAST_NV];
-                for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(kt + v * 16);
+                for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(K, kt + v * 16, T);
                 for (int g = 0; g < G; g++) {
                     x[g][u] = _mm512_mul_ps(q[g][0], k[0]);
                     for (int v = 1; v < NV; v++) x[g][u] = _mm512_fmadd_ps(q[g][v], k[v], x[g][u]);
@@ -298,9 +307,9 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
                                                                   x[g][3]), scale4));
         }
         for (; j < nb; j++) {
-            const float *kt = K + (t0 + j) * NV * 16;
+            const int64_t kt = (t0 + j) * NV * 16;
             __m512 k[EC_FAST_NV];
-            for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(kt + v * 16);
+            for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(K, kt + v * 16, T);
             for (int g = 0; g < G; g++) {
                 __m512 x = _mm512_mul_ps(q[g][0], k[0]);
                 for (int v = 1; v < NV; v++) x = _mm512_fmadd_ps(q[g][v], k[v], x);
@@ -312,9 +321,9 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
             for (int v = 0; v < NV; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], alpha);
         }
         for (int64_t j = 0; j < nb; j++) {
-            const float *vt = V + (t0 + j) * NV * 16;
+            const int64_t vt = (t0 + j) * NV * 16;
             __m512 x[EC_FAST_NV];
-            for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(vt + v * 16);
+            for (int v = 0; v < NV; v++) x[v] = ec_kv_load16(V, vt + v * 16, T);
             for (int g = 0; g < G; g++) {
                 const __m512 p = _mm512_set1_ps(s[g][j]);
                 for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
@@ -328,12 +337,17 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
 }
 
 /* Whether (group, dim) has a specialized version; it is then run and 1 returned. */
-static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
                                    int64_t start, int64_t len, float scale, float *o, float *ml,
-                                   int64_t group, int64_t dim) {
+                                   int64_t group, int64_t dim, int t) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 16) {                                                 \
-        attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV);                   \
+        if (t == EC_KV_F16)                                                             \
+            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F16);    \
+        else if (t == EC_KV_BF16)                                                       \
+            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_BF16);   \
+        else                                                                            \
+            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F32);    \
         return 1;                                                                       \
     }
     EC_CASE(1, 2) EC_CASE(2, 2) EC_CASE(4, 2) EC_CASE(8, 2)
@@ -344,8 +358,7 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
 #undef EC_CASE
     return 0;
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define EC_FAST_GROUP 8
 #define EC_FAST_NV 16 /* dim / 8 */
 
@@ -359,8 +372,9 @@ static inline __m128 reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 /* The AVX-512 kernel's loop with 8-float vectors. Sixteen registers cannot hold the query
  * heads as well as the accumulators: the queries are read from L1 (memory operands). */
 static inline __attribute__((always_inline)) void attend_unit_avx2(
-    const float *qh, const float *K, const float *V, int64_t start, int64_t len, float scale,
-    float *o, float *ml, const int G, const int NV) {
+    const float *qh, const void *K, const void *V, int64_t start, int64_t len, float scale,
+    float *o, float *ml, const int G, const int NV, const int T) {
+    const int64_t es = ec_kv_size(T), lines = NV * 8 * es / 64; /* a position's lines */
     __m256 acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -377,30 +391,30 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
              * prefetched ahead: on AVX2-only CPUs that is 9-11% slower at 256 rows (on one
              * thread or two) than leaving K to the hardware prefetcher. */
             for (int u = 0; u < 4; u++) {
-                const float *vt = V + (t0 + j + u) * NV * 8;
-                for (int c = 0; c < NV; c += 2) /* a cache line is 16 floats */
-                    _mm_prefetch((const char *)(vt + c * 8), _MM_HINT_T0);
+                const char *vb = (const char *)V + (t0 + j + u) * NV * 8 * es;
+                for (int c = 0; c < (lines > 0 ? lines : 1); c++)
+                    _mm_prefetch(vb + c * 64, _MM_HINT_T0);
             }
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + g * NV * 8;
                 __m256 x[4];
                 for (int u = 0; u < 4; u++) {
-                    const float *kt = K + (t0 + j + u) * NV * 8;
-                    x[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt));
+                    const int64_t kt = (t0 + j + u) * NV * 8;
+                    x[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(K, kt, T));
                     for (int v = 1; v < NV; v++)
                         x[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8),
-                                               _mm256_loadu_ps(kt + v * 8), x[u]);
+                                               ec_kv_load8(K, kt + v * 8, T), x[u]);
                 }
                 _mm_storeu_ps(&s[g][j], _mm_mul_ps(reduce4_avx2(x[0], x[1], x[2], x[3]), scale4));
             }
         }
         for (; j < nb; j++) {
-            const float *kt = K + (t0 + j) * NV * 8;
+            const int64_t kt = (t0 + j) * NV * 8;
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + g * NV * 8;
-                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt));
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(K, kt, T));
                 for (int v = 1; v < NV; v++)
-                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8), _mm256_loadu_ps(kt + v * 8),
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8), ec_kv_load8(K, kt + v * 8, T),
                                         x);
                 const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
                 const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -412,11 +426,11 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
             for (int v = 0; v < NV; v++) acc[g][v] = _mm256_mul_ps(acc[g][v], alpha);
         }
         for (int64_t j = 0; j < nb; j++) {
-            const float *vt = V + (t0 + j) * NV * 8;
+            const int64_t vt = (t0 + j) * NV * 8;
             for (int g = 0; g < G; g++) {
                 const __m256 p = _mm256_set1_ps(s[g][j]);
                 for (int v = 0; v < NV; v++)
-                    acc[g][v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + v * 8), acc[g][v]);
+                    acc[g][v] = _mm256_fmadd_ps(p, ec_kv_load8(V, vt + v * 8, T), acc[g][v]);
             }
         }
     }
@@ -426,12 +440,17 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
     }
 }
 
-static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
                                    int64_t start, int64_t len, float scale, float *o, float *ml,
-                                   int64_t group, int64_t dim) {
+                                   int64_t group, int64_t dim, int t) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 8) {                                                  \
-        attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV);                     \
+        if (t == EC_KV_F16)                                                             \
+            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F16);      \
+        else if (t == EC_KV_BF16)                                                       \
+            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_BF16);     \
+        else                                                                            \
+            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F32);      \
         return 1;                                                                       \
     }
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
@@ -442,18 +461,18 @@ static inline int attend_unit_fast(const float *qh, const float *K, const float 
     return 0;
 }
 #else
-static inline int attend_unit_fast(const float *qh, const float *K, const float *V,
+static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
                                    int64_t start, int64_t len, float scale, float *o, float *ml,
-                                   int64_t group, int64_t dim) {
+                                   int64_t group, int64_t dim, int t) {
     return 0;
 }
 #endif
 
 /* Any group and dim (up to the maxima), in portable C. */
-static void attend_unit_generic(const float *qh, const float *K, const float *V, int64_t start,
+static void attend_unit_generic(const float *qh, const void *K, const void *V, int64_t start,
                                 int64_t len, float scale, float *o, float *ml, int64_t group,
-                                int64_t dim) {
-    float s[EC_MAX_GROUP * EC_BLOCK], acc[EC_MAX_GROUP * EC_MAX_DIM];
+                                int64_t dim, int t) {
+    float s[EC_MAX_GROUP * EC_BLOCK], acc[EC_MAX_GROUP * EC_MAX_DIM], wide[EC_MAX_DIM];
     float m[EC_MAX_GROUP], l[EC_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
@@ -463,7 +482,7 @@ static void attend_unit_generic(const float *qh, const float *K, const float *V,
     for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
         const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
         for (int64_t j = 0; j < nb; j++) {
-            const float *kt = K + (t0 + j) * dim;
+            const float *kt = ec_kv_row(K, (t0 + j) * dim, dim, t, wide);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qh + g * dim;
                 float d = 0.0f;
@@ -479,7 +498,7 @@ static void attend_unit_generic(const float *qh, const float *K, const float *V,
             for (int64_t i = 0; i < dim; i++) ag[i] *= alpha;
         }
         for (int64_t j = 0; j < nb; j++) {
-            const float *vt = V + (t0 + j) * dim;
+            const float *vt = ec_kv_row(V, (t0 + j) * dim, dim, t, wide);
             for (int64_t g = 0; g < group; g++) {
                 const float p = s[g * EC_BLOCK + j];
                 float *ag = acc + g * dim;
@@ -508,14 +527,14 @@ int64_t ec_attention_spans(int64_t positions) {
     return spans;
 }
 
-/* One span, positions [lo, hi) of K and V [positions, dim], for the `group` query heads
- * qh [group, dim]: part holds the unnormalized sums [group, dim], then each head's
- * running maximum [group] and softmax sum [group]. */
-void ec_attend_span(const float *qh, const float *K, const float *V, int64_t lo, int64_t hi,
-                    float scale, int64_t group, int64_t dim, float *part) {
+/* One span, positions [lo, hi) of K and V [positions, dim] (elements of type kv_type),
+ * for the `group` query heads qh [group, dim]: part holds the unnormalized sums
+ * [group, dim], then each head's running maximum [group] and softmax sum [group]. */
+void ec_attend_span(const float *qh, const void *K, const void *V, int64_t lo, int64_t hi,
+                    float scale, int64_t group, int64_t dim, float *part, int kv_type) {
     float *ml = part + group * dim;
-    if (!attend_unit_fast(qh, K, V, lo, hi, scale, part, ml, group, dim))
-        attend_unit_generic(qh, K, V, lo, hi, scale, part, ml, group, dim);
+    if (!attend_unit_fast(qh, K, V, lo, hi, scale, part, ml, group, dim, kv_type))
+        attend_unit_generic(qh, K, V, lo, hi, scale, part, ml, group, dim, kv_type);
 }
 
 /* Folds span j's part into the running sums o [group, dim] and ml (maxima, then sums). */
@@ -557,11 +576,13 @@ void ec_merge_spans(const float *parts, int64_t spans, int64_t group, int64_t di
     normalize_spans(out, ml, group, dim);
 }
 
-int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *lens, int64_t n, int64_t kv_heads,
+int ec_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *lens, int64_t n, int64_t kv_heads,
                         int64_t group, int64_t dim, int64_t cap, int64_t window, float scale,
-                        float *out, int nthreads) {
+                        float *out, int nthreads, int kv_type) {
     if (group < 1 || group > EC_MAX_GROUP || dim < 1 || dim > EC_MAX_DIM) return -1;
+    if (!ec_kv_valid(kv_type)) return -1;
+    const int64_t head_bytes = cap * dim * ec_kv_size(kv_type);
     int64_t positions = 0; /* over all rows and heads: below ~1k, threads cost more */
     for (int64_t r = 0; r < n; r++) {
         if (lens[r] < 1 || lens[r] > cap) return -1;
@@ -572,15 +593,15 @@ int ec_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
     for (int64_t u = 0; u < n * kv_heads; u++) {
         const int64_t r = u / kv_heads, h = u % kv_heads, len = lens[r];
         const int64_t start = window > 0 && len > window ? len - window : 0;
-        const float *K = k_cache + (r * kv_heads + h) * cap * dim;
-        const float *V = v_cache + (r * kv_heads + h) * cap * dim;
+        const char *K = (const char *)k_cache + (r * kv_heads + h) * head_bytes;
+        const char *V = (const char *)v_cache + (r * kv_heads + h) * head_bytes;
         const float *qh = q + r * q_stride + h * group * dim;
         float *o = out + (r * kv_heads + h) * group * dim;
         float part[EC_MAX_GROUP * EC_MAX_DIM + 2 * EC_MAX_GROUP], ml[2 * EC_MAX_GROUP];
         const int64_t attended = len - start, spans = ec_attention_spans(attended);
         for (int64_t j = 0; j < spans; j++) {
             ec_attend_span(qh, K, V, start + attended * j / spans,
-                           start + attended * (j + 1) / spans, scale, group, dim, part);
+                           start + attended * (j + 1) / spans, scale, group, dim, part, kv_type);
             merge_span(o, ml, part, j, group, dim);
         }
         normalize_spans(o, ml, group, dim);

@@ -63,11 +63,13 @@ _SIGNATURES = {
     "ec_rms_norm": [_P, _I64, _P, _I64, _I, _P, _P, _I64, _I64, _F, _I],
     "ec_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "ec_silu_and_mul": [_P, _P, _I64, _I64, _I],
-    "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I],
-    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I],
+    "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I, _I],
+    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I, _I],
     "ec_argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
-    "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I],
-    "ec_decode_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I, _I],
+    "ec_decode_attention": [
+        *[_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I, _I]
+    ],
     "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _I64, _P],
     "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _I],
     "ec_gemm_available": [],
@@ -403,7 +405,7 @@ class CpuKernels:
         base = kv_cache.data_ptr()
         status = self.lib.ec_write_kv(
             base,
-            base + half * 4,
+            base + half * kv_cache.element_size(),
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -413,6 +415,7 @@ class CpuKernels:
             h * d,
             half // (h * d),
             torch.get_num_threads(),
+            KV_TYPES[kv_cache.dtype],
         )
         _check(status, "a slot beyond the KV cache")
 
@@ -425,7 +428,7 @@ class CpuKernels:
         base = layer.data_ptr()
         status = self.lib.ec_mirror_append(
             base,
-            base + layer[0].numel() * 4,
+            base + layer[0].numel() * layer.element_size(),
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -436,6 +439,7 @@ class CpuKernels:
             d,
             layer.shape[3],
             torch.get_num_threads(),
+            KV_TYPES[layer.dtype],
         )
         _check(status, "a decode length beyond the mirror's capacity")
 
@@ -449,15 +453,17 @@ class CpuKernels:
     ) -> None:
         """Copy request ``i``'s first ``lens[i]`` positions from ``kv_cache`` [2, blocks,
         bs, H_kv, D] (its blocks: row ``i`` of ``table``, int64) into row ``row0 + i`` of
-        a decode-mirror layer [2, rows, H_kv, cap, D]."""
+        a decode-mirror layer [2, rows, H_kv, cap, D] of the cache's dtype."""
+        if layer.dtype != kv_cache.dtype:
+            raise TypeError(f"a {layer.dtype} mirror filled from a {kv_cache.dtype} cache")
         _, rows, h, cap, d = layer.shape
         _, num_blocks, block_size, _, _ = kv_cache.shape
         mirror, cache = layer.data_ptr(), kv_cache.data_ptr()
         status = self.lib.ec_mirror_fill(
             mirror,
-            mirror + layer[0].numel() * 4,
+            mirror + layer[0].numel() * layer.element_size(),
             cache,
-            cache + kv_cache[0].numel() * 4,
+            cache + kv_cache[0].numel() * kv_cache.element_size(),
             table.data_ptr(),
             table.stride(0),
             lens.data_ptr(),
@@ -470,6 +476,7 @@ class CpuKernels:
             block_size,
             num_blocks,
             torch.get_num_threads(),
+            KV_TYPES[layer.dtype],
         )
         _check(status, "a block id, row or length beyond the cache or the mirror")
 
@@ -504,7 +511,7 @@ class CpuKernels:
             query.data_ptr(),
             query.stride(0),
             base,
-            base + layer[0].numel() * 4,
+            base + layer[0].numel() * layer.element_size(),
             lens.data_ptr(),
             n,
             hkv,
@@ -515,6 +522,7 @@ class CpuKernels:
             scale,
             out.data_ptr(),
             torch.get_num_threads(),
+            KV_TYPES[layer.dtype],
         )
         _check(status, "a decode length beyond the mirror's capacity")
         return out
@@ -660,6 +668,19 @@ def prefill_attention_max_len(kernels: CpuKernels, head_dim: int) -> int:
     if head_dim % 16 or not kernels.gemm_available():
         return 0
     return PREFILL_ATTENTION_BYTES // ((head_dim + PREFILL_QUERY_BLOCK) * 4)
+
+
+#: The element types the K/V kernels take (EC_KV_* in kv_types.h).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def kv_kernels_for(kv: torch.Tensor, *tensors: torch.Tensor) -> CpuKernels | None:
+    """``kernels_for(*tensors)`` where ``kv`` (a KV cache or mirror layer) may also hold
+    float16 or bfloat16 (``cache.kv_cache_dtype``), which the K/V kernels read and write
+    themselves."""
+    if kv.dtype not in KV_TYPES or not kv.is_cpu:
+        return None
+    return kernels_for(*tensors)
 
 
 def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:

@@ -11,8 +11,9 @@ mirror is a per-runner acceleration, dropped whenever anything about a row is in
 Rows are kept compact (``0..n-1`` in batch order): a request that leaves the decode
 batch is swap-removed, new ones are appended.
 
-On CPU in float32 the fused ``decode_attention`` kernel attends each row over its own
-length; otherwise SDPA attends every row over the longest, with a mask.
+On CPU with float32 queries the fused ``decode_attention`` kernel attends each row over
+its own length (the mirror in the KV cache's dtype: float32, float16 or bfloat16);
+otherwise SDPA attends every row over the longest, with a mask.
 """
 
 from __future__ import annotations
@@ -359,8 +360,8 @@ class DecodeMirror:
         for i, rid in enumerate(newcomers):
             ids = block_ids(rid)[:nb]
             table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        kernels = cpu_kernels.kernels_for(kv_caches[0], self.layers[0])
-        if kernels is not None:
+        kernels = cpu_kernels.kv_kernels_for(kv_caches[0])
+        if kernels is not None and kv_caches[0].dtype == self.dtype:
             # One pass per layer straight from the cache's blocks into the rows, on every
             # torch thread: the torch path below gathers the blocks into a temporary, then
             # copies that strided into the rows.
@@ -393,14 +394,14 @@ class DecodeMirror:
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
         _, _, h, cap, d = layer.shape
-        kernels = cpu_kernels.kernels_for(layer, query, key, value)
+        kernels = cpu_kernels.kv_kernels_for(layer, query, key, value)
         if kernels is not None and cpu_kernels.heads_contiguous(key, value):
             kernels.mirror_append(layer, key, value, step.lens)
         else:
             flat = layer.view(2, -1, d)
             index = step.write_index(h, cap)
-            flat[0].index_copy_(0, index, key.reshape(n * h, d))
-            flat[1].index_copy_(0, index, value.reshape(n * h, d))
+            flat[0].index_copy_(0, index, key.reshape(n * h, d).to(layer.dtype))
+            flat[1].index_copy_(0, index, value.reshape(n * h, d).to(layer.dtype))
         if (
             kernels is not None
             and cpu_kernels.heads_contiguous(query)
@@ -408,8 +409,8 @@ class DecodeMirror:
         ):
             # Each row over its own length: SDPA would attend every row over the longest.
             return kernels.decode_attention(query, layer, step.lens, scale, window)
-        k = layer[0, :n, :, : step.kv_len]
-        v = layer[1, :n, :, : step.kv_len]
+        k = layer[0, :n, :, : step.kv_len].to(query.dtype)
+        v = layer[1, :n, :, : step.kv_len].to(query.dtype)
         hq, d = query.shape[1], query.shape[2]
         hkv = k.shape[1]
         g = hq // hkv

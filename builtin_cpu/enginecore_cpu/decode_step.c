@@ -79,14 +79,15 @@ typedef void (*rms_norm_fn)(const float *, int64_t, float *, int64_t, int, const
 typedef int (*rotary_fn)(float *, int64_t, int64_t, int64_t, int64_t, const int64_t *,
                          const float *, const float *, int64_t, int);
 typedef void (*silu_and_mul_fn)(const float *, float *, int64_t, int64_t, int);
-typedef int (*write_kv_fn)(float *, float *, const float *, int64_t, const float *, int64_t,
-                           const int64_t *, int64_t, int64_t, int64_t, int);
-typedef int (*mirror_append_fn)(float *, float *, const float *, int64_t, const float *,
+/* The K/V kernels take the cache's element type last (EC_KV_* in kv_types.h). */
+typedef int (*write_kv_fn)(void *, void *, const float *, int64_t, const float *, int64_t,
+                           const int64_t *, int64_t, int64_t, int64_t, int, int);
+typedef int (*mirror_append_fn)(void *, void *, const float *, int64_t, const float *,
                                 int64_t, const int64_t *, int64_t, int64_t, int64_t, int64_t,
-                                int);
+                                int, int);
 typedef int64_t (*attention_spans_fn)(int64_t);
-typedef void (*attend_span_fn)(const float *, const float *, const float *, int64_t, int64_t,
-                               float, int64_t, int64_t, float *);
+typedef void (*attend_span_fn)(const float *, const void *, const void *, int64_t, int64_t,
+                               float, int64_t, int64_t, float *, int);
 typedef void (*merge_spans_fn)(const float *, int64_t, int64_t, int64_t, float *);
 typedef int (*linear_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t, const void *,
                          const void *, const void *, float *, int64_t);
@@ -165,7 +166,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     const float *q_norm, *k_norm; /* per-head norms of Q and K (Qwen3), or null */
     ecd_proj qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* the paged cache's halves */
+    void *k_cache, *v_cache; /* the paged cache's halves (elements of the model's kv_type) */
     int64_t cache_slots;      /* slots in each half */
     int64_t window;           /* sliding window, 0 for none */
 } ecd_layer;
@@ -179,6 +180,7 @@ typedef struct {
     /* The LM head (logits = final hidden states x head^T), or num_parts 0: the caller
      * computes the logits from the hidden states. */
     ecd_proj head;
+    int64_t kv_type, kv_size; /* the KV cache's and the mirror's element type and bytes */
 } ecd_model;
 
 /* A thread's activations quantized as the block kernels read them (xq, xd, xs), and
@@ -307,7 +309,7 @@ typedef struct {
     const ecd_model *m;
     int64_t n;
     const int64_t *positions, *slots, *lens;
-    float *const *mirror;
+    void *const *mirror;
     int64_t mirror_cap;
     float *out;
     float *logits;        /* [n, head.out] the head's product, or null */
@@ -363,14 +365,16 @@ static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
     else
         memcpy(q_rotated, row + kh * group * hd, group * hd * sizeof(float));
     k->rotary(q_rotated, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
-    const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd;
-    float *mk = st->mirror[2 * l] + at, *mv = st->mirror[2 * l + 1] + at;
+    const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd * m->kv_size;
+    char *mk = (char *)st->mirror[2 * l] + at, *mv = (char *)st->mirror[2 * l + 1] + at;
+    const int kv_type = (int)m->kv_type;
     if (j == spans - 1) {
         if (layer->k_norm != NULL)
             k->rms_norm(row + q_size + kh * hd, hd, NULL, 0, 0, layer->k_norm, k_at, 1, hd,
                         m->eps, 1);
         k->rotary(k_at, 0, 1, 1, hd, pos, m->cos, m->sin, m->max_pos, 1);
-        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1);
+        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1,
+                         kv_type);
     }
     const int64_t len = st->lens[r];
     const int64_t start = layer->window > 0 && len > layer->window ? len - layer->window : 0;
@@ -378,7 +382,7 @@ static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
     float *parts = st->parts + (r * m->kv_heads + kh) * st->max_spans * part_size;
     k->attend_span(q_rotated, mk, mv, start + positions * j / spans,
                    start + positions * (j + 1) / spans, m->scale, group, hd,
-                   parts + j * part_size);
+                   parts + j * part_size, kv_type);
     /* the last span's adder sees every other span's part (acquire-release) */
     if (atomic_fetch_add(&st->spans_done[(l * n + r) * m->kv_heads + kh], 1) + 1 == spans)
         k->merge_spans(parts, spans, group, hd, st->attn + (r * m->kv_heads + kh) * group * hd);
@@ -485,7 +489,7 @@ static void after_stage(ecd_run *st, int64_t l, int s) {
         const int64_t stride = layer->q_norm != NULL ? q_size + kv_size : qkv_size;
         k->write_kv(layer->k_cache, layer->v_cache, heads + q_size, stride,
                     st->qkv + q_size + kv_size, qkv_size, st->slots, n, kv_size,
-                    layer->cache_slots, 1);
+                    layer->cache_slots, 1, (int)m->kv_type);
     } else if (s == STAGE_O) {
         k->rms_norm(st->proj, h, st->residual, h, 1, layer->post_norm, st->normed, n, h, m->eps,
                     1);
@@ -733,7 +737,7 @@ static void team_run(ecd_run *st, float *own_base, int64_t own_size, int threads
  * its logits [n, head.out] where `logits` is given, else each row's argmax of them
  * into `tokens` where that is given (the logits never whole in memory). */
 int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int64_t *positions,
-                    const int64_t *slots, const int64_t *lens, float *const *mirror,
+                    const int64_t *slots, const int64_t *lens, void *const *mirror,
                     int64_t mirror_cap, float *out, float *logits, int64_t *tokens,
                     int nthreads) {
     PROFILE_START(call);

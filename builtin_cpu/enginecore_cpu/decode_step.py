@@ -143,6 +143,8 @@ class _Model(Structure):
         ("sin", c_void_p),
         ("layers", POINTER(_Layer)),
         ("head", _Proj),
+        ("kv_type", c_int64),
+        ("kv_size", c_int64),
     ]
 
 
@@ -313,6 +315,8 @@ class FusedDecodeStep:
             sin=_pointer(rotary.sin, "the rotary table"),
             layers=array,
             head=head,
+            kv_type=cpu_kernels.KV_TYPES[kv_caches[0].dtype],
+            kv_size=kv_caches[0].element_size(),
         )
 
     def _head(self, model: Any) -> tuple[_Proj, list[_Part]]:
@@ -355,8 +359,10 @@ class FusedDecodeStep:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm, *qk_norms):
             if not isinstance(norm.fused_ops, CpuFusedOps) or norm.eps != eps:
                 raise Unsupported("norms without the fused kernel")
-        if cache.dtype != torch.float32 or not cache.is_contiguous():
-            raise Unsupported("the KV cache is not float32")
+        if cache.dtype not in cpu_kernels.KV_TYPES or not cache.is_contiguous():
+            raise Unsupported(f"a {cache.dtype} KV cache")
+        if cache.dtype != self.backend.mirror.dtype:
+            raise Unsupported("a decode mirror of another dtype than the KV cache")
         parts: list[_Part] = []
         projs = [
             self._proj(attn.qkv_proj, parts),

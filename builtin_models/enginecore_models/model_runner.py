@@ -422,6 +422,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
             max_num_batched_tokens=self._max_num_batched_tokens(),
             sliding_window=any(a.sliding_window is not None for a in layers),
             logits_soft_cap=any(a.logits_soft_cap is not None for a in layers),
+            kv_dtype=self._kv_dtype(),
         )
         auto_block_size = self.config.cache.block_size is None
         refs = self.worker_spec.attention_backend_refs or registered_refs("attention_backend")
@@ -434,6 +435,13 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         return build_worker_component(
             "attention_backend", backend_cls, refs, self.worker_spec, spec
         )
+
+    def _kv_dtype(self) -> torch.dtype | None:
+        """The KV cache's dtype where ``cache.kv_cache_dtype`` names one other than the
+        model's (None: the model's)."""
+        name = self.config.cache.kv_cache_dtype
+        kv: torch.dtype | None = None if name == "auto" else getattr(torch, name)
+        return None if kv == self.dtype else kv
 
     def _checkpoint_max_len(self) -> int | None:
         for name in ("max_position_embeddings", "n_positions"):
@@ -455,7 +463,7 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
 
     def get_kv_cache_block_bytes(self) -> int:
         spec = self._backend().spec
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=spec.cache_dtype).element_size()
         shape = self._backend().kv_cache_shape(1)
         return int(np.prod(shape)) * elem * spec.num_layers
 

@@ -144,7 +144,7 @@ class PrometheusStatLogger(StatLogger):
         cache = self.config.cache
         values = (
             str(cache.tokens_per_block),
-            "auto",  # cache_dtype: the KV cache is kept in the model's dtype
+            cache.kv_cache_dtype,  # vLLM's cache_dtype label
             str(cache.prefix_caching),
             str(self.num_kv_blocks or ""),
             str(cache.gpu_memory_utilization),

@@ -215,7 +215,9 @@ def register_attention_backends(registry: Registry[Any]) -> None:
     writes the step's K/V into the paged cache and attends over a mixed batch (prefills
     with and without context, decodes, speculative verification). It declares what it
     supports in ``capabilities`` (devices, dtypes, head sizes, sliding window, logit
-    soft-capping, CUDA graphs); ``enginecore plugins`` lists them.
+    soft-capping, CUDA graphs, the KV cache dtypes it keeps besides the model's for
+    ``cache.kv_cache_dtype``: the cache it allocates is then of ``spec.cache_dtype``);
+    ``enginecore plugins`` lists them.
 
     Selected by ``model.attention_backend`` (flat name ``attention_backend``); ``"auto"``
     (the default) takes the supporting backend with the highest ``priority`` for the

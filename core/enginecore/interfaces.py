@@ -802,10 +802,22 @@ class AttentionSpec:
     # metadata per group (AttentionBatch.kv_cache_group).
     num_kv_cache_groups: int = 1
     logits_soft_cap: bool = False  # some layer caps its scores
+    # torch.dtype the KV cache is kept in where it differs from ``dtype``
+    # (``cache.kv_cache_dtype``); None: ``dtype``.
+    kv_dtype: Any = None
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def cache_dtype(self) -> Any:
+        """The torch.dtype of the KV cache."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def cache_dtype_name(self) -> str:
+        return str(self.cache_dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -819,6 +831,20 @@ class AttentionCapabilities:
     sliding_window: bool = True
     logits_soft_cap: bool = True
     cuda_graphs: bool = False
+    # KV cache dtypes kept other than the model's dtype (``cache.kv_cache_dtype``): the
+    # backend's writes round K/V to them and its reads widen them back.
+    kv_cache_dtypes: tuple[str, ...] = ()
+
+    def kv_cache_reason(self, spec: AttentionSpec) -> str | None:
+        """Why a KV cache of ``spec.cache_dtype`` cannot be kept (None: it can)."""
+        kv = spec.cache_dtype_name
+        if kv == spec.dtype_name or kv in self.kv_cache_dtypes:
+            return None
+        others = "".join(f" or {d}" for d in self.kv_cache_dtypes)
+        return (
+            f"keeps the KV cache in the model's dtype ({spec.dtype_name}){others}, "
+            f"not {kv} (kv_cache_dtype)"
+        )
 
     def describe(self) -> str:
         heads = "any" if self.head_sizes is None else _compact(self.head_sizes)
@@ -831,9 +857,10 @@ class AttentionCapabilities:
             )
             if on
         ]
+        kv = "/".join(("auto", *self.kv_cache_dtypes))
         return (
             f"devices {'/'.join(self.devices)}; dtypes {'/'.join(self.dtypes)}; "
-            f"head sizes {heads}" + (f"; {', '.join(extras)}" if extras else "")
+            f"KV cache {kv}; head sizes {heads}" + (f"; {', '.join(extras)}" if extras else "")
         )
 
 
@@ -879,6 +906,9 @@ class AttentionBackend(ABC):
             return f"runs on {'/'.join(caps.devices)}, not {device}"
         if spec.dtype_name not in caps.dtypes:
             return f"supports {'/'.join(caps.dtypes)}, not {spec.dtype_name}"
+        kv_reason = caps.kv_cache_reason(spec)
+        if kv_reason is not None:
+            return kv_reason
         if caps.head_sizes is not None and spec.head_dim not in caps.head_sizes:
             return f"supports head sizes {caps.head_sizes}, not {spec.head_dim}"
         if spec.sliding_window and not caps.sliding_window:
@@ -902,7 +932,7 @@ class AttentionBackend(ABC):
 
         shape = self.kv_cache_shape(num_blocks)
         return [
-            torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
+            torch.zeros(shape, dtype=self.spec.cache_dtype, device=self.spec.device)
             for _ in range(self.spec.num_layers)
         ]
 

@@ -384,3 +384,14 @@ def test_a_rejection_is_counted_once_with_data_parallel_replicas():
     manager.record_admission_rejection("max_num_queued_reqs")
     name = "enginecore:admission_rejections_total"
     assert sample(registry, name, model_name="m", reason="max_num_queued_reqs") == 1
+
+
+def test_prometheus_cache_config_info_names_the_kv_cache_dtype():
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(
+        make_config(model="m", kv_cache_dtype="float16"), registry=registry
+    )
+    logger.num_kv_blocks = 77
+    logger.log_engine_initialized()
+    info = sample(registry, "enginecore:cache_config_info", cache_dtype="float16")
+    assert info == 1

@@ -103,7 +103,7 @@ def test_several_served_model_names_are_vllms_first_name_and_aliases(tiny_llama)
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--kv-cache-dtype", "fp8"], "--dtype"),
+        (["--kv-cache-dtype", "fp8"], "float16"),
         (["--speculative-config", '{"model": "draft", "num_speculative_tokens": 2}'], "ngram"),
         (["--scheduler-cls", "pkg.MyScheduler"], "--scheduler-name"),
     ],
@@ -171,3 +171,11 @@ def test_the_migration_page_names_every_vllm_spelling_and_only_real_flags():
     ours = {flag for action in serve._actions for flag in action.option_strings}
     claimed = re.findall(r"`(--[a-z-]+)", alike)
     assert claimed and [flag for flag in claimed if flag not in ours] == []
+
+
+@pytest.mark.parametrize("value", ["auto", "float16", "bfloat16"])
+def test_the_kv_cache_dtype_flag_sets_the_caches_dtype(tiny_llama, value):
+    """vLLM's ``--kv-cache-dtype`` and ours are one flag; ``auto`` is the default."""
+    assert _config_show(tiny_llama)["cache"]["kv_cache_dtype"] == "auto"
+    config = _config_show(tiny_llama, "--kv-cache-dtype", value)
+    assert config["cache"]["kv_cache_dtype"] == value

@@ -88,10 +88,12 @@ def test_the_bound_counts_the_kv_a_step_reads_at_the_mean_context(llama_gguf):
 
 
 @pytest.mark.slow
-def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_path, kv):
+    """With a float16 KV cache the bound counts two bytes a K/V element."""
     out = tmp_path / "decode.json"
     command = [sys.executable, "-m", "enginecore.cli", "bench", "decode", str(llama_gguf)]
-    command += ["--input-len", "8", "--output-len", "8", "--rounds", "1"]
+    command += ["--input-len", "8", "--output-len", "8", "--rounds", "1", "--kv-cache-dtype", kv]
     proc = subprocess.run(
         [*command, "--output-json", str(out)],
         capture_output=True,
@@ -100,7 +102,11 @@ def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    expected = weight_bound.gguf_decode_bound(llama_gguf, 8, 8, result["bandwidth_bytes_per_s"])
+    itemsize = 4 if kv == "auto" else 2
+    expected = weight_bound.gguf_decode_bound(
+        llama_gguf, 8, 8, result["bandwidth_bytes_per_s"], kv_itemsize=itemsize
+    )
+    assert result["kv_cache_dtype"] == kv
     assert result["weight_bytes_per_token"] == expected.weight_bytes
     assert result["kv_bytes_per_token"] == expected.kv_bytes > 0
     assert result["bytes_per_token"] == expected.bytes_per_token

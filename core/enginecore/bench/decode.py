@@ -6,7 +6,7 @@ the prefill taken out. The decode speed is the median over rounds. For a GGUF fi
 read bound (``weight_bound``: bytes read per token over this machine's measured
 bandwidth) is printed beside it, with the fraction of it reached; its bytes are the
 weights' and the K/V a step reads at the run's mean context (``--input-len`` plus half
-the steps), shown apart.
+the steps), shown apart, in the KV cache's dtype (``--kv-cache-dtype``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="decode steps timed a round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float16", "bfloat16"],
+        default="auto",
+        help="the KV cache's dtype (auto: --dtype's)",
+    )
     parser.add_argument("--output-json", help="write the results here")
 
 
@@ -36,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_len < 1 or args.rounds < 1 or args.input_len < 1:
         raise SystemExit("decode: --input-len, --output-len and --rounds must be at least 1")
     load_start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - load_start
     try:
         vocab = len(llm.get_tokenizer())
@@ -59,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         llm.shutdown()
     result: dict[str, Any] = {
         "model": args.model,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "load_s": load_s,
         "decode_tokens_per_s": statistics.median(speeds),
         "rounds": speeds,
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             args.input_len,
             args.output_len,
             weight_bound.measured_read_bandwidth(),
-            kv_itemsize=4 if args.dtype == "float32" else 2,  # the K/V cache's dtype
+            kv_itemsize=weight_bound.kv_itemsize(args.dtype, args.kv_cache_dtype),
         )
         fraction = result["decode_tokens_per_s"] / bound.tokens_per_s
         result |= {

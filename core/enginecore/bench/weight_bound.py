@@ -38,6 +38,11 @@ class Bound:
         return self.bandwidth / self.bytes_per_token
 
 
+def kv_itemsize(dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one K/V element: the KV cache's dtype (``auto``: the model's ``dtype``)."""
+    return 4 if (dtype if kv_cache_dtype == "auto" else kv_cache_dtype) == "float32" else 2
+
+
 def mean_decode_context(prompt_len: int, decode_steps: int) -> float:
     """The mean number of positions a decode step attends over when ``decode_steps``
     steps follow a ``prompt_len`` prompt: the k-th step (k = 1..decode_steps) writes

@@ -176,15 +176,21 @@ def write_kv(
     """Scatter this step's K/V ([T, H_kv, D]) into their cache slots."""
     _, num_blocks, block_size, h, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, h, d)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def as_stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded as a KV cache of ``kv_dtype`` holds it, in ``x``'s dtype: every read
+    of K/V then sees the same values, from the cache or from this step's tensors."""
+    return x if kv_dtype == x.dtype else x.to(kv_dtype).to(x.dtype)
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first ``length`` positions of each block table row, as
-    [R, H_kv, length, D] (a block-wise gather)."""
+    [R, H_kv, length, D] (a block-wise gather) in ``dtype`` (a half cache widened)."""
     _, num_blocks, block_size, h, d = kv_cache.shape
     nb = -(-length // block_size)
     r = block_tables.shape[0]
@@ -193,6 +199,7 @@ def gather_kv(
     flat = block_tables[:, :nb].reshape(-1)
     kv = kv_cache.view(2, num_blocks, block_size * h * d).index_select(1, flat)
     kv = kv.view(2, r, nb * block_size, h, d)[:, :, :length].transpose(2, 3)  # [2, R, H, K, D]
+    kv = kv.to(dtype)
     return kv[0], kv[1]
 
 
@@ -234,7 +241,9 @@ class TorchAttentionBackend(AttentionBackend):
     """Paged attention with torch ops (SDPA over gathered K/V): any device, the oracle."""
 
     name = "torch"
-    capabilities = AttentionCapabilities(devices=("cpu", "cuda"))
+    capabilities = AttentionCapabilities(
+        devices=("cpu", "cuda"), kv_cache_dtypes=("float16", "bfloat16")
+    )
     priority = 0
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
@@ -261,6 +270,10 @@ class TorchAttentionBackend(AttentionBackend):
             return self.attend_without_cache(layer, query, key, value, metadata)
         self.write_kv(kv_cache, key, value, metadata.slot_mapping)
         decode, prefill = metadata.decode, metadata.prefill
+        if prefill is not None and kv_cache.dtype != key.dtype:
+            # Prompts attend to their own K/V as the cache holds them, so a prompt gives
+            # the same result whether its prefix is cached, chunked or computed here.
+            key, value = as_stored(key, kv_cache.dtype), as_stored(value, kv_cache.dtype)
         n = decode.num_tokens if decode is not None else 0
         if decode is not None:
             decoded = self.attend_decodes(layer, query[:n], key[:n], value[:n], kv_cache, metadata)
@@ -296,7 +309,7 @@ class TorchAttentionBackend(AttentionBackend):
         group = metadata.decode
         assert group is not None, "called for a step with decodes"
         r, hq, d = query.shape
-        k, v = gather_kv(kv_cache, group.block_tables, group.max_kv_len)
+        k, v = gather_kv(kv_cache, group.block_tables, group.max_kv_len, query.dtype)
         hkv = k.shape[1]
         # The G query heads of a KV head become its query rows: [R, H_kv, G, D].
         q = query.view(r, hkv, hq // hkv, d)
@@ -339,7 +352,7 @@ class TorchAttentionBackend(AttentionBackend):
                 v = value[rows].view(r, n, hkv, d).transpose(1, 2)
             else:
                 table = group.block_tables[run.req_start : run.req_start + r]
-                k, v = gather_kv(kv_cache, table, run.context_len + n)
+                k, v = gather_kv(kv_cache, table, run.context_len + n, query.dtype)
             if run.context_len == 0 and window is None:
                 mask, causal = None, True  # SDPA's own causal flag: no mask to read
             else:
