@@ -357,8 +357,9 @@ static inline float dot_f32(const float *a, const float *b, int64_t count) {
  * block q / 4) the 5th plane's byte of those values as byte 3 and the 6th's as byte 2,
  * and GF(2)'s affine transform with byte j of each qword being 1 << j moves bit j of
  * byte 3 to bit 4 and of byte 2 to bit 5. Where the CPU has GFNI this replaces the mask
- * words spliced in general registers and the two masked adds (Zen 4: the loop ran out
- * of instruction slots, not vector units). */
+ * words spliced in general registers, their two mask moves and the two masked adds:
+ * fewer instructions a pair, for cores that split 512-bit work and run out of
+ * instruction slots before vector units. */
 static inline __attribute__((always_inline)) __m512i q6_high_bits(const uint8_t *pair) {
     const __m512i words =
         _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(pair + 2 * HALF)));
