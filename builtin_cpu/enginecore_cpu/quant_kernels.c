@@ -512,83 +512,8 @@ static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, 
     }
 }
 
-#if defined(ECQ_AVX512) && defined(__AVX512VNNI__)
-/* One activation row of 8-bit weights on AVX-512 VNNI (the batch-1 decode step): two
- * blocks a register, two accumulators over alternate pairs. vpdpbusd multiplies unsigned
- * bytes by signed ones, so each weight byte is read as w + 128 (its top bit flipped) and
- * each lane's sum starts from -128 times its activation bytes' sum, formed once a call:
- * the integer sums are the signed ones exactly (AVX-512BW's vpmaddubsw would saturate on
- * w + 128, so builds without VNNI keep the 256-bit loop). Each block's scale times its
- * activation scale is formed once a weight row, sixteen at a time. */
-static inline __attribute__((always_inline)) __m512 pair_q8(const int8_t *w, const int8_t *x,
-                                                            __m512i start, const float *sx,
-                                                            __m512 acc) {
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
-    const __m512i u = _mm512_xor_si512(_mm512_loadu_si512((const void *)w),
-                                       _mm512_set1_epi8((char)0x80));
-    const __m512i dot = _mm512_dpbusd_epi32(start, u, _mm512_loadu_si512((const void *)x));
-    const __m512 scales = _mm512_permutexvar_ps(
-        spread, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)sx))));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
-}
-
-static inline __attribute__((always_inline)) void gemv_q8_512(int64_t N, int64_t K,
-                                                              const int8_t *wq, const void *wd,
-                                                              int half, const int8_t *xq,
-                                                              const float *xd, float *out) {
-    const int64_t nb = K / QK, pairs = nb / 2;
-    __m512i start[pairs > 0 ? pairs : 1];
-    for (int64_t p = 0; p < pairs; p++)
-        start[p] = _mm512_sub_epi32(
-            _mm512_setzero_si512(),
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80),
-                                _mm512_loadu_si512((const void *)(xq + p * 2 * QK))));
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *wrow = wq + n * K;
-        const char *d = (const char *)wd + n * nb * (half ? 2 : 4);
-        float sx[nb];
-        for (int64_t i = 0; i < nb; i += 16) {
-            const __mmask16 left = nb - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - i)) - 1u);
-            const __m512 dw = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)d + i))
-                                   : _mm512_maskz_loadu_ps(left, (const float *)d + i);
-            _mm512_mask_storeu_ps(sx + i, left, _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(left, xd + i)));
-        }
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        int64_t p = 0;
-        for (; p + 2 <= pairs; p += 2) {
-            acc0 = pair_q8(wrow + p * 2 * QK, xq + p * 2 * QK, start[p], sx + 2 * p, acc0);
-            acc1 = pair_q8(wrow + (p + 1) * 2 * QK, xq + (p + 1) * 2 * QK, start[p + 1],
-                           sx + 2 * (p + 1), acc1);
-        }
-        if (p < pairs) acc0 = pair_q8(wrow + p * 2 * QK, xq + p * 2 * QK, start[p], sx + 2 * p, acc0);
-        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-        if (nb & 1) { /* the last block alone, at 256 bits */
-            const int64_t b = nb - 1;
-            const __m256i flip = _mm256_set1_epi8((char)0x80);
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-            const __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wrow + b * QK)), flip);
-            const __m256i first = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                                   _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, x));
-            total += sx[b] * hsum(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(first, u, x)));
-        }
-        out[n] = total;
-    }
-}
-#endif
-
 void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *wd, int half,
                  const int8_t *xq, const float *xd, float *out, int64_t ldo) {
-#if defined(ECQ_AVX512) && defined(__AVX512VNNI__)
-    if (M == 1) {
-        if (half)
-            gemv_q8_512(N, K, wq, wd, 1, xq, xd, out);
-        else
-            gemv_q8_512(N, K, wq, wd, 0, xq, xd, out);
-        return;
-    }
-#endif
     if (half)
         gemm_q8(M, N, K, wq, wd, 1, xq, xd, out, ldo);
     else
