@@ -262,51 +262,87 @@ static inline __attribute__((always_inline)) float dot_row_q4(
 #endif
 
 #if defined(__AVX2__) && !defined(ECQ_AVX512)
-/* One output of 4-bit weights against one activation row (AVX2; ``mode`` a constant in
- * each inlined copy, SCALES_Q4K already expanded to SCALES_F32): two blocks at a time in
- * two accumulators and the offsets eight blocks at a time, all in registers, so no
- * block waits on the previous one's sum. */
+/* One activation row on AVX2 takes two blocks a 256-bit load of their packed bytes, as
+ * the AVX-512 kernel takes four: the low nibbles are elements 0-15 of both blocks, the
+ * high ones elements 16-31, and the activations are rearranged to that order once a call
+ * (``permute_pairs``), so no weight byte is shuffled. Per two blocks: two dot products
+ * summed as integers (lanes 0-3 block b, 4-7 block b + 1), one conversion and one FMA
+ * by the two blocks' scales, where a block at a time took twice as many. */
+
+/* xq's row [K] -> out [K] with each pair of blocks as [low halves, high halves] (an odd
+ * last block as it is). */
+static void permute_pairs(const int8_t *xq, int64_t K, int8_t *out) {
+    const int64_t nb = K / QK;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const int8_t *src = xq + b * QK;
+        int8_t *dst = out + b * QK;
+        memcpy(dst, src, 16);
+        memcpy(dst + 16, src + QK, 16);
+        memcpy(dst + 32, src + 16, 16);
+        memcpy(dst + 48, src + QK + 16, 16);
+    }
+    if (b < nb) memcpy(out + b * QK, xq + b * QK, QK);
+}
+
+/* Blocks b, b + 1 at ``w`` against the permuted activations ``xp`` (their 64 bytes),
+ * the integer sums per lane. */
+static inline __m256i pair_dot(const uint8_t *w, const int8_t *xp) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp);
+    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return _mm256_add_epi32(dot_u8_s8(lo, x0), dot_u8_s8(hi, x1));
+#else
+    /* each 16-bit sum is at most 2 * 15 * 127, two of them well inside int16 */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+/* One output of 4-bit weights against one activation row permuted by ``permute_pairs``
+ * (``mode`` a constant in each inlined copy, SCALES_Q4K already expanded to
+ * SCALES_F32): the pairs in two accumulators and the offsets eight blocks at a time,
+ * all in registers. */
 static inline __attribute__((always_inline)) float dot_row_q4_avx2(
-    const uint8_t *wrow, const void *d, const void *m, const int8_t *xq, const float *xd,
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
     const float *xs, int64_t nb, int mode) {
     const int half = mode != SCALES_F32;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t b = 0;
-    /* Eight blocks' scale products d_w d_x at a time, one vector multiply (the same
-     * float32 products as one at a time), each then broadcast from memory: no scalar
-     * float16 conversion and multiply a block. */
+    /* Eight blocks' scale products d_w d_x at a time, one vector multiply, each pair's
+     * two spread over its lanes by one permute. */
     for (; b + 8 <= nb; b += 8) {
         const __m256 wd = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)d + b)))
                                : _mm256_loadu_ps((const float *)d + b);
-        float sx[8];
-        _mm256_storeu_ps(sx, _mm256_mul_ps(wd, _mm256_loadu_ps(xd + b)));
+        const __m256 sx = _mm256_mul_ps(wd, _mm256_loadu_ps(xd + b));
 #pragma GCC unroll 4
         for (int j = 0; j < 8; j += 2) {
             const uint8_t *w = wrow + (b + j) * (QK / 2);
             _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m256i w0 = unpack_nibbles(w), w1 = unpack_nibbles(w + QK / 2);
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + j + 1) * QK));
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)), _mm256_broadcast_ss(sx + j), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w1, x1)), _mm256_broadcast_ss(sx + j + 1), acc1);
+            const __m256i dot = pair_dot(w, xp + (b + j) * QK);
+            const __m256 scale = _mm256_permutevar8x32_ps(
+                sx, _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
+            if (j & 2)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc0);
         }
     }
     for (; b + 2 <= nb; b += 2) {
-        _mm_prefetch((const char *)(wrow + b * (QK / 2)) + PREFETCH_BYTES, _MM_HINT_T0);
-        const __m256i w0 = unpack_nibbles(wrow + b * (QK / 2));
-        const __m256i w1 = unpack_nibbles(wrow + (b + 1) * (QK / 2));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (b + 1) * QK));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
-                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w1, x1)),
-                               _mm256_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]), acc1);
+        const __m256i dot = pair_dot(wrow + b * (QK / 2), xp + b * QK);
+        const __m256 scale = _mm256_set_m128(_mm_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]),
+                                             _mm_set1_ps(scale_at(d, b, half) * xd[b]));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc0);
     }
     if (b < nb) {
         const __m256i w0 = unpack_nibbles(wrow + b * (QK / 2));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
-                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc0);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xp + b * QK));
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
+                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc1);
     }
     /* the offsets: sum_b m_b d_x,b sum(q_x,b) */
     __m256 offsets = _mm256_setzero_ps();
@@ -365,6 +401,10 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         return;
     }
 #endif
+#if defined(__AVX2__) && !defined(ECQ_AVX512)
+    int8_t xp[M == 1 ? K : 1]; /* a decode step's row, permuted for dot_row_q4_avx2 */
+    if (M == 1) permute_pairs(xq, K, xp);
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * nb * (QK / 2);
@@ -376,10 +416,10 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
 #if defined(__AVX2__) && !defined(ECQ_AVX512)
         if (M == 1) { /* a decode step's row */
             out[n] = rmode == SCALES_F16_SYM
-                         ? dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F16_SYM)
+                         ? dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F16_SYM)
                      : rmode == SCALES_F16
-                         ? dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F16)
-                         : dot_row_q4_avx2(wrow, d, m, xq, xd, xs, nb, SCALES_F32);
+                         ? dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F16)
+                         : dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F32);
             continue;
         }
 #endif

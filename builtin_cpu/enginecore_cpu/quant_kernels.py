@@ -41,12 +41,17 @@ _LINEAR_KINDS = frozenset({8, Q8_HALF_SCALES, 4, Q4_HALF_SCALES, Q4_0_HALF_SCALE
 
 def _vnni() -> tuple[str, list[str]] | None:
     """The VNNI this CPU adds to its x86-64 level, for every block kernel's build (a
-    suffix of the file name and the compiler flag): AVX-512 VNNI on level 4, AVX-VNNI on
+    suffix of the file name and the compiler flags): AVX-512 VNNI on level 4 (with GFNI
+    where the CPU has it), AVX-VNNI on
     level 3 (an AVX2 CPU that has it: its one-row products then take ``vpdpbusd`` as the
     AVX-512 ones do, one instruction where AVX2 takes two)."""
     flags = set(cpu_kernels._cpu_signature().split())
     level = cpu_kernels.instruction_set()
     if level == "x86-64-v4" and "avx512_vnni" in flags:
+        # GFNI (Ice Lake and later, Zen 4): the AVX-512 one-row Q6_K product spreads its
+        # high bits with it (kquant_kernels.c's q6_high_bits)
+        if "gfni" in flags:
+            return "vnni-gfni", ["-mavx512vnni", "-mgfni"]
         return "vnni", ["-mavx512vnni"]
     if level == "x86-64-v3" and "avx_vnni" in flags:
         return "avxvnni", ["-mavxvnni"]

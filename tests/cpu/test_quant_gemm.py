@@ -130,11 +130,11 @@ def test_gemm_matches_gguf_dequantization_and_the_one_row_kernels(
 
 
 def test_the_engine_builds_the_cpus_vnni():
-    """The engine's build takes the CPU's VNNI (AVX-512 VNNI, else AVX-VNNI) where it has
-    one, and says so in its file name."""
+    """The engine's build takes the CPU's VNNI (AVX-512 VNNI, with GFNI where the CPU has
+    it, else AVX-VNNI) where it has one, and says so in its file name."""
     name = quant_gemm.load().path.name
     if _AVX512 and "avx512_vnni" in _FLAGS:
-        assert "-vnni_" in name
+        assert ("-vnni-gfni_" if "gfni" in _FLAGS else "-vnni_") in name
     elif _AVX2 and "avx_vnni" in _FLAGS and not _AVX512:
         assert "-avxvnni_" in name
     else:
