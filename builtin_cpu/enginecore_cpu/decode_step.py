@@ -268,6 +268,10 @@ class FusedDecodeStep:
         block = declared_block(stack)
         if block is None:
             raise Unsupported(f"{type(model).__name__} declares no fused decode block")
+        # The step stands in for the causal LM's forward: only where its own class says
+        # that forward is its stack's (a subclass, a plugin's model, may do more).
+        if declared_block(model) is not block:
+            raise Unsupported(f"{type(model).__name__} does not declare its stack's block")
         if stack.parallel.tp_size != 1 or stack.parallel.pp_size != 1:
             raise Unsupported("the model is split over ranks")
         layers = list(stack.layers)

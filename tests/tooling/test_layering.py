@@ -164,9 +164,9 @@ def test_the_model_runner_names_no_linear_method_or_backend():
 
 
 def test_a_declared_block_belongs_to_the_class_that_declares_it():
-    from enginecore_models.models.llama import LlamaModel
+    from enginecore_models.models.llama import LlamaForCausalLM, LlamaModel
     from enginecore_models.models.mixtral import MixtralModel
-    from enginecore_models.models.qwen3 import Qwen3Model
+    from enginecore_models.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 
     class Plain:
         pass
@@ -184,3 +184,12 @@ def test_a_declared_block_belongs_to_the_class_that_declares_it():
     blocks = {cls: declared_block(object.__new__(cls)) for cls in (LlamaModel, Qwen3Model)}
     assert blocks == {LlamaModel: DecodeBlock.LLAMA, Qwen3Model: DecodeBlock.LLAMA_QK_NORM}
     assert declared_block(object.__new__(MixtralModel)) is None
+
+    # A causal LM declares that its forward is its stack's; a subclass (a plugin's model,
+    # which may override forward) does not.
+    class OwnForward(LlamaForCausalLM):
+        pass
+
+    assert declared_block(object.__new__(LlamaForCausalLM)) is DecodeBlock.LLAMA
+    assert declared_block(object.__new__(Qwen3ForCausalLM)) is DecodeBlock.LLAMA_QK_NORM
+    assert declared_block(object.__new__(OwnForward)) is None

@@ -274,6 +274,7 @@ class LlamaModel(nn.Module):
         return self.embed_tokens
 
 
+@declares_block(DecodeBlock.LLAMA)
 @declares_plain_logits
 class LlamaForCausalLM(nn.Module):
     """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints;

@@ -50,6 +50,7 @@ class Qwen3Model(LlamaModel):
     decoder_layer_cls = Qwen3DecoderLayer
 
 
+@declares_block(DecodeBlock.LLAMA_QK_NORM)
 @declares_plain_logits
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model

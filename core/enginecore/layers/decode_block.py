@@ -3,9 +3,10 @@
 A backend that runs a whole decode step in one foreign call (the ``cpu`` backend's
 ``fused_decode``) must know the block's exact computation. It learns it from what the
 model's own classes declare here, never by naming a model class: a model plugin decorates
-its stack, decoder layer, attention and MLP classes with :func:`declares_block`. The
-declaration belongs to the decorated class only; a subclass that changes the computation
-declares nothing unless it says so again.
+its causal LM (whose ``forward`` is its stack's and nothing more), stack, decoder layer,
+attention and MLP classes with :func:`declares_block`. The declaration belongs to the
+decorated class only; a subclass that changes the computation (a plugin's model that
+overrides ``forward``) declares nothing unless it says so again, so its own code runs.
 """
 
 from __future__ import annotations

@@ -169,7 +169,9 @@ class HangingRunner(TorchModelRunner):
 
 
 class HangingForCausalLM(LlamaForCausalLM):
-    """Serves the first forward pass (the start-up's profiling run), then hangs."""
+    """Serves the first forward pass (the start-up's profiling run on a GPU; on a CPU,
+    which profiles nothing, the prompt's step), then hangs. Its decode steps reach this
+    forward only because the CPU's fused decode step does not stand in for a subclass's."""
 
     def forward(self, *args, **kwargs):
         if getattr(self, "profiled", False):
