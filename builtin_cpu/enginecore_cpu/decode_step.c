@@ -195,17 +195,23 @@ typedef struct {
 
 static int is_f32(int64_t kind) { return kind == ECD_F32_ROWS || kind == ECD_F32_INPUT_MAJOR; }
 
-/* Columns [a, b) of out [n, ldc] = x [n, in] W^T for a float32 part whose columns start
- * at a - skip: one sgemm, the column-major view of what F.linear computes. */
+/* Columns [a, b) of out [n, ldc] = x [n, in] W^T (+ bias, the columns' own, where given)
+ * for a float32 part whose columns start at a - skip: one sgemm, the column-major view of
+ * what F.linear computes. With a bias, F.linear's addmm copies it into the output and
+ * has sgemm add the product to it (beta 1): BLAS may sum that in another order than a
+ * bias added after (MKL does on some CPUs), so the step does the same. */
 static void f32_columns(const ecd_kernels *k, const ecd_part *part, const float *x, int64_t n,
-                        int64_t in, int64_t skip, int64_t cols, float *target, int64_t ldc) {
+                        int64_t in, int64_t skip, int64_t cols, float *target, int64_t ldc,
+                        const float *bias) {
     const int input_major = part->kind == ECD_F32_INPUT_MAJOR;
     const int m = (int)cols, rows = (int)n, depth = (int)in, lda = (int)part->qs_row;
     const int ld_out = (int)ldc;
     const float one = 1.0f, zero = 0.0f;
     const float *w = (const float *)part->qs + (input_major ? skip : skip * part->qs_row);
-    k->sgemm(input_major ? "N" : "T", "N", &m, &rows, &depth, &one, w, &lda, x, &depth, &zero,
-             target, &ld_out);
+    if (bias != NULL)
+        for (int64_t r = 0; r < n; r++) memcpy(target + r * ldc, bias, cols * sizeof(float));
+    k->sgemm(input_major ? "N" : "T", "N", &m, &rows, &depth, &one, w, &lda, x, &depth,
+             bias != NULL ? &one : &zero, target, &ld_out);
 }
 
 /* out [n, p->out] rows [lo, hi) of x [n, p->in] W^T (+ bias), part by part as
@@ -222,6 +228,9 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
     }
     const int8_t *xq = q->xq;
     const float *xd = q->xd, *xs = q->xs;
+    /* float32 parts alone, more than one row: the bias goes into sgemm as addmm's does
+     * (one row: F.linear's bits are the product's plus the bias, as added below) */
+    const int bias_in_product = p->bias != NULL && !quantized && n > 1;
     for (int64_t i = 0; i < p->num_parts; i++) {
         const ecd_part *part = &p->parts[i];
         const int64_t a = lo > part->first ? lo : part->first;
@@ -229,7 +238,8 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
         if (a >= b) continue;
         const int64_t skip = a - part->first;
         if (is_f32(part->kind)) {
-            f32_columns(k, part, x, n, p->in, skip, b - a, out + a, p->out);
+            f32_columns(k, part, x, n, p->in, skip, b - a, out + a, p->out,
+                        bias_in_product ? p->bias + a : NULL);
             continue;
         }
         const char *qs = (const char *)part->qs + skip * part->qs_row;
@@ -258,7 +268,7 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
             return -2;
         }
     }
-    if (p->bias != NULL)
+    if (p->bias != NULL && !bias_in_product)
         for (int64_t r = 0; r < n; r++)
             for (int64_t j = lo; j < hi; j++) out[r * p->out + j] += p->bias[j];
     return 0;
