@@ -7,33 +7,20 @@ into spans (``ec_attention_spans``) whose partial softmax sums are merged.
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from enginecore_cpu import cpu_kernels
-from tests.helpers.kernel_builds import extra_isa_for
+from tests.helpers.kernel_builds import LEVELS, cpu_kernel_builds
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-_LEVELS = ["host", *(["x86-64-v3", "x86-64"] if _X86 else [])]
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[str, cpu_kernels.CpuKernels]:
-    return {
-        level: cpu_kernels.CpuKernels(
-            cpu_kernels.build(
-                source=cpu_kernels.SOURCE,
-                stem=f"enginecore_{cpu_kernels.SOURCE.stem}",
-                extra_isa=extra_isa_for(level),
-            )
-        )
-        for level in _LEVELS
-    }
+    return cpu_kernel_builds()
 
 
 def _sdpa(query, layer, lens, scale, window=0):
@@ -53,7 +40,7 @@ def _sdpa(query, layer, lens, scale, window=0):
 @pytest.mark.parametrize(
     "hq,hkv,d", [(9, 3, 64), (6, 1, 64), (14, 2, 128), (3, 1, 128), (8, 2, 64), (4, 4, 128)]
 )
-@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_decode_attention_matches_sdpa_in_every_build(builds, level, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * 1000 + d)
     n, cap = 3, 140  # lengths cross the kernel's 64-position blocks
@@ -65,7 +52,7 @@ def test_decode_attention_matches_sdpa_in_every_build(builds, level, hq, hkv, d)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (24, 8, 128), (7, 1, 128)])
-@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_decode_attention_merges_its_spans_as_sdpa_in_every_build(builds, level, hq, hkv, d):
     """Lengths of one span to the most (EC_MAX_SPANS), with and without a window."""
     gen = torch.Generator().manual_seed(hq * 7 + d)
@@ -78,7 +65,7 @@ def test_decode_attention_merges_its_spans_as_sdpa_in_every_build(builds, level,
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_attention_spans_split_any_kv_heads_evenly_over_two_threads(builds, level):
     """The fused step's attention units are a row's KV heads' spans: past one span's
     positions a head is cut into an even number of spans, so 1, 3, 5 or 7 KV heads (the

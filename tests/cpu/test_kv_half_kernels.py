@@ -7,7 +7,6 @@ K/V widened to float32, one row and many, with GQA, MHA and a sliding window."""
 from __future__ import annotations
 
 import ctypes
-import platform
 from ctypes import c_float, c_int, c_int64, c_void_p
 
 import pytest
@@ -15,27 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from enginecore_cpu import cpu_kernels, decode_step
-from tests.helpers.kernel_builds import extra_isa_for
+from tests.helpers.kernel_builds import LEVELS, cpu_kernel_builds
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
-_LEVELS = ["host", *(["x86-64-v3", "x86-64"] if _X86 else [])]
 HALVES = [torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[str, cpu_kernels.CpuKernels]:
-    return {
-        level: cpu_kernels.CpuKernels(
-            cpu_kernels.build(
-                source=cpu_kernels.SOURCE,
-                stem=f"enginecore_{cpu_kernels.SOURCE.stem}",
-                extra_isa=extra_isa_for(level),
-            )
-        )
-        for level in _LEVELS
-    }
+    return cpu_kernel_builds()
 
 
 def _sdpa(query, layer, lens, scale, window=0):
@@ -67,7 +55,7 @@ def _awkward_values(count: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
-@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_cache_and_mirror_writes_round_as_torch_in_every_build(builds, level, dtype):
     gen = torch.Generator().manual_seed(3)
     tokens, h, d = 24, 2, 40  # a head dim that is no multiple of the vector widths
@@ -118,7 +106,7 @@ SHAPES = [(9, 3, 64), (32, 8, 128), (7, 1, 128), (4, 2, 64), (4, 4, 128), (6, 2,
 
 @pytest.mark.parametrize("dtype", HALVES, ids=str)
 @pytest.mark.parametrize("hq,hkv,d", SHAPES)
-@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("level", LEVELS)
 def test_decode_attention_over_half_kv_is_sdpa_over_it_in_every_build(
     builds, level, hq, hkv, d, dtype
 ):

@@ -10,9 +10,17 @@ cache: a test module asking for a build another one made loads that file.
 from __future__ import annotations
 
 import ctypes
+import platform
 from pathlib import Path
 
 from enginecore_cpu import cpu_kernels, quant_kernels
+
+# The levels a test compares: what the engine builds here, and on x86-64 the AVX2 and
+# portable builds too (the code an AVX2-only or an older CPU runs).
+LEVELS = [
+    "host",
+    *(["x86-64-v3", "x86-64"] if platform.machine().lower() in ("x86_64", "amd64") else []),
+]
 
 
 def extra_isa_for(level: str) -> tuple[str, list[str]] | None:
@@ -36,3 +44,17 @@ def build_for(level: str, source: Path, directory: Path | None = None) -> ctypes
     stem = source.stem if directory is not None else f"enginecore_{source.stem}"
     path = cpu_kernels.build(directory, source=source, stem=stem, extra_isa=extra_isa_for(level))
     return ctypes.CDLL(str(path))
+
+
+def cpu_kernel_builds() -> dict[str, cpu_kernels.CpuKernels]:
+    """``cpu_kernels.c`` built for each of ``LEVELS``, loaded."""
+    return {
+        level: cpu_kernels.CpuKernels(
+            cpu_kernels.build(
+                source=cpu_kernels.SOURCE,
+                stem=f"enginecore_{cpu_kernels.SOURCE.stem}",
+                extra_isa=extra_isa_for(level),
+            )
+        )
+        for level in LEVELS
+    }
