@@ -169,7 +169,8 @@ def run(
         # Room for every request's blocks many times over: a cache sized from free RAM
         # would only lengthen each run's start (the block pool lists every block).
         kv_cache_bytes=256 << 20,
-        kv_cache_dtype=kv_cache_dtype,
+        # Named only where set: a checkout from before the setting (--against) has no key.
+        **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}),
     )
     try:
         timers = Timers()
