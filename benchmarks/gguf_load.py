@@ -40,65 +40,70 @@ import shutil
 import subprocess
 import sys
 
-RUN = """
+# Each side's script: its imports, its engine's start, ``timed(start)`` for one
+# 128-token request, then the shared measurements around them.
+_READY = """
+ready = time.perf_counter()
+ready_memory = psutil.Process().memory_full_info()
+usage = resource.getrusage(resource.RUSAGE_SELF)
+cpu_ready = usage.ru_utime + usage.ru_stime
+faults_ready = usage.ru_minflt
+"""
+_REPORT = """
+ttft, token = timed(300)
+second, _ = timed(1300)
+third, _ = timed(2300)
+memory = psutil.Process().memory_full_info()
+print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
+    "cpu_to_ready_s": cpu_ready, "page_faults_to_ready": faults_ready,
+    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
+    "rss_ready_gib": ready_memory.rss / 2**30, "rss_gib": memory.rss / 2**30,
+    "pss_ready_gib": ready_memory.pss / 2**30, "pss_gib": memory.pss / 2**30, "token": token}))
+"""
+
+RUN = (
+    """
 import json, resource, sys, time
 started = time.perf_counter()
 import psutil
 from enginecore import LLM, SamplingParams
 imported = time.perf_counter()
 llm = LLM(model=sys.argv[1], max_model_len=512, multiprocessing=False)
-ready = time.perf_counter()
-ready_memory = psutil.Process().memory_full_info()
-usage = resource.getrusage(resource.RUSAGE_SELF)
-cpu_ready = usage.ru_utime + usage.ru_stime
-faults_ready = usage.ru_minflt
+"""
+    + _READY
+    + """
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 def timed(start):
     prompt = {"prompt_token_ids": list(range(start, start + 128))}
     t = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)
     return time.perf_counter() - t, out[0].outputs[0].token_ids
-ttft, token = timed(300)
-second, _ = timed(1300)
-third, _ = timed(2300)
-memory = psutil.Process().memory_full_info()
-print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
-    "cpu_to_ready_s": cpu_ready, "page_faults_to_ready": faults_ready,
-    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
-    "rss_ready_gib": ready_memory.rss / 2**30, "rss_gib": memory.rss / 2**30,
-    "pss_ready_gib": ready_memory.pss / 2**30, "pss_gib": memory.pss / 2**30, "token": token}))
-llm.shutdown()
 """
+    + _REPORT
+    + "llm.shutdown()\n"
+)
 
 # llama.cpp's side (``--llama-python``): the same process shape, requests and figures
 # (llama-cpp-python serves one sequence: each request resets its context).
-LLAMA_RUN = """
+LLAMA_RUN = (
+    """
 import json, resource, sys, time
 started = time.perf_counter()
 import psutil
 from llama_cpp import Llama
 imported = time.perf_counter()
 llm = Llama(sys.argv[1], n_ctx=512, verbose=False, seed=0)
-ready = time.perf_counter()
-ready_memory = psutil.Process().memory_full_info()
-usage = resource.getrusage(resource.RUSAGE_SELF)
-cpu_ready = usage.ru_utime + usage.ru_stime
-faults_ready = usage.ru_minflt
+"""
+    + _READY
+    + """
 def timed(start):
     llm.reset()
     t = time.perf_counter()
     token = next(iter(llm.generate(list(range(start, start + 128)), temp=0.0, top_k=1)))
     return time.perf_counter() - t, [token]
-ttft, token = timed(300)
-second, _ = timed(1300)
-third, _ = timed(2300)
-memory = psutil.Process().memory_full_info()
-print(json.dumps({"import_s": imported - started, "ready_s": ready - imported,
-    "cpu_to_ready_s": cpu_ready, "page_faults_to_ready": faults_ready,
-    "first_request_s": ttft, "second_request_s": second, "third_request_s": third,
-    "rss_ready_gib": ready_memory.rss / 2**30, "rss_gib": memory.rss / 2**30,
-    "pss_ready_gib": ready_memory.pss / 2**30, "pss_gib": memory.pss / 2**30, "token": token}))
 """
+    + _REPORT
+)
 
 
 def source_path(tree: pathlib.Path) -> str:

@@ -44,6 +44,8 @@
 #endif
 #include <stdatomic.h>
 
+#include "kv_types.h"
+
 /* Built with -DECD_PROFILE (benchmarks/decode_step_phases.py), each thread adds its time
  * per kind of work, its waits for the next phase, and (the first thread) the whole call
  * into ecd_profile, which ecd_profile_read hands out ([ECD_PROFILE_THREADS][PH_COUNT])
@@ -180,7 +182,7 @@ typedef struct {
     /* The LM head (logits = final hidden states x head^T), or num_parts 0: the caller
      * computes the logits from the hidden states. */
     ecd_proj head;
-    int64_t kv_type, kv_size; /* the KV cache's and the mirror's element type and bytes */
+    int64_t kv_type; /* the KV cache's and the mirror's element type (EC_KV_*) */
 } ecd_model;
 
 /* A thread's activations quantized as the block kernels read them (xq, xd, xs), and
@@ -375,7 +377,8 @@ static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
     else
         memcpy(q_rotated, row + kh * group * hd, group * hd * sizeof(float));
     k->rotary(q_rotated, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
-    const int64_t at = (r * m->kv_heads + kh) * st->mirror_cap * hd * m->kv_size;
+    const int64_t at =
+        (r * m->kv_heads + kh) * st->mirror_cap * hd * ec_kv_size((int)m->kv_type);
     char *mk = (char *)st->mirror[2 * l] + at, *mv = (char *)st->mirror[2 * l + 1] + at;
     const int kv_type = (int)m->kv_type;
     if (j == spans - 1) {

@@ -144,7 +144,6 @@ class _Model(Structure):
         ("layers", POINTER(_Layer)),
         ("head", _Proj),
         ("kv_type", c_int64),
-        ("kv_size", c_int64),
     ]
 
 
@@ -320,7 +319,6 @@ class FusedDecodeStep:
             layers=array,
             head=head,
             kv_type=cpu_kernels.KV_TYPES[kv_caches[0].dtype],
-            kv_size=kv_caches[0].element_size(),
         )
 
     def _head(self, model: Any) -> tuple[_Proj, list[_Part]]:

@@ -55,7 +55,7 @@ class KQuantKernels:
     def dequantize_k(self, weight: KQuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight [N, K] of a Q5_K or Q6_K ``weight`` (into ``out`` where given)."""
         n, k = weight.shape
-        out = quant_kernels._output(out, n, k)
+        out = quant_kernels.result_tensor(out, n, k)
         self.lib.eck_dequantize_k(
             n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )

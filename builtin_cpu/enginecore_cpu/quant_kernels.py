@@ -118,7 +118,7 @@ class QuantKernels:
         :class:`BlockWeight`), written into ``out`` (contiguous) where given."""
         n, k = d.shape[0], d.shape[1] * BLOCK
         d, m = d.float(), m.float()  # float16 scales of Q4_0 / Q4_1 blocks
-        out = _output(out, n, k)
+        out = result_tensor(out, n, k)
         if bits == 4:
             self.lib.ecq_dequantize_q4(
                 n, k, qs.data_ptr(), d.data_ptr(), m.data_ptr(), out.data_ptr()
@@ -132,14 +132,14 @@ class QuantKernels:
     ) -> torch.Tensor:
         """The float32 weight [N, K] of a Q4_K ``weight`` (into ``out`` where given)."""
         n, k = weight.shape
-        out = _output(out, n, k)
+        out = result_tensor(out, n, k)
         self.lib.ecq_dequantize_q4k(
             n, k, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )
         return out
 
 
-def _output(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+def result_tensor(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
     """``out`` checked to take an [n, k] float32 result, or a new tensor for it."""
     if out is None:
         return torch.empty((n, k), dtype=torch.float32)
