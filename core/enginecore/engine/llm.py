@@ -64,7 +64,7 @@ class LLM(PoolingMethods):
         self.chat_template = configured_chat_template(self.config)
         self.engine_client: EngineCoreClient
         try:
-            self.engine_client, self.tokenizer = start_engine(self.config)
+            self.engine_client, self.tokenizer = start_engine(self.config, plugins=self.plugins)
         except BaseException:
             self.stat_loggers.close()
             raise
