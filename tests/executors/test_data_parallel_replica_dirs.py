@@ -17,29 +17,35 @@ import httpx
 import openai
 import pytest
 
-from enginecore.engine.mp_client import ENGINE_ENTRY
+from enginecore.runtime_dirs import OWNER_FILE
 from tests.helpers.serve_process import serve, stop
 
 pytestmark = pytest.mark.slow
 
+ENGINE_TITLE = "EngineCore_DP"  # as ``ps`` shows a replica's engine process
 
-def replica_engines(frontend_pid: int) -> dict[int, tuple[int, pathlib.Path]]:
-    """replica index -> (engine pid, its socket directory), from the engines' command
-    lines (``python -c ENTRY ipc://DIR/input ipc://DIR/output INDEX``)."""
-    found = {}
+
+def replica_engines(frontend_pid: int, tmpdir: pathlib.Path) -> dict[int, tuple[int, pathlib.Path]]:
+    """replica index -> (engine pid, its socket directory). The engines are the frontend's
+    children titled ``EngineCore_DP<index>``; the frontend makes the replicas' socket
+    directories (each with its ``input`` socket) one after another in index order, each
+    before its engine starts."""
+    pids = {}
     for entry in pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            argv = (entry / "cmdline").read_bytes().decode().split("\0")
+            title = (entry / "cmdline").read_bytes().decode().split("\0")[0].strip()
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if parent == frontend_pid and ENGINE_ENTRY in argv:
-            rest = argv[argv.index(ENGINE_ENTRY) + 1 :]
-            directory = pathlib.Path(rest[0].removeprefix("ipc://")).parent
-            found[int(rest[2])] = (int(entry.name), directory)
-    return found
+        if parent == frontend_pid and title.startswith(ENGINE_TITLE):
+            pids[int(title.removeprefix(ENGINE_TITLE))] = int(entry.name)
+    sockets = [d for d in dirs_owned_by(tmpdir, frontend_pid) if (d / "input").exists()]
+    sockets.sort(key=lambda d: (d / OWNER_FILE).stat().st_mtime_ns)
+    if len(sockets) != len(pids):
+        return {}
+    return {index: (pid, sockets[index]) for index, pid in pids.items()}
 
 
 def dirs_owned_by(tmpdir: pathlib.Path, pid: int) -> list[pathlib.Path]:
@@ -62,7 +68,7 @@ def test_a_killed_replicas_directory_goes_and_the_server_serves_on(tiny_llama, t
     proc, url = serve(tiny_llama, tmp_path / "server.log", *flags, "--data-parallel-size", "2",
                       env=env)  # fmt: skip
     try:
-        engines = replica_engines(proc.pid)
+        engines = replica_engines(proc.pid, tmpdir)
         assert sorted(engines) == [0, 1], engines
         (live_pid, live_dir), (dead_pid, dead_dir) = engines[0], engines[1]
         assert live_dir.is_dir() and dead_dir.is_dir() and live_dir != dead_dir

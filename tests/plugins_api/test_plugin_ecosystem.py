@@ -64,7 +64,7 @@ def test_fair_share_holds_each_tenant_to_its_share(venv, tiny_llama, tmp_path):
         [model]
         path = "{tiny_llama}"
         [scheduler]
-        policy = "fair_share"
+        policy = "tenant_cap"
         max_num_seqs = 8
         [plugins.fair_share]
         max_running_per_tenant = 1
@@ -80,7 +80,7 @@ def test_fair_share_holds_each_tenant_to_its_share(venv, tiny_llama, tmp_path):
         llm.shutdown()
     """
     got = run(venv, tmp_path, config, body)
-    assert got["components"]["scheduling_policy"] == "fair_share (from fair_share)"
+    assert got["components"]["scheduling_policy"] == "tenant_cap (from fair_share)"
     a0, a1, a2, b0 = got["queued"]
     # Tenant a runs one request at a time; b is admitted beside a's first.
     assert a0 < a1 < a2 and b0 < a1

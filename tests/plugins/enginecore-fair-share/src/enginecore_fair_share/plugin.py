@@ -9,7 +9,7 @@ plugin_settings = "enginecore_fair_share.policy:FairShareSettings"
 @enginecore.hookimpl
 def register_scheduling_policies(registry):
     registry.add(
-        "fair_share",
+        "tenant_cap",
         "enginecore_fair_share.policy:FairSharePolicy",
         summary="first come, first served, with at most N running requests per tenant",
     )

@@ -20,7 +20,7 @@ class FairShareSettings(msgspec.Struct, kw_only=True):
 
 
 class FairSharePolicy(SchedulingPolicy):
-    name = "fair_share"
+    name = "tenant_cap"
 
     def __init__(self, config, *, settings: FairShareSettings | None = None) -> None:
         super().__init__(config)
