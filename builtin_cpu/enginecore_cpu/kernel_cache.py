@@ -152,17 +152,32 @@ def priority(library: Path) -> int:
 
 def run_compiler(command: list[str], priority: int = 0) -> None:
     """Run one compiler command when a slot is free (by ``priority``); it stops with
-    this process. Raises ``RuntimeError`` with the compiler's output on failure."""
+    this process, the compiler's own children included. Raises ``RuntimeError`` with the
+    compiler's output on failure."""
     with _slots.held(priority):
-        done = subprocess.run(
-            command,
-            capture_output=True,
+        process = subprocess.Popen(
+            ["sh", "-c", _GROUP_STOPS_WITH_SHELL, "sh", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=300,
             preexec_fn=_idle_child if priority >= IDLE else _child,
         )
-    if done.returncode != 0:
-        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-2000:]}")
+        try:
+            _, stderr = process.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    if process.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {stderr.strip()[-2000:]}")
+
+
+# The compiler runs under a shell that leads its own process group. The shell is told
+# when this process dies (parent-death signal) and then stops the whole group: the gcc
+# driver alone would stop, leaving ``cc1`` compiling, orphaned, for every engine that
+# exits or is killed mid-build.
+_GROUP_STOPS_WITH_SHELL = 'trap "trap - TERM; kill -TERM -$$" TERM; "$@" & wait $!'
 
 
 def in_parallel(calls: list[Callable[[], _Result]]) -> list[_Result]:
@@ -256,7 +271,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _child() -> None:
-    # In the child between fork and exec: SIGTERM lets gcc remove its own temporaries.
+    # In the child between fork and exec: a process group of its own, and SIGTERM when
+    # this process dies, which the shell passes to the group (gcc removes its temporaries).
+    os.setpgid(0, 0)
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 

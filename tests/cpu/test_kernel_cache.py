@@ -35,9 +35,12 @@ sources = [a for a in sys.argv[1:] if a.endswith(".c")]
 with open({log!r}, "a") as log:
     log.write(" ".join(os.path.basename(s) for s in sources) + "\\n")
 if any(s.endswith("main.c") for s in sources) and os.path.exists({hold!r}):
+    # held as gcc's driver waits on cc1: a child process of its own does the work
+    import subprocess
+    child = subprocess.Popen(["sleep", "60"])
     with open({started!r}, "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(60)
+        f.write(f"{{os.getpid()}} {{child.pid}}")
+    child.wait()
 os.execvp("gcc", ["gcc", *sys.argv[1:]])
 """
 
@@ -96,8 +99,23 @@ def sandbox(tmp_path: Path) -> dict[str, Path]:
     )
     yield paths
     if paths["started"].exists():  # the held compiler, if it outlived its process
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(paths["started"].read_text()), signal.SIGKILL)
+        for pid in _held_pids(paths):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _held_pids(paths: dict[str, Path]) -> list[int]:
+    """The held compiler's pid and its child's (cc1's stand-in)."""
+    return [int(pid) for pid in paths["started"].read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    """False once the process is gone or a zombie (dead, waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _start(sandbox: dict[str, Path], mode: str) -> subprocess.Popen[bytes]:
@@ -177,6 +195,11 @@ def test_a_build_cut_short_leaves_nothing_partial_and_is_resumed(sandbox, end):
             process.kill()
             process.wait()
     assert sorted(_compiled(sandbox)) == ["main.c", "serial.c"]  # both started
+    # nothing of the build outlives its process: not the compiler, nor its own child
+    deadline = time.monotonic() + 10
+    while any(map(_running, _held_pids(sandbox))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [pid for pid in _held_pids(sandbox) if _running(pid)] == []
 
     library = _build_again(sandbox)
 
