@@ -60,6 +60,18 @@ def fresh_prompts(group: AttentionGroup, max_len: int) -> tuple[torch.Tensor, to
     return torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
 
 
+def prefault_blocks(spec: AttentionSpec, num_blocks: int) -> int:
+    """How many of the KV cache's first blocks to fault in at start-up: those of one
+    sequence of the longest length (and the null block before them), at most
+    ``PREFAULT_BYTES``. A single stream never writes beyond them; the blocks of further
+    sequences are faulted in by the steps that first write them, a small share of those
+    steps' time, instead of being held resident from the start whether used or not."""
+    s = spec
+    block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize
+    one_sequence = 1 + -(-s.max_model_len // s.block_size)
+    return min(num_blocks, one_sequence, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     # Soft-capped scores are not in the kernels: such models take the torch backend.
@@ -95,14 +107,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # which the pool hands out first, and the mirror's first rows are faulted in on a
         # thread of their own, not in the steps, and not before the engine is ready.
         block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize
-        first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
+        first = prefault_blocks(s, num_blocks)
+        budget = first * block_bytes * s.num_layers
         starts = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
         owners, regions = list(caches), [region(span) for span in starts]
         mirrored: Iterable[Region] = ()
         if s.num_kv_cache_groups > 1:
             self.mirror = None  # see order_decodes
         else:
-            layers, mirrored = self.mirror.prefault_regions(PREFAULT_BYTES)
+            layers, mirrored = self.mirror.prefault_regions(budget)
             owners += layers
         mirror = self.mirror
 
@@ -110,7 +123,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             for span in starts:
                 span.zero_()
             if mirror is not None:
-                mirror.touch_first_positions(PREFAULT_BYTES)
+                mirror.touch_first_rows(budget)
 
         self.prefaulted = prefault_in_background(owners, chain(regions, mirrored), touch)
         self._caches = caches

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import Region, zeroed
+from enginecore_cpu.host_memory import Region, region, zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
@@ -182,39 +182,30 @@ class DecodeMirror:
         return True
 
     def prefault_regions(self, budget: int) -> tuple[list[torch.Tensor], Iterator[Region]]:
-        """Allocate for every row now; the layers, and the memory (address, bytes) that
-        holds each row's first positions, as many as ``budget`` bytes cover (rows fill
-        from position 0, and rows are reused in order), for the caller to fault in. The
-        regions are worked out as they are iterated (one per row and head: tens of
-        thousands for a small model, which the caller's start need not wait for)."""
-        rows = self.max_rows
-        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
-        if length <= 0 or not self._ensure(rows, length):
+        """Allocate for every row now; the layers, and the memory (address, bytes) of the
+        first rows whole, as many as ``budget`` bytes cover, for the caller to fault in.
+        Rows are filled from row 0 and kept compact, so a single stream decodes in row 0
+        and the first few requests in the rows after it."""
+        rows = self._whole_rows(budget)
+        if rows == 0:
             return [], iter(())
         layers = list(self.layers)
+        return layers, (region(layer[part, :rows]) for layer in layers for part in range(2))
 
-        def regions() -> Iterator[Region]:
-            for layer in layers:
-                parts, _, heads, positions, dim = layer.shape
-                run = positions * dim * layer.element_size()  # one row's head
-                for part in range(parts):
-                    start = layer[part].data_ptr()
-                    if 2 * length >= positions:  # rows whole: at most twice the budget
-                        yield start, rows * heads * run
-                        continue
-                    for head in range(rows * heads):
-                        yield start + head * run, length * dim * layer.element_size()
-
-        return layers, regions()
-
-    def touch_first_positions(self, budget: int) -> None:
+    def touch_first_rows(self, budget: int) -> None:
         """Fault in what ``prefault_regions`` names by writing zeros over it (only
         before anything is written)."""
-        rows = self.max_rows
-        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
-        if length > 0 and self._ensure(rows, length):
-            for layer in self.layers:
-                layer[:, :rows, :, :length].zero_()
+        rows = self._whole_rows(budget)
+        for layer in self.layers:
+            layer[:, :rows].zero_()
+
+    def _whole_rows(self, budget: int) -> int:
+        """How many whole rows ``budget`` bytes hold, with the mirror allocated for every
+        row at full length, or else for its first rows (0 where neither fits)."""
+        if not (self._ensure(self.max_rows, self.max_len) or self._ensure(1, self.max_len)):
+            return 0
+        _, rows, *_ = self.layers[0].shape
+        return min(rows, budget // self._bytes(1, self._capacity()[1]))
 
     def reset(self) -> None:
         self.layers = []

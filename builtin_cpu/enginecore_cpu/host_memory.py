@@ -16,8 +16,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# How much of the KV cache, and of the decode mirror, a CPU runner faults in once started
-# (see ``DecodeMirror.prefault_spans`` and ``CpuAttentionBackend.allocate_kv_cache``).
+# The most of the KV cache, and of the decode mirror, a CPU runner faults in once started:
+# one sequence of the longest length, up to this (see ``attention.prefault_blocks`` and
+# ``DecodeMirror.prefault_regions``).
 PREFAULT_BYTES = 256 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, contents unchanged
 

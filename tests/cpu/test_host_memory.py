@@ -1,10 +1,13 @@
 """Host memory of a CPU runner (builtin_cpu/enginecore_cpu/host_memory.py): the malloc setting that
 keeps a step's freed activations mapped, and the start of the KV cache and of the decode
 mirror faulted in once the runner starts rather than in the first batch's steps, on a
-thread of their own: the start does not wait for them."""
+thread of their own: the start does not wait for them; what is faulted in is what one
+sequence of the longest length fills, not memory a single stream never uses."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import subprocess
 import sys
@@ -15,7 +18,7 @@ import torch
 
 from enginecore import make_config
 from enginecore.interfaces import WorkerSpec
-from enginecore_cpu.decode_mirror import _T_PAD
+from enginecore_cpu.attention import prefault_blocks
 from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory
 from enginecore_models.model_runner import TorchModelRunner
 
@@ -29,13 +32,26 @@ def _faults_while(fn) -> int:
 STARTING_FAULTS = {}  # the minor faults of the thread that sized the KV cache, during it
 
 
-def _loaded_runner(checkpoint, model_refs) -> TorchModelRunner:
+def _resident_bytes(span: torch.Tensor) -> int:
+    """Bytes of a contiguous tensor's pages that are in memory (mincore(2)): read without
+    touching them, so the count is the same on a loaded machine."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = span.data_ptr() // page * page
+    pages = -(-(span.data_ptr() + span.numel() * span.element_size() - start) // page)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, pages * page, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw) * page
+
+
+def _loaded_runner(checkpoint, model_refs, max_model_len: int = 512) -> TorchModelRunner:
     spec = WorkerSpec(
         worker_ref="enginecore_executors.worker:Worker",
         model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
     )
-    config = make_config(model=str(checkpoint), dtype="float32", max_model_len=512)
+    config = make_config(model=str(checkpoint), dtype="float32", max_model_len=max_model_len)
     runner = TorchModelRunner(config, spec, torch.device("cpu"))
     runner.load_model()
     return runner
@@ -43,25 +59,46 @@ def _loaded_runner(checkpoint, model_refs) -> TorchModelRunner:
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama, model_refs):
-    runner = _loaded_runner(tiny_llama, model_refs)
+    # The longest sequence's blocks (64 MiB) are the start faulted in.
+    runner = _loaded_runner(tiny_llama, model_refs, max_model_len=4096)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    runner.initialize_kv_cache(40_000)  # 640 MB: more than the prefaulted start
+    # 9 GB (mapped, not resident): room for the decode mirror's every row at full length
+    runner.initialize_kv_cache(140_000)
     STARTING_FAULTS["kv"] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     prefaulted = getattr(runner.attn_backend, "prefaulted", None)
     assert prefaulted is None or prefaulted.wait(timeout=120)
     return runner
 
 
+def _first_blocks(runner) -> int:
+    """The null block and one longest sequence's blocks: those the start faults in."""
+    return 1 + -(-runner.get_max_model_len() // runner.block_size)
+
+
 def test_the_start_does_not_wait_for_the_prefault(runner):
-    """The pages faulted in ahead of the steps (256 MiB of KV cache and as much of the
-    decode mirror) are faulted in off the thread that starts the engine: its start took
-    a fraction of their faults (it used to take them all, most of a demo model's load)."""
-    pages = 2 * PREFAULT_BYTES // 4096
+    """The pages faulted in ahead of the steps (the KV cache's first blocks and as much of
+    the decode mirror) are faulted in off the thread that starts the engine: its start
+    took a fraction of their faults (it used to take them all, most of a demo model's
+    load)."""
+    pages = 2 * _first_blocks(runner) * runner.get_kv_cache_block_bytes() // 4096
     assert STARTING_FAULTS["kv"] < pages // 20, STARTING_FAULTS
 
 
+def test_the_kv_cache_resident_at_start_up_is_one_longest_sequence(runner):
+    """No more of the KV cache is in memory after the start than one sequence of the
+    longest length fills (it used to be 256 MiB whatever the model's length, resident
+    from the start in a single stream that never wrote it)."""
+    first = _first_blocks(runner)
+    assert prefault_blocks(runner.attn_backend.spec, runner.num_blocks) == first
+    assert first * runner.get_kv_cache_block_bytes() < PREFAULT_BYTES
+    per_layer = first * runner.get_kv_cache_block_bytes() // len(runner.kv_caches)
+    for cache in runner.kv_caches:
+        assert sum(_resident_bytes(cache[kv, :first]) for kv in (0, 1)) >= per_layer
+        assert sum(_resident_bytes(cache[kv, first:]) for kv in (0, 1)) == 0
+
+
 def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
-    first = PREFAULT_BYTES // runner.get_kv_cache_block_bytes()
+    first = _first_blocks(runner)
     assert 0 < first < runner.num_blocks
     cache = runner.kv_caches[0]
     pages = cache[0, 1:first].numel() * 4 // 4096
@@ -71,15 +108,21 @@ def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
     assert _faults_while(lambda: later.fill_(1.0)) > pages // 2
 
 
-def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runner):
+def test_the_decode_mirror_is_allocated_and_a_single_streams_row_faulted_in(runner):
+    """Every row is allocated before any step; the first row, where a single stream
+    decodes, is in memory at its full length, and no other row is (the first positions
+    of every row were faulted in: none at all once a longest sequence's bytes are spread
+    over 256 rows, and a single stream's decode faulted its row in step by step)."""
     mirror = runner.attn_backend.mirror
     rows = runner.config.scheduler.max_num_seqs
     assert mirror.layers and mirror.layers[0].shape[1] >= rows  # every row, before any step
-    length = min(512, PREFAULT_BYTES // mirror._position_bytes(rows) - _T_PAD)
-    assert length > 0
-    start = mirror.layers[0][:, :rows, :, :length]
-    pages = start.numel() * 4 // 4096
-    assert _faults_while(lambda: start.fill_(1.0)) < pages // 100
+    for layer in mirror.layers:
+        for part in layer:
+            assert _resident_bytes(part[0]) >= part[0].numel() * part.element_size()
+            assert _resident_bytes(part[1:]) == 0
+    first_row = mirror.layers[0][:, 0]
+    pages = first_row.numel() * 4 // 4096
+    assert _faults_while(lambda: first_row.fill_(1.0)) < pages // 100
 
 
 MALLOC_STATE = """
