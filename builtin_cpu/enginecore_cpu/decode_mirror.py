@@ -18,7 +18,7 @@ otherwise SDPA attends every row over the longest, with a mask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import Region, region, zeroed
+from enginecore_cpu.host_memory import zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
@@ -181,31 +181,12 @@ class DecodeMirror:
         self.layers = grown
         return True
 
-    def prefault_regions(self, budget: int) -> tuple[list[torch.Tensor], Iterator[Region]]:
-        """Allocate for every row now; the layers, and the memory (address, bytes) of the
-        first rows whole, as many as ``budget`` bytes cover, for the caller to fault in.
-        Rows are filled from row 0 and kept compact, so a single stream decodes in row 0
-        and the first few requests in the rows after it."""
-        rows = self._whole_rows(budget)
-        if rows == 0:
-            return [], iter(())
-        layers = list(self.layers)
-        return layers, (region(layer[part, :rows]) for layer in layers for part in range(2))
-
-    def touch_first_rows(self, budget: int) -> None:
-        """Fault in what ``prefault_regions`` names by writing zeros over it (only
-        before anything is written)."""
-        rows = self._whole_rows(budget)
-        for layer in self.layers:
-            layer[:, :rows].zero_()
-
-    def _whole_rows(self, budget: int) -> int:
-        """How many whole rows ``budget`` bytes hold, with the mirror allocated for every
-        row at full length, or else for its first rows (0 where neither fits)."""
-        if not (self._ensure(self.max_rows, self.max_len) or self._ensure(1, self.max_len)):
-            return 0
-        _, rows, *_ = self.layers[0].shape
-        return min(rows, budget // self._bytes(1, self._capacity()[1]))
+    def allocate_every_row(self) -> None:
+        """Allocate every row at full length now, where the memory bound allows, so that
+        the mirror never regrows. Nothing is faulted in: a row's pages come in as its
+        request's context is first copied there, and whatever a start faulted in ahead
+        (the first positions of every row) a single stream never used."""
+        self._ensure(self.max_rows, self.max_len)
 
     def reset(self) -> None:
         self.layers = []
