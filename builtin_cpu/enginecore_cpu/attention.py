@@ -18,8 +18,7 @@ batch's steps and not before the engine is ready.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from itertools import chain
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -39,10 +38,10 @@ from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.host_memory import (
     PREFAULT_BYTES,
     Prefault,
-    Region,
     keep_freed_memory,
     prefault_in_background,
     region,
+    release_freed_memory,
     zeroed,
 )
 
@@ -58,6 +57,19 @@ def fresh_prompts(group: AttentionGroup, max_len: int) -> tuple[torch.Tensor, to
             starts += range(run.token_start, end, run.query_len)
             lens += [run.query_len] * run.num_reqs
     return torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+
+
+def prefault_blocks(spec: AttentionSpec, num_blocks: int) -> int:
+    """How many of the KV cache's first blocks to fault in at start-up: those of one
+    sequence of the longest length (and the null block before them), at most
+    ``PREFAULT_BYTES``. A single stream never writes beyond them; the blocks of further
+    sequences are faulted in by the steps that first write them, a small share of those
+    steps' time, instead of being held resident from the start whether used or not."""
+    s = spec
+    itemsize: int = s.cache_dtype.itemsize
+    block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * itemsize
+    one_sequence = 1 + -(-s.max_model_len // s.block_size)
+    return min(num_blocks, one_sequence, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -92,28 +104,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
             max_rows=s.max_num_seqs,
         )
         # Pages are mapped on first touch (1-10 µs per 4 KiB page): the first blocks,
-        # which the pool hands out first, and the mirror's first rows are faulted in on a
-        # thread of their own, not in the steps, and not before the engine is ready.
-        block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * s.cache_dtype.itemsize
-        first = min(num_blocks, PREFAULT_BYTES // max(block_bytes * s.num_layers, 1))
+        # which the pool hands out first, are faulted in on a thread of their own, not in
+        # the steps, and not before the engine is ready.
+        first = prefault_blocks(s, num_blocks)
         starts = [cache[kv, :first] for cache in caches for kv in range(cache.shape[0])]
-        owners, regions = list(caches), [region(span) for span in starts]
-        mirrored: Iterable[Region] = ()
         if s.num_kv_cache_groups > 1:
             self.mirror = None  # see order_decodes
         else:
-            layers, mirrored = self.mirror.prefault_regions(PREFAULT_BYTES)
-            owners += layers
-        mirror = self.mirror
+            self.mirror.allocate_every_row()
 
         def touch() -> None:  # without MADV_POPULATE_WRITE: zeros over zeros
             for span in starts:
                 span.zero_()
-            if mirror is not None:
-                mirror.touch_first_positions(PREFAULT_BYTES)
 
-        self.prefaulted = prefault_in_background(owners, chain(regions, mirrored), touch)
+        self.prefaulted = prefault_in_background(caches, [region(span) for span in starts], touch)
         self._caches = caches
+        # The last of start-up's allocations: what the load freed goes back to the OS.
+        release_freed_memory()
         return caches
 
     def release_kv_cache(self) -> None:

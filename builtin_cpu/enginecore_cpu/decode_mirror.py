@@ -18,7 +18,7 @@ otherwise SDPA attends every row over the longest, with a mask.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse, repeat
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import Region, zeroed
+from enginecore_cpu.host_memory import zeroed
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
 # Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
@@ -181,40 +181,12 @@ class DecodeMirror:
         self.layers = grown
         return True
 
-    def prefault_regions(self, budget: int) -> tuple[list[torch.Tensor], Iterator[Region]]:
-        """Allocate for every row now; the layers, and the memory (address, bytes) that
-        holds each row's first positions, as many as ``budget`` bytes cover (rows fill
-        from position 0, and rows are reused in order), for the caller to fault in. The
-        regions are worked out as they are iterated (one per row and head: tens of
-        thousands for a small model, which the caller's start need not wait for)."""
-        rows = self.max_rows
-        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
-        if length <= 0 or not self._ensure(rows, length):
-            return [], iter(())
-        layers = list(self.layers)
-
-        def regions() -> Iterator[Region]:
-            for layer in layers:
-                parts, _, heads, positions, dim = layer.shape
-                run = positions * dim * layer.element_size()  # one row's head
-                for part in range(parts):
-                    start = layer[part].data_ptr()
-                    if 2 * length >= positions:  # rows whole: at most twice the budget
-                        yield start, rows * heads * run
-                        continue
-                    for head in range(rows * heads):
-                        yield start + head * run, length * dim * layer.element_size()
-
-        return layers, regions()
-
-    def touch_first_positions(self, budget: int) -> None:
-        """Fault in what ``prefault_regions`` names by writing zeros over it (only
-        before anything is written)."""
-        rows = self.max_rows
-        length = min(self.max_len, budget // self._position_bytes(rows) - _T_PAD)
-        if length > 0 and self._ensure(rows, length):
-            for layer in self.layers:
-                layer[:, :rows, :, :length].zero_()
+    def allocate_every_row(self) -> None:
+        """Allocate every row at full length now, where the memory bound allows, so that
+        the mirror never regrows. Nothing is faulted in: a row's pages come in as its
+        request's context is first copied there, and whatever a start faulted in ahead
+        (the first positions of every row) a single stream never used."""
+        self._ensure(self.max_rows, self.max_len)
 
     def reset(self) -> None:
         self.layers = []

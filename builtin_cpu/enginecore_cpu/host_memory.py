@@ -16,8 +16,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# How much of the KV cache, and of the decode mirror, a CPU runner faults in once started
-# (see ``DecodeMirror.prefault_spans`` and ``CpuAttentionBackend.allocate_kv_cache``).
+# The most of the KV cache a CPU runner faults in once started: one sequence of the
+# longest length, up to this (see ``attention.prefault_blocks``).
 PREFAULT_BYTES = 256 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, contents unchanged
 
@@ -66,6 +66,24 @@ def keep_freed_memory() -> bool:
     if not taken:
         logger.info("mallopt refused the thresholds; freed memory goes back to the OS")
     return taken
+
+
+def release_freed_memory() -> int:
+    """Hand the pages of freed malloc blocks back to the OS, in every arena (glibc's
+    ``malloc_trim``); returns the bytes of resident memory released. Called once the
+    model is loaded: what the load freed (the checkpoint's header and tables, the
+    tokenizer's conversion, the layers' construction) would otherwise stay resident for
+    the process's life, since :func:`keep_freed_memory` keeps freed memory for the steps."""
+    if platform.libc_ver()[0] != "glibc":
+        return 0
+    before = _resident_bytes()
+    ctypes.CDLL(None).malloc_trim(0)
+    return before - _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
 
 
 @functools.cache

@@ -1,10 +1,14 @@
 """Host memory of a CPU runner (builtin_cpu/enginecore_cpu/host_memory.py): the malloc setting that
 keeps a step's freed activations mapped, and the start of the KV cache and of the decode
-mirror faulted in once the runner starts rather than in the first batch's steps, on a
-thread of their own: the start does not wait for them."""
+mirror allocated; the KV cache's first blocks faulted in once the runner starts rather
+than in the first batch's steps, on a thread of their own: the start does not wait for
+them; what is faulted in is what one sequence of the longest length fills, not memory a
+single stream never uses; what the load freed handed back to the OS."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import resource
 import subprocess
 import sys
@@ -15,7 +19,7 @@ import torch
 
 from enginecore import make_config
 from enginecore.interfaces import WorkerSpec
-from enginecore_cpu.decode_mirror import _T_PAD
+from enginecore_cpu.attention import prefault_blocks
 from enginecore_cpu.host_memory import PREFAULT_BYTES, keep_freed_memory
 from enginecore_models.model_runner import TorchModelRunner
 
@@ -29,13 +33,26 @@ def _faults_while(fn) -> int:
 STARTING_FAULTS = {}  # the minor faults of the thread that sized the KV cache, during it
 
 
-def _loaded_runner(checkpoint, model_refs) -> TorchModelRunner:
+def _resident_bytes(span: torch.Tensor) -> int:
+    """Bytes of a contiguous tensor's pages that are in memory (mincore(2)): read without
+    touching them, so the count is the same on a loaded machine."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = span.data_ptr() // page * page
+    pages = -(-(span.data_ptr() + span.numel() * span.element_size() - start) // page)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, pages * page, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw) * page
+
+
+def _loaded_runner(checkpoint, model_refs, max_model_len: int = 512) -> TorchModelRunner:
     spec = WorkerSpec(
         worker_ref="enginecore_executors.worker:Worker",
         model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
         model_refs=model_refs,
     )
-    config = make_config(model=str(checkpoint), dtype="float32", max_model_len=512)
+    config = make_config(model=str(checkpoint), dtype="float32", max_model_len=max_model_len)
     runner = TorchModelRunner(config, spec, torch.device("cpu"))
     runner.load_model()
     return runner
@@ -43,25 +60,47 @@ def _loaded_runner(checkpoint, model_refs) -> TorchModelRunner:
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama, model_refs):
-    runner = _loaded_runner(tiny_llama, model_refs)
+    # The longest sequence's blocks (64 MiB) are the start faulted in.
+    runner = _loaded_runner(tiny_llama, model_refs, max_model_len=4096)
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    runner.initialize_kv_cache(40_000)  # 640 MB: more than the prefaulted start
+    # 9 GB (mapped, not resident): room for the decode mirror's every row at full length
+    runner.initialize_kv_cache(140_000)
     STARTING_FAULTS["kv"] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     prefaulted = getattr(runner.attn_backend, "prefaulted", None)
     assert prefaulted is None or prefaulted.wait(timeout=120)
     return runner
 
 
+def _first_blocks(runner) -> int:
+    """The null block and one longest sequence's blocks: those the start faults in."""
+    return 1 + -(-runner.get_max_model_len() // runner.block_size)
+
+
 def test_the_start_does_not_wait_for_the_prefault(runner):
-    """The pages faulted in ahead of the steps (256 MiB of KV cache and as much of the
-    decode mirror) are faulted in off the thread that starts the engine: its start took
-    a fraction of their faults (it used to take them all, most of a demo model's load)."""
-    pages = 2 * PREFAULT_BYTES // 4096
-    assert STARTING_FAULTS["kv"] < pages // 20, STARTING_FAULTS
+    """The pages faulted in ahead of the steps (the KV cache's first blocks) are faulted
+    in off the thread that starts the engine: its start took a fraction of their faults
+    (it used to take them all, most of a demo model's load). It takes some of its own:
+    the heap's pages that the trim after the allocation gave back, as the fused step
+    allocates again."""
+    pages = _first_blocks(runner) * runner.get_kv_cache_block_bytes() // 4096
+    assert STARTING_FAULTS["kv"] < pages // 4, STARTING_FAULTS
+
+
+def test_the_kv_cache_resident_at_start_up_is_one_longest_sequence(runner):
+    """No more of the KV cache is in memory after the start than one sequence of the
+    longest length fills (it used to be 256 MiB whatever the model's length, resident
+    from the start in a single stream that never wrote it)."""
+    first = _first_blocks(runner)
+    assert prefault_blocks(runner.attn_backend.spec, runner.num_blocks) == first
+    assert first * runner.get_kv_cache_block_bytes() < PREFAULT_BYTES
+    per_layer = first * runner.get_kv_cache_block_bytes() // len(runner.kv_caches)
+    for cache in runner.kv_caches:
+        assert sum(_resident_bytes(cache[kv, :first]) for kv in (0, 1)) >= per_layer
+        assert sum(_resident_bytes(cache[kv, first:]) for kv in (0, 1)) == 0
 
 
 def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
-    first = PREFAULT_BYTES // runner.get_kv_cache_block_bytes()
+    first = _first_blocks(runner)
     assert 0 < first < runner.num_blocks
     cache = runner.kv_caches[0]
     pages = cache[0, 1:first].numel() * 4 // 4096
@@ -71,15 +110,15 @@ def test_the_first_kv_blocks_are_faulted_in_at_start_up(runner):
     assert _faults_while(lambda: later.fill_(1.0)) > pages // 2
 
 
-def test_the_decode_mirror_is_allocated_and_its_first_positions_faulted_in(runner):
+def test_the_decode_mirror_is_allocated_for_every_row_and_not_faulted_in(runner):
+    """Every row is allocated before any step (the mirror never regrows), and none of it
+    is in memory: a row's pages come in with its request's context. The first positions
+    of every row used to be faulted in, none of which a single stream decodes in but
+    row 0's, and that one's first positions only."""
     mirror = runner.attn_backend.mirror
     rows = runner.config.scheduler.max_num_seqs
     assert mirror.layers and mirror.layers[0].shape[1] >= rows  # every row, before any step
-    length = min(512, PREFAULT_BYTES // mirror._position_bytes(rows) - _T_PAD)
-    assert length > 0
-    start = mirror.layers[0][:, :rows, :, :length]
-    pages = start.numel() * 4 // 4096
-    assert _faults_while(lambda: start.fill_(1.0)) < pages // 100
+    assert sum(_resident_bytes(layer) for layer in mirror.layers) == 0
 
 
 MALLOC_STATE = """
@@ -123,6 +162,52 @@ def test_keep_freed_memory_serves_activations_from_a_heap_it_keeps():
     assert default_mapped >= 20 * mib
     assert kept_mapped < 20 * mib  # from the heap ...
     assert kept_heap >= 20 * mib  # ... which keeps the freed block
+
+
+LOAD_THEN_TRIM = """
+    import ctypes, mmap, sys, torch
+    from enginecore import make_config
+    from enginecore.interfaces import WorkerSpec
+    from enginecore.plugins import make_plugin_manager
+    from enginecore_models.model_runner import TorchModelRunner
+
+    def resident():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+    registry = make_plugin_manager(load_entrypoints=False).registry("model")
+    spec = WorkerSpec(
+        worker_ref="enginecore_executors.worker:Worker",
+        model_runner_ref="enginecore_models.model_runner:TorchModelRunner",
+        model_refs={name: registry.entry(name).ref for name in registry.names()},
+    )
+    config = make_config(model=sys.argv[1], max_model_len=512)
+    runner = TorchModelRunner(config, spec, torch.device("cpu"))
+    runner.load_model()
+    runner.initialize_kv_cache(1000)
+    assert runner.attn_backend.prefaulted.wait(timeout=120)
+    before = resident()
+    ctypes.CDLL(None).malloc_trim(0)
+    print(before - resident())
+"""
+
+
+def test_what_the_load_freed_is_not_kept_resident(tiny_llama):
+    """A runner ready to serve holds no freed memory that a trim would give back: the
+    load's garbage (14 MiB for the tiny checkpoint, 42 MiB for the demo GGUF, 33 MiB for
+    a 1.7B one) was kept for the process's life, since the steps' malloc keeps what is
+    freed."""
+    if not keep_freed_memory():
+        pytest.skip("not glibc: no malloc_trim")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LOAD_THEN_TRIM), str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    released = int(done.stdout.split()[-1])
+    assert released < 4 << 20, released
 
 
 def test_sleep_right_after_the_start_frees_the_kv_cache(tiny_llama, model_refs):
