@@ -531,10 +531,7 @@ class EngineCore:
         """Schedule batch N+1 while batch N computes (async scheduling).
 
         The scheduler plans with placeholders for tokens not yet sampled; the worker fills
-        them in from its own sampled tokens. Results are consumed oldest first. Once a
-        batch is updated, the next one is planned and launched before the outputs go back
-        to the caller (:meth:`_launch_ahead`), so the worker is not left idle while the
-        caller processes them and calls again.
+        them in from its own sampled tokens. Results are consumed oldest first.
         """
         queue = self.batch_queue
         choice = self.overlap_choice
@@ -546,7 +543,12 @@ class EngineCore:
         scheduled = False
         failed = self._admit_compiled()
         deferred: tuple[Future[Any], SchedulerOutput] | None = None
-        if overlap and self._may_plan(queue):  # else the batch in flight first
+        if (
+            overlap  # else the batch in flight first, then the synchronous way
+            and self._paused != "keep"
+            and len(queue) < self.batch_queue_size
+            and self.scheduler.has_requests()
+        ):
             scheduler_output = self.scheduler.schedule()
             if _has_work_for_workers(scheduler_output):
                 scheduled = scheduler_output.total_num_scheduled_tokens > 0
@@ -560,8 +562,8 @@ class EngineCore:
                     queue.appendleft((execute, sample, scheduler_output))
                     if len(queue) < self.batch_queue_size and not queue[-1][1].done():
                         return failed, scheduled  # room for one more batch: plan it first
-        if len(queue) > 1 or deferred is not None:
-            self._await_inputs_staged()
+                if len(queue) > 1 or deferred is not None:
+                    self._await_inputs_staged()
         if not queue:
             return failed, False
         execute, sample, scheduler_output = queue.pop()
@@ -578,37 +580,7 @@ class EngineCore:
         self._apply_pending_aborts()
         outputs = self._update(scheduler_output, runner_output, advance)
         choice.completed(len(scheduler_output.num_scheduled_tokens), overlap)
-        if overlap and self._launch_ahead():
-            scheduled = True
         return _merge(outputs, failed), scheduled
-
-    def _may_plan(self, queue: deque[tuple[Future[Any], Future[Any], SchedulerOutput]]) -> bool:
-        """Room for another batch in flight, and requests to plan it from."""
-        return (
-            self._paused != "keep"
-            and len(queue) < self.batch_queue_size
-            and self.scheduler.has_requests()
-        )
-
-    def _launch_ahead(self) -> bool:
-        """Plan and launch the next batch right after this one's update, before its outputs
-        go back to the caller: the worker then has it queued when it finishes the batch in
-        flight, instead of waiting for the caller to process the outputs and call again
-        (a sleep and a wake of each thread on the way). The scheduler's state is the one
-        the next call would plan from, one batch in flight, the last one updated. Not
-        where a structured request is in flight: its bitmask could need that batch's
-        tokens, which the next call's deferred launch waits for. True if tokens were
-        scheduled."""
-        queue = self.batch_queue
-        if not queue or not self._may_plan(queue):
-            return False
-        if any(batch.structured_output_request_ids for _, _, batch in queue):
-            return False
-        scheduler_output = self.scheduler.schedule()
-        if not _has_work_for_workers(scheduler_output):
-            return False
-        queue.appendleft((*self._launch(scheduler_output), scheduler_output))
-        return scheduler_output.total_num_scheduled_tokens > 0
 
     def _await_inputs_staged(self) -> None:
         """Before the engine's own work for the oldest batch, let a worker in this process
