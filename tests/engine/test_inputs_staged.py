@@ -10,6 +10,7 @@ order are those of synchronous scheduling."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -66,12 +67,48 @@ def test_marking_outside_a_signalled_step_sets_nothing(worker_thread) -> None:
     unrelated = InputsStaged()
     mark_inputs_staged()  # on this thread, in no step
     worker_thread.submit(mark_inputs_staged).result(10)  # a blocking call's runner
-    assert not unrelated.event.is_set()
+    assert not unrelated.is_set()
     # A step's signal is disarmed once its call ended: a later mark sets nothing.
     worker_thread.submit(unrelated.run, lambda: None).result(10)
     later = InputsStaged()
     worker_thread.submit(mark_inputs_staged).result(10)
-    assert not later.event.is_set()
+    assert not later.is_set()
+
+
+def test_the_signal_runs_no_python_threading_code(worker_thread) -> None:
+    """Made, set and waited for once per async step: a lock's C calls, not an Event's
+    condition and its Python code (the hand-off's instructions,
+    ``benchmarks/handoff_instructions.py``)."""
+    threading_calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == threading.__file__:
+            threading_calls.append(frame.f_code.co_name)
+
+    def execute() -> None:
+        mark_inputs_staged()
+
+    sys.setprofile(profile)
+    try:
+        staged = InputsStaged()
+        staged.release()
+        staged.wait()
+        later = InputsStaged()
+        later.run(execute)  # marked, then set again at the end: once is enough
+        later.release()
+        later.wait()
+        later.wait()
+    finally:
+        sys.setprofile(None)
+    assert threading_calls == []
+    assert staged.is_set() and later.is_set()
+    # Waiting before it is set still blocks until the worker sets it.
+    pending = InputsStaged()
+    assert not pending.is_set()
+    worker_thread.submit(time.sleep, 0.05)
+    worker_thread.submit(pending.release)
+    pending.wait()
+    assert pending.is_set()
 
 
 PREP_SECONDS = 0.01  # the slow runner's input preparation, and again after its forward
@@ -168,7 +205,7 @@ def test_the_fused_step_with_its_head_marks_the_inputs_staged_before_it_runs(
     def recording_run(*args: Any, **kwargs: Any) -> Any:
         signal = getattr(inputs_staged._worker, "signal", None)
         if signal is not None and kwargs.get("head") is not None:
-            calls.append(signal.event.is_set())
+            calls.append(signal.is_set())
         return run(*args, **kwargs)
 
     monkeypatch.setattr(fused, "run", recording_run)
@@ -197,7 +234,7 @@ def test_the_engine_s_work_waits_for_the_next_batch_s_staged_inputs(
 
     def checked_update(*args: Any) -> Any:
         signal = engine.executor.inputs_staged
-        staged_at_update.append(signal is not None and signal.event.is_set())
+        staged_at_update.append(signal is not None and signal.is_set())
         return update(*args)
 
     monkeypatch.setattr(runner, "execute_model", slow_staging)

@@ -75,7 +75,7 @@ def test_launch_step_runs_both_halves_as_one_call_with_the_step_s_output(
     assert sample.result(10) == "sampled"
     assert worker.calls == ["execute_model", "sample_tokens"]
     assert isinstance(executor.inputs_staged, InputsStaged)
-    assert executor.inputs_staged.event.is_set()
+    assert executor.inputs_staged.is_set()
     # An execute_model that returns the output (it sampled itself) gives that output.
     worker = FakeWorker(executed="executed")
     execute, sample = make_executor(worker)._launch_step(object(), None)

@@ -31,16 +31,26 @@ def mark_inputs_staged() -> None:
     a worker in its own process)."""
     signal: InputsStaged | None = getattr(_worker, "signal", None)
     if signal is not None:
-        signal.event.set()
+        signal.release()
 
 
 class InputsStaged:
-    """One step's signal: set by the worker, waited for by the engine thread."""
+    """One step's signal: set by the worker, waited for by the engine thread.
 
-    __slots__ = ("event",)
+    A one-shot signal made of one lock, held from the start and released once when set:
+    waiting is one acquire (a C call that gives up the interpreter lock) and setting one
+    release. A ``threading.Event`` makes a condition and its lock per step, and its wait
+    and set are Python code around them that runs on every step of every async
+    hand-off."""
+
+    __slots__ = ("_lock", "_unset")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        # One token: the first setter takes it (``list.pop`` is atomic), later sets (the
+        # runner's mark, the call's end, the future's callback) find none and do nothing.
+        self._unset = [True]
 
     def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the worker thread with this signal armed for
@@ -50,13 +60,22 @@ class InputsStaged:
             return fn(*args, **kwargs)
         finally:
             _worker.signal = None
-            self.event.set()
+            self.release()
 
     def release(self, _: object = None) -> None:
-        """Set the signal (also as a future's done callback)."""
-        self.event.set()
+        """Set the signal (also as a future's done callback); once set, it stays set."""
+        try:
+            self._unset.pop()
+        except IndexError:
+            return  # set already
+        self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._unset
 
     def wait(self) -> None:
         """Block until the step's inputs are staged (or its ``execute_model`` ended, or
         will never run)."""
-        self.event.wait()
+        if self._unset:
+            with self._lock:  # released by the setter; released again for any later wait
+                pass
