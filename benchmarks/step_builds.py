@@ -1,8 +1,9 @@
 """Builds of the fused decode step alternated on one replayed step, phase by phase.
 
-Each VARIANT is ``NAME=TREE[:FLAGS]``: the step's C sources of checkout ``TREE``
-(``decode_step.c`` and the kernels it holds), built with ``-DECD_PROFILE`` and ``FLAGS``
-(``-DECD_SHARE_DIVISOR=2``, ``-DPREFETCH_BYTES=8192``). The engine runs in this process;
+Each VARIANT is ``NAME[@THREADS]=TREE[:FLAGS]``: the step's C sources of checkout
+``TREE`` (``decode_step.c`` and the kernels it holds), built with ``-DECD_PROFILE`` and
+``FLAGS`` (``-DECD_SHARE_DIVISOR=2``, ``-DPREFETCH_BYTES=8192``), run on ``THREADS``
+threads (default: the engine's). The engine runs in this process;
 one greedy request of ``--context`` prompt tokens is served, and its first decode step
 is replayed, the builds taking turns (``--block`` replays of each, ``--rounds`` times),
 with the head and argmax inside as the engine calls it. Between blocks, a plain read of
@@ -16,7 +17,7 @@ what the phases take when both threads run, and their sum, the step so made up. 
 of the probe in which no thread was preempted are reported the same way.
 
     python benchmarks/step_builds.py MODEL.gguf before=../before after=. \\
-        "after-div2=.:-DECD_SHARE_DIVISOR=2" [--block 4] [--rounds 8]
+        "after-div2=.:-DECD_SHARE_DIVISOR=2" "after@1=." [--block 4] [--rounds 8]
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def main() -> None:
     from enginecore import LLM, SamplingParams
 
     libs = {}
+    threads_of: dict[str, int | None] = {}
     for i, spec in enumerate(args.variants):
         name, rest = spec.split("=", 1)
         tree, _, flags = rest.partition(":")
         libs[name] = build_step(Path(tree).resolve(), flags.split(), f"builds{i}")
+        threads_of[name] = int(name.split("@")[1]) if "@" in name else None
     scratch = tempfile.TemporaryDirectory(prefix="read-probe-")
     probe = build_probe(Path(scratch.name))
     buffer = np.ones(WINDOWS * WINDOW // 4, dtype=np.float32)
@@ -154,7 +157,7 @@ def main() -> None:
                     for _ in range(args.block):
                         lib.ecd_profile_read(profile)
                         started, cpu = time.perf_counter(), time.process_time()
-                        fused(ids, positions, batch, head="tokens")
+                        fused(ids, positions, batch, threads=threads_of[name], head="tokens")
                         calls[name].append(
                             (time.perf_counter() - started, time.process_time() - cpu)
                         )
