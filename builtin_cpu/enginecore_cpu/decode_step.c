@@ -25,6 +25,9 @@
  * returning int give -1 when an index is out of range (checked before the team starts)
  * and -2 without scratch memory.
  */
+#if defined(ECD_PROFILE) && defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* RUSAGE_THREAD, for the profile's preemption counts */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,9 +74,42 @@ int ecd_profile_read(double *out) {
     memset(ecd_profile, 0, sizeof(ecd_profile));
     return ECD_PROFILE_THREADS * PH_COUNT;
 }
+/* The last call's timeline, phase by phase: when each phase closed (the call's start
+ * first), and how often the OS preempted a step thread while it was in that phase
+ * (involuntary context switches, RUSAGE_THREAD): on a shared machine, the phases no
+ * thread was preempted in say what the phase takes on a quiet one. */
+#include <sys/resource.h>
+#define ECD_PROFILE_PHASES 1024
+static double ecd_phase_close[ECD_PROFILE_PHASES + 1];
+static _Atomic int32_t ecd_phase_preempted[ECD_PROFILE_PHASES];
+static int64_t switches_now(void) {
+    struct rusage use;
+    getrusage(RUSAGE_THREAD, &use);
+    return use.ru_nivcsw;
+}
+#define PROFILE_PHASE_OPEN(p) \
+    do { if ((p) <= ECD_PROFILE_PHASES) ecd_phase_close[p] = now_ns(); } while (0)
+#define PROFILE_SWITCHES(var) int64_t var = switches_now()
+#define PROFILE_PREEMPTED(p, var)                                                          \
+    do {                                                                                   \
+        const int64_t now_switches = switches_now();                                       \
+        if ((p) < ECD_PROFILE_PHASES && now_switches != (var))                             \
+            atomic_fetch_add(&ecd_phase_preempted[p], (int32_t)(now_switches - (var)));    \
+        (var) = now_switches;                                                              \
+    } while (0)
+/* close [phases + 1] (ns), preempted [phases]; returns the phases copied, then clears */
+int ecd_profile_phases(double *close, int32_t *preempted, int phases) {
+    if (phases > ECD_PROFILE_PHASES) phases = ECD_PROFILE_PHASES;
+    memcpy(close, ecd_phase_close, (phases + 1) * sizeof(double));
+    for (int p = 0; p < phases; p++) preempted[p] = atomic_exchange(&ecd_phase_preempted[p], 0);
+    return phases;
+}
 #else
 #define PROFILE_START(var) ((void)0)
 #define PROFILE_ADD(thread, kind, since) ((void)0)
+#define PROFILE_PHASE_OPEN(p) ((void)0)
+#define PROFILE_SWITCHES(var) ((void)0)
+#define PROFILE_PREEMPTED(p, var) ((void)0)
 #endif
 
 typedef void (*rms_norm_fn)(const float *, int64_t, float *, int64_t, int, const float *,
@@ -599,6 +635,7 @@ static void take_chunks(ecd_run *st, int t, float *own) {
     const int32_t layer_phases = (int32_t)(m->num_layers * STAGES);
     const int32_t phases = layer_phases + (st->logits != NULL ? 1 : st->tokens != NULL ? 2 : 0);
     int32_t p = 0;
+    PROFILE_SWITCHES(switches);
     while (p < phases) {
         const int64_t l = p < layer_phases ? p / STAGES : m->num_layers - 1;
         const int s = p < layer_phases ? (int)(p % STAGES) : STAGES + (int)(p - layer_phases);
@@ -620,13 +657,17 @@ static void take_chunks(ecd_run *st, int t, float *own) {
                 PROFILE_START(serial);
                 if (s < STAGES) after_stage(st, l, s);
                 PROFILE_ADD(t, PH_SERIAL, serial);
+                PROFILE_PHASE_OPEN(p + 1);
                 open_phase(st, p + 1);
                 break;
             }
         }
         PROFILE_START(wait);
+        const int32_t was = p;
         p = wait_after(st, p); /* a late thread may find several phases done */
         PROFILE_ADD(t, PH_WAIT, wait);
+        PROFILE_PREEMPTED(was, switches);
+        (void)was;
     }
 }
 
@@ -754,6 +795,7 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
                     int64_t mirror_cap, float *out, float *logits, int64_t *tokens,
                     int nthreads) {
     PROFILE_START(call);
+    PROFILE_PHASE_OPEN(0);
     const ecd_kernels *k = &m->k;
     const int64_t h = m->hidden, hd = m->head_dim;
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
