@@ -7,13 +7,14 @@
  * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
  * of their super-block of 256 as the file holds them; each weight row's are expanded to
  * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
- * multiplied as one with float32 scales (at one activation row on AVX-512 the scales are
- * formed inside the dot product instead). Activations are quantized to signed bytes per
- * block of 32 with their own scale, as llama.cpp does, so each block's dot product is an
- * integer one: VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
- * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks,
- * plus m_w d_x sum(q_x) for the 4-bit formats. Rows of the activations are taken four at
- * a time, so a weight block read from memory serves all four.
+ * multiplied as one with float32 scales (at one activation row on AVX-512 they are formed
+ * in vector registers inside the product, which takes four weight rows a pass).
+ * Activations are quantized to signed bytes per block of 32 with their own scale, as
+ * llama.cpp does, so each block's dot product is an integer one: VNNI's vpdpbusd where
+ * the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each
+ * output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for the 4-bit
+ * formats. Rows of the activations are taken four at a time, so a weight block read from
+ * memory serves all four.
  */
 #include <stdint.h>
 #include <math.h>
@@ -171,11 +172,10 @@ static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uin
 
 /* The integer dot products of Q4_K blocks b..b+3 of ``wrow`` (lanes 4 j..4 j + 3 block
  * b + j) with the permuted activations ``x0``, ``x1`` (their low and high halves): the
- * steps of ``group4`` before its scales. */
+ * steps of ``group4`` before its scales (the caller prefetches). */
 static inline __attribute__((always_inline)) __m512i dot4(const uint8_t *wrow, int64_t b,
                                                           __m512i x0, __m512i x1) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    _mm_prefetch((const char *)(wrow + b * 16) + PREFETCH_BYTES, _MM_HINT_T0);
     const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
     const __m512i lo = _mm512_and_si512(v, mask);
 #if defined(__GFNI__)
@@ -227,20 +227,21 @@ static inline __attribute__((always_inline)) void q4k_scales16(const uint8_t *sb
     *wm = one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
 }
 
-/* ``rows`` outputs (a constant in each inlined copy) of Q4_K weight rows from ``wrow``
- * (``wstride`` bytes apart; scale bytes from ``sb``, ``sstride`` apart) against one
- * permuted activation row, into ``out``. Each row's sum runs as one row's would alone:
+/* ``rows`` outputs (a constant in each inlined copy) of the Q4_K weight rows from ``wrow``
+ * (their scale bytes from ``sb``) against one permuted activation row, into ``out``. Each row's sum runs as one row's would alone:
  * two super-blocks' scales at a time, each block's d sc times its activation scale
  * formed sixteen at a time, the blocks in order into one accumulator, then the offsets
  * sum_b m_b xs_b (kept on the stack meanwhile), 16 blocks at a time. A row's sum is a
  * chain of dependent FMAs, so several rows at once keep the FMA units busy, and share
  * each activation load. */
 static inline __attribute__((always_inline)) void dot_rows_q4k(
-    int rows, const uint8_t *wrow, int64_t wstride, const uint8_t *sb, int64_t sstride,
-    const int8_t *xp, const float *xd, const float *xs, int64_t nb, float *out) {
+    int rows, const uint8_t *wrow, const uint8_t *sb, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, float *out) {
+    const int64_t wstride = nb * (QK / 2), sstride = nb / 8 * K4_SCALE_BYTES; /* a row's */
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m512i four = _mm512_set1_epi32(4);
     float m32[rows * nb];
+    const uint8_t *next = wrow + rows * wstride; /* the next rows' bytes */
     __m512 acc[Q4K_ROWS], sx[Q4K_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 16) { /* nb is a multiple of 8 */
@@ -258,10 +259,15 @@ static inline __attribute__((always_inline)) void dot_rows_q4k(
             const int8_t *x = xp + (b + 4 * g) * QK;
             const __m512i x0 = _mm512_loadu_si512((const void *)x);
             const __m512i x1 = _mm512_loadu_si512((const void *)(x + 64));
-            for (int r = 0; r < rows; r++)
+            for (int r = 0; r < rows; r++) {
+                /* the next rows' bytes a line a group, in ascending order: one stream, where a
+                 * prefetch ahead of each row's own loads makes four, which the hardware
+                 * prefetchers follow far worse from memory */
+                _mm_prefetch((const char *)next + ((b / 4 + g) * rows + r) * 64, _MM_HINT_T0);
                 acc[r] = _mm512_fmadd_ps(
                     _mm512_cvtepi32_ps(dot4(wrow + r * wstride, b + 4 * g, x0, x1)),
                     _mm512_permutexvar_ps(at, sx[r]), acc[r]);
+            }
         }
     }
     for (int64_t i = 0; i < nb; i += 16) {
@@ -455,12 +461,11 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                 const uint8_t *wrow = wq + n0 * nb * (QK / 2);
                 const uint8_t *sb = (const uint8_t *)wd + n0 * nb * scale_bytes;
                 if (rows == Q4K_ROWS)
-                    dot_rows_q4k(Q4K_ROWS, wrow, nb * (QK / 2), sb, nb * scale_bytes, xp, xd, xs,
-                                 nb, out + n0);
+                    dot_rows_q4k(Q4K_ROWS, wrow, sb, xp, xd, xs, nb, out + n0);
                 else
                     for (int64_t r = 0; r < rows; r++)
-                        dot_rows_q4k(1, wrow + r * nb * (QK / 2), 0, sb + r * nb * scale_bytes, 0,
-                                     xp, xd, xs, nb, out + n0 + r);
+                        dot_rows_q4k(1, wrow + r * nb * (QK / 2), sb + r * nb * scale_bytes, xp,
+                                     xd, xs, nb, out + n0 + r);
             }
             if (xp != stack_rows) free(xp);
             return;
