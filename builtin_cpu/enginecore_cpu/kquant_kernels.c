@@ -424,6 +424,24 @@ static inline __attribute__((always_inline)) __m512 lane_scales(int planes, cons
         _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(sx + 2 * p)))));
 }
 
+/* Q6_K's row scales for ``gemv512`` (scale bytes ``h``): each run's d sc times its
+ * activation scale into ``sx``, a super-block's sixteen at a time in registers, and the
+ * row's offset sum over runs of d sc xoff16 (dot_f32's sum, in its order), returned. */
+static inline __attribute__((always_inline)) float q6_row_scales(const uint8_t *h, int64_t hstride,
+                                                                 int64_t nb, const float *xrun,
+                                                                 const float *xoff16, float *sx) {
+    for (int64_t at = 0; at < hstride; at += 64) __builtin_prefetch(h + hstride + at);
+    __m512 off = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nb / 8; s++, h += Q6K_SCALE_BYTES) {
+        const __m512 ds = _mm512_mul_ps(
+            _mm512_set1_ps(k4_half(h + 16)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)h))));
+        _mm512_storeu_ps(sx + 16 * s, _mm512_mul_ps(ds, _mm512_loadu_ps(xrun + 16 * s)));
+        off = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xoff16 + 16 * s), off);
+    }
+    return _mm512_reduce_add_ps(off);
+}
+
 static inline __attribute__((always_inline)) void gemv512(
     int planes, int64_t N, int64_t K, const uint8_t *wq, const uint8_t *wh, const int8_t *xq,
     const float *xd, const float *xs, float *out) {
@@ -436,19 +454,24 @@ static inline __attribute__((always_inline)) void gemv512(
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = wq + n * pairs * rec;
-        float d[runs], m[nb], sx[runs];
-        expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
-        for (int64_t i = 0; i < runs; i += 16) {
-            const __mmask16 left = runs - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - i)) - 1u);
-            _mm512_mask_storeu_ps(sx + i, left, _mm512_mul_ps(_mm512_maskz_loadu_ps(left, d + i),
-                                                              _mm512_maskz_loadu_ps(left, xrun + i)));
+        float d[planes == 2 ? 1 : runs], m[nb], sx[runs];
+        float offset = 0.f;
+        if (planes == 2) {
+            offset = q6_row_scales(wh + n * hstride, hstride, nb, xrun, xoff16, sx);
+        } else {
+            expand_scales(planes, wh + n * hstride, hstride, 1, nb, d, m);
+            for (int64_t i = 0; i < runs; i += 16) {
+                const __mmask16 left = runs - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (runs - i)) - 1u);
+                _mm512_mask_storeu_ps(sx + i, left, _mm512_mul_ps(_mm512_maskz_loadu_ps(left, d + i),
+                                                                  _mm512_maskz_loadu_ps(left, xrun + i)));
+            }
         }
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; p += 2) { /* pairs is a multiple of 4 */
             acc0 = pair512(planes, wrow, p, xq, lane_scales(planes, sx, p), acc0);
             acc1 = pair512(planes, wrow, p + 1, xq, lane_scales(planes, sx, p + 1), acc1);
         }
-        const float offset = planes == 2 ? dot_f32(d, xoff16, runs) : dot_f32(m, xs, nb);
+        if (planes == 1) offset = dot_f32(m, xs, nb);
         out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + offset;
     }
 }

@@ -7,13 +7,14 @@
  * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
  * of their super-block of 256 as the file holds them; each weight row's are expanded to
  * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
- * multiplied as one with float32 scales (at one activation row on AVX-512 the scales are
- * formed inside the dot product instead). Activations are quantized to signed bytes per
- * block of 32 with their own scale, as llama.cpp does, so each block's dot product is an
- * integer one: VNNI's vpdpbusd where the CPU has it, AVX2's vpmaddubsw + vpmaddwd
- * elsewhere, a plain loop off x86. Each output sums d_w d_x <q_w, q_x> over the blocks,
- * plus m_w d_x sum(q_x) for the 4-bit formats. Rows of the activations are taken four at
- * a time, so a weight block read from memory serves all four.
+ * multiplied as one with float32 scales (at one activation row on AVX-512 they are formed
+ * in vector registers inside the product, which takes four weight rows a pass).
+ * Activations are quantized to signed bytes per block of 32 with their own scale, as
+ * llama.cpp does, so each block's dot product is an integer one: VNNI's vpdpbusd where
+ * the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each
+ * output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for the 4-bit
+ * formats. Rows of the activations are taken four at a time, so a weight block read from
+ * memory serves all four.
  */
 #include <stdint.h>
 #include <math.h>
@@ -112,6 +113,10 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ECQ_AVX512 1
+/* Q4_K weight rows a pass of the one-row kernel takes (dot_rows_q4k) */
+#ifndef Q4K_ROWS
+#define Q4K_ROWS 4
+#endif
 /* 4-bit weights, AVX-512: a load of G blocks' packed bytes (G = 4, 2 or 1) splits into
  * its low nibbles (elements 0-15 of each block, block after block) and its high ones
  * (elements 16-31). The activations are rearranged to that order once per call
@@ -146,29 +151,6 @@ static inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* The scales d sc of the eight blocks of Q4_K super-block ``sb`` (its scale bytes). */
-static inline __m256 q4k_scales8(const uint8_t *sb) {
-    const __m128i sc = _mm_cvtsi64_si128((long long)k4_scales8(sb + 4));
-    return _mm256_mul_ps(_mm256_set1_ps(k4_half(sb)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-}
-
-/* The offsets -(dmin mn) of the sixteen blocks of Q4_K super-blocks ``sb`` and the next
- * (lanes 0-7, 8-15); where ``one``, of ``sb`` only (lanes 8-15 zero). */
-static inline __m512 q4k_offsets16(const uint8_t *sb, int one) {
-    const uint8_t *next = sb + K4_SCALE_BYTES;
-    const __m128i mins = _mm_set_epi64x(one ? 0 : (long long)k4_mins8(next + 4),
-                                        (long long)k4_mins8(sb + 4));
-    uint16_t dmin[2] = {0, 0};
-    memcpy(&dmin[0], sb + 2, 2);
-    if (!one) memcpy(&dmin[1], next + 2, 2);
-    const __m512 dmins = _mm512_cvtph_ps(
-        _mm256_set_m128i(_mm_set1_epi16((short)dmin[1]), _mm_set1_epi16((short)dmin[0])));
-    const __m512 products = _mm512_mul_ps(dmins, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)));
-    const __m512 off = _mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(products), _mm512_set1_epi32((int)0x80000000u)));
-    return one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
-}
-
 /* Blocks b..b+3 of ``wrow`` (weight scales ``wd``) against the permuted activations
  * ``xp`` (scales ``xd``), added to ``acc``. */
 static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uint8_t *wrow,
@@ -188,26 +170,123 @@ static inline __attribute__((always_inline)) __m512 group4(__m512 acc, const uin
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
 }
 
+/* The integer dot products of Q4_K blocks b..b+3 of ``wrow`` (lanes 4 j..4 j + 3 block
+ * b + j) with the permuted activations ``x0``, ``x1`` (their low and high halves): the
+ * steps of ``group4`` before its scales (the caller prefetches). */
+static inline __attribute__((always_inline)) __m512i dot4(const uint8_t *wrow, int64_t b,
+                                                          __m512i x0, __m512i x1) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512((const void *)(wrow + b * 16));
+    const __m512i lo = _mm512_and_si512(v, mask);
+#if defined(__GFNI__)
+    /* the high nibbles by one affine transform over GF(2) (output bit i is input bit
+     * i + 4), where a shift and a mask take two instructions */
+    const __m512i hi =
+        _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64((long long)0x1020408000000000ull), 0);
+#else
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+#endif
+    return DOT512(DOT512(_mm512_setzero_si512(), lo, x0), hi, x1);
+}
+
+/* Q4_K's scales of super-blocks s and s + 1 (their 32 scale bytes at ``sb``; s alone where
+ * ``one``, its 16 bytes only read), all in vector registers: d sc of their 16 blocks into
+ * ``wd``, -(dmin mn) into ``wm`` (lanes 8-15 zero where ``one``). The 6-bit fields of
+ * k4_scales8 and k4_mins8 come from two byte shuffles of the words (w0, w1, w2) into
+ * [scale low bits, mins low bits] and [their top 2 bits] and three masks; d and dmin
+ * are spread by one word permute each. The same float products as k4_expand, so the same
+ * bits. */
+static inline __attribute__((always_inline)) void q4k_scales16(const uint8_t *sb, int one,
+                                                               __m512 *wd, __m512 *wm) {
+    const __m256i v = one ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)sb))
+                          : _mm256_loadu_si256((const __m256i *)sb);
+    /* per super-block (128-bit lane): bytes 0-1 d, 2-3 dmin, 4-7 w0, 8-11 w1, 12-15 w2 */
+    const __m256i low_src = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m256i top_src = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    /* [w0, w2, w1, w2 >> 4] and [0, w0, 0, w1] */
+    const __m256i a = _mm256_shuffle_epi8(v, low_src);
+    const __m256i low = _mm256_mask_blend_epi32(0x88, a, _mm256_srli_epi16(a, 4));
+    const __m256i top = _mm256_shuffle_epi8(v, top_src);
+    const __m256i keep = _mm256_broadcastsi128_si256(_mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    /* (low & keep) | ((top >> 2) & 0x30): bits 6-7 of w0 / w1 become bits 4-5 */
+    const __m256i fields = _mm256_ternarylogic_epi32(
+        low, keep, _mm256_and_si256(_mm256_srli_epi16(top, 2), _mm256_set1_epi8(0x30)), 0xEA);
+    /* [scales of s, of s + 1, mins of s, of s + 1] */
+    const __m256i sm = _mm256_permute4x64_epi64(fields, _MM_SHUFFLE(3, 1, 2, 0));
+    const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm)));
+    const __m512 mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1)));
+    const __m256i d_at = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    const __m512 d = _mm512_cvtph_ps(_mm256_permutexvar_epi16(d_at, v));
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_permutexvar_epi16(_mm256_add_epi16(d_at, _mm256_set1_epi16(1)), v));
+    *wd = _mm512_mul_ps(d, scales);
+    const __m512 off = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(dmin, mins)), _mm512_set1_epi32((int)0x80000000u)));
+    *wm = one ? _mm512_maskz_mov_ps((__mmask16)0x00FF, off) : off;
+}
+
+/* ``rows`` outputs (a constant in each inlined copy) of the Q4_K weight rows from ``wrow``
+ * (their scale bytes from ``sb``) against one permuted activation row, into ``out``. Each row's sum runs as one row's would alone:
+ * two super-blocks' scales at a time, each block's d sc times its activation scale
+ * formed sixteen at a time, the blocks in order into one accumulator, then the offsets
+ * sum_b m_b xs_b (kept on the stack meanwhile), 16 blocks at a time. A row's sum is a
+ * chain of dependent FMAs, so several rows at once keep the FMA units busy, and share
+ * each activation load. */
+static inline __attribute__((always_inline)) void dot_rows_q4k(
+    int rows, const uint8_t *wrow, const uint8_t *sb, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, float *out) {
+    const int64_t wstride = nb * (QK / 2), sstride = nb / 8 * K4_SCALE_BYTES; /* a row's */
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i four = _mm512_set1_epi32(4);
+    float m32[rows * nb];
+    const uint8_t *next = wrow + rows * wstride; /* the next rows' bytes */
+    __m512 acc[Q4K_ROWS], sx[Q4K_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 16) { /* nb is a multiple of 8 */
+        const int one = nb - b < 16;
+        const __mmask16 lanes = one ? (__mmask16)0x00FF : (__mmask16)0xFFFF;
+        const __m512 xdb = _mm512_maskz_loadu_ps(lanes, xd + b);
+        for (int r = 0; r < rows; r++) {
+            __m512 wd, wm;
+            q4k_scales16(sb + r * sstride + (b / 8) * K4_SCALE_BYTES, one, &wd, &wm);
+            sx[r] = _mm512_mul_ps(wd, xdb);
+            _mm512_mask_storeu_ps(m32 + r * nb + b, lanes, wm);
+        }
+        __m512i at = spread;
+        for (int g = 0; g < (one ? 2 : 4); g++, at = _mm512_add_epi32(at, four)) {
+            const int8_t *x = xp + (b + 4 * g) * QK;
+            const __m512i x0 = _mm512_loadu_si512((const void *)x);
+            const __m512i x1 = _mm512_loadu_si512((const void *)(x + 64));
+            for (int r = 0; r < rows; r++) {
+                /* the next rows' bytes a line a group, in ascending order: one stream, where a
+                 * prefetch ahead of each row's own loads makes four, which the hardware
+                 * prefetchers follow far worse from memory */
+                _mm_prefetch((const char *)next + ((b / 4 + g) * rows + r) * 64, _MM_HINT_T0);
+                acc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(dot4(wrow + r * wstride, b + 4 * g, x0, x1)),
+                    _mm512_permutexvar_ps(at, sx[r]), acc[r]);
+            }
+        }
+    }
+    for (int64_t i = 0; i < nb; i += 16) {
+        const __mmask16 left = nb - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
+        const __m512 x = _mm512_maskz_loadu_ps(left, xs + i);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(left, m32 + r * nb + i), x, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 /* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
- * as ``mode`` says (a constant in each inlined copy). SCALES_Q4K forms each super-block's
- * scales as its blocks are reached and the offsets 16 blocks at a time, the float32
- * values of ``row_scales`` in the same operations, so the sum is the same bit for bit
- * (for one activation row: more share one expansion). Q4_K rows are whole groups of 4,
- * so the tails below serve the other modes only. */
+ * as ``mode`` says (a constant in each inlined copy; Q4_K's expanded to SCALES_F32). */
 static inline __attribute__((always_inline)) float dot_row_q4(
     const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
     const float *xs, int64_t nb, int mode) {
     const int half = mode == SCALES_F16 || mode == SCALES_F16_SYM;
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
-    if (mode == SCALES_Q4K) {
-        /* nb is a multiple of 8: a super-block's scales, then its two groups of 4 */
-        for (; b < nb; b += 8) {
-            const __m256 wd = q4k_scales8((const uint8_t *)d + (b / 8) * K4_SCALE_BYTES);
-            acc = group4(acc, wrow, xp, xd, b, _mm256_castps256_ps128(wd));
-            acc = group4(acc, wrow, xp, xd, b + 4, _mm256_extractf128_ps(wd, 1));
-        }
-    }
     for (; b + 4 <= nb; b += 4) {
         const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
                                : _mm_loadu_ps((const float *)d + b);
@@ -215,10 +294,8 @@ static inline __attribute__((always_inline)) float dot_row_q4(
     }
     /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
     int64_t i = 0;
-    const uint8_t *q4k = (const uint8_t *)d; /* SCALES_Q4K: the row's scale bytes */
     for (; i + 16 <= nb; i += 16) {
-        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 0)
-                          : mode == SCALES_F16_SYM
+        const __m512 wm = mode == SCALES_F16_SYM
                               ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + i))))
                           : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
                                  : _mm512_loadu_ps((const float *)m + i);
@@ -226,9 +303,7 @@ static inline __attribute__((always_inline)) float dot_row_q4(
     }
     if (i < nb) {
         const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        /* Q4_K: nb is a multiple of 8, so 8 blocks are left */
-        const __m512 wm = mode == SCALES_Q4K ? q4k_offsets16(q4k + (i / 8) * K4_SCALE_BYTES, 1)
-                          : mode == SCALES_F16_SYM
+        const __m512 wm = mode == SCALES_F16_SYM
                               ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)d + i)))
                           : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
                                  : _mm512_maskz_loadu_ps(left, (const float *)m + i);
@@ -378,15 +453,28 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
     if (xp != NULL) {
         permute_rows(xq, M, K, xp);
+        if (mode == SCALES_Q4K && M == 1) {
+            const int64_t tiles = (N + Q4K_ROWS - 1) / Q4K_ROWS;
+#pragma omp parallel for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n0 = t * Q4K_ROWS, rows = N - n0 < Q4K_ROWS ? N - n0 : Q4K_ROWS;
+                const uint8_t *wrow = wq + n0 * nb * (QK / 2);
+                const uint8_t *sb = (const uint8_t *)wd + n0 * nb * scale_bytes;
+                if (rows == Q4K_ROWS)
+                    dot_rows_q4k(Q4K_ROWS, wrow, sb, xp, xd, xs, nb, out + n0);
+                else
+                    for (int64_t r = 0; r < rows; r++)
+                        dot_rows_q4k(1, wrow + r * nb * (QK / 2), sb + r * nb * scale_bytes, xp,
+                                     xd, xs, nb, out + n0 + r);
+            }
+            if (xp != stack_rows) free(xp);
+            return;
+        }
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *wrow = wq + n * nb * (QK / 2);
             const char *d = (const char *)wd + n * nb * scale_bytes;
             const char *m = wm == NULL ? NULL : (const char *)wm + n * nb * scale_bytes;
-            if (mode == SCALES_Q4K && M == 1) {
-                out[n] = dot_row_q4(wrow, d, m, xp, xd, xs, nb, SCALES_Q4K);
-                continue;
-            }
             float d32[expanded], m32[expanded];
             const int rmode = row_scales(mode, &d, &m, nb, d32, m32);
             for (int64_t r = 0; r < M; r++)

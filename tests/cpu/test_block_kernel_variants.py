@@ -123,6 +123,40 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     assert got[:, n:].isnan().all()  # nothing written past the outputs
 
 
+def _q4_k_linear(lib: ctypes.CDLL, part: Any, x: torch.Tensor) -> torch.Tensor:
+    rows, k = x.shape
+    n = part.shape[0]
+    out = torch.full((rows, n), float("nan"))
+    i64 = ctypes.c_int64
+    qs, d, m = (ctypes.c_void_p(a) for a in part.pointers)
+    lib.ecq_linear.restype = ctypes.c_int
+    status = lib.ecq_linear(
+        ctypes.c_int(part.kind), _p(x), i64(k), i64(rows), i64(n), i64(k), qs, d, m, _p(out),
+        i64(n),
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+@pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("k", [256, 1280, 2048])
+@pytest.mark.parametrize("n", [1, 3, 4, 13, 40])
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
+def test_q4_k_one_row_gives_the_many_row_kernels_bits(builds, build, n, k):
+    """On AVX-512 the one-row Q4_K product (weight rows several at a time, two
+    super-blocks' scales at a time in vector registers) gives each output the bits the
+    many-row kernel gives that row (scales expanded to float32 a row, the same sums in the
+    same order): every tail of weight rows and an odd count of super-blocks (1280)."""
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k)
+    part = kquant_blocks.from_gguf(torch.from_numpy(quantize_k(w, "Q4_K")), "Q4_K", (n, k))
+    x = torch.randn(3, k) * torch.logspace(-2, 2, k)
+    lib = builds[f"{build}/quant_kernels"]
+    one = torch.cat([_q4_k_linear(lib, part, x[r : r + 1]) for r in range(3)])
+    many = _q4_k_linear(lib, part, x)
+    assert torch.equal(one.view(torch.int32), many.view(torch.int32)), build
+
+
 def _instructions(path: str) -> str:
     return subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
@@ -136,14 +170,15 @@ def _instructions(path: str) -> str:
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the build")
 def test_the_avx512_build_takes_gfni(builds):
     """On an AVX-512 CPU with VNNI and GFNI the engine builds the block kernels with GFNI:
-    the one-row Q6_K product spreads its high bits with ``vgf2p8affineqb`` (the build
-    without VNNI, also tested above, keeps the masked adds)."""
+    the one-row Q6_K product spreads its high bits with ``vgf2p8affineqb``, the one-row
+    Q4_K product takes its high nibbles with it (the build without VNNI, also tested
+    above, keeps the masked adds and the shift and mask)."""
     assert quant_kernels._vnni() == ("vnni-gfni", ["-mavx512vnni", "-mgfni"])
-    kquant = _instructions(builds["host/kquant_kernels"]._name)
-    assert "vgf2p8affineqb" in kquant
-    assert "vgf2p8affineqb" not in _instructions(
-        builds["x86-64-v4 without VNNI/kquant_kernels"]._name
-    )
+    for source in ("kquant_kernels", "quant_kernels"):
+        assert "vgf2p8affineqb" in _instructions(builds[f"host/{source}"]._name), source
+        assert "vgf2p8affineqb" not in _instructions(
+            builds[f"x86-64-v4 without VNNI/{source}"]._name
+        )
 
 
 @pytest.mark.skipif(not _AVX_VNNI, reason="the CPU has no AVX-VNNI")
