@@ -346,13 +346,11 @@ def test_the_build_targets_the_cpus_x86_level_not_the_host(flags, level, monkeyp
     monkeypatch.setattr(cpu_kernels, "_cpu_signature", lambda: "flags : " + flags)
     assert cpu_kernels.instruction_set() == level
     commands = []
-    real_run = cpu_kernels.subprocess.run
 
-    def record(command, **kwargs):
+    def record(command, priority=0):
         commands.append(command)
-        return real_run(["true"], **kwargs)
 
-    monkeypatch.setattr(cpu_kernels.subprocess, "run", record)
+    monkeypatch.setattr(cpu_kernels.kernel_cache, "run_compiler", record)
     monkeypatch.setattr(cpu_kernels.os, "replace", lambda src, dst: None)
     target = cpu_kernels.build(tmp_path)
     assert target.name.startswith(f"enginecore_cpu_kernels_{level}_")
