@@ -117,9 +117,15 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 #ifndef Q4K_ROWS
 #define Q4K_ROWS 4
 #endif
-/* Q4_0 / Q4_1 (and float32-scale) weight rows a pass of the one-row kernel (dot_rows_q4) */
+/* Q4_0 / Q4_1 (and float32-scale) weight rows a pass of the one-row kernel (dot_rows_q4):
+ * Q4_ROWS, or fewer where their packed bytes would pass Q4_PASS_BYTES. A pass prefetches
+ * the next pass's bytes, so a pass's bytes are the prefetch distance; from memory four
+ * rows of 4 KB (8,192 inputs) read slower than one row a pass, four of 1-1.5 KB faster. */
 #ifndef Q4_ROWS
 #define Q4_ROWS 4
+#endif
+#ifndef Q4_PASS_BYTES
+#define Q4_PASS_BYTES 6144
 #endif
 /* 4-bit weights, AVX-512: a load of G blocks' packed bytes (G = 4, 2 or 1) splits into
  * its low nibbles (elements 0-15 of each block, block after block) and its high ones
@@ -395,7 +401,7 @@ static inline __attribute__((always_inline)) void dot_rows_q4(
                          (const char *)d + r * sstride, xp, xd, b, nb, half);
 }
 
-/* dot_rows_q4 with ``rows`` (Q4_ROWS or 1) and ``mode`` made constants of its copies. */
+/* dot_rows_q4 with ``rows`` (Q4_ROWS, 2 or 1) and ``mode`` made constants of its copies. */
 static inline __attribute__((always_inline)) void q4_rows_pass(
     int rows, const uint8_t *wrow, const void *d, const void *m, const int8_t *xp,
     const float *xd, const float *xs, int64_t nb, int mode, float *out) {
@@ -405,6 +411,8 @@ static inline __attribute__((always_inline)) void q4_rows_pass(
                             : dot_rows_q4(R, wrow, d, m, xp, xd, xs, nb, SCALES_F32, out))
     if (rows == Q4_ROWS)
         Q4_PASS(Q4_ROWS);
+    else if (rows == 2)
+        Q4_PASS(2);
     else
         Q4_PASS(1);
 #undef Q4_PASS
@@ -546,15 +554,19 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
             return;
         }
         if (M == 1) {
-            const int64_t tiles = (N + Q4_ROWS - 1) / Q4_ROWS;
+            const int64_t row_bytes = nb * (QK / 2);
+            const int pass = Q4_ROWS * row_bytes <= Q4_PASS_BYTES ? Q4_ROWS
+                             : 2 * row_bytes <= Q4_PASS_BYTES     ? 2
+                                                                  : 1;
+            const int64_t tiles = (N + pass - 1) / pass;
 #pragma omp parallel for schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t n0 = t * Q4_ROWS, rows = N - n0 < Q4_ROWS ? N - n0 : Q4_ROWS;
+                const int64_t n0 = t * pass, rows = N - n0 < pass ? N - n0 : pass;
                 const uint8_t *wrow = wq + n0 * nb * (QK / 2);
                 const char *d = (const char *)wd + n0 * nb * scale_bytes;
                 const char *m = wm == NULL ? NULL : (const char *)wm + n0 * nb * scale_bytes;
-                if (rows == Q4_ROWS)
-                    q4_rows_pass(Q4_ROWS, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
+                if (rows == pass)
+                    q4_rows_pass(pass, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
                 else
                     for (int64_t r = 0; r < rows; r++)
                         q4_rows_pass(1, wrow + r * nb * (QK / 2), d + r * nb * scale_bytes,

@@ -169,15 +169,16 @@ def _q4_part(fmt: str, n: int, k: int) -> gguf_blocks.BlockWeight:
 
 
 @pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
-@pytest.mark.parametrize("k", [32, 64, 96, 160, 1184, 1248, 2048, 2080])
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 1184, 1248, 2048, 2080, 4000, 6176])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 13, 40])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_1 float32"])
 @pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
 def test_q4_one_row_gives_the_many_row_kernels_bits(builds, build, fmt, n, k):
-    """On AVX-512 the one-row Q4_0 / Q4_1 product (four weight rows a pass) gives each
-    output the bits the many-row kernel gives that row: every tail of weight rows (a
-    pass's 4 and the rest) and of blocks (groups of 4, then 2, then 1: 1, 2, 3, 5, 37, 39,
-    64, 65 blocks), for float16 scales, Q4_0's offsets formed from them, and float32 ones."""
+    """On AVX-512 the one-row Q4_0 / Q4_1 product (four weight rows a pass, two or one for
+    longer rows: 4000 and 6176 inputs) gives each output the bits the many-row kernel
+    gives that row: every tail of weight rows (a pass's and the rest) and of blocks
+    (groups of 4, then 2, then 1: 1, 2, 3, 5, 37, 39, 64, 65, 125, 193 blocks), for float16
+    scales, Q4_0's offsets formed from them, and float32 ones."""
     torch.manual_seed(n * k)
     part = _q4_part(fmt, n, k)
     assert part.kind == {"Q4_0": 21, "Q4_1": 20, "Q4_1 float32": 4}[fmt]
