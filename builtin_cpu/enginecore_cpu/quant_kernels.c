@@ -417,6 +417,29 @@ static inline __attribute__((always_inline)) void q4_rows_pass(
         Q4_PASS(1);
 #undef Q4_PASS
 }
+
+/* The one-row product of all N weight rows, ``pass`` (a constant in each inlined copy)
+ * rows a pass, the last N % pass one at a time. */
+static inline __attribute__((always_inline)) void q4_one_row(
+    int pass, int64_t N, int64_t nb, const uint8_t *wq, const void *wd, const void *wm,
+    int mode, const int8_t *xp, const float *xd, const float *xs, float *out) {
+    const int64_t scale_bytes = mode == SCALES_F32 ? 4 : 2, row_bytes = nb * (QK / 2);
+    const int64_t tiles = (N + pass - 1) / pass;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * pass, rows = N - n0 < pass ? N - n0 : pass;
+        const uint8_t *wrow = wq + n0 * row_bytes;
+        const char *d = (const char *)wd + n0 * nb * scale_bytes;
+        const char *m = wm == NULL ? NULL : (const char *)wm + n0 * nb * scale_bytes;
+        if (rows == pass)
+            q4_rows_pass(pass, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
+        else
+            for (int64_t r = 0; r < rows; r++)
+                q4_rows_pass(1, wrow + r * row_bytes, d + r * nb * scale_bytes,
+                             m == NULL ? NULL : m + r * nb * scale_bytes, xp, xd, xs, nb, mode,
+                             out + n0 + r);
+    }
+}
 #endif
 
 #if defined(__AVX2__) && !defined(ECQ_AVX512)
@@ -558,21 +581,12 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
             const int pass = Q4_ROWS * row_bytes <= Q4_PASS_BYTES ? Q4_ROWS
                              : 2 * row_bytes <= Q4_PASS_BYTES     ? 2
                                                                   : 1;
-            const int64_t tiles = (N + pass - 1) / pass;
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t n0 = t * pass, rows = N - n0 < pass ? N - n0 : pass;
-                const uint8_t *wrow = wq + n0 * nb * (QK / 2);
-                const char *d = (const char *)wd + n0 * nb * scale_bytes;
-                const char *m = wm == NULL ? NULL : (const char *)wm + n0 * nb * scale_bytes;
-                if (rows == pass)
-                    q4_rows_pass(pass, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
-                else
-                    for (int64_t r = 0; r < rows; r++)
-                        q4_rows_pass(1, wrow + r * nb * (QK / 2), d + r * nb * scale_bytes,
-                                     m == NULL ? NULL : m + r * nb * scale_bytes, xp, xd, xs, nb,
-                                     mode, out + n0 + r);
-            }
+            if (pass == Q4_ROWS)
+                q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+            else if (pass == 2)
+                q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+            else
+                q4_one_row(1, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             if (xp != stack_rows) free(xp);
             return;
         }
