@@ -118,9 +118,10 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 #define Q4K_ROWS 4
 #endif
 /* Q4_0 / Q4_1 (and float32-scale) weight rows a pass of the one-row kernel (dot_rows_q4):
- * Q4_ROWS, or fewer where their packed bytes would pass Q4_PASS_BYTES. A pass prefetches
- * the next pass's bytes, so a pass's bytes are the prefetch distance; from memory four
- * rows of 4 KB (8,192 inputs) read slower than one row a pass, four of 1-1.5 KB faster. */
+ * Q4_ROWS, or 2 where their packed bytes would pass Q4_PASS_BYTES; rows longer still go
+ * one at a time (dot_row_q4). A pass prefetches the next pass's bytes, so a pass's bytes
+ * are the prefetch distance: from memory four rows of 4 KB (8,192 inputs) read slower
+ * than one row at a time, four of 1-1.5 KB faster. */
 #ifndef Q4_ROWS
 #define Q4_ROWS 4
 #endif
@@ -576,17 +577,12 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
             if (xp != stack_rows) free(xp);
             return;
         }
-        if (M == 1) {
-            const int64_t row_bytes = nb * (QK / 2);
-            const int pass = Q4_ROWS * row_bytes <= Q4_PASS_BYTES ? Q4_ROWS
-                             : 2 * row_bytes <= Q4_PASS_BYTES     ? 2
-                                                                  : 1;
-            if (pass == Q4_ROWS)
+        const int64_t row_bytes = nb * (QK / 2);
+        if (M == 1 && 2 * row_bytes <= Q4_PASS_BYTES) {
+            if (Q4_ROWS * row_bytes <= Q4_PASS_BYTES)
                 q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
-            else if (pass == 2)
-                q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             else
-                q4_one_row(1, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+                q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             if (xp != stack_rows) free(xp);
             return;
         }

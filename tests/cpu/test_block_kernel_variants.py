@@ -174,8 +174,8 @@ def _q4_part(fmt: str, n: int, k: int) -> gguf_blocks.BlockWeight:
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_1 float32"])
 @pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
 def test_q4_one_row_gives_the_many_row_kernels_bits(builds, build, fmt, n, k):
-    """On AVX-512 the one-row Q4_0 / Q4_1 product (four weight rows a pass, two or one for
-    longer rows: 4000 and 6176 inputs) gives each output the bits the many-row kernel
+    """On AVX-512 the one-row Q4_0 / Q4_1 product (four weight rows a pass, two for longer
+    rows: 4000 inputs, one at a time beyond: 6176) gives each output the bits the many-row kernel
     gives that row: every tail of weight rows (a pass's and the rest) and of blocks
     (groups of 4, then 2, then 1: 1, 2, 3, 5, 37, 39, 64, 65, 125, 193 blocks), for float16
     scales, Q4_0's offsets formed from them, and float32 ones."""
