@@ -441,6 +441,22 @@ static inline __attribute__((always_inline)) void q4_one_row(
                              out + n0 + r);
     }
 }
+
+/* q4_one_row's copies, each a function of its own: inlined into ecq_gemm_q4 together they
+ * ran slower (one_row_cycles.py). */
+static __attribute__((noinline)) void q4_one_row_rows(int64_t N, int64_t nb, const uint8_t *wq,
+                                                      const void *wd, const void *wm, int mode,
+                                                      const int8_t *xp, const float *xd,
+                                                      const float *xs, float *out) {
+    q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+}
+
+static __attribute__((noinline)) void q4_one_row_two(int64_t N, int64_t nb, const uint8_t *wq,
+                                                     const void *wd, const void *wm, int mode,
+                                                     const int8_t *xp, const float *xd,
+                                                     const float *xs, float *out) {
+    q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+}
 #endif
 
 #if defined(__AVX2__) && !defined(ECQ_AVX512)
@@ -580,9 +596,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         const int64_t row_bytes = nb * (QK / 2);
         if (M == 1 && 2 * row_bytes <= Q4_PASS_BYTES) {
             if (Q4_ROWS * row_bytes <= Q4_PASS_BYTES)
-                q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+                q4_one_row_rows(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             else
-                q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+                q4_one_row_two(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             if (xp != stack_rows) free(xp);
             return;
         }
