@@ -117,6 +117,17 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 #ifndef Q4K_ROWS
 #define Q4K_ROWS 4
 #endif
+/* Q4_0 / Q4_1 (and float32-scale) weight rows a pass of the one-row kernel (dot_rows_q4):
+ * Q4_ROWS, or 2 where their packed bytes would pass Q4_PASS_BYTES; rows longer still go
+ * one at a time (dot_row_q4). A pass prefetches the next pass's bytes, so a pass's bytes
+ * are the prefetch distance: from memory four rows of 4 KB (8,192 inputs) read slower
+ * than one row at a time, four of 1-1.5 KB faster. */
+#ifndef Q4_ROWS
+#define Q4_ROWS 4
+#endif
+#ifndef Q4_PASS_BYTES
+#define Q4_PASS_BYTES 6144
+#endif
 /* 4-bit weights, AVX-512: a load of G blocks' packed bytes (G = 4, 2 or 1) splits into
  * its low nibbles (elements 0-15 of each block, block after block) and its high ones
  * (elements 16-31). The activations are rearranged to that order once per call
@@ -279,37 +290,30 @@ static inline __attribute__((always_inline)) void dot_rows_q4k(
     for (int r = 0; r < rows; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
- * as ``mode`` says (a constant in each inlined copy; Q4_K's expanded to SCALES_F32). */
-static inline __attribute__((always_inline)) float dot_row_q4(
-    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
-    const float *xs, int64_t nb, int mode) {
-    const int half = mode == SCALES_F16 || mode == SCALES_F16_SYM;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const __m128 wd = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
-                               : _mm_loadu_ps((const float *)d + b);
-        acc = group4(acc, wrow, xp, xd, b, wd);
-    }
-    /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
-    int64_t i = 0;
-    for (; i + 16 <= nb; i += 16) {
-        const __m512 wm = mode == SCALES_F16_SYM
-                              ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + i))))
-                          : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + i)))
-                                 : _mm512_loadu_ps((const float *)m + i);
-        acc = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xs + i), acc);
-    }
-    if (i < nb) {
-        const __mmask16 left = (__mmask16)((1u << (nb - i)) - 1u);
-        const __m512 wm = mode == SCALES_F16_SYM
-                              ? _mm512_mul_ps(_mm512_set1_ps(-8.f), _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)d + i)))
-                          : half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, (const uint16_t *)m + i))
-                                 : _mm512_maskz_loadu_ps(left, (const float *)m + i);
-        acc = _mm512_fmadd_ps(wm, _mm512_maskz_loadu_ps(left, xs + i), acc);
-    }
-    float total = _mm512_reduce_add_ps(acc);
+/* The offsets -8 d, m of 16 blocks from block i of a row (``lanes`` of them), float32,
+ * as ``mode`` says (a constant in each inlined copy). */
+static inline __attribute__((always_inline)) __m512 offsets16(const void *d, const void *m,
+                                                              int64_t i, __mmask16 lanes,
+                                                              int mode) {
+    if (mode == SCALES_F16_SYM)
+        return _mm512_mul_ps(_mm512_set1_ps(-8.f),
+                             _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)d + i)));
+    if (mode == SCALES_F16)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)m + i));
+    return _mm512_maskz_loadu_ps(lanes, (const float *)m + i);
+}
+
+/* The scales d of blocks b..b+3 of a row, float32. */
+static inline __attribute__((always_inline)) __m128 scales4(const void *d, int64_t b, int half) {
+    return half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)d + b)))
+                : _mm_loadu_ps((const float *)d + b);
+}
+
+/* ``total`` plus the row's last blocks from b (b + 4 > nb: a group of 2, then of 1). */
+static inline __attribute__((always_inline)) float tail_q4(float total, const uint8_t *wrow,
+                                                           const void *d, const int8_t *xp,
+                                                           const float *xd, int64_t b,
+                                                           int64_t nb, int half) {
     if (b + 2 <= nb) {
         const __m256i mask8 = _mm256_set1_epi8(0x0F);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(wrow + b * 16));
@@ -333,6 +337,125 @@ static inline __attribute__((always_inline)) float dot_row_q4(
         total += scale_at(d, b, half) * xd[b] * hsum128(_mm_cvtepi32_ps(dot));
     }
     return total;
+}
+
+/* One output of 4-bit weights ``wrow`` against one permuted activation row; ``d``, ``m``
+ * as ``mode`` says (a constant in each inlined copy; Q4_K's expanded to SCALES_F32). */
+static inline __attribute__((always_inline)) float dot_row_q4(
+    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
+    const float *xs, int64_t nb, int mode) {
+    const int half = mode == SCALES_F16 || mode == SCALES_F16_SYM;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) acc = group4(acc, wrow, xp, xd, b, scales4(d, b, half));
+    /* The offsets: sum_b m_b d_x,b sum(q_x,b), 16 blocks at a time. */
+    for (int64_t i = 0; i < nb; i += 16) {
+        const __mmask16 left = nb - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - i)) - 1u);
+        acc = _mm512_fmadd_ps(offsets16(d, m, i, left, mode), _mm512_maskz_loadu_ps(left, xs + i), acc);
+    }
+    return tail_q4(_mm512_reduce_add_ps(acc), wrow, d, xp, xd, b, nb, half);
+}
+
+/* ``rows`` outputs (a constant in each inlined copy) of consecutive 4-bit weight rows from
+ * ``wrow``, scales from ``d``, ``m`` (``mode`` as in dot_row_q4), against one permuted
+ * activation row, into ``out``. Each row's sum runs in dot_row_q4's order, so each output
+ * has its bits; a row's sum is a chain of dependent FMAs, so several rows at once keep
+ * the FMA units busy (one row alone waits on the FMA latency), and share each activation
+ * load. */
+static inline __attribute__((always_inline)) void dot_rows_q4(
+    int rows, const uint8_t *wrow, const void *d, const void *m, const int8_t *xp,
+    const float *xd, const float *xs, int64_t nb, int mode, float *out) {
+    const int half = mode == SCALES_F16 || mode == SCALES_F16_SYM;
+    const int64_t wstride = nb * (QK / 2), sstride = nb * (half ? 2 : 4); /* a row's bytes */
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const uint8_t *next = wrow + rows * wstride; /* the next rows' bytes */
+    __m512 acc[Q4_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xp + b * QK));
+        const __m512i x1 = _mm512_loadu_si512((const void *)(xp + b * QK + 64));
+        const __m128 xdb = _mm_loadu_ps(xd + b);
+        for (int r = 0; r < rows; r++) {
+            /* the next rows' bytes a line a group, in ascending order: one stream for the
+             * hardware prefetchers to follow, where a prefetch ahead of each row makes
+             * several */
+            _mm_prefetch((const char *)next + ((b / 4) * rows + r) * 64, _MM_HINT_T0);
+            const char *dr = (const char *)d + r * sstride;
+            const __m128 scale = _mm_mul_ps(scales4(dr, b, half), xdb);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4(wrow + r * wstride, b, x0, x1)),
+                                     _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(scale)),
+                                     acc[r]);
+        }
+    }
+    for (int64_t i = 0; i < nb; i += 16) {
+        const __mmask16 left = nb - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - i)) - 1u);
+        const __m512 x = _mm512_maskz_loadu_ps(left, xs + i);
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm512_fmadd_ps(offsets16((const char *)d + r * sstride,
+                                               m == NULL ? NULL : (const char *)m + r * sstride,
+                                               i, left, mode),
+                                     x, acc[r]);
+    }
+    for (int r = 0; r < rows; r++)
+        out[r] = tail_q4(_mm512_reduce_add_ps(acc[r]), wrow + r * wstride,
+                         (const char *)d + r * sstride, xp, xd, b, nb, half);
+}
+
+/* dot_rows_q4 with ``rows`` (Q4_ROWS, 2 or 1) and ``mode`` made constants of its copies. */
+static inline __attribute__((always_inline)) void q4_rows_pass(
+    int rows, const uint8_t *wrow, const void *d, const void *m, const int8_t *xp,
+    const float *xd, const float *xs, int64_t nb, int mode, float *out) {
+#define Q4_PASS(R)                                                                         \
+    (mode == SCALES_F16_SYM ? dot_rows_q4(R, wrow, d, m, xp, xd, xs, nb, SCALES_F16_SYM, out) \
+     : mode == SCALES_F16   ? dot_rows_q4(R, wrow, d, m, xp, xd, xs, nb, SCALES_F16, out)     \
+                            : dot_rows_q4(R, wrow, d, m, xp, xd, xs, nb, SCALES_F32, out))
+    if (rows == Q4_ROWS)
+        Q4_PASS(Q4_ROWS);
+    else if (rows == 2)
+        Q4_PASS(2);
+    else
+        Q4_PASS(1);
+#undef Q4_PASS
+}
+
+/* The one-row product of all N weight rows, ``pass`` (a constant in each inlined copy)
+ * rows a pass, the last N % pass one at a time. */
+static inline __attribute__((always_inline)) void q4_one_row(
+    int pass, int64_t N, int64_t nb, const uint8_t *wq, const void *wd, const void *wm,
+    int mode, const int8_t *xp, const float *xd, const float *xs, float *out) {
+    const int64_t scale_bytes = mode == SCALES_F32 ? 4 : 2, row_bytes = nb * (QK / 2);
+    const int64_t tiles = (N + pass - 1) / pass;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * pass, rows = N - n0 < pass ? N - n0 : pass;
+        const uint8_t *wrow = wq + n0 * row_bytes;
+        const char *d = (const char *)wd + n0 * nb * scale_bytes;
+        const char *m = wm == NULL ? NULL : (const char *)wm + n0 * nb * scale_bytes;
+        if (rows == pass)
+            q4_rows_pass(pass, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
+        else
+            for (int64_t r = 0; r < rows; r++)
+                q4_rows_pass(1, wrow + r * row_bytes, d + r * nb * scale_bytes,
+                             m == NULL ? NULL : m + r * nb * scale_bytes, xp, xd, xs, nb, mode,
+                             out + n0 + r);
+    }
+}
+
+/* q4_one_row's copies, each a function of its own: inlined into ecq_gemm_q4 together they
+ * ran slower (one_row_cycles.py). */
+static __attribute__((noinline)) void q4_one_row_rows(int64_t N, int64_t nb, const uint8_t *wq,
+                                                      const void *wd, const void *wm, int mode,
+                                                      const int8_t *xp, const float *xd,
+                                                      const float *xs, float *out) {
+    q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+}
+
+static __attribute__((noinline)) void q4_one_row_two(int64_t N, int64_t nb, const uint8_t *wq,
+                                                     const void *wd, const void *wm, int mode,
+                                                     const int8_t *xp, const float *xd,
+                                                     const float *xs, float *out) {
+    q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
 }
 #endif
 
@@ -467,6 +590,15 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
                         dot_rows_q4k(1, wrow + r * nb * (QK / 2), sb + r * nb * scale_bytes, xp,
                                      xd, xs, nb, out + n0 + r);
             }
+            if (xp != stack_rows) free(xp);
+            return;
+        }
+        const int64_t row_bytes = nb * (QK / 2);
+        if (M == 1 && 2 * row_bytes <= Q4_PASS_BYTES) {
+            if (Q4_ROWS * row_bytes <= Q4_PASS_BYTES)
+                q4_one_row_rows(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+            else
+                q4_one_row_two(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
             if (xp != stack_rows) free(xp);
             return;
         }

@@ -123,7 +123,7 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     assert got[:, n:].isnan().all()  # nothing written past the outputs
 
 
-def _q4_k_linear(lib: ctypes.CDLL, part: Any, x: torch.Tensor) -> torch.Tensor:
+def _linear(lib: ctypes.CDLL, part: Any, x: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     n = part.shape[0]
     out = torch.full((rows, n), float("nan"))
@@ -152,8 +152,40 @@ def test_q4_k_one_row_gives_the_many_row_kernels_bits(builds, build, n, k):
     part = kquant_blocks.from_gguf(torch.from_numpy(quantize_k(w, "Q4_K")), "Q4_K", (n, k))
     x = torch.randn(3, k) * torch.logspace(-2, 2, k)
     lib = builds[f"{build}/quant_kernels"]
-    one = torch.cat([_q4_k_linear(lib, part, x[r : r + 1]) for r in range(3)])
-    many = _q4_k_linear(lib, part, x)
+    one = torch.cat([_linear(lib, part, x[r : r + 1]) for r in range(3)])
+    many = _linear(lib, part, x)
+    assert torch.equal(one.view(torch.int32), many.view(torch.int32)), build
+
+
+def _q4_part(fmt: str, n: int, k: int) -> gguf_blocks.BlockWeight:
+    """A Q4_0 or Q4_1 weight of random values; "Q4_1 float32" is Q4_1's with its scales
+    and offsets as float32 (the kernels' third way of reading them)."""
+    w = torch.randn(n, k)
+    raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt.split()[0]])
+    part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt.split()[0], (n, k))
+    if fmt.endswith("float32"):
+        part = gguf_blocks.BlockWeight(4, part.qs, part.d.float(), part.m.float(), (n, k))
+    return part
+
+
+@pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 1184, 1248, 2048, 2080, 4000, 6176])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 13, 40])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_1 float32"])
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
+def test_q4_one_row_gives_the_many_row_kernels_bits(builds, build, fmt, n, k):
+    """On AVX-512 the one-row Q4_0 / Q4_1 product (four weight rows a pass, two for longer
+    rows: 4000 inputs, one at a time beyond: 6176) gives each output the bits the many-row kernel
+    gives that row: every tail of weight rows (a pass's and the rest) and of blocks
+    (groups of 4, then 2, then 1: 1, 2, 3, 5, 37, 39, 64, 65, 125, 193 blocks), for float16
+    scales, Q4_0's offsets formed from them, and float32 ones."""
+    torch.manual_seed(n * k)
+    part = _q4_part(fmt, n, k)
+    assert part.kind == {"Q4_0": 21, "Q4_1": 20, "Q4_1 float32": 4}[fmt]
+    x = torch.randn(3, k) * torch.logspace(-2, 2, k)
+    lib = builds[f"{build}/quant_kernels"]
+    one = torch.cat([_linear(lib, part, x[r : r + 1]) for r in range(3)])
+    many = _linear(lib, part, x)
     assert torch.equal(one.view(torch.int32), many.view(torch.int32)), build
 
 
