@@ -194,8 +194,9 @@ def start_engine(
     torch, which it imports) loads in this process while the engine process starts, so
     the two overlap.
 
-    The model path and the component names are checked first, here: a mistake fails
-    before any process starts."""
+    The model path, and the component names, are checked first: a mistake fails before
+    any process starts. A caller that passes its own ``plugins`` (``LLM``, ``AsyncLLM``)
+    has checked the names against them already, before building its stat loggers."""
     from enginecore.component_check import check_components
     from enginecore.engine.model_defaults import configured_chat_template
     from enginecore.engine.preflight import (
@@ -212,8 +213,9 @@ def start_engine(
     check_writable_dirs(config)
     configured_chat_template(config)  # a missing template file fails here
     if plugins is None:
-        plugins = make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
-    check_components(config, plugins)
+        check_components(
+            config, make_plugin_manager(config.plugins.enabled, config.plugins.disabled)
+        )
 
     loaded: list[Any] = []
 
