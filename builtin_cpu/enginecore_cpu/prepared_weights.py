@@ -46,7 +46,7 @@ from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part
-from enginecore_cpu import cpu_kernels
+from enginecore_cpu import cpu_kernels, host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +169,7 @@ class PreparedWeights:
             if header["key"] != key or base + int(header["data"]) != size:
                 raise ValueError("the entry is another layer's or cut short")
             data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            host_memory.advise_huge_pages(data)  # before any page is read
             data = data[base:]
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
         except (FileNotFoundError, NotADirectoryError):
@@ -178,8 +179,8 @@ class PreparedWeights:
             return None
 
     def _new_entry(self, raw: bytes) -> tuple[BinaryIO, str]:
-        """A new entry's temporary file, named by this process, open with its prefix and
-        header ``raw`` written; those of processes that died while writing one (a
+        """A new entry's temporary file, named by this process, open with ``raw`` (its
+        prefix and header) written; those of processes that died while writing one (a
         reserved entry is the layer's full size) are removed."""
         if not self.directory.is_dir():
             self._replace_older()
@@ -190,7 +191,7 @@ class PreparedWeights:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
         f = os.fdopen(fd, "wb")
         try:
-            f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+            f.write(raw)
         except BaseException:
             f.close()
             Path(tmp).unlink(missing_ok=True)
@@ -211,7 +212,9 @@ class PreparedWeights:
         raw, end, _ = _header(key, list(layer))
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            f, tmp = self._new_entry(raw)
+            # The header goes in through the mapping too: written to the file first, it
+            # would take the first pages in small page-cache folios.
+            f, tmp = self._new_entry(b"")
             try:
                 with f:
                     f.flush()
@@ -225,6 +228,9 @@ class PreparedWeights:
                         Path(tmp).unlink(missing_ok=True)
                         return None  # a file system without it: written from memory
                 data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
+                host_memory.advise_huge_pages(data)  # the pass fills huge folios
+                head = _prefixed(raw)
+                data[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
                 header = json.loads(raw)
                 parts = [(int(p["first"]), _part(p, data[base:])) for p in header["parts"]]
             except BaseException:
@@ -242,7 +248,7 @@ class PreparedWeights:
         raw, end, writes = _header(key, layer)
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            f, tmp = self._new_entry(raw)
+            f, tmp = self._new_entry(_prefixed(raw))
             try:
                 with f:
                     for t, offset in writes:
@@ -322,6 +328,11 @@ def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tenso
             end = _aligned(end + t.numel() * t.element_size())
         parts.append({**_describe(part), "first": first, "tensors": specs})
     return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
+
+
+def _prefixed(raw: bytes) -> bytes:
+    """An entry's first bytes: ``MAGIC``, the header's length and CRC-32, the header."""
+    return _PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw
 
 
 def _alive(pid: int) -> bool:

@@ -463,3 +463,75 @@ def test_a_dead_writers_temporary_entry_is_removed(tmp_path, cache_root):
     live.write_bytes(b"\0" * 4096)
     assert gguf_linear_method._unpacked_in_place(prepared, "k2", {0: piece}) is not None
     assert not stale.exists() and live.exists()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _huge_mapped_bytes(mapped: torch.Tensor) -> int:
+    """The bytes of the mapping under ``mapped`` this process maps with 2 MiB page-table
+    entries."""
+    address, ours, total = mapped.untyped_storage().data_ptr(), False, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ours = start <= address < end
+            elif ours and fields[0] == "FilePmdMapped:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def _touched(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.view(torch.uint8).sum()
+
+
+def _files_map_in_huge_pages(directory: Any) -> bool:
+    """Whether this kernel and file system map a file in huge pages at all: one written
+    with ``write`` (huge page-cache folios where the file system has them), mapped and
+    advised by the test itself."""
+    probe = directory / "probe"
+    probe.write_bytes(b"\1" * (4 * HUGE_PAGE))
+    mapped = torch.from_file(str(probe), shared=False, size=4 * HUGE_PAGE, dtype=torch.uint8)
+    _touched([mapped])
+    found = _huge_mapped_bytes(mapped) > 0
+    del mapped
+    probe.unlink()
+    return found
+
+
+@needs_kernels
+def test_prepared_weights_are_mapped_in_huge_pages(tmp_path, cache_root):
+    """A decode step streams through every weight; in 4 KiB pages each costs a TLB miss and
+    ends the prefetcher's stream. An entry a first load fills in place, the same entry
+    mapped by a warm load, and the entry read again from disk once the page cache let it
+    go are all mapped in 2 MiB pages (all but the entry's unaligned ends)."""
+    if not _files_map_in_huge_pages(tmp_path):
+        pytest.skip("this kernel or file system maps no file in huge pages (THP off?)")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    piece = QuantizedTensor(random_tensor("Q4_0", 4096, 4096).data, "Q4_0", (4096, 4096), "w")
+
+    def huge_share(parts: Any) -> float:
+        (entry,) = cache_root.glob("*/*.bin")
+        tensors = [t for _, part in parts for t in prepared_weights._fields(part)]
+        _touched(tensors)
+        whole = entry.stat().st_size // HUGE_PAGE * HUGE_PAGE - HUGE_PAGE  # the ends
+        return _huge_mapped_bytes(tensors[0]) / whole
+
+    first = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "w", {0: piece})
+    assert first is not None and huge_share(first) >= 1.0
+    del first
+    warm = PreparedWeights(source).load("w")
+    assert warm is not None and huge_share(warm) >= 1.0
+    del warm
+    (entry,) = cache_root.glob("*/*.bin")
+    fd = os.open(entry, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from disk again
+    finally:
+        os.close(fd)
+    cold = PreparedWeights(source).load("w")
+    assert cold is not None and huge_share(cold) >= 1.0
