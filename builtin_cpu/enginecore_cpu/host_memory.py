@@ -112,20 +112,21 @@ def _populate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return madvise if taken else None
 
 
-def advise_huge_pages(mapped: torch.Tensor) -> bool:
+def advise_huge_pages(mapped: torch.Tensor, huge: bool = True) -> bool:
     """Ask the OS to back the whole mapping under ``mapped`` (a tensor made by mapping a
     file or anonymous memory: its storage starts the mapping) with transparent huge
-    pages. Returns whether the advice was taken.
+    pages, or (``huge=False``) never to. Returns whether the advice was taken.
 
     A decode step streams through every weight once: with 4 KiB pages, each page costs a
     TLB miss (a nested walk in a virtual machine) and stops the hardware prefetcher at its
     boundary, so the kernels read memory well below its bandwidth. For a mapped file the
     advice also makes the kernel read the file into huge page-cache folios, and fill them
-    when a shared mapping writes it, where the file system supports them; such folios are
-    then mapped whole by every later mapping of the file, advised or not. Where THP is
-    off (``never``) the advice is refused and nothing changes."""
+    when a shared mapping writes it, where the file system supports them; a huge folio is
+    mapped whole by any mapping not advised against it. Memory read a row at a time at
+    random (a token embedding's table) wants small pages: in huge ones every row looked up
+    makes 2 MiB resident. Where THP is off (``never``) the advice is refused."""
     madvise = _madvise()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
     storage = mapped.untyped_storage()
     if madvise is None or advice is None or storage.nbytes() == 0:
         return False

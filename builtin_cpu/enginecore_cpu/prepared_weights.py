@@ -135,14 +135,15 @@ class PreparedWeights:
     def load(self, key: str) -> Layer | None:
         """The layer prepared under ``key``, mapped from disk; None when there is no
         entry or it does not parse (the caller prepares the layer and saves it again)."""
-        entry = self._load(key)
+        entry = self._load(key, huge_pages=True)
         if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
             return None
         return cast(Layer, entry)
 
     def load_table(self, key: str) -> torch.Tensor | None:
-        """The float table kept under ``key`` (a token embedding's), mapped from disk."""
-        entry = self._load(key)
+        """The float table kept under ``key`` (a token embedding's), mapped from disk in
+        small pages (its rows are looked up at random)."""
+        entry = self._load(key, huge_pages=False)
         if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
             return None
         return entry[0][1]
@@ -155,7 +156,7 @@ class PreparedWeights:
         """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
         self._save(key, list(layer))
 
-    def _load(self, key: str) -> _Entry | None:
+    def _load(self, key: str, huge_pages: bool) -> _Entry | None:
         path = self._entry(key)
         try:
             size = path.stat().st_size
@@ -169,7 +170,7 @@ class PreparedWeights:
             if header["key"] != key or base + int(header["data"]) != size:
                 raise ValueError("the entry is another layer's or cut short")
             data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-            host_memory.advise_huge_pages(data)  # before any page is read
+            host_memory.advise_huge_pages(data, huge_pages)  # before a page is read
             data = data[base:]
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
         except (FileNotFoundError, NotADirectoryError):

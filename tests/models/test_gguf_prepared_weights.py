@@ -535,3 +535,17 @@ def test_prepared_weights_are_mapped_in_huge_pages(tmp_path, cache_root):
         os.close(fd)
     cold = PreparedWeights(source).load("w")
     assert cold is not None and huge_share(cold) >= 1.0
+
+
+def test_a_float_table_is_mapped_in_small_pages(tmp_path, cache_root):
+    """A token embedding's table is read a row at a time, at random: mapped in 2 MiB pages,
+    every row looked up would make 2 MiB of it resident."""
+    if not _files_map_in_huge_pages(tmp_path):
+        pytest.skip("this kernel or file system maps no file in huge pages (THP off?)")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    PreparedWeights(source).save_table("embedding", torch.randn(4096, 1024))
+    table = PreparedWeights(source).load_table("embedding")
+    assert table is not None
+    table[2048].sum()  # one row looked up
+    assert _huge_mapped_bytes(table) == 0
