@@ -112,21 +112,23 @@ def _populate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return madvise if taken else None
 
 
-def advise_huge_pages(mapped: torch.Tensor, huge: bool = True) -> bool:
-    """Ask the OS to back the whole mapping under ``mapped`` (a tensor made by mapping a
-    file or anonymous memory: its storage starts the mapping) with transparent huge
-    pages, or (``huge=False``) never to. Returns whether the advice was taken.
+def advise_reads(mapped: torch.Tensor, streamed: bool) -> bool:
+    """Tell the OS how the mapping under ``mapped`` (a tensor made by mapping a file or
+    anonymous memory: its storage starts the mapping) will be read, before a page of it
+    is touched. Returns whether the advice was taken.
 
-    A decode step streams through every weight once: with 4 KiB pages, each page costs a
-    TLB miss (a nested walk in a virtual machine) and stops the hardware prefetcher at its
-    boundary, so the kernels read memory well below its bandwidth. For a mapped file the
-    advice also makes the kernel read the file into huge page-cache folios, and fill them
-    when a shared mapping writes it, where the file system supports them; a huge folio is
-    mapped whole by any mapping not advised against it. Memory read a row at a time at
-    random (a token embedding's table) wants small pages: in huge ones every row looked up
-    makes 2 MiB resident. Where THP is off (``never``) the advice is refused."""
+    ``streamed``: read whole, again and again (a weight, every decode step), so backed by
+    transparent huge pages. With 4 KiB pages each page costs a TLB miss (a nested walk in
+    a virtual machine) and stops the hardware prefetcher at its boundary, so the kernels
+    read memory well below its bandwidth. For a mapped file this also makes the kernel
+    read the file into huge page-cache folios, and fill them when a shared mapping writes
+    it, where the file system supports them (ext4 and XFS on recent kernels).
+
+    Otherwise read a row at a time at random (a token embedding's table): no read-ahead,
+    and a shared mapping's writes fill small folios. A mapping maps a page-cache folio
+    whole, so with large folios every row looked up would make up to 2 MiB resident."""
     madvise = _madvise()
-    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if streamed else "MADV_RANDOM", None)
     storage = mapped.untyped_storage()
     if madvise is None or advice is None or storage.nbytes() == 0:
         return False

@@ -135,15 +135,15 @@ class PreparedWeights:
     def load(self, key: str) -> Layer | None:
         """The layer prepared under ``key``, mapped from disk; None when there is no
         entry or it does not parse (the caller prepares the layer and saves it again)."""
-        entry = self._load(key, huge_pages=True)
+        entry = self._load(key, streamed=True)
         if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
             return None
         return cast(Layer, entry)
 
     def load_table(self, key: str) -> torch.Tensor | None:
-        """The float table kept under ``key`` (a token embedding's), mapped from disk in
-        small pages (its rows are looked up at random)."""
-        entry = self._load(key, huge_pages=False)
+        """The float table kept under ``key`` (a token embedding's), mapped from disk
+        for rows looked up at random."""
+        entry = self._load(key, streamed=False)
         if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
             return None
         return entry[0][1]
@@ -156,21 +156,25 @@ class PreparedWeights:
         """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
         self._save(key, list(layer))
 
-    def _load(self, key: str, huge_pages: bool) -> _Entry | None:
+    def _load(self, key: str, streamed: bool) -> _Entry | None:
         path = self._entry(key)
         try:
             size = path.stat().st_size
-            with open(path, "rb") as f:
-                magic, length, crc = _PREFIX.unpack(f.read(_PREFIX.size))
-                raw = f.read(length) if magic == MAGIC and length < size else b""
+            if size < _PREFIX.size:
+                raise ValueError("the header is cut short")
+            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            # Advised before a page is read, and the header read through the mapping too:
+            # a read() would bring the first pages into small page-cache folios.
+            host_memory.advise_reads(data, streamed)
+            magic, length, crc = _PREFIX.unpack(data[: _PREFIX.size].numpy().tobytes())
+            fits = magic == MAGIC and length < size
+            raw = data[_PREFIX.size : _PREFIX.size + length].numpy().tobytes() if fits else b""
             if len(raw) != length or zlib.crc32(raw) != crc:
                 raise ValueError("the header is cut short or damaged")
             header = json.loads(raw)
             base = _aligned(_PREFIX.size + length)
             if header["key"] != key or base + int(header["data"]) != size:
                 raise ValueError("the entry is another layer's or cut short")
-            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-            host_memory.advise_huge_pages(data, huge_pages)  # before a page is read
             data = data[base:]
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
         except (FileNotFoundError, NotADirectoryError):
@@ -229,7 +233,9 @@ class PreparedWeights:
                         Path(tmp).unlink(missing_ok=True)
                         return None  # a file system without it: written from memory
                 data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
-                host_memory.advise_huge_pages(data)  # the pass fills huge folios
+                # The pass fills huge page-cache folios for a layer, small ones for a table.
+                is_table = len(layer) == 1 and isinstance(layer[0][1], torch.Tensor)
+                host_memory.advise_reads(data, streamed=not is_table)
                 head = _prefixed(raw)
                 data[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
                 header = json.loads(raw)
