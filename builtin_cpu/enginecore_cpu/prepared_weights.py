@@ -46,7 +46,7 @@ from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part
-from enginecore_cpu import cpu_kernels
+from enginecore_cpu import cpu_kernels, host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +135,15 @@ class PreparedWeights:
     def load(self, key: str) -> Layer | None:
         """The layer prepared under ``key``, mapped from disk; None when there is no
         entry or it does not parse (the caller prepares the layer and saves it again)."""
-        entry = self._load(key)
+        entry = self._load(key, streamed=True)
         if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
             return None
         return cast(Layer, entry)
 
     def load_table(self, key: str) -> torch.Tensor | None:
-        """The float table kept under ``key`` (a token embedding's), mapped from disk."""
-        entry = self._load(key)
+        """The float table kept under ``key`` (a token embedding's), mapped from disk
+        for rows looked up at random."""
+        entry = self._load(key, streamed=False)
         if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
             return None
         return entry[0][1]
@@ -155,20 +156,25 @@ class PreparedWeights:
         """Write ``layer`` under ``key``; a failure to write only costs the next load time."""
         self._save(key, list(layer))
 
-    def _load(self, key: str) -> _Entry | None:
+    def _load(self, key: str, streamed: bool) -> _Entry | None:
         path = self._entry(key)
         try:
             size = path.stat().st_size
-            with open(path, "rb") as f:
-                magic, length, crc = _PREFIX.unpack(f.read(_PREFIX.size))
-                raw = f.read(length) if magic == MAGIC and length < size else b""
+            if size < _PREFIX.size:
+                raise ValueError("the header is cut short")
+            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            # Advised before a page is read, and the header read through the mapping too:
+            # a read() would bring the first pages into small page-cache folios.
+            host_memory.advise_reads(data, streamed)
+            magic, length, crc = _PREFIX.unpack(data[: _PREFIX.size].numpy().tobytes())
+            fits = magic == MAGIC and length < size
+            raw = data[_PREFIX.size : _PREFIX.size + length].numpy().tobytes() if fits else b""
             if len(raw) != length or zlib.crc32(raw) != crc:
                 raise ValueError("the header is cut short or damaged")
             header = json.loads(raw)
             base = _aligned(_PREFIX.size + length)
             if header["key"] != key or base + int(header["data"]) != size:
                 raise ValueError("the entry is another layer's or cut short")
-            data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
             data = data[base:]
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
         except (FileNotFoundError, NotADirectoryError):
@@ -178,8 +184,8 @@ class PreparedWeights:
             return None
 
     def _new_entry(self, raw: bytes) -> tuple[BinaryIO, str]:
-        """A new entry's temporary file, named by this process, open with its prefix and
-        header ``raw`` written; those of processes that died while writing one (a
+        """A new entry's temporary file, named by this process, open with ``raw`` (its
+        prefix and header) written; those of processes that died while writing one (a
         reserved entry is the layer's full size) are removed."""
         if not self.directory.is_dir():
             self._replace_older()
@@ -190,7 +196,7 @@ class PreparedWeights:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{os.getpid()}-", suffix=".tmp")
         f = os.fdopen(fd, "wb")
         try:
-            f.write(_PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw)
+            f.write(raw)
         except BaseException:
             f.close()
             Path(tmp).unlink(missing_ok=True)
@@ -211,7 +217,9 @@ class PreparedWeights:
         raw, end, _ = _header(key, list(layer))
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            f, tmp = self._new_entry(raw)
+            # The header goes in through the mapping too: written to the file first, it
+            # would take the first pages in small page-cache folios.
+            f, tmp = self._new_entry(b"")
             try:
                 with f:
                     f.flush()
@@ -225,6 +233,11 @@ class PreparedWeights:
                         Path(tmp).unlink(missing_ok=True)
                         return None  # a file system without it: written from memory
                 data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
+                # The pass fills huge page-cache folios for a layer, small ones for a table.
+                is_table = len(layer) == 1 and isinstance(layer[0][1], torch.Tensor)
+                host_memory.advise_reads(data, streamed=not is_table)
+                head = _prefixed(raw)
+                data[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
                 header = json.loads(raw)
                 parts = [(int(p["first"]), _part(p, data[base:])) for p in header["parts"]]
             except BaseException:
@@ -242,7 +255,7 @@ class PreparedWeights:
         raw, end, writes = _header(key, layer)
         base = _aligned(_PREFIX.size + len(raw))
         try:
-            f, tmp = self._new_entry(raw)
+            f, tmp = self._new_entry(_prefixed(raw))
             try:
                 with f:
                     for t, offset in writes:
@@ -322,6 +335,11 @@ def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tenso
             end = _aligned(end + t.numel() * t.element_size())
         parts.append({**_describe(part), "first": first, "tensors": specs})
     return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
+
+
+def _prefixed(raw: bytes) -> bytes:
+    """An entry's first bytes: ``MAGIC``, the header's length and CRC-32, the header."""
+    return _PREFIX.pack(MAGIC, len(raw), zlib.crc32(raw)) + raw
 
 
 def _alive(pid: int) -> bool:

@@ -463,3 +463,111 @@ def test_a_dead_writers_temporary_entry_is_removed(tmp_path, cache_root):
     live.write_bytes(b"\0" * 4096)
     assert gguf_linear_method._unpacked_in_place(prepared, "k2", {0: piece}) is not None
     assert not stale.exists() and live.exists()
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _mapped_bytes(mapped: torch.Tensor, field: str = "FilePmdMapped") -> int:
+    """A ``/proc/self/smaps`` field of the mapping under ``mapped``, in bytes: by default
+    what this process maps of it with 2 MiB page-table entries."""
+    address, ours, total = mapped.untyped_storage().data_ptr(), False, 0
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ours = start <= address < end
+            elif ours and fields[0] == field + ":":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def _touched(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.view(torch.uint8).sum()
+
+
+def _files_map_in_huge_pages(directory: Any) -> bool:
+    """Whether this kernel and file system map a file in huge pages at all: one written
+    with ``write`` (huge page-cache folios where the file system has them), mapped and
+    advised by the test itself."""
+    probe = directory / "probe"
+    probe.write_bytes(b"\1" * (4 * HUGE_PAGE))
+    mapped = torch.from_file(str(probe), shared=False, size=4 * HUGE_PAGE, dtype=torch.uint8)
+    _touched([mapped])
+    found = _mapped_bytes(mapped) > 0
+    del mapped
+    probe.unlink()
+    return found
+
+
+@needs_kernels
+def test_prepared_weights_are_mapped_in_huge_pages(tmp_path, cache_root):
+    """A decode step streams through every weight; in 4 KiB pages each costs a TLB miss and
+    ends the prefetcher's stream. An entry a first load fills in place, the same entry
+    mapped by a warm load, and the entry read again from disk once the page cache let it
+    go are all mapped in 2 MiB pages (all but the entry's unaligned ends)."""
+    if not _files_map_in_huge_pages(tmp_path):
+        pytest.skip("this kernel or file system maps no file in huge pages (THP off?)")
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    piece = QuantizedTensor(random_tensor("Q4_0", 4096, 4096).data, "Q4_0", (4096, 4096), "w")
+
+    def huge_share(parts: Any) -> float:
+        (entry,) = cache_root.glob("*/*.bin")
+        tensors = [t for _, part in parts for t in prepared_weights._fields(part)]
+        _touched(tensors)
+        whole = entry.stat().st_size // HUGE_PAGE * HUGE_PAGE - HUGE_PAGE  # the ends
+        return _mapped_bytes(tensors[0]) / whole
+
+    first = gguf_linear_method._unpacked_in_place(PreparedWeights(source), "w", {0: piece})
+    assert first is not None and huge_share(first) >= 1.0
+    del first
+    warm = PreparedWeights(source).load("w")
+    assert warm is not None and huge_share(warm) >= 1.0
+    del warm
+    (entry,) = cache_root.glob("*/*.bin")
+    _evicted(entry)
+    cold = PreparedWeights(source).load("w")
+    assert cold is not None and huge_share(cold) >= 1.0
+
+
+def _evicted(path: Any) -> None:
+    """``path``'s pages dropped from the page cache: the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written back first: dirty pages stay
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@needs_kernels
+def test_a_token_embeddings_table_stays_resident_only_where_rows_are_looked_up(
+    tmp_path, cache_root
+):
+    """A token embedding's float table is read a row at a time, at random, and a mapping
+    maps a page-cache folio whole: the first load fills it in small folios and no load
+    reads ahead, so 32 rows looked up make about 32 rows resident (with the kernel's
+    64 KiB fault-around once the page cache holds the table), not 32 huge folios."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    blocks = QuantizedTensor(random_tensor("Q8_0", 8192, 1024).data, "Q8_0", (8192, 1024), "e")
+    rng = np.random.default_rng(0)
+
+    def resident_after_lookups(table: torch.Tensor) -> int:
+        for row in rng.integers(0, table.shape[0], 32):
+            table[int(row)].sum()
+        return _mapped_bytes(table, "Rss")
+
+    table = gguf_linear_method._table_in_place(PreparedWeights(source), "embedding", blocks)
+    assert table is not None
+    row = table.shape[1] * table.element_size()
+    assert resident_after_lookups(table) <= 32 * (row + (64 << 10))
+    del table
+    (entry,) = cache_root.glob("*/*.bin")
+    _evicted(entry)
+    cold = PreparedWeights(source).load_table("embedding")
+    assert cold is not None
+    assert resident_after_lookups(cold) <= 32 * (row + 2 * 4096)
