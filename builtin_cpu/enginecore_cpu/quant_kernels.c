@@ -558,27 +558,42 @@ static inline __m256i pair_dot(const uint8_t *w, const int8_t *xp) {
 
 /* ``rows`` outputs (a constant in each inlined copy) of consecutive 4-bit weight rows from
  * ``wrow`` against one activation row permuted by ``permute_pairs``, into ``out`` (``mode``
- * a constant in each inlined copy, SCALES_Q4K already expanded to SCALES_F32). Each row:
- * the pairs in two accumulators and the offsets eight blocks at a time, all in registers.
+ * a constant in each inlined copy). Each row: the pairs in two accumulators and the
+ * offsets eight blocks at a time, all in registers; Q4_K's eight blocks at a time are a
+ * super-block, whose scales and offsets are formed in registers as they are reached
+ * (the floats k4_expand gives, so its bits).
  * Each row's sum runs in the order it runs alone (rows == 1), so the outputs have its
  * bits; a pass of several rows keeps more independent FMA chains in flight, and shares
  * the activation loads. */
 static inline __attribute__((always_inline)) void dot_rows_q4_avx2(
     int rows, const uint8_t *wrow, const void *d, const void *m, const int8_t *xp,
     const float *xd, const float *xs, int64_t nb, int mode, float *out) {
-    const int half = mode != SCALES_F32;
+    const int half = mode != SCALES_F32; /* Q4_K: two scale bytes a block */
     const int64_t wstride = nb * (QK / 2), sstride = nb * (half ? 2 : 4); /* a row's bytes */
     const uint8_t *next = wrow + rows * wstride; /* the next pass's bytes */
-    __m256 acc0[Q4_ROWS], acc1[Q4_ROWS];
-    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    if (mode == SCALES_Q4K) /* the next pass's scale bytes */
+        for (int64_t at = 0; at < rows * sstride; at += 64)
+            _mm_prefetch((const char *)d + rows * sstride + at, _MM_HINT_T0);
+    __m256 acc0[Q4_ROWS], acc1[Q4_ROWS], offsets[Q4_ROWS];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = offsets[r] = _mm256_setzero_ps();
     int64_t b = 0;
     /* Eight blocks' scale products d_w d_x at a time, one vector multiply, each pair's
      * two spread over its lanes by one permute. */
     for (; b + 8 <= nb; b += 8) {
         const __m256 xd8 = _mm256_loadu_ps(xd + b);
         __m256 sx[Q4_ROWS];
-        for (int r = 0; r < rows; r++)
-            sx[r] = _mm256_mul_ps(scales8((const char *)d + r * sstride, b, half), xd8);
+        for (int r = 0; r < rows; r++) {
+            __m256 wd;
+            if (mode == SCALES_Q4K) {
+                __m256 wm;
+                k4_scales_offsets((const uint8_t *)d + r * sstride + b / 8 * K4_SCALE_BYTES, &wd,
+                                  &wm);
+                offsets[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + b), offsets[r]);
+            } else {
+                wd = scales8((const char *)d + r * sstride, b, half);
+            }
+            sx[r] = _mm256_mul_ps(wd, xd8);
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < 8; j += 2) {
             const __m256i at = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
@@ -616,39 +631,36 @@ static inline __attribute__((always_inline)) void dot_rows_q4_avx2(
                 _mm256_set1_ps(scale_at((const char *)d + r * sstride, b, half) * xd[b]), acc1[r]);
         }
     }
-    /* the offsets: sum_b m_b d_x,b sum(q_x,b) */
+    /* the offsets: sum_b m_b d_x,b sum(q_x,b) (Q4_K's summed above: nb is a multiple
+     * of 8) */
     for (int r = 0; r < rows; r++) {
         const char *dr = (const char *)d + r * sstride;
         const char *mr = m == NULL ? NULL : (const char *)m + r * sstride;
-        __m256 offsets = _mm256_setzero_ps();
-        int64_t i = 0;
+        int64_t i = mode == SCALES_Q4K ? nb : 0;
         for (; i + 8 <= nb; i += 8) {
             const __m256 wm =
                 mode == SCALES_F16_SYM ? _mm256_mul_ps(_mm256_set1_ps(-8.f), scales8(dr, i, 1))
                                        : scales8(mr, i, half);
-            offsets = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + i), offsets);
+            offsets[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + i), offsets[r]);
         }
-        float total = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(offsets);
+        float total = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(offsets[r]);
         for (; i < nb; i++) total += offset_at(mr, dr, i, mode) * xs[i];
         out[r] = total;
     }
 }
 
 /* dot_rows_q4_avx2 for ``rows`` (a constant in each inlined copy) weight rows from n0,
- * its ``mode`` made a constant of its copies; Q4_K's scales expanded first. */
+ * its ``mode`` made a constant of its copies. */
 static inline __attribute__((always_inline)) void q4_rows_avx2(int rows, const struct q4_args *a,
                                                                int64_t n0) {
     const uint8_t *w;
     const char *d, *m;
     q4_rows_at(a, n0, &w, &d, &m);
-    int mode = a->mode;
-    const int64_t nb = a->nb, expanded = mode == SCALES_Q4K ? rows * nb : 1;
-    float d32[expanded], m32[expanded];
-    if (mode == SCALES_Q4K) {
-        q4k_expand_rows(rows, d, nb, d32, m32);
-        d = (const char *)d32, m = (const char *)m32, mode = SCALES_F32;
-    }
-    if (mode == SCALES_F16_SYM)
+    const int mode = a->mode;
+    const int64_t nb = a->nb;
+    if (mode == SCALES_Q4K)
+        dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_Q4K, a->out + n0);
+    else if (mode == SCALES_F16_SYM)
         dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F16_SYM, a->out + n0);
     else if (mode == SCALES_F16)
         dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F16, a->out + n0);
@@ -733,7 +745,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         int8_t xp[K];
         permute_pairs(xq, K, xp);
         const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
-        const int pass = q4_pass_rows(nb);
+        /* Q4_K two rows a pass at most: with its offsets' accumulators four rows' sums
+         * spill from AVX2's sixteen registers (one_row_cycles.py) */
+        const int pass = mode == SCALES_Q4K && q4_pass_rows(nb) > 2 ? 2 : q4_pass_rows(nb);
         if (pass == Q4_ROWS)
             q4_one_row_avx2(N, &a);
         else

@@ -147,10 +147,11 @@ static inline uint64_t k4_mins8(const uint8_t *q) {
     return (uint64_t)high << 32 | (w1 & 0x3F3F3F3Fu);
 }
 
-/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
- * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
-static inline void k4_expand(const uint8_t *h, float *d, float *m) {
 #if defined(__AVX2__)
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes), in registers. */
+static inline __attribute__((always_inline)) void k4_scales_offsets(const uint8_t *h, __m256 *d,
+                                                                    __m256 *m) {
     /* k4_scales8 and k4_mins8 on the words (d dmin, w0, w1, w2) in four lanes at once */
     const __m128i v = _mm_loadu_si128((const __m128i *)h);
     const __m128i t = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1)); /* w0 w0 w1 w1 */
@@ -166,9 +167,20 @@ static inline void k4_expand(const uint8_t *h, float *d, float *m) {
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
     const __m256 dmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(1));
     const __m256 products = _mm256_mul_ps(dmin, mins);
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_broadcastss_ps(dd), scales));
-    _mm256_storeu_ps(m, _mm256_castsi256_ps(_mm256_xor_si256(
-                            _mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u))));
+    *d = _mm256_mul_ps(_mm256_broadcastss_ps(dd), scales);
+    *m = _mm256_castsi256_ps(
+        _mm256_xor_si256(_mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u)));
+}
+#endif
+
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
+static inline void k4_expand(const uint8_t *h, float *d, float *m) {
+#if defined(__AVX2__)
+    __m256 dv, mv;
+    k4_scales_offsets(h, &dv, &mv);
+    _mm256_storeu_ps(d, dv);
+    _mm256_storeu_ps(m, mv);
 #else
     const uint64_t sc = k4_scales8(h + 4), mn = k4_mins8(h + 4);
     const float dd = k4_half(h), dmin = k4_half(h + 2);
