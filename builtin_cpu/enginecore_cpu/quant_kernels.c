@@ -500,17 +500,19 @@ static inline __attribute__((always_inline)) void q4_pass_two(const void *args, 
 }
 
 /* The one-row products' loops, a function each: inlined into ecq_gemm_q4 together they
- * ran slower (one_row_cycles.py). */
-static __attribute__((noinline)) void q4k_one_row(int64_t N, const struct q4_args *a) {
-    row_passes(N, Q4K_ROWS, q4k_pass, a);
+ * ran slower (one_row_cycles.py). Each takes its arguments by value: a copy nothing else
+ * can write stays in registers across the passes, where read through a pointer the
+ * four-row Q4_0 loop ran slower. */
+static __attribute__((noinline)) void q4k_one_row(int64_t N, struct q4_args a) {
+    row_passes(N, Q4K_ROWS, q4k_pass, &a);
 }
 
-static __attribute__((noinline)) void q4_one_row(int64_t N, const struct q4_args *a) {
-    row_passes(N, Q4_ROWS, q4_pass, a);
+static __attribute__((noinline)) void q4_one_row(int64_t N, struct q4_args a) {
+    row_passes(N, Q4_ROWS, q4_pass, &a);
 }
 
-static __attribute__((noinline)) void q4_one_row_two(int64_t N, const struct q4_args *a) {
-    row_passes(N, 2, q4_pass_two, a);
+static __attribute__((noinline)) void q4_one_row_two(int64_t N, struct q4_args a) {
+    row_passes(N, 2, q4_pass_two, &a);
 }
 #endif
 
@@ -683,14 +685,14 @@ static inline __attribute__((always_inline)) void q4_pass_avx2_two(const void *a
         q4_rows_avx2(1, args, n0);
 }
 
-static __attribute__((noinline)) void q4_one_row_avx2(int64_t N, const struct q4_args *a) {
-    row_passes(N, Q4_ROWS, q4_pass_avx2, a);
+static __attribute__((noinline)) void q4_one_row_avx2(int64_t N, struct q4_args a) {
+    row_passes(N, Q4_ROWS, q4_pass_avx2, &a);
 }
 
 /* ``pass`` 2, or 1: the rows one at a time */
 static __attribute__((noinline)) void q4_one_row_avx2_two(int64_t N, int pass,
-                                                          const struct q4_args *a) {
-    row_passes(N, pass, q4_pass_avx2_two, a);
+                                                          struct q4_args a) {
+    row_passes(N, pass, q4_pass_avx2_two, &a);
 }
 #endif
 
@@ -713,11 +715,11 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         if (M == 1 && (mode == SCALES_Q4K || pass > 1)) {
             const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
             if (mode == SCALES_Q4K)
-                q4k_one_row(N, &a);
+                q4k_one_row(N, a);
             else if (pass == Q4_ROWS)
-                q4_one_row(N, &a);
+                q4_one_row(N, a);
             else
-                q4_one_row_two(N, &a);
+                q4_one_row_two(N, a);
             if (xp != stack_rows) free(xp);
             return;
         }
@@ -749,9 +751,9 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
          * spill from AVX2's sixteen registers (one_row_cycles.py) */
         const int pass = mode == SCALES_Q4K && q4_pass_rows(nb) > 2 ? 2 : q4_pass_rows(nb);
         if (pass == Q4_ROWS)
-            q4_one_row_avx2(N, &a);
+            q4_one_row_avx2(N, a);
         else
-            q4_one_row_avx2_two(N, pass, &a);
+            q4_one_row_avx2_two(N, pass, a);
         return;
     }
 #endif
@@ -907,13 +909,13 @@ static inline __attribute__((always_inline)) void q8_pass_two(const void *args, 
         q8_rows(1, args, n0);
 }
 
-static __attribute__((noinline)) void q8_one_row(int64_t N, const struct q8_args *a) {
-    row_passes(N, Q8_ROWS, q8_pass, a);
+static __attribute__((noinline)) void q8_one_row(int64_t N, struct q8_args a) {
+    row_passes(N, Q8_ROWS, q8_pass, &a);
 }
 
 /* ``pass`` 2, or 1: the rows one at a time */
-static __attribute__((noinline)) void q8_one_row_two(int64_t N, int pass, const struct q8_args *a) {
-    row_passes(N, pass, q8_pass_two, a);
+static __attribute__((noinline)) void q8_one_row_two(int64_t N, int pass, struct q8_args a) {
+    row_passes(N, pass, q8_pass_two, &a);
 }
 #endif
 
@@ -974,9 +976,9 @@ void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *
         const struct q8_args a = {wq, wd, half, xq, xd, K / QK, out};
         const int pass = q8_pass_rows(K / QK);
         if (pass == Q8_ROWS)
-            q8_one_row(N, &a);
+            q8_one_row(N, a);
         else
-            q8_one_row_two(N, pass, &a);
+            q8_one_row_two(N, pass, a);
         return;
     }
 #endif
