@@ -7,14 +7,16 @@
  * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
  * of their super-block of 256 as the file holds them; each weight row's are expanded to
  * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
- * multiplied as one with float32 scales (at one activation row on AVX-512 they are formed
- * in vector registers inside the product, which takes four weight rows a pass).
+ * multiplied as one with float32 scales (at one activation row on AVX-512 and AVX2 they
+ * are formed in vector registers inside the product).
  * Activations are quantized to signed bytes per block of 32 with their own scale, as
  * llama.cpp does, so each block's dot product is an integer one: VNNI's vpdpbusd where
  * the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each
  * output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for the 4-bit
  * formats. Rows of the activations are taken four at a time, so a weight block read from
- * memory serves all four.
+ * memory serves all four. One activation row (the batch-1 decode step) takes weight rows
+ * several a pass (row_passes), each row's sum in the order it has alone: a row's sum is
+ * a chain of dependent FMAs, which one row alone waits on.
  */
 #include <stdint.h>
 #include <math.h>
@@ -466,7 +468,8 @@ static inline __attribute__((always_inline)) void q4_rows_pass(
 }
 
 /* The passes of the one-row products (row_passes). */
-static inline __attribute__((always_inline)) void q4k_pass(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q4k_pass(const void *args,
+                                                           int64_t n0, int rows) {
     const struct q4_args *a = args;
     const uint8_t *w;
     const char *d, *m;
@@ -477,7 +480,8 @@ static inline __attribute__((always_inline)) void q4k_pass(const void *args, int
         dot_rows_q4k(1, w, (const uint8_t *)d, a->xp, a->xd, a->xs, a->nb, a->out + n0);
 }
 
-static inline __attribute__((always_inline)) void q4_pass(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q4_pass(const void *args,
+                                                          int64_t n0, int rows) {
     const struct q4_args *a = args;
     const uint8_t *w;
     const char *d, *m;
@@ -488,7 +492,8 @@ static inline __attribute__((always_inline)) void q4_pass(const void *args, int6
         q4_rows_pass(1, w, d, m, a->xp, a->xd, a->xs, a->nb, a->mode, a->out + n0);
 }
 
-static inline __attribute__((always_inline)) void q4_pass_two(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q4_pass_two(const void *args,
+                                                              int64_t n0, int rows) {
     const struct q4_args *a = args;
     const uint8_t *w;
     const char *d, *m;
@@ -671,14 +676,16 @@ static inline __attribute__((always_inline)) void q4_rows_avx2(int rows, const s
 }
 
 /* The passes (row_passes) of Q4_ROWS and of two rows, and their loops, a function each. */
-static inline __attribute__((always_inline)) void q4_pass_avx2(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q4_pass_avx2(const void *args,
+                                                               int64_t n0, int rows) {
     if (rows == Q4_ROWS)
         q4_rows_avx2(Q4_ROWS, args, n0);
     else
         q4_rows_avx2(1, args, n0);
 }
 
-static inline __attribute__((always_inline)) void q4_pass_avx2_two(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q4_pass_avx2_two(const void *args,
+                                                                   int64_t n0, int rows) {
     if (rows == 2)
         q4_rows_avx2(2, args, n0);
     else
@@ -857,7 +864,8 @@ static inline __attribute__((always_inline)) void dot_rows_q8(int rows, const in
     for (; b + 8 <= nb; b += 8) {
         const __m256 xd8 = _mm256_loadu_ps(xd + b);
         __m256 sx[Q8_ROWS];
-        for (int r = 0; r < rows; r++) sx[r] = _mm256_mul_ps(scales8(d + r * sstride, b, half), xd8);
+        for (int r = 0; r < rows; r++)
+            sx[r] = _mm256_mul_ps(scales8(d + r * sstride, b, half), xd8);
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
@@ -894,15 +902,16 @@ static inline __attribute__((always_inline)) void q8_rows(int rows, const struct
         dot_rows_q8(rows, w, d, 0, a->xq, a->xd, a->nb, a->out + n0);
 }
 
-static inline __attribute__((always_inline)) void q8_pass(const void *args, int64_t n0, int rows) {
+static inline __attribute__((always_inline)) void q8_pass(const void *args,
+                                                          int64_t n0, int rows) {
     if (rows == Q8_ROWS)
         q8_rows(Q8_ROWS, args, n0);
     else
         q8_rows(1, args, n0);
 }
 
-static inline __attribute__((always_inline)) void q8_pass_two(const void *args, int64_t n0,
-                                                              int rows) {
+static inline __attribute__((always_inline)) void q8_pass_two(const void *args,
+                                                              int64_t n0, int rows) {
     if (rows == 2)
         q8_rows(2, args, n0);
     else

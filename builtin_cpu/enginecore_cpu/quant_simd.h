@@ -23,7 +23,8 @@ typedef void (*row_pass_fn)(const void *args, int64_t n0, int rows);
  * several-rows kernel runs under this one loop; inlined into a function of each pass
  * (a constant ``fn``), the serial builds (the fused step's) inline the pass too, where a
  * call a pass made two-row passes slower. */
-static inline __attribute__((always_inline)) void row_passes(int64_t N, int pass, row_pass_fn fn, const void *args) {
+static inline __attribute__((always_inline)) void row_passes(int64_t N, int pass, row_pass_fn fn,
+                                                             const void *args) {
     const int64_t tiles = (N + pass - 1) / pass;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {

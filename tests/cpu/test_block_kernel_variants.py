@@ -206,8 +206,9 @@ def _weight(fmt: str, w: torch.Tensor) -> Any:
 
 # Row lengths for the one-row passes: 32-value blocks 1, 2, 3, 5, 8, 37, 39, 64, 65, 125
 # and 193 (every tail of a row's groups of 8, 4 and 2 blocks; four-row passes up to 1536
-# inputs of Q8_0 and 3072 of the 4-bit formats, two-row passes beyond, one row at a time
-# from 3073 (Q8_0) and 6145 inputs); Q4_K's whole super-blocks 1, 5 (odd), 8 and 9.
+# inputs of Q8_0 and 3072 of Q4_0 / Q4_1, two-row passes beyond and AVX2's Q4_K's, one
+# row at a time from 3073 (Q8_0) and 6145 inputs); Q4_K's whole super-blocks 1, 5 (odd),
+# 8 and 9.
 _PASS_SHAPES = [
     (fmt, k)
     for fmt in ["Q8_0", "Q4_0", "Q4_1", "Q4_1 float32", "Q4_K"]
