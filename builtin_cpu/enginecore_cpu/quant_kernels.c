@@ -15,7 +15,7 @@
  * output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for the 4-bit
  * formats. Rows of the activations are taken four at a time, so a weight block read from
  * memory serves all four. One activation row (the batch-1 decode step) takes weight rows
- * several a pass (row_passes), each row's sum in the order it has alone: a row's sum is
+ * several a pass (ROW_PASSES), each row's sum in the order it has alone: a row's sum is
  * a chain of dependent FMAs, which one row alone waits on.
  */
 #include <stdint.h>
@@ -143,7 +143,7 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 #endif
 
 /* The weight rows and the activation row of a one-row 4-bit product, for its passes
- * (row_passes): ``wd``, ``wm`` as ``mode`` says, ``xp`` the activations permuted for
+ * (ROW_PASSES): ``wd``, ``wm`` as ``mode`` says, ``xp`` the activations permuted for
  * the build's kernel. */
 struct q4_args {
     const uint8_t *wq;
@@ -467,7 +467,7 @@ static inline __attribute__((always_inline)) void q4_rows_pass(
 #undef Q4_PASS
 }
 
-/* The passes of the one-row products (row_passes). */
+/* The passes of the one-row products (ROW_PASSES). */
 static inline __attribute__((always_inline)) void q4k_pass(const void *args,
                                                            int64_t n0, int rows) {
     const struct q4_args *a = args;
@@ -509,15 +509,15 @@ static inline __attribute__((always_inline)) void q4_pass_two(const void *args,
  * can write stays in registers across the passes, where read through a pointer the
  * four-row Q4_0 loop ran slower. */
 static __attribute__((noinline)) void q4k_one_row(int64_t N, struct q4_args a) {
-    row_passes(N, Q4K_ROWS, q4k_pass, &a);
+    ROW_PASSES(N, Q4K_ROWS, q4k_pass, &a);
 }
 
 static __attribute__((noinline)) void q4_one_row(int64_t N, struct q4_args a) {
-    row_passes(N, Q4_ROWS, q4_pass, &a);
+    ROW_PASSES(N, Q4_ROWS, q4_pass, &a);
 }
 
 static __attribute__((noinline)) void q4_one_row_two(int64_t N, struct q4_args a) {
-    row_passes(N, 2, q4_pass_two, &a);
+    ROW_PASSES(N, 2, q4_pass_two, &a);
 }
 #endif
 
@@ -675,7 +675,7 @@ static inline __attribute__((always_inline)) void q4_rows_avx2(int rows, const s
         dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F32, a->out + n0);
 }
 
-/* The passes (row_passes) of Q4_ROWS and of two rows, and their loops, a function each. */
+/* The passes (ROW_PASSES) of Q4_ROWS and of two rows, and their loops, a function each. */
 static inline __attribute__((always_inline)) void q4_pass_avx2(const void *args,
                                                                int64_t n0, int rows) {
     if (rows == Q4_ROWS)
@@ -693,13 +693,13 @@ static inline __attribute__((always_inline)) void q4_pass_avx2_two(const void *a
 }
 
 static __attribute__((noinline)) void q4_one_row_avx2(int64_t N, struct q4_args a) {
-    row_passes(N, Q4_ROWS, q4_pass_avx2, &a);
+    ROW_PASSES(N, Q4_ROWS, q4_pass_avx2, &a);
 }
 
 /* ``pass`` 2, or 1: the rows one at a time */
 static __attribute__((noinline)) void q4_one_row_avx2_two(int64_t N, int pass,
                                                           struct q4_args a) {
-    row_passes(N, pass, q4_pass_avx2_two, &a);
+    ROW_PASSES(N, pass, q4_pass_avx2_two, &a);
 }
 #endif
 
@@ -919,12 +919,12 @@ static inline __attribute__((always_inline)) void q8_pass_two(const void *args,
 }
 
 static __attribute__((noinline)) void q8_one_row(int64_t N, struct q8_args a) {
-    row_passes(N, Q8_ROWS, q8_pass, &a);
+    ROW_PASSES(N, Q8_ROWS, q8_pass, &a);
 }
 
 /* ``pass`` 2, or 1: the rows one at a time */
 static __attribute__((noinline)) void q8_one_row_two(int64_t N, int pass, struct q8_args a) {
-    row_passes(N, pass, q8_pass_two, &a);
+    ROW_PASSES(N, pass, q8_pass_two, &a);
 }
 #endif
 

@@ -13,28 +13,27 @@
 
 #include <stdint.h>
 
-/* One pass of a one-row (batch-1 decode) product: outputs n0 .. n0 + rows - 1 of the
- * weight rows ``args`` describes, ``rows`` the pass's count or 1. */
-typedef void (*row_pass_fn)(const void *args, int64_t n0, int rows);
-
-/* The one-row product's N weight rows, ``pass`` rows a pass (each pass interleaves its
- * rows' sums, which are chains of dependent FMAs one row alone would wait on), the
- * threads taking whole passes, the last N % pass rows one at a time. Every format's
- * several-rows kernel runs under this one loop; inlined into a function of each pass
- * (a constant ``fn``), the serial builds (the fused step's) inline the pass too, where a
- * call a pass made two-row passes slower. */
-static inline __attribute__((always_inline)) void row_passes(int64_t N, int pass, row_pass_fn fn,
-                                                             const void *args) {
-    const int64_t tiles = (N + pass - 1) / pass;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * pass;
-        if (N - n0 >= pass)
-            fn(args, n0, pass);
-        else
-            for (int64_t n = n0; n < N; n++) fn(args, n, 1);
-    }
-}
+/* The one-row (batch-1 decode) product's N weight rows, ``pass`` rows a pass (each pass
+ * interleaves its rows' sums, which are chains of dependent FMAs one row alone would
+ * wait on), the threads taking whole passes, the last N % pass rows one at a time:
+ * ``fn(args, n0, rows)`` makes outputs n0 .. n0 + rows - 1, ``rows`` the pass's count or
+ * 1. Every format's several-rows kernel runs under this one loop. A macro, so that each
+ * use is a parallel region of its own, whose call of ``fn`` the compiler inlines: as a
+ * function, OpenMP's one outlined region would call every format's pass through a
+ * pointer, which ran slower. */
+#define ROW_PASSES(N, pass, fn, args)                                                      \
+    do {                                                                                   \
+        const int64_t rp_rows = (N), rp_pass = (pass);                                     \
+        const int64_t rp_tiles = (rp_rows + rp_pass - 1) / rp_pass;                        \
+        _Pragma("omp parallel for schedule(static)")                                       \
+        for (int64_t rp_t = 0; rp_t < rp_tiles; rp_t++) {                                  \
+            const int64_t rp_n0 = rp_t * rp_pass;                                          \
+            if (rp_rows - rp_n0 >= rp_pass)                                                \
+                fn(args, rp_n0, (int)rp_pass);                                             \
+            else                                                                           \
+                for (int64_t rp_n = rp_n0; rp_n < rp_rows; rp_n++) fn(args, rp_n, 1);     \
+        }                                                                                  \
+    } while (0)
 
 #if defined(__AVX2__)
 #include <immintrin.h>
