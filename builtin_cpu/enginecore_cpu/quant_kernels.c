@@ -7,14 +7,16 @@
  * scale (Q8_0). Q4_K's blocks have their scale d sc and offset -(dmin mn) in the bytes
  * of their super-block of 256 as the file holds them; each weight row's are expanded to
  * float32 on the stack when the row is reached (exact: quant_simd.h), and the row is
- * multiplied as one with float32 scales (at one activation row on AVX-512 they are formed
- * in vector registers inside the product, which takes four weight rows a pass).
+ * multiplied as one with float32 scales (at one activation row on AVX-512 and AVX2 they
+ * are formed in vector registers inside the product).
  * Activations are quantized to signed bytes per block of 32 with their own scale, as
  * llama.cpp does, so each block's dot product is an integer one: VNNI's vpdpbusd where
  * the CPU has it, AVX2's vpmaddubsw + vpmaddwd elsewhere, a plain loop off x86. Each
  * output sums d_w d_x <q_w, q_x> over the blocks, plus m_w d_x sum(q_x) for the 4-bit
  * formats. Rows of the activations are taken four at a time, so a weight block read from
- * memory serves all four.
+ * memory serves all four. One activation row (the batch-1 decode step) takes weight rows
+ * several a pass (ROW_PASSES), each row's sum in the order it has alone: a row's sum is
+ * a chain of dependent FMAs, which one row alone waits on.
  */
 #include <stdint.h>
 #include <math.h>
@@ -35,6 +37,20 @@
 #define SCALES_F16_SYM 3 /* float16 d, offsets -8 d: m is never read */
 #define SCALES_Q4K 2
 
+/* The float32 scales and offsets of ``rows`` Q4_K weight rows from ``sb`` (their scale
+ * bytes, nb * 2 a row) into d32, m32 [rows, nb]. */
+static inline __attribute__((always_inline)) void q4k_expand_rows(int rows, const char *sb,
+                                                                  int64_t nb, float *d32,
+                                                                  float *m32) {
+    const int64_t bytes = nb * 2; /* a row's */
+    /* the next rows' scale bytes, so their expansion does not wait on them */
+    for (int64_t at = 0; at < rows * bytes; at += 64) __builtin_prefetch(sb + rows * bytes + at);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < nb / 8; s++)
+            k4_expand((const uint8_t *)sb + r * bytes + s * K4_SCALE_BYTES, d32 + r * nb + 8 * s,
+                      m32 + r * nb + 8 * s);
+}
+
 /* The row's scales and offsets as the kernel reads them: ``d`` and ``m`` as given, or for
  * Q4_K (``d`` the row's scale bytes) expanded into ``d32``, ``m32`` [nb]; returns the
  * mode they are read in. */
@@ -42,10 +58,7 @@ static inline __attribute__((always_inline)) int row_scales(int mode, const char
                                                             const char **m, int64_t nb,
                                                             float *d32, float *m32) {
     if (mode != SCALES_Q4K) return mode;
-    /* the next row's scale bytes, so its expansion does not wait on them */
-    for (int64_t at = 0; at < nb * 2; at += 64) __builtin_prefetch(*d + nb * 2 + at);
-    for (int64_t s = 0; s < nb / 8; s++)
-        k4_expand((const uint8_t *)*d + s * K4_SCALE_BYTES, d32 + 8 * s, m32 + 8 * s);
+    q4k_expand_rows(1, *d, nb, d32, m32);
     *d = (const char *)d32, *m = (const char *)m32;
     return SCALES_F32;
 }
@@ -100,6 +113,12 @@ void ecq_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int8_t
 }
 
 #if defined(__AVX2__)
+/* The scales d of blocks b..b+7 of a row, float32. */
+static inline __attribute__((always_inline)) __m256 scales8(const void *d, int64_t b, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)d + b)))
+                : _mm256_loadu_ps((const float *)d + b);
+}
+
 static inline __m256i unpack_nibbles(const uint8_t *q) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -111,22 +130,51 @@ static inline __m256i unpack_nibbles(const uint8_t *q) {
 
 #define ROWS 4
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define ECQ_AVX512 1
-/* Q4_K weight rows a pass of the one-row kernel takes (dot_rows_q4k) */
-#ifndef Q4K_ROWS
-#define Q4K_ROWS 4
-#endif
-/* Q4_0 / Q4_1 (and float32-scale) weight rows a pass of the one-row kernel (dot_rows_q4):
+/* 4-bit weight rows a pass of the one-row kernels (dot_rows_q4, dot_rows_q4_avx2):
  * Q4_ROWS, or 2 where their packed bytes would pass Q4_PASS_BYTES; rows longer still go
- * one at a time (dot_row_q4). A pass prefetches the next pass's bytes, so a pass's bytes
- * are the prefetch distance: from memory four rows of 4 KB (8,192 inputs) read slower
- * than one row at a time, four of 1-1.5 KB faster. */
+ * one at a time. A pass prefetches the next pass's bytes, so a pass's bytes are the
+ * prefetch distance: from memory four rows of 4 KB (8,192 inputs) read slower than one
+ * row at a time, four of 1-1.5 KB faster. */
 #ifndef Q4_ROWS
 #define Q4_ROWS 4
 #endif
 #ifndef Q4_PASS_BYTES
 #define Q4_PASS_BYTES 6144
+#endif
+
+/* The weight rows and the activation row of a one-row 4-bit product, for its passes
+ * (ROW_PASSES): ``wd``, ``wm`` as ``mode`` says, ``xp`` the activations permuted for
+ * the build's kernel. */
+struct q4_args {
+    const uint8_t *wq;
+    const void *wd, *wm;
+    int mode;
+    const int8_t *xp;
+    const float *xd, *xs;
+    int64_t nb;
+    float *out;
+};
+
+/* Weight row n0's packed bytes, scales and offsets (Q4_K: its scale bytes in ``d``). */
+static inline void q4_rows_at(const struct q4_args *a, int64_t n0, const uint8_t **w,
+                              const char **d, const char **m) {
+    const int64_t scale_bytes = a->nb * (a->mode == SCALES_F32 ? 4 : 2); /* a row's */
+    *w = a->wq + n0 * a->nb * (QK / 2);
+    *d = (const char *)a->wd + n0 * scale_bytes;
+    *m = a->wm == NULL ? NULL : (const char *)a->wm + n0 * scale_bytes;
+}
+
+/* The weight rows' count a one-row 4-bit pass takes for rows of ``nb`` blocks. */
+static inline int q4_pass_rows(int64_t nb) {
+    const int64_t row_bytes = nb * (QK / 2);
+    return Q4_ROWS * row_bytes <= Q4_PASS_BYTES ? Q4_ROWS : 2 * row_bytes <= Q4_PASS_BYTES ? 2 : 1;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ECQ_AVX512 1
+/* Q4_K weight rows a pass of the one-row kernel takes (dot_rows_q4k) */
+#ifndef Q4K_ROWS
+#define Q4K_ROWS 4
 #endif
 /* 4-bit weights, AVX-512: a load of G blocks' packed bytes (G = 4, 2 or 1) splits into
  * its low nibbles (elements 0-15 of each block, block after block) and its high ones
@@ -419,43 +467,57 @@ static inline __attribute__((always_inline)) void q4_rows_pass(
 #undef Q4_PASS
 }
 
-/* The one-row product of all N weight rows, ``pass`` (a constant in each inlined copy)
- * rows a pass, the last N % pass one at a time. */
-static inline __attribute__((always_inline)) void q4_one_row(
-    int pass, int64_t N, int64_t nb, const uint8_t *wq, const void *wd, const void *wm,
-    int mode, const int8_t *xp, const float *xd, const float *xs, float *out) {
-    const int64_t scale_bytes = mode == SCALES_F32 ? 4 : 2, row_bytes = nb * (QK / 2);
-    const int64_t tiles = (N + pass - 1) / pass;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * pass, rows = N - n0 < pass ? N - n0 : pass;
-        const uint8_t *wrow = wq + n0 * row_bytes;
-        const char *d = (const char *)wd + n0 * nb * scale_bytes;
-        const char *m = wm == NULL ? NULL : (const char *)wm + n0 * nb * scale_bytes;
-        if (rows == pass)
-            q4_rows_pass(pass, wrow, d, m, xp, xd, xs, nb, mode, out + n0);
-        else
-            for (int64_t r = 0; r < rows; r++)
-                q4_rows_pass(1, wrow + r * row_bytes, d + r * nb * scale_bytes,
-                             m == NULL ? NULL : m + r * nb * scale_bytes, xp, xd, xs, nb, mode,
-                             out + n0 + r);
-    }
+/* The passes of the one-row products (ROW_PASSES). */
+static inline __attribute__((always_inline)) void q4k_pass(const void *args,
+                                                           int64_t n0, int rows) {
+    const struct q4_args *a = args;
+    const uint8_t *w;
+    const char *d, *m;
+    q4_rows_at(a, n0, &w, &d, &m);
+    if (rows == Q4K_ROWS)
+        dot_rows_q4k(Q4K_ROWS, w, (const uint8_t *)d, a->xp, a->xd, a->xs, a->nb, a->out + n0);
+    else
+        dot_rows_q4k(1, w, (const uint8_t *)d, a->xp, a->xd, a->xs, a->nb, a->out + n0);
 }
 
-/* q4_one_row's copies, each a function of its own: inlined into ecq_gemm_q4 together they
- * ran slower (one_row_cycles.py). */
-static __attribute__((noinline)) void q4_one_row_rows(int64_t N, int64_t nb, const uint8_t *wq,
-                                                      const void *wd, const void *wm, int mode,
-                                                      const int8_t *xp, const float *xd,
-                                                      const float *xs, float *out) {
-    q4_one_row(Q4_ROWS, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+static inline __attribute__((always_inline)) void q4_pass(const void *args,
+                                                          int64_t n0, int rows) {
+    const struct q4_args *a = args;
+    const uint8_t *w;
+    const char *d, *m;
+    q4_rows_at(a, n0, &w, &d, &m);
+    if (rows == Q4_ROWS)
+        q4_rows_pass(Q4_ROWS, w, d, m, a->xp, a->xd, a->xs, a->nb, a->mode, a->out + n0);
+    else
+        q4_rows_pass(1, w, d, m, a->xp, a->xd, a->xs, a->nb, a->mode, a->out + n0);
 }
 
-static __attribute__((noinline)) void q4_one_row_two(int64_t N, int64_t nb, const uint8_t *wq,
-                                                     const void *wd, const void *wm, int mode,
-                                                     const int8_t *xp, const float *xd,
-                                                     const float *xs, float *out) {
-    q4_one_row(2, N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+static inline __attribute__((always_inline)) void q4_pass_two(const void *args,
+                                                              int64_t n0, int rows) {
+    const struct q4_args *a = args;
+    const uint8_t *w;
+    const char *d, *m;
+    q4_rows_at(a, n0, &w, &d, &m);
+    if (rows == 2)
+        q4_rows_pass(2, w, d, m, a->xp, a->xd, a->xs, a->nb, a->mode, a->out + n0);
+    else
+        q4_rows_pass(1, w, d, m, a->xp, a->xd, a->xs, a->nb, a->mode, a->out + n0);
+}
+
+/* The one-row products' loops, a function each: inlined into ecq_gemm_q4 together they
+ * ran slower (one_row_cycles.py). Each takes its arguments by value: a copy nothing else
+ * can write stays in registers across the passes, where read through a pointer the
+ * four-row Q4_0 loop ran slower. */
+static __attribute__((noinline)) void q4k_one_row(int64_t N, struct q4_args a) {
+    ROW_PASSES(N, Q4K_ROWS, q4k_pass, &a);
+}
+
+static __attribute__((noinline)) void q4_one_row(int64_t N, struct q4_args a) {
+    ROW_PASSES(N, Q4_ROWS, q4_pass, &a);
+}
+
+static __attribute__((noinline)) void q4_one_row_two(int64_t N, struct q4_args a) {
+    ROW_PASSES(N, 2, q4_pass_two, &a);
 }
 #endif
 
@@ -501,63 +563,143 @@ static inline __m256i pair_dot(const uint8_t *w, const int8_t *xp) {
 #endif
 }
 
-/* One output of 4-bit weights against one activation row permuted by ``permute_pairs``
- * (``mode`` a constant in each inlined copy, SCALES_Q4K already expanded to
- * SCALES_F32): the pairs in two accumulators and the offsets eight blocks at a time,
- * all in registers. */
-static inline __attribute__((always_inline)) float dot_row_q4_avx2(
-    const uint8_t *wrow, const void *d, const void *m, const int8_t *xp, const float *xd,
-    const float *xs, int64_t nb, int mode) {
-    const int half = mode != SCALES_F32;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+/* ``rows`` outputs (a constant in each inlined copy) of consecutive 4-bit weight rows from
+ * ``wrow`` against one activation row permuted by ``permute_pairs``, into ``out`` (``mode``
+ * a constant in each inlined copy). Each row: the pairs in two accumulators and the
+ * offsets eight blocks at a time, all in registers; Q4_K's eight blocks at a time are a
+ * super-block, whose scales and offsets are formed in registers as they are reached
+ * (the floats k4_expand gives, so its bits).
+ * Each row's sum runs in the order it runs alone (rows == 1), so the outputs have its
+ * bits; a pass of several rows keeps more independent FMA chains in flight, and shares
+ * the activation loads. */
+static inline __attribute__((always_inline)) void dot_rows_q4_avx2(
+    int rows, const uint8_t *wrow, const void *d, const void *m, const int8_t *xp,
+    const float *xd, const float *xs, int64_t nb, int mode, float *out) {
+    const int half = mode != SCALES_F32; /* Q4_K: two scale bytes a block */
+    const int64_t wstride = nb * (QK / 2), sstride = nb * (half ? 2 : 4); /* a row's bytes */
+    const uint8_t *next = wrow + rows * wstride; /* the next pass's bytes */
+    if (mode == SCALES_Q4K) /* the next pass's scale bytes */
+        for (int64_t at = 0; at < rows * sstride; at += 64)
+            _mm_prefetch((const char *)d + rows * sstride + at, _MM_HINT_T0);
+    __m256 acc0[Q4_ROWS], acc1[Q4_ROWS], offsets[Q4_ROWS];
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = offsets[r] = _mm256_setzero_ps();
     int64_t b = 0;
     /* Eight blocks' scale products d_w d_x at a time, one vector multiply, each pair's
      * two spread over its lanes by one permute. */
     for (; b + 8 <= nb; b += 8) {
-        const __m256 wd = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)d + b)))
-                               : _mm256_loadu_ps((const float *)d + b);
-        const __m256 sx = _mm256_mul_ps(wd, _mm256_loadu_ps(xd + b));
+        const __m256 xd8 = _mm256_loadu_ps(xd + b);
+        __m256 sx[Q4_ROWS];
+        for (int r = 0; r < rows; r++) {
+            __m256 wd;
+            if (mode == SCALES_Q4K) {
+                __m256 wm;
+                k4_scales_offsets((const uint8_t *)d + r * sstride + b / 8 * K4_SCALE_BYTES, &wd,
+                                  &wm);
+                offsets[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + b), offsets[r]);
+            } else {
+                wd = scales8((const char *)d + r * sstride, b, half);
+            }
+            sx[r] = _mm256_mul_ps(wd, xd8);
+        }
 #pragma GCC unroll 4
         for (int j = 0; j < 8; j += 2) {
-            const uint8_t *w = wrow + (b + j) * (QK / 2);
-            _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m256i dot = pair_dot(w, xp + (b + j) * QK);
-            const __m256 scale = _mm256_permutevar8x32_ps(
-                sx, _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
-            if (j & 2)
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc1);
-            else
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc0);
+            const __m256i at = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+            for (int r = 0; r < rows; r++) {
+                const uint8_t *w = wrow + r * wstride + (b + j) * (QK / 2);
+                if (rows == 1)
+                    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
+                else if (!(j & 2)) /* the next pass's bytes as one ascending stream */
+                    _mm_prefetch((const char *)next + ((b / 4 + j / 4) * rows + r) * 64,
+                                 _MM_HINT_T0);
+                const __m256 dot = _mm256_cvtepi32_ps(pair_dot(w, xp + (b + j) * QK));
+                const __m256 scale = _mm256_permutevar8x32_ps(sx[r], at);
+                if (j & 2)
+                    acc1[r] = _mm256_fmadd_ps(dot, scale, acc1[r]);
+                else
+                    acc0[r] = _mm256_fmadd_ps(dot, scale, acc0[r]);
+            }
         }
     }
     for (; b + 2 <= nb; b += 2) {
-        const __m256i dot = pair_dot(wrow + b * (QK / 2), xp + b * QK);
-        const __m256 scale = _mm256_set_m128(_mm_set1_ps(scale_at(d, b + 1, half) * xd[b + 1]),
-                                             _mm_set1_ps(scale_at(d, b, half) * xd[b]));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc0);
+        for (int r = 0; r < rows; r++) {
+            const char *dr = (const char *)d + r * sstride;
+            const __m256i dot = pair_dot(wrow + r * wstride + b * (QK / 2), xp + b * QK);
+            const __m256 scale = _mm256_set_m128(_mm_set1_ps(scale_at(dr, b + 1, half) * xd[b + 1]),
+                                                 _mm_set1_ps(scale_at(dr, b, half) * xd[b]));
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc0[r]);
+        }
     }
     if (b < nb) {
-        const __m256i w0 = unpack_nibbles(wrow + b * (QK / 2));
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xp + b * QK));
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
-                               _mm256_set1_ps(scale_at(d, b, half) * xd[b]), acc1);
+        for (int r = 0; r < rows; r++) {
+            const __m256i w0 = unpack_nibbles(wrow + r * wstride + b * (QK / 2));
+            acc1[r] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dot_u8_s8(w0, x0)),
+                _mm256_set1_ps(scale_at((const char *)d + r * sstride, b, half) * xd[b]), acc1[r]);
+        }
     }
-    /* the offsets: sum_b m_b d_x,b sum(q_x,b) */
-    __m256 offsets = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= nb; i += 8) {
-        const __m256 wm =
-            mode == SCALES_F16_SYM
-                ? _mm256_mul_ps(_mm256_set1_ps(-8.f),
-                                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)d + i))))
-            : mode == SCALES_F16
-                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m + i)))
-                : _mm256_loadu_ps((const float *)m + i);
-        offsets = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + i), offsets);
+    /* the offsets: sum_b m_b d_x,b sum(q_x,b) (Q4_K's summed above: nb is a multiple
+     * of 8) */
+    for (int r = 0; r < rows; r++) {
+        const char *dr = (const char *)d + r * sstride;
+        const char *mr = m == NULL ? NULL : (const char *)m + r * sstride;
+        int64_t i = mode == SCALES_Q4K ? nb : 0;
+        for (; i + 8 <= nb; i += 8) {
+            const __m256 wm =
+                mode == SCALES_F16_SYM ? _mm256_mul_ps(_mm256_set1_ps(-8.f), scales8(dr, i, 1))
+                                       : scales8(mr, i, half);
+            offsets[r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(xs + i), offsets[r]);
+        }
+        float total = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(offsets[r]);
+        for (; i < nb; i++) total += offset_at(mr, dr, i, mode) * xs[i];
+        out[r] = total;
     }
-    float total = hsum(_mm256_add_ps(acc0, acc1)) + hsum(offsets);
-    for (; i < nb; i++) total += offset_at(m, d, i, mode) * xs[i];
-    return total;
+}
+
+/* dot_rows_q4_avx2 for ``rows`` (a constant in each inlined copy) weight rows from n0,
+ * its ``mode`` made a constant of its copies. */
+static inline __attribute__((always_inline)) void q4_rows_avx2(int rows, const struct q4_args *a,
+                                                               int64_t n0) {
+    const uint8_t *w;
+    const char *d, *m;
+    q4_rows_at(a, n0, &w, &d, &m);
+    const int mode = a->mode;
+    const int64_t nb = a->nb;
+    if (mode == SCALES_Q4K)
+        dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_Q4K, a->out + n0);
+    else if (mode == SCALES_F16_SYM)
+        dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F16_SYM, a->out + n0);
+    else if (mode == SCALES_F16)
+        dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F16, a->out + n0);
+    else
+        dot_rows_q4_avx2(rows, w, d, m, a->xp, a->xd, a->xs, nb, SCALES_F32, a->out + n0);
+}
+
+/* The passes (ROW_PASSES) of Q4_ROWS and of two rows, and their loops, a function each. */
+static inline __attribute__((always_inline)) void q4_pass_avx2(const void *args,
+                                                               int64_t n0, int rows) {
+    if (rows == Q4_ROWS)
+        q4_rows_avx2(Q4_ROWS, args, n0);
+    else
+        q4_rows_avx2(1, args, n0);
+}
+
+static inline __attribute__((always_inline)) void q4_pass_avx2_two(const void *args,
+                                                                   int64_t n0, int rows) {
+    if (rows == 2)
+        q4_rows_avx2(2, args, n0);
+    else
+        q4_rows_avx2(1, args, n0);
+}
+
+static __attribute__((noinline)) void q4_one_row_avx2(int64_t N, struct q4_args a) {
+    ROW_PASSES(N, Q4_ROWS, q4_pass_avx2, &a);
+}
+
+/* ``pass`` 2, or 1: the rows one at a time */
+static __attribute__((noinline)) void q4_one_row_avx2_two(int64_t N, int pass,
+                                                          struct q4_args a) {
+    ROW_PASSES(N, pass, q4_pass_avx2_two, &a);
 }
 #endif
 
@@ -576,29 +718,15 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
     if (xp != NULL) {
         permute_rows(xq, M, K, xp);
-        if (mode == SCALES_Q4K && M == 1) {
-            const int64_t tiles = (N + Q4K_ROWS - 1) / Q4K_ROWS;
-#pragma omp parallel for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t n0 = t * Q4K_ROWS, rows = N - n0 < Q4K_ROWS ? N - n0 : Q4K_ROWS;
-                const uint8_t *wrow = wq + n0 * nb * (QK / 2);
-                const uint8_t *sb = (const uint8_t *)wd + n0 * nb * scale_bytes;
-                if (rows == Q4K_ROWS)
-                    dot_rows_q4k(Q4K_ROWS, wrow, sb, xp, xd, xs, nb, out + n0);
-                else
-                    for (int64_t r = 0; r < rows; r++)
-                        dot_rows_q4k(1, wrow + r * nb * (QK / 2), sb + r * nb * scale_bytes, xp,
-                                     xd, xs, nb, out + n0 + r);
-            }
-            if (xp != stack_rows) free(xp);
-            return;
-        }
-        const int64_t row_bytes = nb * (QK / 2);
-        if (M == 1 && 2 * row_bytes <= Q4_PASS_BYTES) {
-            if (Q4_ROWS * row_bytes <= Q4_PASS_BYTES)
-                q4_one_row_rows(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+        const int pass = q4_pass_rows(nb);
+        if (M == 1 && (mode == SCALES_Q4K || pass > 1)) {
+            const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
+            if (mode == SCALES_Q4K)
+                q4k_one_row(N, a);
+            else if (pass == Q4_ROWS)
+                q4_one_row(N, a);
             else
-                q4_one_row_two(N, nb, wq, wd, wm, mode, xp, xd, xs, out);
+                q4_one_row_two(N, a);
             if (xp != stack_rows) free(xp);
             return;
         }
@@ -622,8 +750,19 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     }
 #endif
 #if defined(__AVX2__) && !defined(ECQ_AVX512)
-    int8_t xp[M == 1 ? K : 1]; /* a decode step's row, permuted for dot_row_q4_avx2 */
-    if (M == 1) permute_pairs(xq, K, xp);
+    if (M == 1) { /* a decode step's row */
+        int8_t xp[K];
+        permute_pairs(xq, K, xp);
+        const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
+        /* Q4_K two rows a pass at most: with its offsets' accumulators four rows' sums
+         * spill from AVX2's sixteen registers (one_row_cycles.py) */
+        const int pass = mode == SCALES_Q4K && q4_pass_rows(nb) > 2 ? 2 : q4_pass_rows(nb);
+        if (pass == Q4_ROWS)
+            q4_one_row_avx2(N, a);
+        else
+            q4_one_row_avx2_two(N, pass, a);
+        return;
+    }
 #endif
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -633,16 +772,6 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         float d32[expanded], m32[expanded];
         const int rmode = row_scales(mode, &d, &m, nb, d32, m32);
         const int half = rmode != SCALES_F32;
-#if defined(__AVX2__) && !defined(ECQ_AVX512)
-        if (M == 1) { /* a decode step's row */
-            out[n] = rmode == SCALES_F16_SYM
-                         ? dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F16_SYM)
-                     : rmode == SCALES_F16
-                         ? dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F16)
-                         : dot_row_q4_avx2(wrow, d, m, xp, xd, xs, nb, SCALES_F32);
-            continue;
-        }
-#endif
         for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
             const int rows = M - r0 < ROWS ? (int)(M - r0) : ROWS;
             float offset[ROWS] = {0.f, 0.f, 0.f, 0.f};
@@ -681,6 +810,123 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
         }
     }
 }
+
+#if defined(__AVX2__)
+/* 8-bit weight rows a pass of the one-row kernel (dot_rows_q8): Q8_ROWS, or 2 where
+ * their bytes would pass Q8_PASS_BYTES (the next pass's prefetch distance, as for the
+ * 4-bit rows), rows longer still one at a time. */
+#ifndef Q8_ROWS
+#define Q8_ROWS 4
+#endif
+#ifndef Q8_PASS_BYTES
+#define Q8_PASS_BYTES Q4_PASS_BYTES
+#endif
+
+/* The weight rows and the activation row of a one-row 8-bit product, for its passes. */
+struct q8_args {
+    const int8_t *wq;
+    const void *wd;
+    int half;
+    const int8_t *xq;
+    const float *xd;
+    int64_t nb;
+    float *out;
+};
+
+static inline int q8_pass_rows(int64_t nb) {
+    const int64_t row_bytes = nb * QK;
+    return Q8_ROWS * row_bytes <= Q8_PASS_BYTES ? Q8_ROWS : 2 * row_bytes <= Q8_PASS_BYTES ? 2 : 1;
+}
+
+/* A block of 8-bit weights at ``w`` times the activations ``x``, the integer sums per
+ * lane, as floats: |w| as unsigned bytes times x with w's sign (gemm_q8's way). */
+static inline __attribute__((always_inline)) __m256 q8_dot(const int8_t *w, __m256i x) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    return _mm256_cvtepi32_ps(dot_u8_s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv)));
+}
+
+/* ``rows`` outputs (a constant in each inlined copy) of consecutive 8-bit weight rows from
+ * ``wrow`` (scales ``d``, float16 where ``half``) against one activation row, into ``out``.
+ * Each row's sum is gemm_q8's (one accumulator, block after block), so each output has
+ * its bits; that sum is one chain of dependent FMAs, a block's each, so one row alone
+ * waits on the FMA latency and several at once do not. */
+static inline __attribute__((always_inline)) void dot_rows_q8(int rows, const int8_t *wrow,
+                                                              const char *d, int half,
+                                                              const int8_t *xq, const float *xd,
+                                                              int64_t nb, float *out) {
+    const int64_t wstride = nb * QK, sstride = nb * (half ? 2 : 4); /* a row's bytes */
+    const int8_t *next = wrow + rows * wstride;                     /* the next pass's */
+    __m256 acc[Q8_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    /* eight blocks' scale products d_w d_x at a time, one vector multiply a row, each
+     * block's spread over the lanes by one permute */
+    for (; b + 8 <= nb; b += 8) {
+        const __m256 xd8 = _mm256_loadu_ps(xd + b);
+        __m256 sx[Q8_ROWS];
+        for (int r = 0; r < rows; r++)
+            sx[r] = _mm256_mul_ps(scales8(d + r * sstride, b, half), xd8);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (b + j) * QK));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *w = wrow + r * wstride + (b + j) * QK;
+                if (rows == 1)
+                    _mm_prefetch((const char *)w + PREFETCH_BYTES, _MM_HINT_T0);
+                else if (!(r & 1)) /* the next pass's bytes as one ascending stream */
+                    _mm_prefetch((const char *)next + ((b + j) * rows + r) * QK, _MM_HINT_T0);
+                acc[r] = _mm256_fmadd_ps(q8_dot(w, x),
+                                         _mm256_permutevar8x32_ps(sx[r], _mm256_set1_epi32(j)),
+                                         acc[r]);
+            }
+        }
+    }
+    for (; b < nb; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(
+                q8_dot(wrow + r * wstride + b * QK, x),
+                _mm256_set1_ps(scale_at(d + r * sstride, b, half) * xd[b]), acc[r]);
+    }
+    for (int r = 0; r < rows; r++) out[r] = hsum(acc[r]);
+}
+
+/* dot_rows_q8 for ``rows`` weight rows from n0, ``half`` made a constant of its copies. */
+static inline __attribute__((always_inline)) void q8_rows(int rows, const struct q8_args *a,
+                                                          int64_t n0) {
+    const int8_t *w = a->wq + n0 * a->nb * QK;
+    const char *d = (const char *)a->wd + n0 * a->nb * (a->half ? 2 : 4);
+    if (a->half)
+        dot_rows_q8(rows, w, d, 1, a->xq, a->xd, a->nb, a->out + n0);
+    else
+        dot_rows_q8(rows, w, d, 0, a->xq, a->xd, a->nb, a->out + n0);
+}
+
+static inline __attribute__((always_inline)) void q8_pass(const void *args,
+                                                          int64_t n0, int rows) {
+    if (rows == Q8_ROWS)
+        q8_rows(Q8_ROWS, args, n0);
+    else
+        q8_rows(1, args, n0);
+}
+
+static inline __attribute__((always_inline)) void q8_pass_two(const void *args,
+                                                              int64_t n0, int rows) {
+    if (rows == 2)
+        q8_rows(2, args, n0);
+    else
+        q8_rows(1, args, n0);
+}
+
+static __attribute__((noinline)) void q8_one_row(int64_t N, struct q8_args a) {
+    ROW_PASSES(N, Q8_ROWS, q8_pass, &a);
+}
+
+/* ``pass`` 2, or 1: the rows one at a time */
+static __attribute__((noinline)) void q8_one_row_two(int64_t N, int pass, struct q8_args a) {
+    ROW_PASSES(N, pass, q8_pass_two, &a);
+}
+#endif
 
 /* The same for 8-bit weights: wq [N, K] signed bytes, wd [N, nb] float32 or, where
  * ``half`` (a constant in each inlined copy), float16. */
@@ -734,6 +980,17 @@ static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, 
 
 void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *wd, int half,
                  const int8_t *xq, const float *xd, float *out, int64_t ldo) {
+#if defined(__AVX2__)
+    if (M == 1) { /* a decode step's row */
+        const struct q8_args a = {wq, wd, half, xq, xd, K / QK, out};
+        const int pass = q8_pass_rows(K / QK);
+        if (pass == Q8_ROWS)
+            q8_one_row(N, a);
+        else
+            q8_one_row_two(N, pass, a);
+        return;
+    }
+#endif
     if (half)
         gemm_q8(M, N, K, wq, wd, 1, xq, xd, out, ldo);
     else

@@ -11,6 +11,30 @@
 #define PREFETCH_BYTES 4096
 #endif
 
+#include <stdint.h>
+
+/* The one-row (batch-1 decode) product's N weight rows, ``pass`` rows a pass (each pass
+ * interleaves its rows' sums, which are chains of dependent FMAs one row alone would
+ * wait on), the threads taking whole passes, the last N % pass rows one at a time:
+ * ``fn(args, n0, rows)`` makes outputs n0 .. n0 + rows - 1, ``rows`` the pass's count or
+ * 1. Every format's several-rows kernel runs under this one loop. A macro, so that each
+ * use is a parallel region of its own, whose call of ``fn`` the compiler inlines: as a
+ * function, OpenMP's one outlined region would call every format's pass through a
+ * pointer, which ran slower. */
+#define ROW_PASSES(N, pass, fn, args)                                                      \
+    do {                                                                                   \
+        const int64_t rp_rows = (N), rp_pass = (pass);                                     \
+        const int64_t rp_tiles = (rp_rows + rp_pass - 1) / rp_pass;                        \
+        _Pragma("omp parallel for schedule(static)")                                       \
+        for (int64_t rp_t = 0; rp_t < rp_tiles; rp_t++) {                                  \
+            const int64_t rp_n0 = rp_t * rp_pass;                                          \
+            if (rp_rows - rp_n0 >= rp_pass)                                                \
+                fn(args, rp_n0, (int)rp_pass);                                             \
+            else                                                                           \
+                for (int64_t rp_n = rp_n0; rp_n < rp_rows; rp_n++) fn(args, rp_n, 1);     \
+        }                                                                                  \
+    } while (0)
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -123,10 +147,11 @@ static inline uint64_t k4_mins8(const uint8_t *q) {
     return (uint64_t)high << 32 | (w1 & 0x3F3F3F3Fu);
 }
 
-/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
- * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
-static inline void k4_expand(const uint8_t *h, float *d, float *m) {
 #if defined(__AVX2__)
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes), in registers. */
+static inline __attribute__((always_inline)) void k4_scales_offsets(const uint8_t *h, __m256 *d,
+                                                                    __m256 *m) {
     /* k4_scales8 and k4_mins8 on the words (d dmin, w0, w1, w2) in four lanes at once */
     const __m128i v = _mm_loadu_si128((const __m128i *)h);
     const __m128i t = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 1, 1)); /* w0 w0 w1 w1 */
@@ -142,9 +167,20 @@ static inline void k4_expand(const uint8_t *h, float *d, float *m) {
     const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm)));
     const __m256 dmin = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dd), _mm256_set1_epi32(1));
     const __m256 products = _mm256_mul_ps(dmin, mins);
-    _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_broadcastss_ps(dd), scales));
-    _mm256_storeu_ps(m, _mm256_castsi256_ps(_mm256_xor_si256(
-                            _mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u))));
+    *d = _mm256_mul_ps(_mm256_broadcastss_ps(dd), scales);
+    *m = _mm256_castsi256_ps(
+        _mm256_xor_si256(_mm256_castps_si256(products), _mm256_set1_epi32((int)0x80000000u)));
+}
+#endif
+
+/* The float32 scales d sc and offsets -(dmin mn) of the eight sub-blocks of super-block
+ * ``h`` (its sixteen scale bytes) into ``d`` and ``m``. */
+static inline void k4_expand(const uint8_t *h, float *d, float *m) {
+#if defined(__AVX2__)
+    __m256 dv, mv;
+    k4_scales_offsets(h, &dv, &mv);
+    _mm256_storeu_ps(d, dv);
+    _mm256_storeu_ps(m, mv);
 #else
     const uint64_t sc = k4_scales8(h + 4), mn = k4_mins8(h + 4);
     const float dd = k4_half(h), dmin = k4_half(h + 2);

@@ -189,6 +189,59 @@ def test_q4_one_row_gives_the_many_row_kernels_bits(builds, build, fmt, n, k):
     assert torch.equal(one.view(torch.int32), many.view(torch.int32)), build
 
 
+def _weight(fmt: str, w: torch.Tensor) -> Any:
+    """``w`` [n, k] as ``fmt``'s blocks as the kernels take them ("Q4_1 float32": Q4_1's
+    scales and offsets as float32). Each row's blocks are quantized on their own, so a
+    slice of ``w``'s rows gives the same rows of blocks."""
+    n, k = w.shape
+    name = fmt.split()[0]
+    if name == "Q4_K":
+        return kquant_blocks.from_gguf(torch.from_numpy(quantize_k(w, name)), name, (n, k))
+    raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[name])
+    part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), name, (n, k))
+    if fmt.endswith("float32"):
+        part = gguf_blocks.BlockWeight(4, part.qs, part.d.float(), part.m.float(), (n, k))
+    return part
+
+
+# Row lengths for the one-row passes: 32-value blocks 1, 2, 3, 5, 8, 37, 39, 64, 65, 125
+# and 193 (every tail of a row's groups of 8, 4 and 2 blocks; four-row passes up to 1536
+# inputs of Q8_0 and 3072 of Q4_0 / Q4_1, two-row passes beyond and AVX2's Q4_K's, one
+# row at a time from 3073 (Q8_0) and 6145 inputs); Q4_K's whole super-blocks 1, 5 (odd),
+# 8 and 9.
+_PASS_SHAPES = [
+    (fmt, k)
+    for fmt in ["Q8_0", "Q4_0", "Q4_1", "Q4_1 float32", "Q4_K"]
+    for k in (
+        [256, 1280, 2048, 2304]
+        if fmt == "Q4_K"
+        else [32, 64, 96, 160, 256, 1184, 1248, 2048, 2080, 4000, 6176]
+    )
+]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 13, 40])
+@pytest.mark.parametrize(("fmt", "k"), _PASS_SHAPES)
+@pytest.mark.parametrize("build", [name for name, _ in _BUILDS])
+def test_one_row_passes_give_each_row_its_own_bits(builds, build, fmt, n, k):
+    """The one-row (batch-1 decode) products take several weight rows a pass (every
+    build's Q8_0, the AVX-512 and the AVX2 builds' 4-bit formats), the last rows of a
+    product one at a time: each output has the bits of its weight row multiplied alone,
+    for every tail of rows (a pass's and the rest) and of blocks, so each row's sum runs
+    in one order whichever pass takes it. Q8_0's are also the many-row kernel's (one
+    accumulator a row, block after block: the order its one-row product had)."""
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k)
+    x = torch.randn(1, k) * torch.logspace(-2, 2, k)
+    lib = builds[f"{build}/quant_kernels"]
+    together = _linear(lib, _weight(fmt, w), x)
+    alone = torch.cat([_linear(lib, _weight(fmt, w[i : i + 1]), x) for i in range(n)], dim=1)
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32)), build
+    if fmt == "Q8_0":
+        many = _linear(lib, _weight(fmt, w), torch.cat([x, x.flip(1), x]))[:1]
+        assert torch.equal(together.view(torch.int32), many.view(torch.int32)), build
+
+
 def _instructions(path: str) -> str:
     return subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
