@@ -179,7 +179,8 @@ class PreparedWeights:
             return [(int(p["first"]), _part(p, data)) for p in header["parts"]]
         except (FileNotFoundError, NotADirectoryError):
             return None
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, struct.error) as exc:
+            # RuntimeError: torch.from_file's, where the file cannot be mapped
             logger.warning("prepared weights in %s unreadable (%s); preparing again", path, exc)
             return None
 
