@@ -571,3 +571,17 @@ def test_a_token_embeddings_table_stays_resident_only_where_rows_are_looked_up(
     cold = PreparedWeights(source).load_table("embedding")
     assert cold is not None
     assert resident_after_lookups(cold) <= 32 * (row + 2 * 4096)
+
+
+def test_an_entry_that_cannot_be_mapped_is_a_miss(tmp_path, cache_root, caplog):
+    """Something at an entry's path that cannot be mapped (here a directory) is a miss
+    with a warning, as an entry that does not parse is: the layer is prepared again."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"a GGUF file's stand-in: the cache keys on its path, size and time")
+    prepared = PreparedWeights(source)
+    prepared.save("layer", [(0, unpacked(random_tensor("Q4_0")))])
+    (entry,) = cache_root.glob("*/*.bin")
+    entry.unlink()
+    entry.mkdir()
+    assert PreparedWeights(source).load("layer") is None
+    assert "unreadable" in caplog.text
