@@ -135,18 +135,12 @@ class PreparedWeights:
     def load(self, key: str) -> Layer | None:
         """The layer prepared under ``key``, mapped from disk; None when there is no
         entry or it does not parse (the caller prepares the layer and saves it again)."""
-        entry = self._load(key, streamed=True)
-        if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
-            return None
-        return cast(Layer, entry)
+        return _layer_of(self._load(key, streamed=True))
 
     def load_table(self, key: str) -> torch.Tensor | None:
         """The float table kept under ``key`` (a token embedding's), mapped from disk
         for rows looked up at random."""
-        entry = self._load(key, streamed=False)
-        if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
-            return None
-        return entry[0][1]
+        return _table_of(self._load(key, streamed=False))
 
     def save_table(self, key: str, table: torch.Tensor) -> None:
         """Keep ``table`` under ``key``; a failure to write only costs the next load time."""
@@ -235,8 +229,7 @@ class PreparedWeights:
                         return None  # a file system without it: written from memory
                 data = torch.from_file(tmp, shared=True, size=base + end, dtype=torch.uint8)
                 # The pass fills huge page-cache folios for a layer, small ones for a table.
-                is_table = len(layer) == 1 and isinstance(layer[0][1], torch.Tensor)
-                host_memory.advise_reads(data, streamed=not is_table)
+                host_memory.advise_reads(data, streamed=_table_of(layer) is None)
                 head = _prefixed(raw)
                 data[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
                 header = json.loads(raw)
@@ -284,18 +277,12 @@ class ReservedEntry:
     @property
     def layer(self) -> Layer | None:
         """The layer's parts to fill; None once published or dropped, or for a table."""
-        entry = self._filled
-        if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
-            return None
-        return cast(Layer, entry)
+        return _layer_of(self._filled)
 
     @property
     def table(self) -> torch.Tensor | None:
         """The float table to fill; None once published or dropped, or for a layer."""
-        entry = self._filled
-        if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
-            return None
-        return entry[0][1]
+        return _table_of(self._filled)
 
     def _publish(self) -> bool:
         self._filled = None
@@ -336,6 +323,20 @@ def _header(key: str, layer: _Entry) -> tuple[bytes, int, list[tuple[torch.Tenso
             end = _aligned(end + t.numel() * t.element_size())
         parts.append({**_describe(part), "first": first, "tensors": specs})
     return json.dumps({"key": key, "parts": parts, "data": end}).encode(), end, writes
+
+
+def _layer_of(entry: _Entry | None) -> Layer | None:
+    """``entry`` if it holds a layer's parts, else None."""
+    if entry is None or not all(isinstance(p, BlockWeight | KQuantWeight) for _, p in entry):
+        return None
+    return cast(Layer, entry)
+
+
+def _table_of(entry: Sequence[tuple[int, Part | torch.Tensor]] | None) -> torch.Tensor | None:
+    """``entry``'s float table if it is one (one tensor at row 0), else None."""
+    if entry is None or len(entry) != 1 or not isinstance(entry[0][1], torch.Tensor):
+        return None
+    return entry[0][1]
 
 
 def _prefixed(raw: bytes) -> bytes:
