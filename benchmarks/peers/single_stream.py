@@ -9,8 +9,8 @@ round, then the machine line (with its load average) and one markdown table of t
 medians: enginecore against llama.cpp (x faster), and our decode step against its read
 bound (the bytes a step reads over the bandwidth of a large torch copy: the weights', and
 the K/V attention reads at the run's mean context, shown apart). ``--kv-cache-dtypes
-auto,float16`` runs ours with each KV cache dtype (``auto``: float32), counting each one's
-K/V bytes in its bound.
+auto,float32`` runs ours with each KV cache dtype (``auto``: float16 for a GGUF file, as
+llama.cpp keeps its K/V), counting each one's K/V bytes in its bound.
 
 The decode figure, for both sides alike, is ``decode_len - 1`` tokens over the time from
 the request's first token to its last, within one request: the decode steps alone, with
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--kv-cache-dtypes", default="auto", help="ours with each: auto,float16")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="ours with each: auto,float32")
     args = parser.parse_args()
     if args.model is None:
         from enginecore.checkpoints import find_demo_gguf
@@ -153,7 +153,7 @@ def main() -> None:
         methods = [("gguf", "auto"), *([("float32", "none")] if args.dequantized else [])]
         for label, quantization in methods:
             name = f"enginecore {label}{suffix}"
-            kv_itemsize[name] = weight_bound.kv_itemsize("float32", kv)
+            kv_itemsize[name] = weight_bound.kv_itemsize(kv)
             contenders[name] = functools.partial(
                 ours, args.model, quantization, args.prompt_len, args.decode_len, conc, kv
             )

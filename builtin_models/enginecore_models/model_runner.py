@@ -432,8 +432,26 @@ class TorchModelRunner(SamplingPhase, ModelRunner):
         if auto_block_size:
             self.block_size = backend_cls.default_block_size
             spec = dataclasses.replace(spec, block_size=self.block_size)
+        if self._gguf_half_kv():
+            half = dataclasses.replace(spec, kv_dtype=torch.float16)
+            if backend_cls.capabilities.kv_cache_reason(half) is None:
+                spec = half
         return build_worker_component(
             "attention_backend", backend_cls, refs, self.worker_spec, spec
+        )
+
+    def _gguf_half_kv(self) -> bool:
+        """Whether ``cache.kv_cache_dtype: auto`` keeps the K/V in float16: a GGUF file
+        served in float32 on CPU. Its weights are already rounded to a few bits, and
+        llama.cpp, whose files these are, keeps K/V in float16: half the bytes each
+        decode step reads beside the weights, twice the context in the same memory.
+        A float checkpoint keeps its K/V in its dtype, token for token with transformers.
+        Only where the backend keeps float16 (the caller checks)."""
+        return (
+            self.config.cache.kv_cache_dtype == "auto"
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and is_gguf(self.config.model.path)
         )
 
     def _kv_dtype(self) -> torch.dtype | None:

@@ -98,8 +98,8 @@ class CacheConfig(_Section):
     """Exact KV cache size in bytes (overrides the fractions)."""
     num_blocks_override: int | None = None
     """Exact number of KV blocks (tests and benchmarks)."""
-    kv_cache_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
-    """Element type of the KV cache: ``auto`` is the model's dtype; ``float16`` or ``bfloat16`` halve a float32 model's K/V bytes (K and V are rounded when written, so outputs may differ from a float32 cache). The attention backend must declare it (``enginecore plugins``)."""
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Element type of the KV cache: ``auto`` is the model's dtype, except for a GGUF file on CPU: float16 where the attention backend keeps it, as llama.cpp does; ``float16`` or ``bfloat16`` halve a float32 model's K/V bytes (K and V are rounded when written, so outputs may differ from a float32 cache); ``float32`` keeps a float32 model's K/V unrounded (a GGUF file on CPU included). The attention backend must declare it (``enginecore plugins``)."""
 
     @property
     def tokens_per_block(self) -> int:

@@ -94,18 +94,18 @@ def _structured_outputs_config(value: str) -> list[str]:
     return flags
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def _kv_cache_dtype(value: str) -> list[str]:
-    """vLLM's ``auto`` and ``bfloat16`` (and ``float16``) pass; its fp8 kinds have no
-    kernel here."""
+    """vLLM's ``auto`` and ``bfloat16`` (and ``float16``, ``float32``) pass; its fp8
+    kinds have no kernel here."""
     if value in KV_CACHE_DTYPES:
         return ["--kv-cache-dtype", value]
     raise ConfigError(
         f"--kv-cache-dtype {value}: the KV cache is kept in one of "
-        f"{', '.join(KV_CACHE_DTYPES)} here (auto: the model's dtype; float16 or bfloat16 "
-        "halve a float32 model's K/V bytes)"
+        f"{', '.join(KV_CACHE_DTYPES)} here (auto: the model's dtype, float16 for a GGUF "
+        "file on CPU; float16 or bfloat16 halve a float32 model's K/V bytes)"
     )
 
 

@@ -17,6 +17,7 @@ from enginecore.plugins import make_plugin_manager
 from enginecore_attention.triton_backend import TritonAttentionBackend
 from enginecore_cpu.attention import CpuAttentionBackend
 from enginecore_models.model_runner import TorchModelRunner
+from tests.helpers.gguf_writer import write_gguf
 
 
 def _spec(dtype: torch.dtype, kv: torch.dtype | None, device: str = "cpu") -> AttentionSpec:
@@ -73,3 +74,30 @@ def test_auto_picks_the_cpu_backend_and_sizes_blocks_in_the_dtype(tiny_llama, kv
     assert backend.spec.dtype == torch.float32  # the activations stay float32
     per_block = runner.get_kv_cache_block_bytes()
     assert per_block == 2 * 16 * 2 * 64 * 2 * backend.spec.num_layers  # two bytes a value
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tmp_path_factory, checkpoint_factory):
+    return write_gguf(
+        checkpoint_factory("llama"), tmp_path_factory.mktemp("gguf") / "q8.gguf", quantize=True
+    )
+
+
+def test_auto_keeps_a_gguf_files_kv_in_float16_on_cpu(llama_gguf, tiny_llama):
+    """As llama.cpp keeps the K/V of these files; the activations stay float32, and
+    ``float32`` named keeps the K/V unrounded."""
+    spec = _load(llama_gguf).attn_backend.spec
+    assert (spec.dtype, spec.cache_dtype) == (torch.float32, torch.float16)
+    assert _load(llama_gguf, kv_cache_dtype="float32").attn_backend.spec.cache_dtype == (
+        torch.float32
+    )
+    # a float checkpoint keeps its K/V in its dtype, token for token with transformers
+    assert _load(tiny_llama).attn_backend.spec.cache_dtype == torch.float32
+
+
+def test_auto_keeps_a_gguf_files_kv_in_the_models_dtype_under_a_backend_without_float16(
+    llama_gguf, monkeypatch
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton runs on CPU named, interpreted
+    backend = _load(llama_gguf, attention_backend="triton").attn_backend
+    assert backend.name == "triton" and backend.spec.cache_dtype == torch.float32

@@ -173,7 +173,7 @@ def test_the_migration_page_names_every_vllm_spelling_and_only_real_flags():
     assert claimed and [flag for flag in claimed if flag not in ours] == []
 
 
-@pytest.mark.parametrize("value", ["auto", "float16", "bfloat16"])
+@pytest.mark.parametrize("value", ["auto", "float32", "float16", "bfloat16"])
 def test_the_kv_cache_dtype_flag_sets_the_caches_dtype(tiny_llama, value):
     """vLLM's ``--kv-cache-dtype`` and ours are one flag; ``auto`` is the default."""
     assert _config_show(tiny_llama)["cache"]["kv_cache_dtype"] == "auto"

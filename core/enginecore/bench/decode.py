@@ -29,9 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float16", "bfloat16"],
+        choices=["auto", "float32", "float16", "bfloat16"],
         default="auto",
-        help="the KV cache's dtype (auto: --dtype's)",
+        help="the KV cache's dtype (auto: float16 for a GGUF file, else --dtype's)",
     )
     parser.add_argument("--output-json", help="write the results here")
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             args.input_len,
             args.output_len,
             weight_bound.measured_read_bandwidth(),
-            kv_itemsize=weight_bound.kv_itemsize(args.dtype, args.kv_cache_dtype),
+            kv_itemsize=weight_bound.kv_itemsize(args.kv_cache_dtype),
         )
         fraction = result["decode_tokens_per_s"] / bound.tokens_per_s
         result |= {

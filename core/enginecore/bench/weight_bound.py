@@ -38,9 +38,10 @@ class Bound:
         return self.bandwidth / self.bytes_per_token
 
 
-def kv_itemsize(dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one K/V element: the KV cache's dtype (``auto``: the model's ``dtype``)."""
-    return 4 if (dtype if kv_cache_dtype == "auto" else kv_cache_dtype) == "float32" else 2
+def kv_itemsize(kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one K/V element of a GGUF file served on CPU: ``auto`` keeps its K/V in
+    float16 (in bfloat16 under a bfloat16 model), so only ``float32`` takes four."""
+    return 4 if kv_cache_dtype == "float32" else 2
 
 
 def mean_decode_context(prompt_len: int, decode_steps: int) -> float:
