@@ -137,6 +137,25 @@ def advise_reads(mapped: torch.Tensor, streamed: bool) -> bool:
     return bool(madvise(start, address + storage.nbytes() - start, advice) == 0)
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB base pages)
+_MADV_COLLAPSE = 25  # Linux 6.1: make a range huge pages now, contents unchanged
+
+
+def advise_pages(address: int, length: int, huge: bool, collapse: bool = False) -> bool:
+    """Advise anonymous memory ``[address, address + length)`` (page-aligned) into
+    transparent huge pages (``huge``: the pages faulted in from now on; with ``collapse``
+    also those already in, copied into huge pages now) or out of them (``MADV_NOHUGEPAGE``:
+    not even where THP is ``always``). Returns whether the advice was taken."""
+    madvise = _madvise()
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    if madvise is None or advice is None or length <= 0:
+        return False
+    taken = madvise(address, length, advice) == 0
+    if taken and collapse:  # an older kernel refuses it: the pages in stay small
+        madvise(address, length, _MADV_COLLAPSE)
+    return bool(taken)
+
+
 def region(span: torch.Tensor) -> Region:
     """The memory of a contiguous tensor."""
     return span.data_ptr(), span.numel() * span.element_size()
