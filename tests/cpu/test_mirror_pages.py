@@ -213,3 +213,27 @@ def test_a_short_context_keeps_only_its_positions_resident():
     )
     resident = _smaps(mirror.layers[0])["Rss"]
     assert 0 < resident <= bound, (resident, bound)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "layers"])
+def test_a_mirror_in_chunks_decodes_greedy_as_transformers(tiny_llama, monkeypatch, fused):
+    """The engine with the tiny model's mirror in chunks of 32 positions (a smaller chunk
+    than a huge page, so that its rows span several): each request's greedy tokens are
+    transformers' ``generate``, with the fused step and with the layers."""
+    from enginecore import LLM, SamplingParams
+    from tests.helpers.hf_reference import greedy_reference
+
+    monkeypatch.setattr(mirror_layout, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "1" if fused else "0")
+    prompts = [list(range(3 + i, 3 + i + length)) for i, length in enumerate((5, 23, 41, 12))]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_llama), multiprocessing=False, max_model_len=256, max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runner = llm.engine_client.engine.executor.worker.model_runner
+        memory = runner.attn_backend.mirror.memory
+        assert memory is not None and memory.layout.chunk == 32 and memory.layout.chunks == 8
+        steps = getattr(runner.fused_decode, "steps", 0)
+        assert (steps >= 30) if fused else not steps, steps
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, first_tie = greedy_reference(tiny_llama, prompt, 40)
+        assert out.outputs[0].token_ids[:first_tie] == tokens[:first_tie]
