@@ -16,7 +16,8 @@ clock: less moved by other processes), with the K/V bytes a pass reads and their
 each with its resident memory (``Rss`` in ``/proc/self/smaps``):
 
 - ``chunks``: the mirror as the engine lays it out (``mirror_layout``: a row's positions
-  in chunks of whole 2 MiB pages, advised into huge pages as the row grows)
+  in chunks of whole 2 MiB pages, advised into huge pages as the row grows);
+  ``chunks@N``: with a layer's K (or V) of a chunk in N huge pages
 - ``dense``: ``[2, rows, kv_heads, capacity + 16, head_dim]`` per layer in 4 KiB pages,
   the layout before the chunks (``--capacity`` positions a row: the model's length)
 - ``dense-huge``: the same advised ``MADV_HUGEPAGE`` whole: each head's few positions of
@@ -62,10 +63,16 @@ def _mirror(
     """Mirror layers of ``layout`` holding random K/V at each row's first ``lens``."""
     if layout == "random":  # the tensors this benchmark always took
         return [torch.randn(2, rows, hkv, capacity, dim).to(dtype) for _ in range(layers)]
-    if layout == "chunks":
+    if layout.startswith("chunks"):
+        from enginecore_cpu import mirror_layout
         from enginecore_cpu.mirror_layout import MirrorLayout, MirrorMemory, write_positions
 
-        memory = MirrorMemory(MirrorLayout.plan(layers, hkv, dim, dtype, rows, capacity), dtype)
+        chunk_bytes = mirror_layout.CHUNK_BYTES
+        if "@" in layout:  # chunks@N: a layer's K (or V) of a chunk in N huge pages
+            mirror_layout.CHUNK_BYTES = int(layout.split("@")[1]) * mirror_layout.HUGE_PAGE
+        plan = MirrorLayout.plan(layers, hkv, dim, dtype, rows, capacity)
+        mirror_layout.CHUNK_BYTES = chunk_bytes
+        memory = MirrorMemory(plan, dtype)
         for row, length in enumerate(lens.tolist()):
             memory.advise_row(row, length)
             for layer in memory.layers:

@@ -32,9 +32,11 @@ from enginecore_cpu.host_memory import HUGE_PAGE, advise_pages, zeroed
 # cache: decode attention over 256 rows ran slower than with these few extra positions.
 _T_PAD = 16
 _CHUNK_ALIGN = 16  # positions: a head's run then starts on a cache line
-# A layer's K (or V) of a chunk fills at most this: one huge page. A row's chunk of every
-# layer is padded to a whole number of them.
-CHUNK_BYTES = HUGE_PAGE
+# A layer's K (or V) of a chunk fills at most this many bytes: a few huge pages, so that
+# each KV head's run in a chunk is long (attention read chunks of one huge page a layer
+# slower than of four, whose runs are four times as long; see RESULTS.md). A row's chunk
+# of every layer is padded to a whole number of them.
+CHUNK_BYTES = 4 * HUGE_PAGE
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class MirrorLayout:
     chunk: int  # positions a chunk
     head_positions: int  # positions from one KV head's run to the next (chunk, or padded)
     chunk_elems: int  # from a row's chunk to its next (every layer's K and V, padded)
+    half_elems: int  # from a layer's K in a chunk to its V, and on to the next layer's K
 
     @classmethod
     def plan(
@@ -61,12 +64,12 @@ class MirrorLayout:
         chunk = max(_CHUNK_ALIGN, CHUNK_BYTES // position // _CHUNK_ALIGN * _CHUNK_ALIGN)
         if length <= chunk:  # one chunk: dense, in small pages
             run = length + _T_PAD
-            whole = layers * 2 * heads * run * dim
-            return cls(layers, heads, dim, size, rows, 1, length, run, whole)
-        chunk_bytes = -(-layers * 2 * chunk * position // CHUNK_BYTES) * CHUNK_BYTES
-        return cls(
-            layers, heads, dim, size, rows, -(-length // chunk), chunk, chunk, chunk_bytes // size
-        )
+            half = heads * run * dim
+            return cls(layers, heads, dim, size, rows, 1, length, run, layers * 2 * half, half)
+        half = heads * chunk * dim
+        chunk_bytes = -(-layers * 2 * half * size // CHUNK_BYTES) * CHUNK_BYTES
+        chunks = -(-length // chunk)
+        return cls(layers, heads, dim, size, rows, chunks, chunk, chunk, chunk_bytes // size, half)
 
     @property
     def huge(self) -> bool:
@@ -106,7 +109,7 @@ class MirrorMemory:
         base = self._buffer.data_ptr()
         offset = (-base % HUGE_PAGE) // s.itemsize if s.huge else 0
         self._base = base + offset * s.itemsize
-        half = s.heads * s.head_positions * s.dim
+        half = s.half_elems
         # No huge page until a row has grown into it, even where THP is ``always``.
         advise_pages(self._base, s.rows * s.row_elems * s.itemsize, huge=False)
         self.layers = [
@@ -117,10 +120,10 @@ class MirrorMemory:
             )
             for layer in range(s.layers)
         ]
-        # [rows, chunks, layers * 2 * heads, chunk, dim]: every layer's K and V at once
+        # [rows, chunks, layers * 2, heads, chunk, dim]: every layer's K and V at once
         self.whole = self._buffer.as_strided(
-            (s.rows, s.chunks, s.layers * 2 * s.heads, s.chunk, s.dim),
-            (s.row_elems, s.chunk_elems, s.head_positions * s.dim, s.dim, 1),
+            (s.rows, s.chunks, s.layers * 2, s.heads, s.chunk, s.dim),
+            (s.row_elems, s.chunk_elems, half, s.head_positions * s.dim, s.dim, 1),
             offset,
         )
         self.huge_rows = np.zeros(s.rows, np.int64)  # each row's chunks in huge pages
@@ -145,7 +148,7 @@ class MirrorMemory:
         whole = self.whole
         whole[dst, :full] = whole[src, :full]
         if rest:
-            whole[dst, full, :, :rest] = whole[src, full, :, :rest]
+            whole[dst, full, :, :, :rest] = whole[src, full, :, :, :rest]
 
 
 def positions(layer: torch.Tensor, rows: int, length: int) -> torch.Tensor:

@@ -54,11 +54,14 @@ def _mirror(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hq,hkv,dim", [(64, 32, 64), (32, 16, 128), (48, 16, 96)])
 @pytest.mark.parametrize("window", [0, 100])
-def test_attention_over_the_chunks_is_sdpa_over_the_context(hq, hkv, dim, dtype, window):
-    """Rows whose contexts cross chunk boundaries (shapes whose chunks hold 64 to 512
-    positions, the fast kernels' and the generic one's), filled from the paged cache,
-    appended to and attended: the kernels' path and the torch path (a float64 query) give
-    SDPA's result over each row's context and new token."""
+def test_attention_over_the_chunks_is_sdpa_over_the_context(
+    hq, hkv, dim, dtype, window, monkeypatch
+):
+    """Rows whose contexts cross chunk boundaries (chunks of one huge page a layer: 64 to
+    512 positions at these shapes, the fast kernels' and the generic one's), filled from
+    the paged cache, appended to and attended: the kernels' path and the torch path (a
+    float64 query) give SDPA's result over each row's context and new token."""
+    monkeypatch.setattr(mirror_layout, "CHUNK_BYTES", HUGE_PAGE)
     lens = [5, 130, 300, 700]
     nb = -(-max(lens) // BLOCK) + 1
     (cache,) = _paged(1, hkv, dim, dtype, nb * len(lens), seed=hq + dim)
@@ -87,9 +90,10 @@ def test_attention_over_the_chunks_is_sdpa_over_the_context(hq, hkv, dim, dtype,
             torch.testing.assert_close(out[r], want, rtol=1e-4, atol=5e-5)
 
 
-def test_the_fused_steps_attention_reads_the_chunks():
+def test_the_fused_steps_attention_reads_the_chunks(monkeypatch):
     """The fused step attends a (row, KV head) span by span (ec_attend_span), spans that
     cross chunk boundaries included, as the layers' kernel does."""
+    monkeypatch.setattr(mirror_layout, "CHUNK_BYTES", HUGE_PAGE)
     hkv, dim, group = 32, 64, 2
     lib = ctypes.CDLL(str(decode_step.build()))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -154,7 +158,7 @@ def _anonymous_memory_maps_in_huge_pages() -> bool:
     return bool(_smaps(probe).get("AnonHugePages", 0) > 0)
 
 
-# A shape whose mirror chunk holds 256 positions (32 KV heads of 64 floats, the 1.7B
+# A shape whose mirror chunk holds 1,024 positions (32 KV heads of 64 floats, the 1.7B
 # Llama shape's), two layers.
 LAYERS, HEADS, DIM = 2, 32, 64
 
@@ -179,17 +183,17 @@ def _grow(mirror: DecodeMirror, caches: list[torch.Tensor], lengths: list[int], 
 
 
 def test_a_long_row_of_the_mirror_is_mapped_in_huge_pages():
-    """A row filled with 700 positions and decoding 400 more (across chunk boundaries)
-    has its chunks in 2 MiB pages: the first one collapsed once half full, the later ones
-    faulted in huge as the row reached them. Before, the mirror was all 4 KiB pages."""
+    """A row filled with 1,000 positions and decoding 100 more (across a chunk boundary)
+    has its chunks in 2 MiB pages: the first one collapsed once half full, the next one
+    faulted in huge as the row reached it. Before, the mirror was all 4 KiB pages."""
     if not _anonymous_memory_maps_in_huge_pages():
         pytest.skip("this kernel gives anonymous memory no huge pages (THP off?)")
     caches = _paged(LAYERS, HEADS, DIM, torch.float32, 80, seed=1)
     mirror = _mirror(HEADS, DIM, torch.float32, 2048, 4, LAYERS)
-    _grow(mirror, caches, [700], 400)
+    _grow(mirror, caches, [1000], 100)
     layout = MirrorLayout.plan(LAYERS, HEADS, DIM, torch.float32, 4, 2048)
-    assert layout.chunk == 256 and mirror.memory is not None
-    used_chunks = -(-1101 // layout.chunk)  # 700 + 400 steps + the last plan's position
+    assert layout.chunk == 1024 and mirror.memory is not None
+    used_chunks = -(-1101 // layout.chunk)  # 1,000 + 100 steps + the last plan's position
     row = used_chunks * layout.chunk_elems * layout.itemsize
     assert _smaps(mirror.layers[0])["AnonHugePages"] >= row
 
