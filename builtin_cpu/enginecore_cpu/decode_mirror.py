@@ -136,8 +136,12 @@ class DecodeMirror:
         return self.memory.layout.rows, self.memory.layout.capacity
 
     def _layout(self, rows: int, length: int) -> MirrorLayout:
+        """In chunks of huge pages where they fit the memory bound, else dense."""
         h, d = self.shape_hd
-        return MirrorLayout.plan(self.num_layers, h, d, self.dtype, rows, length)
+        layout = MirrorLayout.plan(self.num_layers, h, d, self.dtype, rows, length)
+        if layout.nbytes > self.max_bytes:
+            layout = MirrorLayout.plan(self.num_layers, h, d, self.dtype, rows, length, True)
+        return layout
 
     def _bytes(self, rows: int, length: int) -> int:
         """The memory of a mirror of ``rows`` rows holding ``length`` positions each."""

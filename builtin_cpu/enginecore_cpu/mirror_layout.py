@@ -53,28 +53,35 @@ class MirrorLayout:
     head_positions: int  # positions from one KV head's run to the next (chunk, or padded)
     chunk_elems: int  # from a row's chunk to its next (every layer's K and V, padded)
     half_elems: int  # from a layer's K in a chunk to its V, and on to the next layer's K
+    huge: bool  # rows are advised into huge pages as they grow (chunks of whole pages)
 
     @classmethod
     def plan(
-        cls, layers: int, heads: int, dim: int, dtype: torch.dtype, rows: int, length: int
+        cls,
+        layers: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        rows: int,
+        length: int,
+        dense: bool = False,
     ) -> MirrorLayout:
-        """The layout for ``rows`` rows of at least ``length`` positions each."""
+        """The layout for ``rows`` rows of at least ``length`` positions each: in whole
+        chunks (the capacity rounded up: untouched positions cost address space only)
+        where a row may reach half a chunk, else (or with ``dense``) one dense chunk."""
         size = dtype.itemsize
         position = heads * dim * size  # bytes of a position in one layer's K (or V)
         chunk = max(_CHUNK_ALIGN, CHUNK_BYTES // position // _CHUNK_ALIGN * _CHUNK_ALIGN)
-        if length <= chunk:  # one chunk: dense, in small pages
+        if dense or 2 * length < chunk:  # one chunk: dense, in small pages
             run = length + _T_PAD
             half = heads * run * dim
-            return cls(layers, heads, dim, size, rows, 1, length, run, layers * 2 * half, half)
+            whole = layers * 2 * half
+            return cls(layers, heads, dim, size, rows, 1, length, run, whole, half, False)
         half = heads * chunk * dim
         chunk_bytes = -(-layers * 2 * half * size // CHUNK_BYTES) * CHUNK_BYTES
         chunks = -(-length // chunk)
-        return cls(layers, heads, dim, size, rows, chunks, chunk, chunk, chunk_bytes // size, half)
-
-    @property
-    def huge(self) -> bool:
-        """Whether rows are advised into huge pages as they grow (chunks of whole pages)."""
-        return self.chunks > 1
+        whole = chunk_bytes // size
+        return cls(layers, heads, dim, size, rows, chunks, chunk, chunk, whole, half, True)
 
     @property
     def capacity(self) -> int:

@@ -182,20 +182,31 @@ def _grow(mirror: DecodeMirror, caches: list[torch.Tensor], lengths: list[int], 
         lens = lens + 1
 
 
-def test_a_long_row_of_the_mirror_is_mapped_in_huge_pages():
-    """A row filled with 1,000 positions and decoding 100 more (across a chunk boundary)
-    has its chunks in 2 MiB pages: the first one collapsed once half full, the next one
-    faulted in huge as the row reached it. Before, the mirror was all 4 KiB pages."""
+@pytest.mark.parametrize("max_bytes", [1 << 40, 100 << 20], ids=["every-row", "growing"])
+def test_a_long_row_of_the_mirror_is_mapped_in_huge_pages(max_bytes):
+    """A row filled with 1,000 positions has its first chunk (1,024 positions) in 2 MiB
+    pages, collapsed once half full; decoding 100 more, the next chunk is faulted in huge
+    as the row reaches it. ``growing``: a memory bound too small for every row at full
+    length, so the mirror is sized to the rows and regrown (as for a model whose
+    ``max_model_len`` the KV cache cannot hold for every sequence): its capacity is whole
+    chunks too. Before, the mirror was all 4 KiB pages; a regrown mirror was dense until
+    its capacity passed a chunk."""
     if not _anonymous_memory_maps_in_huge_pages():
         pytest.skip("this kernel gives anonymous memory no huge pages (THP off?)")
     caches = _paged(LAYERS, HEADS, DIM, torch.float32, 80, seed=1)
-    mirror = _mirror(HEADS, DIM, torch.float32, 2048, 4, LAYERS)
-    _grow(mirror, caches, [1000], 100)
+    mirror = DecodeMirror(
+        LAYERS, HEADS, DIM, torch.float32, torch.device("cpu"), max_bytes, 2048, 4
+    )
     layout = MirrorLayout.plan(LAYERS, HEADS, DIM, torch.float32, 4, 2048)
-    assert layout.chunk == 1024 and mirror.memory is not None
-    used_chunks = -(-1101 // layout.chunk)  # 1,000 + 100 steps + the last plan's position
-    row = used_chunks * layout.chunk_elems * layout.itemsize
-    assert _smaps(mirror.layers[0])["AnonHugePages"] >= row
+    assert layout.chunk == 1024
+    chunk = layout.chunk_elems * layout.itemsize
+    _grow(mirror, caches, [1000], 0)
+    assert mirror.memory is not None and mirror.memory.layout.rows == (
+        1 if max_bytes < 1 << 30 else 4
+    )
+    assert _smaps(mirror.layers[0])["AnonHugePages"] >= chunk
+    _grow(mirror, caches, [1001], 100)  # the same request: 1,101 positions
+    assert _smaps(mirror.layers[0])["AnonHugePages"] >= 2 * chunk
 
 
 def test_a_short_context_keeps_only_its_positions_resident():
