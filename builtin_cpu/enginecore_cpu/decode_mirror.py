@@ -131,9 +131,10 @@ class DecodeMirror:
     # --- capacity -----------------------------------------------------------------------
 
     def _capacity(self) -> tuple[int, int]:
-        if self.memory is None:
+        if not self.layers:
             return 0, 0
-        return self.memory.layout.rows, self.memory.layout.capacity
+        _, rows, chunks, _, chunk, _ = self.layers[0].shape
+        return rows, chunks * chunk
 
     def _layout(self, rows: int, length: int) -> MirrorLayout:
         """In chunks of huge pages where they fit the memory bound, else dense."""

@@ -20,12 +20,13 @@ Each layer is a view ``[2, rows, chunks, kv_heads, chunk, head_dim]`` of one map
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from enginecore_cpu.host_memory import HUGE_PAGE, advise_pages, zeroed
+from enginecore_cpu.host_memory import HUGE_PAGE, advise_pages, collapse_in_background, zeroed
 
 # Unused positions after each (row, head)'s run in a dense mirror. Without them a capacity
 # of 4,096 positions puts every row's K and V exactly 1 MiB apart, where they alias in the
@@ -134,19 +135,30 @@ class MirrorMemory:
             offset,
         )
         self.huge_rows = np.zeros(s.rows, np.int64)  # each row's chunks in huge pages
+        self._collapsing: list[threading.Thread] = []
 
     def advise_row(self, row: int, length: int) -> None:
         """Advise row ``row``'s chunks into huge pages as far as a row of ``length``
         positions has them (:meth:`MirrorLayout.huge_chunks`), before they are written.
-        The first chunk already holds small pages when advised: they are collapsed."""
+        The first chunk already holds small pages when advised: they are collapsed into
+        huge pages in the background (:meth:`settle` waits for that)."""
         s = self.layout
         want, have = int(s.huge_chunks(np.array([length]))[0]), int(self.huge_rows[row])
         if want <= have:
             return
         chunk = s.chunk_elems * s.itemsize
         start = self._base + row * s.row_elems * s.itemsize + have * chunk
-        advise_pages(start, (want - have) * chunk, huge=True, collapse=have == 0)
+        advise_pages(start, (want - have) * chunk, huge=True)
+        if have == 0:
+            self._collapsing = [t for t in self._collapsing if t.is_alive()]
+            self._collapsing.append(collapse_in_background(self._buffer, start, chunk))
         self.huge_rows[row] = want
+
+    def settle(self) -> None:
+        """Wait until the first chunks advised so far are collapsed into huge pages."""
+        for thread in self._collapsing:
+            thread.join()
+        self._collapsing = []
 
     def copy_row(self, dst: int, src: int, length: int) -> None:
         """Copy row ``src``'s first ``length`` positions (every layer) to row ``dst``."""
