@@ -3,9 +3,10 @@
 Paged attention in plain torch has to gather every decode request's blocks into a padded
 tensor each step and layer: on CPU that memcpy of the whole context is most of a decode
 step. The mirror keeps, per layer, ``[2, rows, chunks, kv_heads, chunk, head_dim]`` with
-one row per decoding request: a row's positions in chunks of whole 2 MiB pages, advised into
-huge pages as the row grows (``mirror_layout``). A request that keeps decoding only appends one position per
-step; its context is copied from the paged cache once, when it starts decoding. The
+one row per decoding request: a row's positions in chunks of whole 2 MiB pages, advised
+into huge pages as the row grows (``mirror_layout``). A request that keeps decoding only
+appends one position per step; its context is copied from the paged cache once, when it
+starts decoding. The
 paged cache stays the source of truth (prefix caching, preemption, connectors); the
 mirror is a per-runner acceleration, dropped whenever anything about a row is in doubt.
 

@@ -9,10 +9,13 @@ positions; a chunk holds every layer's K and V for them, each KV head's ``chunk`
 positions side by side (the kernels still read long runs), and a row's chunk of all
 layers is a whole number of huge pages. A row's chunks are advised into huge pages as the
 row grows into them (:meth:`MirrorMemory.advise_row`): the first one once the row holds
-half of it, each later one as the row reaches it. So a row of ``L`` positions has no more
-resident than its positions' 4 KiB pages below half a chunk, and less than twice its
-positions' bytes above. Where a row never outgrows one chunk (a short ``max_model_len``)
-the mirror is dense, one chunk of the whole length, in small pages.
+half of it (its small pages collapsed in the background), each later one as the row
+reaches it; the rest is advised out of huge pages, also where THP is ``always``. So a row
+of ``L`` positions has no more resident than its positions' 4 KiB pages below half a
+chunk, and at most twice its positions' bytes above (rounded up to whole chunks). Where
+no row can reach half a chunk (a short ``max_model_len``), or whole chunks would not fit
+the mirror's memory bound, the mirror is dense: one chunk of the whole length, in small
+pages.
 
 Each layer is a view ``[2, rows, chunks, kv_heads, chunk, head_dim]`` of one mapping;
 :func:`geometry` says how the kernels address it.
