@@ -157,13 +157,24 @@ int ec_write_kv(void *k_cache, void *v_cache, const float *k, int64_t k_stride,
     return 0;
 }
 
+/* The decode mirror's layout. Each half (K, V) of a layer holds, per row, its positions
+ * in chunks of `chunk` positions, chunk_stride bytes apart; a chunk holds each KV head's
+ * `chunk` positions [chunk, dim] side by side, head after head. Rows are row_stride bytes
+ * apart. (One chunk of `cap` positions is the dense [rows, kv_heads, cap, dim].) The
+ * offset in bytes of row r's KV head h at position p, pos_bytes per position: */
+static inline int64_t mirror_at(int64_t r, int64_t h, int64_t p, int64_t row_stride,
+                                int64_t chunk, int64_t chunk_stride, int64_t pos_bytes) {
+    return r * row_stride + p / chunk * chunk_stride + (h * chunk + p % chunk) * pos_bytes;
+}
+
 /* Append this step's K/V (k, v [n, kv_heads, D] at the given token strides) to the
- * decode mirror's halves [rows, kv_heads, cap, D]: row r's token goes to position
- * lens[r] - 1 of each of its heads. */
+ * decode mirror's halves (see mirror_at; `cap` positions a row): row r's token goes to
+ * position lens[r] - 1 of each of its heads. */
 int ec_mirror_append(void *k_cache, void *v_cache, const float *k, int64_t k_stride,
                      const float *v, int64_t v_stride, const int64_t *lens, int64_t n,
-                     int64_t kv_heads, int64_t dim, int64_t cap, int nthreads, int kv_type) {
-    if (!ec_kv_valid(kv_type)) return -1;
+                     int64_t kv_heads, int64_t dim, int64_t row_stride, int64_t chunk,
+                     int64_t chunk_stride, int64_t cap, int nthreads, int kv_type) {
+    if (!ec_kv_valid(kv_type) || chunk < 1) return -1;
     for (int64_t r = 0; r < n; r++)
         if (lens[r] < 1 || lens[r] > cap) return -1;
     const int64_t es = ec_kv_size(kv_type);
@@ -171,7 +182,8 @@ int ec_mirror_append(void *k_cache, void *v_cache, const float *k, int64_t k_str
     schedule(static)
     for (int64_t r = 0; r < n; r++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int64_t at = ((r * kv_heads + h) * cap + lens[r] - 1) * dim * es;
+            const int64_t at =
+                mirror_at(r, h, lens[r] - 1, row_stride, chunk, chunk_stride, dim * es);
             ec_kv_store((char *)k_cache + at, k + r * k_stride + h * dim, dim, kv_type);
             ec_kv_store((char *)v_cache + at, v + r * v_stride + h * dim, dim, kv_type);
         }
@@ -181,13 +193,14 @@ int ec_mirror_append(void *k_cache, void *v_cache, const float *k, int64_t k_str
 
 /* Copy n requests' first lens[i] positions of K and V from the paged cache halves
  * [num_blocks, block_size, kv_heads, D] into decode-mirror rows row0 + i of the mirror
- * halves [rows, kv_heads, cap, D] (both of type kv_type); request i's block ids are
- * table[i * table_stride ..]. */
+ * halves (see mirror_at; `cap` positions a row; both of type kv_type); request i's block
+ * ids are table[i * table_stride ..]. */
 int ec_mirror_fill(void *mk, void *mv, const void *ck, const void *cv, const int64_t *table,
                    int64_t table_stride, const int64_t *lens, int64_t n, int64_t row0,
-                   int64_t mirror_rows, int64_t kv_heads, int64_t dim, int64_t cap,
-                   int64_t block_size, int64_t num_blocks, int nthreads, int kv_type) {
-    if (!ec_kv_valid(kv_type) || row0 < 0 || row0 + n > mirror_rows) return -1;
+                   int64_t mirror_rows, int64_t kv_heads, int64_t dim, int64_t row_stride,
+                   int64_t chunk, int64_t chunk_stride, int64_t cap, int64_t block_size,
+                   int64_t num_blocks, int nthreads, int kv_type) {
+    if (!ec_kv_valid(kv_type) || row0 < 0 || row0 + n > mirror_rows || chunk < 1) return -1;
     const int64_t es = ec_kv_size(kv_type), row = dim * es;
     for (int64_t i = 0; i < n; i++) {
         if (lens[i] < 0 || lens[i] > cap || lens[i] > table_stride * block_size) return -1;
@@ -199,13 +212,12 @@ int ec_mirror_fill(void *mk, void *mv, const void *ck, const void *cv, const int
 #pragma omp parallel for num_threads(nthreads) if (n * kv_heads >= 2) schedule(dynamic, 1)
     for (int64_t u = 0; u < n * kv_heads; u++) {
         const int64_t i = u / kv_heads, h = u % kv_heads;
-        char *dk = (char *)mk + ((row0 + i) * kv_heads + h) * cap * row;
-        char *dv = (char *)mv + ((row0 + i) * kv_heads + h) * cap * row;
         for (int64_t p = 0; p < lens[i]; p++) {
             const int64_t slot = table[i * table_stride + p / block_size] * block_size +
                                  p % block_size;
-            memcpy(dk + p * row, (const char *)ck + (slot * kv_heads + h) * row, row);
-            memcpy(dv + p * row, (const char *)cv + (slot * kv_heads + h) * row, row);
+            const int64_t at = mirror_at(row0 + i, h, p, row_stride, chunk, chunk_stride, row);
+            memcpy((char *)mk + at, (const char *)ck + (slot * kv_heads + h) * row, row);
+            memcpy((char *)mv + at, (const char *)cv + (slot * kv_heads + h) * row, row);
         }
     }
     return 0;
@@ -214,7 +226,7 @@ int ec_mirror_fill(void *mk, void *mv, const void *ck, const void *cv, const int
 /* Decode attention over the decode mirror, each row over its own length (SDPA would pad
  * every row to the longest). q [n, kv_heads * group, dim] (heads contiguous, token stride
  * q_stride): the `group` query heads of KV head h are h * group .. h * group + group - 1.
- * The mirror halves are [rows, kv_heads, cap, dim]; row r attends positions
+ * The mirror halves are laid out as mirror_at says; row r attends positions
  * [max(0, lens[r] - window), lens[r]) (window 0: all). One pass over K and V in blocks
  * of EC_BLOCK positions with an online softmax: the running maximum and sum are rescaled
  * per block, so each position is read once; past EC_SPAN positions in spans, merged (see
@@ -238,6 +250,21 @@ static inline float online_softmax_block(float *s, int64_t nb, float *m, float *
     *l = *l * alpha + sum;
     *m = bmax;
     return alpha;
+}
+
+/* The next block of the positions [t0, len) of a (row, KV head) whose K and V start at K
+ * and V and run `chunk` positions (pos_bytes each) a chunk, chunks chunk_stride bytes
+ * apart: at most EC_BLOCK positions and none past its chunk, so that its positions lie
+ * side by side from *Kb and *Vb. Returns how many. */
+static inline int64_t chunk_block(const void *K, const void *V, int64_t t0, int64_t len,
+                                  int64_t chunk, int64_t chunk_stride, int64_t pos_bytes,
+                                  const char **Kb, const char **Vb) {
+    const int64_t in_chunk = t0 % chunk, at = t0 / chunk * chunk_stride + in_chunk * pos_bytes;
+    int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+    if (nb > chunk - in_chunk) nb = chunk - in_chunk;
+    *Kb = (const char *)K + at;
+    *Vb = (const char *)V + at;
+    return nb;
 }
 
 #ifdef __AVX512F__
@@ -267,9 +294,11 @@ static inline __m128 reduce4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
 /* One (row, KV head) with the query heads and accumulators held in registers; G and NV
  * are literals at each call site, so the loops unroll. */
 static inline __attribute__((always_inline)) void attend_unit_avx512(
-    const float *qh, const void *K, const void *V, int64_t start, int64_t len, float scale,
-    float *o, float *ml, const int G, const int NV, const int T) {
+    const float *qh, const void *K, const void *V, int64_t start, int64_t len, int64_t chunk,
+    int64_t chunk_stride, float scale, float *o, float *ml, const int G, const int NV,
+    const int T) {
     const int64_t es = ec_kv_size(T), lines = NV * 16 * es / 64; /* a position's lines */
+    const int64_t pos_bytes = NV * 16 * es;
     __m512 q[EC_FAST_GROUP][EC_FAST_NV], acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -280,23 +309,24 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
             acc[g][v] = _mm512_setzero_ps();
         }
     }
-    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
-        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+    for (int64_t t0 = start, nb; t0 < len; t0 += nb) {
+        const char *Kb, *Vb;
+        nb = chunk_block(K, V, t0, len, chunk, chunk_stride, pos_bytes, &Kb, &Vb);
         const __m128 scale4 = _mm_set1_ps(scale);
         int64_t j = 0;
         for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
             __m512 x[EC_FAST_GROUP][4];
             for (int u = 0; u < 4; u++) {
-                const int64_t kt = (t0 + j + u) * NV * 16;
-                const char *kb = (const char *)K + (kt + EC_PREFETCH_AHEAD * NV * 16) * es;
-                const char *vb = (const char *)V + kt * es;
+                const int64_t kt = (j + u) * NV * 16;
+                const char *kb = Kb + (kt + EC_PREFETCH_AHEAD * NV * 16) * es;
+                const char *vb = Vb + kt * es;
                 for (int c = 0; c < lines; c++) {
                     _mm_prefetch(kb + c * 64, _MM_HINT_T0);
                     /* this block's V is read once its scores are known */
                     _mm_prefetch(vb + c * 64, _MM_HINT_T0);
                 }
                 __m512 k[EC_FAST_NV];
-                for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(K, kt + v * 16, T);
+                for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(Kb, kt + v * 16, T);
                 for (int g = 0; g < G; g++) {
                     x[g][u] = _mm512_mul_ps(q[g][0], k[0]);
                     for (int v = 1; v < NV; v++) x[g][u] = _mm512_fmadd_ps(q[g][v], k[v], x[g][u]);
@@ -307,9 +337,9 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
                                                                   x[g][3]), scale4));
         }
         for (; j < nb; j++) {
-            const int64_t kt = (t0 + j) * NV * 16;
+            const int64_t kt = j * NV * 16;
             __m512 k[EC_FAST_NV];
-            for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(K, kt + v * 16, T);
+            for (int v = 0; v < NV; v++) k[v] = ec_kv_load16(Kb, kt + v * 16, T);
             for (int g = 0; g < G; g++) {
                 __m512 x = _mm512_mul_ps(q[g][0], k[0]);
                 for (int v = 1; v < NV; v++) x = _mm512_fmadd_ps(q[g][v], k[v], x);
@@ -321,9 +351,9 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
             for (int v = 0; v < NV; v++) acc[g][v] = _mm512_mul_ps(acc[g][v], alpha);
         }
         for (int64_t j = 0; j < nb; j++) {
-            const int64_t vt = (t0 + j) * NV * 16;
+            const int64_t vt = j * NV * 16;
             __m512 x[EC_FAST_NV];
-            for (int v = 0; v < NV; v++) x[v] = ec_kv_load16(V, vt + v * 16, T);
+            for (int v = 0; v < NV; v++) x[v] = ec_kv_load16(Vb, vt + v * 16, T);
             for (int g = 0; g < G; g++) {
                 const __m512 p = _mm512_set1_ps(s[g][j]);
                 for (int v = 0; v < NV; v++) acc[g][v] = _mm512_fmadd_ps(p, x[v], acc[g][v]);
@@ -338,16 +368,20 @@ static inline __attribute__((always_inline)) void attend_unit_avx512(
 
 /* Whether (group, dim) has a specialized version; it is then run and 1 returned. */
 static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
-                                   int64_t start, int64_t len, float scale, float *o, float *ml,
+                                   int64_t start, int64_t len, int64_t chunk,
+                                   int64_t chunk_stride, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim, int t) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 16) {                                                 \
         if (t == EC_KV_F16)                                                             \
-            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F16);    \
+            attend_unit_avx512(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml, \
+                G, NV, EC_KV_F16);                                                      \
         else if (t == EC_KV_BF16)                                                       \
-            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_BF16);   \
+            attend_unit_avx512(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml, \
+                G, NV, EC_KV_BF16);                                                     \
         else                                                                            \
-            attend_unit_avx512(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F32);    \
+            attend_unit_avx512(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml, \
+                G, NV, EC_KV_F32);                                                      \
         return 1;                                                                       \
     }
     EC_CASE(1, 2) EC_CASE(2, 2) EC_CASE(4, 2) EC_CASE(8, 2)
@@ -372,9 +406,11 @@ static inline __m128 reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
 /* The AVX-512 kernel's loop with 8-float vectors. Sixteen registers cannot hold the query
  * heads as well as the accumulators: the queries are read from L1 (memory operands). */
 static inline __attribute__((always_inline)) void attend_unit_avx2(
-    const float *qh, const void *K, const void *V, int64_t start, int64_t len, float scale,
-    float *o, float *ml, const int G, const int NV, const int T) {
+    const float *qh, const void *K, const void *V, int64_t start, int64_t len, int64_t chunk,
+    int64_t chunk_stride, float scale, float *o, float *ml, const int G, const int NV,
+    const int T) {
     const int64_t es = ec_kv_size(T), lines = NV * 8 * es / 64; /* a position's lines */
+    const int64_t pos_bytes = NV * 8 * es;
     __m256 acc[EC_FAST_GROUP][EC_FAST_NV];
     float s[EC_FAST_GROUP][EC_BLOCK], m[EC_FAST_GROUP], l[EC_FAST_GROUP];
     for (int g = 0; g < G; g++) {
@@ -382,8 +418,9 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
         l[g] = 0.0f;
         for (int v = 0; v < NV; v++) acc[g][v] = _mm256_setzero_ps();
     }
-    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
-        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+    for (int64_t t0 = start, nb; t0 < len; t0 += nb) {
+        const char *Kb, *Vb;
+        nb = chunk_block(K, V, t0, len, chunk, chunk_stride, pos_bytes, &Kb, &Vb);
         const __m128 scale4 = _mm_set1_ps(scale);
         int64_t j = 0;
         for (; j + 4 <= nb; j += 4) { /* four positions share one reduction tree */
@@ -391,7 +428,7 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
              * prefetched ahead: on AVX2-only CPUs that is 9-11% slower at 256 rows (on one
              * thread or two) than leaving K to the hardware prefetcher. */
             for (int u = 0; u < 4; u++) {
-                const char *vb = (const char *)V + (t0 + j + u) * NV * 8 * es;
+                const char *vb = Vb + (j + u) * NV * 8 * es;
                 for (int c = 0; c < (lines > 0 ? lines : 1); c++)
                     _mm_prefetch(vb + c * 64, _MM_HINT_T0);
             }
@@ -399,22 +436,22 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
                 const float *qg = qh + g * NV * 8;
                 __m256 x[4];
                 for (int u = 0; u < 4; u++) {
-                    const int64_t kt = (t0 + j + u) * NV * 8;
-                    x[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(K, kt, T));
+                    const int64_t kt = (j + u) * NV * 8;
+                    x[u] = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(Kb, kt, T));
                     for (int v = 1; v < NV; v++)
                         x[u] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8),
-                                               ec_kv_load8(K, kt + v * 8, T), x[u]);
+                                               ec_kv_load8(Kb, kt + v * 8, T), x[u]);
                 }
                 _mm_storeu_ps(&s[g][j], _mm_mul_ps(reduce4_avx2(x[0], x[1], x[2], x[3]), scale4));
             }
         }
         for (; j < nb; j++) {
-            const int64_t kt = (t0 + j) * NV * 8;
+            const int64_t kt = j * NV * 8;
             for (int g = 0; g < G; g++) {
                 const float *qg = qh + g * NV * 8;
-                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(K, kt, T));
+                __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qg), ec_kv_load8(Kb, kt, T));
                 for (int v = 1; v < NV; v++)
-                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8), ec_kv_load8(K, kt + v * 8, T),
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(qg + v * 8), ec_kv_load8(Kb, kt + v * 8, T),
                                         x);
                 const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
                 const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -426,11 +463,11 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
             for (int v = 0; v < NV; v++) acc[g][v] = _mm256_mul_ps(acc[g][v], alpha);
         }
         for (int64_t j = 0; j < nb; j++) {
-            const int64_t vt = (t0 + j) * NV * 8;
+            const int64_t vt = j * NV * 8;
             for (int g = 0; g < G; g++) {
                 const __m256 p = _mm256_set1_ps(s[g][j]);
                 for (int v = 0; v < NV; v++)
-                    acc[g][v] = _mm256_fmadd_ps(p, ec_kv_load8(V, vt + v * 8, T), acc[g][v]);
+                    acc[g][v] = _mm256_fmadd_ps(p, ec_kv_load8(Vb, vt + v * 8, T), acc[g][v]);
             }
         }
     }
@@ -441,16 +478,20 @@ static inline __attribute__((always_inline)) void attend_unit_avx2(
 }
 
 static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
-                                   int64_t start, int64_t len, float scale, float *o, float *ml,
+                                   int64_t start, int64_t len, int64_t chunk,
+                                   int64_t chunk_stride, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim, int t) {
 #define EC_CASE(G, NV)                                                                  \
     if (group == G && dim == NV * 8) {                                                  \
         if (t == EC_KV_F16)                                                             \
-            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F16);      \
+            attend_unit_avx2(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml,   \
+                G, NV, EC_KV_F16);                                                      \
         else if (t == EC_KV_BF16)                                                       \
-            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_BF16);     \
+            attend_unit_avx2(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml,   \
+                G, NV, EC_KV_BF16);                                                     \
         else                                                                            \
-            attend_unit_avx2(qh, K, V, start, len, scale, o, ml, G, NV, EC_KV_F32);      \
+            attend_unit_avx2(qh, K, V, start, len, chunk, chunk_stride, scale, o, ml,   \
+                G, NV, EC_KV_F32);                                                      \
         return 1;                                                                       \
     }
     EC_CASE(1, 4) EC_CASE(2, 4) EC_CASE(4, 4) EC_CASE(8, 4)
@@ -462,7 +503,8 @@ static inline int attend_unit_fast(const float *qh, const void *K, const void *V
 }
 #else
 static inline int attend_unit_fast(const float *qh, const void *K, const void *V,
-                                   int64_t start, int64_t len, float scale, float *o, float *ml,
+                                   int64_t start, int64_t len, int64_t chunk,
+                                   int64_t chunk_stride, float scale, float *o, float *ml,
                                    int64_t group, int64_t dim, int t) {
     return 0;
 }
@@ -470,8 +512,9 @@ static inline int attend_unit_fast(const float *qh, const void *K, const void *V
 
 /* Any group and dim (up to the maxima), in portable C. */
 static void attend_unit_generic(const float *qh, const void *K, const void *V, int64_t start,
-                                int64_t len, float scale, float *o, float *ml, int64_t group,
-                                int64_t dim, int t) {
+                                int64_t len, int64_t chunk, int64_t chunk_stride, float scale,
+                                float *o, float *ml, int64_t group, int64_t dim, int t) {
+    const int64_t pos_bytes = dim * ec_kv_size(t);
     float s[EC_MAX_GROUP * EC_BLOCK], acc[EC_MAX_GROUP * EC_MAX_DIM], wide[EC_MAX_DIM];
     float m[EC_MAX_GROUP], l[EC_MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
@@ -479,10 +522,11 @@ static void attend_unit_generic(const float *qh, const void *K, const void *V, i
         l[g] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * group * dim);
-    for (int64_t t0 = start; t0 < len; t0 += EC_BLOCK) {
-        const int64_t nb = len - t0 < EC_BLOCK ? len - t0 : EC_BLOCK;
+    for (int64_t t0 = start, nb; t0 < len; t0 += nb) {
+        const char *Kb, *Vb;
+        nb = chunk_block(K, V, t0, len, chunk, chunk_stride, pos_bytes, &Kb, &Vb);
         for (int64_t j = 0; j < nb; j++) {
-            const float *kt = ec_kv_row(K, (t0 + j) * dim, dim, t, wide);
+            const float *kt = ec_kv_row(Kb, j * dim, dim, t, wide);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qh + g * dim;
                 float d = 0.0f;
@@ -498,7 +542,7 @@ static void attend_unit_generic(const float *qh, const void *K, const void *V, i
             for (int64_t i = 0; i < dim; i++) ag[i] *= alpha;
         }
         for (int64_t j = 0; j < nb; j++) {
-            const float *vt = ec_kv_row(V, (t0 + j) * dim, dim, t, wide);
+            const float *vt = ec_kv_row(Vb, j * dim, dim, t, wide);
             for (int64_t g = 0; g < group; g++) {
                 const float p = s[g * EC_BLOCK + j];
                 float *ag = acc + g * dim;
@@ -527,14 +571,19 @@ int64_t ec_attention_spans(int64_t positions) {
     return spans;
 }
 
-/* One span, positions [lo, hi) of K and V [positions, dim] (elements of type kv_type),
- * for the `group` query heads qh [group, dim]: part holds the unnormalized sums
- * [group, dim], then each head's running maximum [group] and softmax sum [group]. */
+/* One span, positions [lo, hi) of a (row, KV head)'s K and V (elements of type kv_type),
+ * `chunk` positions [chunk, dim] side by side from K and V, each next chunk chunk_stride
+ * bytes on (see ec_decode_attention), for the `group` query heads qh [group, dim]: part
+ * holds the unnormalized sums [group, dim], then each head's running maximum [group] and
+ * softmax sum [group]. */
 void ec_attend_span(const float *qh, const void *K, const void *V, int64_t lo, int64_t hi,
-                    float scale, int64_t group, int64_t dim, float *part, int kv_type) {
+                    int64_t chunk, int64_t chunk_stride, float scale, int64_t group,
+                    int64_t dim, float *part, int kv_type) {
     float *ml = part + group * dim;
-    if (!attend_unit_fast(qh, K, V, lo, hi, scale, part, ml, group, dim, kv_type))
-        attend_unit_generic(qh, K, V, lo, hi, scale, part, ml, group, dim, kv_type);
+    if (!attend_unit_fast(qh, K, V, lo, hi, chunk, chunk_stride, scale, part, ml, group, dim,
+                          kv_type))
+        attend_unit_generic(qh, K, V, lo, hi, chunk, chunk_stride, scale, part, ml, group, dim,
+                            kv_type);
 }
 
 /* Folds span j's part into the running sums o [group, dim] and ml (maxima, then sums). */
@@ -578,11 +627,12 @@ void ec_merge_spans(const float *parts, int64_t spans, int64_t group, int64_t di
 
 int ec_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                         const void *v_cache, const int64_t *lens, int64_t n, int64_t kv_heads,
-                        int64_t group, int64_t dim, int64_t cap, int64_t window, float scale,
+                        int64_t group, int64_t dim, int64_t row_stride, int64_t chunk,
+                        int64_t chunk_stride, int64_t cap, int64_t window, float scale,
                         float *out, int nthreads, int kv_type) {
     if (group < 1 || group > EC_MAX_GROUP || dim < 1 || dim > EC_MAX_DIM) return -1;
-    if (!ec_kv_valid(kv_type)) return -1;
-    const int64_t head_bytes = cap * dim * ec_kv_size(kv_type);
+    if (!ec_kv_valid(kv_type) || chunk < 1) return -1;
+    const int64_t pos_bytes = dim * ec_kv_size(kv_type);
     int64_t positions = 0; /* over all rows and heads: below ~1k, threads cost more */
     for (int64_t r = 0; r < n; r++) {
         if (lens[r] < 1 || lens[r] > cap) return -1;
@@ -593,15 +643,16 @@ int ec_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
     for (int64_t u = 0; u < n * kv_heads; u++) {
         const int64_t r = u / kv_heads, h = u % kv_heads, len = lens[r];
         const int64_t start = window > 0 && len > window ? len - window : 0;
-        const char *K = (const char *)k_cache + (r * kv_heads + h) * head_bytes;
-        const char *V = (const char *)v_cache + (r * kv_heads + h) * head_bytes;
+        const int64_t at = mirror_at(r, h, 0, row_stride, chunk, chunk_stride, pos_bytes);
+        const char *K = (const char *)k_cache + at, *V = (const char *)v_cache + at;
         const float *qh = q + r * q_stride + h * group * dim;
         float *o = out + (r * kv_heads + h) * group * dim;
         float part[EC_MAX_GROUP * EC_MAX_DIM + 2 * EC_MAX_GROUP], ml[2 * EC_MAX_GROUP];
         const int64_t attended = len - start, spans = ec_attention_spans(attended);
         for (int64_t j = 0; j < spans; j++) {
             ec_attend_span(qh, K, V, start + attended * j / spans,
-                           start + attended * (j + 1) / spans, scale, group, dim, part, kv_type);
+                           start + attended * (j + 1) / spans, chunk, chunk_stride, scale, group,
+                           dim, part, kv_type);
             merge_span(o, ml, part, j, group, dim);
         }
         normalize_spans(o, ml, group, dim);

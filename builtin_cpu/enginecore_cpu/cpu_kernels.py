@@ -42,6 +42,7 @@ import torch
 
 from enginecore import startup_log
 from enginecore_cpu import kernel_cache
+from enginecore_cpu.mirror_layout import geometry
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,10 @@ _SIGNATURES = {
     "ec_rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I],
     "ec_silu_and_mul": [_P, _P, _I64, _I64, _I],
     "ec_write_kv": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I, _I],
-    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I, _I],
+    "ec_mirror_append": [_P, _P, _P, _I64, _P, _I64, _P, *[_I64] * 7, _I, _I],
     "ec_argmax_rows": [_P, _I64, _I64, _I64, _P, _I],
-    "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 8, _I, _I],
-    "ec_decode_attention": [
-        *[_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _I, _I]
-    ],
+    "ec_mirror_fill": [_P, _P, _P, _P, _P, _I64, _P, *[_I64] * 11, _I, _I],
+    "ec_decode_attention": [_P, _I64, _P, _P, _P, *[_I64] * 9, _F, _P, _I, _I],
     "ec_gemm_pack": [_P, _I64, _I64, _I64, _I64, _I64, _P],
     "ec_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _I],
     "ec_gemm_available": [],
@@ -423,12 +422,12 @@ class CpuKernels:
         self, layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: torch.Tensor
     ) -> None:
         """Write this step's ``key``/``value`` [n, H_kv, D] into a decode-mirror layer
-        [2, rows, H_kv, cap, D] at position ``lens - 1`` of each row."""
+        (``mirror_layout.geometry``) at position ``lens - 1`` of each row."""
         n, h, d = key.shape
-        base = layer.data_ptr()
+        at = geometry(layer)
         status = self.lib.ec_mirror_append(
-            base,
-            base + layer[0].numel() * layer.element_size(),
+            at.k,
+            at.v,
             key.data_ptr(),
             key.stride(0),
             value.data_ptr(),
@@ -437,7 +436,10 @@ class CpuKernels:
             n,
             h,
             d,
-            layer.shape[3],
+            at.row_stride,
+            at.chunk,
+            at.chunk_stride,
+            at.capacity,
             torch.get_num_threads(),
             KV_TYPES[layer.dtype],
         )
@@ -453,15 +455,15 @@ class CpuKernels:
     ) -> None:
         """Copy request ``i``'s first ``lens[i]`` positions from ``kv_cache`` [2, blocks,
         bs, H_kv, D] (its blocks: row ``i`` of ``table``, int64) into row ``row0 + i`` of
-        a decode-mirror layer [2, rows, H_kv, cap, D] of the cache's dtype."""
+        a decode-mirror layer (``mirror_layout.geometry``) of the cache's dtype."""
         if layer.dtype != kv_cache.dtype:
             raise TypeError(f"a {layer.dtype} mirror filled from a {kv_cache.dtype} cache")
-        _, rows, h, cap, d = layer.shape
-        _, num_blocks, block_size, _, _ = kv_cache.shape
-        mirror, cache = layer.data_ptr(), kv_cache.data_ptr()
+        _, rows, *_, d = layer.shape
+        _, num_blocks, block_size, h, _ = kv_cache.shape
+        at, cache = geometry(layer), kv_cache.data_ptr()
         status = self.lib.ec_mirror_fill(
-            mirror,
-            mirror + layer[0].numel() * layer.element_size(),
+            at.k,
+            at.v,
             cache,
             cache + kv_cache[0].numel() * kv_cache.element_size(),
             table.data_ptr(),
@@ -472,7 +474,10 @@ class CpuKernels:
             rows,
             h,
             d,
-            cap,
+            at.row_stride,
+            at.chunk,
+            at.chunk_stride,
+            at.capacity,
             block_size,
             num_blocks,
             torch.get_num_threads(),
@@ -501,23 +506,26 @@ class CpuKernels:
         window: int | None,
     ) -> torch.Tensor:
         """Attention of one query per row (``query`` [n, H_q, D]) over a decode-mirror
-        layer [2, rows, H_kv, cap, D], row ``r`` over its first ``lens[r]`` positions (its
-        last ``window`` with a window); returns [n, H_q, D]."""
+        layer (``mirror_layout.geometry``), row ``r`` over its first ``lens[r]`` positions
+        (its last ``window`` with a window); returns [n, H_q, D]."""
         n, hq, d = query.shape
-        _, _, hkv, cap, _ = layer.shape
+        hkv = layer.shape[-3]
         out = torch.empty((n, hq, d), dtype=torch.float32)
-        base = layer.data_ptr()
+        at = geometry(layer)
         status = self.lib.ec_decode_attention(
             query.data_ptr(),
             query.stride(0),
-            base,
-            base + layer[0].numel() * layer.element_size(),
+            at.k,
+            at.v,
             lens.data_ptr(),
             n,
             hkv,
             hq // hkv,
             d,
-            cap,
+            at.row_stride,
+            at.chunk,
+            at.chunk_stride,
+            at.capacity,
             window or 0,
             scale,
             out.data_ptr(),

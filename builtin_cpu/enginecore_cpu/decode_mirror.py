@@ -2,9 +2,11 @@
 
 Paged attention in plain torch has to gather every decode request's blocks into a padded
 tensor each step and layer: on CPU that memcpy of the whole context is most of a decode
-step. The mirror keeps, per layer, ``[2, rows, kv_heads, capacity, head_dim]`` with one
-row per decoding request. A request that keeps decoding only appends one position per
-step; its context is copied from the paged cache once, when it starts decoding. The
+step. The mirror keeps, per layer, ``[2, rows, chunks, kv_heads, chunk, head_dim]`` with
+one row per decoding request: a row's positions in chunks of whole 2 MiB pages, advised
+into huge pages as the row grows (``mirror_layout``). A request that keeps decoding only
+appends one position per step; its context is copied from the paged cache once, when it
+starts decoding. The
 paged cache stays the source of truth (prefix caching, preemption, connectors); the
 mirror is a per-runner acceleration, dropped whenever anything about a row is in doubt.
 
@@ -28,13 +30,9 @@ import torch.nn.functional as F
 
 from enginecore.layers.attention_masks import decode_mask
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import zeroed
+from enginecore_cpu.mirror_layout import MirrorLayout, MirrorMemory, positions, write_positions
 
 _T_ALIGN = 64  # capacity grows in steps of this many positions
-# Unused positions after each (row, head)'s capacity. Without them a capacity of 4,096
-# positions puts every row's K and V exactly 1 MiB apart, where they alias in the cache:
-# decode attention over 256 rows runs 7-11% slower than with these few extra positions.
-_T_PAD = 16
 
 
 @dataclass
@@ -49,15 +47,14 @@ class MirrorStep:
     biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _write_index: torch.Tensor | None = None
 
-    def write_index(self, kv_heads: int, capacity: int) -> torch.Tensor:
-        """[n * kv_heads]: where each row's and head's new K/V goes in a layer's K (or V)
-        half viewed as [rows * kv_heads * capacity, head_dim] (the torch path's
-        ``index_copy_``; the fused kernel takes ``lens``). Built once per step."""
+    def write_index(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's index, chunk and position in its chunk of this step's K/V (the torch
+        path's indexed write; the fused kernel takes ``lens``). Built once per step."""
         if self._write_index is None:
-            row_heads = torch.arange(self.num_rows * kv_heads, device=self.write_pos.device)
-            starts = row_heads.view(self.num_rows, kv_heads) * capacity
-            self._write_index = (starts + self.write_pos[:, None]).reshape(-1)
-        return self._write_index
+            rows = torch.arange(self.num_rows, device=self.write_pos.device)
+            self._write_index = torch.stack((rows, self.write_pos // chunk, self.write_pos % chunk))
+        index = self._write_index
+        return index[0], index[1], index[2]
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """[n, 1, 1, kv_len], True = attend: each row's positions up to its own, the last
@@ -100,6 +97,7 @@ class DecodeMirror:
         self.max_len = max_len
         self.max_rows = max_rows
         self.layers: list[torch.Tensor] = []
+        self.memory: MirrorMemory | None = None
         self.layer_of: dict[int, int] = {}  # kv cache data_ptr -> layer index
         self.rows: list[str] = []  # request id of each row
         self.row_of: dict[str, int] = {}
@@ -136,15 +134,20 @@ class DecodeMirror:
     def _capacity(self) -> tuple[int, int]:
         if not self.layers:
             return 0, 0
-        return self.layers[0].shape[1], self.layers[0].shape[3] - _T_PAD
+        _, rows, chunks, _, chunk, _ = self.layers[0].shape
+        return rows, chunks * chunk
+
+    def _layout(self, rows: int, length: int) -> MirrorLayout:
+        """In chunks of huge pages where they fit the memory bound, else dense."""
+        h, d = self.shape_hd
+        layout = MirrorLayout.plan(self.num_layers, h, d, self.dtype, rows, length)
+        if layout.nbytes > self.max_bytes:
+            layout = MirrorLayout.plan(self.num_layers, h, d, self.dtype, rows, length, True)
+        return layout
 
     def _bytes(self, rows: int, length: int) -> int:
         """The memory of a mirror of ``rows`` rows holding ``length`` positions each."""
-        return self._position_bytes(rows) * (length + _T_PAD)
-
-    def _position_bytes(self, rows: int) -> int:
-        h, d = self.shape_hd
-        return self.num_layers * 2 * rows * h * d * self.dtype.itemsize
+        return self._layout(rows, length).nbytes
 
     def _ensure(self, rows: int, length: int) -> bool:
         cap_r, cap_t = self._capacity()
@@ -168,17 +171,29 @@ class DecodeMirror:
                 new_r, new_t = max(rows, cap_r), max(length, cap_t)
                 if self._bytes(new_r, new_t) > self.max_bytes:
                     return False
-        h, d = self.shape_hd
+        layout = self._layout(new_r, new_t)
+        if self.device.type != "cpu":  # no pages to advise: one dense chunk
+            h, d = self.shape_hd
+            shape = (2, new_r, 1, h, layout.capacity, d)
+            grown = [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)
+            ]
+            memory = None
+        else:
+            memory = MirrorMemory(layout, self.dtype)
+            grown = memory.layers
         keep = len(self.rows)
-        used = max(self.row_len, default=0)
-        grown = []
-        olds: Sequence[torch.Tensor | None] = self.layers or [None] * self.num_layers
-        for old in olds:
-            new = zeroed((2, new_r, h, new_t + _T_PAD, d), self.dtype, self.device)
-            if old is not None and keep and used:
-                new[:, :keep, :, :used] = old[:, :keep, :, :used]
-            grown.append(new)
-        self.layers = grown
+        if keep and self.layers:
+            lengths = self.row_len
+            if memory is not None:
+                for row, length in enumerate(lengths):
+                    memory.advise_row(row, length)
+            used = max(lengths, default=0)
+            for old, new in zip(self.layers, grown, strict=True):
+                if used:
+                    write_positions(new, slice(0, keep), 0, positions(old, keep, used))
+        self.layers, self.memory = grown, memory
         return True
 
     def allocate_every_row(self) -> None:
@@ -189,7 +204,7 @@ class DecodeMirror:
         self._ensure(self.max_rows, self.max_len)
 
     def reset(self) -> None:
-        self.layers = []
+        self.layers, self.memory = [], None
         self.rows, self.row_of, self._row_len_list = [], {}, []
         self._row_len_array = None
         self.step = None
@@ -257,6 +272,7 @@ class DecodeMirror:
             return None
         self.layer_of = {cache.data_ptr(): i for i, cache in enumerate(kv_caches)}
         after = lens + 1  # each row's length after this step's token is written
+        self._advise(after)
         self._row_len_list, self._row_len_array = None, after
         write_pos, lens_t = self._step_tensors(lens, after)
         self.step = MirrorStep(
@@ -289,6 +305,16 @@ class DecodeMirror:
             self._step_buffers[i] = (pos_array, len_array, n, tensors)
         return tensors
 
+    def _advise(self, lengths: np.ndarray) -> None:
+        """Advise into huge pages the chunks that rows of ``lengths`` (in row order) have
+        grown into, before they are written (one comparison per row a step)."""
+        memory = self.memory
+        if memory is None or not memory.layout.huge:
+            return
+        grown = memory.layout.huge_chunks(lengths) > memory.huge_rows[: len(lengths)]
+        for row in np.flatnonzero(grown).tolist():
+            memory.advise_row(row, int(lengths[row]))
+
     def _remove_rows(self, rows: list[int]) -> None:
         if not rows:
             return
@@ -306,9 +332,13 @@ class DecodeMirror:
             row_len.pop()
         # Sequential moves may chain (a moved row moved again); apply them in order. Only
         # the valid positions move: the rest of a row is never attended to.
-        for layer in self.layers:
-            for dst, src, length in moves:
-                layer[:, dst, :, :length] = layer[:, src, :, :length]
+        for dst, src, length in moves:
+            if self.memory is not None:
+                self.memory.copy_row(dst, src, length)
+            else:
+                for layer in self.layers:
+                    moved = positions(layer[:, src:], 1, length)
+                    write_positions(layer, slice(dst, dst + 1), 0, moved)
 
     def _fill(
         self,
@@ -326,6 +356,9 @@ class DecodeMirror:
         longest = max(context_lens[rid] for rid in newcomers)
         if longest == 0:
             return
+        if self.memory is not None:  # huge pages before the context is written
+            for row in range(start, len(self.rows)):
+                self.memory.advise_row(row, row_len[row] + 1)
         block_size = kv_caches[0].shape[2]
         nb = -(-longest // block_size)
         table = torch.zeros((len(newcomers), nb), dtype=torch.int64)
@@ -347,7 +380,7 @@ class DecodeMirror:
             _, num_blocks, bs, h, d = cache.shape
             kv = cache.view(2, num_blocks, bs * h * d).index_select(1, flat)
             kv = kv.view(2, len(newcomers), nb * bs, h, d)[:, :, :longest].transpose(2, 3)
-            layer[:, rows, :, :longest] = kv
+            write_positions(layer, rows, 0, kv)
 
     # --- attention --------------------------------------------------------------------
 
@@ -365,15 +398,16 @@ class DecodeMirror:
         assert step is not None  # set for the step being run
         layer = self.layers[self.layer_of[kv_cache.data_ptr()]]
         n = step.num_rows
-        _, _, h, cap, d = layer.shape
+        h, d = layer.shape[3], layer.shape[5]
         kernels = cpu_kernels.kv_kernels_for(layer, query, key, value)
         if kernels is not None and cpu_kernels.heads_contiguous(key, value):
             kernels.mirror_append(layer, key, value, step.lens)
         else:
-            flat = layer.view(2, -1, d)
-            index = step.write_index(h, cap)
-            flat[0].index_copy_(0, index, key.reshape(n * h, d).to(layer.dtype))
-            flat[1].index_copy_(0, index, value.reshape(n * h, d).to(layer.dtype))
+            rows, chunks, at = step.write_index(layer.shape[4])
+            # [rows, chunks, chunk, kv_heads, head_dim]: a row's token at (chunk, at)
+            for half, new in ((layer[0], key), (layer[1], value)):
+                new = new.reshape(n, h, -1).to(layer.dtype)
+                half.permute(0, 1, 3, 2, 4)[rows, chunks, at] = new
         if (
             kernels is not None
             and cpu_kernels.heads_contiguous(query)
@@ -381,8 +415,8 @@ class DecodeMirror:
         ):
             # Each row over its own length: SDPA would attend every row over the longest.
             return kernels.decode_attention(query, layer, step.lens, scale, window)
-        k = layer[0, :n, :, : step.kv_len].to(query.dtype)
-        v = layer[1, :n, :, : step.kv_len].to(query.dtype)
+        kv = positions(layer, n, step.kv_len)
+        k, v = kv[0].to(query.dtype), kv[1].to(query.dtype)
         hq, d = query.shape[1], query.shape[2]
         hkv = k.shape[1]
         g = hq // hkv

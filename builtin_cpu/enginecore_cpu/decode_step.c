@@ -122,10 +122,10 @@ typedef int (*write_kv_fn)(void *, void *, const float *, int64_t, const float *
                            const int64_t *, int64_t, int64_t, int64_t, int, int);
 typedef int (*mirror_append_fn)(void *, void *, const float *, int64_t, const float *,
                                 int64_t, const int64_t *, int64_t, int64_t, int64_t, int64_t,
-                                int, int);
+                                int64_t, int64_t, int64_t, int, int);
 typedef int64_t (*attention_spans_fn)(int64_t);
 typedef void (*attend_span_fn)(const float *, const void *, const void *, int64_t, int64_t,
-                               float, int64_t, int64_t, float *, int);
+                               int64_t, int64_t, float, int64_t, int64_t, float *, int);
 typedef void (*merge_spans_fn)(const float *, int64_t, int64_t, int64_t, float *);
 typedef int (*linear_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t, const void *,
                          const void *, const void *, float *, int64_t);
@@ -358,7 +358,7 @@ typedef struct {
     int64_t n;
     const int64_t *positions, *slots, *lens;
     void *const *mirror;
-    int64_t mirror_cap;
+    const int64_t *mirror_shape; /* row stride, chunk, chunk stride, capacity (see below) */
     float *out;
     float *logits;        /* [n, head.out] the head's product, or null */
     int64_t *tokens;      /* [n] each row's argmax (logits null), or null */
@@ -413,8 +413,9 @@ static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
     else
         memcpy(q_rotated, row + kh * group * hd, group * hd * sizeof(float));
     k->rotary(q_rotated, 0, 1, group, hd, pos, m->cos, m->sin, m->max_pos, 1);
-    const int64_t at =
-        (r * m->kv_heads + kh) * st->mirror_cap * hd * ec_kv_size((int)m->kv_type);
+    const int64_t *shape = st->mirror_shape, chunk = shape[1], chunk_stride = shape[2];
+    /* this row's KV head's first chunk (its positions: ec_decode_attention's layout) */
+    const int64_t at = r * shape[0] + kh * chunk * hd * ec_kv_size((int)m->kv_type);
     char *mk = (char *)st->mirror[2 * l] + at, *mv = (char *)st->mirror[2 * l + 1] + at;
     const int kv_type = (int)m->kv_type;
     if (j == spans - 1) {
@@ -422,16 +423,16 @@ static void attend_unit(ecd_run *st, int64_t l, int64_t c, float *q_rotated) {
             k->rms_norm(row + q_size + kh * hd, hd, NULL, 0, 0, layer->k_norm, k_at, 1, hd,
                         m->eps, 1);
         k->rotary(k_at, 0, 1, 1, hd, pos, m->cos, m->sin, m->max_pos, 1);
-        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, st->mirror_cap, 1,
-                         kv_type);
+        k->mirror_append(mk, mv, k_at, 0, v_at, 0, st->lens + r, 1, 1, hd, 0, chunk,
+                         chunk_stride, shape[3], 1, kv_type);
     }
     const int64_t len = st->lens[r];
     const int64_t start = layer->window > 0 && len > layer->window ? len - layer->window : 0;
     const int64_t positions = len - start, part_size = group * hd + 2 * group;
     float *parts = st->parts + (r * m->kv_heads + kh) * st->max_spans * part_size;
     k->attend_span(q_rotated, mk, mv, start + positions * j / spans,
-                   start + positions * (j + 1) / spans, m->scale, group, hd,
-                   parts + j * part_size, kv_type);
+                   start + positions * (j + 1) / spans, chunk, chunk_stride, m->scale, group,
+                   hd, parts + j * part_size, kv_type);
     /* the last span's adder sees every other span's part (acquire-release) */
     if (atomic_fetch_add(&st->spans_done[(l * n + r) * m->kv_heads + kh], 1) + 1 == spans)
         k->merge_spans(parts, spans, group, hd, st->attn + (r * m->kv_heads + kh) * group * hd);
@@ -786,13 +787,14 @@ static void team_run(ecd_run *st, float *own_base, int64_t own_size, int threads
 
 /* The final normed hidden states out [n, hidden] of n decoding rows: token ids[r] at
  * positions[r], its K/V written to paged slot slots[r] and to position lens[r] - 1 of
- * decode-mirror row r, whose layer l halves are mirror[2 l], mirror[2 l + 1]
- * ([rows, kv_heads, mirror_cap, head_dim]). With a head (m->head.num_parts > 0), also
+ * decode-mirror row r, whose layer l halves are mirror[2 l], mirror[2 l + 1], laid out as
+ * ec_decode_attention reads them: mirror_shape holds the bytes between rows, the positions
+ * a chunk, the bytes between chunks and the positions a row (its capacity). With a head (m->head.num_parts > 0), also
  * its logits [n, head.out] where `logits` is given, else each row's argmax of them
  * into `tokens` where that is given (the logits never whole in memory). */
 int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int64_t *positions,
                     const int64_t *slots, const int64_t *lens, void *const *mirror,
-                    int64_t mirror_cap, float *out, float *logits, int64_t *tokens,
+                    const int64_t *mirror_shape, float *out, float *logits, int64_t *tokens,
                     int nthreads) {
     PROFILE_START(call);
     PROFILE_PHASE_OPEN(0);
@@ -801,6 +803,8 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     const int64_t q_size = m->heads * hd, kv_size = m->kv_heads * hd;
     const int64_t qkv_size = q_size + 2 * kv_size;
     const int64_t widest_in = max_i64(max_i64(h, q_size), m->inter);
+    const int64_t mirror_cap = mirror_shape[3];
+    if (mirror_shape[1] < 1) return -1;
     /* The kernels' own index checks, made once here: nothing fails inside the team. */
     for (int64_t r = 0; r < n; r++) {
         if (ids[r] < 0 || ids[r] >= m->vocab) return -1;
@@ -865,7 +869,7 @@ int ecd_decode_step(const ecd_model *m, int64_t n, const int64_t *ids, const int
     }
     float *own_base = scratch + shared_total + counter_floats + attention_size;
     st->m = m, st->n = n, st->positions = positions, st->slots = slots, st->lens = lens;
-    st->mirror = mirror, st->mirror_cap = mirror_cap, st->out = out;
+    st->mirror = mirror, st->mirror_shape = mirror_shape, st->out = out;
     st->logits = logits, st->tokens = tokens;
     if (picks) {
         st->tile_max = scratch + shared_total - picks;

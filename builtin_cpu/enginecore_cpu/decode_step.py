@@ -38,6 +38,7 @@ from enginecore_cpu import cpu_kernels, kquant_kernels, quant_gemm, quant_kernel
 from enginecore_cpu.fused_ops import CpuFusedOps
 from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS, gemm_from_rows
 from enginecore_cpu.linear_method import CpuPackedLinearMethod
+from enginecore_cpu.mirror_layout import geometry
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class FusedDecodeStep:
         self._keep: list[Any] = []  # ctypes arrays the C structures point into
         self._mirror_layers: list[torch.Tensor] | None = None
         self._mirror_ptrs: Any = None
+        self._mirror_shape: Any = None  # row stride, chunk, chunk stride, capacity
         self._out: torch.Tensor | None = None  # a step with its head: the hidden states
         self.lib = _load()
         self.model = self._record(model, kv_caches)
@@ -473,9 +475,11 @@ class FusedDecodeStep:
         if mirror.layers is not self._mirror_layers:  # grown (or first use): new addresses
             ptrs: list[int] = []
             for layer in mirror.layers:
-                base = layer.data_ptr()
-                ptrs += [base, base + layer[0].numel() * layer.element_size()]
+                at = geometry(layer)
+                ptrs += [at.k, at.v]
             self._mirror_ptrs = (c_void_p * len(ptrs))(*ptrs)
+            shape = (at.row_stride, at.chunk, at.chunk_stride, at.capacity)
+            self._mirror_shape = (c_int64 * 4)(*shape)
             self._mirror_layers = mirror.layers
         # With a head the hidden states are the call's scratch: one array, reused.
         out = (
@@ -496,7 +500,7 @@ class FusedDecodeStep:
         status = self.lib.ecd_decode_step(
             ctypes.byref(self.model), n, ids.data_ptr(), positions.data_ptr(),
             slots.ctypes.data, step.lens.data_ptr(), self._mirror_ptrs,
-            mirror.layers[0].shape[3], out.data_ptr(),
+            self._mirror_shape, out.data_ptr(),
             None if logits is None else logits.data_ptr(),
             None if tokens is None else tokens.data_ptr(), threads or torch.get_num_threads(),
         )  # fmt: skip
@@ -559,7 +563,7 @@ def _load() -> ctypes.CDLL:
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 raise Unsupported(f"decode_step.c could not be built: {exc}") from exc
             lib.ecd_decode_step.argtypes = [
-                c_void_p, c_int64, *[c_void_p] * 5, c_int64, *[c_void_p] * 3, c_int,
+                c_void_p, c_int64, *[c_void_p] * 9, c_int,
             ]  # fmt: skip
             lib.ecd_decode_step.restype = c_int
             _lib = lib

@@ -137,6 +137,44 @@ def advise_reads(mapped: torch.Tensor, streamed: bool) -> bool:
     return bool(madvise(start, address + storage.nbytes() - start, advice) == 0)
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB base pages)
+_MADV_COLLAPSE = 25  # Linux 6.1: make a range huge pages now, contents unchanged
+
+
+def advise_pages(address: int, length: int, huge: bool) -> bool:
+    """Advise anonymous memory ``[address, address + length)`` (page-aligned) into
+    transparent huge pages (``huge``: the pages faulted in from now on) or out of them
+    (``MADV_NOHUGEPAGE``: not even where THP is ``always``). Returns whether the advice
+    was taken."""
+    madvise = _madvise()
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    if madvise is None or advice is None or length <= 0:
+        return False
+    return bool(madvise(address, length, advice) == 0)
+
+
+def collapse_in_background(owner: torch.Tensor, address: int, length: int) -> threading.Thread:
+    """Copy the small pages already in ``[address, address + length)`` (memory of
+    ``owner``, held until done; advised into huge pages) into huge pages, contents
+    unchanged, on a daemon thread (``MADV_COLLAPSE``): it can take the kernel a second
+    to find free huge pages, which a decode step must not wait for, and the steps may
+    write the range meanwhile. Where the kernel lacks it (before Linux 6.1) the pages
+    stay small."""
+    madvise = _madvise()
+
+    def run() -> None:
+        try:
+            if madvise is not None:
+                madvise(address, length, _MADV_COLLAPSE)
+        finally:
+            del held[:]
+
+    held = [owner]  # its memory stays mapped until the thread is done
+    thread = threading.Thread(target=run, daemon=True, name="enginecore-collapse")
+    thread.start()
+    return thread
+
+
 def region(span: torch.Tensor) -> Region:
     """The memory of a contiguous tensor."""
     return span.data_ptr(), span.numel() * span.element_size()

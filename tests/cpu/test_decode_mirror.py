@@ -13,10 +13,18 @@ import random
 import pytest
 
 from enginecore import LLM, SamplingParams
+from enginecore_cpu import mirror_layout
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 16 << 10], ids=["dense", "chunks"])
 @pytest.mark.parametrize("tight_cache", [True, False], ids=["growing", "full-size"])
-def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama, tight_cache) -> None:
+def test_mirror_matches_plain_paged_attention_under_churn(
+    tiny_llama, tight_cache, chunk_bytes, monkeypatch
+) -> None:
+    """``chunks``: the mirror in chunks of 32 positions (``mirror_layout``), so that rows
+    filled, moved, regrown and appended to span several."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(mirror_layout, "CHUNK_BYTES", chunk_bytes)
     rng = random.Random(11)
     prompts = [
         {"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(rng.randint(3, 60))]}
@@ -39,6 +47,7 @@ def test_mirror_matches_plain_paged_attention_under_churn(tiny_llama, tight_cach
         mirrored = llm.generate(prompts, params)
         mirror = runner.attn_backend.mirror
         assert mirror.layers, "the mirror was never used"
+        assert (mirror.memory.layout.chunks > 1) == (chunk_bytes is not None)
         full_size = (5, 128)  # max_num_seqs rows, max_model_len positions
         if tight_cache:
             assert sum(o.metrics["num_preemptions"] for o in mirrored) > 0

@@ -131,7 +131,8 @@ def _step_library() -> ctypes.CDLL:
     lib.ec_attention_spans.argtypes = [c_int64]
     lib.ec_attention_spans.restype = c_int64
     lib.ec_attend_span.argtypes = [
-        c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_float, c_int64, c_int64, c_void_p, c_int,
+        c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
+        c_int64, c_void_p, c_int,
     ]  # fmt: skip
     lib.ec_merge_spans.argtypes = [c_void_p, c_int64, c_int64, c_int64, c_void_p]
     return lib
@@ -161,8 +162,8 @@ def test_the_fused_steps_attention_over_half_kv_is_sdpa_over_it(hq, hkv, d, dtyp
                     lo = start + (length - start) * j // spans
                     hi = start + (length - start) * (j + 1) // spans
                     lib.ec_attend_span(
-                        q.data_ptr(), k.data_ptr(), v.data_ptr(), lo, hi, d**-0.5, group, d,
-                        parts[j].data_ptr(), kv_type,
+                        q.data_ptr(), k.data_ptr(), v.data_ptr(), lo, hi, 700, 0, d**-0.5,
+                        group, d, parts[j].data_ptr(), kv_type,
                     )  # fmt: skip
                 out = torch.empty(group, d)
                 lib.ec_merge_spans(parts.data_ptr(), spans, group, d, out.data_ptr())
