@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from enginecore_cpu import cpu_kernels
-from enginecore_cpu.host_memory import advise_pages, zeroed
+from enginecore_cpu.host_memory import advise_pages, mappings_under, zeroed
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # name -> (rows, layers, kv heads, query heads per KV head, head dim, capacity, lengths)
@@ -92,20 +92,8 @@ def _mirror(
 
 def _resident(layers: list[torch.Tensor]) -> tuple[int, int]:
     """Bytes of the mappings under ``layers`` resident, and of them in huge pages."""
-    spans = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in layers}
-    rss = huge = 0
-    ours = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            parts = line.split()
-            if "-" in parts[0] and not parts[0].endswith(":"):
-                lo, hi = (int(a, 16) for a in parts[0].split("-"))
-                ours = any(lo < at + n and at < hi for at, n in spans)
-            elif ours and parts[0] == "Rss:":
-                rss += int(parts[1]) * 1024
-            elif ours and parts[0] == "AnonHugePages:":
-                huge += int(parts[1]) * 1024
-    return rss, huge
+    fields = mappings_under(*layers)
+    return fields.get("Rss", 0), fields.get("AnonHugePages", 0)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import mmap
 import platform
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -173,6 +174,29 @@ def collapse_in_background(owner: torch.Tensor, address: int, length: int) -> th
     thread = threading.Thread(target=run, daemon=True, name="enginecore-collapse")
     thread.start()
     return thread
+
+
+def mappings_under(*tensors: torch.Tensor) -> dict[str, Any]:
+    """What ``/proc/self/smaps`` says of the mappings under the ``tensors``' storage, each
+    mapping once: each size field (``Rss``, ``AnonHugePages``, ``FilePmdMapped``, ...) in
+    bytes, summed over them, and ``VmFlags`` as the set of their flags (``hg``: advised
+    into huge pages, ``nh``: out of them). Linux only."""
+    spans = [
+        (t.untyped_storage().data_ptr(), max(1, t.untyped_storage().nbytes())) for t in tensors
+    ]
+    fields: dict[str, Any] = {"VmFlags": set()}
+    ours = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):
+                lo, hi = (int(a, 16) for a in parts[0].split("-"))
+                ours = any(lo < at + n and at < hi for at, n in spans)
+            elif ours and parts[0] == "VmFlags:":
+                fields["VmFlags"] |= set(parts[1:])
+            elif ours and len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0][:-1]] = fields.get(parts[0][:-1], 0) + int(parts[1]) * 1024
+    return fields
 
 
 def region(span: torch.Tensor) -> Region:

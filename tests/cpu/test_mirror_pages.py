@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from enginecore_cpu import cpu_kernels, decode_step, mirror_layout
 from enginecore_cpu.decode_mirror import DecodeMirror
-from enginecore_cpu.host_memory import HUGE_PAGE, zeroed
+from enginecore_cpu.host_memory import HUGE_PAGE, mappings_under, zeroed
 from enginecore_cpu.mirror_layout import MirrorLayout
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
@@ -126,26 +126,6 @@ def test_the_fused_steps_attention_reads_the_chunks(monkeypatch):
         assert torch.equal(out, want[0, kh * group : (kh + 1) * group])
 
 
-def _smaps(tensor: torch.Tensor) -> dict[str, Any]:
-    """The ``/proc/self/smaps`` fields of the mappings under ``tensor``'s storage: sizes in
-    bytes summed, ``VmFlags`` as the set of every mapping's flags."""
-    start = tensor.untyped_storage().data_ptr()
-    end = start + tensor.untyped_storage().nbytes()
-    fields: dict[str, Any] = {"VmFlags": set()}
-    ours = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            parts = line.split()
-            if "-" in parts[0] and not parts[0].endswith(":"):
-                lo, hi = (int(a, 16) for a in parts[0].split("-"))
-                ours = lo < end and start < hi
-            elif ours and parts[0] == "VmFlags:":
-                fields["VmFlags"] |= set(parts[1:])
-            elif ours and len(parts) == 3 and parts[2] == "kB":
-                fields[parts[0][:-1]] = fields.get(parts[0][:-1], 0) + int(parts[1]) * 1024
-    return fields
-
-
 def _anonymous_memory_maps_in_huge_pages() -> bool:
     """Whether this kernel gives anonymous memory advised MADV_HUGEPAGE huge pages."""
     probe = zeroed((4 * HUGE_PAGE,), torch.uint8, torch.device("cpu"))
@@ -155,7 +135,7 @@ def _anonymous_memory_maps_in_huge_pages() -> bool:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise(base + aligned, 2 * HUGE_PAGE, getattr(mmap, "MADV_HUGEPAGE", 14))
     probe[aligned : aligned + 2 * HUGE_PAGE].fill_(1)
-    return bool(_smaps(probe).get("AnonHugePages", 0) > 0)
+    return bool(mappings_under(probe).get("AnonHugePages", 0) > 0)
 
 
 # A shape whose mirror chunk holds 1,024 positions (32 KV heads of 64 floats, the 1.7B
@@ -204,10 +184,10 @@ def test_a_long_row_of_the_mirror_is_mapped_in_huge_pages(max_bytes):
     assert mirror.memory is not None
     assert mirror.memory.layout.rows == (1 if max_bytes < 1 << 30 else 4)
     mirror.memory.settle()  # the first chunk's small pages, collapsed in the background
-    assert _smaps(mirror.layers[0])["AnonHugePages"] >= chunk
+    assert mappings_under(mirror.layers[0])["AnonHugePages"] >= chunk
     _grow(mirror, caches, [1001], 100)  # the same request: 1,101 positions
     mirror.memory.settle()
-    assert _smaps(mirror.layers[0])["AnonHugePages"] >= 2 * chunk
+    assert mappings_under(mirror.layers[0])["AnonHugePages"] >= 2 * chunk
 
 
 def test_a_short_context_keeps_only_its_positions_resident():
@@ -222,12 +202,12 @@ def test_a_short_context_keeps_only_its_positions_resident():
     caches = _paged(LAYERS, HEADS, DIM, torch.float32, 4 * 8, seed=2)
     mirror = _mirror(HEADS, DIM, torch.float32, 2048, 8, LAYERS)
     _grow(mirror, caches, lengths, 3)
-    assert "nh" in _smaps(mirror.layers[0])["VmFlags"]
+    assert "nh" in mappings_under(mirror.layers[0])["VmFlags"]
     page = mmap.PAGESIZE
     bound = sum(
         LAYERS * 2 * HEADS * -(-(length + 4) * DIM * 4 // page) * page for length in lengths
     )
-    resident = _smaps(mirror.layers[0])["Rss"]
+    resident = mappings_under(mirror.layers[0])["Rss"]
     assert 0 < resident <= bound, (resident, bound)
 
 

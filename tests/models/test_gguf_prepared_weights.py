@@ -18,6 +18,7 @@ from enginecore.layers.linear import RowParallelLinear, use_linear_method
 from enginecore.layers.quantized import QuantizedTensor
 from enginecore_cpu import gguf_linear_method, prepared_weights, quant_kernels
 from enginecore_cpu.gguf_linear_method import DIRECT_MAX_ROWS, GGUFLinearMethod
+from enginecore_cpu.host_memory import HUGE_PAGE, mappings_under
 from enginecore_cpu.prepared_weights import PreparedWeights
 
 gguf = pytest.importorskip("gguf")
@@ -465,22 +466,10 @@ def test_a_dead_writers_temporary_entry_is_removed(tmp_path, cache_root):
     assert not stale.exists() and live.exists()
 
 
-HUGE_PAGE = 2 << 20
-
-
 def _mapped_bytes(mapped: torch.Tensor, field: str = "FilePmdMapped") -> int:
     """A ``/proc/self/smaps`` field of the mapping under ``mapped``, in bytes: by default
     what this process maps of it with 2 MiB page-table entries."""
-    address, ours, total = mapped.untyped_storage().data_ptr(), False, 0
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and not fields[0].endswith(":"):
-                start, end = (int(a, 16) for a in fields[0].split("-"))
-                ours = start <= address < end
-            elif ours and fields[0] == field + ":":
-                total += int(fields[1]) * 1024
-    return total
+    return int(mappings_under(mapped).get(field, 0))
 
 
 def _touched(tensors: list[torch.Tensor]) -> None:
