@@ -128,14 +128,13 @@ def advise_reads(mapped: torch.Tensor, streamed: bool) -> bool:
     Otherwise read a row at a time at random (a token embedding's table): no read-ahead,
     and a shared mapping's writes fill small folios. A mapping maps a page-cache folio
     whole, so with large folios every row looked up would make up to 2 MiB resident."""
-    madvise = _madvise()
-    advice = getattr(mmap, "MADV_HUGEPAGE" if streamed else "MADV_RANDOM", None)
     storage = mapped.untyped_storage()
-    if madvise is None or advice is None or storage.nbytes() == 0:
+    if storage.nbytes() == 0:
         return False
     address = storage.data_ptr()
     start = address // mmap.PAGESIZE * mmap.PAGESIZE
-    return bool(madvise(start, address + storage.nbytes() - start, advice) == 0)
+    advice = "MADV_HUGEPAGE" if streamed else "MADV_RANDOM"
+    return _advise(start, address + storage.nbytes() - start, advice)
 
 
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, and arm64 with 4 KiB base pages)
@@ -147,8 +146,14 @@ def advise_pages(address: int, length: int, huge: bool) -> bool:
     transparent huge pages (``huge``: the pages faulted in from now on) or out of them
     (``MADV_NOHUGEPAGE``: not even where THP is ``always``). Returns whether the advice
     was taken."""
+    return _advise(address, length, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE")
+
+
+def _advise(address: int, length: int, name: str) -> bool:
+    """``madvise`` of the page-aligned range with the advice ``mmap`` names ``name``;
+    whether it was taken (not where libc or this Python lacks it)."""
     madvise = _madvise()
-    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    advice = getattr(mmap, name, None)
     if madvise is None or advice is None or length <= 0:
         return False
     return bool(madvise(address, length, advice) == 0)
