@@ -4,9 +4,11 @@ the checkpoint's config (K/V at the run's mean context)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,3 +121,36 @@ def test_bench_decode_reports_the_bound_beside_the_decode_speed(llama_gguf, tmp_
         result["decode_tokens_per_s"] / result["bound_tokens_per_s"]
     )
     assert "read bound" in proc.stdout and "MB of K/V" in proc.stdout and "% of it" in proc.stdout
+
+
+def test_a_stall_outside_the_requests_decode_does_not_enter_the_speed(
+    llama_gguf, monkeypatch, tmp_path
+):
+    """A process paused between or around requests (another program taking the core, the
+    prefill) does not enter the decode figure: it is timed from the request's own tokens.
+    Timed as one request's wall time less another's, every second call stalled gave a
+    difference at or below zero, reported as billions of tokens a second."""
+    from enginecore import LLM
+    from enginecore.bench import decode
+
+    generate = LLM.generate
+    calls = []
+
+    def stalled_every_second_call(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) % 2:
+            time.sleep(0.5)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", stalled_every_second_call)
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    out = tmp_path / "decode.json"
+    args = parser.parse_args(
+        [str(llama_gguf), "--input-len", "8", "--output-len", "8", "--output-json", str(out)]
+    )
+    assert decode.run(args) == 0
+    speeds = json.loads(out.read_text())["rounds"]
+    assert len(speeds) == 3
+    # Eight steps of an engine whose step is Python take well over 10 us each.
+    assert all(0 < speed < 1e5 for speed in speeds), speeds

@@ -1,10 +1,11 @@
 """``enginecore bench decode``: single-stream decode speed beside its read bound.
 
-One prompt, greedy, EOS ignored. Each round times a request of ``1 + output_len`` tokens
-and one of a single token, in turns; their difference is ``output_len`` decode steps with
-the prefill taken out. The decode speed is the median over rounds. For a GGUF file the
-read bound (``weight_bound``: bytes read per token over this machine's measured
-bandwidth) is printed beside it, with the fraction of it reached; its bytes are the
+One prompt, greedy, EOS ignored. Each round serves a request of ``1 + output_len`` tokens
+and times its ``output_len`` decode steps from its own token times, its first token (the
+prefill's) to its last: nothing outside the request's decode (the prefill, the call
+around it, a pause between requests) enters the figure. The decode speed is the median
+over rounds. For a GGUF file the read bound (``weight_bound``: bytes read per token over
+this machine's measured bandwidth) is printed beside it, with the fraction of it reached; its bytes are the
 weights' and the K/V a step reads at the run's mean context (``--input-len`` plus half
 the steps), shown apart, in the KV cache's dtype (``--kv-cache-dtype``).
 """
@@ -50,17 +51,14 @@ def run(args: argparse.Namespace) -> int:
         low = min(256, vocab // 2)
         prompt = {"prompt_token_ids": [rng.randrange(low, vocab) for _ in range(args.input_len)]}
 
-        def timed(tokens: int) -> float:
-            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-            t0 = time.perf_counter()
-            llm.generate([prompt], params)
-            return time.perf_counter() - t0
+        params = SamplingParams(max_tokens=1 + args.output_len, temperature=0.0, ignore_eos=True)
 
-        timed(1 + args.output_len)  # warm-up: first-use work stays out of the figures
-        speeds = []
-        for _ in range(args.rounds):
-            long, short = timed(1 + args.output_len), timed(1)
-            speeds.append(args.output_len / max(long - short, 1e-9))
+        def decode_seconds() -> float:
+            (out,) = llm.generate([prompt], params)
+            return out.metrics["e2e_latency"] - out.metrics["time_to_first_token"]
+
+        decode_seconds()  # warm-up: first-use work stays out of the figures
+        speeds = [args.output_len / decode_seconds() for _ in range(args.rounds)]
     finally:
         llm.shutdown()
     result: dict[str, Any] = {
