@@ -247,8 +247,8 @@ def test_one_row_passes_give_each_row_its_own_bits(builds, build, fmt, n, k):
 def test_q8_one_row_passes_run_far_enough_ahead(builds, build):
     """The one-row Q8_0 product prefetches the next pass's bytes, so a pass's bytes are
     how far ahead it reads: a small model's LM head (576 inputs) takes its rows one at a
-    time, each prefetching ahead of its own loads (a four-row pass there read from memory
-    at under half that rate), two rows a pass only where they span 3-6 KB, never four."""
+    time, each prefetching ahead of its own loads (a pass of four rows there read slower
+    from memory), two rows a pass only where they span 3-6 KB, never four."""
     rows = builds[f"{build}/quant_kernels"].ecq_q8_pass_rows
     rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
     passes = {k: rows(k) for k in range(32, 8193, 32)}
