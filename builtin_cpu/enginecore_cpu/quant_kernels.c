@@ -172,6 +172,18 @@ static inline int q4_pass_rows(int64_t nb) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ECQ_AVX512 1
+/* The AVX-512 one-row Q4_0 / Q4_1 product's rows a pass: q4_pass_rows, or one at a time
+ * (the per-row kernel, prefetching PREFETCH_BYTES ahead of its own loads) where Q4_ROWS
+ * rows span under Q4_PASS_MIN_BYTES. A pass prefetches the next pass's bytes, and from
+ * memory passes of short rows (a small model's 576 inputs) read slower than one row at
+ * a time, as the Q8_0 ones did (benchmarks/RESULTS.md, "The LM head of a small model one
+ * row at a time"). */
+#ifndef Q4_PASS_MIN_BYTES
+#define Q4_PASS_MIN_BYTES 3072
+#endif
+static inline int q4_avx512_pass_rows(int64_t nb) {
+    return Q4_ROWS * nb * (QK / 2) < Q4_PASS_MIN_BYTES ? 1 : q4_pass_rows(nb);
+}
 /* Q4_K weight rows a pass of the one-row kernel takes (dot_rows_q4k) */
 #ifndef Q4K_ROWS
 #define Q4K_ROWS 4
@@ -718,7 +730,7 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
     if (xp != NULL) {
         permute_rows(xq, M, K, xp);
-        const int pass = q4_pass_rows(nb);
+        const int pass = q4_avx512_pass_rows(nb);
         if (M == 1 && (mode == SCALES_Q4K || pass > 1)) {
             const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
             if (mode == SCALES_Q4K)
@@ -975,6 +987,16 @@ static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, 
 #endif
         }
     }
+}
+
+/* The weight rows a pass of the one-row Q4_0 / Q4_1 product (this build's) takes at K
+ * inputs (1: one at a time), for the tests. */
+int ecq_q4_pass_rows(int64_t K) {
+#if defined(ECQ_AVX512)
+    return q4_avx512_pass_rows(K / QK);
+#else
+    return q4_pass_rows(K / QK);
+#endif
 }
 
 /* The weight rows a pass of the one-row 8-bit product takes at K inputs (1: one at a

@@ -169,7 +169,7 @@ def _q4_part(fmt: str, n: int, k: int) -> gguf_blocks.BlockWeight:
 
 
 @pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
-@pytest.mark.parametrize("k", [32, 64, 96, 160, 1184, 1248, 2048, 2080, 4000, 6176])
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 576, 1184, 1248, 1536, 2048, 2080, 4000, 6176])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 13, 40])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_1 float32"])
 @pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
@@ -256,6 +256,20 @@ def test_q8_one_row_passes_run_far_enough_ahead(builds, build):
     assert passes[1536] == 2 and passes[2048] == 2 and passes[3072] == 2, build
     assert passes[3104] == 1 and passes[8192] == 1, build
     assert set(passes.values()) == {1, 2}, build
+
+
+@pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
+def test_q4_one_row_passes_of_short_rows_go_one_at_a_time(builds, build):
+    """The AVX-512 one-row Q4_0 / Q4_1 product prefetches the next pass's bytes: rows
+    whose four-row pass spans under 3 KB (a small model's 576 inputs) go one at a time,
+    each prefetching ahead of its own loads; four rows a pass from 3 KB (1,536 inputs)
+    to 6 KB, two to 12 KB, one beyond."""
+    rows = builds[f"{build}/quant_kernels"].ecq_q4_pass_rows
+    rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
+    assert [rows(k) for k in (576, 1504, 1536, 2048, 3072, 3104, 6144, 6176)] == [
+        1, 1, 4, 4, 4, 2, 2, 1
+    ], build
 
 
 def _instructions(path: str) -> str:
