@@ -268,7 +268,14 @@ def test_q4_one_row_passes_of_short_rows_go_one_at_a_time(builds, build):
     rows = builds[f"{build}/quant_kernels"].ecq_q4_pass_rows
     rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
     assert [rows(k) for k in (576, 1504, 1536, 2048, 3072, 3104, 6144, 6176)] == [
-        1, 1, 4, 4, 4, 2, 2, 1
+        1,
+        1,
+        4,
+        4,
+        4,
+        2,
+        2,
+        1,
     ], build
 
 
