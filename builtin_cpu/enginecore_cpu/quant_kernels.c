@@ -172,6 +172,18 @@ static inline int q4_pass_rows(int64_t nb) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ECQ_AVX512 1
+/* The AVX-512 one-row Q4_0 / Q4_1 product's rows a pass: q4_pass_rows, or one at a time
+ * (the per-row kernel, prefetching PREFETCH_BYTES ahead of its own loads) where Q4_ROWS
+ * rows span under Q4_PASS_MIN_BYTES. A pass prefetches the next pass's bytes, and from
+ * memory passes of short rows (a small model's 576 inputs) read slower than one row at
+ * a time, as the Q8_0 ones did (benchmarks/RESULTS.md, "The LM head of a small model one
+ * row at a time"). */
+#ifndef Q4_PASS_MIN_BYTES
+#define Q4_PASS_MIN_BYTES 3072
+#endif
+static inline int q4_avx512_pass_rows(int64_t nb) {
+    return Q4_ROWS * nb * (QK / 2) < Q4_PASS_MIN_BYTES ? 1 : q4_pass_rows(nb);
+}
 /* Q4_K weight rows a pass of the one-row kernel takes (dot_rows_q4k) */
 #ifndef Q4K_ROWS
 #define Q4K_ROWS 4
@@ -718,7 +730,7 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
     int8_t *xp = M * K <= (int64_t)sizeof(stack_rows) ? stack_rows : (int8_t *)malloc(M * K);
     if (xp != NULL) {
         permute_rows(xq, M, K, xp);
-        const int pass = q4_pass_rows(nb);
+        const int pass = q4_avx512_pass_rows(nb);
         if (M == 1 && (mode == SCALES_Q4K || pass > 1)) {
             const struct q4_args a = {wq, wd, wm, mode, xp, xd, xs, nb, out};
             if (mode == SCALES_Q4K)
@@ -812,14 +824,21 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
 }
 
 #if defined(__AVX2__)
-/* 8-bit weight rows a pass of the one-row kernel (dot_rows_q8): Q8_ROWS, or 2 where
- * their bytes would pass Q8_PASS_BYTES (the next pass's prefetch distance, as for the
- * 4-bit rows), rows longer still one at a time. */
+/* 8-bit weight rows a pass of the one-row kernel (dot_rows_q8): Q8_ROWS where their
+ * bytes lie between Q8_PASS_MIN_BYTES and Q8_PASS_BYTES, else one at a time. A pass
+ * prefetches the next pass's bytes, so its bytes are its prefetch distance: from memory
+ * (where a decode step reads its weights) a pass of short rows (the LM head of a small
+ * model: 576 inputs) read slower than one row at a time, whose prefetch runs
+ * PREFETCH_BYTES ahead, and four rows a pass read slower still at every width
+ * (benchmarks/RESULTS.md, "The LM head of a small model one row at a time"). */
 #ifndef Q8_ROWS
-#define Q8_ROWS 4
+#define Q8_ROWS 2
 #endif
 #ifndef Q8_PASS_BYTES
 #define Q8_PASS_BYTES Q4_PASS_BYTES
+#endif
+#ifndef Q8_PASS_MIN_BYTES
+#define Q8_PASS_MIN_BYTES 3072
 #endif
 
 /* The weight rows and the activation row of a one-row 8-bit product, for its passes. */
@@ -834,8 +853,8 @@ struct q8_args {
 };
 
 static inline int q8_pass_rows(int64_t nb) {
-    const int64_t row_bytes = nb * QK;
-    return Q8_ROWS * row_bytes <= Q8_PASS_BYTES ? Q8_ROWS : 2 * row_bytes <= Q8_PASS_BYTES ? 2 : 1;
+    const int64_t pass_bytes = Q8_ROWS * nb * QK;
+    return pass_bytes >= Q8_PASS_MIN_BYTES && pass_bytes <= Q8_PASS_BYTES ? Q8_ROWS : 1;
 }
 
 /* A block of 8-bit weights at ``w`` times the activations ``x``, the integer sums per
@@ -910,21 +929,13 @@ static inline __attribute__((always_inline)) void q8_pass(const void *args,
         q8_rows(1, args, n0);
 }
 
-static inline __attribute__((always_inline)) void q8_pass_two(const void *args,
-                                                              int64_t n0, int rows) {
-    if (rows == 2)
-        q8_rows(2, args, n0);
-    else
-        q8_rows(1, args, n0);
-}
-
 static __attribute__((noinline)) void q8_one_row(int64_t N, struct q8_args a) {
     ROW_PASSES(N, Q8_ROWS, q8_pass, &a);
 }
 
-/* ``pass`` 2, or 1: the rows one at a time */
-static __attribute__((noinline)) void q8_one_row_two(int64_t N, int pass, struct q8_args a) {
-    ROW_PASSES(N, pass, q8_pass_two, &a);
+/* the rows one at a time, each prefetching PREFETCH_BYTES ahead of its own loads */
+static __attribute__((noinline)) void q8_one_row_each(int64_t N, struct q8_args a) {
+    ROW_PASSES(N, 1, q8_pass, &a);
 }
 #endif
 
@@ -978,16 +989,36 @@ static inline __attribute__((always_inline)) void gemm_q8(int64_t M, int64_t N, 
     }
 }
 
+/* The weight rows a pass of the one-row Q4_0 / Q4_1 product (this build's) takes at K
+ * inputs (1: one at a time), for the tests. */
+int ecq_q4_pass_rows(int64_t K) {
+#if defined(ECQ_AVX512)
+    return q4_avx512_pass_rows(K / QK);
+#else
+    return q4_pass_rows(K / QK);
+#endif
+}
+
+/* The weight rows a pass of the one-row 8-bit product takes at K inputs (1: one at a
+ * time), for the tests. */
+int ecq_q8_pass_rows(int64_t K) {
+#if defined(__AVX2__)
+    return q8_pass_rows(K / QK);
+#else
+    (void)K;
+    return 1;
+#endif
+}
+
 void ecq_gemm_q8(int64_t M, int64_t N, int64_t K, const int8_t *wq, const void *wd, int half,
                  const int8_t *xq, const float *xd, float *out, int64_t ldo) {
 #if defined(__AVX2__)
     if (M == 1) { /* a decode step's row */
         const struct q8_args a = {wq, wd, half, xq, xd, K / QK, out};
-        const int pass = q8_pass_rows(K / QK);
-        if (pass == Q8_ROWS)
+        if (q8_pass_rows(K / QK) == Q8_ROWS)
             q8_one_row(N, a);
         else
-            q8_one_row_two(N, pass, a);
+            q8_one_row_each(N, a);
         return;
     }
 #endif

@@ -71,7 +71,7 @@ def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
 _FORMAT_SHAPES = [
     (fmt, shape)
     for fmt in ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
-    for shape in [(13, 256), (6, 1280), (40, 2048), (7, 1184)]
+    for shape in [(13, 256), (6, 1280), (40, 2048), (7, 1184), (49, 576)]
     if not (fmt.endswith("_K") and shape[1] % 256)
 ]
 
@@ -169,7 +169,7 @@ def _q4_part(fmt: str, n: int, k: int) -> gguf_blocks.BlockWeight:
 
 
 @pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
-@pytest.mark.parametrize("k", [32, 64, 96, 160, 1184, 1248, 2048, 2080, 4000, 6176])
+@pytest.mark.parametrize("k", [32, 64, 96, 160, 576, 1184, 1248, 1536, 2048, 2080, 4000, 6176])
 @pytest.mark.parametrize("n", [1, 3, 4, 5, 13, 40])
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_1 float32"])
 @pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
@@ -204,18 +204,18 @@ def _weight(fmt: str, w: torch.Tensor) -> Any:
     return part
 
 
-# Row lengths for the one-row passes: 32-value blocks 1, 2, 3, 5, 8, 37, 39, 64, 65, 125
-# and 193 (every tail of a row's groups of 8, 4 and 2 blocks; four-row passes up to 1536
-# inputs of Q8_0 and 3072 of Q4_0 / Q4_1, two-row passes beyond and AVX2's Q4_K's, one
-# row at a time from 3073 (Q8_0) and 6145 inputs); Q4_K's whole super-blocks 1, 5 (odd),
-# 8 and 9.
+# Row lengths for the one-row passes: 32-value blocks 1, 2, 3, 5, 8, 18, 37, 39, 48, 64,
+# 65, 96, 97, 125 and 193 (every tail of a row's groups of 8, 4 and 2 blocks; Q8_0's
+# two-row passes from 1536 to 3072 inputs, one row at a time either side; four-row passes
+# up to 3072 inputs of Q4_0 / Q4_1, two-row passes beyond and AVX2's Q4_K's, one row at
+# a time from 6145 inputs); Q4_K's whole super-blocks 1, 5 (odd), 8 and 9.
 _PASS_SHAPES = [
     (fmt, k)
     for fmt in ["Q8_0", "Q4_0", "Q4_1", "Q4_1 float32", "Q4_K"]
     for k in (
         [256, 1280, 2048, 2304]
         if fmt == "Q4_K"
-        else [32, 64, 96, 160, 256, 1184, 1248, 2048, 2080, 4000, 6176]
+        else [32, 64, 96, 160, 256, 576, 1184, 1248, 1536, 2048, 2080, 3072, 3104, 4000, 6176]
     )
 ]
 
@@ -240,6 +240,43 @@ def test_one_row_passes_give_each_row_its_own_bits(builds, build, fmt, n, k):
     if fmt == "Q8_0":
         many = _linear(lib, _weight(fmt, w), torch.cat([x, x.flip(1), x]))[:1]
         assert torch.equal(together.view(torch.int32), many.view(torch.int32)), build
+
+
+@pytest.mark.skipif(not _X86, reason="the several-rows passes are the x86 builds'")
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level != "x86-64"])
+def test_q8_one_row_passes_run_far_enough_ahead(builds, build):
+    """The one-row Q8_0 product prefetches the next pass's bytes, so a pass's bytes are
+    how far ahead it reads: a small model's LM head (576 inputs) takes its rows one at a
+    time, each prefetching ahead of its own loads (a pass of four rows there read slower
+    from memory), two rows a pass only where they span 3-6 KB, never four."""
+    rows = builds[f"{build}/quant_kernels"].ecq_q8_pass_rows
+    rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
+    passes = {k: rows(k) for k in range(32, 8193, 32)}
+    assert passes[576] == 1 and passes[1184] == 1, build
+    assert passes[1536] == 2 and passes[2048] == 2 and passes[3072] == 2, build
+    assert passes[3104] == 1 and passes[8192] == 1, build
+    assert set(passes.values()) == {1, 2}, build
+
+
+@pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
+def test_q4_one_row_passes_of_short_rows_go_one_at_a_time(builds, build):
+    """The AVX-512 one-row Q4_0 / Q4_1 product prefetches the next pass's bytes: rows
+    whose four-row pass spans under 3 KB (a small model's 576 inputs) go one at a time,
+    each prefetching ahead of its own loads; four rows a pass from 3 KB (1,536 inputs)
+    to 6 KB, two to 12 KB, one beyond."""
+    rows = builds[f"{build}/quant_kernels"].ecq_q4_pass_rows
+    rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
+    assert [rows(k) for k in (576, 1504, 1536, 2048, 3072, 3104, 6144, 6176)] == [
+        1,
+        1,
+        4,
+        4,
+        4,
+        2,
+        2,
+        1,
+    ], build
 
 
 def _instructions(path: str) -> str:
