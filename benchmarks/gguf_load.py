@@ -22,6 +22,9 @@ checkout, or the other tree, prepared.
 
 With ``--new-step-library`` the first run finds only the fused decode step's library
 missing, so its requests are served while that library compiles (and nothing else does).
+With ``--new-kernels`` it finds no compiled library or object at all but its prepared
+weights kept (made by a run just before it): the start after an upgrade of the package
+or on a new CPU, every library compiling.
 
 With ``--llama-python PY`` (a Python with llama-cpp-python) llama.cpp loads the file
 after each warm run, in a fresh process, with the same requests.
@@ -169,6 +172,12 @@ def main() -> None:
         "library compiles in the background, alone",
     )
     parser.add_argument(
+        "--new-kernels",
+        action="store_true",
+        help="the first run finds the kernel cache empty (no library, no object) and its "
+        "prepared weights kept: every library compiles while the requests are served",
+    )
+    parser.add_argument(
         "--warm-only", action="store_true", help="no first run: each tree's cache as it is"
     )
     parser.add_argument(
@@ -186,7 +195,10 @@ def main() -> None:
         for name, tree in trees:
             if label == "first":
                 cache = tree_cache(tree or THIS_TREE)
-                if args.new_step_library:
+                if args.new_kernels:
+                    run(model, tree)  # this file's prepared weights, kept for the first run
+                    shutil.rmtree(cache / "cpu_kernels", True)
+                elif args.new_step_library:
                     remove_step_library(cache / "cpu_kernels")
                 else:
                     shutil.rmtree(cache if args.new_cache else cache / "prepared_weights", True)

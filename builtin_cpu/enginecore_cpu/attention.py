@@ -136,6 +136,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def order_decodes(
         self, req_ids: list[str], batch_view: Mapping[str, tuple[int, list[int]]]
     ) -> list[str]:
+        # A step's first call: libraries that finished compiling serve from here on
+        # (also in build_metadata, which steps without decodes reach first).
+        cpu_kernels.adopt_landed()
         self._mirrored = False
         # The mirror fills from one block table and keys layers by their cache tensor,
         # which KV cache groups share: grouped models decode from the paged cache.
@@ -156,6 +159,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return order
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        cpu_kernels.adopt_landed()  # between steps: landed libraries serve from here on
         if not batch.num_decodes:
             self._mirrored = False
         return super().build_metadata(batch)

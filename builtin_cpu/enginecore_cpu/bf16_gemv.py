@@ -69,19 +69,25 @@ class Bf16Gemv:
         return out.view(*x.shape[:-1], n)
 
 
-def _build_and_load() -> Bf16Gemv:
-    path = cpu_kernels.build(
-        source=SOURCE, stem="enginecore_bf16_gemv", extra_isa=("bf16", ["-mavx512bf16"])
+def build(only_path: bool = False) -> Path:
+    """Compile the library into the cache (if not there yet); its path (with
+    ``only_path``, compiling nothing)."""
+    return cpu_kernels.build(
+        source=SOURCE,
+        stem="enginecore_bf16_gemv",
+        extra_isa=("bf16", ["-mavx512bf16"]),
+        only_path=only_path,
     )
-    return Bf16Gemv(path)
 
 
 library: cpu_kernels.BuildOnce[Bf16Gemv] = cpu_kernels.BuildOnce(
-    _build_and_load,
+    lambda: Bf16Gemv(build()),
     warning="bfloat16 CPU kernel unavailable",
     switch=ENV_SWITCH,
     log=logger,
     available=lambda: cpu_has_avx512_bf16(),  # looked up per call: tests replace it
+    target=lambda: build(only_path=True),
+    build=build,
 )
 
 

@@ -16,9 +16,11 @@ process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
 ``~/.cache/enginecore``), keyed by the source and the flags. It is compiled for the
 CPU's x86-64 level (``-march=x86-64-v3`` on AVX2, ``x86-64-v4`` on AVX-512), which the
 file name says, so a cache copied to another x86-64 CPU of that level still runs; the
-build takes 6-9 s of ``gcc`` on a 2-core machine, once. Without a compiler,
-or with ``ENGINECORE_CPU_KERNELS=0``, the model runs the plain torch ops instead (same
-results up to float rounding); a failed build is logged once.
+build takes several seconds of ``gcc``, once. No step waits for it: while it compiles in
+the background the model runs the plain torch ops, and it serves from the step after it
+lands (``BuildOnce.serving``, ``adopt_landed``). Without a compiler, or with
+``ENGINECORE_CPU_KERNELS=0``, the model runs the plain torch ops for good (same results up
+to float rounding); a failed build is logged once.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -184,7 +187,10 @@ def build(
     if only_path or target.exists():
         return target
     kernel_cache.priority(target)  # its place in the compilers' queue: first asked, first built
-    with _build_lock(target):  # a build started in the background: wait for it
+    if not kernel_cache.in_background():
+        kernel_cache.hurry(target)  # this thread waits for it: no queueing behind others
+    # A build started in the background, or by another process on this cache: wait for it.
+    with _build_lock(target), kernel_cache.building(target):
         if not target.exists():
             _compile(compiler, flags, source, target, isa, host, serial_sources)
     return target
@@ -285,13 +291,22 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
 
 _Library = TypeVar("_Library")
 
+# How often, between steps, the libraries still compiling are looked for (a stat each).
+_ADOPT_EVERY_S = 0.25
+
 
 class BuildOnce(Generic[_Library]):
     """A kernel library made once per process, on first call, under a lock (threads
     asking meanwhile wait for the one build). The call returns the library, or None when
     ``switch`` is off, ``available()`` says this CPU cannot run it, or ``make`` failed
     (logged once to ``log`` as ``"<warning>: <error>"``); a failure is not
-    retried. ``loaded`` and ``failed`` hold the outcome."""
+    retried. ``loaded`` and ``failed`` hold the outcome.
+
+    With ``target`` (the library's path in the cache, compiling nothing) and ``build``
+    (compiling it there), ``serving()`` gives the library to a step without ever waiting
+    for a compiler: where the file is not in the cache yet it is compiled in the
+    background and ``serving()`` answers None (the caller's torch path serves) until
+    ``adopt_landed()``, called between steps, loads it."""
 
     def __init__(
         self,
@@ -301,29 +316,136 @@ class BuildOnce(Generic[_Library]):
         switch: str,
         log: logging.Logger,
         available: Callable[[], bool] | None = None,
+        target: Callable[[], Path] | None = None,
+        build: Callable[[], Path] | None = None,
     ) -> None:
         self._make, self._warning, self._switch, self._log = make, warning, switch, log
         self._available = available
+        self._target, self._build = target, build
         self._lock = threading.Lock()
         self.loaded: _Library | None = None
         self.failed = False
+        self.compiling: threading.Thread | None = None  # the background build serving() began
+        self._build_error: BaseException | None = None
 
     def __call__(self) -> _Library | None:
         if self.loaded is not None or self.failed:
             return self.loaded
         with self._lock:
             if self.loaded is None and not self.failed:
-                if switched_off(self._switch) or (
-                    self._available is not None and not self._available()
-                ):
+                if self._off():
                     self.failed = True
                     return None
+                started = time.monotonic()
                 try:
                     self.loaded = self._make()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                     self.failed = True
                     self._log.warning("%s: %s", self._warning, exc)
+                waited = time.monotonic() - started
+                if waited >= _LOGGED_WAIT_S:
+                    startup_log.logger.info(
+                        "waited %.1f s for %s (compiling, or loading it)", waited, self._what()
+                    )
         return self.loaded
+
+    def _off(self) -> bool:
+        return switched_off(self._switch) or (self._available is not None and not self._available())
+
+    def _what(self) -> str:
+        return self._warning.split(" unavailable")[0]
+
+    def serving(self) -> _Library | None:
+        """The library for a step: loaded at once where its file is in the cache; while
+        it compiles (started here, in the background, the first time it is missing)
+        None, until ``adopt_landed`` loads it between steps. Never waits for a compiler."""
+        if self.loaded is not None or self.failed or self.compiling is not None:
+            return self.loaded
+        if self._target is None or self._build is None:
+            return self()
+        with self._lock:
+            if self.loaded is not None or self.failed or self.compiling is not None:
+                return self.loaded
+            missing = False
+            if not self._off():
+                try:
+                    missing = not self._target().exists()
+                except RuntimeError:  # no compiler: the call below says so, once
+                    missing = False
+            if missing:
+                self.compiling = threading.Thread(
+                    target=self._compile, args=(kernel_cache.ranks(1)[0],), daemon=True,
+                    name="enginecore-cc",
+                )  # fmt: skip
+                self.compiling.start()
+                with _pending_guard:
+                    _pending.append(self)
+                startup_log.logger.info(
+                    "%s not built yet: the steps are served without it until it is "
+                    "(compiling in the background)",
+                    self._what(),
+                )
+                return None
+        return self()
+
+    def possible(self) -> bool:
+        """Whether the library is loaded or can be (switched on, this CPU can run it, a
+        compiler to build it, no failed build), without waiting for a build: a layout
+        chosen for it at load time then serves once it is in."""
+        if self.loaded is not None or self.failed:
+            return self.loaded is not None
+        return not self._off() and _compiler() is not None
+
+    def _compile(self, rank: int) -> None:
+        kernel_cache.asking_as(rank)  # a build queued earlier keeps its place
+        assert self._build is not None
+        try:
+            self._build()
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            self._build_error = exc
+
+    def _adopt(self) -> bool:
+        """Load the library if its background build has ended (between steps only);
+        whether it has."""
+        assert self.compiling is not None and self._target is not None
+        if self.compiling.is_alive():
+            if not self._target().exists():
+                return False
+            self.compiling.join(timeout=0.5)  # landed: the thread has only to return
+            if self.compiling.is_alive():
+                return False
+        with self._lock:
+            self.compiling = None
+            if self._build_error is not None:
+                self.failed = True
+                self._log.warning("%s: %s", self._warning, self._build_error)
+        lib = self()
+        if lib is not None:
+            startup_log.logger.info("%s built: the steps use it from now on", self._what())
+        return True
+
+
+_pending: list[BuildOnce[Any]] = []
+_pending_guard = threading.Lock()
+_next_adopt = [0.0]
+# A foreground wait at least this long is logged (a library compiled while a load waits).
+_LOGGED_WAIT_S = 0.5
+
+
+def adopt_landed() -> None:
+    """Between steps: load the libraries whose background builds (``BuildOnce.serving``)
+    have landed, so that from the next step on they serve. A step never sees a library
+    arrive halfway through."""
+    kernel_cache.serving_started()
+    if not _pending or time.monotonic() < _next_adopt[0]:
+        return
+    _next_adopt[0] = time.monotonic() + _ADOPT_EVERY_S
+    with _pending_guard:
+        waiting = list(_pending)
+    for library in waiting:
+        if library._adopt():
+            with _pending_guard:
+                _pending.remove(library)
 
 
 class CpuKernels:
@@ -638,6 +760,8 @@ library: BuildOnce[CpuKernels] = BuildOnce(
     warning="fused CPU kernels unavailable, using torch ops",
     switch=ENV_SWITCH,
     log=logger,
+    target=lambda: build(only_path=True),
+    build=build,
 )
 
 
@@ -697,4 +821,4 @@ def kernels_for(*tensors: torch.Tensor) -> CpuKernels | None:
     for x in tensors:  # is_cpu: no device object and type string made per check
         if x.dtype is not torch.float32 or not x.is_cpu:
             return None
-    return library.loaded if library.loaded is not None else library()
+    return library.loaded if library.loaded is not None else library.serving()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from enginecore.layers.attention import AttentionBatch
+from enginecore_cpu import cpu_kernels
 
 # How often a step asks whether the library has landed (a stat of one file).
 _CHECK_EVERY_S = 0.25
@@ -47,6 +48,7 @@ class DeferredDecodeStep:
             if self._declined or time.monotonic() < self._next_check:
                 return False
             self._next_check = time.monotonic() + _CHECK_EVERY_S
+            cpu_kernels.adopt_landed()  # the kernels the step calls, before it is made
             if not self._landed():
                 return False
             self.step = self._make()

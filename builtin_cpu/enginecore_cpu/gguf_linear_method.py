@@ -175,14 +175,12 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             parts = dict(cached)
         else:
             parts = dict(_unpacked_runs(pieces))
-        kernels = quant_kernels.load()
-        if any(_needs_kquant(p) for p in parts.values()) and kquant_kernels.load() is None:
-            kernels = None
+        kernels = _kernels_for(parts, prepared=cached is not None)
         weight = cast(torch.Tensor, layer.weight)
         covered = sum(p.shape[0] for p in parts.values())
         # a token embedding's float table stays for the lookups
         table = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
-        if parts and (kernels is None or covered != weight.shape[0]):
+        if parts and (not kernels or covered != weight.shape[0]):
             # No kernels, or some shards came in float: the layer computes in float (a
             # table holds its values already).
             for first, part in parts.items():
@@ -192,7 +190,6 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if not parts and self._int8_wanted(layer, kernels):
             parts = {0: per_channel_q8(weight.data)}
         if parts:
-            assert kernels is not None  # blocks are kept only where the kernels loaded
             merged = cached if cached is not None else _merged(parts)
             if key is not None and cached is None:
                 assert self.prepared is not None
@@ -206,7 +203,7 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             return
         if (
             isinstance(layer, VocabParallelEmbedding)
-            and kernels is not None
+            and kernels
             and weight.dtype == torch.float32
             and weight.device.type == "cpu"
             and weight.shape[1] % gguf_blocks.BLOCK == 0
@@ -252,12 +249,12 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
             table = table if mapped is None else mapped
         return table
 
-    def _int8_wanted(self, layer: nn.Module, kernels: quant_kernels.QuantKernels | None) -> bool:
+    def _int8_wanted(self, layer: nn.Module, kernels: bool) -> bool:
         """``model.quantization: int8``: a float projection becomes int8 per channel."""
         return (
             self.config is not None
             and self.config.model.quantization == "int8"
-            and kernels is not None
+            and kernels
             and isinstance(layer, ColumnParallelLinear | RowParallelLinear)
             and layer.weight.dtype == torch.float32
             and layer.weight.dim() == 2
@@ -282,6 +279,19 @@ class GGUFLinearMethod(CpuPackedLinearMethod):
         if getattr(layer, _BLOCKS, None) is not None:
             return None
         return super().apply_silu_and_mul(layer, x, bias)
+
+
+def _kernels_for(parts: dict[int, Part], prepared: bool) -> bool:
+    """Whether the blocks' kernels multiply ``parts``. Blocks read from the prepared
+    weights do not wait at load for a library still compiling: the first product waits
+    for it (``blocks_linear``), so that a start does no more than a warm start; blocks
+    prepared now need the kernels loaded."""
+    kquant = any(_needs_kquant(p) for p in parts.values())
+    if prepared:
+        return quant_kernels.library.possible() and (
+            not kquant or kquant_kernels.library.possible()
+        )
+    return quant_kernels.load() is not None and (not kquant or kquant_kernels.load() is not None)
 
 
 def _needs_kquant(part: Part) -> TypeGuard[KQuantWeight]:
@@ -352,9 +362,11 @@ def gemm_from_rows(part: Part, vnni: bool) -> int:
 def blocks_linear(
     blocks: list[tuple[int, Part]], x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x W^T + b`` for W given as row ranges of blocks."""
+    """``x W^T + b`` for W given as row ranges of blocks. The one-row kernels are
+    waited for where they still compile: multiplying in torch meanwhile would
+    de-quantize every weight at every step, slower than the build (benchmarks/RESULTS.md,
+    "The first load: nothing waits for a compiler"); their build is the first queued."""
     kernels = quant_kernels.load()
-    assert kernels is not None  # a layer keeps blocks only where the kernels loaded
     k = blocks[0][1].shape[1]
     n = sum(part.shape[0] for _, part in blocks)
     rows = x.reshape(-1, k)
@@ -363,16 +375,29 @@ def blocks_linear(
         rows = rows.float().contiguous()
     out = torch.empty((rows.shape[0], n), dtype=torch.float32)
     count = rows.shape[0]
-    gemm = quant_gemm.load() if count >= min(GEMM_FROM_ROWS.values()) else None
-    if gemm is None and count > DIRECT_MAX_ROWS:
+    gemm = quant_gemm.library.serving() if count >= min(GEMM_FROM_ROWS.values()) else None
+    # While ``quant_gemm`` compiles, many rows take the one-row kernels: activations
+    # quantized as the many-row kernel quantizes them, so the tokens do not change when
+    # it lands (a float GEMM on de-quantized tiles computes on unquantized activations).
+    compiling = gemm is None and quant_gemm.library.compiling is not None
+    kquant = kquant_kernels.load() if any(_needs_kquant(p) for _, p in blocks) else None
+    in_torch = kernels is None or (kquant is None and any(_needs_kquant(p) for _, p in blocks))
+    if in_torch or (gemm is None and count > DIRECT_MAX_ROWS and not compiling):
+        # Many rows without ``quant_gemm`` (its build failed), or a library whose build
+        # failed after the blocks were kept (torch).
         tile = max(16, _TILE_BYTES // (4 * k))
         for first, part in blocks:
             for start in range(0, part.shape[0], tile):
-                weight = _dequantize_with(kernels, _row_range(part, start, tile))
+                piece = _row_range(part, start, tile)
+                weight = (
+                    dequantized_part(piece) if in_torch or kernels is None
+                    else _dequantize_with(kernels, piece)
+                )  # fmt: skip
                 out[:, first + start : first + start + weight.shape[0]] = F.linear(rows, weight)
         if bias is not None:
             out += bias
         return out.to(dtype).view(*x.shape[:-1], n)
+    assert kernels is not None
     if count:
         acts = None  # quantized once for the kernels that take them so
         for first, part in blocks:
@@ -381,8 +406,9 @@ def blocks_linear(
                 acts = kernels.quantize_rows(rows) if acts is None else acts
                 gemm.gemm(acts, part, target)
             elif _needs_kquant(part):
+                assert kquant is not None  # else in torch above
                 acts = kernels.quantize_rows(rows) if acts is None else acts
-                _kquant().gemm_k(acts, part, target)
+                kquant.gemm_k(acts, part, target)
             else:
                 kernels.linear(rows, part, target)
     if bias is not None:

@@ -63,6 +63,20 @@ def publish(cache: Path, target: Path, make: Callable[[str], None]) -> None:
             os.unlink(scratch)
 
 
+@contextmanager
+def building(target: Path) -> Iterator[None]:
+    """Held while this process builds ``target`` (a lock file beside it): another
+    process starting on the same cache waits for that build instead of compiling the
+    library again. The OS drops the lock when its holder dies."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.with_name(f"{target.name}.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def compile_slots() -> int:
     """How many compilers run at once: half the cores this process may use, at least
     one; a first start loads the weights on the others."""
@@ -83,15 +97,28 @@ class Slots:
         self._waiting: list[tuple[int, int]] = []  # heap of (priority, arrival)
         self._arrivals = itertools.count()
         self._changed = threading.Condition()
+        self._urgent: set[int] = set()
+
+    def urgent(self, priority: int) -> bool:
+        with self._changed:
+            return priority in self._urgent
+
+    def hurry(self, priority: int) -> None:
+        """The builds of this priority go at once, beyond the slots' count: a thread
+        waits for their library (its core is free meanwhile)."""
+        with self._changed:
+            self._urgent.add(priority)
+            self._changed.notify_all()
 
     @contextmanager
     def held(self, priority: int) -> Iterator[None]:
         with self._changed:
             ticket = (priority, next(self._arrivals))
             heapq.heappush(self._waiting, ticket)
-            while not (self._free and self._waiting[0] == ticket):
+            while not (priority in self._urgent or (self._free > 0 and self._waiting[0] == ticket)):
                 self._changed.wait()
-            heapq.heappop(self._waiting)
+            self._waiting.remove(ticket)
+            heapq.heapify(self._waiting)
             self._free -= 1
             self._changed.notify_all()  # the next in line may take another free slot
         try:
@@ -137,6 +164,51 @@ def idle(build: Callable[[], _Result]) -> Callable[[], _Result]:
     return run
 
 
+def hurry(library: Path) -> None:
+    """A thread waits for ``library``: its compilers, queued or to come, start at once
+    (beside the slots' count), ahead of the builds that nothing waits for, at the
+    niceness they started with (where one was made to yield, see ``serving_started``,
+    it is given back where the OS allows)."""
+    rank = priority(library)
+    _slots.hurry(rank)
+    with _guard:
+        groups = list(_running.get(rank, ()))
+    for group in groups:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PGRP, group, 0)
+
+
+# The compilers running, by their build's rank: their process groups.
+_running: dict[int, set[int]] = {}
+_serving = [False]
+
+
+def serving_started() -> None:
+    """The engine serves steps (called before each): from now on a compiler nothing
+    waits for (a library the steps are served without until it lands) runs at the
+    lowest niceness, and those running are reniced so. At the default niceness it held
+    a core that a step's OpenMP threads wait for at every parallel region's barrier:
+    each step took seconds while it compiled."""
+    if _serving[0]:
+        return
+    with _guard:
+        _serving[0] = True
+        groups = [(rank, g) for rank, gs in _running.items() for g in gs]
+    for rank, group in groups:
+        if not _slots.urgent(rank):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, group, _YIELDING_NICENESS)
+
+
+def _yields(priority: int) -> bool:
+    return _serving[0] and not _slots.urgent(priority)
+
+
+def in_background() -> bool:
+    """Whether this thread compiles for a background build (``asking_as`` gave it a rank)."""
+    return getattr(_asked, "rank", None) is not None
+
+
 def asking_as(rank: int) -> None:
     """The builds this thread asks for take ``rank`` (from ``ranks``)."""
     _asked.rank = rank
@@ -155,13 +227,18 @@ def run_compiler(command: list[str], priority: int = 0) -> None:
     this process, the compiler's own children included. Raises ``RuntimeError`` with the
     compiler's output on failure."""
     with _slots.held(priority):
+        child = (
+            _idle_child if priority >= IDLE else _yielding_child if _yields(priority) else _child
+        )
         process = subprocess.Popen(
             ["sh", "-c", _GROUP_STOPS_WITH_SHELL, "sh", *command],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_idle_child if priority >= IDLE else _child,
+            preexec_fn=child,
         )
+        with _guard:
+            _running.setdefault(priority, set()).add(process.pid)  # its process group
         try:
             _, stderr = process.communicate(timeout=300)
         except subprocess.TimeoutExpired:
@@ -169,6 +246,9 @@ def run_compiler(command: list[str], priority: int = 0) -> None:
                 os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
             raise
+        finally:
+            with _guard:
+                _running[priority].discard(process.pid)
     if process.returncode != 0:
         raise RuntimeError(f"{command[0]} failed: {stderr.strip()[-2000:]}")
 
@@ -276,6 +356,14 @@ def _child() -> None:
     os.setpgid(0, 0)
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+_YIELDING_NICENESS = 19
+
+
+def _yielding_child() -> None:
+    _child()
+    os.nice(_YIELDING_NICENESS)
 
 
 def _idle_child() -> None:

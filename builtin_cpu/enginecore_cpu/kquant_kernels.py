@@ -133,10 +133,14 @@ def _address(order: torch.Tensor | None) -> int | None:
     return None if order is None else order.data_ptr()
 
 
-def build() -> Path:
-    """Compile the library into the cache (if not there yet); its path."""
+def build(only_path: bool = False) -> Path:
+    """Compile the library into the cache (if not there yet); its path (with
+    ``only_path``, compiling nothing)."""
     return cpu_kernels.build(
-        source=SOURCE, stem="enginecore_kquant_kernels", extra_isa=quant_kernels._vnni()
+        source=SOURCE,
+        stem="enginecore_kquant_kernels",
+        extra_isa=quant_kernels._vnni(),
+        only_path=only_path,
     )
 
 

@@ -53,7 +53,7 @@ def project(
         and weight.stride(-1) == 1
         and x.numel() <= bf16_gemv.KERNEL_MAX_ROWS * x.shape[-1]
     ):
-        kernel = bf16_gemv.load()
+        kernel = bf16_gemv.library.serving()  # oneDNN's GEMM while it compiles
         if kernel is not None:
             return kernel.linear(x, weight, bias)
     packed = packed_gemm.packed_for(weight, x)  # a packed copy, where one was made
@@ -110,7 +110,7 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         # for ``bf16_gemv`` keeps the rows the kernel reads (oneDNN's GEMM is as fast so).
         keeps_rows = (
             isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
-        ) or (weight.dtype == torch.bfloat16 and bf16_gemv.load() is not None)
+        ) or (weight.dtype == torch.bfloat16 and bf16_gemv.library.possible())
         if not keeps_rows:
             if (
                 weight.dtype in _HALF

@@ -39,7 +39,9 @@ def preferred() -> bool:
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX2":
         return False
-    kernels = cpu_kernels.load()
+    # Not while the library compiles: the weights are packed for MKL (or none) then, and
+    # keep that packing once it lands (the same bits as F.linear).
+    kernels = cpu_kernels.library.serving()
     return kernels is not None and kernels.gemm_available()
 
 

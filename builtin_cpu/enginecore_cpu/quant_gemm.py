@@ -55,10 +55,15 @@ class QuantGemm:
             raise MemoryError(f"no scratch memory for a {weight.shape[0]}x{k} weight's panels")
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile the library into the cache (if not there yet); its path."""
+def build(directory: Path | None = None, only_path: bool = False) -> Path:
+    """Compile the library into the cache (if not there yet); its path (with
+    ``only_path``, compiling nothing)."""
     return cpu_kernels.build(
-        directory, source=SOURCE, stem="enginecore_quant_gemm", extra_isa=extra_isa()
+        directory,
+        source=SOURCE,
+        stem="enginecore_quant_gemm",
+        extra_isa=extra_isa(),
+        only_path=only_path,
     )
 
 
@@ -67,6 +72,8 @@ library: cpu_kernels.BuildOnce[QuantGemm] = cpu_kernels.BuildOnce(
     warning="many-row quantized CPU kernels unavailable",
     switch=quant_kernels.ENV_SWITCH,
     log=logger,
+    target=lambda: build(only_path=True),
+    build=build,
 )
 
 

@@ -148,9 +148,12 @@ def result_tensor(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
     return out
 
 
-def build() -> Path:
-    """Compile the library into the cache (if not there yet); its path."""
-    return cpu_kernels.build(source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni())
+def build(only_path: bool = False) -> Path:
+    """Compile the library into the cache (if not there yet); its path (with
+    ``only_path``, compiling nothing)."""
+    return cpu_kernels.build(
+        source=SOURCE, stem="enginecore_quant_kernels", extra_isa=_vnni(), only_path=only_path
+    )
 
 
 library: cpu_kernels.BuildOnce[QuantKernels] = cpu_kernels.BuildOnce(

@@ -253,11 +253,14 @@ def test_compilers_queue_for_the_slots(tmp_path, monkeypatch):
         log.unlink(missing_ok=True)
         monkeypatch.setattr(kernel_cache, "_slots", kernel_cache.Slots(slots))
         cache = tmp_path / f"cache{slots}"
+
+        def build(source: Path, rank: int) -> None:
+            kernel_cache.asking_as(rank)  # a background build: queued (none waits for it)
+            cpu_kernels.build(cache, source=source, stem=source.stem)
+
+        ranks = kernel_cache.ranks(len(sources))
         threads = [
-            threading.Thread(
-                target=cpu_kernels.build, args=(cache,), kwargs={"source": s, "stem": s.stem}
-            )
-            for s in sources
+            threading.Thread(target=build, args=(s, r)) for s, r in zip(sources, ranks, strict=True)
         ]
         for thread in threads:
             thread.start()
@@ -297,8 +300,12 @@ def test_an_idle_build_compiles_at_a_lower_cpu_priority(tmp_path, monkeypatch):
         done.append(path)
         return path
 
-    cpu_kernels.build_in_background(lambda: build("plain"))
     from enginecore_cpu import kernel_cache
+
+    # as at a first load, before any step: a build nothing waits for after an engine of
+    # this process served is niced too (kernel_cache.serving_started)
+    monkeypatch.setattr(kernel_cache, "_serving", [False])
+    cpu_kernels.build_in_background(lambda: build("plain"))
 
     cpu_kernels.build_in_background(kernel_cache.idle(lambda: build("idle")))
     deadline = time.monotonic() + 120
@@ -309,3 +316,84 @@ def test_an_idle_build_compiles_at_a_lower_cpu_priority(tmp_path, monkeypatch):
     # each: one compile and one link; the idle build's 10 higher and under SCHED_IDLE
     runs = sorted(tuple(int(n) for n in line.split(":")) for line in log.read_text().split())
     assert runs == [(ours, policy)] * 2 + [(ours + 10, os.SCHED_IDLE)] * 2
+
+
+def test_two_processes_on_one_empty_cache_compile_it_once(sandbox):
+    """Two engines starting on one empty cache: the second waits for the first's build
+    of a library (a lock file per library in the cache) instead of compiling it again,
+    and both load the whole file."""
+    sandbox["wrapper"].write_text(
+        f"#!{sys.executable}\nimport os, sys, time\n"
+        "sources = [a for a in sys.argv[1:] if a.endswith('.c')]\n"
+        f"with open({str(sandbox['log'])!r}, 'a') as log:\n"
+        "    log.write(' '.join(os.path.basename(s) for s in sources) + '\\n')\n"
+        "if any(s.endswith('main.c') for s in sources):\n"
+        f"    open({str(sandbox['started'])!r}, 'w').close()\n"
+        f"    while os.path.exists({str(sandbox['hold'])!r}):\n"
+        "        time.sleep(0.05)\n"
+        "os.execvp('gcc', ['gcc', *sys.argv[1:]])\n"
+    )
+    sandbox["hold"].touch()
+    first = _start(sandbox, "foreground")
+    second = None
+    try:
+        _wait_for(sandbox["started"], first)  # the first is compiling main.c, held
+        second = _start(sandbox, "foreground")
+        time.sleep(2.0)  # the second has reached the library's build meanwhile
+        sandbox["hold"].unlink()
+        outs = [p.communicate(timeout=120)[0].decode().strip() for p in (first, second)]
+    finally:
+        sandbox["hold"].unlink(missing_ok=True)
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    assert first.returncode == 0 and second.returncode == 0
+    assert outs[0] == outs[1]
+    assert sorted(_compiled(sandbox)) == ["main.c", "serial.c"]  # each source once
+    library = Path(outs[0])
+    assert _leftovers(sandbox["cache"], library) == []
+    import ctypes
+
+    lib = ctypes.CDLL(str(library))
+    lib.ec_test_four_times.restype = ctypes.c_float
+    lib.ec_test_four_times.argtypes = [ctypes.c_float]
+    assert lib.ec_test_four_times(1.5) == 6.0
+
+
+def test_once_the_engine_serves_a_build_nothing_waits_for_yields_the_cpu(tmp_path, monkeypatch):
+    """Once the engine serves steps (``serving_started``), a library the steps are served
+    without while it compiles is compiled at niceness 19 (at the default niceness a
+    compiler held a core that every OpenMP barrier of a step waited for); one that a
+    thread waits for keeps the default and goes ahead of the queue."""
+    from enginecore_cpu import kernel_cache
+
+    log = tmp_path / "niceness"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(
+        f"#!{sys.executable}\nimport os, sys\n"
+        "name = [os.path.basename(a) for a in sys.argv if a.endswith(('.c', '.o'))][0]\n"
+        f"open({str(log)!r}, 'a').write(f'{{name[:4]}}:{{os.nice(0)}}\\n')\n"
+        "os.execvp('gcc', ['gcc', *sys.argv[1:]])\n"
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(kernel_cache, "_serving", [False])
+    monkeypatch.setattr(kernel_cache, "_slots", kernel_cache.Slots(1))
+    kernel_cache.serving_started()
+    sources = {}
+    for stem in ("bgnd", "wait"):
+        sources[stem] = tmp_path / f"{stem}.c"
+        sources[stem].write_text(f"int ec_{stem}(void) {{ return 7; }}\n")
+    done = []
+    cpu_kernels.build_in_background(
+        lambda: done.append(cpu_kernels.build(tmp_path / "c", source=sources["bgnd"], stem="bgnd"))
+    )
+    cpu_kernels.build(tmp_path / "c", source=sources["wait"], stem="wait")  # this thread waits
+    deadline = time.monotonic() + 120
+    while not done:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ours = os.nice(0)
+    runs = sorted(log.read_text().split())  # a compile and a link each
+    assert runs == sorted([f"bgnd:{ours + 19}"] * 2 + [f"wait:{ours}"] * 2), runs

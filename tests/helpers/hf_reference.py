@@ -16,10 +16,13 @@ TIE_GAP = 1e-4
 
 
 @functools.lru_cache(maxsize=4)
-def load_reference(path: str, dtype: torch.dtype = torch.float32):
+def load_reference(path: str, dtype: torch.dtype = torch.float32, gguf_file: str | None = None):
+    """The model at ``path`` (with ``gguf_file``: that GGUF file in it, de-quantized by
+    transformers' own reader)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     model.eval()
     model.generation_config.eos_token_id = None  # compare fixed lengths (ignore_eos)
     return model
@@ -39,10 +42,11 @@ def greedy_reference(
     prompt_ids: list[int],
     max_new_tokens: int,
     dtype: torch.dtype = torch.float32,
+    gguf_file: str | None = None,
 ) -> tuple[list[int], int]:
     """``(tokens, first_tie)``: the index of the first near-tie step, or len(tokens).
     In bfloat16, a near tie is one bfloat16 step (``half_precision_tie``)."""
-    model = load_reference(str(path), dtype)
+    model = load_reference(str(path), dtype, gguf_file)
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids]),

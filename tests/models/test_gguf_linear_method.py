@@ -77,7 +77,7 @@ def test_blocks_match_the_dequantized_weight(fmt: str, rows: int, gemm: bool, mo
     many-row ``quant_gemm``; without ``quant_gemm``, prefill sizes take tiles de-quantized
     per call (exact). No float copy of the weight is kept."""
     if not gemm:
-        monkeypatch.setattr(quant_gemm, "load", lambda: None)
+        monkeypatch.setattr(quant_gemm.library, "serving", lambda: None)
     torch.manual_seed(0)
     layer = build(
         lambda: RowParallelLinear(256, 96, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)

@@ -92,7 +92,7 @@ def test_k_quant_blocks_multiply_as_the_dequantized_weight(
     8-bit rounding is the only difference); without ``quant_gemm``, more rows than the
     one-row kernels take: one GEMM on tiles de-quantized per call (exact)."""
     if not gemm:
-        monkeypatch.setattr(quant_gemm, "load", lambda: None)
+        monkeypatch.setattr(quant_gemm.library, "serving", lambda: None)
     torch.manual_seed(1)
     layer = _layer(
         lambda: RowParallelLinear(512, 64, bias=True, parallel=SINGLE_RANK, dtype=torch.float32)
@@ -482,7 +482,7 @@ def test_group_quantized_checkpoint_decodes_as_transformers(group_checkpoints, n
 
     monkeypatch.setenv("ENGINECORE_FUSED_DECODE", "0")
     monkeypatch.setattr(gguf_linear_method, "DIRECT_MAX_ROWS", -1)
-    monkeypatch.setattr(quant_gemm, "load", lambda: None)
+    monkeypatch.setattr(quant_gemm.library, "serving", lambda: None)
     quantized, reference = group_checkpoints[name]
     prompt = list(range(3, 20))
     want, first_tie = greedy_reference(reference, prompt, 12)
@@ -508,7 +508,7 @@ def test_int8_per_channel_of_a_float_layer(gemm: bool, monkeypatch):
     from types import SimpleNamespace
 
     if not gemm:
-        monkeypatch.setattr(quant_gemm, "load", lambda: None)
+        monkeypatch.setattr(quant_gemm.library, "serving", lambda: None)
     torch.manual_seed(4)
     config = SimpleNamespace(model=SimpleNamespace(quantization="int8"))
     layer = _layer(
