@@ -227,6 +227,9 @@ def source_path(checkout: Path) -> str:
     return os.pathsep.join([str(r) for r in roots] + ([rest] if rest else []))
 
 
+_Variant = tuple[str, Path, str]  # name, checkout, KV cache dtype
+
+
 def run_in(
     checkout: Path, model: str, n: int, steps: int, mode: str, kv: str = "auto"
 ) -> dict[str, float]:
@@ -242,17 +245,24 @@ def run_in(
     return result
 
 
-def compare(model: str, variants: list[tuple[str, Path, str]], args: argparse.Namespace) -> None:
-    """Each row's ``variants`` (name, checkout, KV cache dtype) run alternately; the ratios
-    are of the first one's median to the others'."""
+def in_turn(variants: list[_Variant], round_index: int) -> list[_Variant]:
+    """The order a round runs ``variants`` in: reversed every other round, so that each
+    runs first as often as last (at small step times, whether a run comes first or after
+    another shows in its median beside the code's own difference)."""
+    return variants if round_index % 2 == 0 else variants[::-1]
+
+
+def compare(model: str, variants: list[_Variant], args: argparse.Namespace) -> None:
+    """Each row's ``variants`` (name, checkout, KV cache dtype) run alternately, in turn
+    (``in_turn``); the ratios are of the first one's median to the others'."""
     cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
     for n in (int(s) for s in args.sizes.split(",") if s):
         for mode in args.modes.split(","):
             runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
-            for _ in range(args.rounds):
-                for name, checkout, kv in variants:
+            for i in range(args.rounds):
+                for name, checkout, kv in in_turn(variants, i):
                     runs[name].append(run_in(checkout, model, n, args.steps, mode, kv))
             for name, rows in runs.items():
                 med = {c: statistics.median(r[c] for r in rows) for c in cols}
