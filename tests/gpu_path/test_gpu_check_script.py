@@ -3,7 +3,6 @@ checked here, and ``--cpu-smoke`` runs every stage on the CPU with small shapes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -11,15 +10,13 @@ import sys
 
 import pytest
 
+from tests.helpers.script_module import load_script
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_check.py")
 
 
 def test_the_bound_is_the_bytes_read_at_the_copy_bandwidth():
