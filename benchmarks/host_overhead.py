@@ -36,6 +36,12 @@ Compare the ratio, not figures taken at different times.
 
     python benchmarks/host_overhead.py --against ../main --rounds 3
 
+The engine picks its threads as it would for any offline ``LLM`` (a thread per core
+this process may run on). ``--threads N`` pins them (``OMP_NUM_THREADS``), e.g. ``1`` for
+the engine ``enginecore serve`` runs on a 2-core host, which keeps a core for the HTTP
+server, or on a loaded host, where a team of OpenMP threads waits at every barrier for
+whichever of its threads was preempted. The threads each run used are printed.
+
 ``--kv-cache-dtype`` keeps the KV cache in ``float16`` or ``bfloat16`` (``auto``: the
 model's float32); ``--kv-cache-dtypes auto,float16`` compares them the same way, each row
 alternating the dtypes in processes of their own:
@@ -58,12 +64,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# One torch thread: the forward is nearly free, and on a loaded host a team of OpenMP
-# threads waits at every barrier for whichever of its threads was preempted.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 PARTS = ("schedule", "prep", "forward", "sample", "update", "output")
 CALL = "call"  # inside ``forward``: not one of the parts the step's wall time is cut into
+COLUMNS = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%", "threads")
+
+
+def cell(column: str, value: float) -> str:
+    return f"{value:>8.0f}" if column == "threads" else f"{value:>8.3f}"
 
 
 def make_checkpoint(out_dir: str) -> str:
@@ -158,6 +165,8 @@ def run(
     from enginecore import LLM, SamplingParams
 
     warmup = 5
+    import torch
+
     llm = LLM(
         model,
         multiprocessing=False,
@@ -209,6 +218,7 @@ def run(
             rows.append(row)
         result = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
         result["cpu10"] = statistics.quantiles([r["cpu"] for r in rows], n=10)[0] * 1e3
+        result["threads"] = torch.get_num_threads()  # the step's, as the worker set them
         engine = getattr(llm.engine_client, "engine", None)
         choice = getattr(engine, "overlap_choice", None)  # older code: none
         ways = choice.counts if choice is not None else {False: 0}
@@ -255,9 +265,10 @@ def in_turn(variants: list[_Variant], round_index: int) -> list[_Variant]:
 def compare(model: str, variants: list[_Variant], args: argparse.Namespace) -> None:
     """Each row's ``variants`` (name, checkout, KV cache dtype) run alternately, in turn
     (``in_turn``); the ratios are of the first one's median to the others'."""
-    cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
+    print(
+        f"{'mode':>6} {'reqs':>5} {'code':>7} " + " ".join(f"{c:>8}" for c in COLUMNS) + "   (ms)"
+    )
     for n in (int(s) for s in args.sizes.split(",") if s):
         for mode in args.modes.split(","):
             runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
@@ -265,9 +276,9 @@ def compare(model: str, variants: list[_Variant], args: argparse.Namespace) -> N
                 for name, checkout, kv in in_turn(variants, i):
                     runs[name].append(run_in(checkout, model, n, args.steps, mode, kv))
             for name, rows in runs.items():
-                med = {c: statistics.median(r[c] for r in rows) for c in cols}
+                med = {c: statistics.median(r.get(c, float("nan")) for r in rows) for c in COLUMNS}
                 print(
-                    f"{mode:>6} {n:>5} {name:>7} " + " ".join(f"{med[c]:>8.3f}" for c in cols),
+                    f"{mode:>6} {n:>5} {name:>7} " + " ".join(cell(c, med[c]) for c in COLUMNS),
                     flush=True,
                 )
             first = variants[0][0]
@@ -297,7 +308,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one size and mode: a JSON line")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, float16 or bfloat16")
     parser.add_argument("--kv-cache-dtypes", help="A,B: these KV cache dtypes, alternately")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the engine's own)")
     args = parser.parse_args()
+    if args.threads is not None:  # before torch is imported here or in a run's process
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     here = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or make_checkpoint(tmp)
@@ -313,12 +327,11 @@ def main() -> None:
             r = run(model, int(args.sizes), args.steps, args.modes == "async", args.kv_cache_dtype)
             print(json.dumps(r))
             return
-        cols = ("step", *PARTS, "loop", CALL, "cpu", "cpu10", "sync%")
-        print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in cols) + "   (ms)")
+            print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in COLUMNS) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):
                 r = run(model, n, args.steps, mode == "async", args.kv_cache_dtype)
-                print(f"{mode:>6} {n:>5} " + " ".join(f"{r[c]:>8.3f}" for c in cols), flush=True)
+                print(f"{mode:>6} {n:>5} " + " ".join(cell(c, r[c]) for c in COLUMNS), flush=True)
 
 
 if __name__ == "__main__":
