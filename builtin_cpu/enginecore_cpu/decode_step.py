@@ -268,7 +268,7 @@ class FusedDecodeStep:
         own code but not its kernels. BLAS's ``sgemm_`` is kept."""
         kernels = _Kernels.from_buffer_copy(self.model.k)
         own = _kernels(lib, False, False, False)
-        for field, _ in _Kernels._fields_:
+        for field, *_ in _Kernels._fields_:
             if field not in ("sgemm", "blas_threads_local"):
                 setattr(kernels, field, getattr(own, field))
         self.lib, self.model.k = lib, kernels
