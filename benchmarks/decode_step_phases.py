@@ -186,8 +186,11 @@ def main() -> None:
                     runner.sampler.greedy_tokens(logits)
                     outside.append(time.perf_counter() - started)
                 profile(phases)  # cleared; then the head's phases in the call
+                in_a_row = []  # no torch ops between the calls, as in the engine's steps
                 for _ in range(args.repeats):
+                    started = time.perf_counter()
                     fused_run(ids, positions, batch, head="tokens")
+                    in_a_row.append(time.perf_counter() - started)
                 profile(phases)
                 threads = torch.get_num_threads()
                 for i in (len(PHASES) - 2, len(PHASES) - 1):
@@ -197,6 +200,7 @@ def main() -> None:
                 for name, spent in (
                     ("step, head and argmax inside", inside),
                     ("step, then head and argmax", outside),
+                    ("the first, one call after another", in_a_row),
                 ):
                     report.append(
                         f"{name + ' (median / best)':40s} "

@@ -73,24 +73,13 @@ def install(worker: Any, flags: list[str], replay_at: int, repeats: int) -> int:
     if step is None:
         raise RuntimeError("this model does not take the fused decode step")
 
-    def kernels_of(lib: ctypes.CDLL) -> Any:
-        """The step's kernel addresses in ``lib`` (the model records its library's at
-        start: a build's flags reach the kernels only through these); BLAS's kept."""
-        kernels = type(step.model.k).from_buffer_copy(step.model.k)
-        own = decode_step._kernels(lib, False, False, False)
-        for field, _ in kernels._fields_:
-            if field not in ("sgemm", "blas_threads_local"):
-                setattr(kernels, field, getattr(own, field))
-        return kernels
-
-    kernel_sets = {id(lib): kernels_of(lib) for lib in builds.values()}
     fused = step.run
     phases = (ctypes.c_double * (PROFILE_THREADS * len(PHASES)))()
     calls: list[tuple[float, float, list[float], bool]] = []
     replays: dict[str, list[tuple[float, list[float]]]] = {name: [] for name in builds}
 
     def profiled(lib: ctypes.CDLL, *args: Any, **kwargs: Any) -> tuple[Any, float, list[float]]:
-        step.lib, step.model.k = lib, kernel_sets[id(lib)]
+        step.use_library(lib)
         lib.ecd_profile_read(phases)  # cleared
         started = time.perf_counter()
         out = fused(*args, **kwargs)

@@ -148,12 +148,12 @@ def main() -> None:
             if finished or int(positions[0]) != args.context:
                 return fused(ids, positions, batch, **wanted)
             for lib in libs.values():  # each build's first calls (its pages, its team)
-                step.lib = lib
+                step.use_library(lib)
                 for _ in range(3):
                     fused(ids, positions, batch, head="tokens")
             for _ in range(args.rounds):
                 for name, lib in libs.items():
-                    step.lib = lib
+                    step.use_library(lib)
                     for _ in range(args.block):
                         lib.ecd_profile_read(profile)
                         started, cpu = time.perf_counter(), time.process_time()

@@ -315,9 +315,14 @@ static int project_rows(const ecd_kernels *k, const ecd_proj *p, const float *x,
 #define ECD_ROW_ALIGN 16 /* rows a chunk of a product starts at a multiple of */
 /* A thread takes 1 / (ECD_SHARE_DIVISOR threads) of what is left of a phase at a time:
  * large chunks while much is left, down to one unit at the end, so the threads finish a
- * phase within a unit of each other instead of one waiting out the other's last chunk. */
+ * phase within a unit of each other instead of one waiting out the other's last chunk.
+ * Each chunk is a call of the product (its activations rearranged, its weight stream
+ * and prefetches started again) and two atomic updates of lines both cores write: a
+ * divisor of 4 cut a phase of a small model's layer into some 20-30 chunks of a few KB,
+ * and its products read slower than in the 7-12 chunks of 1 (benchmarks/RESULTS.md,
+ * "A phase in fewer chunks"). */
 #ifndef ECD_SHARE_DIVISOR
-#define ECD_SHARE_DIVISOR 4
+#define ECD_SHARE_DIVISOR 1
 #endif
 /* The fewest units a chunk takes. This and the two figures around it can be set at
  * build time, so that benchmarks/engine_step_gap.py (--build) can time other values. */
@@ -599,8 +604,16 @@ static int32_t wait_after(ecd_run *st, int32_t p) {
     return open;
 }
 
-/* Units [*first, return) of a phase's `count`, taken from its counter: a share of what is
- * left (see ECD_SHARE_DIVISOR), at least one unit; *first >= count once all are taken. */
+/* The units a thread takes of the `left` of a phase on `threads` threads (see
+ * ECD_SHARE_DIVISOR), at least one; exported for the tests. */
+int64_t ecd_share(int64_t left, int threads) {
+    /* one thread has no one to balance with: all that is left, in one call */
+    if (threads <= 1) return left;
+    return max_i64(ECD_MIN_UNITS, left / (ECD_SHARE_DIVISOR * threads));
+}
+
+/* Units [*first, return) of a phase's `count`, taken from its counter: ecd_share of what
+ * is left; *first >= count once all are taken. */
 static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int64_t *first) {
     int64_t at = atomic_load_explicit(next, memory_order_relaxed);
     for (;;) {
@@ -608,10 +621,7 @@ static int64_t take_units(_Atomic int64_t *next, int64_t count, int threads, int
             *first = at;
             return at;
         }
-        /* one thread has no one to balance with: all that is left, in one call */
-        const int64_t share =
-            threads == 1 ? count - at
-                         : max_i64(ECD_MIN_UNITS, (count - at) / (ECD_SHARE_DIVISOR * threads));
+        const int64_t share = ecd_share(count - at, threads);
         const int64_t end = at + share < count ? at + share : count;
         if (atomic_compare_exchange_weak(next, &at, end)) {
             *first = at;

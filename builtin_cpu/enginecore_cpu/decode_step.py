@@ -261,6 +261,18 @@ class FusedDecodeStep:
         self.logits_steps = 0
         self.token_steps = 0
 
+    def use_library(self, lib: ctypes.CDLL) -> None:
+        """Runs the step from another build of its library (a benchmark's, built with
+        other flags): the step calls its kernels through the addresses recorded at start,
+        so these are taken from ``lib`` too, or the build's flags would reach the step's
+        own code but not its kernels. BLAS's ``sgemm_`` is kept."""
+        kernels = _Kernels.from_buffer_copy(self.model.k)
+        own = _kernels(lib, False, False, False)
+        for field, *_ in _Kernels._fields_:
+            if field not in ("sgemm", "blas_threads_local"):
+                setattr(kernels, field, getattr(own, field))
+        self.lib, self.model.k = lib, kernels
+
     # --- recording --------------------------------------------------------------------
 
     def _record(self, model: Any, kv_caches: list[torch.Tensor]) -> _Model:

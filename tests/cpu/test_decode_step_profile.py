@@ -86,3 +86,32 @@ def test_preemptions_are_counted_in_the_phases_they_fell_in(tiny_llama) -> None:
     seen = _timelines(tiny_llama, busy=True)
     counted = [sum(preempted) for _, _, preempted in seen]
     assert any(counted), "no preemption counted with every core busy"
+
+
+def test_a_build_in_use_runs_its_own_kernels(tiny_llama) -> None:
+    """``use_library``, as the benchmarks swap builds: the step's kernel addresses are the
+    build's too (they are recorded at start, so a build's flags would otherwise reach the
+    step's own code and not its kernels), BLAS's kept; its greedy tokens are the plain
+    build's."""
+    from enginecore import LLM, SamplingParams
+
+    lib = _profiled()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(3, 30))}]
+    with LLM(str(tiny_llama), multiprocessing=False, max_model_len=128) as llm:
+        plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        step = llm.collective_rpc(lambda w: w.model_runner)[0].fused_decode
+        assert step is not None
+        own = decode_step._kernels(lib, False, False, False)
+        sgemm = step.model.k.sgemm
+        step.use_library(lib)
+        assert step.lib is lib
+        for field in ("gemm_q4", "gemm_q8", "quantize_rows", "attend_span", "rms_norm"):
+            assert getattr(step.model.k, field) == getattr(own, field) != 0
+        plain_kernels = decode_step._kernels(decode_step._load(), False, False, False)
+        assert step.model.k.gemm_q4 != plain_kernels.gemm_q4
+        assert step.model.k.sgemm == sgemm
+        steps = step.steps
+        swapped = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert step.steps > steps
+    assert swapped == plain
