@@ -327,7 +327,7 @@ def main() -> None:
             r = run(model, int(args.sizes), args.steps, args.modes == "async", args.kv_cache_dtype)
             print(json.dumps(r))
             return
-            print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in COLUMNS) + "   (ms)")
+        print(f"{'mode':>6} {'reqs':>5} " + " ".join(f"{c:>8}" for c in COLUMNS) + "   (ms)")
         for n in (int(s) for s in args.sizes.split(",") if s):
             for mode in args.modes.split(","):
                 r = run(model, n, args.steps, mode == "async", args.kv_cache_dtype)
