@@ -162,11 +162,11 @@ def instrument(llm: Any, timers: Timers) -> None:
 def run(
     model: str, num_reqs: int, steps: int, async_scheduling: bool, kv_cache_dtype: str = "auto"
 ) -> dict[str, float]:
+    import torch
+
     from enginecore import LLM, SamplingParams
 
     warmup = 5
-    import torch
-
     llm = LLM(
         model,
         multiprocessing=False,
