@@ -183,3 +183,30 @@ def test_the_avx2_build_decodes_as_transformers(tiny_llama, tmp_path, fmt):
     assert got[:first_tie] == logits.argmax(-1).tolist()[:first_tie], (first_tie, got)
     chosen = logits[torch.arange(len(got)), torch.tensor(got)]
     assert (top2[:, 0] - chosen <= tol).all()
+
+
+@needs_v4
+def test_torch_running_wider_than_the_level_is_named_once(monkeypatch, caplog):
+    monkeypatch.setenv(ISA, "x86-64-v3")
+    monkeypatch.setattr(cpu_kernels, "_warned_torch", set())
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        cpu_kernels.instruction_set()
+        assert not caplog.records  # torch kept to AVX2: nothing to say
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+        cpu_kernels.instruction_set()
+        cpu_kernels.instruction_set()
+    (record,) = caplog.records
+    assert all(f"{k}={v}" in record.getMessage() for k, v in TORCH_AVX2.items())
+
+
+@needs_v4
+def test_a_chosen_level_keeps_its_own_prepared_weights_and_probe_verdicts(monkeypatch):
+    from enginecore_cpu import prepared_weights, probe_cache
+
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    own, verdicts = prepared_weights.cpu_identity(), probe_cache.path()
+    monkeypatch.setenv(ISA, "x86-64-v3")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert prepared_weights.cpu_identity() != own
+    assert probe_cache.path() != verdicts
