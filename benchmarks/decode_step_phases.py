@@ -86,16 +86,14 @@ def main() -> None:
 
     if args.threads:  # before torch is imported and starts its team; the engine keeps it
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.isa:  # every library the engine builds, for that level (docs/quantization.md)
+        os.environ["ENGINECORE_CPU_ISA"] = args.isa
     import numpy as np
     import torch
 
     from enginecore import LLM, SamplingParams
     from enginecore.checkpoints import find_demo_gguf
 
-    if args.isa:
-        from enginecore_cpu import cpu_kernels
-
-        cpu_kernels.instruction_set = lambda: args.isa  # type: ignore[assignment]
     # --cold: written before each replay, more than the caches hold
     flush = np.ones(48 << 18, dtype=np.float32) if args.cold else None
     lib = _profiled_library()

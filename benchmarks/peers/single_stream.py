@@ -162,6 +162,8 @@ def main() -> None:
             args.llama_python, args.model, args.prompt_len, args.decode_len, conc
         )
     print(machine_line(), flush=True)
+    if args.llama_python:
+        print(peer_build(args.llama_python), flush=True)
     for round_ in range(args.rounds):
         for name, fn in contenders.items():
             runs.setdefault(name, []).append(fn())
@@ -185,10 +187,20 @@ def machine_line() -> str:
         platform.processor(),
     )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    from enginecore_cpu import cpu_kernels
+
     return (
         f"machine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
-        f"load average {load}"
+        f"load average {load}; enginecore's kernels for {cpu_kernels.instruction_set()} "
+        f"(ENGINECORE_CPU_ISA), torch's {torch.backends.cpu.get_cpu_capability()}"
     )
+
+
+def peer_build(python: str) -> str:
+    """The instruction sets the peer's llama.cpp was built with (its system info)."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return f"llama.cpp: {done.stdout.strip() or done.stderr.strip()[-300:]}"
 
 
 def table(

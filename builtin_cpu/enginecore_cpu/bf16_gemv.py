@@ -32,7 +32,7 @@ _SIGNATURE = (_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, c_int)
 
 def cpu_has_avx512_bf16() -> bool:
     """Whether the CPU has AVX512-BF16's bfloat16 dot products (``vdpbf16ps``)."""
-    flags = set(cpu_kernels._cpu_signature().split())
+    flags = cpu_kernels.cpu_extensions()
     return cpu_kernels.instruction_set() == "x86-64-v4" and "avx512_bf16" in flags
 
 

@@ -14,7 +14,8 @@ attention of fresh prompts (``prefill_attention``), built on its register tile.
 The library is built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it and cached under ``$ENGINECORE_CACHE_DIR`` (default
 ``~/.cache/enginecore``), keyed by the source and the flags. It is compiled for the
-CPU's x86-64 level (``-march=x86-64-v3`` on AVX2, ``x86-64-v4`` on AVX-512), which the
+CPU's x86-64 level (``-march=x86-64-v3`` on AVX2, ``x86-64-v4`` on AVX-512), or the
+level ``ENGINECORE_CPU_ISA`` names (one this CPU runs), which the
 file name says, so a cache copied to another x86-64 CPU of that level still runs; the
 build takes several seconds of ``gcc``, once. No step waits for it: while it compiles in
 the background the model runs the plain torch ops, and it serves from the step after it
@@ -44,6 +45,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from enginecore import startup_log
+from enginecore.errors import ConfigError
 from enginecore_cpu import kernel_cache
 from enginecore_cpu.mirror_layout import geometry
 
@@ -126,10 +128,20 @@ _X86_LEVELS = (
 )
 
 
-def instruction_set() -> str:
-    """What the library is compiled for: the highest x86-64 level this CPU has, so the
-    built file runs on every x86-64 CPU of that level it is copied to; elsewhere the
-    host CPU itself (``native``, with the cache keyed on its flags)."""
+ISA_VARIABLE = "ENGINECORE_CPU_ISA"
+# The levels ``ENGINECORE_CPU_ISA`` may name, lowest first.
+LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+# torch's own switches that keep its kernels (ATen, oneDNN, MKL) within AVX2: the rest of a
+# run under ``ENGINECORE_CPU_ISA=x86-64-v3``; read when torch loads, so set before it.
+TORCH_AVX2_SWITCHES = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def detected_instruction_set() -> str:
+    """The highest x86-64 level this CPU has; elsewhere ``native``."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "native"
     flags = set(_cpu_signature().split())
@@ -139,9 +151,75 @@ def instruction_set() -> str:
     return "x86-64"
 
 
+def instruction_set() -> str:
+    """What the libraries are compiled for: the level ``ENGINECORE_CPU_ISA`` names (to
+    build for older CPUs, or to rule out a wider kernel), else the highest x86-64 level
+    this CPU has, so the built file runs on every x86-64 CPU of that level it is copied
+    to; elsewhere the host CPU itself (``native``, with the cache keyed on its flags).
+    Raises ``ConfigError`` for a value that is not a level, or one this CPU cannot run."""
+    detected = detected_instruction_set()
+    chosen = os.environ.get(ISA_VARIABLE, "").strip()
+    if not chosen:
+        return detected
+    if chosen not in LEVELS:
+        raise ConfigError(
+            f"{ISA_VARIABLE}={chosen!r} is not an x86-64 level: choose one of "
+            f"{', '.join(LEVELS)}, or unset it to build for this CPU ({detected})"
+        )
+    if detected == "native":
+        raise ConfigError(
+            f"{ISA_VARIABLE}={chosen} names an x86-64 level, but this CPU is "
+            f"{platform.machine()}: unset it"
+        )
+    if LEVELS.index(chosen) > LEVELS.index(detected):
+        raise ConfigError(
+            f"{ISA_VARIABLE}={chosen}: this CPU runs at most {detected}; choose one of "
+            f"{', '.join(LEVELS[: LEVELS.index(detected) + 1])}"
+        )
+    _warn_wider_torch(chosen)
+    return chosen
+
+
+def isa_chosen() -> bool:
+    """Whether ``ENGINECORE_CPU_ISA`` picks the level: the libraries then use exactly that
+    level, none of the CPU's extensions beyond it (VNNI, GFNI, BF16, AMX), as a CPU of
+    that level without them would run."""
+    return bool(os.environ.get(ISA_VARIABLE, "").strip())
+
+
+def cpu_extensions() -> set[str]:
+    """The CPU's feature flags the libraries may use beyond their x86-64 level: none
+    under ``ENGINECORE_CPU_ISA``."""
+    return set() if isa_chosen() else set(_cpu_signature().split())
+
+
+_warned_torch: set[str] = set()
+
+
+def _warn_wider_torch(level: str) -> None:
+    """torch picks its kernels' width itself: say once when it uses wider ones than the
+    chosen level, and which of its switches keep it within AVX2."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if level in _warned_torch or capability in ("AVX2", "DEFAULT", "NO AVX"):
+        return
+    if level == "x86-64-v4" and capability.startswith("AVX512"):
+        return
+    _warned_torch.add(level)
+    switches = " ".join(f"{k}={v}" for k, v in TORCH_AVX2_SWITCHES.items())
+    logger.warning(
+        "%s=%s builds enginecore's kernels for that level, but torch's own run %s; set %s "
+        "before starting for torch's too",
+        ISA_VARIABLE,
+        level,
+        capability,
+        switches,
+    )
+
+
 def cpu_has_amx() -> bool:
-    """Whether the CPU exposes AMX tiles for bfloat16 (oneDNN's fast half-precision GEMM)."""
-    return "amx_bf16" in _cpu_signature().split()
+    """Whether the CPU exposes AMX tiles for bfloat16 (oneDNN's fast half-precision GEMM);
+    not under ``ENGINECORE_CPU_ISA``, which keeps to its level."""
+    return "amx_bf16" in cpu_extensions()
 
 
 def _compiler() -> str | None:

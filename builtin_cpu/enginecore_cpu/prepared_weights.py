@@ -69,13 +69,16 @@ def root() -> Path:
 
 
 def cpu_identity() -> str:
-    """The CPU's model name and feature flags, as /proc/cpuinfo gives them."""
+    """The CPU's model name and feature flags, as /proc/cpuinfo gives them (and the level
+    ``ENGINECORE_CPU_ISA`` chooses, where set)."""
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line for line in f if line.startswith("model name")), "")
     except OSError:
         model = ""
-    return model.strip() + "\n" + cpu_kernels._cpu_signature().strip()
+    identity = model.strip() + "\n" + cpu_kernels._cpu_signature().strip()
+    # a level chosen by ENGINECORE_CPU_ISA is another CPU's: its own entries
+    return identity + f"\n{cpu_kernels.instruction_set()}" if cpu_kernels.isa_chosen() else identity
 
 
 # The C sources that write an entry's bytes on a first load: the layers' repacking pass

@@ -29,9 +29,11 @@ _verdicts: dict[str, bool] | None = None
 
 def path() -> Path:
     """This torch and this CPU's verdict file."""
-    key = hashlib.sha256(
-        b"\0".join([torch.__version__.encode(), cpu_kernels._cpu_signature().encode()])
-    ).hexdigest()[:16]
+    parts = [torch.__version__.encode(), cpu_kernels._cpu_signature().encode()]
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    if mkl:  # MKL kept to narrower vectors (ENGINECORE_CPU_ISA's runs) times its GEMMs apart
+        parts.append(mkl.encode())
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return cpu_kernels.cache_dir() / "packed_gemm_probes" / f"verdicts_{key}.json"
 
 

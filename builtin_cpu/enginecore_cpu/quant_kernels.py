@@ -45,7 +45,7 @@ def _vnni() -> tuple[str, list[str]] | None:
     where the CPU has it), AVX-VNNI on
     level 3 (an AVX2 CPU that has it: its one-row products then take ``vpdpbusd`` as the
     AVX-512 ones do, one instruction where AVX2 takes two)."""
-    flags = set(cpu_kernels._cpu_signature().split())
+    flags = cpu_kernels.cpu_extensions()
     level = cpu_kernels.instruction_set()
     if level == "x86-64-v4" and "avx512_vnni" in flags:
         # GFNI (Ice Lake and later, Zen 4): the AVX-512 one-row Q6_K product spreads its
