@@ -46,7 +46,7 @@ import torch
 
 from enginecore import startup_log
 from enginecore.errors import ConfigError
-from enginecore_cpu import kernel_cache
+from enginecore_cpu import finish_builds, kernel_cache
 from enginecore_cpu.mirror_layout import geometry
 
 logger = logging.getLogger(__name__)
@@ -359,7 +359,8 @@ def build_in_background(*builds: Callable[[], Path]) -> None:
     def run(job: Callable[[], Path], rank: int) -> None:
         kernel_cache.asking_as(rank)  # compiled in the order given, whichever thread runs first
         try:
-            job()
+            with finish_builds.running(job):
+                job()
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             logger.debug("background kernel build failed: %s", exc)
 
@@ -478,7 +479,8 @@ class BuildOnce(Generic[_Library]):
         kernel_cache.asking_as(rank)  # a build queued earlier keeps its place
         assert self._build is not None
         try:
-            self._build()
+            with finish_builds.running(self._build):
+                self._build()
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             self._build_error = exc
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import heapq
 import itertools
 import os
@@ -157,6 +158,7 @@ def idle(build: Callable[[], _Result]) -> Callable[[], _Result]:
     ``SCHED_IDLE`` (for a library nothing waits for; a build already queued keeps its
     place)."""
 
+    @functools.wraps(build)  # its name: a build handed on at exit runs the build itself
     def run() -> _Result:
         asking_as(ranks(1, idle=True)[0])
         return build()
