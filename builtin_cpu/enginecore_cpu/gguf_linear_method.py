@@ -345,7 +345,7 @@ def _row_range(part: Part, start: int, length: int) -> Part:
     shape = (length, part.shape[1])
     if isinstance(part, KQuantWeight):
         qs, scales = part.qs[start : start + length], part.scales[start : start + length]
-        return KQuantWeight(part.fmt, qs, scales, shape)
+        return KQuantWeight(part.fmt, qs, scales, shape, part.high)
     qs, d, m = (t[start : start + length] for t in (part.qs, part.d, part.m))
     return BlockWeight(part.bits, qs, d, m, shape, part.symmetric)
 
@@ -478,10 +478,10 @@ def _unpacked_in_place(
     plan: list[tuple[int, Part]] = []
     for first, run in runs:
         fmt, shape = run[0].format, (sum(p.shape[0] for p in run), run[0].shape[1])
-        empty = (
-            kquant_blocks.empty_weight if fmt in kquant_blocks.FORMATS else gguf_blocks.empty_blocks
-        )
-        plan.append((first, empty(fmt, shape, "meta")))
+        if fmt in kquant_blocks.FORMATS:
+            plan.append((first, kquant_blocks.empty_weight(fmt, shape, "meta", kquant.high(fmt))))
+        else:
+            plan.append((first, gguf_blocks.empty_blocks(fmt, shape, "meta")))
     reserved = prepared.reserve(key, plan)
     if reserved is None or reserved.layer is None:
         return None
@@ -527,7 +527,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
         if (
             isinstance(part, KQuantWeight)
             and isinstance(prev, KQuantWeight)
-            and prev.fmt == part.fmt
+            and (prev.fmt, prev.high) == (part.fmt, part.high)
         ):
             merged[-1] = (
                 start,
@@ -536,6 +536,7 @@ def _merged(parts: dict[int, Part]) -> list[tuple[int, Part]]:
                     torch.cat([prev.qs, part.qs]),
                     torch.cat([prev.scales, part.scales]),
                     (prev.shape[0] + part.shape[0], part.shape[1]),
+                    part.high,
                 ),
             )
         elif (

@@ -4,7 +4,8 @@
  * A row's values go by pairs of 32-value blocks, one record of bytes each: 32 bytes of
  * low 4 bits (byte j: value j of the first block in its low nibble, of the second in its
  * high one), then each block's high bits as 32-bit words, bit i for value i (Q5_K one
- * word a block, the 5th bit; Q6_K two, the 5th and the 6th). The scales are the file's,
+ * word a block, the 5th bit; Q6_K two, the 5th and the 6th; an AVX2 build's Q6_K instead
+ * two bits a value in 16 bytes, quant_simd.h's Q6K_PACKED). The scales are the file's,
  * per super-block of 256 values: Q5_K float16 d and dmin and twelve bytes of 6-bit
  * scales and mins (quant_simd.h), a scale d sc and an offset -(dmin mn) per 32 values
  * (value = q d sc - dmin mn); Q6_K sixteen signed 8-bit scales and float16 d, a scale
@@ -173,10 +174,10 @@ static void row_terms(int64_t K, const int8_t *xq, const float *xd, float *xd16,
 #define ECK_GEMV256 1
 /* One activation row on AVX2 (the batch-1 decode step): as ``gemv512`` a block a register.
  * The values stay unsigned (Q6_K 0-63, its -32 d sc a value one offset a row from the
- * activations' run sums), so no sign is moved onto the activations; the 5th and 6th bits
- * of a block are spread from one 64-bit broadcast of its plane words (Q6_K) by two
- * shuffles of the same register; each run's scale times its activation scale is formed
- * once a weight row, eight at a time. Two accumulators over alternate blocks keep the
+ * activations' run sums), so no sign is moved onto the activations; Q6_K's 5th and 6th
+ * bits are unpacked from the record's 16 bytes of them (quant_simd.h's Q6K_PACKED), Q5_K's
+ * 5th bits spread from its plane word by a shuffle; each run's scale times its activation
+ * scale is formed once a weight row, eight at a time. Two accumulators over alternate blocks keep the
  * FMA latency off the loop's path. */
 
 /* ``plane`` (the bytes selected by ``spread`` of one broadcast) as ``value`` in each byte
@@ -187,26 +188,19 @@ static inline __m256i plane_bits(__m256i words, __m256i spread, char value) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(value));
 }
 
-/* Block b = 2p + j of the pair ``pair`` (its low 4 bits ``low``) times ``x``, scaled by
- * ``scale`` (a float per lane) into ``acc``. */
-static inline __attribute__((always_inline)) __m256 block256(int planes, const uint8_t *pair,
-                                                             int j, __m256i low, __m256i x,
-                                                             __m256 scale, __m256 acc) {
-    const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
-    /* byte i of the first word for value i (bytes 0-3), of the second (bytes 4-7) */
-    const __m256i first = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                            0x0101010101010101LL, 0);
-    __m256i w;
-    if (planes == 2) {
-        long long words;
-        memcpy(&words, high, sizeof words);
-        const __m256i both = _mm256_set1_epi64x(words);
-        const __m256i second = _mm256_add_epi8(first, _mm256_set1_epi8(4));
-        w = _mm256_or_si256(_mm256_or_si256(low, plane_bits(both, first, 16)),
-                            plane_bits(both, second, 32));
-    } else {
-        w = _mm256_or_si256(low, plane_bits(_mm256_set1_epi32((int)load_word(high)), first, 16));
-    }
+/* Block j (0, 1) of the Q5_K pair ``pair`` (its low 4 bits ``low``) with its 5th bits. */
+static inline __attribute__((always_inline)) __m256i q5_block(const uint8_t *pair, int j,
+                                                              __m256i low) {
+    /* byte i of the word for value i */
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                             0x0101010101010101LL, 0);
+    const __m256i word = _mm256_set1_epi32((int)load_word(pair + 2 * HALF + j * 4));
+    return _mm256_or_si256(low, plane_bits(word, spread, 16));
+}
+
+/* Values ``w`` times ``x``, scaled by ``scale`` (a float per lane) into ``acc``. */
+static inline __attribute__((always_inline)) __m256 block256(__m256i w, __m256i x, __m256 scale,
+                                                             __m256 acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8_s8(w, x)), scale, acc);
 }
 
@@ -253,9 +247,15 @@ static inline __attribute__((always_inline)) void gemv256(
                 s0 = _mm256_broadcast_ss(sx + 2 * p);
                 s1 = _mm256_broadcast_ss(sx + 2 * p + 1);
             }
-            acc0 = block256(planes, pair, 0, _mm256_and_si256(v, low4), x0, s0, acc0);
-            acc1 = block256(planes, pair, 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), x1,
-                            s1, acc1);
+            __m256i w0, w1;
+            if (planes == 2) {
+                q6_pair_values(pair, &w0, &w1);
+            } else {
+                w0 = q5_block(pair, 0, _mm256_and_si256(v, low4));
+                w1 = q5_block(pair, 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            }
+            acc0 = block256(w0, x0, s0, acc0);
+            acc1 = block256(w1, x1, s1, acc1);
         }
         const float offset = planes == 2 ? dot_f32_256(d, xoff16, runs) : dot_f32_256(m, xs, nb);
         out[n] = hsum(_mm256_add_ps(acc0, acc1)) + offset;
@@ -286,10 +286,20 @@ static inline __attribute__((always_inline)) void tile(
             const float *di = d + i * dstride;
             const float *mi = planes == 1 ? m + i * nb : NULL;
             _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
-            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
-            const __m256i w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
-            const __m256i w1 =
-                block_values(pair, 1, planes, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            __m256i w0, w1;
+#if defined(Q6K_PACKED)
+            if (planes == 2) {
+                q6_pair_values(pair, &w0, &w1);
+                w0 = _mm256_sub_epi8(w0, _mm256_set1_epi8(32));
+                w1 = _mm256_sub_epi8(w1, _mm256_set1_epi8(32));
+            } else
+#endif
+            {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+                w0 = block_values(pair, 0, planes, _mm256_and_si256(v, low4));
+                w1 = block_values(pair, 1, planes,
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            }
             __m128 scales[ROWS];
 #pragma GCC unroll 4
             for (int r = 0; r < rows; r++)
@@ -561,6 +571,19 @@ void eck_gemm_k(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq
         gemm(1, M, N, K, wq, wh, xq, xd, xs, out, ldo);
 }
 
+#if defined(Q6K_PACKED)
+/* The 5th and 6th bit planes (bit i for value i) of block ``j`` (0, 1) of a pair record
+ * whose high bits are ``packed`` (its last 16 bytes, quant_simd.h's Q6K_PACKED). */
+static inline void q6_packed_planes(const uint8_t *packed, int j, uint32_t *h4, uint32_t *h5) {
+    *h4 = *h5 = 0;
+    for (int i = 0; i < QK; i++) {
+        const uint32_t two = (uint32_t)(packed[i % HALF] >> ((j ? 0 : 4) + (i < HALF ? 0 : 2))) & 3;
+        *h4 |= (two & 1) << i;
+        *h5 |= (two >> 1) << i;
+    }
+}
+#endif
+
 /* The float32 weight [N, K] (for many rows of activations, where one float GEMM beats
  * the integer dot products): the file's values, q d sc - dmin mn or (q - 32) d sc. */
 void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
@@ -576,7 +599,10 @@ void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
             const uint8_t *pair = wq + (n * (nb / 2) + b / 2) * rec;
             const int j = (int)(b & 1);
             const uint8_t *high = pair + 2 * HALF + j * 4 * planes;
-            const uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
+            uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
+#if defined(Q6K_PACKED)
+            if (planes == 2) q6_packed_planes(pair + 2 * HALF, j, &h4, &h5);
+#endif
             float *o = out + n * K + b * QK;
             /* value_at's arithmetic, in loops the compiler vectorizes */
             for (int half = 0; half < 2; half++) {
@@ -622,11 +648,22 @@ static inline void repack_super(int bits, const uint8_t *blk, uint8_t *qs, uint8
                 for (int j = 0; j < 32; j++)
                     rec[j] = q ? (uint8_t)((a[j] >> 4) | (b[j] & 0xF0))
                                : (uint8_t)((a[j] & 15) | (b[j] << 4));
+#if defined(Q6K_PACKED)
+                /* qh's bits 4q, 4q + 1 of byte l hold the first block's value l, bits
+                 * 4q + 2, 4q + 3 the second's (quant_simd.h's order) */
+                for (int t = 0; t < HALF; t++) {
+                    const int v = (qh[32 * n + t] >> (4 * q)) & 15;
+                    const int v16 = (qh[32 * n + HALF + t] >> (4 * q)) & 15;
+                    rec[32 + t] =
+                        (uint8_t)((v >> 2) | (v16 >> 2) << 2 | (v & 3) << 4 | (v16 & 3) << 6);
+                }
+#else
                 for (int blk2 = 0; blk2 < 2; blk2++) {
                     const int s = 2 * q + blk2; /* the 2-bit field of qh holding this block */
                     store_word(rec + 32 + 8 * blk2, bit_plane(qh + 32 * n, 2 * s));
                     store_word(rec + 36 + 8 * blk2, bit_plane(qh + 32 * n, 2 * s + 1));
                 }
+#endif
             }
         return;
     }
@@ -665,6 +702,16 @@ void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_
         for (int64_t s = 0; s < supers; s++)
             repack_super((int)bits, src + (order ? order[n] : n) * src_stride + s * in_bytes,
                          qs + (n * supers + s) * out_bytes, sc + (n * supers + s) * sc_bytes);
+}
+
+/* 1 where this build keeps Q6_K's high bits two a value (kquant_blocks.PACKED), 0 where
+ * as bit planes: the layout eck_repack_k writes and the products read. */
+int64_t eck_q6_packed(void) {
+#if defined(Q6K_PACKED)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* -8 d in float16 from d's bits (Q4_0's offset): exact where d is zero or normal and

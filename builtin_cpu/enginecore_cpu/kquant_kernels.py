@@ -28,8 +28,9 @@ _SIGNATURES = {
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
     "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
     "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P, _P],
+    "eck_q6_packed": [],
 }
-_RETURNS = {"eck_repack_blocks": c_int64}
+_RETURNS = {"eck_repack_blocks": c_int64, "eck_q6_packed": c_int64}
 # eck_repack_blocks' names of the 32-value formats
 _BLOCK_KINDS = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}
 
@@ -41,10 +42,28 @@ class KQuantKernels:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
         self.path = path
+        # the layout of Q6_K's high bits this build reads and writes (quant_simd.h)
+        self.q6_high = kquant_blocks.PACKED if self.lib.eck_q6_packed() else kquant_blocks.PLANES
+
+    def high(self, fmt: str) -> str:
+        """The layout of a ``fmt`` weight's high bits that these kernels take."""
+        return self.q6_high if fmt == "Q6_K" else kquant_blocks.PLANES
+
+    def from_gguf(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWeight:
+        """``kquant_blocks.from_gguf`` in the layout these kernels take (in torch)."""
+        return kquant_blocks.from_gguf(data, fmt, shape, self.q6_high)
+
+    def _check(self, weight: KQuantWeight) -> None:
+        if weight.high != self.high(weight.fmt):
+            raise ValueError(
+                f"a {weight.fmt} weight with {weight.high} high bits, for kernels that read "
+                f"{self.high(weight.fmt)}"
+            )
 
     def gemm_k(self, acts: QuantizedActivations, weight: KQuantWeight, out: torch.Tensor) -> None:
         """``out`` [M, N] (innermost contiguous) = x W^T for a Q5_K or Q6_K ``weight``
         [N, K]."""
+        self._check(weight)
         rows, k = acts.q.shape
         self.lib.eck_gemm_k(
             rows, weight.shape[0], k, weight.bits, weight.qs.data_ptr(),
@@ -53,9 +72,12 @@ class KQuantKernels:
         )  # fmt: skip
 
     def dequantize_k(self, weight: KQuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight`` (into ``out`` where given)."""
+        """The float32 weight [N, K] of a Q5_K or Q6_K ``weight`` (into ``out`` where given):
+        in torch, the same floats, where its high bits are in the other layout."""
         n, k = weight.shape
         out = quant_kernels.result_tensor(out, n, k)
+        if weight.high != self.high(weight.fmt):
+            return out.copy_(kquant_blocks.dequantize(weight))
         self.lib.eck_dequantize_k(
             n, k, weight.bits, weight.qs.data_ptr(), weight.scales.data_ptr(), out.data_ptr()
         )
@@ -67,18 +89,22 @@ class KQuantKernels:
         """GGUF's K-quant ``tensors`` (one format and width, row ranges in order) as one
         :class:`KQuantWeight` of all their rows (written into ``into`` where given: an
         entry of the prepared-weight cache): the bytes of ``kquant_blocks.from_gguf`` of
-        their concatenation, written once, on every thread, straight from the file's
-        blocks (no copy of a piece, and none to join them)."""
+        their concatenation (Q6_K's high bits in this build's layout), written once, on
+        every thread, straight from the file's blocks (no copy of a piece, and none to
+        join them)."""
         fmt, k = tensors[0].format, tensors[0].shape[1]
         if any(t.format != fmt or t.shape[1] != k for t in tensors):
             raise ValueError("the pieces of one K-quant weight share its format and width")
         if fmt not in kquant_blocks.FORMATS or k % kquant_blocks.SUPER:
             # the reference names what is wrong
-            return kquant_blocks.from_gguf(tensors[0].data, fmt, tensors[0].shape)
+            return self.from_gguf(tensors[0].data, fmt, tensors[0].shape)
         rows = sum(t.shape[0] for t in tensors)
-        empty = into or kquant_blocks.empty_weight(fmt, (rows, k))
-        if (empty.fmt, empty.shape) != (fmt, (rows, k)):
-            raise ValueError(f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight")
+        empty = into or kquant_blocks.empty_weight(fmt, (rows, k), high=self.high(fmt))
+        if (empty.fmt, empty.shape, empty.high) != (fmt, (rows, k), self.high(fmt)):
+            raise ValueError(
+                f"{fmt} rows {rows}x{k} given a {empty.fmt} {empty.shape} weight "
+                f"with {empty.high} high bits"
+            )
         at = 0
         for tensor in tensors:
             (data, order), n = _rows(tensor), tensor.shape[0]
@@ -131,6 +157,14 @@ def _rows(tensor: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _address(order: torch.Tensor | None) -> int | None:
     return None if order is None else order.data_ptr()
+
+
+def q6_high() -> str:
+    """The layout of Q6_K's high bits this CPU's build takes, known without building it:
+    two bits a value on x86-64-v3 (AVX2 without AVX-512's byte masks), bit planes on
+    every other level (quant_simd.h's Q6K_PACKED)."""
+    packed = cpu_kernels.instruction_set() == "x86-64-v3"
+    return kquant_blocks.PACKED if packed else kquant_blocks.PLANES
 
 
 def build(only_path: bool = False) -> Path:

@@ -46,7 +46,7 @@ from enginecore.block_formats import gguf_blocks, kquant_blocks
 from enginecore.block_formats.gguf_blocks import BlockWeight
 from enginecore.block_formats.kquant_blocks import KQuantWeight
 from enginecore.block_formats.parts import Part
-from enginecore_cpu import cpu_kernels, host_memory
+from enginecore_cpu import cpu_kernels, host_memory, kquant_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,10 @@ class PreparedWeights:
         # moved or copied in under the same name, size and modification time (`cp -p`,
         # `rsync -a`, a tar) has another of either, and is never served this one's entry.
         file = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
-        for item in (*map(str, file), cpu):
+        # the layout of Q6_K's high bits: a cache written by one build is never read by
+        # a build that reads the other
+        high = f"Q6_K high bits: {kquant_kernels.q6_high()}"
+        for item in (*map(str, file), cpu, high):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())
         self.directory = root() / key.hexdigest()[:24]
@@ -375,7 +378,7 @@ def _describe(part: Part | torch.Tensor) -> dict[str, Any]:
     if isinstance(part, torch.Tensor):
         return {"kind": "table", "shape": list(part.shape)}
     if isinstance(part, KQuantWeight):
-        return {"kind": "kquant", "fmt": part.fmt, "shape": list(part.shape)}
+        return {"kind": "kquant", "fmt": part.fmt, "shape": list(part.shape), "high": part.high}
     return {
         "kind": "blocks",
         "bits": part.bits,
@@ -407,6 +410,7 @@ def _part(spec: dict[str, Any], data: torch.Tensor) -> Part | torch.Tensor:
         return table
     if spec["kind"] == "kquant":
         qs, scales = fields
-        return KQuantWeight(str(spec["fmt"]), qs, scales, shape)
+        high = str(spec.get("high", kquant_blocks.PLANES))
+        return KQuantWeight(str(spec["fmt"]), qs, scales, shape, high)
     qs, d, m = fields
     return BlockWeight(int(spec["bits"]), qs, d, m, shape, bool(spec.get("symmetric", False)))

@@ -67,6 +67,33 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 #endif
 
+/* Q6_K's high bits in a pair record (kquant_kernels.c): an AVX2 build without AVX-512's
+ * byte masks keeps them two bits a value (kquant_blocks.PACKED), which it unpacks with a
+ * shift and an and per 32 values; the bit planes (a word a plane, bit i for value i)
+ * would take a shuffle, an and, a compare and an and per plane and block. Every other
+ * build reads the planes. */
+#if !(defined(__AVX512BW__) && defined(__AVX512VL__))
+#define Q6K_PACKED 1
+
+/* The two blocks of Q6_K pair record ``pair`` (unsigned values 0-63, not centred): byte
+ * t of its last 16 holds the high bits of the second block's values t (bits 0-1) and
+ * t + 16 (bits 2-3), of the first block's values t (bits 4-5) and t + 16 (bits 6-7). */
+static inline __attribute__((always_inline)) void q6_pair_values(const uint8_t *pair,
+                                                                  __m256i *first,
+                                                                  __m256i *second) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+    /* values 0-15 take the bytes as they are, 16-31 shifted by 2: the first block's bits
+     * then lie in bits 4-5, the second's in bits 0-1 */
+    const __m256i high = _mm256_srlv_epi32(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32))),
+        _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    *first = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(high, top2));
+    *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                              _mm256_and_si256(_mm256_slli_epi16(high, 4), top2));
+}
+#endif
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import hashlib
 import os
 import platform
 import shutil
@@ -66,12 +67,18 @@ def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
 
+def _q6_high(lib: ctypes.CDLL) -> str:
+    """The layout of Q6_K's high bits a ``kquant_kernels`` build reads."""
+    lib.eck_q6_packed.restype = ctypes.c_int64
+    return kquant_blocks.PACKED if lib.eck_q6_packed() else kquant_blocks.PLANES
+
+
 # Each format with the shapes its rows can have: 1184 (an odd count of 32-value blocks)
 # only for the 32-value formats, since a K-quant row is whole super-blocks of 256.
 _FORMAT_SHAPES = [
     (fmt, shape)
     for fmt in ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
-    for shape in [(13, 256), (6, 1280), (40, 2048), (7, 1184), (49, 576)]
+    for shape in [(13, 256), (6, 1280), (40, 2048), (7, 1184), (49, 576), (5, 2304)]
     if not (fmt.endswith("_K") and shape[1] % 256)
 ]
 
@@ -86,7 +93,8 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     w = torch.randn(n, k)
     if fmt.endswith("_K"):
         raw = quantize_k(w, fmt)
-        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k))
+        high = _q6_high(builds[f"{build}/kquant_kernels"])  # Q6_K's, in the build's layout
+        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k), high)
     else:
         raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
         part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
@@ -313,3 +321,60 @@ def test_the_avx2_build_takes_avx_vnni(builds, monkeypatch, source):
     monkeypatch.setattr(cpu_kernels, "instruction_set", lambda: "x86-64-v3")
     assert quant_kernels._vnni() == ("avxvnni", ["-mavxvnni"])
     assert "vpdpbusd" in _instructions(builds[f"x86-64-v3 with AVX-VNNI/{source}"]._name)
+
+
+def test_the_avx2_build_reads_q6_k_high_bits_two_a_value(builds):
+    """The x86-64-v3 builds (AVX2, no AVX-512 byte masks or GFNI) keep Q6_K's high bits two
+    a value, as the file's ``qh`` packs them; every other build the bit planes; the engine
+    knows its build's layout without building it."""
+    for name, level in _BUILDS:
+        packed = (level or cpu_kernels.instruction_set()).startswith("x86-64-v3")
+        want = kquant_blocks.PACKED if packed else kquant_blocks.PLANES
+        assert _q6_high(builds[f"{name}/kquant_kernels"]) == want, name
+    assert kquant_kernels.q6_high() == _q6_high(builds["host/kquant_kernels"])
+    assert kquant_kernels.load().q6_high == kquant_kernels.q6_high()
+
+
+def _q6_k_inputs(n: int, k: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """A Q6_K file's rows [n, bytes] and quantized activations (bytes, block scales,
+    their scaled sums) of fixed values: numpy's PCG64 stream of a fixed seed."""
+    rng = np.random.default_rng(45)
+    blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 2e-2, size=n * k // 256).astype(np.float16)
+    blocks[:, 208:210] = scales.view(np.uint8).reshape(-1, 2)
+    xq = rng.integers(-127, 128, size=(rows, k), dtype=np.int8)
+    xd = rng.uniform(1e-3, 1.0, size=(rows, k // 32)).astype(np.float32)
+    xs = (xd * xq.reshape(rows, -1, 32).sum(-1, dtype=np.int32)).astype(np.float32)
+    tensors = (blocks.reshape(n, -1), xq, xd, xs)
+    return tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors)
+
+
+# sha256 of the float32 outputs of the AVX2 build's Q6_K products (one activation row, then
+# three) on ``_q6_k_inputs(40, 2304, 3)``, as the kernels gave them on the bit-plane layout
+_AVX2_Q6_K_BITS = {
+    1: "9462f8aae7f3984dc075aaa5e85704f835d6e62840bbc4f476e0a47628dbb814",
+    3: "054dac27524bf23d3c47fc5ccd1feb69d383105210b3eee63fdcdcf7efe89ea1",
+}
+
+
+@pytest.mark.skipif(not _X86, reason="the AVX2 build is x86's")
+@pytest.mark.parametrize("build", [n for n, lv in _BUILDS if (lv or "").startswith("x86-64-v3")])
+def test_the_avx2_q6_k_products_keep_their_bits(builds, build):
+    """The AVX2 build's Q6_K products, one-row and many-row, give the bits they gave
+    before its high bits were packed two a value: the file's blocks through the build's
+    own repacking, then its product."""
+    n, k = 40, 2304
+    lib = builds[f"{build}/kquant_kernels"]
+    raw, xq, xd, xs = _q6_k_inputs(n, k, 3)
+    part = kquant_blocks.empty_weight("Q6_K", (n, k), high=_q6_high(lib))
+    i64 = ctypes.c_int64
+    lib.eck_repack_k(
+        i64(6), i64(n), i64(k), _p(raw), i64(raw.stride(0)), None, _p(part.qs), _p(part.scales)
+    )
+    for rows, digest in _AVX2_Q6_K_BITS.items():
+        out = torch.empty(rows, n)
+        lib.eck_gemm_k(
+            i64(rows), i64(n), i64(k), i64(6), _p(part.qs), _p(part.scales), _p(xq[:rows]),
+            _p(xd[:rows]), _p(xs[:rows]), _p(out), i64(n),
+        )  # fmt: skip
+        assert hashlib.sha256(out.numpy().tobytes()).hexdigest() == digest, rows

@@ -124,10 +124,12 @@ with LLM(sys.argv[1], multiprocessing=False) as llm:
     tokens = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     steps = llm.collective_rpc(
         lambda w: getattr(w.model_runner.fused_decode, "steps", None))[0]
+    q6_high = kquant_kernels.load().q6_high
 maps = open("/proc/self/maps").read().split()
 libraries = sorted({p for p in maps if "/enginecore_" in p and p.endswith(".so")})
 print(json.dumps({"tokens": list(tokens), "prompt": prompt, "libraries": libraries,
-                  "torch": torch.backends.cpu.get_cpu_capability(), "steps": steps}))
+                  "torch": torch.backends.cpu.get_cpu_capability(), "steps": steps,
+                  "q6_high": q6_high}))
 """
 
 
@@ -153,7 +155,8 @@ def test_the_avx2_build_decodes_as_transformers(tiny_llama, tmp_path, fmt):
     kept to AVX2: every enginecore library the process maps is the x86-64-v3 build (no
     AVX-512 instruction in it), the step runs fused, and the greedy tokens are what
     transformers' argmax is on the file, fed those tokens, up to the first step whose top
-    two logits are within the activations' 8-bit rounding."""
+    two logits are within the activations' 8-bit rounding. Q4_K_M's Q6_K rows (V and the
+    down projection) are read with their high bits two a value, the AVX2 build's layout."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.gguf_writer import write_gguf
@@ -167,8 +170,11 @@ def test_the_avx2_build_decodes_as_transformers(tiny_llama, tmp_path, fmt):
     run = json.loads(done.stdout.strip().splitlines()[-1])
     assert run["torch"] == "AVX2"
     names = [Path(p).name for p in run["libraries"]]
-    for kind in ("cpu_kernels", "decode_step", "quant_kernels"):
+    kinds = ["cpu_kernels", "decode_step", "quant_kernels"]
+    kinds += ["kquant_kernels"] if fmt == "Q4_K_M" else []
+    for kind in kinds:
         assert any(n.startswith(f"enginecore_{kind}_x86-64-v3_") for n in names), names
+    assert run["q6_high"] == "packed"
     assert all("_x86-64-v3_" in n for n in names), names
     assert all(_wide_registers(Path(p)) == 0 for p in run["libraries"])
     assert run["steps"] and run["steps"] >= 8, run["steps"]
@@ -210,3 +216,19 @@ def test_a_chosen_level_keeps_its_own_prepared_weights_and_probe_verdicts(monkey
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert prepared_weights.cpu_identity() != own
     assert probe_cache.path() != verdicts
+
+
+@needs_v4
+def test_a_chosen_level_keeps_q6_k_high_bits_in_its_own_layout_and_cache(monkeypatch, tmp_path):
+    """Under ``ENGINECORE_CPU_ISA=x86-64-v3`` the engine reads Q6_K's high bits two a value
+    (the AVX2 build's layout), on this CPU's own level as bit planes; the prepared-weight
+    cache keys the layout, so one CPU's entries written in one are never read in the other."""
+    from enginecore_cpu import prepared_weights
+
+    path = tmp_path / "file.gguf"
+    path.write_bytes(b"GGUF")
+    own = kquant_kernels.q6_high()
+    directory = prepared_weights.PreparedWeights(path, cpu="a CPU").directory
+    monkeypatch.setenv(ISA, "x86-64-v3")
+    assert (own, kquant_kernels.q6_high()) == ("planes", "packed")
+    assert prepared_weights.PreparedWeights(path, cpu="a CPU").directory != directory

@@ -43,7 +43,7 @@ def random_rows(fmt: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 def same_weight(got: kquant_blocks.KQuantWeight, want: kquant_blocks.KQuantWeight) -> None:
-    assert got.fmt == want.fmt and got.shape == want.shape
+    assert got.fmt == want.fmt and got.shape == want.shape and got.high == want.high
     for name in ("qs", "scales"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.shape == b.shape and torch.equal(a, b), name
@@ -61,13 +61,27 @@ def test_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape)
     rows, cols = shape
     wide = random_rows(fmt, 2 * rows, cols, seed=rows * cols)
     data = wide[::2]  # rows further apart than their bytes, as a view of a file can be
-    want = kquant_blocks.from_gguf(data.contiguous(), fmt, shape)
-    got = kquant_blocks.empty_weight(fmt, shape)
+    builds[level].eck_q6_packed.restype = ctypes.c_int64
+    # Q6_K's high bits as the build keeps them: two a value on AVX2, else bit planes
+    high = kquant_blocks.PACKED if builds[level].eck_q6_packed() else kquant_blocks.PLANES
+    if level != "host":
+        assert (high == kquant_blocks.PACKED) == (level == "x86-64-v3")
+    want = kquant_blocks.from_gguf(data.contiguous(), fmt, shape, high)
+    got = kquant_blocks.empty_weight(fmt, shape, high=high)
     fn = builds[level].eck_repack_k
     fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
     fn(got.bits, rows, cols, data.data_ptr(), data.stride(0), None, got.qs.data_ptr(),
        got.scales.data_ptr())  # fmt: skip
     same_weight(got, want)
+    reference = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[fmt])
+    values = kquant_blocks.dequantize(got).numpy()
+    assert np.array_equal(reference.reshape(values.shape).view(np.uint32), values.view(np.uint32))
+    if fmt != "Q4_K":  # the build's own de-quantization reads its layout
+        out = torch.empty(shape)
+        fn = builds[level].eck_dequantize_k
+        fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+        fn(rows, cols, got.bits, got.qs.data_ptr(), got.scales.data_ptr(), out.data_ptr())
+        assert np.array_equal(values.view(np.uint32), out.numpy().view(np.uint32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -79,7 +93,7 @@ def test_pieces_join_into_one_weight_with_ggufs_values(fmt):
     tensors = [QuantizedTensor(p, fmt, (p.shape[0], cols)) for p in pieces]
     got = kquant_kernels.load().unpacked(tensors)
     joined = torch.cat(pieces)
-    same_weight(got, kquant_blocks.from_gguf(joined, fmt, (14, cols)))
+    same_weight(got, kquant_kernels.load().from_gguf(joined, fmt, (14, cols)))
     want = gguf.quants.dequantize(joined.numpy(), gguf.GGMLQuantizationType[fmt])
     values = kquant_blocks.dequantize(got).numpy()
     assert np.array_equal(want.reshape(values.shape).view(np.uint32), values.view(np.uint32))
@@ -95,7 +109,11 @@ def test_a_q4_k_m_layer_unpacks_as_before(monkeypatch):
         32: QuantizedTensor(random_rows("Q4_K", 16, cols, 2), "Q4_K", (16, cols)),
         48: QuantizedTensor(random_rows("Q6_K", 16, cols, 3), "Q6_K", (16, cols)),
     }
-    want = _merged({first: gguf_linear_method.unpacked(p) for first, p in pieces.items()})
+    # the torch pass, Q6_K's high bits in the layout of the engine's build
+    kquant = kquant_kernels.load()
+    want = _merged(
+        {first: kquant.from_gguf(p.data, p.format, p.shape) for first, p in pieces.items()}
+    )
     torch_pass = []
     monkeypatch.setattr(gguf_linear_method, "unpacked", lambda t: torch_pass.append(t))
     got = _unpacked_runs(pieces)

@@ -71,17 +71,25 @@ def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
     return out
 
 
-def _weight(fmt: str, n: int, k: int) -> tuple[Any, np.ndarray]:
-    """Random weights in ``fmt`` as the engine keeps them, and gguf's de-quantization."""
+def _high(build: str) -> str:
+    """The layout of Q6_K's high bits ``build`` reads: two a value on x86-64-v3."""
+    level = next(lv for name, lv, _ in _BUILDS if name == build) or cpu_kernels.instruction_set()
+    return kquant_blocks.PACKED if level == "x86-64-v3" else kquant_blocks.PLANES
+
+
+def _weight(fmt: str, n: int, k: int, high: str) -> tuple[Any, Any, np.ndarray]:
+    """Random weights in ``fmt`` as a build keeps them (Q6_K's high bits in ``high``) and
+    as the engine's one-row kernels do, and gguf's de-quantization."""
     w = torch.randn(n, k)
     if fmt.endswith("_K"):
         raw = quantize_k(w, fmt)
-        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k))
+        part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k), high)
+        engines: Any = kquant_kernels.load().from_gguf(torch.from_numpy(raw), fmt, (n, k))
     else:
         raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
-        part = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
+        part = engines = gguf_blocks.from_gguf(torch.from_numpy(raw).reshape(n, -1), fmt, (n, k))
     reference = np.asarray(gguf_quants.dequantize(raw, GGMLQuantizationType[fmt]), np.float64)
-    return part, reference.reshape(n, k)
+    return part, engines, reference.reshape(n, k)
 
 
 def _one_row_kernels(part: Any, x: torch.Tensor, acts: Any) -> torch.Tensor:
@@ -103,7 +111,7 @@ def test_gemm_matches_gguf_dequantization_and_the_one_row_kernels(
 ):
     n, k = shape
     torch.manual_seed(n * k)
-    part, weight = _weight(fmt, n, k)
+    part, engines, weight = _weight(fmt, n, k, _high(build))
     qs, d, m = (ctypes.c_void_p(p) for p in part.pointers)
     i64, ptr = ctypes.c_int64, lambda t: ctypes.c_void_p(t.data_ptr())
     before = torch.get_num_threads()
@@ -123,7 +131,7 @@ def test_gemm_matches_gguf_dequantization_and_the_one_row_kernels(
             bound = 2e-6 * want.abs().max().item()
             assert (got[:, :n].double() - want).abs().max().item() <= bound, (build, fmt, rows)
             assert got[:, n:].isnan().all()  # nothing written past the outputs
-            one_row = _one_row_kernels(part, x, acts).double()
+            one_row = _one_row_kernels(engines, x, acts).double()
             assert (got[:, :n].double() - one_row).abs().max().item() <= 2 * bound
     finally:
         torch.set_num_threads(before)

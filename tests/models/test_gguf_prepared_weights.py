@@ -66,6 +66,7 @@ def assert_same_parts(got: list[tuple[int, Any]], want: list[tuple[int, Any]]) -
     for (_, mine), (_, theirs) in zip(got, want, strict=True):
         assert type(mine) is type(theirs) and mine.shape == theirs.shape
         assert mine.kind == theirs.kind
+        assert getattr(mine, "high", None) == getattr(theirs, "high", None)
         for name in ("qs", "d", "m", "scales"):
             a, b = getattr(mine, name, None), getattr(theirs, name, None)
             if b is not None:
@@ -78,6 +79,10 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     model.write_bytes(b"GGUF" + bytes(60))
     layer = [(0, unpacked(random_tensor("Q4_0"))), (64, unpacked(random_tensor("Q6_K", 32)))]
     layer += [(96, unpacked(random_tensor("Q8_0", 16)))]
+    packed = random_tensor("Q6_K", 16, seed=1)  # Q6_K's high bits as the AVX2 build keeps them
+    layer += [
+        (112, kquant_blocks.from_gguf(packed.data, "Q6_K", packed.shape, kquant_blocks.PACKED))
+    ]
     cache = PreparedWeights(model, cpu="cpu A")
     assert cache.load("layer 0") is None
     cache.save("layer 0", layer)

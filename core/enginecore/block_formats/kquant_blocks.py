@@ -15,7 +15,10 @@ times a 6- or 8-bit integer is exact in float32, so these are the float32 scales
 offsets of :func:`float_scales` exactly. Q4_K's values are 4-bit blocks of 32 as
 :class:`BlockWeight`'s, multiplied by ``quant_kernels`` (kind ``Q4_K_KIND``); Q5_K's and
 Q6_K's are at the file's width (the low 4 bits two a byte, the 5th and 6th bits as bit
-planes), multiplied by ``kquant_kernels``.
+planes), multiplied by ``kquant_kernels``. Q6_K has a second layout of its high bits,
+``PACKED``: two bits a value, four values a byte, as the file's ``qh`` packs them, which
+CPUs without AVX-512's byte masks or GFNI unpack with a shift and an and per 32 values;
+a weight names its layout (``high``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ FORMATS = tuple(_BYTES)
 # Bytes of scales a super-block: where they lie in the file's, and how many.
 _SCALES_AT = {"Q4_K": (0, 16), "Q5_K": (0, 16), "Q6_K": (192, 18)}
 Q4_K_KIND = 24  # ECQ_Q4_K in quant_kernels.c: 4-bit blocks of 32, scales per super-block
+# The layouts of a pair record's high bits (``KQuantWeight.high``).
+PLANES = "planes"
+PACKED = "packed"
+HIGH_LAYOUTS = (PLANES, PACKED)
 
 
 @dataclass
@@ -45,12 +52,18 @@ class KQuantWeight:
     block of 32: value j low, value j + 16 high); Q5_K / Q6_K [out, in/64 * (32 +
     8 (bits - 4))] uint8: per pair of 32-value blocks, 32 bytes of low 4 bits (byte j:
     value j of the first block low, of the second high), then each block's high bits as
-    little-endian 32-bit words, bit i for value i (the 5th bit; for Q6_K then the 6th)."""
+    little-endian 32-bit words, bit i for value i (the 5th bit; for Q6_K then the 6th).
+    Q6_K with ``high`` ``PACKED``: the record's last 16 bytes hold two bits a value
+    instead, byte t the 5th and 6th bits of the second block's values t (bits 0-1) and
+    t + 16 (bits 2-3) and of the first block's values t (bits 4-5) and t + 16 (bits 6-7):
+    one 32-bit shift of the 16 bytes, by 0 for values 0-15 and 2 for 16-31, puts the first
+    block's in bits 4-5 of each value's byte and the second's in bits 0-1."""
 
     fmt: str
     qs: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, int]
+    high: str = PLANES
 
     @property
     def bits(self) -> int:
@@ -135,10 +148,22 @@ def _file_values(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
     return q.reshape(out, -1)
 
 
-def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWeight:
-    """Unpack GGUF's raw K-quant super-blocks ``data`` [out, bytes per row]."""
+def _high_of(fmt: str, high: str) -> str:
+    """The layout of a ``fmt`` weight's high bits asked for as ``high``: Q6_K's as asked,
+    every other format's planes (they have one layout)."""
+    if high not in HIGH_LAYOUTS:
+        raise ValueError(f"{high!r} is not a layout of high bits: {', '.join(HIGH_LAYOUTS)}")
+    return high if fmt == "Q6_K" else PLANES
+
+
+def from_gguf(
+    data: torch.Tensor, fmt: str, shape: tuple[int, int], high: str = PLANES
+) -> KQuantWeight:
+    """Unpack GGUF's raw K-quant super-blocks ``data`` [out, bytes per row], Q6_K's high
+    bits in the layout ``high`` (other formats have one)."""
     if fmt not in _BYTES:
         raise ValueError(f"GGUF K-quant format {fmt!r} is not one of {', '.join(FORMATS)}")
+    high = _high_of(fmt, high)
     out, k = shape
     if k % SUPER:
         raise ValueError(f"a {fmt} weight needs a multiple of {SUPER} inputs, not {k}")
@@ -150,13 +175,16 @@ def from_gguf(data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWei
         nibbles = q.reshape(out, k // BLOCK, 2, BLOCK // 2).to(torch.uint8)
         qs = (nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)).contiguous()
     else:
-        qs = _packed(q, 6 if fmt == "Q6_K" else 5)
-    return KQuantWeight(fmt, qs, scales, shape)
+        qs = _packed(q, 6 if fmt == "Q6_K" else 5, high)
+    return KQuantWeight(fmt, qs, scales, shape, high)
 
 
-def empty_weight(fmt: str, shape: tuple[int, int], device: str = "cpu") -> KQuantWeight:
-    """An uninitialized :class:`KQuantWeight` of ``fmt`` and ``shape``, to be filled (on
-    the ``meta`` device: its layout only)."""
+def empty_weight(
+    fmt: str, shape: tuple[int, int], device: str = "cpu", high: str = PLANES
+) -> KQuantWeight:
+    """An uninitialized :class:`KQuantWeight` of ``fmt`` and ``shape`` (Q6_K's high bits
+    in the layout ``high``), to be filled (on the ``meta`` device: its layout only)."""
+    high = _high_of(fmt, high)
     out, k = shape
     size = _SCALES_AT[fmt][1]
     scales = torch.empty(out, k // SUPER * size, dtype=torch.uint8, device=device)
@@ -165,15 +193,25 @@ def empty_weight(fmt: str, shape: tuple[int, int], device: str = "cpu") -> KQuan
     else:
         record = 2 * HALF + 8 * (int(fmt[1]) - 4)
         qs = torch.empty(out, k // (2 * BLOCK) * record, dtype=torch.uint8, device=device)
-    return KQuantWeight(fmt, qs, scales, shape)
+    return KQuantWeight(fmt, qs, scales, shape, high)
 
 
-def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
+def _packed(q: torch.Tensor, bits: int, high: str = PLANES) -> torch.Tensor:
     """Values ``q`` [out, in] in 0..2^bits - 1 as :class:`KQuantWeight`'s 5- or 6-bit
-    ``qs``."""
+    ``qs`` (Q6_K's high bits in the layout ``high``)."""
     out, k = q.shape
     pairs = q.reshape(out, k // (2 * BLOCK), 2, BLOCK).to(torch.int32)
     low = ((pairs[..., 0, :] & 15) | ((pairs[..., 1, :] & 15) << 4)).to(torch.uint8)
+    if high == PACKED:
+        two = (pairs >> 4) & 3  # [out, pairs, 2 blocks, 32]
+        first, second = two[..., 0, :], two[..., 1, :]
+        packed = (
+            second[..., :HALF]
+            | (second[..., HALF:] << 2)
+            | (first[..., :HALF] << 4)
+            | (first[..., HALF:] << 6)
+        ).to(torch.uint8)
+        return torch.cat([low, packed], dim=-1).reshape(out, -1).contiguous()
     # a plane's word as its four little-endian bytes: byte t holds values 8t..8t+7
     weights = torch.ones(8, dtype=torch.int32) << torch.arange(8, dtype=torch.int32)
     planes = [
@@ -181,8 +219,8 @@ def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
         for bit in range(4, bits)
     ]
     words = torch.stack(planes, dim=-2)  # [out, pairs, 2 blocks, planes, 4 bytes]
-    high = words.to(torch.uint8).reshape(out, k // (2 * BLOCK), -1)
-    return torch.cat([low, high], dim=-1).reshape(out, -1).contiguous()
+    plane_bytes = words.to(torch.uint8).reshape(out, k // (2 * BLOCK), -1)
+    return torch.cat([low, plane_bytes], dim=-1).reshape(out, -1).contiguous()
 
 
 def values(weight: KQuantWeight) -> torch.Tensor:
@@ -194,6 +232,12 @@ def values(weight: KQuantWeight) -> torch.Tensor:
     records = weight.qs.reshape(out, k // (2 * BLOCK), 2 * HALF + 8 * planes)
     low = records[..., : 2 * HALF].to(torch.int16)
     q = torch.stack([low & 15, low >> 4], dim=-2)  # [out, pairs, 2 blocks, 32]
+    if weight.high == PACKED:
+        packed = records[..., 2 * HALF :].to(torch.int16)  # [out, pairs, 16]
+        first = torch.cat([(packed >> 4) & 3, (packed >> 6) & 3], dim=-1)
+        second = torch.cat([packed & 3, (packed >> 2) & 3], dim=-1)
+        q = q | (torch.stack([first, second], dim=-2) << 4)
+        return q.reshape(out, k) - 32
     words = records[..., 2 * HALF :].contiguous().view(torch.int32).reshape(out, -1, 2, planes)
     shifts = torch.arange(BLOCK, dtype=torch.int32)
     for plane in range(planes):
