@@ -6,8 +6,10 @@ an offline ``LLM`` on a GGUF file with one OpenMP setting: the prefill of a
 first to last token), and the output tokens/s of ``--batch`` requests decoding together
 (the many-row kernels' OpenMP path). ``--busy`` runs that many ``while 1: pass``
 processes beside it; within a round the variants alternate at each busy count, so the
-ratios between them, not figures taken at other times, are what to compare. Prints each
-trial, then a table of the medians with the load average seen over that busy count.
+ratios between them, not figures taken at other times, are what to compare. The CPU time
+the engine core's process took for a prefill (every thread, spinning included) is less
+moved by other processes than its wall time. Prints each trial, then a table of the
+medians with the load average seen over that busy count.
 
 Variants: ``default`` (the environment as given, OpenMP settings removed: the engine's
 default), ``passive`` (``OMP_WAIT_POLICY=passive``), ``active``
@@ -28,6 +30,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+
+import psutil
 
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 BUSY_CODE = "while 1: pass"
@@ -87,13 +91,22 @@ def trial(args: argparse.Namespace) -> dict[str, float]:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started, outputs
 
+        # The engine core's process (every thread): CPU time a prefill took, spinning
+        # included; less moved by other processes than the wall time.
+        engine = psutil.Process(getattr(llm.engine_client, "proc", psutil.Process()).pid)
         run(4, 1, args.prompt_len)  # warm-up
-        prefill = min(run(1, 1, args.prompt_len)[0] for _ in range(3))
+        prefills, cpus = [], []
+        for _ in range(3):
+            before = sum(engine.cpu_times()[:2])
+            prefills.append(run(1, 1, args.prompt_len)[0])
+            cpus.append(sum(engine.cpu_times()[:2]) - before)
+        prefill = min(prefills)
         _, (out,) = run(args.decode_len, 1, 8)
         first_to_last = out.metrics["e2e_latency"] - out.metrics["time_to_first_token"]
         batch_s, _ = run(args.batch_len, args.batch, 16)
         return {
             "prefill_ms": prefill * 1e3,
+            "prefill_cpu_ms": statistics.median(cpus) * 1e3,
             "decode_tok_s": (args.decode_len - 1) / first_to_last,
             "batch_tok_s": args.batch * args.batch_len / batch_s,
         }
@@ -125,14 +138,14 @@ def table(
 ) -> str:
     """Markdown: one row per busy count and variant, the medians over rounds."""
     lines = [
-        "| busy | load avg | variant | prefill, ms | decode, tok/s | batch, tok/s |",
-        "|---|---|---|---|---|---|",
+        "| busy | load avg | variant | prefill, ms | its CPU, ms | decode, tok/s | batch, tok/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (variant, busy), rows in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         load = loads.get(busy, [0.0])
         cells = [
             statistics.median(r[key] for r in rows)
-            for key in ("prefill_ms", "decode_tok_s", "batch_tok_s")
+            for key in ("prefill_ms", "prefill_cpu_ms", "decode_tok_s", "batch_tok_s")
         ]
         lines.append(
             f"| {busy} | {min(load):.1f}-{max(load):.1f} | {variant} | "

@@ -44,13 +44,13 @@ def test_busy_processes_are_stopped(bench):
 
 
 def test_table_has_a_row_per_variant_and_busy_count(bench):
-    row = {"prefill_ms": 100.0, "decode_tok_s": 50.0, "batch_tok_s": 200.0}
+    row = {"prefill_ms": 100.0, "prefill_cpu_ms": 150.0, "decode_tok_s": 50.0, "batch_tok_s": 200.0}
     results = {("passive", 1): [row, row], ("default", 1): [row], ("passive", 0): [row]}
     text = bench.table(results, {0: [0.5], 1: [1.2, 1.6]})
     lines = text.splitlines()
     assert lines[0].startswith("| busy | load avg | variant |")
-    assert lines[2] == "| 0 | 0.5-0.5 | passive | 100.0 | 50.0 | 200.0 |"
+    assert lines[2] == "| 0 | 0.5-0.5 | passive | 100.0 | 150.0 | 50.0 | 200.0 |"
     assert lines[3:] == [
-        "| 1 | 1.2-1.6 | default | 100.0 | 50.0 | 200.0 |",
-        "| 1 | 1.2-1.6 | passive | 100.0 | 50.0 | 200.0 |",
+        "| 1 | 1.2-1.6 | default | 100.0 | 150.0 | 50.0 | 200.0 |",
+        "| 1 | 1.2-1.6 | passive | 100.0 | 150.0 | 50.0 | 200.0 |",
     ]
