@@ -55,21 +55,24 @@ def displayed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_DISPLAY_ENV", "VERBOSE")
 
 
-def test_engine_core_process_sleeps(tiny_llama, displayed, capfd) -> None:
+@pytest.mark.usefixtures("displayed")
+def test_engine_core_process_sleeps(tiny_llama, capfd) -> None:
     """The ``uni`` executor: the engine core's process runs the model."""
     loaded = _openmp_processes(tiny_llama, executor="uni")
     assert loaded == ["engine core"]
     assert spin_counts(capfd.readouterr().err) == ["0"]
 
 
-def test_mp_worker_sleeps(tiny_llama, displayed, capfd) -> None:
+@pytest.mark.usefixtures("displayed")
+def test_mp_worker_sleeps(tiny_llama, capfd) -> None:
     """The ``mp`` executor: the worker runs the model (the engine core loads no OpenMP)."""
     loaded = _openmp_processes(tiny_llama, executor="mp")
     assert [role.split()[0] for role in loaded] == ["worker"]
     assert spin_counts(capfd.readouterr().err) == ["0"]
 
 
-def test_users_spin_count_is_kept(tiny_llama, displayed, capfd, monkeypatch) -> None:
+@pytest.mark.usefixtures("displayed")
+def test_users_spin_count_is_kept(tiny_llama, capfd, monkeypatch) -> None:
     monkeypatch.setenv("GOMP_SPINCOUNT", "12345")
     for executor in ("uni", "mp"):
         assert len(_openmp_processes(tiny_llama, executor=executor)) == 1
