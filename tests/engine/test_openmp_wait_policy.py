@@ -65,18 +65,18 @@ def test_engine_core_process_sleeps(tiny_llama, capfd) -> None:
 
 @pytest.mark.usefixtures("displayed")
 def test_mp_worker_sleeps(tiny_llama, capfd) -> None:
-    """The ``mp`` executor: the worker runs the model (the engine core loads no OpenMP)."""
+    """The ``mp`` executor: the worker runs the model (and the engine core, if it loads
+    OpenMP at all, sleeps too)."""
     loaded = _openmp_processes(tiny_llama, executor="mp")
-    assert [role.split()[0] for role in loaded] == ["worker"]
-    assert spin_counts(capfd.readouterr().err) == ["0"]
+    assert any(role.startswith("worker") for role in loaded), loaded
+    assert spin_counts(capfd.readouterr().err) == ["0"] * len(loaded)
 
 
 @pytest.mark.usefixtures("displayed")
 def test_users_spin_count_is_kept(tiny_llama, capfd, monkeypatch) -> None:
     monkeypatch.setenv("GOMP_SPINCOUNT", "12345")
-    for executor in ("uni", "mp"):
-        assert len(_openmp_processes(tiny_llama, executor=executor)) == 1
-    assert spin_counts(capfd.readouterr().err) == ["12345", "12345"]
+    loaded = [p for ex in ("uni", "mp") for p in _openmp_processes(tiny_llama, executor=ex)]
+    assert spin_counts(capfd.readouterr().err) == ["12345"] * len(loaded)
 
 
 def test_users_wait_policy_is_kept() -> None:
