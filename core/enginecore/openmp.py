@@ -4,9 +4,8 @@ libgomp (torch's OpenMP runtime, which the CPU kernels share) lets a thread that
 its share of a parallel region spin before it sleeps (``GOMP_SPINCOUNT``, about 3 ms by
 default). On a machine with other work running, that spinning takes the core the
 working thread needs, and every barrier waits for a thread that was preempted: a
-prefill of many small parallel regions slows several-fold. Passive waiting costs a
-quiet machine nothing measurable (benchmarks/RESULTS.md, "The engine beside other
-work").
+prefill of many small parallel regions slows several-fold. On a quiet machine the two
+policies measured alike (benchmarks/RESULTS.md, "The engine beside other work").
 
 libgomp reads its environment once, when it loads, so the policy goes into the
 environment of the processes the engine starts (the engine core, the ``mp`` executor's
