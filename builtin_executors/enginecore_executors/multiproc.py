@@ -47,6 +47,7 @@ import zmq
 from enginecore.config import EngineConfig
 from enginecore.errors import EngineShutdownError, RankError
 from enginecore.interfaces import Executor, WorkerSpec
+from enginecore.openmp import child_env
 from enginecore.runtime_dirs import make_runtime_dir
 from enginecore_executors.rpc import (
     CALL_READY,
@@ -185,10 +186,12 @@ class MultiprocExecutor(CallGate, Executor):
             }
             # In a process group of its own: a terminal's Ctrl-C (sent to the foreground
             # group) would reach it even while the interpreter starts, before any handler;
-            # the engine stops it, and it exits on its own when the engine is gone.
+            # the engine stops it, and it exits on its own when the engine is gone. Its
+            # OpenMP threads sleep when idle (enginecore.openmp) unless the user chose.
             proc = subprocess.Popen(
                 [sys.executable, "-m", WORKER_MODULE],
                 stdin=subprocess.PIPE,
+                env=child_env(),
                 close_fds=True,
                 process_group=0,
             )

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from enginecore import startup_log
+from enginecore import openmp, startup_log
 from enginecore.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from enginecore.engine.components import Components, resolve_components
 from enginecore.engine.inputs_staged import InputsStaged
@@ -76,6 +76,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, plugin_host: PluginHost | None = None) -> None:
         started = time.monotonic()
+        # Before plugins or the executor load torch here (an engine in the caller's process).
+        openmp.apply_in_process()
         self.config = config
         self.plugins = plugin_host or make_plugin_manager(
             config.plugins.enabled, config.plugins.disabled

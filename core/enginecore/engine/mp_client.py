@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import queue
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from enginecore.engine.client import EngineCoreClient
 from enginecore.engine.core_proc import HANDSHAKE_FAILED, HANDSHAKE_READY
 from enginecore.engine.send_queue import SendQueue
 from enginecore.errors import EngineCoreError, EngineDeadError, RankError
+from enginecore.openmp import child_env
 from enginecore.protocol import (
     EngineCoreOutputs,
     EngineCoreReadyResponse,
@@ -114,8 +114,9 @@ class _EngineProcess:
         # In a process group of its own: a terminal's Ctrl-C goes to the frontend alone,
         # which stops the engine (an interpreter still starting would die of it with a
         # traceback). The engine exits on its own when the frontend is gone. A local
-        # data-parallel replica learns its index: its ranks take their own devices.
-        env = {**os.environ, **replica_env(config.parallel, engine_index)}
+        # data-parallel replica learns its index: its ranks take their own devices. Its
+        # OpenMP threads sleep when idle (enginecore.openmp) unless the user chose.
+        env = {**child_env(), **replica_env(config.parallel, engine_index)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE_ENTRY, input_address, output_address, str(engine_index)],
             stdin=subprocess.PIPE,

@@ -32,6 +32,7 @@ import msgspec
 from enginecore.config import EngineConfig
 from enginecore.engine.attached_engine import ATTACH_ENV
 from enginecore.errors import ConfigError
+from enginecore.openmp import child_env
 from enginecore.runtime_dirs import make_runtime_dir
 
 logger = logging.getLogger("enginecore.server")
@@ -115,7 +116,9 @@ def run_api_servers(config: EngineConfig) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine = _spawn(_ENGINE_ENTRY, [",".join(inputs), ",".join(outputs), "0"], payload)
+        engine = _spawn(
+            _ENGINE_ENTRY, [",".join(inputs), ",".join(outputs), "0"], payload, env=child_env()
+        )
         children.append(_Child("EngineCore_DP0", engine))
         fd = listener.fileno()
         for i in range(count):
