@@ -1,9 +1,10 @@
 """Write a Llama-shaped GGUF file of a real model's size with random weights, for load
 and decode benchmarks (speed does not depend on the weights' values).
 
-Every 2-D weight is written in ``--format`` as random blocks (``Q4_K_M``: llama.cpp's mix,
-V and the down projection in Q6_K, the rest in Q4_K) whose float16 scales are
-small finite numbers; norms are float32 ones; the tokenizer is the demo GGUF's (the
+Every 2-D weight is written in ``--format`` as random blocks (``Q4_K_M``: V and the down
+projection in Q6_K, the rest in Q4_K; ``Q5_K_M``: llama.cpp's mix, the tied head and V
+and the down projection of its "more bits" layers in Q6_K, the rest in Q5_K) whose
+float16 scales are small finite numbers; norms are float32 ones; the tokenizer is the demo GGUF's (the
 SmolLM2 tokenizer, shared by every SmolLM2 size). The default shape is SmolLM2-1.7B's
 (hidden 2048, 24 layers, 32 heads, MLP 8192, tied embedding: 1.0 GB at Q4_0).
 
@@ -45,6 +46,7 @@ def write(args: argparse.Namespace) -> pathlib.Path:
     import gguf
 
     from enginecore.checkpoints import find_demo_gguf
+    from enginecore.testing.quantizers import q5_k_m_type
 
     rng = np.random.default_rng(args.seed)
     head_dim = args.hidden // args.heads
@@ -74,6 +76,8 @@ def write(args: argparse.Namespace) -> pathlib.Path:
         fmt = args.format
         if fmt == "Q4_K_M":
             fmt = "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
+        elif fmt == "Q5_K_M":
+            fmt = q5_k_m_type(name, args.layers, tied=True)  # the head is the embedding
         qtype = gguf.GGMLQuantizationType[fmt]
         writer.add_tensor(name, random_blocks(rows, cols, fmt, rng), raw_dtype=qtype)
 
@@ -103,7 +107,9 @@ def write(args: argparse.Namespace) -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=pathlib.Path)
-    parser.add_argument("--format", choices=[*sorted(HALF_OFFSETS), "Q4_K_M"], default="Q4_0")
+    parser.add_argument(
+        "--format", choices=[*sorted(HALF_OFFSETS), "Q4_K_M", "Q5_K_M"], default="Q4_0"
+    )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--heads", type=int, default=32)

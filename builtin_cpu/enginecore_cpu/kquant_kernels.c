@@ -4,8 +4,9 @@
  * A row's values go by pairs of 32-value blocks, one record of bytes each: 32 bytes of
  * low 4 bits (byte j: value j of the first block in its low nibble, of the second in its
  * high one), then each block's high bits as 32-bit words, bit i for value i (Q5_K one
- * word a block, the 5th bit; Q6_K two, the 5th and the 6th; an AVX2 build's Q6_K instead
- * two bits a value in 16 bytes, quant_simd.h's Q6K_PACKED). The scales are the file's,
+ * word a block, the 5th bit; Q6_K two, the 5th and the 6th; an AVX2 build's instead
+ * packed as the file's qh packs them: Q5_K's a bit a value in 8 bytes, Q6_K's two bits a
+ * value in 16, quant_simd.h's Q5K_PACKED and Q6K_PACKED). The scales are the file's,
  * per super-block of 256 values: Q5_K float16 d and dmin and twelve bytes of 6-bit
  * scales and mins (quant_simd.h), a scale d sc and an offset -(dmin mn) per 32 values
  * (value = q d sc - dmin mn); Q6_K sixteen signed 8-bit scales and float16 d, a scale
@@ -174,29 +175,11 @@ static void row_terms(int64_t K, const int8_t *xq, const float *xd, float *xd16,
 #define ECK_GEMV256 1
 /* One activation row on AVX2 (the batch-1 decode step): as ``gemv512`` a block a register.
  * The values stay unsigned (Q6_K 0-63, its -32 d sc a value one offset a row from the
- * activations' run sums), so no sign is moved onto the activations; Q6_K's 5th and 6th
- * bits are unpacked from the record's 16 bytes of them (quant_simd.h's Q6K_PACKED), Q5_K's
- * 5th bits spread from its plane word by a shuffle; each run's scale times its activation
- * scale is formed once a weight row, eight at a time. Two accumulators over alternate blocks keep the
- * FMA latency off the loop's path. */
-
-/* ``plane`` (the bytes selected by ``spread`` of one broadcast) as ``value`` in each byte
- * whose bit is set. */
-static inline __m256i plane_bits(__m256i words, __m256i spread, char value) {
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i bits = _mm256_and_si256(_mm256_shuffle_epi8(words, spread), select);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(value));
-}
-
-/* Block j (0, 1) of the Q5_K pair ``pair`` (its low 4 bits ``low``) with its 5th bits. */
-static inline __attribute__((always_inline)) __m256i q5_block(const uint8_t *pair, int j,
-                                                              __m256i low) {
-    /* byte i of the word for value i */
-    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                             0x0101010101010101LL, 0);
-    const __m256i word = _mm256_set1_epi32((int)load_word(pair + 2 * HALF + j * 4));
-    return _mm256_or_si256(low, plane_bits(word, spread, 16));
-}
+ * activations' run sums), so no sign is moved onto the activations; the high bits are
+ * unpacked from the record's packed bytes of them (quant_simd.h's Q5K_PACKED and
+ * Q6K_PACKED); each run's scale times its activation scale is formed once a weight row,
+ * eight at a time. Two accumulators over alternate blocks keep the FMA latency off the
+ * loop's path. */
 
 /* Values ``w`` times ``x``, scaled by ``scale`` (a float per lane) into ``acc``. */
 static inline __attribute__((always_inline)) __m256 block256(__m256i w, __m256i x, __m256 scale,
@@ -221,7 +204,6 @@ static inline __attribute__((always_inline)) void gemv256(
     float xd16[planes == 2 ? 2 * nb : 1], xoff16[planes == 2 ? 2 * nb : 1];
     if (planes == 2) row_terms(K, xq, xd, xd16, xoff16);
     const float *xrun = planes == 2 ? xd16 : xd; /* each run's activation scale */
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     /* Q6_K: lanes 0-3 take the block's first run, 4-7 its second */
     const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
 #pragma omp parallel for schedule(static)
@@ -235,7 +217,6 @@ static inline __attribute__((always_inline)) void gemv256(
         for (int64_t p = 0; p < pairs; p++) {
             const uint8_t *pair = wrow + p * rec;
             _mm_prefetch((const char *)pair + PREFETCH_BYTES, _MM_HINT_T0); /* quant_simd.h */
-            const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + 2 * p * QK));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (2 * p + 1) * QK));
             __m256 s0, s1;
@@ -248,12 +229,10 @@ static inline __attribute__((always_inline)) void gemv256(
                 s1 = _mm256_broadcast_ss(sx + 2 * p + 1);
             }
             __m256i w0, w1;
-            if (planes == 2) {
+            if (planes == 2)
                 q6_pair_values(pair, &w0, &w1);
-            } else {
-                w0 = q5_block(pair, 0, _mm256_and_si256(v, low4));
-                w1 = q5_block(pair, 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-            }
+            else
+                q5_pair_values(pair, &w0, &w1);
             acc0 = block256(w0, x0, s0, acc0);
             acc1 = block256(w1, x1, s1, acc1);
         }
@@ -292,6 +271,11 @@ static inline __attribute__((always_inline)) void tile(
                 q6_pair_values(pair, &w0, &w1);
                 w0 = _mm256_sub_epi8(w0, _mm256_set1_epi8(32));
                 w1 = _mm256_sub_epi8(w1, _mm256_set1_epi8(32));
+            } else
+#endif
+#if defined(Q5K_PACKED)
+            if (planes == 1) {
+                q5_pair_values(pair, &w0, &w1);
             } else
 #endif
             {
@@ -571,6 +555,17 @@ void eck_gemm_k(int64_t M, int64_t N, int64_t K, int64_t bits, const uint8_t *wq
         gemm(1, M, N, K, wq, wh, xq, xd, xs, out, ldo);
 }
 
+#if defined(Q5K_PACKED)
+/* The 5th bit plane (bit i for value i) of block ``j`` (0, 1) of a Q5_K pair record whose
+ * high bits are ``packed`` (its last 8 bytes, quant_simd.h's Q5K_PACKED). */
+static inline uint32_t q5_packed_plane(const uint8_t *packed, int j) {
+    uint32_t h4 = 0;
+    for (int i = 0; i < QK; i++)
+        h4 |= (uint32_t)((packed[i % 8] >> ((j ? 0 : 4) + i / 8)) & 1) << i;
+    return h4;
+}
+#endif
+
 #if defined(Q6K_PACKED)
 /* The 5th and 6th bit planes (bit i for value i) of block ``j`` (0, 1) of a pair record
  * whose high bits are ``packed`` (its last 16 bytes, quant_simd.h's Q6K_PACKED). */
@@ -602,6 +597,9 @@ void eck_dequantize_k(int64_t N, int64_t K, int64_t bits, const uint8_t *wq,
             uint32_t h4 = load_word(high), h5 = planes == 2 ? load_word(high + 4) : 0;
 #if defined(Q6K_PACKED)
             if (planes == 2) q6_packed_planes(pair + 2 * HALF, j, &h4, &h5);
+#endif
+#if defined(Q5K_PACKED)
+            if (planes == 1) h4 = q5_packed_plane(pair + 2 * HALF, j);
 #endif
             float *o = out + n * K + b * QK;
             /* value_at's arithmetic, in loops the compiler vectorizes */
@@ -680,8 +678,21 @@ static inline void repack_super(int bits, const uint8_t *blk, uint8_t *qs, uint8
         } else {
             uint8_t *rec = qs + j * record_bytes(1);
             memcpy(rec, c, 32); /* the file's chunk is the pair's low-bit bytes already */
+#if defined(Q5K_PACKED)
+            /* qh's bit 2j of byte l holds the first block's value l, bit 2j + 1 the
+             * second's (quant_simd.h's order: byte b, values b, 8 + b, 16 + b, 24 + b) */
+            for (int b = 0; b < 8; b++) {
+                int packed = 0;
+                for (int q = 0; q < 4; q++) {
+                    const int bits2 = qh[8 * q + b] >> (2 * j);
+                    packed |= (bits2 & 1) << (4 + q) | ((bits2 >> 1) & 1) << q;
+                }
+                rec[32 + b] = (uint8_t)packed;
+            }
+#else
             store_word(rec + 32, bit_plane(qh, 2 * j));
             store_word(rec + 36, bit_plane(qh, 2 * j + 1));
+#endif
         }
     }
 }
@@ -702,6 +713,16 @@ void eck_repack_k(int64_t bits, int64_t N, int64_t K, const uint8_t *src, int64_
         for (int64_t s = 0; s < supers; s++)
             repack_super((int)bits, src + (order ? order[n] : n) * src_stride + s * in_bytes,
                          qs + (n * supers + s) * out_bytes, sc + (n * supers + s) * sc_bytes);
+}
+
+/* 1 where this build keeps Q5_K's 5th bits eight values a byte (kquant_blocks.PACKED), 0
+ * where as bit planes: the layout eck_repack_k writes and the products read. */
+int64_t eck_q5_packed(void) {
+#if defined(Q5K_PACKED)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 where this build keeps Q6_K's high bits two a value (kquant_blocks.PACKED), 0 where

@@ -28,9 +28,10 @@ _SIGNATURES = {
     "eck_dequantize_k": [_I64, _I64, _I64, _P, _P, _P],
     "eck_repack_k": [_I64, _I64, _I64, _P, _I64, _P, _P, _P],
     "eck_repack_blocks": [_I64, _I64, _I64, _P, _I64, _P, _P, _P, _P],
+    "eck_q5_packed": [],
     "eck_q6_packed": [],
 }
-_RETURNS = {"eck_repack_blocks": c_int64, "eck_q6_packed": c_int64}
+_RETURNS = {"eck_repack_blocks": c_int64, "eck_q5_packed": c_int64, "eck_q6_packed": c_int64}
 # eck_repack_blocks' names of the 32-value formats
 _BLOCK_KINDS = {"Q8_0": 8, "Q4_0": 40, "Q4_1": 41}
 
@@ -42,16 +43,18 @@ class KQuantKernels:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
         self.path = path
-        # the layout of Q6_K's high bits this build reads and writes (quant_simd.h)
-        self.q6_high = kquant_blocks.PACKED if self.lib.eck_q6_packed() else kquant_blocks.PLANES
+        # the layouts of Q5_K's and Q6_K's high bits this build reads and writes
+        # (quant_simd.h)
+        self.q5_high = _layout(self.lib.eck_q5_packed())
+        self.q6_high = _layout(self.lib.eck_q6_packed())
 
     def high(self, fmt: str) -> str:
         """The layout of a ``fmt`` weight's high bits that these kernels take."""
-        return self.q6_high if fmt == "Q6_K" else kquant_blocks.PLANES
+        return {"Q5_K": self.q5_high, "Q6_K": self.q6_high}.get(fmt, kquant_blocks.PLANES)
 
     def from_gguf(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWeight:
         """``kquant_blocks.from_gguf`` in the layout these kernels take (in torch)."""
-        return kquant_blocks.from_gguf(data, fmt, shape, self.q6_high)
+        return kquant_blocks.from_gguf(data, fmt, shape, self.high(fmt))
 
     def _check(self, weight: KQuantWeight) -> None:
         if weight.high != self.high(weight.fmt):
@@ -89,9 +92,9 @@ class KQuantKernels:
         """GGUF's K-quant ``tensors`` (one format and width, row ranges in order) as one
         :class:`KQuantWeight` of all their rows (written into ``into`` where given: an
         entry of the prepared-weight cache): the bytes of ``kquant_blocks.from_gguf`` of
-        their concatenation (Q6_K's high bits in this build's layout), written once, on
-        every thread, straight from the file's blocks (no copy of a piece, and none to
-        join them)."""
+        their concatenation (Q5_K's and Q6_K's high bits in this build's layout), written
+        once, on every thread, straight from the file's blocks (no copy of a piece, and
+        none to join them)."""
         fmt, k = tensors[0].format, tensors[0].shape[1]
         if any(t.format != fmt or t.shape[1] != k for t in tensors):
             raise ValueError("the pieces of one K-quant weight share its format and width")
@@ -159,12 +162,22 @@ def _address(order: torch.Tensor | None) -> int | None:
     return None if order is None else order.data_ptr()
 
 
+def _layout(packed: int) -> str:
+    return kquant_blocks.PACKED if packed else kquant_blocks.PLANES
+
+
+def q5_high() -> str:
+    """The layout of Q5_K's 5th bits this CPU's build takes, known without building it:
+    eight values a byte on x86-64-v3 (AVX2 without AVX-512's byte masks), bit planes on
+    every other level (quant_simd.h's Q5K_PACKED)."""
+    return _layout(cpu_kernels.instruction_set() == "x86-64-v3")
+
+
 def q6_high() -> str:
     """The layout of Q6_K's high bits this CPU's build takes, known without building it:
     two bits a value on x86-64-v3 (AVX2 without AVX-512's byte masks), bit planes on
     every other level (quant_simd.h's Q6K_PACKED)."""
-    packed = cpu_kernels.instruction_set() == "x86-64-v3"
-    return kquant_blocks.PACKED if packed else kquant_blocks.PLANES
+    return _layout(cpu_kernels.instruction_set() == "x86-64-v3")
 
 
 def build(only_path: bool = False) -> Path:

@@ -105,9 +105,9 @@ class PreparedWeights:
         # moved or copied in under the same name, size and modification time (`cp -p`,
         # `rsync -a`, a tar) has another of either, and is never served this one's entry.
         file = (path, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
-        # the layout of Q6_K's high bits: a cache written by one build is never read by
-        # a build that reads the other
-        high = f"Q6_K high bits: {kquant_kernels.q6_high()}"
+        # the layouts of Q5_K's and Q6_K's high bits: a cache written by one build is
+        # never read by a build that reads another
+        high = f"Q5_K high bits: {kquant_kernels.q5_high()}, Q6_K: {kquant_kernels.q6_high()}"
         for item in (*map(str, file), cpu, high):
             key.update(item.encode() + b"\0")
         key.update(_layout_signature())

@@ -151,10 +151,13 @@ static inline void bytes32(const uint8_t *q, uint8_t *vals, int64_t c) {
 
 /* Column c's 32 values of block j (0, 1) of a Q5_K / Q6_K pair record (kquant_kernels.c). */
 static inline void kquant_values(const uint8_t *pair, int j, int planes, uint8_t *vals, int64_t c) {
-#if defined(Q6K_PACKED)
-    if (planes == 2) { /* the high bits two a value (quant_simd.h) */
+#if defined(Q6K_PACKED) && defined(Q5K_PACKED)
+    { /* the high bits packed (quant_simd.h) */
         __m256i first, second;
-        q6_pair_values(pair, &first, &second);
+        if (planes == 2)
+            q6_pair_values(pair, &first, &second);
+        else
+            q5_pair_values(pair, &first, &second);
         const __m256i w = j ? second : first;
         _mm_storeu_si128((__m128i *)(vals + c * 16), _mm256_castsi256_si128(w));
         _mm_storeu_si128((__m128i *)(vals + (PW + c) * 16), _mm256_extracti128_si256(w, 1));

@@ -67,13 +67,32 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 #endif
 
-/* Q6_K's high bits in a pair record (kquant_kernels.c): an AVX2 build without AVX-512's
- * byte masks keeps them two bits a value (kquant_blocks.PACKED), which it unpacks with a
- * shift and an and per 32 values; the bit planes (a word a plane, bit i for value i)
- * would take a shuffle, an and, a compare and an and per plane and block. Every other
- * build reads the planes. */
+/* Q5_K's and Q6_K's high bits in a pair record (kquant_kernels.c): an AVX2 build without
+ * AVX-512's byte masks keeps them packed (kquant_blocks.PACKED: Q5_K eight values a byte,
+ * Q6_K four), which it unpacks with a shift and an and per 32 values; the bit planes (a
+ * word a plane, bit i for value i) would take a shuffle, an and, a compare and an and per
+ * plane and block. Every other build reads the planes. */
 #if !(defined(__AVX512BW__) && defined(__AVX512VL__))
+#define Q5K_PACKED 1
 #define Q6K_PACKED 1
+
+/* The two blocks of Q5_K pair record ``pair`` (values 0-31): byte b of its last 8 holds
+ * the 5th bits of the first block's values b, 8 + b, 16 + b, 24 + b in bits 4-7 and of
+ * the second block's in bits 0-3. One 64-bit shift of the 8 bytes broadcast, by q for
+ * values 8q.., puts each value's bit of the first block in bit 4 of its byte and of the
+ * second in bit 0. */
+static inline __attribute__((always_inline)) void q5_pair_values(const uint8_t *pair,
+                                                                  __m256i *first,
+                                                                  __m256i *second) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)pair);
+    const __m256i high =
+        _mm256_srlv_epi64(_mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(pair + 32))),
+                          _mm256_setr_epi64x(0, 1, 2, 3));
+    *first = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(high, fifth));
+    *second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                              _mm256_and_si256(_mm256_slli_epi16(high, 4), fifth));
+}
 
 /* The two blocks of Q6_K pair record ``pair`` (unsigned values 0-63, not centred): byte
  * t of its last 16 holds the high bits of the second block's values t (bits 0-1) and

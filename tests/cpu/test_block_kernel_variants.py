@@ -67,10 +67,14 @@ def _p(tensor: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(tensor.data_ptr())
 
 
-def _q6_high(lib: ctypes.CDLL) -> str:
-    """The layout of Q6_K's high bits a ``kquant_kernels`` build reads."""
-    lib.eck_q6_packed.restype = ctypes.c_int64
-    return kquant_blocks.PACKED if lib.eck_q6_packed() else kquant_blocks.PLANES
+def _high(lib: ctypes.CDLL, fmt: str) -> str:
+    """The layout of a ``fmt`` weight's high bits a ``kquant_kernels`` build reads (Q4_K
+    has none: planes)."""
+    if fmt == "Q4_K":
+        return kquant_blocks.PLANES
+    packed = getattr(lib, f"eck_q{fmt[1]}_packed")
+    packed.restype = ctypes.c_int64
+    return kquant_blocks.PACKED if packed() else kquant_blocks.PLANES
 
 
 # Each format with the shapes its rows can have: 1184 (an odd count of 32-value blocks)
@@ -93,7 +97,7 @@ def test_k_quant_product_matches_gguf_dequantization(builds, build, fmt, shape, 
     w = torch.randn(n, k)
     if fmt.endswith("_K"):
         raw = quantize_k(w, fmt)
-        high = _q6_high(builds[f"{build}/kquant_kernels"])  # Q6_K's, in the build's layout
+        high = _high(builds[f"{build}/kquant_kernels"], fmt)  # in the build's layout
         part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k), high)
     else:
         raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])
@@ -323,25 +327,33 @@ def test_the_avx2_build_takes_avx_vnni(builds, monkeypatch, source):
     assert "vpdpbusd" in _instructions(builds[f"x86-64-v3 with AVX-VNNI/{source}"]._name)
 
 
-def test_the_avx2_build_reads_q6_k_high_bits_two_a_value(builds):
-    """The x86-64-v3 builds (AVX2, no AVX-512 byte masks or GFNI) keep Q6_K's high bits two
-    a value, as the file's ``qh`` packs them; every other build the bit planes; the engine
-    knows its build's layout without building it."""
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K"])
+def test_the_avx2_build_reads_high_bits_packed(builds, fmt):
+    """The x86-64-v3 builds (AVX2, no AVX-512 byte masks or GFNI) keep Q5_K's 5th bits eight
+    values a byte and Q6_K's high bits two a value, as the file's ``qh`` packs them; every
+    other build the bit planes; the engine knows its build's layout without building it."""
     for name, level in _BUILDS:
         packed = (level or cpu_kernels.instruction_set()).startswith("x86-64-v3")
         want = kquant_blocks.PACKED if packed else kquant_blocks.PLANES
-        assert _q6_high(builds[f"{name}/kquant_kernels"]) == want, name
-    assert kquant_kernels.q6_high() == _q6_high(builds["host/kquant_kernels"])
-    assert kquant_kernels.load().q6_high == kquant_kernels.q6_high()
+        assert _high(builds[f"{name}/kquant_kernels"], fmt) == want, name
+    known = {"Q5_K": kquant_kernels.q5_high, "Q6_K": kquant_kernels.q6_high}[fmt]()
+    assert known == _high(builds["host/kquant_kernels"], fmt)
+    assert kquant_kernels.load().high(fmt) == known
 
 
-def _q6_k_inputs(n: int, k: int, rows: int) -> tuple[torch.Tensor, ...]:
-    """A Q6_K file's rows [n, bytes] and quantized activations (bytes, block scales,
+# Bytes of a super-block, and where its float16 scales lie
+_SUPER_BYTES = {"Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _k_inputs(fmt: str, n: int, k: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """A ``fmt`` file's rows [n, bytes] and quantized activations (bytes, block scales,
     their scaled sums) of fixed values: numpy's PCG64 stream of a fixed seed."""
     rng = np.random.default_rng(45)
-    blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 2e-2, size=n * k // 256).astype(np.float16)
-    blocks[:, 208:210] = scales.view(np.uint8).reshape(-1, 2)
+    size, halves = _SUPER_BYTES[fmt]
+    blocks = rng.integers(0, 256, size=(n * k // 256, size), dtype=np.uint8)
+    for at in halves:
+        scales = rng.uniform(1e-3, 2e-2, size=n * k // 256).astype(np.float16)
+        blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     xq = rng.integers(-127, 128, size=(rows, k), dtype=np.int8)
     xd = rng.uniform(1e-3, 1.0, size=(rows, k // 32)).astype(np.float32)
     xs = (xd * xq.reshape(rows, -1, 32).sum(-1, dtype=np.int32)).astype(np.float32)
@@ -349,32 +361,48 @@ def _q6_k_inputs(n: int, k: int, rows: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in tensors)
 
 
-# sha256 of the float32 outputs of the AVX2 build's Q6_K products (one activation row, then
-# three) on ``_q6_k_inputs(40, 2304, 3)``, as the kernels gave them on the bit-plane layout
-_AVX2_Q6_K_BITS = {
-    1: "9462f8aae7f3984dc075aaa5e85704f835d6e62840bbc4f476e0a47628dbb814",
-    3: "054dac27524bf23d3c47fc5ccd1feb69d383105210b3eee63fdcdcf7efe89ea1",
+# sha256 of the float32 outputs of the AVX2 build's products (one activation row, then
+# three) on ``_k_inputs(fmt, 40, 2304, 3)``, and of Q5_K's de-quantized weight, as the
+# kernels gave them on the bit-plane layout
+_AVX2_Q5_K_WEIGHT = "18e36071c796ff5696597b534584b3829afaa80eef066c3aef878e8843bc108d"
+_AVX2_BITS = {
+    "Q5_K": {
+        1: "5b7beb603ebf96ca099c08d58b6c4b2408fdaae8873359467f1724af821397ca",
+        3: "4c2a6d20f7d2bd17e2c89f3d9b326856532093bc6f224637ec42db1a70a35699",
+    },
+    "Q6_K": {
+        1: "9462f8aae7f3984dc075aaa5e85704f835d6e62840bbc4f476e0a47628dbb814",
+        3: "054dac27524bf23d3c47fc5ccd1feb69d383105210b3eee63fdcdcf7efe89ea1",
+    },
 }
 
 
 @pytest.mark.skipif(not _X86, reason="the AVX2 build is x86's")
+@pytest.mark.parametrize("fmt", list(_AVX2_BITS))
 @pytest.mark.parametrize("build", [n for n, lv in _BUILDS if (lv or "").startswith("x86-64-v3")])
-def test_the_avx2_q6_k_products_keep_their_bits(builds, build):
-    """The AVX2 build's Q6_K products, one-row and many-row, give the bits they gave
-    before its high bits were packed two a value: the file's blocks through the build's
-    own repacking, then its product."""
+def test_the_avx2_k_quant_products_keep_their_bits(builds, build, fmt):
+    """The AVX2 build's Q5_K and Q6_K products, one-row and many-row, and Q5_K's
+    de-quantization give the bits they gave before their high bits were packed: the
+    file's blocks through the build's own repacking, then its kernels."""
     n, k = 40, 2304
     lib = builds[f"{build}/kquant_kernels"]
-    raw, xq, xd, xs = _q6_k_inputs(n, k, 3)
-    part = kquant_blocks.empty_weight("Q6_K", (n, k), high=_q6_high(lib))
+    raw, xq, xd, xs = _k_inputs(fmt, n, k, 3)
+    part = kquant_blocks.empty_weight(fmt, (n, k), high=_high(lib, fmt))
     i64 = ctypes.c_int64
     lib.eck_repack_k(
-        i64(6), i64(n), i64(k), _p(raw), i64(raw.stride(0)), None, _p(part.qs), _p(part.scales)
-    )
-    for rows, digest in _AVX2_Q6_K_BITS.items():
+        i64(part.bits), i64(n), i64(k), _p(raw), i64(raw.stride(0)), None, _p(part.qs),
+        _p(part.scales),
+    )  # fmt: skip
+    for rows, digest in _AVX2_BITS[fmt].items():
         out = torch.empty(rows, n)
         lib.eck_gemm_k(
-            i64(rows), i64(n), i64(k), i64(6), _p(part.qs), _p(part.scales), _p(xq[:rows]),
-            _p(xd[:rows]), _p(xs[:rows]), _p(out), i64(n),
+            i64(rows), i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.scales),
+            _p(xq[:rows]), _p(xd[:rows]), _p(xs[:rows]), _p(out), i64(n),
         )  # fmt: skip
         assert hashlib.sha256(out.numpy().tobytes()).hexdigest() == digest, rows
+    if fmt == "Q5_K":
+        weight = torch.empty(n, k)
+        lib.eck_dequantize_k(
+            i64(n), i64(k), i64(part.bits), _p(part.qs), _p(part.scales), _p(weight)
+        )
+        assert hashlib.sha256(weight.numpy().tobytes()).hexdigest() == _AVX2_Q5_K_WEIGHT

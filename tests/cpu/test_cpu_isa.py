@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,12 +125,12 @@ with LLM(sys.argv[1], multiprocessing=False) as llm:
     tokens = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     steps = llm.collective_rpc(
         lambda w: getattr(w.model_runner.fused_decode, "steps", None))[0]
-    q6_high = kquant_kernels.load().q6_high
+    high = {fmt: kquant_kernels.load().high(fmt) for fmt in ("Q5_K", "Q6_K")}
 maps = open("/proc/self/maps").read().split()
 libraries = sorted({p for p in maps if "/enginecore_" in p and p.endswith(".so")})
 print(json.dumps({"tokens": list(tokens), "prompt": prompt, "libraries": libraries,
                   "torch": torch.backends.cpu.get_cpu_capability(), "steps": steps,
-                  "q6_high": q6_high}))
+                  "high": high}))
 """
 
 
@@ -138,10 +139,23 @@ def _q4_k_m(name: str) -> str:
     return "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
 
 
-FILES = {
-    "Q4_0": lambda name: "Q4_0",
-    "Q8_0": lambda name: "Q8_0",
-    "Q4_K_M": _q4_k_m,
+def _q5_k_m(checkpoint: Path) -> Callable[[str], str]:
+    """llama.cpp's Q5_K_M mix for ``checkpoint``'s layers (its head tied or not)."""
+    from safetensors import safe_open
+
+    from enginecore.testing.quantizers import q5_k_m_type
+
+    layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        tied = "lm_head.weight" not in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
+    return lambda name: q5_k_m_type(name, layers, tied)
+
+
+FILES: dict[str, Callable[[Path], Callable[[str], str]]] = {
+    "Q4_0": lambda checkpoint: lambda name: "Q4_0",
+    "Q8_0": lambda checkpoint: lambda name: "Q8_0",
+    "Q4_K_M": lambda checkpoint: _q4_k_m,
+    "Q5_K_M": _q5_k_m,
 }
 
 
@@ -155,13 +169,14 @@ def test_the_avx2_build_decodes_as_transformers(tiny_llama, tmp_path, fmt):
     kept to AVX2: every enginecore library the process maps is the x86-64-v3 build (no
     AVX-512 instruction in it), the step runs fused, and the greedy tokens are what
     transformers' argmax is on the file, fed those tokens, up to the first step whose top
-    two logits are within the activations' 8-bit rounding. Q4_K_M's Q6_K rows (V and the
-    down projection) are read with their high bits two a value, the AVX2 build's layout."""
+    two logits are within the activations' 8-bit rounding. Q4_K_M's and Q5_K_M's Q6_K rows
+    and Q5_K_M's Q5_K rows are read with their high bits packed, the AVX2 build's layout."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.gguf_writer import write_gguf
 
-    path = write_gguf(tiny_llama, tmp_path / f"{fmt}.gguf", types=FILES[fmt])
+    types = FILES[fmt](tiny_llama)
+    path = write_gguf(tiny_llama, tmp_path / f"{fmt}.gguf", types=types)
     env = {**os.environ, ISA: "x86-64-v3", **TORCH_AVX2}
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True
@@ -171,10 +186,10 @@ def test_the_avx2_build_decodes_as_transformers(tiny_llama, tmp_path, fmt):
     assert run["torch"] == "AVX2"
     names = [Path(p).name for p in run["libraries"]]
     kinds = ["cpu_kernels", "decode_step", "quant_kernels"]
-    kinds += ["kquant_kernels"] if fmt == "Q4_K_M" else []
+    kinds += ["kquant_kernels"] if fmt.endswith("_K_M") else []
     for kind in kinds:
         assert any(n.startswith(f"enginecore_{kind}_x86-64-v3_") for n in names), names
-    assert run["q6_high"] == "packed"
+    assert run["high"] == {"Q5_K": "packed", "Q6_K": "packed"}
     assert all("_x86-64-v3_" in n for n in names), names
     assert all(_wide_registers(Path(p)) == 0 for p in run["libraries"])
     assert run["steps"] and run["steps"] >= 8, run["steps"]
@@ -219,16 +234,33 @@ def test_a_chosen_level_keeps_its_own_prepared_weights_and_probe_verdicts(monkey
 
 
 @needs_v4
-def test_a_chosen_level_keeps_q6_k_high_bits_in_its_own_layout_and_cache(monkeypatch, tmp_path):
-    """Under ``ENGINECORE_CPU_ISA=x86-64-v3`` the engine reads Q6_K's high bits two a value
-    (the AVX2 build's layout), on this CPU's own level as bit planes; the prepared-weight
-    cache keys the layout, so one CPU's entries written in one are never read in the other."""
+def test_a_chosen_level_keeps_k_quant_high_bits_in_its_own_layout_and_cache(monkeypatch, tmp_path):
+    """Under ``ENGINECORE_CPU_ISA=x86-64-v3`` the engine reads Q5_K's and Q6_K's high bits
+    packed (the AVX2 build's layout), on this CPU's own level as bit planes; the
+    prepared-weight cache keys the layouts, so one CPU's entries written in one are never
+    read in the other."""
     from enginecore_cpu import prepared_weights
 
     path = tmp_path / "file.gguf"
     path.write_bytes(b"GGUF")
-    own = kquant_kernels.q6_high()
+    own = kquant_kernels.q5_high(), kquant_kernels.q6_high()
     directory = prepared_weights.PreparedWeights(path, cpu="a CPU").directory
     monkeypatch.setenv(ISA, "x86-64-v3")
-    assert (own, kquant_kernels.q6_high()) == ("planes", "packed")
+    assert own == ("planes", "planes")
+    assert (kquant_kernels.q5_high(), kquant_kernels.q6_high()) == ("packed", "packed")
+    assert prepared_weights.PreparedWeights(path, cpu="a CPU").directory != directory
+
+
+def test_the_cache_keys_q5_k_high_bits_apart_from_q6_k(monkeypatch, tmp_path):
+    """A build whose Q5_K layout alone differs (Q6_K's the same) finds another
+    prepared-weight directory: an entry with Q5_K in one layout is never served to
+    kernels that read the other."""
+    from enginecore_cpu import prepared_weights
+
+    path = tmp_path / "file.gguf"
+    path.write_bytes(b"GGUF")
+    monkeypatch.setattr(kquant_kernels, "q5_high", lambda: "planes")
+    monkeypatch.setattr(kquant_kernels, "q6_high", lambda: "packed")
+    directory = prepared_weights.PreparedWeights(path, cpu="a CPU").directory
+    monkeypatch.setattr(kquant_kernels, "q5_high", lambda: "packed")
     assert prepared_weights.PreparedWeights(path, cpu="a CPU").directory != directory

@@ -61,10 +61,13 @@ def test_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape)
     rows, cols = shape
     wide = random_rows(fmt, 2 * rows, cols, seed=rows * cols)
     data = wide[::2]  # rows further apart than their bytes, as a view of a file can be
-    builds[level].eck_q6_packed.restype = ctypes.c_int64
-    # Q6_K's high bits as the build keeps them: two a value on AVX2, else bit planes
-    high = kquant_blocks.PACKED if builds[level].eck_q6_packed() else kquant_blocks.PLANES
-    if level != "host":
+    # Q5_K's and Q6_K's high bits as the build keeps them: packed on AVX2, else bit planes
+    high = kquant_blocks.PLANES
+    if fmt != "Q4_K":
+        packed = getattr(builds[level], f"eck_q{fmt[1]}_packed")
+        packed.restype = ctypes.c_int64
+        high = kquant_blocks.PACKED if packed() else kquant_blocks.PLANES
+    if level != "host" and fmt != "Q4_K":
         assert (high == kquant_blocks.PACKED) == (level == "x86-64-v3")
     want = kquant_blocks.from_gguf(data.contiguous(), fmt, shape, high)
     got = kquant_blocks.empty_weight(fmt, shape, high=high)
@@ -82,6 +85,29 @@ def test_repack_gives_from_ggufs_bytes_in_every_build(builds, level, fmt, shape)
         fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
         fn(rows, cols, got.bits, got.qs.data_ptr(), got.scales.data_ptr(), out.data_ptr())
         assert np.array_equal(values.view(np.uint32), out.numpy().view(np.uint32))
+
+
+def test_q5_k_packed_keeps_the_fifth_bits_eight_values_a_byte():
+    """Q5_K's packed layout: a pair record's last 8 bytes, byte b holding the 5th bits of
+    the first block's values b, 8 + b, 16 + b, 24 + b in bits 4-7 and of the second
+    block's in bits 0-3; the values, and so gguf's floats, are the file's."""
+    rows, cols = 3, 512
+    data = random_rows("Q5_K", rows, cols, seed=5)
+    weight = kquant_blocks.from_gguf(data, "Q5_K", (rows, cols), kquant_blocks.PACKED)
+    assert weight.high == kquant_blocks.PACKED
+    planes = kquant_blocks.from_gguf(data, "Q5_K", (rows, cols))
+    assert torch.equal(kquant_blocks.values(weight), kquant_blocks.values(planes))
+    fifth = (kquant_blocks.values(planes).reshape(rows, -1, 2, 4, 8) >> 4) & 1
+    records = weight.qs.reshape(rows, -1, 40).to(torch.int64)
+    for b in range(8):
+        for q in range(4):
+            byte = records[..., 32 + b]
+            assert torch.equal((byte >> (4 + q)) & 1, fifth[..., 0, q, b])
+            assert torch.equal((byte >> q) & 1, fifth[..., 1, q, b])
+    assert torch.equal(records[..., :32], planes.qs.reshape(rows, -1, 40)[..., :32].long())
+    reference = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType.Q5_K)
+    values = kquant_blocks.dequantize(weight).numpy()
+    assert np.array_equal(reference.reshape(values.shape).view(np.uint32), values.view(np.uint32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -72,18 +72,19 @@ def builds(tmp_path_factory) -> dict[str, ctypes.CDLL]:
 
 
 def _high(build: str) -> str:
-    """The layout of Q6_K's high bits ``build`` reads: two a value on x86-64-v3."""
+    """The layout of Q5_K's and Q6_K's high bits ``build`` reads: packed on x86-64-v3."""
     level = next(lv for name, lv, _ in _BUILDS if name == build) or cpu_kernels.instruction_set()
     return kquant_blocks.PACKED if level == "x86-64-v3" else kquant_blocks.PLANES
 
 
 def _weight(fmt: str, n: int, k: int, high: str) -> tuple[Any, Any, np.ndarray]:
-    """Random weights in ``fmt`` as a build keeps them (Q6_K's high bits in ``high``) and
-    as the engine's one-row kernels do, and gguf's de-quantization."""
+    """Random weights in ``fmt`` as a build keeps them (Q5_K's and Q6_K's high bits in
+    ``high``) and as the engine's one-row kernels do, and gguf's de-quantization."""
     w = torch.randn(n, k)
     if fmt.endswith("_K"):
         raw = quantize_k(w, fmt)
         part: Any = kquant_blocks.from_gguf(torch.from_numpy(raw), fmt, (n, k), high)
+        assert part.high == (kquant_blocks.PLANES if fmt == "Q4_K" else high)
         engines: Any = kquant_kernels.load().from_gguf(torch.from_numpy(raw), fmt, (n, k))
     else:
         raw = gguf_quants.quantize(w.numpy(), GGMLQuantizationType[fmt])

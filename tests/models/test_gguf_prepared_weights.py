@@ -79,10 +79,11 @@ def test_prepared_weights_come_back_bit_for_bit_keyed_by_file_and_cpu(tmp_path, 
     model.write_bytes(b"GGUF" + bytes(60))
     layer = [(0, unpacked(random_tensor("Q4_0"))), (64, unpacked(random_tensor("Q6_K", 32)))]
     layer += [(96, unpacked(random_tensor("Q8_0", 16)))]
-    packed = random_tensor("Q6_K", 16, seed=1)  # Q6_K's high bits as the AVX2 build keeps them
-    layer += [
-        (112, kquant_blocks.from_gguf(packed.data, "Q6_K", packed.shape, kquant_blocks.PACKED))
-    ]
+    # Q5_K's and Q6_K's high bits as the AVX2 build keeps them
+    for first, fmt in ((112, "Q6_K"), (128, "Q5_K")):
+        packed = random_tensor(fmt, 16, seed=1)
+        part = kquant_blocks.from_gguf(packed.data, fmt, packed.shape, kquant_blocks.PACKED)
+        layer += [(first, part)]
     cache = PreparedWeights(model, cpu="cpu A")
     assert cache.load("layer 0") is None
     cache.save("layer 0", layer)

@@ -192,7 +192,7 @@ def test_q5_k_and_q6_k_multiply_as_float32_scales_bit_for_bit(level, tmp_path):
     # checks it against gguf's values); the plain C build has none.
     built_for = cpu_kernels.instruction_set() if level == "host" else level
     one_row_kernel = built_for in ("x86-64-v4", "x86-64-v3")
-    # the AVX2 build keeps Q6_K's high bits two a value: the same values, the same bits
+    # the AVX2 build keeps Q5_K's and Q6_K's high bits packed: the same values, the same bits
     high = kquant_blocks.PACKED if built_for == "x86-64-v3" else kquant_blocks.PLANES
     for fmt, (n, k), threads in _bit_exact_cases("Q5_K", "Q6_K"):
         part = _k_part(fmt, n, k, high)

@@ -15,10 +15,11 @@ times a 6- or 8-bit integer is exact in float32, so these are the float32 scales
 offsets of :func:`float_scales` exactly. Q4_K's values are 4-bit blocks of 32 as
 :class:`BlockWeight`'s, multiplied by ``quant_kernels`` (kind ``Q4_K_KIND``); Q5_K's and
 Q6_K's are at the file's width (the low 4 bits two a byte, the 5th and 6th bits as bit
-planes), multiplied by ``kquant_kernels``. Q6_K has a second layout of its high bits,
-``PACKED``: two bits a value, four values a byte, as the file's ``qh`` packs them, which
-CPUs without AVX-512's byte masks or GFNI unpack with a shift and an and per 32 values;
-a weight names its layout (``high``).
+planes), multiplied by ``kquant_kernels``. Q5_K and Q6_K have a second layout of their
+high bits, ``PACKED``: Q5_K's a bit a value, eight values a byte, Q6_K's two bits a value,
+four values a byte, as the file's ``qh`` packs them, which CPUs without AVX-512's byte
+masks or GFNI unpack with a shift and an and per 32 values; a weight names its layout
+(``high``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class KQuantWeight:
     8 (bits - 4))] uint8: per pair of 32-value blocks, 32 bytes of low 4 bits (byte j:
     value j of the first block low, of the second high), then each block's high bits as
     little-endian 32-bit words, bit i for value i (the 5th bit; for Q6_K then the 6th).
+    Q5_K with ``high`` ``PACKED``: the record's last 8 bytes hold a bit a value instead,
+    byte b the 5th bits of the first block's values b, 8 + b, 16 + b, 24 + b (bits 4-7)
+    and of the second block's (bits 0-3): one 64-bit shift of the 8 bytes, by q for values
+    8q.., puts the first block's in bit 4 of each value's byte and the second's in bit 0.
     Q6_K with ``high`` ``PACKED``: the record's last 16 bytes hold two bits a value
     instead, byte t the 5th and 6th bits of the second block's values t (bits 0-1) and
     t + 16 (bits 2-3) and of the first block's values t (bits 4-5) and t + 16 (bits 6-7):
@@ -149,18 +154,18 @@ def _file_values(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _high_of(fmt: str, high: str) -> str:
-    """The layout of a ``fmt`` weight's high bits asked for as ``high``: Q6_K's as asked,
-    every other format's planes (they have one layout)."""
+    """The layout of a ``fmt`` weight's high bits asked for as ``high``: Q5_K's and Q6_K's
+    as asked, Q4_K's planes (it has no high bits, so one layout)."""
     if high not in HIGH_LAYOUTS:
         raise ValueError(f"{high!r} is not a layout of high bits: {', '.join(HIGH_LAYOUTS)}")
-    return high if fmt == "Q6_K" else PLANES
+    return PLANES if fmt == "Q4_K" else high
 
 
 def from_gguf(
     data: torch.Tensor, fmt: str, shape: tuple[int, int], high: str = PLANES
 ) -> KQuantWeight:
-    """Unpack GGUF's raw K-quant super-blocks ``data`` [out, bytes per row], Q6_K's high
-    bits in the layout ``high`` (other formats have one)."""
+    """Unpack GGUF's raw K-quant super-blocks ``data`` [out, bytes per row], Q5_K's and
+    Q6_K's high bits in the layout ``high`` (Q4_K has one)."""
     if fmt not in _BYTES:
         raise ValueError(f"GGUF K-quant format {fmt!r} is not one of {', '.join(FORMATS)}")
     high = _high_of(fmt, high)
@@ -182,8 +187,8 @@ def from_gguf(
 def empty_weight(
     fmt: str, shape: tuple[int, int], device: str = "cpu", high: str = PLANES
 ) -> KQuantWeight:
-    """An uninitialized :class:`KQuantWeight` of ``fmt`` and ``shape`` (Q6_K's high bits
-    in the layout ``high``), to be filled (on the ``meta`` device: its layout only)."""
+    """An uninitialized :class:`KQuantWeight` of ``fmt`` and ``shape`` (Q5_K's and Q6_K's
+    high bits in the layout ``high``), to be filled (on the ``meta`` device: its layout only)."""
     high = _high_of(fmt, high)
     out, k = shape
     size = _SCALES_AT[fmt][1]
@@ -198,10 +203,17 @@ def empty_weight(
 
 def _packed(q: torch.Tensor, bits: int, high: str = PLANES) -> torch.Tensor:
     """Values ``q`` [out, in] in 0..2^bits - 1 as :class:`KQuantWeight`'s 5- or 6-bit
-    ``qs`` (Q6_K's high bits in the layout ``high``)."""
+    ``qs`` (the high bits in the layout ``high``)."""
     out, k = q.shape
     pairs = q.reshape(out, k // (2 * BLOCK), 2, BLOCK).to(torch.int32)
     low = ((pairs[..., 0, :] & 15) | ((pairs[..., 1, :] & 15) << 4)).to(torch.uint8)
+    if high == PACKED and bits == 5:
+        fifth = ((pairs >> 4) & 1).reshape(out, k // (2 * BLOCK), 2, 4, 8)  # value 8q + b
+        shifts = torch.arange(4, dtype=torch.int32)[:, None]  # q
+        first = (fifth[..., 0, :, :] << (shifts + 4)).sum(-2)
+        second = (fifth[..., 1, :, :] << shifts).sum(-2)
+        packed = (first | second).to(torch.uint8)  # [out, pairs, 8]
+        return torch.cat([low, packed], dim=-1).reshape(out, -1).contiguous()
     if high == PACKED:
         two = (pairs >> 4) & 3  # [out, pairs, 2 blocks, 32]
         first, second = two[..., 0, :], two[..., 1, :]
@@ -232,6 +244,12 @@ def values(weight: KQuantWeight) -> torch.Tensor:
     records = weight.qs.reshape(out, k // (2 * BLOCK), 2 * HALF + 8 * planes)
     low = records[..., : 2 * HALF].to(torch.int16)
     q = torch.stack([low & 15, low >> 4], dim=-2)  # [out, pairs, 2 blocks, 32]
+    if weight.high == PACKED and weight.bits == 5:
+        packed = records[..., 2 * HALF :].to(torch.int16)[..., None, :]  # [out, pairs, 1, 8]
+        shifts = torch.arange(4, dtype=torch.int16)[:, None]  # value 8q + b: shift q
+        first = ((packed >> (shifts + 4)) & 1).flatten(-2)
+        second = ((packed >> shifts) & 1).flatten(-2)
+        return (q | (torch.stack([first, second], dim=-2) << 4)).reshape(out, k)
     if weight.high == PACKED:
         packed = records[..., 2 * HALF :].to(torch.int16)  # [out, pairs, 16]
         first = torch.cat([(packed >> 4) & 3, (packed >> 6) & 3], dim=-1)

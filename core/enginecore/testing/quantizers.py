@@ -7,6 +7,7 @@ min/max scales: their accuracy is not the point, the layouts are.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -218,3 +219,19 @@ def write_group_quantized(
         settings.update(sym=symmetric, desc_act=desc_act, checkpoint_format="gptq")
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": settings}))
     (dequantized / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+
+
+def q5_k_m_type(name: str, layers: int, tied: bool) -> str:
+    """The GGUF type llama.cpp's ``Q5_K_M`` gives the 2-D tensor ``name`` of a Llama-shaped
+    model of ``layers`` layers: Q6_K for the output head (the token embedding where the
+    model ``tied`` them, a file without ``output.weight``) and for V and the down
+    projection in its "more bits" layers (the first and last eighth, and every third
+    between), Q5_K for the rest."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    match = re.match(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight$", name)
+    if match is None:
+        return "Q5_K"
+    i = int(match.group(1))
+    more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+    return "Q6_K" if more_bits else "Q5_K"
