@@ -830,7 +830,11 @@ void ecq_gemm_q4(int64_t M, int64_t N, int64_t K, const uint8_t *wq, const void 
  * (where a decode step reads its weights) a pass of short rows (the LM head of a small
  * model: 576 inputs) read slower than one row at a time, whose prefetch runs
  * PREFETCH_BYTES ahead, and four rows a pass read slower still at every width
- * (benchmarks/RESULTS.md, "The LM head of a small model one row at a time"). */
+ * (benchmarks/RESULTS.md, "The LM head of a small model one row at a time").
+ * A pass's stream reaches the first line of the next pass's last row only a row's bytes
+ * (of the pass's reading) before its load, so it starts q8_beyond bytes further on: each
+ * line is prefetched at least PREFETCH_BYTES before its load, as one row at a time does
+ * (benchmarks/RESULTS.md, "The Q8_0 pass's prefetch as far ahead as one row's"). */
 #ifndef Q8_ROWS
 #define Q8_ROWS 2
 #endif
@@ -857,6 +861,11 @@ static inline int q8_pass_rows(int64_t nb) {
     return pass_bytes >= Q8_PASS_MIN_BYTES && pass_bytes <= Q8_PASS_BYTES ? Q8_ROWS : 1;
 }
 
+/* How far beyond the next pass's first byte a pass of rows of ``row_bytes`` prefetches. */
+static inline int64_t q8_beyond(int64_t row_bytes) {
+    return PREFETCH_BYTES > row_bytes ? PREFETCH_BYTES - row_bytes : 0;
+}
+
 /* A block of 8-bit weights at ``w`` times the activations ``x``, the integer sums per
  * lane, as floats: |w| as unsigned bytes times x with w's sign (gemm_q8's way). */
 static inline __attribute__((always_inline)) __m256 q8_dot(const int8_t *w, __m256i x) {
@@ -874,7 +883,7 @@ static inline __attribute__((always_inline)) void dot_rows_q8(int rows, const in
                                                               const int8_t *xq, const float *xd,
                                                               int64_t nb, float *out) {
     const int64_t wstride = nb * QK, sstride = nb * (half ? 2 : 4); /* a row's bytes */
-    const int8_t *next = wrow + rows * wstride;                     /* the next pass's */
+    const int8_t *next = wrow + rows * wstride + q8_beyond(wstride); /* the next pass's */
     __m256 acc[Q8_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = 0;
@@ -1007,6 +1016,18 @@ int ecq_q8_pass_rows(int64_t K) {
 #else
     (void)K;
     return 1;
+#endif
+}
+
+/* The fewest bytes of its reading by which the one-row 8-bit product prefetches a weight
+ * line before loading it, at K inputs (0: it prefetches none), for the tests: one row at
+ * a time PREFETCH_BYTES; a pass's stream a row's bytes plus q8_beyond. */
+int64_t ecq_q8_prefetch_lead(int64_t K) {
+#if defined(__AVX2__)
+    return q8_pass_rows(K / QK) > 1 ? K + q8_beyond(K) : PREFETCH_BYTES;
+#else
+    (void)K;
+    return 0;
 #endif
 }
 

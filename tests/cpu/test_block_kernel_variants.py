@@ -270,6 +270,24 @@ def test_q8_one_row_passes_run_far_enough_ahead(builds, build):
     assert set(passes.values()) == {1, 2}, build
 
 
+@pytest.mark.skipif(not _X86, reason="the several-rows passes are the x86 builds'")
+@pytest.mark.parametrize("build", [name for name, level in _BUILDS if level != "x86-64"])
+def test_q8_one_row_passes_prefetch_as_far_ahead_as_one_row(builds, build):
+    """A pass's prefetch stream (the next pass's bytes, in order) reaches the first line
+    of the next pass's last row only a row's bytes of its reading before that line's
+    load: the stream starts further on, so that at every width every weight line is
+    prefetched at least as far ahead as one row at a time prefetches (PREFETCH_BYTES,
+    4 KB), where two rows of 2,048 inputs had 2 KB."""
+    lib = builds[f"{build}/quant_kernels"]
+    lead = lib.ecq_q8_prefetch_lead
+    lead.argtypes, lead.restype = [ctypes.c_int64], ctypes.c_int64
+    rows = lib.ecq_q8_pass_rows
+    rows.argtypes, rows.restype = [ctypes.c_int64], ctypes.c_int
+    passes = [k for k in range(32, 8193, 32) if rows(k) == 2]
+    assert passes == list(range(1536, 3073, 32)), build
+    assert {k: lead(k) for k in range(32, 8193, 32)} == dict.fromkeys(range(32, 8193, 32), 4096)
+
+
 @pytest.mark.skipif(not _AVX512, reason="the CPU has no AVX-512")
 @pytest.mark.parametrize("build", [name for name, level in _BUILDS if level in (None, "x86-64-v4")])
 def test_q4_one_row_passes_of_short_rows_go_one_at_a_time(builds, build):
