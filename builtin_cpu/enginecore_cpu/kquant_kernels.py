@@ -44,13 +44,15 @@ class KQuantKernels:
             fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
         self.path = path
         # the layouts of Q5_K's and Q6_K's high bits this build reads and writes
-        # (quant_simd.h)
-        self.q5_high = _layout(self.lib.eck_q5_packed())
-        self.q6_high = _layout(self.lib.eck_q6_packed())
+        # (quant_simd.h), looked up at each product's check
+        self._high = {
+            "Q5_K": _layout(self.lib.eck_q5_packed()),
+            "Q6_K": _layout(self.lib.eck_q6_packed()),
+        }
 
     def high(self, fmt: str) -> str:
         """The layout of a ``fmt`` weight's high bits that these kernels take."""
-        return {"Q5_K": self.q5_high, "Q6_K": self.q6_high}.get(fmt, kquant_blocks.PLANES)
+        return self._high.get(fmt, kquant_blocks.PLANES)
 
     def from_gguf(self, data: torch.Tensor, fmt: str, shape: tuple[int, int]) -> KQuantWeight:
         """``kquant_blocks.from_gguf`` in the layout these kernels take (in torch)."""
